@@ -1,0 +1,1 @@
+"""megapipe.checkpoint."""

@@ -1,0 +1,374 @@
+"""The one typed config tree: model, parallel, data, train, optim, checkpoint.
+
+Loaded from YAML (errors name ``file:line``), overridden with dotted keys (``train.lr=3e-4``), validated with
+messages that name the key and the allowed values. Every section is a plain dataclass so library code reads
+``cfg.train.lr`` with types, and ``to_dict``/``from_dict`` round-trip through JSON for checkpoint manifests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+from megapipe.errors import ConfigError
+
+# --------------------------------------------------------------------------------------------------- sections
+
+
+@dataclass
+class ModelConfig:
+    """One decoder-only family; Llama / Qwen2 / Qwen3 / Mistral / GPT-2 are shapes of it."""
+
+    preset: Optional[str] = None  # fields of a named preset are applied first, then the ones given here
+    arch: Literal["llama", "qwen2", "qwen3", "mistral", "gpt2"] = "llama"
+    vocab_size: Optional[int] = None  # None: the tokenizer's size, padded to make_vocab_size_divisible_by
+    make_vocab_size_divisible_by: int = 128
+    hidden_size: int = 256
+    intermediate_size: int = 704
+    num_layers: int = 4
+    num_heads: int = 8
+    num_kv_heads: Optional[int] = None  # None: num_heads (no GQA)
+    head_dim: Optional[int] = None  # None: hidden_size // num_heads
+    max_position_embeddings: int = 2048
+    norm_type: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    norm_eps: float = 1e-5
+    activation: Literal["swiglu", "gelu_tanh"] = "swiglu"
+    position_embedding: Literal["rope", "learned"] = "rope"
+    rope_theta: float = 10000.0
+    # Llama-3 frequency scaling: {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+    rope_scaling: Optional[dict] = None
+    qkv_bias: bool = False
+    attn_out_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    tie_embeddings: bool = False
+    sliding_window: Optional[int] = None
+    init_std: float = 0.02
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+
+@dataclass
+class ParallelConfig:
+    """Layout dp_replicate x dp_shard x cp x tp x pp; -1 for dp_shard means 'the rest of the world size'."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    dp_shard: int = -1
+    dp_replicate: int = 1
+    dp_mode: Literal["fsdp", "ddp"] = "fsdp"
+    sequence_parallel: bool = True
+    pp_schedule: Literal["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"] = "1F1B"
+    pp_virtual_stages: int = 1
+    pp_layer_split: Optional[list[int]] = None  # layers per (virtual) stage, e.g. [3, 5]; None: as even as possible
+    pp_microbatches: Optional[int] = None  # None: global batch / (micro batch x dp)
+    fsdp_reshard_after_forward: bool = True
+    timeout_s: float = 600.0
+
+
+@dataclass
+class DataConfig:
+    data_path: list[str] = field(default_factory=list)  # ["A"] or Megatron blend ["0.7", "A", "0.3", "B"]
+    split: str = "969,30,1"
+    seq_length: int = 256
+    tokenizer: Optional[str] = None  # HF tokenizer directory or tokenizer.json
+    cache_dir: Optional[str] = None  # index cache; None: next to the first data prefix
+    num_workers: int = 0
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = 4
+    global_batch_size: int = 8
+    train_iters: Optional[int] = None
+    train_tokens: Optional[int] = None
+    seed: int = 1234
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    recompute: Literal["none", "selective", "full"] = "none"
+    compile: bool = False
+    eval_interval: Optional[int] = None
+    eval_iters: int = 10
+    log_interval: int = 10
+    log_dir: Optional[str] = None
+    max_nan_skips: int = 5  # this many non-finite losses in a row abort the run
+    peak_flops: Optional[float] = None  # per device, for MFU; None: from the device when known
+    initial_loss_scale: float = 2.0**16
+    loss_scale_window: int = 1000
+    min_loss_scale: float = 1.0
+    # learning-rate schedule: warmup, then decay to min_lr
+    lr: float = 3e-4
+    min_lr: float = 0.0
+    lr_warmup_iters: int = 0
+    lr_decay_iters: Optional[int] = None  # None: train_iters
+    lr_decay_style: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
+    lr_wsd_decay_fraction: float = 0.1  # wsd: fraction of decay_iters spent decaying at the end
+
+
+@dataclass
+class OptimConfig:
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+
+
+@dataclass
+class CheckpointConfig:
+    save: Optional[str] = None
+    load: Optional[str] = None
+    save_interval: Optional[int] = None
+    keep_last: int = 3
+    finetune: bool = False
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+# --------------------------------------------------------------------------------------------------- building
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    if origin is list:
+        return f"a list of {_describe(typing.get_args(tp)[0])}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; ints widen to floats, nothing else is guessed."""
+    origin = typing.get_origin(tp)
+    bad = ConfigError(f"{where}{key} = {value!r} is not valid: expected {_describe(tp)}")
+    if origin in (Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(value, arg, key, where)
+            except ConfigError:
+                continue
+        raise bad
+    if tp is type(None):
+        if value is None:
+            return None
+        raise bad
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise bad
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise bad
+        (item,) = typing.get_args(tp)
+        return [_coerce(v, item, f"{key}[{i}]", where) for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise bad
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise bad
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "3e-4" as a string
+            try:
+                return float(value)
+            except ValueError:
+                raise bad from None
+        raise bad
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise bad
+    if tp is dict or origin is dict:
+        if isinstance(value, dict):
+            return dict(value)
+        raise bad
+    raise bad
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def from_dict(cls: type, data: dict, prefix: str = "", where: str = "", lines: dict[str, int] | None = None):
+    """Build dataclass ``cls`` from ``data``; unknown keys and bad values raise ConfigError naming them."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}{prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
+    hints = _field_types(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    if cls is ModelConfig and data.get("preset") is not None:
+        data = {**resolve_preset(data["preset"], f"{where}{prefix}preset"), **data}
+    for key, value in data.items():
+        full = prefix + key
+        loc = _loc(where, lines, full)
+        if key not in names:
+            raise ConfigError(f"{loc}unknown key '{full}' (allowed: {', '.join(names)})")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = from_dict(tp, value, full + ".", where, lines)
+        else:
+            kwargs[key] = _coerce(value, tp, full, loc)
+    return cls(**kwargs)
+
+
+def _loc(where: str, lines: dict[str, int] | None, key: str) -> str:
+    if lines and key in lines:
+        return f"{where.rstrip(': ')}:{lines[key]}: "
+    return where
+
+
+def to_dict(obj: Any) -> dict:
+    return dataclasses.asdict(obj)
+
+
+def resolve_preset(name: str, key: str = "model.preset") -> dict:
+    from megapipe.models.presets import PRESETS
+
+    if name not in PRESETS:
+        raise ConfigError(f"{key} = {name!r} is not a known model preset (allowed: {', '.join(PRESETS)})")
+    return dict(PRESETS[name])
+
+
+# --------------------------------------------------------------------------------------------------- YAML + overrides
+
+
+def _yaml_lines(node: yaml.Node, prefix: str = "", out: dict[str, int] | None = None) -> dict[str, int]:
+    """Map every dotted key of a YAML mapping to its (1-based) line, for error messages."""
+    out = {} if out is None else out
+    if isinstance(node, yaml.MappingNode):
+        for k, v in node.value:
+            key = prefix + str(k.value)
+            out[key] = k.start_mark.line + 1
+            _yaml_lines(v, key + ".", out)
+    return out
+
+
+def load_yaml(path: str | Path) -> tuple[dict, dict[str, int]]:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    try:
+        node = yaml.compose(text)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}{line}: invalid YAML: {getattr(e, 'problem', e)}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}:1: the config must be a mapping of sections (model, train, ...)")
+    return data, (_yaml_lines(node) if node is not None else {})
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """``train.lr=3e-4`` -> ("train.lr", 3e-4); the value is read as YAML (numbers, bools, lists, null)."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like section.key=value (e.g. train.lr=3e-4)")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def set_dotted(data: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = data
+    for p in parts[:-1]:
+        nxt = node.setdefault(p, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"override {key}: '{p}' is not a section")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None) -> Config:
+    """YAML file (optional) + dotted overrides -> validated Config."""
+    data: dict = {}
+    lines: dict[str, int] = {}
+    where = ""
+    if path is not None:
+        data, lines = load_yaml(path)
+        where = f"{path}: "
+    items = overrides.items() if isinstance(overrides, dict) else (parse_override(o) for o in overrides or [])
+    for key, value in items:
+        set_dotted(data, key, value)
+        lines.pop(key, None)
+    cfg = from_dict(Config, data, "", where, lines)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Range checks that a type cannot express; each failure names the key, the value and the limit."""
+
+    def positive(section: str, obj: Any, *names: str) -> None:
+        for n in names:
+            v = getattr(obj, n)
+            if v is not None and v <= 0:
+                raise ConfigError(f"{section}.{n} = {v} must be > 0")
+
+    m, t, o, p = cfg.model, cfg.train, cfg.optim, cfg.parallel
+    positive("model", m, "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size")
+    positive("train", t, "micro_batch_size", "global_batch_size", "train_iters", "train_tokens", "log_interval")
+    positive("parallel", p, "tp", "pp", "cp", "dp_replicate", "pp_virtual_stages")
+    positive("data", cfg.data, "seq_length")
+    if m.num_heads and m.hidden_size % m.num_heads and m.head_dim is None:
+        raise ConfigError(
+            f"model.hidden_size = {m.hidden_size} is not divisible by model.num_heads = {m.num_heads}; set model.head_dim"
+        )
+    if m.num_heads % m.kv_heads:
+        raise ConfigError(f"model.num_heads = {m.num_heads} is not divisible by model.num_kv_heads = {m.kv_heads}")
+    if t.global_batch_size % t.micro_batch_size:
+        raise ConfigError(
+            f"train.global_batch_size = {t.global_batch_size} is not divisible by "
+            f"train.micro_batch_size = {t.micro_batch_size}"
+        )
+    if t.min_lr > t.lr:
+        raise ConfigError(f"train.min_lr = {t.min_lr} is larger than train.lr = {t.lr}")
+    if not 0 <= t.lr_wsd_decay_fraction <= 1:
+        raise ConfigError(f"train.lr_wsd_decay_fraction = {t.lr_wsd_decay_fraction} must be within [0, 1]")
+    if o.clip_grad < 0 or o.weight_decay < 0:
+        raise ConfigError(f"optim.clip_grad = {o.clip_grad} and optim.weight_decay = {o.weight_decay} must be >= 0")
+    if p.dp_shard != -1 and p.dp_shard <= 0:
+        raise ConfigError(f"parallel.dp_shard = {p.dp_shard} must be > 0, or -1 for the rest of the world size")

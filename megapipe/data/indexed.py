@@ -1,0 +1,201 @@
+"""Megatron's MMIDIDX token store: ``PREFIX.bin`` (raw tokens) + ``PREFIX.idx`` (the index), byte-compatible.
+
+``.idx`` layout (little endian): magic ``MMIDIDX\\x00\\x00``, u64 version (1), u8 dtype code, u64 sequence count
+S, u64 document-index count D, then int32 sequence lengths [S], int64 byte pointers into ``.bin`` [S] and int64
+document indices [D] (sequence ids where each document starts, beginning with 0 and ending with S).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from megapipe.errors import DataError
+
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+DTYPE_CODES = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
+CODE_OF = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
+
+
+def optimal_dtype(vocab_size: int) -> type:
+    """Megatron's choice: uint16 below 65500 tokens, int32 above."""
+    return np.uint16 if vocab_size is not None and vocab_size < 65500 else np.int32
+
+
+def bin_path(prefix: str | Path) -> Path:
+    return Path(f"{prefix}.bin")
+
+
+def idx_path(prefix: str | Path) -> Path:
+    return Path(f"{prefix}.idx")
+
+
+def exists(prefix: str | Path) -> bool:
+    return bin_path(prefix).is_file() and idx_path(prefix).is_file()
+
+
+class IndexedDataset:
+    """Read-only, memory-mapped view of a ``.bin/.idx`` pair. ``ds[i]`` is sequence i as a numpy array."""
+
+    def __init__(self, prefix: str | Path):
+        self.prefix = str(prefix)
+        ip, bp = idx_path(prefix), bin_path(prefix)
+        for p in (ip, bp):
+            if not p.is_file():
+                raise DataError(f"dataset file {p} does not exist (expected a {bp.name}/{ip.name} pair)")
+        with open(ip, "rb") as f:
+            head = f.read(len(MAGIC) + 8 + 1 + 8 + 8)
+        if len(head) < 34 or head[: len(MAGIC)] != MAGIC:
+            raise DataError(f"{ip} is not a Megatron MMIDIDX index (bad magic bytes)")
+        (version,) = struct.unpack("<Q", head[9:17])
+        if version != VERSION:
+            raise DataError(f"{ip} has index version {version}; only version {VERSION} is supported")
+        code = head[17]
+        if code not in DTYPE_CODES:
+            raise DataError(f"{ip} has unknown token dtype code {code}")
+        self.dtype = np.dtype(DTYPE_CODES[code])
+        seq_count, doc_count = struct.unpack("<QQ", head[18:34])
+        expected = 34 + seq_count * 4 + seq_count * 8 + doc_count * 8
+        if ip.stat().st_size < expected:
+            raise DataError(f"{ip} is truncated: {ip.stat().st_size} bytes, the header promises {expected}")
+        self._idx = np.memmap(ip, mode="r", dtype=np.uint8)
+        off = 34
+        self.sizes = np.frombuffer(self._idx, dtype=np.int32, count=seq_count, offset=off)
+        off += seq_count * 4
+        self.pointers = np.frombuffer(self._idx, dtype=np.int64, count=seq_count, offset=off)
+        off += seq_count * 8
+        self.document_indices = np.frombuffer(self._idx, dtype=np.int64, count=doc_count, offset=off)
+        nbytes = bp.stat().st_size
+        need = int(self.pointers[-1]) + int(self.sizes[-1]) * self.dtype.itemsize if seq_count else 0
+        if nbytes < need:
+            raise DataError(f"{bp} is truncated: {nbytes} bytes, the index points up to byte {need}")
+        self._bin = np.memmap(bp, mode="r", dtype=np.uint8) if nbytes else np.zeros(0, np.uint8)
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def num_documents(self) -> int:
+        return max(len(self.document_indices) - 1, 0)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.sizes.sum(dtype=np.int64))
+
+    def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        size = int(self.sizes[i])
+        if length is None:
+            length = size - offset
+        start = int(self.pointers[i]) + offset * self.dtype.itemsize
+        return np.frombuffer(self._bin, dtype=self.dtype, count=length, offset=start)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.get(i)
+
+
+class IndexedDatasetWriter:
+    """Streams documents into ``PREFIX.bin/.idx`` under temporary names; ``finalize`` renames both at the end.
+
+    Used as a context manager, an exception removes the temporaries, so a failed run leaves nothing at PREFIX.
+    """
+
+    def __init__(self, prefix: str | Path, dtype=np.int32):
+        self.prefix = str(prefix)
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in CODE_OF:
+            raise DataError(f"token dtype {self.dtype} cannot be stored in an MMIDIDX file")
+        Path(self.prefix).parent.mkdir(parents=True, exist_ok=True)
+        tag = f".tmp-{os.getpid()}"
+        self._tmp_bin = Path(f"{bin_path(prefix)}{tag}")
+        self._tmp_idx = Path(f"{idx_path(prefix)}{tag}")
+        self._bin = open(self._tmp_bin, "wb")
+        self._sizes: list[np.ndarray] = []
+        self._doc_starts: list[np.ndarray] = [np.zeros(1, np.int64)]
+        self._num_seqs = 0
+        self._done = False
+
+    def add_document(self, tokens) -> None:
+        """One document stored as one sequence (Megatron's usual layout)."""
+        arr = np.asarray(tokens, dtype=self.dtype)
+        self._bin.write(arr.tobytes(order="C"))
+        self._sizes.append(np.array([arr.size], np.int32))
+        self._num_seqs += 1
+        self._doc_starts.append(np.array([self._num_seqs], np.int64))
+
+    def add_documents(self, flat_tokens: np.ndarray, lengths: np.ndarray) -> None:
+        """Many documents at once: ``flat_tokens`` is their concatenation, ``lengths`` their sizes."""
+        flat = np.ascontiguousarray(flat_tokens, dtype=self.dtype)
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if int(lengths.sum()) != flat.size:
+            raise ValueError("lengths do not add up to the number of tokens")
+        self._bin.write(flat.tobytes())
+        self._sizes.append(lengths.astype(np.int32))
+        starts = self._num_seqs + np.arange(1, len(lengths) + 1, dtype=np.int64)
+        self._num_seqs += len(lengths)
+        self._doc_starts.append(starts)
+
+    def add_dataset(self, prefix: str | Path) -> None:
+        """Append every sequence and document of another ``.bin/.idx`` pair (as Megatron's merge does)."""
+        other = IndexedDataset(prefix)
+        if other.dtype != self.dtype:
+            raise DataError(f"cannot merge {prefix}: its tokens are {other.dtype}, the output's are {self.dtype}")
+        self._bin.flush()
+        with open(bin_path(prefix), "rb") as src:
+            shutil.copyfileobj(src, self._bin, 16 << 20)
+        self._sizes.append(np.array(other.sizes, np.int32))
+        self._doc_starts.append(np.array(other.document_indices[1:], np.int64) + self._num_seqs)
+        self._num_seqs += len(other)
+
+    def finalize(self) -> None:
+        self._bin.flush()
+        os.fsync(self._bin.fileno())
+        self._bin.close()
+        sizes = np.concatenate(self._sizes) if self._sizes else np.zeros(0, np.int32)
+        doc_idx = np.concatenate(self._doc_starts)
+        pointers = np.zeros(len(sizes), np.int64)
+        if len(sizes) > 1:
+            np.cumsum(sizes[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
+        with open(self._tmp_idx, "wb") as f:
+            f.write(MAGIC)
+            f.write(struct.pack("<Q", VERSION))
+            f.write(struct.pack("<B", CODE_OF[self.dtype]))
+            f.write(struct.pack("<Q", len(sizes)))
+            f.write(struct.pack("<Q", len(doc_idx)))
+            f.write(sizes.astype(np.int32).tobytes())
+            f.write(pointers.tobytes())
+            f.write(doc_idx.astype(np.int64).tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(self._tmp_bin, bin_path(self.prefix))
+        os.replace(self._tmp_idx, idx_path(self.prefix))
+        self._done = True
+
+    def abort(self) -> None:
+        if not self._bin.closed:
+            self._bin.close()
+        for p in (self._tmp_bin, self._tmp_idx):
+            p.unlink(missing_ok=True)
+        self._done = True
+
+    def __enter__(self) -> IndexedDatasetWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+        elif not self._done:
+            self.finalize()

@@ -1,0 +1,46 @@
+"""Named model shapes. Each preset is a partial ModelConfig: any field can still be overridden."""
+
+from __future__ import annotations
+
+_LLAMA3_ROPE = {"rope_theta": 500000.0, "max_position_embeddings": 131072, "norm_eps": 1e-5}
+
+
+def _llama3_scaling(factor: float) -> dict:
+    return {
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+
+
+PRESETS: dict[str, dict] = {
+    # Small enough to train a few hundred steps on 2 CPU cores in minutes; vocab comes from the tokenizer.
+    "tiny": dict(
+        arch="llama", hidden_size=256, intermediate_size=688, num_layers=4, num_heads=8, num_kv_heads=4,
+        max_position_embeddings=2048, rope_theta=10000.0, tie_embeddings=True,
+    ),
+    "llama3-1b": dict(
+        arch="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
+        num_kv_heads=8, head_dim=64, tie_embeddings=True, rope_scaling=_llama3_scaling(32.0), **_LLAMA3_ROPE,
+    ),
+    "llama3-8b": dict(
+        arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+        num_kv_heads=8, tie_embeddings=False, rope_scaling=_llama3_scaling(8.0), **_LLAMA3_ROPE,
+    ),
+    "llama3-70b": dict(
+        arch="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64,
+        num_kv_heads=8, tie_embeddings=False, rope_scaling=_llama3_scaling(8.0), **_LLAMA3_ROPE,
+    ),
+    "qwen2.5-0.5b": dict(
+        arch="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
+        num_kv_heads=2, qkv_bias=True, tie_embeddings=True, rope_theta=1000000.0, norm_eps=1e-6,
+        max_position_embeddings=32768,
+    ),
+    "gpt2-124m": dict(
+        arch="gpt2", vocab_size=50257, hidden_size=768, intermediate_size=3072, num_layers=12, num_heads=12,
+        max_position_embeddings=1024, norm_type="layernorm", norm_eps=1e-5, activation="gelu_tanh",
+        position_embedding="learned", qkv_bias=True, attn_out_bias=True, mlp_bias=True, tie_embeddings=True,
+        make_vocab_size_divisible_by=1,
+    ),
+}
