@@ -52,25 +52,15 @@ _register_stages()
 def main(argv: list[str] | None = None) -> int:
     """Entry point: user mistakes become one red sentence on stderr and a non-zero exit, never a traceback."""
     try:
-        app(args=argv, standalone_mode=False)
+        app(args=argv, prog_name="megapipe")
+    except SystemExit as e:  # click's standalone mode: usage errors (exit 2), --help, normal completion
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except MegapipeError as e:
         from rich.console import Console
+        from rich.markup import escape
 
-        Console(stderr=True).print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         return e.exit_code
-    except typer.Exit as e:
-        return e.exit_code
-    except typer.Abort:
-        return 130
-    except KeyboardInterrupt:
-        return 130
-    except Exception as e:  # click usage errors carry their own exit code
-        import click
-
-        if isinstance(e, click.ClickException):
-            e.show()
-            return e.exit_code
-        raise
     return 0
 
 
