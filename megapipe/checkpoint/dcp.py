@@ -1,0 +1,357 @@
+"""The shared checkpoint format: save and load a model (+ optimizer, RNG, trainer state) in any parallel layout.
+
+``CKPT/megapipe.json`` (manifest), ``model/`` and ``optim/`` (DCP shards), ``extra/`` (per-rank RNG),
+``tokenizer/``. Model and optimizer states go through ``torch.distributed.checkpoint.state_dict`` so DTensor /
+FSDP2 / TP shards are written as they are and resharded to whatever layout loads them. The optimizer state is
+flattened per parameter name (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``), so it does not depend on how
+parameters were grouped or split over pipeline stages. ``model`` may be one module or a list of pipeline parts
+(with one optimizer per part).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import time
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from megapipe.checkpoint.manifest import (
+    LATEST_NAME,
+    MANIFEST_NAME,
+    fsync_dir,
+    is_complete,
+    list_checkpoints,
+    list_files,
+    new_manifest,
+    read_manifest,
+    resolve_checkpoint,
+    step_dir_name,
+    tmp_name,
+    write_bytes_durable,
+    write_text_atomic,
+)
+from megapipe.checkpoint.rng import restore_rng, rng_file, save_rng
+from megapipe.checkpoint.safe_dcp import SafeReader, StrictLoadPlanner, check_shards, read_metadata, unwrap
+from megapipe.errors import CheckpointError
+
+Modules = Union[nn.Module, Sequence[nn.Module]]
+Optimizers = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer], None]
+
+_OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+# --------------------------------------------------------------------------------------------------- distributed
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _broadcast_str(value: str) -> str:
+    if not _distributed():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _all_ok(ok: bool) -> bool:
+    """True when ``ok`` holds on every rank (so one failing rank makes all of them stop together)."""
+    if not _distributed():
+        return ok
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+# --------------------------------------------------------------------------------------------------- state dicts
+
+
+def _as_list(x) -> list:
+    if x is None:
+        return []
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _model_states(parts: list[nn.Module]) -> list[dict]:
+    return [get_model_state_dict(p) for p in parts]
+
+
+def _optim_states(parts: list[nn.Module], optims: list) -> list[dict]:
+    if len(optims) != len(parts):
+        raise ValueError(f"got {len(parts)} model parts but {len(optims)} optimizers: pass one optimizer per part")
+    return [get_optimizer_state_dict(p, o, options=_OPTIM_OPTIONS) for p, o in zip(parts, optims, strict=True)]
+
+
+def _merge(states: list[dict], what: str) -> dict:
+    merged: dict = {}
+    for sd in states:
+        clash = merged.keys() & sd.keys()
+        if clash:
+            raise ValueError(f"{what} parts share state keys {sorted(clash)[:3]}: each part must hold different ones")
+        merged.update(sd)
+    return merged
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    """DCP warns on every single-process call that it is single-process; that is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _dcp_save(state: dict, path: Path) -> None:
+    with _quiet_single_process():
+        dcp.save(state, storage_writer=FileSystemWriter(path, sync_files=True), no_dist=not _distributed())
+
+
+def dcp_load(state: dict, path: Path, what: str, strict: bool = True) -> None:
+    """Load DCP shards at ``path`` into ``state`` in place; every mismatch is a CheckpointError (see safe_dcp)."""
+    check_shards(path, read_metadata(path))  # before DCP, which would bury these errors in its own
+    planner = StrictLoadPlanner(str(path), what, allow_unexpected=not strict)
+    try:
+        with _quiet_single_process():
+            dcp.load(state, storage_reader=SafeReader(path), planner=planner, no_dist=not _distributed())
+    except CheckpointException as e:  # what DCP raises on every rank when any rank failed (a BaseException)
+        inner = unwrap(e)
+        if inner is not e:
+            raise inner from None
+        raise CheckpointError(f"loading {path} failed (damaged shards?): {str(e).strip().splitlines()[-1]}") from e
+
+
+# --------------------------------------------------------------------------------------------------- saving
+
+
+def write_checkpoint(
+    path: Union[str, Path],
+    model: Modules,
+    optimizer: Optimizers = None,
+    *,
+    step: int = 0,
+    extra_state: Optional[dict] = None,
+    manifest: Optional[dict] = None,
+    tokenizer: Any = None,
+) -> Path:
+    """Write one checkpoint at exactly ``path`` (atomically: temporary sibling, fsync, rename). Collective."""
+    final = Path(path).absolute()
+    tmp = Path(_broadcast_str(str(tmp_name(final))))
+    parts, optims = _as_list(model), _as_list(optimizer)
+    what = f"saving checkpoint {final}"
+    try:
+        _together(what, lambda: (tmp / "extra").mkdir(parents=True), rank0_only=True)
+        _together(what, lambda: _write_states(tmp, parts, optims))
+        _together(what, lambda: _commit(tmp, final, step, extra_state, manifest, tokenizer), rank0_only=True)
+    except BaseException:
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def _write_states(tmp: Path, parts: list, optims: list) -> None:
+    _dcp_save(_merge(_model_states(parts), "model"), tmp / "model")
+    if optims:
+        _dcp_save(_merge(_optim_states(parts, optims), "optimizer"), tmp / "optim")
+    save_rng(rng_file(tmp / "extra", _rank()))
+
+
+def _together(what: str, fn: Callable[[], Any], rank0_only: bool = False) -> None:
+    """Run ``fn`` (on every rank, or rank 0 only); when it fails on any rank, every rank raises."""
+    error: Optional[Exception] = None
+    if not rank0_only or _rank() == 0:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - re-raised below, after every rank knows
+            error = e
+    if not _all_ok(error is None):
+        if error is not None:
+            raise error
+        raise CheckpointError(f"{what} failed on another rank (see its log)")
+
+
+def _commit(tmp: Path, final: Path, step: int, extra_state, fields, tokenizer) -> None:
+    fields = dict(fields or {})
+    if extra_state:
+        fields["trainer_state"] = {**(fields.get("trainer_state") or {}), **extra_state}
+    if tokenizer is not None:
+        fields["tokenizer"] = _copy_tokenizer(tokenizer, tmp / "tokenizer")
+    if fields.get("parent"):
+        fields["parent"] = str(Path(fields["parent"]).absolute())
+    fields.setdefault("layout", {"world_size": dist.get_world_size() if _distributed() else 1})
+    manifest = new_manifest(step, fields)
+    manifest["created"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    manifest["complete"] = True
+    manifest["files"] = list_files(tmp)
+    write_bytes_durable(tmp / MANIFEST_NAME, (json.dumps(manifest, indent=2) + "\n").encode())
+    for sub in ("model", "optim", "extra", "tokenizer", "."):
+        if (tmp / sub).is_dir():
+            fsync_dir(tmp / sub)
+    old = None
+    if final.exists():  # the same step saved again (e.g. after a resume): swap it out, then delete it
+        old = final.with_name(f"{final.name}.old-{uuid.uuid4().hex[:8]}")
+        os.rename(final, old)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _copy_tokenizer(tokenizer: Any, dest: Path) -> dict:
+    """Copy tokenizer files (a directory, a tokenizer.json file, or an object with ``save_pretrained``)."""
+    if hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(str(dest))
+        source = getattr(tokenizer, "name_or_path", None)
+    else:
+        src = Path(tokenizer)
+        if src.is_dir():
+            shutil.copytree(src, dest, ignore=shutil.ignore_patterns(".*"))
+        elif src.is_file():
+            dest.mkdir(parents=True)
+            shutil.copy2(src, dest / src.name)
+        else:
+            raise CheckpointError(f"tokenizer {src} does not exist")
+        source = str(src.absolute())
+    for dirpath, _, names in os.walk(dest):
+        for name in names:
+            with open(Path(dirpath) / name, "rb+") as f:
+                os.fsync(f.fileno())
+    return {"path": "tokenizer", "source": source}
+
+
+def save_checkpoint(
+    run_dir: Union[str, Path],
+    step: int,
+    model: Modules,
+    optimizer: Optimizers = None,
+    extra_state: Optional[dict] = None,
+    manifest: Optional[dict] = None,
+    tokenizer: Any = None,
+    keep_last: Optional[int] = None,
+) -> Path:
+    """Save ``run_dir/step_{step:08d}``, point ``run_dir/latest`` at it, keep the newest ``keep_last``. Collective."""
+    run_dir = Path(run_dir)
+    final = write_checkpoint(
+        run_dir / step_dir_name(step),
+        model,
+        optimizer,
+        step=step,
+        extra_state=extra_state,
+        manifest=manifest,
+        tokenizer=tokenizer,
+    )
+
+    def point_and_prune() -> None:
+        write_text_atomic(run_dir / LATEST_NAME, final.name + "\n")
+        if keep_last:
+            prune(run_dir, keep_last, protect=final)
+
+    _together(f"updating {run_dir / LATEST_NAME}", point_and_prune, rank0_only=True)
+    return final
+
+
+def prune(run_dir: Path, keep_last: int, protect: Optional[Path] = None) -> list[Path]:
+    """Delete complete checkpoints older than the newest ``keep_last`` and leftovers of cut-off saves."""
+    complete = [p for _, p in list_checkpoints(run_dir) if is_complete(p)]
+    doomed = [p for p in complete[: max(0, len(complete) - keep_last)] if protect is None or p.absolute() != protect]
+    for child in Path(run_dir).iterdir():
+        if child.is_dir() and (".tmp-" in child.name or ".old-" in child.name) and child.name.startswith("step_"):
+            doomed.append(child)
+    for p in doomed:
+        shutil.rmtree(p, ignore_errors=True)
+    return doomed
+
+
+# --------------------------------------------------------------------------------------------------- loading
+
+
+def load_checkpoint(
+    ckpt: Union[str, Path],
+    model: Modules,
+    optimizer: Optimizers = None,
+    load_optim: bool = True,
+    load_rng: bool = True,
+) -> dict:
+    """Load ``ckpt`` (a checkpoint or a run dir: its newest complete one) into ``model`` in its current layout.
+
+    ``load_optim=False`` takes the weights only (``--finetune``). Returns the manifest. Collective.
+    """
+    ckpt = resolve_checkpoint(ckpt)
+    manifest = read_manifest(ckpt)
+    parts, optims = _as_list(model), _as_list(optimizer)
+
+    states = _model_states(parts)
+    merged = _merge(states, "model")
+    dcp_load(merged, ckpt / "model", "model")
+    for part, sd in zip(parts, states, strict=True):
+        set_model_state_dict(part, {k: merged[k] for k in sd})
+
+    if optims and load_optim:
+        if not (ckpt / "optim" / ".metadata").is_file():
+            raise CheckpointError(
+                f"{ckpt} holds no optimizer state (no optim/): load its weights only (--finetune) to start a new run"
+            )
+        states = _optim_states(parts, optims)
+        merged = _merge(states, "optimizer")
+        dcp_load(merged, ckpt / "optim", "optimizer")
+        for part, opt, sd in zip(parts, optims, states, strict=True):
+            set_optimizer_state_dict(part, opt, {k: merged[k] for k in sd}, options=_OPTIM_OPTIONS)
+
+    if load_rng:
+        path = rng_file(ckpt / "extra", _rank())
+        if path.is_file():
+            restore_rng(path)
+    return manifest
+
+
+def load_model_for_inference(
+    ckpt: Union[str, Path],
+    device: Union[str, torch.device] = "cpu",
+    dtype: Optional[torch.dtype] = None,
+    builder: Optional[Callable[..., nn.Module]] = None,
+) -> tuple[nn.Module, dict, Optional[Path]]:
+    """Build the model the manifest describes, load its weights; returns (model in eval mode, manifest, tokenizer dir).
+
+    ``builder(cfg, device=...)`` defaults to ``megapipe.models.build_model``.
+    """
+    from megapipe.config import ModelConfig, from_dict
+
+    ckpt = resolve_checkpoint(ckpt)
+    manifest = read_manifest(ckpt)
+    if not isinstance(manifest.get("model"), dict):
+        raise CheckpointError(f"{ckpt / MANIFEST_NAME} has no model config ('model' is {manifest.get('model')!r})")
+    cfg = from_dict(ModelConfig, manifest["model"], "model.", f"{ckpt / MANIFEST_NAME}: ")
+    if builder is None:
+        from megapipe.models import build_model as builder
+    model = builder(cfg, device=device)
+    if dtype is not None:
+        model = model.to(dtype)
+    load_checkpoint(ckpt, model, load_rng=False)
+    model.eval()
+    tokenizer = ckpt / "tokenizer"
+    return model, manifest, (tokenizer if tokenizer.is_dir() else None)
