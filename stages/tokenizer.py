@@ -1,0 +1,42 @@
+"""``megapipe tokenizer train``: a byte-level BPE written as a Hugging Face tokenizer directory."""
+
+from __future__ import annotations
+
+from typing import List
+
+import typer
+
+from stages.preprocess import multi_value_command, print_table
+
+ORDER = 5
+
+tokenizer_app = typer.Typer(help="Train tokenizers.", no_args_is_help=True)
+
+
+@tokenizer_app.command("train", cls=multi_value_command("--input"))
+def train(
+    input: List[str] = typer.Option(..., "--input", help="JSONL (.gz) / parquet / csv files or globs; several may "
+                                    "follow one --input."),
+    vocab_size: int = typer.Option(..., "--vocab-size", help="Vocabulary size, special tokens included."),
+    output: str = typer.Option(..., "--output", help="Directory to write tokenizer.json and its configs to."),
+    json_key: str = typer.Option("text", "--json-key", help="Key (column) holding the text."),
+    eod_token: str = typer.Option("<|endoftext|>", "--eod-token", help="End-of-document token (id 0)."),
+    pad_token: str = typer.Option("<|pad|>", "--pad-token", help="Padding token (id 1)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q"),
+) -> None:
+    """Train a byte-level BPE (HF tokenizers) that transformers.AutoTokenizer loads."""
+    import time
+
+    from megapipe.data.readers import expand_inputs, iter_texts
+    from megapipe.data.tokenizer import train_tokenizer
+
+    start = time.perf_counter()
+    tok = train_tokenizer(iter_texts(expand_inputs(input), json_key), vocab_size, output, eod_token, pad_token)
+    if not quiet:
+        print_table("tokenizer", [("output", str(output)), ("vocab size", f"{tok.vocab_size:,}"),
+                                  ("eod / pad ids", f"{tok.eod_id} / {tok.pad_id}"),
+                                  ("time", f"{time.perf_counter() - start:.1f} s")])
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(tokenizer_app, name="tokenizer")
