@@ -6,7 +6,7 @@ from typing import List, Optional
 
 import typer
 
-from stages.preprocess import multi_value_command, print_table
+from stages.common import multi_value_command, print_table
 
 ORDER = 8
 

@@ -5,56 +5,10 @@ from __future__ import annotations
 from typing import List
 
 import typer
-from typer.core import TyperCommand
+
+from stages.common import multi_value_command, print_table
 
 ORDER = 10
-
-
-def spread_multi_values(args: list[str], names: set[str]) -> list[str]:
-    """``--input a b --json-keys x y`` -> ``--input a --input b --json-keys x --json-keys y`` (argparse's
-    ``nargs='+'``, which click lacks): values after a multi-value option up to the next option belong to it."""
-    out: list[str] = []
-    current = None  # the multi-value option being filled
-    needs_value = False  # an option that takes a value just came; the next argument is its value
-    for arg in args:
-        if arg == "--":
-            current, needs_value = None, False
-            out.append(arg)
-        elif arg.startswith("--"):
-            name, eq, _ = arg.partition("=")
-            current = name if name in names else None
-            needs_value = current is not None and not eq
-            out.append(arg)
-        elif needs_value:
-            out.append(arg)
-            needs_value = False
-        elif current is not None:
-            out += [current, arg]
-        else:
-            out.append(arg)
-    return out
-
-
-def multi_value_command(*names: str) -> type[TyperCommand]:
-    """A command class whose options ``names`` take several values after one flag, Megatron style."""
-
-    class MultiValueCommand(TyperCommand):
-        def parse_args(self, ctx, args):
-            return super().parse_args(ctx, spread_multi_values(list(args), set(names)))
-
-    return MultiValueCommand
-
-
-def print_table(title: str, rows: list[tuple[str, str]]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=title, show_header=False, title_justify="left")
-    table.add_column(style="bold")
-    table.add_column()
-    for k, v in rows:
-        table.add_row(k, v)
-    Console().print(table)
 
 
 def preprocess(

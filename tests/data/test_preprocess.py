@@ -148,7 +148,7 @@ def test_several_json_keys_write_one_dataset_each(tmp_path, tok, shakespeare_exc
 
 
 def test_several_values_follow_one_flag_megatron_style():
-    from stages.preprocess import spread_multi_values
+    from stages.common import spread_multi_values
 
     names = {"--input", "--json-keys"}
     assert spread_multi_values(["--input", "a", "b", "--append-eod", "--json-keys=x", "y", "--workers", "2", "z"],

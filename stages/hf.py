@@ -1,0 +1,93 @@
+"""`megapipe import hf` and `megapipe export hf`: Hugging Face checkpoints in and out.
+
+The ``import`` and ``export`` groups are shared: another stage module adds its own format to them with
+``group(app, "export", ...)`` (e.g. ``export trt``), in whatever order the modules register.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+ORDER = 80
+
+GROUP_HELP = {
+    "import": "Bring a model from another format into a megapipe checkpoint.",
+    "export": "Write a megapipe checkpoint in another format.",
+}
+
+
+def group(app: typer.Typer, name: str) -> typer.Typer:
+    """The sub-command group ``name`` of ``app``, created on first use (so several stage modules can share it)."""
+    for info in app.registered_groups:
+        if info.name == name:
+            return info.typer_instance
+    sub = typer.Typer(help=GROUP_HELP.get(name), no_args_is_help=True)
+    app.add_typer(sub, name=name)
+    return sub
+
+
+def _progress(description: str, quiet: bool):
+    """A rich progress bar and the (done, total) callback that drives it."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    bar = Progress(TextColumn(description), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                   transient=True, disable=quiet)
+    task = bar.add_task(description, total=None)
+    return bar, lambda done, total: bar.update(task, completed=done, total=total)
+
+
+def _summary(title: str, rows: dict, quiet: bool) -> None:
+    if quiet:
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, show_header=False)
+    for key, value in rows.items():
+        table.add_row(key, f"{value:.1f} s" if key == "seconds" else f"{value:,}" if isinstance(value, int) else str(value))
+    Console().print(table)
+
+
+def import_hf_command(
+    hf_dir: str = typer.Argument(..., help="Hugging Face model directory: config.json, *.safetensors, tokenizer.json."),
+    out_ckpt: str = typer.Argument(..., help="Checkpoint directory to write."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT_CKPT if it exists."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
+) -> None:
+    """Import a Hugging Face model (Llama, Qwen2, Qwen3, Mistral, GPT-2) as a megapipe checkpoint."""
+    from megapipe.checkpoint.hf import import_hf
+
+    bar, progress = _progress("importing tensors", quiet)
+    with bar:
+        summary = import_hf(hf_dir, out_ckpt, overwrite=overwrite, progress=progress)
+    _summary("import hf", summary, quiet)
+
+
+def export_hf_command(
+    ckpt: str = typer.Argument(..., help="megapipe checkpoint (or run directory: its newest checkpoint)."),
+    out_dir: str = typer.Argument(..., help="Hugging Face model directory to write."),
+    dtype: Optional[str] = typer.Option(
+        None, "--dtype", help="bf16, fp16 or fp32 (default: the dtype the model was imported in, else bf16)."
+    ),
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Split the safetensors above this size."),
+    tokenizer: Optional[str] = typer.Option(
+        None, "--tokenizer", help="Tokenizer directory to ship (default: the checkpoint's tokenizer/)."
+    ),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT_DIR if it exists."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
+) -> None:
+    """Export a checkpoint (any parallel layout) for transformers / vLLM: config, safetensors, tokenizer."""
+    from megapipe.checkpoint.hf import export_hf
+
+    bar, progress = _progress("exporting tensors", quiet)
+    with bar:
+        summary = export_hf(ckpt, out_dir, dtype=dtype, max_shard_size=max_shard_size, tokenizer=tokenizer,
+                            overwrite=overwrite, progress=progress)
+    _summary("export hf", summary, quiet)
+
+
+def register(app: typer.Typer) -> None:
+    group(app, "import").command("hf")(import_hf_command)
+    group(app, "export").command("hf")(export_hf_command)
