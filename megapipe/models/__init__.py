@@ -1,1 +1,5 @@
 """Decoder-only transformer models (no parallel code here: parallelism is applied from megapipe.parallel)."""
+
+from megapipe.models.transformer import Transformer, build_model, count_params, flops_per_token
+
+__all__ = ["Transformer", "build_model", "count_params", "flops_per_token"]

@@ -1,0 +1,167 @@
+"""The decoder-only transformer: Llama 2/3, Qwen2/3, Mistral and GPT-2 are shapes of it (see ModelConfig).
+
+Plain PyTorch with torchtitan-like names; parallelism is applied from outside (megapipe.parallel). The forward
+tolerates pipeline stages: without ``tok_embeddings`` (or given float input) it takes hidden states, and without
+``norm`` it returns hidden states.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megapipe.config import ModelConfig
+from megapipe.errors import ConfigError
+from megapipe.models.attention import Attention
+from megapipe.models.norms import RMSNorm, build_norm, init_norm
+from megapipe.models.rope import inv_frequencies, rope_cos_sin
+
+OUTPUT_PROJECTIONS = ("attention.wo", "feed_forward.w2")  # initialised with std / sqrt(2 * num_layers)
+
+
+class FeedForward(nn.Module):
+    """swiglu: w2(silu(w1 x) * w3 x); gelu_tanh: w2(gelu(w1 x)), w3 is None."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.swiglu = cfg.activation == "swiglu"
+        self.w1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.w3 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias) if self.swiglu else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.attention_norm = build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps)
+        self.attention = Attention(cfg, layer_id)
+        self.ffn_norm = build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, rope: Optional[tuple] = None, cache=None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, cache)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.vocab_size is None:
+            raise ConfigError("model.vocab_size is not set: give it, or build the model after loading the tokenizer")
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        learned = cfg.position_embedding == "learned"
+        self.pos_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size) if learned else None
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.num_layers)})
+        self.norm = build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps)
+        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.position_embedding == "rope":
+            inv_frequencies(cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling)  # a bad rope_scaling fails here
+
+    def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None, cache=None,
+                last_only: bool = False) -> torch.Tensor:
+        """tokens [B, S] ids (or [B, S, H] hidden states on a later pipeline stage); positions [S] or [B, S].
+
+        ``last_only``: logits of the last position only ([B, 1, V]), what a generation step needs.
+        """
+        if positions is None:
+            start = cache.length if cache is not None else 0
+            positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+        if cache is not None:
+            cache.advance(positions)
+        if self.tok_embeddings is None or tokens.is_floating_point():
+            h = tokens
+        else:
+            h = self.tok_embeddings(tokens)
+            if self.pos_embeddings is not None:
+                h = h + self.pos_embeddings(positions)
+        rope = None
+        if self.cfg.position_embedding == "rope":
+            inv_freq = inv_frequencies(self.cfg.dim_per_head, self.cfg.rope_theta, self.cfg.rope_scaling, h.device)
+            rope = rope_cos_sin(positions, inv_freq, h.dtype)
+        for layer in self.layers.values():
+            h = layer(h, rope, cache)
+        if self.norm is None:
+            return h
+        h = self.norm(h[:, -1:] if last_only else h)
+        if self.output is not None:
+            logits = self.output(h)
+        elif self.tok_embeddings is not None:
+            logits = F.linear(h, self.tok_embeddings.weight)
+        else:
+            raise RuntimeError("the tied output projection needs tok_embeddings on the last pipeline stage")
+        return logits if torch.is_autocast_enabled(logits.device.type) else logits.float()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """normal(0, init_std); output projections std / sqrt(2 * num_layers); norms 1, biases 0."""
+        std = self.cfg.init_std
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                scaled = name.endswith(OUTPUT_PROJECTIONS)
+                nn.init.normal_(module.weight, 0.0, std / math.sqrt(2 * self.cfg.num_layers) if scaled else std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, 0.0, std)
+            elif isinstance(module, (RMSNorm, nn.LayerNorm)):
+                init_norm(module)
+
+
+def build_model(cfg: ModelConfig, device="cpu", seed: Optional[int] = None) -> Transformer:
+    """Build on the meta device (no memory), materialise on ``device``, initialise (from ``seed`` if given)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    device = torch.device(device)
+    if device.type == "meta":
+        return model
+    model.to_empty(device=device)
+    if seed is None:
+        model.init_weights()
+    else:
+        on_cpu = device.type == "cpu"
+        with torch.random.fork_rng(devices=[] if on_cpu else [device], device_type="cuda" if on_cpu else device.type):
+            torch.manual_seed(seed)
+            model.init_weights()
+    return model
+
+
+def count_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
+    """Number of parameters (tied weights once); ``exclude_embeddings`` drops token and position tables."""
+    skip = set()
+    if exclude_embeddings:
+        for name in ("tok_embeddings", "pos_embeddings"):
+            mod = getattr(model, name, None)
+            if mod is not None:
+                skip.add(id(mod.weight))
+    return sum(p.numel() for p in model.parameters() if id(p) not in skip)
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Weights that take part in a matmul per token: all linear layers incl. the output head (tied or not)."""
+    hd, h = cfg.dim_per_head, cfg.hidden_size
+    attn = h * (cfg.num_heads + 2 * cfg.kv_heads) * hd + cfg.num_heads * hd * h
+    mlp = (3 if cfg.activation == "swiglu" else 2) * h * cfg.intermediate_size
+    return cfg.num_layers * (attn + mlp) + h * cfg.vocab_size
+
+
+def flops_per_token(cfg: ModelConfig, seq_length: int) -> float:
+    """Training FLOPs per token (forward + backward), PaLM / Megatron convention, for MFU.
+
+    6 * N for the weight matmuls (N = ``matmul_params``: embedding lookups excluded, the output head included)
+    plus 12 * L * (heads * head_dim) * S for the attention score and value matmuls (2 matmuls x 2 FLOPs x 3 for
+    forward + backward), counted over the full S x S square as PaLM does, i.e. causal masking is not discounted.
+    """
+    if cfg.vocab_size is None:
+        raise ConfigError("model.vocab_size is not set: flops_per_token needs it")
+    attn = 12 * cfg.num_layers * cfg.num_heads * cfg.dim_per_head * seq_length
+    return float(6 * matmul_params(cfg) + attn)
