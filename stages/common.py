@@ -69,3 +69,19 @@ def print_table(title: str, rows: list[tuple[str, str]]) -> None:
     for k, v in rows:
         table.add_row(k, v)
     Console().print(table)
+
+
+GROUP_HELP = {
+    "import": "Bring a model from another format into a megapipe checkpoint.",
+    "export": "Write a megapipe checkpoint in another format.",
+}
+
+
+def group(app: typer.Typer, name: str) -> typer.Typer:
+    """The sub-command group ``name`` of ``app``, created on first use (so several stage modules can share it)."""
+    for info in app.registered_groups:
+        if info.name == name:
+            return info.typer_instance
+    sub = typer.Typer(help=GROUP_HELP.get(name), no_args_is_help=True)
+    app.add_typer(sub, name=name)
+    return sub

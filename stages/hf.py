@@ -1,7 +1,7 @@
 """`megapipe import hf` and `megapipe export hf`: Hugging Face checkpoints in and out.
 
-The ``import`` and ``export`` groups are shared: another stage module adds its own format to them with
-``group(app, "export", ...)`` (e.g. ``export trt``), in whatever order the modules register.
+The ``import`` and ``export`` groups are shared (``stages.common.group``): another stage module adds its own
+format with ``group(app, "export").command("trt")(...)``, in whatever order the modules register.
 """
 
 from __future__ import annotations
@@ -10,23 +10,9 @@ from typing import Optional
 
 import typer
 
+from stages.common import group
+
 ORDER = 80
-
-GROUP_HELP = {
-    "import": "Bring a model from another format into a megapipe checkpoint.",
-    "export": "Write a megapipe checkpoint in another format.",
-}
-
-
-def group(app: typer.Typer, name: str) -> typer.Typer:
-    """The sub-command group ``name`` of ``app``, created on first use (so several stage modules can share it)."""
-    for info in app.registered_groups:
-        if info.name == name:
-            return info.typer_instance
-    sub = typer.Typer(help=GROUP_HELP.get(name), no_args_is_help=True)
-    app.add_typer(sub, name=name)
-    return sub
-
 
 def _progress(description: str, quiet: bool):
     """A rich progress bar and the (done, total) callback that drives it."""
@@ -38,16 +24,15 @@ def _progress(description: str, quiet: bool):
     return bar, lambda done, total: bar.update(task, completed=done, total=total)
 
 
-def _summary(title: str, rows: dict, quiet: bool) -> None:
+def _summary(title: str, summary: dict, quiet: bool) -> None:
     if quiet:
         return
-    from rich.console import Console
-    from rich.table import Table
+    from stages.common import print_table
 
-    table = Table(title=title, show_header=False)
-    for key, value in rows.items():
-        table.add_row(key, f"{value:.1f} s" if key == "seconds" else f"{value:,}" if isinstance(value, int) else str(value))
-    Console().print(table)
+    def show(key, value) -> str:
+        return f"{value:.1f} s" if key == "seconds" else f"{value:,}" if isinstance(value, int) else str(value)
+
+    print_table(title, [(k, show(k, v)) for k, v in summary.items()])
 
 
 def import_hf_command(

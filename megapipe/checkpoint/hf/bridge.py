@@ -1,0 +1,311 @@
+"""Hugging Face <-> megapipe checkpoints, one tensor group at a time.
+
+Import reads config.json (normalised by the installed transformers, so its defaults apply), maps it to a
+ModelConfig, streams the safetensors into a model built without initialisation and writes a megapipe checkpoint
+(stage ``import-hf``). Export reads the DCP shards of any parallel layout a shard-full of tensors at a time and
+writes config.json, safetensors (sharded past ``max_shard_size``), the tokenizer files and generation_config.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from megapipe.checkpoint.dcp import dcp_load, write_checkpoint
+from megapipe.checkpoint.hf.base import Adapter, Conversion, adapter_for_arch, adapter_for_hf
+from megapipe.checkpoint.hf.files import (
+    DTYPES,
+    HF_DTYPE_NAMES,
+    SHORT,
+    SafetensorsReader,
+    parse_size,
+    plan_shards,
+    read_json,
+    shard_names,
+    write_index,
+)
+from megapipe.checkpoint.manifest import read_manifest, resolve_checkpoint
+from megapipe.checkpoint.safe_dcp import read_metadata
+from megapipe.config import ModelConfig, from_dict
+from megapipe.errors import CheckpointError, MegapipeError
+from megapipe.models import build_model
+
+Progress = Optional[Callable[[int, int], None]]  # (done, total) after each tensor group
+TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _names(names, limit: int = 5) -> str:
+    names = sorted(names)
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+# --------------------------------------------------------------------------------------------------- config
+
+
+def normalise_hf_config(raw: dict[str, Any], adapter: Adapter, where: str) -> dict[str, Any]:
+    """config.json as the installed transformers reads it (its defaults filled in, old RoPE fields standardised)."""
+    from transformers import CONFIG_MAPPING
+
+    try:
+        return CONFIG_MAPPING[adapter.model_type].from_dict(raw).to_dict()
+    except Exception as e:  # noqa: BLE001 - transformers validates with many exception types
+        raise MegapipeError(f"{where} is not a valid {adapter.architecture} config ({e})") from None
+
+
+def read_hf_config(hf_dir: Path) -> tuple[Adapter, ModelConfig, dict[str, Any]]:
+    path = hf_dir / "config.json"
+    raw = read_json(path, "config.json")
+    if not isinstance(raw, dict):
+        raise MegapipeError(f"{path} must hold a JSON object")
+    adapter = adapter_for_hf(raw, str(path))
+    hf = normalise_hf_config(raw, adapter, str(path))
+    cfg = from_dict(ModelConfig, adapter.config_from_hf(hf, str(path)), "model.", f"{path}: ")
+    return adapter, cfg, hf
+
+
+def _tokenizer(path: Path, cfg: ModelConfig, where: str):
+    from megapipe.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(path)
+    if tok.vocab_size > cfg.vocab_size:
+        raise MegapipeError(
+            f"{where}: the tokenizer has {tok.vocab_size} tokens but the model's embedding has only "
+            f"{cfg.vocab_size} rows (vocab_size)"
+        )
+    return tok
+
+
+class _TokenizerFiles:
+    """What write_checkpoint copies: the tokenizer files only (not the whole HF directory), source recorded."""
+
+    def __init__(self, tokenizer, source: Path):
+        self.tokenizer, self.name_or_path = tokenizer, str(source.absolute())
+
+    def save_pretrained(self, directory: str) -> None:
+        self.tokenizer.save(directory)
+
+
+# --------------------------------------------------------------------------------------------------- import
+
+
+def import_hf(hf_dir: str | Path, out_ckpt: str | Path, overwrite: bool = False, progress: Progress = None) -> dict:
+    """Hugging Face model directory -> megapipe checkpoint at ``out_ckpt``; returns a summary."""
+    started = time.perf_counter()
+    hf_dir, out_ckpt = Path(hf_dir).expanduser(), Path(out_ckpt).expanduser()
+    if not hf_dir.is_dir():
+        raise MegapipeError(f"Hugging Face model directory {hf_dir} does not exist")
+    if out_ckpt.exists() and not overwrite:
+        raise MegapipeError(f"{out_ckpt} already exists: pick another output or pass --overwrite")
+    adapter, cfg, hf = read_hf_config(hf_dir)
+    if not (hf_dir / "tokenizer.json").is_file():
+        raise MegapipeError(f"{hf_dir} has no tokenizer.json (megapipe needs a fast Hugging Face tokenizer)")
+    tok = _tokenizer(hf_dir, cfg, str(hf_dir))
+    reader = SafetensorsReader(hf_dir)
+    file_name = {canon: name for name, canon in adapter.aliases(reader.names()).items()}
+    conversions = adapter.conversions(cfg)
+    _check_names(
+        {h for c in conversions for h in c.hf},
+        {n for n in file_name if not adapter.ignored(n, cfg)},
+        f"the safetensors in {hf_dir}",
+        f"the {adapter.architecture} config",
+    )
+
+    model = build_model(cfg, device="meta").to_empty(device="cpu")  # every value is overwritten below
+    params = model.state_dict()
+    with torch.no_grad():
+        for done, conv in enumerate(conversions, 1):
+            tensors = conv.to_mp([reader.get(file_name[h]) for h in conv.hf])
+            for name, tensor in zip(conv.mp, tensors, strict=True):
+                target = params[name]
+                if tuple(tensor.shape) != tuple(target.shape):
+                    raise MegapipeError(
+                        f"{hf_dir}: tensor {_names(conv.hf)} has shape {list(tensor.shape)} but config.json implies "
+                        f"{list(target.shape)}"
+                    )
+                target.copy_(tensor)
+            if progress:
+                progress(done, len(conversions))
+
+    generation = hf_dir / "generation_config.json"
+    source_dtype = reader.dtype()
+    extra = {
+        "architecture": adapter.architecture,
+        "dtype": SHORT.get(source_dtype),
+        "generation_config": _token_ids(read_json(generation, "generation_config.json") if generation.is_file() else hf),
+    }
+    manifest = {"model": cfg, "stage": "import-hf", "parent": str(hf_dir.absolute()), "hf": extra}
+    final = write_checkpoint(out_ckpt, model, step=0, manifest=manifest, tokenizer=_TokenizerFiles(tok, hf_dir))
+    return {
+        "checkpoint": str(final),
+        "architecture": adapter.architecture,
+        "tensors": len(reader.names()),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "source_dtype": str(source_dtype).replace("torch.", ""),
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def _check_names(needed: set[str], found: set[str], where: str, reference: str) -> None:
+    missing, unexpected = needed - found, found - needed
+    if missing:
+        raise MegapipeError(f"{where} lack tensors that {reference} needs: {_names(missing)}")
+    if unexpected:
+        raise MegapipeError(f"{where} hold tensors that {reference} has no place for: {_names(unexpected)}")
+
+
+def _token_ids(config: Any) -> dict[str, Any]:
+    config = config if isinstance(config, dict) else {}
+    return {k: config[k] for k in TOKEN_FIELDS if config.get(k) is not None}
+
+
+# --------------------------------------------------------------------------------------------------- export
+
+
+def export_hf(
+    ckpt: str | Path,
+    out_dir: str | Path,
+    dtype: Optional[str] = None,
+    max_shard_size: str | int = "5GB",
+    tokenizer: Optional[str | Path] = None,
+    overwrite: bool = False,
+    progress: Progress = None,
+) -> dict:
+    """megapipe checkpoint (any layout) -> Hugging Face directory ``out_dir``; returns a summary."""
+    started = time.perf_counter()
+    out_dir = Path(out_dir).expanduser()
+    if out_dir.exists() and not overwrite:
+        raise MegapipeError(f"{out_dir} already exists: pick another output or pass --overwrite")
+    if dtype is not None and dtype not in DTYPES:
+        raise MegapipeError(f"--dtype {dtype!r} is not supported (allowed: {', '.join(DTYPES)})")
+    max_bytes = max_shard_size if isinstance(max_shard_size, int) else parse_size(max_shard_size)
+    ckpt = resolve_checkpoint(Path(ckpt).expanduser())
+    manifest = read_manifest(ckpt)
+    where = str(ckpt / "megapipe.json")
+    if not isinstance(manifest.get("model"), dict):
+        raise CheckpointError(f"{where} has no model config")
+    if manifest.get("quantization"):
+        raise CheckpointError(f"{where}: quantized checkpoints are not exported by `export hf` (quantization is set)")
+    cfg = from_dict(ModelConfig, manifest["model"], "model.", f"{where}: ")
+    adapter = adapter_for_arch(cfg.arch)
+    hf_cfg = adapter.hf_config(cfg)
+    hf_extra = manifest.get("hf") if isinstance(manifest.get("hf"), dict) else {}
+    out_dtype = DTYPES[dtype or hf_extra.get("dtype") or "bf16"]
+
+    tok_dir = Path(tokenizer).expanduser() if tokenizer is not None else ckpt / "tokenizer"
+    if not tok_dir.exists():
+        raise CheckpointError(f"{ckpt} holds no tokenizer/ directory: pass --tokenizer with the model's tokenizer")
+    tok = _tokenizer(tok_dir, cfg, str(tok_dir))
+
+    stored = {
+        k: m for k, m in read_metadata(ckpt / "model").state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)
+    }
+    conversions = adapter.conversions(cfg)
+    _check_names({m for c in conversions for m in c.mp}, set(stored), f"the model shards of {ckpt}", "model config")
+    itemsize = torch.empty((), dtype=out_dtype).element_size()
+    sizes = [sum(stored[m].size.numel() for m in c.mp) * itemsize for c in conversions]
+    plan = plan_shards(sizes, max_bytes)
+    files = shard_names(len(plan))
+
+    tmp = out_dir.with_name(f"{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir(parents=True)
+    try:
+        weight_map: dict[str, str] = {}
+        done = 0
+        for file, items in zip(files, plan, strict=True):
+            group = [conversions[i] for i in items]
+            tensors = _read_group(group, stored, ckpt / "model", out_dtype)
+            _save_safetensors(tensors, tmp / file)
+            weight_map.update({name: file for name in tensors})
+            done += len(group)
+            if progress:
+                progress(done, len(conversions))
+            del tensors
+        if len(files) > 1:
+            write_index(tmp, weight_map, sum(sizes))
+        tokens = _write_tokenizer(tok, tmp)
+        generation = {**tokens, **_token_ids(hf_extra.get("generation_config"))}
+        config = {"architectures": [adapter.architecture], **hf_cfg, **generation,
+                  "dtype": HF_DTYPE_NAMES[out_dtype], "torch_dtype": HF_DTYPE_NAMES[out_dtype]}
+        _write_json(tmp / "config.json", config)
+        _write_json(tmp / "generation_config.json", generation)
+        _replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {
+        "output": str(out_dir),
+        "architecture": adapter.architecture,
+        "dtype": HF_DTYPE_NAMES[out_dtype],
+        "tensors": len(weight_map),
+        "shards": len(files),
+        "bytes": sum(sizes),
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def _read_group(group: list[Conversion], stored: dict, model_dir: Path, out_dtype) -> dict[str, torch.Tensor]:
+    """Load the megapipe tensors of ``group`` from DCP (as plain tensors, whatever layout saved them), convert them."""
+    state = {m: torch.empty(tuple(stored[m].size), dtype=stored[m].properties.dtype) for c in group for m in c.mp}
+    dcp_load(state, model_dir, "model", strict=False)
+    out: dict[str, torch.Tensor] = {}
+    for conv in group:
+        for name, tensor in zip(conv.hf, conv.to_hf([state.pop(m) for m in conv.mp]), strict=True):
+            out[name] = tensor.to(out_dtype).contiguous()
+    return out
+
+
+def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)  # safetensors creates 0600 files; the other outputs follow the umask
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _write_tokenizer(tok, out: Path) -> dict[str, int]:
+    """Write the tokenizer files; tokenizer_config.json carries the chat template and a class name that both
+    transformers 4 and 5 know. Returns the special token ids (bos/eos/pad) for config.json."""
+    tok.save(out)
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    template = out / "chat_template.jinja"
+    if "chat_template" not in config and template.is_file():
+        config["chat_template"] = template.read_text(encoding="utf-8")
+    if config.get("tokenizer_class") in (None, "TokenizersBackend"):
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    _write_json(config_path, config)
+    ids = {}
+    for key in ("bos_token", "eos_token", "pad_token"):
+        value = config.get(key)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str) and tok.token_to_id(value) is not None:
+            ids[f"{key}_id"] = tok.token_to_id(value)
+    ids.setdefault("eos_token_id", tok.eod_id)
+    if tok.pad_id is not None:
+        ids.setdefault("pad_token_id", tok.pad_id)
+    return {k: v for k, v in ids.items() if v is not None}
+
+
+def _replace_dir(tmp: Path, final: Path) -> None:
+    old = None
+    if final.exists():
+        old = final.with_name(f"{final.name}.old-{uuid.uuid4().hex[:8]}")
+        final.rename(old)
+    tmp.rename(final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
+
