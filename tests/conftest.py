@@ -24,3 +24,39 @@ def tiny_tokenizer_dir(tmp_path_factory, shakespeare_excerpt) -> Path:
     out = tmp_path_factory.mktemp("tokenizer")
     train_tokenizer(iter_texts([shakespeare_excerpt], "text"), 512, out)
     return out
+
+
+@pytest.fixture(scope="session")
+def megatron_indexed():
+    """megatron-core's own ``megatron.core.datasets.indexed_dataset`` module. Loaded from its real file but, when
+    that works, without running ``megatron/core/__init__.py``, which imports Megatron's whole model stack (~10 s on
+    2 cores); otherwise imported the plain way."""
+    import importlib
+    import importlib.util
+    import sys
+    import types
+
+    spec = importlib.util.find_spec("megatron")
+    if spec is None:
+        pytest.skip("megatron-core is not installed")
+    name = "megatron.core.datasets.indexed_dataset"
+    if "megatron.core" in sys.modules:
+        return importlib.import_module(name)
+
+    def forget_megatron():  # a later plain `import megatron.core` gets the real package
+        for key in [k for k in sys.modules if k == "megatron" or k.startswith("megatron.")]:
+            del sys.modules[key]
+
+    root = Path(spec.submodule_search_locations[0])
+    for package, path in (("megatron", root), ("megatron.core", root / "core")):
+        stub = types.ModuleType(package)
+        stub.__path__ = [str(path)]
+        sys.modules[package] = stub
+    try:
+        importlib.import_module("megatron.core.parallel_state")  # first, as the package does: utils imports it
+        return importlib.import_module(name)
+    except ImportError:
+        forget_megatron()
+        return importlib.import_module(name)
+    finally:
+        forget_megatron()

@@ -8,6 +8,7 @@ a sonnet), i.e. a run of lines between blank lines: short, self-contained docume
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -118,10 +119,12 @@ def _is_text(member: str) -> bool:
 def write_jsonl(records, output: str | Path) -> tuple[int, int]:
     """Write records as JSONL atomically (temporary name, then rename); returns (records, bytes)."""
     out = Path(output)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.is_dir():
+        raise DataError(f"cannot write {out}: it is a directory")
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     count = 0
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "w", encoding="utf-8") as f:
             for rec in records:
                 f.write(json.dumps(rec, ensure_ascii=False) + "\n")
@@ -129,8 +132,11 @@ def write_jsonl(records, output: str | Path) -> tuple[int, int]:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise DataError(f"cannot write {out} ({e.strerror}: {e.filename})") from None
         raise
     return count, out.stat().st_size
 

@@ -8,7 +8,6 @@ document indices [D] (sequence ids where each document starts, beginning with 0 
 from __future__ import annotations
 
 import os
-import shutil
 import struct
 from pathlib import Path
 
@@ -121,11 +120,17 @@ class IndexedDatasetWriter:
         tag = f".tmp-{os.getpid()}"
         self._tmp_bin = Path(f"{bin_path(prefix)}{tag}")
         self._tmp_idx = Path(f"{idx_path(prefix)}{tag}")
+        parent = Path(self.prefix).parent
+        clash = next((f"{p} is a directory" for p in (bin_path(prefix), idx_path(prefix)) if p.is_dir()), None)
+        if parent.exists() and not parent.is_dir():
+            clash = f"{parent} is a file, not a directory"
+        if clash:
+            raise DataError(f"cannot write the dataset {self.prefix}.bin/.idx: {clash}")
         try:
-            Path(self.prefix).parent.mkdir(parents=True, exist_ok=True)
+            parent.mkdir(parents=True, exist_ok=True)
             self._bin = open(self._tmp_bin, "wb")
         except OSError as e:
-            raise DataError(f"cannot write the dataset {self.prefix}.bin/.idx ({e.strerror}: {e.filename})") from None
+            raise self._write_error(e) from None
         self._sizes: list[np.ndarray] = []
         self._doc_starts: list[np.ndarray] = [np.zeros(1, np.int64)]
         self._num_seqs = 0
@@ -135,7 +140,7 @@ class IndexedDatasetWriter:
     def add_document(self, tokens) -> None:
         """One document stored as one sequence (Megatron's usual layout)."""
         arr = np.asarray(tokens, dtype=self.dtype)
-        self._bin.write(arr.tobytes(order="C"))
+        self._write(arr.tobytes(order="C"))
         self._one_by_one.append(arr.size)  # plain ints, turned into arrays in batches: small per document
         if len(self._one_by_one) >= 1 << 16:
             self._flush_one_by_one()
@@ -158,7 +163,7 @@ class IndexedDatasetWriter:
         if int(lengths.sum()) != flat.size:
             raise ValueError("lengths do not add up to the number of tokens")
         self._flush_one_by_one()
-        self._bin.write(flat.tobytes())
+        self._write(flat.tobytes())
         self._append_index(lengths)
 
     def add_dataset(self, prefix: str | Path) -> None:
@@ -167,14 +172,31 @@ class IndexedDatasetWriter:
         self._flush_one_by_one()
         if other.dtype != self.dtype:
             raise DataError(f"cannot merge {prefix}: its tokens are {other.dtype}, the output's are {self.dtype}")
-        self._bin.flush()
         with open(bin_path(prefix), "rb") as src:
-            shutil.copyfileobj(src, self._bin, 16 << 20)
+            while chunk := src.read(16 << 20):
+                self._write(chunk)
         self._sizes.append(np.array(other.sizes, np.int32))
         self._doc_starts.append(np.array(other.document_indices[1:], np.int64) + self._num_seqs)
         self._num_seqs += len(other)
 
+    def _write(self, data: bytes) -> None:
+        try:
+            self._bin.write(data)
+        except OSError as e:  # disk full
+            raise self._write_error(e) from None
+
+    def _write_error(self, e: OSError) -> DataError:
+        where = f": {e.filename}" if e.filename else ""
+        return DataError(f"cannot write the dataset {self.prefix}.bin/.idx ({e.strerror or e}{where})")
+
     def finalize(self) -> None:
+        try:
+            self._finalize()
+        except OSError as e:  # disk full, the directory removed under us, ...
+            self.abort()
+            raise self._write_error(e) from None
+
+    def _finalize(self) -> None:
         self._flush_one_by_one()
         self._bin.flush()
         os.fsync(self._bin.fileno())

@@ -22,7 +22,7 @@ import numpy as np
 from megapipe.data.indexed import IndexedDataset, IndexedDatasetWriter, optimal_dtype
 from megapipe.data.readers import BLOCK_BYTES, Block, expand_inputs, iter_blocks, parse_block, total_size
 from megapipe.data.tokenizer import Tokenizer
-from megapipe.errors import DataError
+from megapipe.errors import DataError, MegapipeError
 
 
 @dataclass
@@ -113,11 +113,22 @@ def preprocess(
             for block in blocks:
                 pending.append(pool.apply_async(_encode_block, (block,)))
                 while len(pending) >= 2 * workers:
-                    consume(pending.popleft().get())
+                    consume(_result(pool, pending.popleft()))
             while pending:
-                consume(pending.popleft().get())
+                consume(_result(pool, pending.popleft()))
+        if stats.tokens == 0:  # an empty dataset would only fail later, in training, far from the cause
+            raise DataError(_nothing_to_write(inputs, keys, stats))
     stats.seconds = time.perf_counter() - start
     return stats
+
+
+def _nothing_to_write(inputs: list[str], keys: list[str], stats: PreprocessStats) -> str:
+    if stats.documents:
+        return f"every one of the {stats.documents:,} records has empty text under {', '.join(keys)}: nothing to write"
+    if stats.skipped:
+        return (f"every one of the {stats.skipped:,} records was bad and skipped (e.g. {stats.skipped_examples[0]}): "
+                "nothing to write")
+    return f"the input ({', '.join(inputs)}) holds no records: nothing to write"
 
 
 # --- workers -------------------------------------------------------------------------------------------------
@@ -175,6 +186,19 @@ def _drop_unencodable(block, keys, texts, numbers, skipped, skip_bad) -> bool:
     for col in texts:
         col[:] = [t for i, t in enumerate(col) if i not in bad]
     return bool(bad)
+
+
+def _result(pool, result):
+    """A block's result. multiprocessing.Pool replaces a worker that died (out of memory, killed) and loses its
+    block, whose result then never comes: notice that instead of waiting forever."""
+    workers = {p.pid for p in pool._pool}
+    while True:
+        try:
+            return result.get(timeout=0.25)
+        except mp.TimeoutError:
+            if {p.pid for p in pool._pool} != workers:
+                raise MegapipeError("a preprocess worker process died (out of memory? killed?); nothing was "
+                                    "written") from None
 
 
 @contextmanager
@@ -238,9 +262,14 @@ class _Progress:
             self.bar.start()
         return self
 
-    def __exit__(self, *exc):
-        if self.bar is not None:
+    def __exit__(self, exc_type, exc, tb):
+        if self.bar is None:
+            pass
+        elif exc_type is None:
             self.bar.stop()
+        else:  # on failure, only the error line remains
+            self.bar.live.transient = True
+            self.bar.live.stop()
 
     def update(self, nbytes: int, stats: PreprocessStats) -> None:
         if self.bar is None:

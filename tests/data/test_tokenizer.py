@@ -36,6 +36,21 @@ def test_train_refuses_a_vocab_below_the_byte_alphabet(tmp_path, shakespeare_exc
     assert not (tmp_path / "t").exists()
 
 
+def test_train_refuses_empty_input_and_clashing_outputs(tmp_path, capsys):
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "file").write_text("")
+    for extra, message in [
+        (["--input", str(tmp_path / "empty.jsonl")], "empty.jsonl holds no text to train the tokenizer on"),
+        (["--input", str(tmp_path / "empty.jsonl"), "--pad-token", "<|endoftext|>"], "are both '<|endoftext|>'"),
+    ]:
+        assert main(["tokenizer", "train", "--vocab-size", "300", "--output", str(tmp_path / "t"), *extra]) == 2
+        assert message in capsys.readouterr().err
+    assert main(["tokenizer", "train", "--input", str(tmp_path / "empty.jsonl"), "--vocab-size", "300",
+                 "--output", str(tmp_path / "file")]) == 2
+    assert "tokenizer output " + str(tmp_path / "file") + " exists and is not a directory" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.jsonl", "file"]
+
+
 def test_load_from_directory_or_file(tiny_tokenizer_dir):
     from_dir = load_tokenizer(tiny_tokenizer_dir)
     from_file = load_tokenizer(tiny_tokenizer_dir / "tokenizer.json")
