@@ -53,7 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point: user mistakes become one red sentence on stderr and a non-zero exit, never a traceback."""
     try:
         app(args=argv, prog_name="megapipe")
-    except SystemExit as e:  # click's standalone mode: usage errors (exit 2), --help, normal completion
+    except SystemExit as e:  # click's standalone mode: usage errors (exit 2), --help, Ctrl-C (130), completion
+        if e.code == 130:
+            print("megapipe: interrupted", file=sys.stderr)
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except MegapipeError as e:
         from rich.console import Console

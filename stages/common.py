@@ -24,6 +24,11 @@ def build_config(config: Optional[str], flags: dict, sets: Optional[list[str]]):
     return load_config(config, overrides)
 
 
+def _is_option(arg: str) -> bool:
+    """``--x``, ``-q``: an option; ``-``, ``-3``, ``-0.5``: a value."""
+    return len(arg) > 1 and arg[0] == "-" and not arg[1].isdigit() and arg[1] != "."
+
+
 def spread_multi_values(args: list[str], names: set[str]) -> list[str]:
     """``--input a b --json-keys x y`` -> ``--input a --input b --json-keys x --json-keys y`` (argparse's
     ``nargs='+'``, which click lacks): values after a multi-value option up to the next option belong to it."""
@@ -34,7 +39,7 @@ def spread_multi_values(args: list[str], names: set[str]) -> list[str]:
         if arg == "--":
             current, needs_value = None, False
             out.append(arg)
-        elif arg.startswith("--"):
+        elif _is_option(arg):
             name, eq, _ = arg.partition("=")
             current = name if name in names else None
             needs_value = current is not None and not eq

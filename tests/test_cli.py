@@ -21,3 +21,27 @@ def test_unknown_command_fails():
     out = subprocess.run([sys.executable, "-m", "megapipe.cli", "no-such-stage"], capture_output=True, text=True)
     assert out.returncode == 2
     assert "no-such-stage" in out.stderr
+
+
+def test_multi_value_options_stop_at_short_flags():
+    from stages.common import spread_multi_values
+
+    args = ["--input", "a", "b", "-q", "--data-path", "0.7", "A", "-0.5", "--json-keys=x", "y"]
+    assert spread_multi_values(args, {"--input", "--data-path", "--json-keys"}) == [
+        "--input", "a", "--input", "b", "-q", "--data-path", "0.7", "--data-path", "A", "--data-path", "-0.5",
+        "--json-keys=x", "--json-keys", "y",
+    ]
+
+
+def test_interrupt_exits_130_with_a_message(capsys):
+    from megapipe import cli
+
+    @cli.app.command("interrupt-me", hidden=True)
+    def _boom():
+        raise KeyboardInterrupt
+
+    try:
+        assert cli.main(["interrupt-me"]) == 130
+        assert "interrupted" in capsys.readouterr().err
+    finally:
+        cli.app.registered_commands.pop()
