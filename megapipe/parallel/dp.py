@@ -1,0 +1,39 @@
+"""Data parallelism: FSDP2 (ZeRO-3), HSDP (2-D mesh), DDP, and Megatron's distributed optimizer.
+
+Mapping to Megatron: Megatron's "distributed optimizer" (ZeRO-1/2: optimizer state and gradients sharded, full
+parameters kept between forward and backward) = FSDP2 with ``reshard_after_forward=False``
+(parallel.fsdp_reshard_after_forward=false); plain FSDP2 (the default) also frees parameters after forward (ZeRO-3).
+DDP = every rank keeps everything; gradients are all-reduced (torch's composable ``replicate``).
+bf16/fp16 training under FSDP: parameters are cast for compute (``param_dtype``), gradients are reduced in fp32
+(``reduce_dtype``), master weights and optimizer state stay fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def apply_fsdp(model, mesh, precision: str = "fp32", reshard_after_forward: bool = True) -> None:
+    """Shard each block, then the root (embeddings, final norm, output). ``mesh`` is 1-D (FSDP) or 2-D (HSDP)."""
+    mp = MixedPrecisionPolicy(param_dtype=_DTYPES[precision], reduce_dtype=torch.float32)
+    blocks = list(model.layers.values())
+    for i, block in enumerate(blocks):
+        # the last block's parameters are needed first by backward: keep them gathered
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+
+
+def apply_ddp(model, mesh) -> None:
+    from torch.distributed._composable.replicate import replicate
+
+    replicate(model, device_mesh=mesh, bucket_cap_mb=100)
+
+
+def set_gradient_sync(model, enabled: bool) -> None:
+    """Skip (False) or do (True) the gradient reduction in the next backward (gradient accumulation)."""
+    fn = getattr(model, "set_requires_gradient_sync", None)
+    if fn is not None:
+        fn(enabled)

@@ -1,0 +1,63 @@
+"""``megapipe pretrain --nproc-per-node N``: re-execute the same command under torchrun, unless already launched.
+
+Under torchrun (RANK/WORLD_SIZE set) the process joins the existing job; under srun with one task per GPU and
+no --nproc-per-node it joins through the SLURM_* variables (megapipe.parallel.distributed). srun with one task per
+node plus --nproc-per-node starts one torchrun per node. Single node: torchrun --standalone picks a free port. Several nodes: every node runs the same command
+with --nnodes, --node-rank and --rdzv-endpoint HOST:PORT (c10d rendezvous, as torchrun does).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Optional, Sequence
+
+from megapipe.errors import ConfigError
+from megapipe.parallel.distributed import detect_env
+
+LAUNCH_FLAGS = ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint")
+
+
+def strip_launch_flags(argv: Sequence[str]) -> list[str]:
+    """argv without the launcher's own flags (both '--flag value' and '--flag=value' forms)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in LAUNCH_FLAGS or name.replace("_", "-") in LAUNCH_FLAGS:
+            skip = "=" not in arg
+            continue
+        out.append(arg)
+    return out
+
+
+def torchrun_command(argv: Sequence[str], nproc_per_node: int, nnodes: int = 1, node_rank: int = 0,
+                     rdzv_endpoint: Optional[str] = None, module: str = "megapipe.cli") -> list[str]:
+    if nproc_per_node < 1 or nnodes < 1:
+        raise ConfigError(f"--nproc-per-node = {nproc_per_node} and --nnodes = {nnodes} must be >= 1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc_per_node)]
+    if nnodes == 1 and rdzv_endpoint is None:
+        cmd.append("--standalone")
+    else:
+        if rdzv_endpoint is None:
+            raise ConfigError(f"--nnodes = {nnodes} needs --rdzv-endpoint HOST:PORT (the same on every node)")
+        if not 0 <= node_rank < nnodes:
+            raise ConfigError(f"--node-rank = {node_rank} must be within [0, {nnodes - 1}]")
+        cmd += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", rdzv_endpoint]
+    return cmd + ["-m", module, *strip_launch_flags(argv)]
+
+
+def maybe_launch_torchrun(argv: Sequence[str], nproc_per_node: Optional[int], nnodes: int = 1, node_rank: int = 0,
+                          rdzv_endpoint: Optional[str] = None) -> Optional[int]:
+    """Run ``megapipe <argv>`` under torchrun and return its exit code; None when the caller should just go on
+    (already under torchrun/srun, or a single process was asked for)."""
+    if detect_env().launcher == "torchrun" or ((nproc_per_node or 1) == 1 and nnodes == 1):
+        return None  # a worker of torchrun, or one process (plain, or one srun task of many)
+    cmd = torchrun_command(argv, nproc_per_node or 1, nnodes, node_rank, rdzv_endpoint)
+    env = {**os.environ}
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (nproc_per_node or 1))))
+    return subprocess.call(cmd, env=env)

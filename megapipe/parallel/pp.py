@@ -1,0 +1,169 @@
+"""Pipeline parallelism: cut the model into stages and run them with a torch.distributed.pipelining schedule.
+
+A stage is the model itself with the layers of other stages deleted (layer keys keep their global numbers, so
+checkpoints stay layout-free), ``tok_embeddings``/``pos_embeddings`` only on the first stage and ``norm``/``output``
+only on the last (the model's forward accepts hidden states and returns them when those are None).
+Stage placement: one stage per rank for GPipe/1F1B; "loop" (stages r, r+P, ...) for Interleaved1F1B; "V" (stages r
+and 2P-1-r) for ZBVZeroBubble and DualPipeV. ``PipelineModel`` gathers this rank's stages under the model's own
+attribute names, so ``model.parameters()``/``state_dict()`` look like a (partial) Transformer to the optimizer and
+the checkpoint code.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+
+
+def layer_split(num_layers: int, num_stages: int, split: list[int] | None = None) -> list[int]:
+    """Layers per stage: the given split, or as even as possible with the extra layers on middle stages first
+    (the first and last stages also carry the embedding and the output head)."""
+    if split is not None:
+        return list(split)
+    base, rest = divmod(num_layers, num_stages)
+    counts = [base] * num_stages
+    order = list(range(1, num_stages - 1)) + [0, num_stages - 1] if num_stages > 2 else list(range(num_stages))
+    for i in order[:rest]:
+        counts[i] += 1
+    return counts
+
+
+def stage_ids(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
+    if schedule in V_SCHEDULES:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + i * pp for i in range(virtual)]
+
+
+def split_stage(model: nn.Module, stage: int, counts: list[int]) -> nn.Module:
+    """Stage ``stage`` of ``model`` (modified in place: pass a copy when this rank holds several stages)."""
+    first, last = stage == 0, stage == len(counts) - 1
+    start = sum(counts[:stage])
+    keep = {str(i) for i in range(start, start + counts[stage])}
+    for key in list(model.layers.keys()):
+        if key not in keep:
+            del model.layers[key]
+    if last and not first and model.output is None:
+        # tied output on a stage without the embedding: a replica of the embedding table, kept equal to it by
+        # summing the two gradients after each backward (Megatron's embedding group; see sync_tied_grads)
+        weight = model.tok_embeddings.weight
+        model.output = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device,
+                                 dtype=weight.dtype)
+        with torch.no_grad():
+            model.output.weight.copy_(weight)
+    if not first:
+        model.tok_embeddings = None
+        if getattr(model, "pos_embeddings", None) is not None:
+            model.pos_embeddings = None
+    if not last:
+        model.norm = None
+        model.output = None
+    return model
+
+
+class _WeightHolder(nn.Module):
+    def __init__(self, weight):
+        super().__init__()
+        self.weight = weight
+
+
+def tied_groups(dims) -> dict:
+    """For every (dp_replicate, dp_shard, cp, tp) coordinate, the group of its first and last pipeline ranks."""
+    import torch.distributed as dist
+
+    mesh = dims.world_mesh.mesh  # [pp, dp_replicate, dp_shard, cp, tp] of global ranks
+    mine = None
+    for coord in torch.cartesian_prod(*[torch.arange(n) for n in mesh.shape[1:]]).view(-1, mesh.dim() - 1):
+        ranks = [int(mesh[(0, *coord.tolist())]), int(mesh[(-1, *coord.tolist())])]
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine
+
+
+def sync_tied_grads(model, dims) -> None:
+    """Sum the gradients of a tied embedding and of its replica on the last stage, so both get the same update."""
+    import torch.distributed as dist
+
+    group = getattr(model, "tied_group", None)
+    if group is None:
+        return
+    weight = model.tok_embeddings.weight
+    grad = weight.grad
+    if grad is None:
+        grad = weight.grad = torch.zeros_like(weight)
+    if hasattr(grad, "placements") and tuple(grad.placements) != tuple(weight.placements):
+        grad = weight.grad = grad.redistribute(weight.device_mesh, weight.placements)  # same layout on both ends
+    local = grad.to_local() if hasattr(grad, "to_local") else grad
+    dist.all_reduce(local, group=group)
+
+
+class PipelineModel(nn.Module):
+    """This rank's pipeline stages seen as one (partial) model: same attribute and parameter names as the full
+    model. Run it with ``schedule`` (see megapipe.parallel.step), not by calling it."""
+
+    def __init__(self, parts: list[nn.Module], stage_indices: list[int], num_stages: int, tied: bool = False):
+        super().__init__()
+        self.tok_embeddings = self.pos_embeddings = self.norm = self.output = None
+        self.layers = nn.ModuleDict()
+        for part in parts:
+            for name in ("tok_embeddings", "pos_embeddings", "norm", "output"):
+                if getattr(part, name, None) is not None:
+                    setattr(self, name, getattr(part, name))
+            for key, block in part.layers.items():
+                self.layers[key] = block
+        if tied and self.output is not None and self.tok_embeddings is None:
+            # the replica of a tied embedding is saved/loaded under the embedding's own name, and its gradient
+            # counts once in the global norm
+            self.output.weight.tied_replica = True
+            self.tok_embeddings, self.output = _WeightHolder(self.output.weight), None
+        self.layers = nn.ModuleDict(dict(sorted(self.layers.items(), key=lambda kv: int(kv[0]))))
+        object.__setattr__(self, "parts", parts)
+        self.stage_indices = stage_indices
+        self.num_stages = num_stages
+        self.schedule = None
+        self.cfg = getattr(parts[0], "cfg", None)
+        self.loss_fn = None  # (logits, labels) -> mean loss; set by parallelize_model / train_step
+        self.scale_loss = None  # fp16 loss scaling, applied inside the schedule's backward
+        self.unscaled_losses: list = []
+
+    def schedule_loss(self, output, target):
+        """The loss the schedule backpropagates (per pipeline micro-batch); keeps the unscaled value for logging."""
+        loss = self.loss_fn(output, target)
+        self.unscaled_losses.append(loss.detach())
+        return self.scale_loss(loss) if self.scale_loss is not None else loss
+
+    @property
+    def has_first_stage(self) -> bool:
+        return 0 in self.stage_indices
+
+    @property
+    def has_last_stage(self) -> bool:
+        return self.num_stages - 1 in self.stage_indices
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a pipeline-parallel model runs through its schedule: use megapipe.parallel.step")
+
+
+def split_model(model: nn.Module, dims) -> tuple[list[nn.Module], list[int], int]:
+    """This rank's stage modules, their stage indices and the total number of stages."""
+    num_stages = dims.pp * dims.pp_virtual_stages
+    counts = layer_split(len(model.layers), num_stages, dims.pp_layer_split)
+    ids = stage_ids(dims.local_rank("pp"), dims.pp, dims.pp_virtual_stages, dims.pp_schedule)
+    parts = [split_stage(model if i == len(ids) - 1 else copy.deepcopy(model), s, counts) for i, s in enumerate(ids)]
+    return parts, ids, num_stages
+
+
+def build_schedule(parts, ids, num_stages, dims, n_microbatches: int, loss_fn, device) -> object:
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    group = dims.group("pp")
+    stages = [PipelineStage(p, s, num_stages, torch.device(device), group=group) for p, s in zip(parts, ids, strict=True)]
+    cls = get_schedule_class(dims.pp_schedule)
+    if len(stages) == 1 and dims.pp_schedule in ("GPipe", "1F1B"):
+        return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
+    return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)

@@ -1,0 +1,252 @@
+"""Multi-process equivalence cases, run under torchrun by tests/parallel/test_dist_*.py (many cases per launch).
+
+Every case trains a tiny model for a few SGD steps in one layout and compares, against a single-process run of the
+same seed and global batch computed on every rank: the per-step losses (relative), the gradients after step 1, the
+clipped gradient norm, and the weights after the last step. Usage:
+    torchrun --nproc-per-node N tests/dist/parallel_cases.py OUT.json CASE [CASE ...]
+CASE is a layout with options, e.g. "tp2", "pp2:schedule=GPipe", "dp_shard2,tp2:recompute=full:model=qk".
+Rank 0 writes {case: {"loss_rel": .., "grad_abs": .., "param_abs": .., "norm_rel": .., "error": ..}} to OUT.json.
+
+Checkpoint cases (AdamW, next to OUT.json): "tp2,pp2:save=NAME" trains 2 steps, saves NAME/step_00000002 with
+megapipe.checkpoint and writes the full model + optimizer tensors to NAME.ref.pt (plus the loss of a 3rd step);
+"dp_shard4:load=NAME" builds that layout, loads the checkpoint and reports the largest difference of every model
+and optimizer tensor to the reference and the relative difference of the 3rd-step loss.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from megapipe.config import Config, ModelConfig, ParallelConfig, TrainConfig
+from megapipe.models import build_model
+from megapipe.parallel.dims import ParallelDims, apply_layout, parse_layout
+from megapipe.parallel.step import clip_grad_norm_, eval_step, train_step
+
+SEQ, GLOBAL_BATCH, MICRO, STEPS, LR, CLIP = 16, 8, 2, 3, 0.5, 0.8
+
+MODELS = {
+    "base": dict(hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=128),
+    "tied": dict(hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=128,
+                 tie_embeddings=True),
+    "qk": dict(hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=128,
+               arch="qwen3", qk_norm=True, qkv_bias=True),
+    "gpt2": dict(arch="gpt2", hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, vocab_size=128,
+                 norm_type="layernorm", activation="gelu_tanh", position_embedding="learned", qkv_bias=True,
+                 attn_out_bias=True, mlp_bias=True, max_position_embeddings=64),
+    "deep": dict(hidden_size=32, intermediate_size=64, num_layers=8, num_heads=4, num_kv_heads=2, vocab_size=128),
+}
+
+
+def parse_case(text: str) -> tuple[dict, dict]:
+    layout, *opts = text.split(":")
+    options = dict(o.split("=", 1) for o in opts)
+    return parse_layout(layout), options
+
+
+def make_config(layout: dict, opts: dict) -> Config:
+    pc = apply_layout(ParallelConfig(), layout, opts.get("schedule"))
+    if "split" in opts:
+        pc.pp_layer_split = [int(x) for x in opts["split"].split("-")]
+    pc.sequence_parallel = opts.get("sp", "1") == "1"
+    pc.fsdp_reshard_after_forward = opts.get("reshard", "1") == "1"
+    if "mb" in opts:
+        pc.pp_microbatches = int(opts["mb"])
+    model = ModelConfig(**MODELS[opts.get("model", "base")])
+    train = TrainConfig(micro_batch_size=MICRO, global_batch_size=GLOBAL_BATCH, recompute=opts.get("recompute", "none"),
+                        precision=opts.get("precision", "fp32"), compile=opts.get("compile", "0") == "1")
+    cfg = Config(model=model, parallel=pc, train=train)
+    cfg.data.seq_length = SEQ
+    return cfg
+
+
+def batches(cfg: Config, steps: int):
+    g = torch.Generator().manual_seed(7)
+    data = torch.randint(0, cfg.model.vocab_size, (steps, GLOBAL_BATCH, SEQ + 1), generator=g)
+    return [{"tokens": d[:, :-1], "labels": d[:, 1:]} for d in data]
+
+
+def micro(batch: dict, lo: int, hi: int, size: int) -> list[dict]:
+    return [{k: v[i:i + size] for k, v in batch.items()} for i in range(lo, hi, size)]
+
+
+_REFERENCE: dict = {}
+
+
+def reference(cfg: Config) -> dict:
+    """Single-process losses, step-1 gradients, clip norm and final weights (cached per model)."""
+    key = json.dumps(cfg.model.__dict__, sort_keys=True, default=str)
+    if key in _REFERENCE:
+        return _REFERENCE[key]
+    model = build_model(cfg.model, seed=cfg.train.seed)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    trivial = ParallelDims()
+    out = {"losses": []}
+    for i, batch in enumerate(batches(cfg, STEPS)):
+        opt.zero_grad()
+        out["losses"].append(train_step(model, micro(batch, 0, GLOBAL_BATCH, MICRO), trivial).item())
+        if i == 0:
+            out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        norm = clip_grad_norm_(model, CLIP, trivial)
+        if i == 0:
+            out["norm"] = norm.item()
+        opt.step()
+    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    out["eval"] = eval_step(model, micro(batches(cfg, 1)[0], 0, GLOBAL_BATCH, MICRO), trivial).item()
+    _REFERENCE[key] = out
+    return out
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def max_diff(named, ref: dict) -> float:
+    worst = 0.0
+    for name, t in named:
+        if t is None:
+            raise AssertionError(f"{name} has no gradient")
+        worst = max(worst, (full(t).detach().float() - ref[name].float()).abs().max().item())
+    return worst
+
+
+def run_case(text: str) -> dict:
+    from megapipe.parallel.parallelize import parallelize_model
+
+    layout, opts = parse_case(text)
+    cfg = make_config(layout, opts)
+    ref = reference(cfg)
+    dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size(), cfg.train, cfg.model, SEQ)
+    dims.build_mesh("cpu")
+    model = parallelize_model(build_model(cfg.model, seed=cfg.train.seed), dims, cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    per_rank = GLOBAL_BATCH // dims.dp_size
+    lo = dims.dp_rank * per_rank
+    res = {"loss_rel": 0.0}
+    for i, batch in enumerate(batches(cfg, STEPS)):
+        opt.zero_grad()
+        loss = train_step(model, micro(batch, lo, lo + per_rank, MICRO), dims).item()
+        res["loss_rel"] = max(res["loss_rel"], abs(loss - ref["losses"][i]) / abs(ref["losses"][i]))
+        if i == 0:
+            grads = [(n, p.grad) for n, p in model.named_parameters()]
+            res["grad_abs"] = max_diff(grads, ref["grads"])
+        norm = clip_grad_norm_(model, CLIP, dims)
+        if i == 0:
+            res["norm_rel"] = abs(norm.item() - ref["norm"]) / ref["norm"]
+        opt.step()
+    res["param_abs"] = max_diff(model.named_parameters(), ref["params"])
+    # master weights and their gradients stay fp32 whatever the compute precision
+    res["not_fp32"] = float(any(p.dtype != torch.float32 or p.grad.dtype != torch.float32 for p in model.parameters()))
+    res["eval_rel"] = abs(eval_step(model, micro(batches(cfg, 1)[0], lo, lo + per_rank, MICRO), dims).item()
+                          - ref["eval"]) / ref["eval"]
+    res["n_params_checked"] = len(list(model.parameters()))
+    return res
+
+
+def full_state(model, opt) -> dict:
+    """name -> full tensor of every parameter and AdamW state of the whole model (gathered from all ranks)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    mine = {}
+    for n, p in model.named_parameters():
+        mine[f"model.{n}"] = full(p.detach()).clone()
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            if torch.is_tensor(v) and v.dim() > 0:
+                mine[f"optim.{names[id(p)]}.{k}"] = full(v).clone()
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    merged = {}
+    for part in parts:
+        merged.update(part)
+    return merged
+
+
+def run_checkpoint_case(text: str, root: str) -> dict:
+    from megapipe.checkpoint import load_checkpoint, save_checkpoint
+    from megapipe.parallel.parallelize import parallelize_model
+
+    layout, opts = parse_case(text)
+    cfg = make_config(layout, opts)
+    dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size(), cfg.train, cfg.model, SEQ)
+    dims.build_mesh("cpu")
+    model = parallelize_model(build_model(cfg.model, seed=cfg.train.seed), dims, cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
+    per_rank = GLOBAL_BATCH // dims.dp_size
+    lo = dims.dp_rank * per_rank
+    data = batches(cfg, 3)
+
+    def one_step(batch) -> float:
+        opt.zero_grad()
+        loss = train_step(model, micro(batch, lo, lo + per_rank, MICRO), dims).item()
+        clip_grad_norm_(model, CLIP, dims)
+        opt.step()
+        return loss
+
+    if "save" in opts:
+        base = f"{root}/{opts['save']}"
+        one_step(data[0])
+        one_step(data[1])
+        save_checkpoint(base, 2, model, opt)
+        ref = full_state(model, opt)
+        ref["loss3"] = torch.tensor(one_step(data[2]))
+        if dist.get_rank() == 0:
+            torch.save(ref, f"{base}.ref.pt")
+        dist.barrier()
+        return {"tensors": len(ref) - 1}
+    base = f"{root}/{opts['load']}"
+    load_checkpoint(f"{base}/step_00000002", model, opt)
+    ref = torch.load(f"{base}.ref.pt")
+    got = full_state(model, opt)
+    res = {"tensors": len(got)}
+    if set(got) != set(ref) - {"loss3"}:
+        raise AssertionError(f"state names differ: {sorted(set(got) ^ (set(ref) - {'loss3'}))[:6]}")
+    res["ckpt_model_abs"] = max((got[k] - ref[k]).abs().max().item() for k in got if k.startswith("model."))
+    res["ckpt_optim_abs"] = max((got[k] - ref[k]).abs().max().item() for k in got if k.startswith("optim."))
+    res["resume_loss_rel"] = abs(one_step(data[2]) - ref["loss3"].item()) / ref["loss3"].item()
+    return res
+
+
+def reduce_max(res: dict) -> dict:
+    keys = [k for k in res if k not in ("n_params_checked", "tensors")]
+    t = torch.tensor([res[k] for k in keys], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    out = dict(zip(keys, t.tolist(), strict=True))
+    if "n_params_checked" in res:
+        n = torch.tensor([res["n_params_checked"]])
+        dist.all_reduce(n)
+        out["n_params_checked"] = int(n.item())
+    if "tensors" in res:
+        out["tensors"] = res["tensors"]
+    return out
+
+
+def main() -> None:
+    out_path, cases = sys.argv[1], sys.argv[2:]
+    dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=120))
+    torch.use_deterministic_algorithms(True)
+    results = {}
+    for case in cases:
+        try:
+            if ":save=" in case or ":load=" in case:
+                results[case] = reduce_max(run_checkpoint_case(case, os.path.dirname(os.path.abspath(out_path))))
+            else:
+                results[case] = reduce_max(run_case(case))
+        except Exception as e:  # report and go on: one broken case must not hide the others
+            results[case] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
+            print(f"[rank {dist.get_rank()}] {case}: {results[case]['trace']}", file=sys.stderr, flush=True)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            print(case, results[case], flush=True)
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
