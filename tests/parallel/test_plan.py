@@ -1,0 +1,234 @@
+"""The layout planner: exact parameter counts, activation formulas, layout ranking, the CLI and its errors, and the
+memory model against a real CPU training step."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from megapipe.cli import main
+from megapipe.config import ModelConfig, load_config
+from megapipe.errors import ConfigError
+from megapipe.models import build_model, count_params
+from megapipe.parallel import plan as P
+from megapipe.parallel.dims import ParallelDims
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("check_plan_memory", ROOT / "tools" / "check_plan_memory.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _cfg(**over):
+    return load_config(None, over)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "llama3-1b", "llama3-8b", "llama3-70b", "qwen2.5-0.5b", "gpt2-124m"])
+def test_param_counts_match_the_model(preset):
+    cfg = load_config(None, {"model.preset": preset, "model.vocab_size": 4096} if preset == "tiny"
+                      else {"model.preset": preset}).model
+    assert P.param_counts(cfg).total == count_params(build_model(cfg, device="meta"))
+
+
+def test_param_counts_with_biases_qk_norm_and_learned_positions():
+    cfg = ModelConfig(vocab_size=1000, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
+                      num_kv_heads=2, qkv_bias=True, attn_out_bias=True, mlp_bias=True, qk_norm=True,
+                      norm_type="layernorm", position_embedding="learned", max_position_embeddings=128)
+    assert P.param_counts(cfg).total == count_params(build_model(cfg, device="meta"))
+
+
+def test_params_per_rank_under_tp_pp_fsdp():
+    cfg = _cfg(**{"model.preset": "llama3-8b", "train.global_batch_size": 16, "train.micro_batch_size": 1,
+                  "data.seq_length": 4096, "parallel.tp": 2, "parallel.pp": 4})
+    dims = ParallelDims.from_config(cfg.parallel, 16, cfg.train, cfg.model, 4096)
+    assert dims.dp_shard == 2
+    ranks = P.rank_memory(cfg, dims, 4096)
+    pc = P.param_counts(cfg.model)
+    assert [r.layers for r in ranks] == [8, 8, 8, 8]
+    layer = pc.layer_tp // 2 + pc.layer_rep
+    assert ranks[1].params == 8 * layer  # a middle stage: only its layers, split by tp
+    assert ranks[0].params == 8 * layer + pc.embedding_tp // 2
+    assert ranks[3].params == 8 * layer + pc.head_tp // 2 + pc.head_rep
+    assert sum(r.params for r in ranks) == (pc.total - 32 * pc.layer_rep - pc.head_rep) // 2 + 32 * pc.layer_rep \
+        + pc.head_rep
+    r = ranks[0]
+    assert r.params_sharded == -(-r.params // 2)  # FSDP over dp_shard = 2
+    assert (r.weights, r.grads, r.optimizer) == (4 * r.params_sharded, 4 * r.params_sharded, 8 * r.params_sharded)
+
+
+def test_tied_output_keeps_an_embedding_copy_on_the_last_stage():
+    cfg = _cfg(**{"model.preset": "llama3-1b", "train.global_batch_size": 4, "train.micro_batch_size": 1,
+                  "parallel.pp": 2})
+    dims = ParallelDims.from_config(cfg.parallel, 2, cfg.train, cfg.model, cfg.data.seq_length)
+    pc = P.param_counts(cfg.model)
+    first, last = P.rank_memory(cfg, dims, cfg.data.seq_length)
+    assert first.params == 8 * pc.layer + pc.embedding
+    assert last.params == 8 * pc.layer + pc.embedding + pc.head_rep
+
+
+def test_layer_activation_bytes_hand_computed():
+    # h 64, q 64 (4 heads x 16), kv 32, f 176, a 4
+    m = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=176, num_layers=2, num_heads=4, num_kv_heads=2)
+    # fp32: 6 h-wide fp32 tensors, q after rope + attention output, k after rope + v, 4 f-wide, logsumexp, 2 rsqrt
+    assert P.layer_activation_bytes(m, "fp32", "none") == 4 * (6 * 64 + 2 * 64 + 2 * 32 + 4 * 176 + 4) + 8 == 5144
+    # bf16: 4 fp32 residual/norm tensors, 5 bf16 linear-input casts, bf16 attention/MLP tensors
+    assert P.layer_activation_bytes(m, "bf16", "none") == 16 * 64 + 8 + 10 * 64 + 2 * (2 * 64 + 2 * 32) + 16 \
+        + 8 * 176 == 3480
+    assert P.layer_activation_bytes(m, "bf16", "full") == 4 * 64
+    assert P.layer_activation_bytes(m, "fp32", "selective") == 4 * 64 + 4 * (2 * 64 + 2 * 32 + 2 * 176) + 16 \
+        + 4 * 2 * 64
+    # tp 4 with sequence parallelism: residual/norm terms and attention/MLP split, the gathered linear inputs not
+    assert P.layer_activation_bytes(m, "bf16", "none", tp=4) == (16 * 64 + 8) / 4 + 10 * 64 \
+        + (2 * (2 * 64 + 2 * 32) + 16 + 8 * 176) / 4
+    # Llama-3-8B, bf16, per token and layer
+    m8 = load_config(None, {"model.preset": "llama3-8b"}).model
+    assert P.layer_activation_bytes(m8, "bf16", "none") == 26 * 4096 + 4 * 4096 + 4 * 1024 + 8 * 14336 + 128 + 8
+
+
+def test_korthikanti_formulas_gpt3_175b():
+    # GPT-3 175B (h 12288, a 96, s 2048, b 1), t 8: Korthikanti et al. 2022 Table 2, evaluated by hand
+    s, b, h, a, t = 2048, 1, 12288, 96, 8
+    assert P.korthikanti_layer_bytes(s, b, h, a) == s * h * (34 + 80) == 2_868_903_936
+    assert P.korthikanti_layer_bytes(s, b, h, a, t) == s * h * (10 + (24 + 80) / 8) == 578_813_952
+    assert P.korthikanti_layer_bytes(s, b, h, a, t, sp=True) == 358_612_992
+    assert P.korthikanti_layer_bytes(s, b, h, a, t, sp=True, recompute="selective") == 106_954_752
+    assert P.korthikanti_layer_bytes(s, b, h, a, t, sp=True, recompute="full") == 2 * s * h / 8
+
+
+def test_saved_activations_equal_the_formula_exactly():
+    """What autograd really saves in one forward (saved-tensor hooks, distinct storages, parameters excluded)."""
+    tool = _tool()
+    model_over = dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_layers=2, num_heads=4,
+                      num_kv_heads=2)
+    from megapipe.training.precision import autocast
+
+    for precision in ("fp32", "bf16"):
+        cfg = tool.build_cfg(precision, "none", 2, 2, model_over, seq=32)
+        model = build_model(cfg.model, seed=0)
+        tokens = torch.randint(0, 512, (2, 32))
+        measured = tool._saved_bytes(model, tokens, lambda p=precision: autocast(p, "cpu"))
+        predicted = tool.predict(cfg)["saved_activations"]
+        # the only unmodelled saved tensors are RoPE's cos/sin tables (2 x S x head_dim fp32 = 4 KB here)
+        assert abs(predicted - measured) <= 2 * 32 * 16 * 4, (precision, predicted, measured)
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc peak-RSS reset")
+@pytest.mark.parametrize("recompute,micro,global_", [("none", 2, 4), ("full", 2, 2)])
+def test_peak_memory_of_a_cpu_step_within_10_percent(recompute, micro, global_):
+    """Predicted vs measured peak resident memory of two fp32 AdamW steps in a fresh process. 10%: the model
+    counts tensors only; the resident set also holds allocator headers, page rounding and Python objects (a few
+    hundred KB here), and the peak's timing inside backward (which layer's gradients exist yet) is approximated."""
+    tool = _tool()
+    model = dict(vocab_size=4096, hidden_size=128, intermediate_size=352, num_layers=2, num_heads=4, num_kv_heads=2,
+                 tie_embeddings=False)
+    row = tool.compare(dict(name="t", precision="fp32", recompute=recompute, micro=micro, seq=256, model=model,
+                            **{"global": global_}))
+    assert abs(row["peak_error"]) < 0.10, row
+
+
+def test_ranking_returns_valid_layouts_only():
+    cfg = _cfg(**{"model.preset": "llama3-8b", "train.global_batch_size": 32, "train.micro_batch_size": 1,
+                  "data.seq_length": 8192, "train.precision": "bf16", "train.recompute": "selective"})
+    gpu = P.gpu_spec("h100")
+    cands = P.candidate_layouts(cfg, 16)
+    best, n_valid, n_fit = P.rank_layouts(cfg, 16, gpu, top=1000)
+    assert n_valid == len(cands) and 0 < n_fit <= n_valid and len(best) == n_fit
+    seen = set()
+    for d in cands:
+        lay = (d.dp_replicate, d.dp_shard, d.cp, d.tp, d.pp)
+        assert lay not in seen
+        seen.add(lay)
+        assert d.dp_replicate * d.dp_shard * d.cp * d.tp * d.pp == 16 and d.tp <= 8
+        ParallelDims.from_config(cfg.parallel.__class__(dp_replicate=d.dp_replicate, dp_shard=d.dp_shard, cp=d.cp,
+                                                        tp=d.tp, pp=d.pp), 16, cfg.train, cfg.model, 8192)
+    assert (1, 1, 1, 16, 1) not in seen  # tp across nodes
+    assert all(b.memory_bytes <= gpu.memory_bytes for b in best)
+    speeds = [b.tokens_per_s for b in best]
+    assert speeds == sorted(speeds, reverse=True)
+    # the layout with a 4-stage pipeline over 32/(4 dp) = 8 micro-batches carries its bubble (p-1)/(m+p-1)
+    d = next(d for d in cands if (d.pp, d.dp_shard, d.tp) == (4, 4, 1))
+    assert P.efficiency(d, d.num_pp_microbatches(cfg.train))["pp_bubble"] == pytest.approx(1 - 3 / 11)
+
+
+def test_step_flops_and_time():
+    cfg = _cfg(**{"model.preset": "llama3-8b", "train.global_batch_size": 64, "train.micro_batch_size": 1,
+                  "data.seq_length": 8192, "train.precision": "bf16", "train.recompute": "full"})
+    from megapipe.models import flops_per_token
+
+    r = P.plan(cfg, 64, "h100", mfu=0.4)
+    tokens = 64 * 8192
+    assert r["flops"]["none"]["model_flops"] == flops_per_token(cfg.model, 8192) * tokens
+    assert r["flops"]["full"]["hardware_flops"] == pytest.approx(r["flops"]["none"]["model_flops"] * 4 / 3)
+    eff = r["efficiency"]["total"]
+    assert r["step_time_s"] == pytest.approx(r["flops"]["full"]["hardware_flops"] / (64 * 989e12 * 0.4 * eff))
+
+
+def test_cli_json_and_tables(capsys):
+    args = ["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu-type", "h200", "--seq-length", "4096",
+            "--micro-batch-size", "1", "--global-batch-size", "16", "--precision", "bf16", "--tp", "2"]
+    assert main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["params"]["total"] == 8_030_261_248
+    assert out["gpu"]["memory_bytes"] == 141e9 and out["layout"]["tp"] == 2 and out["layout"]["dp_shard"] == 4
+    assert 0 < len(out["best_layouts"]) <= 5
+    assert all(b["dp_replicate"] * b["dp_shard"] * b["cp"] * b["tp"] * b["pp"] == 8 for b in out["best_layouts"])
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "memory per rank" in text and "best layouts for 8 GPUs" in text
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--tp", "3"], "not divisible by tp*pp*cp*dp_replicate"),
+    (["--tp", "2", "--pp", "2", "--dp-shard", "4"], "does not match the world size 8"),
+    (["--tp", "16", "--gpus", "16"], "spans more than one node"),
+    (["--gpu-type", "v100"], "allowed: a100, h100, h200"),
+    (["--mfu", "1.5"], "--mfu = 1.5"),
+    (["--set", "model.num_kv_heads=3"], "not divisible"),
+])
+def test_cli_bad_inputs(capsys, extra, message):
+    args = ["plan", "--model", "llama3-8b", "--gpus", "8", "--micro-batch-size", "1", "--global-batch-size", "16"]
+    if "--gpus" in extra:
+        args = args[:3] + args[5:]
+    assert main([*args, *extra]) != 0
+    assert message in capsys.readouterr().err
+
+
+def test_missing_vocab_size_is_a_clear_error():
+    with pytest.raises(ConfigError, match="model.vocab_size is not set"):
+        P.plan(_cfg(**{"model.preset": "tiny"}), 1)
+
+
+def test_cli_reads_a_yaml_config_and_set_overrides(tmp_path, capsys):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("model:\n  preset: llama3-1b\ntrain:\n  micro_batch_size: 2\n  global_batch_size: 32\n"
+                   "  precision: bf16\nparallel:\n  tp: 2\n")
+    assert main(["plan", "--config", str(cfg), "--gpus", "4", "--gpu-type", "A100", "--set", "data.seq_length=2048",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["layout"]["tp"] == 2 and out["layout"]["dp_shard"] == 2 and out["gpu"]["peak_flops"] == 312e12
+    loaded = load_config(cfg, ["data.seq_length=2048"])
+    assert out["flops"]["none"]["tokens"] == 32 * 2048
+    assert out["params"]["total"] == count_params(build_model(loaded.model, device="meta"))
+
+
+def test_pipeline_activations_follow_1f1b_in_flight_counts():
+    cfg = _cfg(**{"model.preset": "llama3-8b", "train.global_batch_size": 16, "train.micro_batch_size": 1,
+                  "data.seq_length": 4096, "train.precision": "bf16", "parallel.tp": 2, "parallel.pp": 4})
+    dims = ParallelDims.from_config(cfg.parallel, 16, cfg.train, cfg.model, 4096)
+    m = dims.num_pp_microbatches(cfg.train)
+    assert m == 8
+    ranks = P.rank_memory(cfg, dims, 4096)
+    layer = P.layer_activation_bytes(cfg.model, "bf16", "none", tp=2) * 4096
+    for r in ranks[:3]:  # stage i holds pp - i micro-batches of its 8 layers
+        assert r.activations["none"] == pytest.approx(8 * layer * (4 - r.pp_rank))
+    kept, transient = P.head_activation_bytes(cfg.model, "bf16", tp=2)
+    logits = m * 4096 * 2 * cfg.model.vocab_size / 2  # every micro-batch's bf16 logits, kept by the last stage
+    assert ranks[3].activations["none"] == pytest.approx(8 * layer + (kept + transient) * 4096 + logits)
