@@ -115,6 +115,7 @@ class TrainConfig:
     lr_decay_iters: Optional[int] = None  # None: train_iters
     lr_decay_style: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
     lr_wsd_decay_fraction: float = 0.1  # wsd: fraction of decay_iters spent decaying at the end
+    lr_wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = "linear"
 
 
 @dataclass

@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from stages.common import CONFIG_OPTION, SET_OPTION, build_config
+from stages.common import CONFIG_OPTION, SET_OPTION, build_config, multi_value_command
 
 ORDER = 30
 
@@ -35,19 +35,7 @@ def _value(x):
     return x.value if isinstance(x, Enum) else x
 
 
-def data_paths(given: Optional[List[str]], extra: List[str]) -> Optional[list[str]]:
-    """``--data-path 0.7 A 0.3 B``: click gives the first value to the option and the rest as extra arguments;
-    a quoted ``--data-path "0.7 A 0.3 B"`` works too."""
-    if not given:
-        if extra:
-            raise typer.BadParameter(f"unexpected arguments {' '.join(extra)!r} (blend weights and prefixes go "
-                                     "after --data-path)")
-        return None
-    return [part for item in [*given, *extra] for part in item.split()]
-
-
 def pretrain(
-    ctx: typer.Context,
     config: Optional[str] = CONFIG_OPTION,
     data_path: Optional[List[str]] = typer.Option(
         None, "--data-path", help="Data PREFIX, or a blend: --data-path 0.7 PREFIX_A 0.3 PREFIX_B."
@@ -92,7 +80,7 @@ def pretrain(
     if (bf16 or fp16) and precision is not None:
         raise ConfigError("--precision and --bf16/--fp16 are both given: choose one")
     flags = {
-        "data.data_path": data_paths(data_path, list(ctx.args)),
+        "data.data_path": list(data_path) if data_path else None,
         "data.split": split,
         "data.tokenizer": tokenizer,
         "data.seq_length": seq_length,
@@ -133,4 +121,4 @@ def run(cfg, quiet: bool = False) -> dict:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("pretrain", context_settings={"allow_extra_args": True})(pretrain)
+    app.command("pretrain", cls=multi_value_command("--data-path"))(pretrain)

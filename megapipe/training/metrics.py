@@ -1,0 +1,142 @@
+"""Training metrics: throughput and MFU, and one logger writing a console line, ``metrics.jsonl`` and TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+# Dense bf16/fp16 tensor-core peak per device (FLOP/s), from the vendors' data sheets; fp32 runs use the same
+# reference so MFU stays comparable across precisions (as Megatron and torchtitan report it).
+PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100 SXM": 989e12,
+    "H100 NVL": 835e12,
+    "H100 PCIe": 756e12,
+    "H100": 989e12,
+    "GH200": 989e12,
+    "B200": 2250e12,
+    "A100": 312e12,
+    "A10G": 70e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "V100": 125e12,
+}
+
+
+def device_peak_flops(device_type: str, override: float | None = None) -> float | None:
+    """Peak FLOP/s of one device: the override if given, else the table by CUDA device name, else None (CPU)."""
+    if override:
+        return float(override)
+    if device_type != "cuda":
+        return None
+    import torch
+
+    name = torch.cuda.get_device_name()
+    for key in sorted(PEAK_FLOPS, key=len, reverse=True):
+        if key in name:
+            return PEAK_FLOPS[key]
+    return None
+
+
+def mfu(tokens_per_s_per_device: float, flops_per_token: float, peak: float | None) -> float | None:
+    return None if not peak else tokens_per_s_per_device * flops_per_token / peak
+
+
+def _fmt(key: str, value) -> str:
+    if value is None:
+        return f"{key} n/a"
+    if isinstance(value, float):
+        if key in ("lr",):
+            return f"{key} {value:.3e}"
+        if key == "mfu":
+            return f"{key} {100 * value:.1f}%"
+        if key in ("tokens/s", "loss scale"):
+            return f"{key} {value:,.0f}"
+        return f"{key} {value:.4f}"
+    return f"{key} {value}"
+
+
+class MetricsLogger:
+    """Writes each record to ``run_dir/metrics.jsonl`` and TensorBoard, and prints a console line (unless quiet).
+
+    Only rank 0 writes (``enabled``). ``resume_step``: records past it (written by a run that died after its last
+    checkpoint) are dropped so the files describe one consistent run.
+    """
+
+    def __init__(self, run_dir: str | Path | None, enabled: bool = True, quiet: bool = False, resume_step: int = 0):
+        self.enabled = enabled and run_dir is not None
+        self.quiet = quiet or not enabled
+        self.path = Path(run_dir) / "metrics.jsonl" if run_dir is not None else None
+        self._file = None
+        self._tb = None
+        self._console = None
+        if not self.enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        _truncate_after(self.path, resume_step)
+        self._file = open(self.path, "a", buffering=1)
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.path.parent / "tensorboard"), purge_step=resume_step + 1)
+        except ImportError:  # tensorboard is a dependency, but metrics must never stop a run
+            self._tb = None
+
+    @property
+    def console(self):
+        if self._console is None:
+            from rich.console import Console
+
+            self._console = Console(highlight=False, soft_wrap=True)
+        return self._console
+
+    def print(self, text: str) -> None:
+        if not self.quiet:
+            self.console.print(text)
+
+    def log(self, record: dict, kind: str = "train") -> None:
+        """``record`` must hold ``step``; floats that are nan/inf are written as null in JSON."""
+        step = record["step"]
+        if self._file is not None:
+            clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+            self._file.write(json.dumps({"kind": kind, **clean}) + "\n")
+        if self._tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)) and v is not None:
+                    self._tb.add_scalar(f"{kind}/{k}", v, step)
+        if not self.quiet:
+            if kind == "train":
+                keys = [("loss", "loss"), ("lr", "lr"), ("grad_norm", "grad_norm"), ("tokens_per_s", "tokens/s"),
+                        ("mfu", "mfu"), ("loss_scale", "loss scale"), ("skipped", "skipped")]
+                parts = [_fmt(label, record.get(k)) for k, label in keys if k in record and (k != "skipped" or record[k])]
+                self.console.print(f"[bold]step {step}[/] | " + " | ".join(parts))
+            else:
+                parts = [_fmt(k, v) for k, v in record.items() if k != "step"]
+                self.console.print(f"[bold cyan]{kind} @ step {step}[/] | " + " | ".join(parts))
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    """Drop records with step > ``step`` (atomically: temp file, then rename)."""
+    if not path.exists():
+        return
+    keep = []
+    with open(path) as f:
+        for line in f:
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    keep.append(line)
+            except json.JSONDecodeError:  # a line cut by a kill -9
+                continue
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    tmp.write_text("".join(keep))
+    os.replace(tmp, path)

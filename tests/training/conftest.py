@@ -1,0 +1,52 @@
+"""Real tokenized data for trainer tests: the Shakespeare excerpt through the tiny tokenizer (~18k tokens)."""
+
+from __future__ import annotations
+
+import pytest
+
+TINY_MODEL = [
+    "model.preset=tiny", "model.num_layers=2", "model.hidden_size=64", "model.intermediate_size=128",
+    "model.num_heads=4", "model.num_kv_heads=2",
+]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread, and a second one only waits on a busy machine (tests share 2 cores)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def pretrain_data(tmp_path_factory, tiny_tokenizer_dir, shakespeare_excerpt):
+    """(data prefix, tokenizer dir)."""
+    from megapipe.data.preprocess import preprocess
+    from megapipe.data.tokenizer import load_tokenizer
+
+    out = tmp_path_factory.mktemp("pretrain_data")
+    stats = preprocess([str(shakespeare_excerpt)], out / "shakespeare", load_tokenizer(tiny_tokenizer_dir),
+                       append_eod=True)
+    return stats.outputs["text"], tiny_tokenizer_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_overrides():
+    return _tiny_overrides
+
+
+def _tiny_overrides(prefix, tokenizer, extra: dict | None = None) -> dict:
+    """Dotted overrides for a small, fast, deterministic run on the fixture data."""
+    from megapipe.config import parse_override
+
+    o = dict(parse_override(x) for x in TINY_MODEL)
+    o.update({
+        "data.data_path": [str(prefix)], "data.tokenizer": str(tokenizer), "data.seq_length": 32,
+        "data.split": "90,10,0", "train.micro_batch_size": 2, "train.global_batch_size": 4, "train.lr": 1e-2,
+        "train.lr_warmup_iters": 2, "train.log_interval": 1, "train.eval_iters": 2,
+    })
+    o.update(extra or {})
+    return o

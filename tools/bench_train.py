@@ -1,0 +1,170 @@
+"""Training-step benchmark: megapipe's Trainer step vs Hugging Face ``LlamaForCausalLM`` on the same config.
+
+Same shapes (default: Llama h256 x 6 layers, vocab 49152, batch 8 x 256, as in PROBES.md), same AdamW
+hyper-parameters, same precision, same random batch; eager and torch.compile. Every case runs in its own process
+so its peak memory (max RSS) is its own. Prints tokens/s, peak memory and the megapipe / HF ratios. On a shared
+machine wall-clock rates swing with the other load; the CPU seconds per step (process time, all threads) are the
+steadier comparison.
+
+    .venv/bin/python tools/bench_train.py                      # eager + compiled, fp32
+    .venv/bin/python tools/bench_train.py --modes eager --precision bf16 --steps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--intermediate", type=int, default=688)
+    p.add_argument("--vocab", type=int, default=49152)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--steps", type=int, default=5, help="timed steps")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation happens here)")
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
+    p.add_argument("--modes", default="eager,compiled")
+    p.add_argument("--impls", default="hf,megapipe")
+    p.add_argument("--worker", nargs=2, metavar=("IMPL", "MODE"), help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _batch(a):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=g)
+    return {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
+
+
+def megapipe_step(a, compiled: bool):
+    from megapipe.config import Config, ModelConfig, OptimConfig, TrainConfig
+    from megapipe.training.trainer import Trainer
+
+    cfg = Config(
+        model=ModelConfig(
+            vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate, num_layers=a.layers,
+            num_heads=a.heads, num_kv_heads=a.kv_heads, max_position_embeddings=a.seq, tie_embeddings=False,
+        ),
+        train=TrainConfig(
+            micro_batch_size=a.batch, global_batch_size=a.batch, train_iters=a.steps + a.warmup, lr=1e-4,
+            lr_decay_style="constant", precision=a.precision, compile=compiled,
+        ),
+        optim=OptimConfig(weight_decay=0.01, clip_grad=1.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8),
+    )
+    cfg.data.seq_length = a.seq
+    trainer = Trainer(cfg, quiet=True, with_data=False)
+    batch = _batch(a)
+    return lambda: trainer.train_step([batch])["loss"]
+
+
+def hf_step(a, compiled: bool):
+    import torch
+    import torch.nn.functional as F
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megapipe.training.precision import autocast
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate, num_hidden_layers=a.layers,
+        num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, max_position_embeddings=a.seq,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+    )
+    model = LlamaForCausalLM(config)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+    fwd = torch.compile(model) if compiled else model
+    scaler = torch.amp.GradScaler("cpu") if a.precision == "fp16" else None
+    batch = _batch(a)
+
+    def step():
+        with autocast(a.precision, "cpu"):
+            logits = fwd(input_ids=batch["tokens"]).logits
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+        else:
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return step
+
+
+def worker(a) -> None:
+    impl, mode = a.worker
+    start_rss = _rss_mb()
+    step = (megapipe_step if impl == "megapipe" else hf_step)(a, mode == "compiled")
+    t0 = time.perf_counter()
+    losses = [step() for _ in range(a.warmup)]
+    warm = time.perf_counter() - t0
+    t0, c0 = time.perf_counter(), time.process_time()
+    losses += [step() for _ in range(a.steps)]
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    print(json.dumps({
+        "impl": impl, "mode": mode, "tokens_per_s": a.batch * a.seq * a.steps / dt, "step_s": dt / a.steps, "cpu_s": cpu / a.steps,
+        "warmup_s": warm, "peak_rss_mb": _rss_mb(), "start_rss_mb": start_rss, "first_loss": losses[0],
+        "last_loss": losses[-1],
+    }))
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    if a.worker:
+        worker(a)
+        return 0
+    passthrough = [x for x in (argv if argv is not None else sys.argv[1:])]
+    results = {}
+    for mode in a.modes.split(","):
+        for impl in a.impls.split(","):
+            cmd = [sys.executable, __file__, *passthrough, "--worker", impl, mode]
+            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+            if proc.returncode != 0:
+                print(f"{impl} {mode} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+                return 1
+            r = json.loads(proc.stdout.strip().splitlines()[-1])
+            results[impl, mode] = r
+            print(f"{impl:9s} {mode:9s} {r['tokens_per_s']:9.0f} tok/s  step {r['step_s']:.3f}s "
+                  f"(CPU {r['cpu_s']:.3f}s)  "
+                  f"warmup {r['warmup_s']:.1f}s  peak RSS {r['peak_rss_mb']:.0f} MB "
+                  f"(+{r['peak_rss_mb'] - r['start_rss_mb']:.0f})  loss {r['first_loss']:.3f}->{r['last_loss']:.3f}",
+                  flush=True)
+    print(f"\nmodel h{a.hidden} x {a.layers} layers, vocab {a.vocab}, batch {a.batch} x {a.seq}, {a.precision}, "
+          f"AdamW, {a.steps} timed steps after {a.warmup} warm-up")
+    for mode in a.modes.split(","):
+        ours, hf = results.get(("megapipe", mode)), results.get(("hf", mode))
+        if ours and hf:
+            print(f"{mode:9s} megapipe / HF: speed {ours['tokens_per_s'] / hf['tokens_per_s']:.2f}x "
+                  f"(by CPU time per step {hf['cpu_s'] / ours['cpu_s']:.2f}x), "
+                  f"peak memory {ours['peak_rss_mb'] / hf['peak_rss_mb']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
