@@ -51,6 +51,17 @@ def torchrun_command(argv: Sequence[str], nproc_per_node: int, nnodes: int = 1, 
     return cmd + ["-m", module, *strip_launch_flags(argv)]
 
 
+def planned_world_size(nproc_per_node: Optional[int], nnodes: int = 1) -> int:
+    """The world size the job will have: torchrun's WORLD_SIZE when already under it, else
+    --nproc-per-node x --nnodes when we launch, else the srun task count (1 for a plain process)."""
+    env = detect_env()
+    if env.launcher == "torchrun":
+        return env.world_size
+    if (nproc_per_node or 1) * nnodes > 1:
+        return (nproc_per_node or 1) * nnodes
+    return env.world_size
+
+
 def maybe_launch_torchrun(argv: Sequence[str], nproc_per_node: Optional[int], nnodes: int = 1, node_rank: int = 0,
                           rdzv_endpoint: Optional[str] = None) -> Optional[int]:
     """Run ``megapipe <argv>`` under torchrun and return its exit code; None when the caller should just go on

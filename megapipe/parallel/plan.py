@@ -31,8 +31,8 @@ so the fp32 parameters ARE the master weights, there is no separate master copy)
 - pipeline: stage i of a 1F1B pipeline holds min(pp - i, m) micro-batches in flight (the first stage pp), GPipe
   all m; interleaved and V schedules: the first rank pp*(1 + (pp-1)/(pp*v)) micro-batches of all its layers
   (Korthikanti et al.'s interleaved formula, v = 2 for V schedules), later ranks min(m, pp - i + 1).
-- pipeline outputs: the last stage also keeps every micro-batch's logits (e*V/tp bytes per token) until the step
-  ends, what torch.distributed.pipelining does unless told not to (``PP_KEEPS_OUTPUTS``).
+- pipeline outputs: torch.distributed.pipelining would keep every micro-batch's logits (e*V/tp bytes per token) on
+  the last stage until the step ends; megapipe.parallel.step tells it not to (``PP_KEEPS_OUTPUTS`` = False).
 - not modelled: qk_norm's extra saved tensors (~8 B per q/kv element), context parallelism's ring-attention K/V
   buffers, the optimizer step's temporaries, NCCL buckets (in the fixed overhead).
 - a fixed overhead (CUDA context, NCCL and cuBLAS workspaces, allocator fragmentation): OVERHEAD_BYTES.
@@ -74,8 +74,8 @@ TP_LOSS_PER_DOUBLING = 0.05  # exposed TP all-gather/reduce-scatter per doubling
 CP_LOSS_PER_DOUBLING = 0.05  # exposed ring-attention K/V exchange per doubling of cp
 DP_OFF_NODE_LOSS = 0.03  # gradient reduce-scatter/all-gather over the network when the FSDP/DP group spans nodes
 # torch.distributed.pipelining keeps the last stage's output (the logits) of every micro-batch until the step ends
-# unless schedule.step(..., return_outputs=False); megapipe.parallel.step does not pass it (torch 2.13). Measured.
-PP_KEEPS_OUTPUTS = True
+# unless schedule.step(..., return_outputs=False), which megapipe.parallel.step passes (torch 2.13).
+PP_KEEPS_OUTPUTS = False
 RECOMPUTE_MODES = ("none", "selective", "full")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 

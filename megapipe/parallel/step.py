@@ -91,7 +91,8 @@ def _pipeline_step(model: PipelineModel, microbatches, dims, loss_fn, context, s
         run, saved_grads = model.schedule.step, [(p, p.grad) for p in model.parameters()]
     with loss_parallel_context(dims.loss_parallel), context(), torch.enable_grad() if saved_grads else _null():
         args = (tokens,) if model.has_first_stage else ()
-        run(*args, target=labels if model.has_last_stage else None, losses=[])
+        # return_outputs=False: the last stage does not keep every micro-batch's logits until the step ends
+        run(*args, target=labels if model.has_last_stage else None, losses=[], return_outputs=False)
     for p, g in saved_grads or []:
         p.grad = g
     if not eval_only:

@@ -77,6 +77,29 @@ def resolve_train_iters(cfg: Config) -> int:
     raise ConfigError("neither train.train_iters (--train-iters) nor train.train_tokens (--train-tokens) is set")
 
 
+def find_checkpoint(c) -> tuple[Optional[Path], Optional[Path]]:
+    """(checkpoint to resume from, checkpoint the run descends from) for CheckpointConfig ``c``; --finetune
+    resumes nothing."""
+    if c.load is None:
+        return None, None
+    from megapipe.checkpoint import find_latest, resolve_checkpoint
+
+    ckpt = find_latest(c.load) if Path(c.load).exists() else None
+    if ckpt is None and c.save is not None and Path(c.load).absolute() == Path(c.save).absolute():
+        return None, None  # --save X --load X on a fresh run dir: start, and resume on the next launch
+    ckpt = resolve_checkpoint(c.load)  # raises a CheckpointError saying what is wrong
+    return (None if c.finetune else ckpt), ckpt
+
+
+def base_model_config(m: ModelConfig, parent_ckpt: Optional[Path]) -> ModelConfig:
+    """Loading a checkpoint with no model given (no preset, defaults untouched): take its model config."""
+    if parent_ckpt is None or m != ModelConfig():
+        return m
+    from megapipe.checkpoint import read_manifest
+
+    return from_dict(ModelConfig, read_manifest(parent_ckpt)["model"], "model.")
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -141,34 +164,28 @@ class Trainer:
         return load_tokenizer(path) if path is not None else None
 
     def _find_checkpoint(self):
-        """(checkpoint to resume from, checkpoint this run descends from); --finetune resumes nothing."""
-        c = self.cfg.checkpoint
-        if c.load is None:
-            return None, None
-        from megapipe.checkpoint import find_latest, resolve_checkpoint
-
-        ckpt = find_latest(c.load) if Path(c.load).exists() else None
-        if ckpt is None and c.save is not None and Path(c.load).absolute() == Path(c.save).absolute():
-            return None, None  # --save X --load X on a fresh run dir: start, and resume on the next launch
-        ckpt = resolve_checkpoint(c.load)  # raises a CheckpointError saying what is wrong
-        return (None if c.finetune else ckpt), ckpt
+        return find_checkpoint(self.cfg.checkpoint)
 
     def _model_config(self) -> ModelConfig:
-        """Loading a checkpoint with no model given (no preset, defaults untouched): take its model config."""
-        m = self.cfg.model
-        if self.parent_ckpt is None or m != ModelConfig():
-            return m
-        from megapipe.checkpoint import read_manifest
-
-        return from_dict(ModelConfig, read_manifest(self.parent_ckpt)["model"], "model.")
+        return base_model_config(self.cfg.model, self.parent_ckpt)
 
     def _build_model(self):
         from megapipe.parallel.parallelize import parallelize_model
+        from megapipe.training.loss import FusedLinearCrossEntropy
 
         model = build_model(self.cfg.model, device=self.device, seed=self.cfg.train.seed)
-        # --compile covers the loss too: log-softmax, NLL and their backward fuse into few passes over the logits
-        # (the largest tensors of a small model). Vocabulary-sharded DTensor logits (TP) stay eager.
-        self.loss = torch.compile(self.loss_fn) if self.cfg.train.compile and self.dims.tp == 1 else self.loss_fn
+        d = self.dims
+        if type(self).loss_fn is Trainer.loss_fn and d.tp == d.pp == d.cp == d.dp_size == 1:
+            # the output projection runs inside the loss, chunk by chunk: the [tokens, vocab] logits never exist
+            # whole (a subclass with its own loss_fn gets logits)
+            model.return_hidden = True
+            self.loss = FusedLinearCrossEntropy(model.output_weight)
+        elif self.cfg.train.compile and d.tp == 1:
+            # --compile covers the loss too: log-softmax, NLL and their backward fuse into few passes over the
+            # logits (the largest tensors of a small model). Vocabulary-sharded DTensor logits (TP) stay eager.
+            self.loss = torch.compile(self.loss_fn)
+        else:
+            self.loss = self.loss_fn
         return parallelize_model(model, self.dims, self.cfg, loss_fn=self.loss, device=self.device)
 
     def _load_checkpoint(self) -> dict:
