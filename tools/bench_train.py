@@ -4,7 +4,13 @@ Same shapes (default: Llama h256 x 6 layers, vocab 49152, batch 8 x 256, as in P
 hyper-parameters, same precision, same random batch; eager and torch.compile. Every case runs in its own process
 so its peak memory (max RSS) is its own. Prints tokens/s, peak memory and the megapipe / HF ratios. On a shared
 machine wall-clock rates swing with the other load; the CPU seconds per step (process time, all threads) are the
-steadier comparison.
+steadier comparison. Both sides run with the same number of threads (--threads).
+
+Implementations: ``hf`` = ``LlamaForCausalLM(input_ids).logits`` + ``F.cross_entropy`` (the usual user code; HF's
+default attention), ``megapipe`` = the Trainer's step (fused chunked output projection + cross-entropy),
+``megapipe-unfused`` = the same with the plain logits -> cross-entropy loss. Modes: ``eager``, ``compiled`` (HF:
+``torch.compile(model)``; megapipe: ``--compile`` as the Trainer does it, per block), ``compiled-model`` (megapipe
+with the whole model under one ``torch.compile``).
 
     .venv/bin/python tools/bench_train.py                      # eager + compiled, fp32
     .venv/bin/python tools/bench_train.py --modes eager --precision bf16 --steps 3
@@ -39,6 +45,7 @@ def parse_args(argv=None):
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
     p.add_argument("--modes", default="eager,compiled")
     p.add_argument("--impls", default="hf,megapipe")
+    p.add_argument("--threads", type=int, default=2, help="torch threads in every case")
     p.add_argument("--worker", nargs=2, metavar=("IMPL", "MODE"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -55,7 +62,9 @@ def _batch(a):
     return {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous()}
 
 
-def megapipe_step(a, compiled: bool):
+def megapipe_step(a, mode: str, fused: bool = True):
+    import torch
+
     from megapipe.config import Config, ModelConfig, OptimConfig, TrainConfig
     from megapipe.training.trainer import Trainer
 
@@ -66,17 +75,26 @@ def megapipe_step(a, compiled: bool):
         ),
         train=TrainConfig(
             micro_batch_size=a.batch, global_batch_size=a.batch, train_iters=a.steps + a.warmup, lr=1e-4,
-            lr_decay_style="constant", precision=a.precision, compile=compiled,
+            lr_decay_style="constant", precision=a.precision, compile=mode == "compiled",
         ),
         optim=OptimConfig(weight_decay=0.01, clip_grad=1.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8),
     )
     cfg.data.seq_length = a.seq
-    trainer = Trainer(cfg, quiet=True, with_data=False)
+    cls = Trainer
+    if not fused:
+        class Unfused(Trainer):  # its own loss_fn: the Trainer keeps the logits path
+            def loss_fn(self, logits, labels):
+                return super().loss_fn(logits, labels)
+
+        cls = Unfused
+    trainer = cls(cfg, quiet=True, with_data=False)
+    if mode == "compiled-model":
+        trainer.model = torch.compile(trainer.model)
     batch = _batch(a)
     return lambda: trainer.train_step([batch])["loss"]
 
 
-def hf_step(a, compiled: bool):
+def hf_step(a, mode: str):
     import torch
     import torch.nn.functional as F
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -92,7 +110,7 @@ def hf_step(a, compiled: bool):
     model = LlamaForCausalLM(config)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
-    fwd = torch.compile(model) if compiled else model
+    fwd = torch.compile(model) if mode != "eager" else model
     scaler = torch.amp.GradScaler("cpu") if a.precision == "fp16" else None
     batch = _batch(a)
 
@@ -118,9 +136,15 @@ def hf_step(a, compiled: bool):
 
 
 def worker(a) -> None:
+    import torch
+
     impl, mode = a.worker
+    torch.set_num_threads(a.threads)
     start_rss = _rss_mb()
-    step = (megapipe_step if impl == "megapipe" else hf_step)(a, mode == "compiled")
+    if impl == "hf":
+        step = hf_step(a, mode)
+    else:
+        step = megapipe_step(a, mode, fused=impl == "megapipe")
     t0 = time.perf_counter()
     losses = [step() for _ in range(a.warmup)]
     warm = time.perf_counter() - t0
@@ -150,7 +174,7 @@ def main(argv=None) -> int:
                 return 1
             r = json.loads(proc.stdout.strip().splitlines()[-1])
             results[impl, mode] = r
-            print(f"{impl:9s} {mode:9s} {r['tokens_per_s']:9.0f} tok/s  step {r['step_s']:.3f}s "
+            print(f"{impl:16s} {mode:14s} {r['tokens_per_s']:9.0f} tok/s  step {r['step_s']:.3f}s "
                   f"(CPU {r['cpu_s']:.3f}s)  "
                   f"warmup {r['warmup_s']:.1f}s  peak RSS {r['peak_rss_mb']:.0f} MB "
                   f"(+{r['peak_rss_mb'] - r['start_rss_mb']:.0f})  loss {r['first_loss']:.3f}->{r['last_loss']:.3f}",
@@ -158,9 +182,12 @@ def main(argv=None) -> int:
     print(f"\nmodel h{a.hidden} x {a.layers} layers, vocab {a.vocab}, batch {a.batch} x {a.seq}, {a.precision}, "
           f"AdamW, {a.steps} timed steps after {a.warmup} warm-up")
     for mode in a.modes.split(","):
-        ours, hf = results.get(("megapipe", mode)), results.get(("hf", mode))
-        if ours and hf:
-            print(f"{mode:9s} megapipe / HF: speed {ours['tokens_per_s'] / hf['tokens_per_s']:.2f}x "
+        hf = results.get(("hf", mode)) or results.get(("hf", "compiled"))
+        for impl in ("megapipe", "megapipe-unfused"):
+            ours = results.get((impl, mode))
+            if not (ours and hf):
+                continue
+            print(f"{mode:14s} {impl} / HF: speed {ours['tokens_per_s'] / hf['tokens_per_s']:.2f}x "
                   f"(by CPU time per step {hf['cpu_s'] / ours['cpu_s']:.2f}x), "
                   f"peak memory {ours['peak_rss_mb'] / hf['peak_rss_mb']:.2f}x")
     return 0

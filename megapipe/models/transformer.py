@@ -2,7 +2,8 @@
 
 Plain PyTorch with torchtitan-like names; parallelism is applied from outside (megapipe.parallel). The forward
 tolerates pipeline stages: without ``tok_embeddings`` (or given float input) it takes hidden states, and without
-``norm`` it returns hidden states.
+``norm`` it returns hidden states. ``model.return_hidden = True`` makes the last stage return the final normed
+hidden states instead of logits, for a loss that applies the output projection itself (``output_weight()``).
 """
 
 from __future__ import annotations
@@ -64,14 +65,17 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.num_layers)})
         self.norm = build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.return_hidden = False
         if cfg.position_embedding == "rope":
             inv_frequencies(cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling)  # a bad rope_scaling fails here
 
     def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None, cache=None,
-                last_only: bool = False) -> torch.Tensor:
+                last_only: bool = False, return_hidden: Optional[bool] = None) -> torch.Tensor:
         """tokens [B, S] ids (or [B, S, H] hidden states on a later pipeline stage); positions [S] or [B, S].
 
         ``last_only``: logits of the last position only ([B, 1, V]), what a generation step needs.
+        ``return_hidden`` (default: the ``return_hidden`` attribute): the final normed hidden states [B, S, H]
+        instead of the logits.
         """
         if positions is None:
             start = cache.length if cache is not None else 0
@@ -93,6 +97,8 @@ class Transformer(nn.Module):
         if self.norm is None:
             return h
         h = self.norm(h[:, -1:] if last_only else h)
+        if self.return_hidden if return_hidden is None else return_hidden:
+            return h
         if self.output is not None:
             logits = self.output(h)
         elif self.tok_embeddings is not None:
@@ -100,6 +106,14 @@ class Transformer(nn.Module):
         else:
             raise RuntimeError("the tied output projection needs tok_embeddings on the last pipeline stage")
         return logits if torch.is_autocast_enabled(logits.device.type) else logits.float()
+
+    def output_weight(self) -> torch.Tensor:
+        """The output projection's weight [V, H]: ``output.weight``, or the embedding table when tied."""
+        if self.output is not None:
+            return self.output.weight
+        if self.tok_embeddings is None:
+            raise RuntimeError("the tied output projection needs tok_embeddings on the last pipeline stage")
+        return self.tok_embeddings.weight
 
     @torch.no_grad()
     def init_weights(self) -> None:

@@ -1,0 +1,102 @@
+"""The fused, chunked output projection + cross-entropy against the plain path (logits -> cross_entropy)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megapipe.config import ModelConfig, load_config
+from megapipe.models import build_model
+from megapipe.training.loss import FusedLinearCrossEntropy, fused_linear_cross_entropy
+from megapipe.training.trainer import Trainer
+
+
+def _model(tied: bool):
+    cfg = ModelConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, max_position_embeddings=64, tie_embeddings=tied)
+    return build_model(cfg, seed=0)
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_fused_loss_matches_logits_and_cross_entropy_through_the_model(tied):
+    """Loss and every parameter gradient, tied and untied output weights, ignored labels, a ragged last chunk."""
+    model = _model(tied)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 300, (3, 20), generator=g)
+    labels = torch.randint(0, 300, (3, 20), generator=g)
+    labels[0, :5] = -100
+    labels[2, -3:] = -100
+
+    ref = F.cross_entropy(model(tokens).flatten(0, 1), labels.flatten(), ignore_index=-100)
+    ref.backward()
+    ref_grads = _grads(model)
+    model.zero_grad(set_to_none=True)
+
+    model.return_hidden = True
+    hidden = model(tokens)
+    assert hidden.shape == (3, 20, 32)
+    loss = FusedLinearCrossEntropy(model.output_weight, chunk=16)(hidden, labels)  # 60 tokens: chunks 16,16,16,12
+    loss.backward()
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
+    assert (model.output_weight() is model.tok_embeddings.weight) == tied
+    for name, grad in _grads(model).items():
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_gradient_scale_no_grad_and_all_ignored():
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(2, 7, 16, generator=g, requires_grad=True)
+    w = torch.randn(50, 16, generator=g, requires_grad=True)
+    y = torch.randint(0, 50, (2, 7), generator=g)
+    (F.cross_entropy((h @ w.t()).flatten(0, 1), y.flatten()) * 0.25).backward()  # as 4 micro-batches do
+    ref_h, ref_w = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    (fused_linear_cross_entropy(h, w, y, chunk=5) * 0.25).backward()
+    torch.testing.assert_close(h.grad, ref_h, rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(w.grad, ref_w, rtol=1e-5, atol=1e-8)
+
+    with torch.no_grad():
+        value = fused_linear_cross_entropy(h, w, y)
+    assert not value.requires_grad
+    assert value.item() == pytest.approx(F.cross_entropy((h @ w.t()).flatten(0, 1), y.flatten()).item(), rel=1e-6)
+    assert math.isnan(fused_linear_cross_entropy(h, w, torch.full_like(y, -100)).item())  # as cross_entropy: 0 / 0
+
+
+def test_bf16_autocast_stays_close_to_the_plain_autocast_path():
+    model = _model(tied=False)
+    tokens = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(3))
+    labels = torch.roll(tokens, -1, 1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = F.cross_entropy(model(tokens).flatten(0, 1).float(), labels.flatten())
+        fused = fused_linear_cross_entropy(model(tokens, return_hidden=True), model.output_weight(), labels)
+    assert fused.dtype == torch.float32
+    assert fused.item() == pytest.approx(ref.item(), rel=2e-3)
+
+
+class Unfused(Trainer):
+    """Its own loss_fn (the same cross-entropy): the trainer then keeps the logits path."""
+
+    def loss_fn(self, logits, labels):
+        return super().loss_fn(logits, labels)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_trainer_losses_are_unchanged_by_the_fused_path(tied, tiny_overrides, pretrain_data):
+    """3 steps of 2 micro-batches each (the loss is divided by 2 before backward), AdamW, fp32."""
+    losses = {}
+    for cls in (Trainer, Unfused):
+        extra = {"train.train_iters": 3, "model.tie_embeddings": tied, "train.eval_iters": 0}
+        trainer = cls(load_config(None, tiny_overrides(*pretrain_data, extra)), quiet=True)
+        assert isinstance(trainer.loss, FusedLinearCrossEntropy) == (cls is Trainer)
+        assert trainer.model.return_hidden == (cls is Trainer)
+        it = iter(trainer.train_loader)
+        losses[cls] = [trainer.train_step(trainer._next_microbatches(it, "train"))["loss"] for _ in range(3)]
+    assert losses[Trainer] == pytest.approx(losses[Unfused], rel=1e-6)
+    assert losses[Trainer][2] < losses[Trainer][0]
