@@ -26,6 +26,29 @@ def tiny_tokenizer_dir(tmp_path_factory, shakespeare_excerpt) -> Path:
     return out
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny models run fastest on one thread, and a second one only waits on a busy machine (tests share 2 cores)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def pretrain_data(tmp_path_factory, tiny_tokenizer_dir, shakespeare_excerpt):
+    """(data prefix, tokenizer dir): the excerpt tokenized with the tiny tokenizer (~18k tokens)."""
+    from megapipe.data.preprocess import preprocess
+    from megapipe.data.tokenizer import load_tokenizer
+
+    out = tmp_path_factory.mktemp("pretrain_data")
+    stats = preprocess([str(shakespeare_excerpt)], out / "shakespeare", load_tokenizer(tiny_tokenizer_dir),
+                       append_eod=True)
+    return stats.outputs["text"], tiny_tokenizer_dir
+
+
 @pytest.fixture(scope="session")
 def megatron_indexed():
     """megatron-core's own ``megatron.core.datasets.indexed_dataset`` module. Loaded from its real file but, when

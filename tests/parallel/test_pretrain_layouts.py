@@ -34,26 +34,14 @@ TRAIN = ["--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size",
          "--log-interval", "1", "--quiet"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory, tiny_tokenizer_dir, shakespeare_excerpt):
+def data(pretrain_data):
     """Common arguments: the Shakespeare excerpt tokenized with the tiny tokenizer, the model, the batch."""
-    from megapipe.data.preprocess import preprocess
-    from megapipe.data.tokenizer import load_tokenizer
-
-    out = tmp_path_factory.mktemp("layouts_data")
-    stats = preprocess([str(shakespeare_excerpt)], out / "shakespeare", load_tokenizer(tiny_tokenizer_dir),
-                       append_eod=True)
-    return ["--data-path", stats.outputs["text"], "--tokenizer", str(tiny_tokenizer_dir), *MODEL, *TRAIN]
+    prefix, tokenizer = pretrain_data
+    return ["--data-path", str(prefix), "--tokenizer", str(tokenizer), *MODEL, *TRAIN]
 
 
 def megapipe(args: list[str]) -> None:

@@ -1,4 +1,4 @@
-"""Real tokenized data for trainer tests: the Shakespeare excerpt through the tiny tokenizer (~18k tokens)."""
+"""Trainer tests: small deterministic runs on the Shakespeare excerpt (fixtures in tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -11,26 +11,8 @@ TINY_MODEL = [
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread, and a second one only waits on a busy machine (tests share 2 cores)."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="session")
-def pretrain_data(tmp_path_factory, tiny_tokenizer_dir, shakespeare_excerpt):
-    """(data prefix, tokenizer dir)."""
-    from megapipe.data.preprocess import preprocess
-    from megapipe.data.tokenizer import load_tokenizer
-
-    out = tmp_path_factory.mktemp("pretrain_data")
-    stats = preprocess([str(shakespeare_excerpt)], out / "shakespeare", load_tokenizer(tiny_tokenizer_dir),
-                       append_eod=True)
-    return stats.outputs["text"], tiny_tokenizer_dir
+def _one_thread(one_thread):
+    """Every trainer test runs on one thread (see tests/conftest.py)."""
 
 
 @pytest.fixture(scope="session")
