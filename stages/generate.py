@@ -32,8 +32,9 @@ def generate(
     from megapipe.data.tokenizer import load_tokenizer
     from megapipe.errors import MegapipeError
     from megapipe.inference import generate as run_generate
+    from megapipe.inference import resolve_device
 
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(device)
     model, _, tokenizer_dir = load_model_for_inference(ckpt, device=device, dtype=torch.bfloat16 if bf16 else None)
     if tokenizer is None and tokenizer_dir is None:
         raise MegapipeError(f"checkpoint {ckpt} holds no tokenizer/: give one with --tokenizer")

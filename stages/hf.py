@@ -16,10 +16,12 @@ ORDER = 80
 
 def _progress(description: str, quiet: bool):
     """A rich progress bar and the (done, total) callback that drives it."""
+    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+    # no bar on a pipe or file: a transient bar still leaves an empty line there
     bar = Progress(TextColumn(description), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                   transient=True, disable=quiet)
+                   transient=True, disable=quiet or not Console().is_terminal)
     task = bar.add_task(description, total=None)
     return bar, lambda done, total: bar.update(task, completed=done, total=total)
 

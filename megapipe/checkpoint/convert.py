@@ -21,6 +21,7 @@ from megapipe.checkpoint.manifest import (
     MANIFEST_NAME,
     fsync_dir,
     lineage,
+    make_tmp_dir,
     read_manifest,
     resolve_checkpoint,
     tmp_name,
@@ -130,7 +131,7 @@ def to_safetensors(
     head += b" " * (-len(head) % 8)
 
     tmp = tmp_name(out.absolute())
-    tmp.mkdir(parents=True)
+    make_tmp_dir(tmp, out)
     try:
         with open(tmp / "model.safetensors", "wb") as f:
             f.write(struct.pack("<Q", len(head)))

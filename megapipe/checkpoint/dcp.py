@@ -41,6 +41,7 @@ from megapipe.checkpoint.manifest import (
     is_complete,
     list_checkpoints,
     list_files,
+    make_tmp_dir,
     new_manifest,
     read_manifest,
     resolve_checkpoint,
@@ -163,7 +164,7 @@ def write_checkpoint(
     parts, optims = _as_list(model), _as_list(optimizer)
     what = f"saving checkpoint {final}"
     try:
-        _together(what, lambda: (tmp / "extra").mkdir(parents=True), rank0_only=True)
+        _together(what, lambda: make_tmp_dir(tmp, final, "extra"), rank0_only=True)
         _together(what, lambda: _write_states(tmp, parts, optims))
         _together(what, lambda: _commit(tmp, final, step, extra_state, manifest, tokenizer), rank0_only=True)
     except BaseException:

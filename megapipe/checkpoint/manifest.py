@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 import uuid
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megapipe.errors import CheckpointError
+
+log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "megapipe.json"
@@ -47,6 +50,14 @@ def step_dir_name(step: int) -> str:
 def tmp_name(final: Path) -> Path:
     """A sibling name that is never taken for a checkpoint (``step_00000010.tmp-1a2b3c``)."""
     return final.with_name(f"{final.name}.tmp-{uuid.uuid4().hex[:12]}")
+
+
+def make_tmp_dir(tmp: Path, final: Path, sub: str = "") -> None:
+    """Create ``tmp/sub`` (the temporary twin of output ``final``); an unwritable place is the user's mistake."""
+    try:
+        (tmp / sub if sub else tmp).mkdir(parents=True)
+    except OSError as e:
+        raise CheckpointError(f"cannot create output {final}: {e.strerror} ({e.filename})") from None
 
 
 def new_manifest(step: int, fields: Optional[dict] = None) -> dict:
@@ -228,6 +239,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
                 f"{path} holds no complete checkpoint (the newest, {ckpt.name}, is unusable: {incomplete_reason(ckpt)})"
             )
         raise CheckpointError(f"{path} is not a megapipe checkpoint: it has no {MANIFEST_NAME} and no step_* checkpoints")
+    skipped = [c for step, c in list_checkpoints(path) if step > (_step_of(latest) or 0)]
+    if skipped:  # an interrupted save; say so rather than silently use older weights
+        log.warning("warning: skipping %s (%s); using %s", skipped[-1], incomplete_reason(skipped[-1]), latest)
     return latest
 
 

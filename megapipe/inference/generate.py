@@ -52,6 +52,23 @@ def _check(prompts, max_new_tokens, temperature, top_k, top_p) -> None:
             raise MegapipeError(f"prompt {i + 1} has no tokens")
 
 
+def resolve_device(name: Optional[str]) -> torch.device:
+    """``--device`` -> a torch.device that exists here (default: cuda when present, else cpu)."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise MegapipeError(f"--device {name!r} is not a device (use cpu, cuda or cuda:N)") from None
+    backend = getattr(torch, device.type, None)
+    if device.type != "cpu" and not (hasattr(backend, "is_available") and backend.is_available()):
+        raise MegapipeError(f"--device {name!r}: no {device.type} device is available on this machine")
+    count = backend.device_count() if device.type != "cpu" and hasattr(backend, "device_count") else None
+    if device.index is not None and count is not None and device.index >= count:
+        raise MegapipeError(f"--device {name!r}: this machine has {count} {device.type} device(s)")
+    return device
+
+
 def _generators(n: int, seed: Optional[int], device) -> list[torch.Generator]:
     gens = []
     for _ in range(n):
@@ -79,7 +96,7 @@ def generate_ids(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, t
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     longest = int(lengths.max())
     cfg = model.cfg
-    if cfg.position_embedding == "learned" and longest + max_new_tokens > cfg.max_position_embeddings:
+    if longest + max_new_tokens > cfg.max_position_embeddings:  # learned: no position; RoPE: never trained there
         raise MegapipeError(f"prompt ({longest} tokens) + --max-new-tokens ({max_new_tokens}) exceeds the model's "
                             f"max_position_embeddings = {cfg.max_position_embeddings}")
     tokens = torch.zeros(len(prompts), longest, dtype=torch.long, device=device)

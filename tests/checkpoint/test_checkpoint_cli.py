@@ -84,3 +84,9 @@ def test_convert_refuses_bad_format_and_existing_output(tmp_path, capsys):
     assert (tmp_path / "busy" / "f").read_text() == "x"
     assert main(["checkpoint", "inspect", str(tmp_path / "nothing")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    # an output whose parent is a file: one sentence naming the output, nothing left behind
+    blocked = tmp_path / "busy" / "f" / "out"
+    assert main(["checkpoint", "convert", str(ckpt), "--to", "safetensors", str(blocked)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot create output {blocked}: Not a directory" in err and "Traceback" not in err
+    assert sorted(p.name for p in (tmp_path / "busy").iterdir()) == ["f"]

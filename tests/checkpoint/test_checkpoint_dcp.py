@@ -123,7 +123,7 @@ def test_finetune_loads_weights_only_and_inference_checkpoint_has_no_optim(tmp_p
     assert fresh_opt.state_dict()["state"] == {}
 
 
-def test_cut_off_checkpoints_are_skipped_for_the_previous_complete_one(tmp_path):
+def test_cut_off_checkpoints_are_skipped_for_the_previous_complete_one(tmp_path, caplog):
     model, opt = trained()
     run = tmp_path / "run"
     save_checkpoint(run, 1, model, opt)
@@ -147,7 +147,10 @@ def test_cut_off_checkpoints_are_skipped_for_the_previous_complete_one(tmp_path)
     assert find_latest(run) == good
     assert find_latest(broken) is None
     fresh = Tiny()
-    assert load_checkpoint(run, fresh)["step"] == 2
+    with caplog.at_level("WARNING", logger="megapipe.checkpoint.manifest"):
+        assert load_checkpoint(run, fresh)["step"] == 2
+    # the fallback is said, naming the skipped checkpoint and why
+    assert f"skipping {nodcp} ({nodcp}/model/.metadata is missing); using {good}" in caplog.text
     with pytest.raises(CheckpointError, match=r"step_00000004.*optim/__0_0\.distcp is missing"):
         load_checkpoint(broken, fresh)
 

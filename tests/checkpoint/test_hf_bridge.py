@@ -343,8 +343,9 @@ def edit_config(directory: Path, **changes) -> None:
 def refused(capsys, *args) -> str:
     capsys.readouterr()
     assert cli(*args) != 0
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert err.startswith("error:") and "Traceback" not in err
+    assert out == ""  # no stray line from a progress bar on a pipe
     return " ".join(err.split())
 
 

@@ -11,7 +11,7 @@ import transformers
 
 from megapipe.config import ModelConfig
 from megapipe.errors import MegapipeError
-from megapipe.inference import KVCache, filter_logits, generate, generate_ids, pick_next
+from megapipe.inference import KVCache, filter_logits, generate, generate_ids, pick_next, resolve_device
 from megapipe.models import build_model
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "models"))  # the HF weight-copy test helper
@@ -169,3 +169,20 @@ def test_bad_arguments_are_refused():
     cache = KVCache.for_model(model, 1, 4)
     with pytest.raises(MegapipeError, match="KV cache holds 4 tokens; 5"):
         model(torch.zeros(1, 5, dtype=torch.long), cache=cache)
+
+
+def test_rope_length_limit_and_bad_devices_are_refused():
+    model = make_model()  # RoPE: max_position_embeddings is a limit too (the model never saw later positions)
+    assert model.cfg.position_embedding == "rope"
+    with pytest.raises(MegapipeError, match=r"prompt \(3 tokens\) \+ --max-new-tokens \(62\) exceeds .* = 64"):
+        generate_ids(model, [[1, 2, 3]], 62)
+    assert len(generate_ids(model, [[1, 2, 3]], 61)[0]) == 61
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(MegapipeError, match="--device 'bogus' is not a device"):
+        resolve_device("bogus")
+    if not torch.cuda.is_available():
+        with pytest.raises(MegapipeError, match="--device 'cuda:1': no cuda device is available"):
+            resolve_device("cuda:1")
+    else:
+        with pytest.raises(MegapipeError, match="this machine has"):
+            resolve_device(f"cuda:{torch.cuda.device_count()}")

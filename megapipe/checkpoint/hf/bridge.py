@@ -32,7 +32,7 @@ from megapipe.checkpoint.hf.files import (
     shard_names,
     write_index,
 )
-from megapipe.checkpoint.manifest import read_manifest, resolve_checkpoint
+from megapipe.checkpoint.manifest import make_tmp_dir, read_manifest, resolve_checkpoint
 from megapipe.checkpoint.safe_dcp import read_metadata
 from megapipe.config import ModelConfig, from_dict
 from megapipe.errors import CheckpointError, MegapipeError
@@ -216,7 +216,7 @@ def export_hf(
     files = shard_names(len(plan))
 
     tmp = out_dir.with_name(f"{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir(parents=True)
+    make_tmp_dir(tmp, out_dir)
     try:
         weight_map: dict[str, str] = {}
         done = 0
