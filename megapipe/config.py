@@ -365,6 +365,9 @@ def validate(cfg: Config) -> None:
             f"train.global_batch_size = {t.global_batch_size} is not divisible by "
             f"train.micro_batch_size = {t.micro_batch_size}"
         )
+    for name in ("lr", "min_lr"):
+        if getattr(t, name) < 0:
+            raise ConfigError(f"train.{name} = {getattr(t, name)} must be >= 0")
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr = {t.min_lr} is larger than train.lr = {t.lr}")
     if not 0 <= t.lr_wsd_decay_fraction <= 1:

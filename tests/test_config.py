@@ -42,6 +42,7 @@ def test_round_trip_through_dict():
         ("model.num_layers=0", "model.num_layers = 0 must be > 0"),
         ("trainlr", "override 'trainlr' must look like section.key=value"),
         ("train.min_lr=1", "train.min_lr = 1.0 is larger than train.lr"),
+        ("train.lr=-1", "train.lr = -1.0 must be >= 0"),
     ],
 )
 def test_bad_values_name_the_key(override, message):

@@ -7,6 +7,8 @@ import math
 import os
 from pathlib import Path
 
+from megapipe.errors import MegapipeError
+
 # Dense bf16/fp16 tensor-core peak per device (FLOP/s), from the vendors' data sheets; fp32 runs use the same
 # reference so MFU stays comparable across precisions (as Megatron and torchtitan report it).
 PEAK_FLOPS = {
@@ -74,7 +76,10 @@ class MetricsLogger:
         self._console = None
         if not self.enabled:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise MegapipeError(f"cannot create the run directory {self.path.parent}: {e.strerror}") from None
         _truncate_after(self.path, resume_step)
         self._file = open(self.path, "a", buffering=1)
         try:

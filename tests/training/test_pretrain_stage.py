@@ -50,6 +50,7 @@ def test_blend_run_then_finetune_from_it(pretrain_data, tmp_path):
     (["--train-iters", "1", "--set", "model.vocab_size=100"], "model.vocab_size = 100 is smaller than the tokenizer"),
     ([], "neither train.train_iters (--train-iters) nor train.train_tokens"),
     (["--train-iters", "1", "--load", "/nonexistent/run"], "/nonexistent/run does not exist"),
+    (["--train-iters", "1", "--save", __file__], f"cannot create the run directory {__file__}: File exists"),
 ])
 def test_mistakes_are_one_clear_error(pretrain_data, tmp_path, capsys, extra, message):
     prefix, tok = pretrain_data
