@@ -206,9 +206,16 @@ def check_layout(cfg, world_size: int):
 
 def run(cfg, quiet: bool = False) -> dict:
     """Train with a built config (for launchers and tests that skip the flag parsing)."""
+    from megapipe.parallel.distributed import explain_collective_failure
     from megapipe.training.trainer import Trainer
 
-    return Trainer(cfg, quiet=quiet).train()
+    try:
+        return Trainer(cfg, quiet=quiet).train()
+    except RuntimeError as e:
+        error = explain_collective_failure(e, cfg.parallel.timeout_s)
+        if error is None:
+            raise
+        raise error from None
 
 
 ARGV_KEY = "megapipe.pretrain.argv"

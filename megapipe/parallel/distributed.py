@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 from datetime import timedelta
 
+from megapipe.errors import MegapipeError
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -114,3 +116,24 @@ def destroy_distributed() -> None:
 
     if is_distributed():
         dist.destroy_process_group()
+
+
+_TIMEOUT = re.compile(r"timed out|timeout|watchdog", re.IGNORECASE)
+_PEER_GONE = re.compile(r"connection (closed|reset) by peer|remote worker crash", re.IGNORECASE)
+
+
+def explain_collective_failure(exc: BaseException, timeout_s: float) -> MegapipeError | None:
+    """A hung or dead peer surfaces as a backend RuntimeError (gloo) or DistBackendError (NCCL); say it in one
+    sentence with the setting that bounds the wait. None when ``exc`` is something else."""
+    if not isinstance(exc, RuntimeError) or not is_distributed():
+        return None
+    text = str(exc)
+    where = f"rank {get_rank()} of {get_world_size()}"
+    if _TIMEOUT.search(text):
+        return MegapipeError(
+            f"{where}: a collective did not complete within parallel.timeout_s = {timeout_s:g} s "
+            "(--distributed-timeout-minutes); another rank hung, died or is far behind"
+        )
+    if _PEER_GONE.search(text):
+        return MegapipeError(f"{where}: a peer process closed its connection (it crashed or was killed); see its log")
+    return None
