@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megapipe.errors import CheckpointError
+from megapipe.fileio import fsync_dir, write_bytes_durable, write_text_atomic  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -84,37 +85,6 @@ def _jsonable(value: Any) -> bool:
 
 
 # --------------------------------------------------------------------------------------------------- files
-
-
-def fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def write_bytes_durable(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write to a temporary sibling, fsync, rename over ``path``, fsync the directory."""
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        write_bytes_durable(tmp, text.encode())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fsync_dir(path.parent)
 
 
 def list_files(root: Path) -> dict[str, int]:

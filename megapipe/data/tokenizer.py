@@ -16,6 +16,7 @@ import numpy as np
 
 from megapipe.data.readers import first_line
 from megapipe.errors import DataError
+from megapipe.fileio import write_bytes_atomic
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
@@ -110,9 +111,9 @@ class Tokenizer:
         if source_dir is not None:
             for name in HF_FILES:
                 if (source_dir / name).is_file():
-                    _atomic_write_bytes(out / name, (source_dir / name).read_bytes())
+                    write_bytes_atomic(out / name, (source_dir / name).read_bytes())
         else:
-            _atomic_write_bytes(out / TOKENIZER_FILE, self._json_text.encode("utf-8"))
+            write_bytes_atomic(out / TOKENIZER_FILE, self._json_text.encode("utf-8"))
         if not (out / CONFIG_FILE).is_file():
             _write_json(out / CONFIG_FILE, self._config or self._default_config())
         if not (out / SPECIAL_MAP_FILE).is_file():
@@ -196,14 +197,8 @@ def _pick_token(hf, specials: dict, configured, candidates) -> int | None:
     return None
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 def _write_json(path: Path, obj) -> None:
-    _atomic_write_bytes(path, (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8"))
+    write_bytes_atomic(path, (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8"))
 
 
 def train_tokenizer(texts, vocab_size: int, output: str | Path, eod_token: str = EOD_TOKEN,
@@ -243,7 +238,7 @@ def train_tokenizer(texts, vocab_size: int, output: str | Path, eod_token: str =
     names = _special_tokens_map(eod_token, pad_token)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        _atomic_write_bytes(out / TOKENIZER_FILE, tok.to_str(pretty=True).encode("utf-8"))
+        write_bytes_atomic(out / TOKENIZER_FILE, tok.to_str(pretty=True).encode("utf-8"))
         _write_json(out / CONFIG_FILE, _config_for(names))
         _write_json(out / SPECIAL_MAP_FILE, names)
     except OSError as e:

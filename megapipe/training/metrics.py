@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 from megapipe.errors import MegapipeError
+from megapipe.fileio import write_text_atomic
 
 # Dense bf16/fp16 tensor-core peak per device (FLOP/s), from the vendors' data sheets; fp32 runs use the same
 # reference so MFU stays comparable across precisions (as Megatron and torchtitan report it).
@@ -142,6 +142,4 @@ def _truncate_after(path: Path, step: int) -> None:
                     keep.append(line)
             except json.JSONDecodeError:  # a line cut by a kill -9
                 continue
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.write_text("".join(keep))
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(keep))
