@@ -38,12 +38,8 @@ def inspect(
     if as_json:
         typer.echo(json.dumps(info, indent=2))
         return
-    from rich.console import Console
-    from rich.table import Table
+    from stages.common import print_table
 
-    table = Table(title=f"checkpoint {info['path']}", show_header=False, title_justify="left")
-    table.add_column(style="bold")
-    table.add_column()
     model = info["model"] or {}
     rows = [
         ("step", str(info["step"])),
@@ -69,9 +65,7 @@ def inspect(
             " <- ".join(f"{c['stage'] or '?'}@{c['step']} ({c['path']})" for c in info["lineage"]),
         ),
     ]
-    for k, v in rows:
-        table.add_row(k, v)
-    Console().print(table)
+    print_table(f"checkpoint {info['path']}", rows)
 
 
 def convert(
