@@ -23,6 +23,7 @@ import torch
 from megapipe.config import Config, ModelConfig, from_dict, to_dict
 from megapipe.errors import ConfigError, DataError, MegapipeError
 from megapipe.models import build_model, count_params, flops_per_token
+from megapipe.training.cpu_memory import keep_freed_memory
 from megapipe.training.lr import LRSchedule
 from megapipe.training.metrics import MetricsLogger, device_peak_flops, mfu
 from megapipe.training.optim import build_optimizer, set_lr
@@ -118,6 +119,8 @@ class Trainer:
         t = cfg.train
         self.dist = init_distributed(cfg)
         self.device = torch.device(self.dist.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.is_main = self.dist.rank == 0
         seed_everything(t.seed)
 
