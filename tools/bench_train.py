@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -46,6 +47,10 @@ def parse_args(argv=None):
     p.add_argument("--modes", default="eager,compiled")
     p.add_argument("--impls", default="hf,megapipe")
     p.add_argument("--threads", type=int, default=2, help="torch threads in every case")
+    p.add_argument("--rounds", type=int, default=3, help="every case this many times, round-robin; medians reported")
+    p.add_argument("--hf-keep-freed-memory", action="store_true",
+                   help="give HF megapipe's CPU allocator setting too (megapipe.training.cpu_memory), to compare "
+                        "the kernels alone")
     p.add_argument("--worker", nargs=2, metavar=("IMPL", "MODE"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -140,6 +145,10 @@ def worker(a) -> None:
 
     impl, mode = a.worker
     torch.set_num_threads(a.threads)
+    if impl == "hf" and a.hf_keep_freed_memory:
+        from megapipe.training.cpu_memory import keep_freed_memory
+
+        keep_freed_memory()
     start_rss = _rss_mb()
     if impl == "hf":
         step = hf_step(a, mode)
@@ -148,14 +157,25 @@ def worker(a) -> None:
     t0 = time.perf_counter()
     losses = [step() for _ in range(a.warmup)]
     warm = time.perf_counter() - t0
-    t0, c0 = time.perf_counter(), time.process_time()
-    losses += [step() for _ in range(a.steps)]
-    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    walls, cpus = [], []
+    for _ in range(a.steps):
+        t0, c0 = time.perf_counter(), time.process_time()
+        losses.append(step())
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
     print(json.dumps({
-        "impl": impl, "mode": mode, "tokens_per_s": a.batch * a.seq * a.steps / dt, "step_s": dt / a.steps, "cpu_s": cpu / a.steps,
-        "warmup_s": warm, "peak_rss_mb": _rss_mb(), "start_rss_mb": start_rss, "first_loss": losses[0],
-        "last_loss": losses[-1],
+        "walls": walls, "cpus": cpus, "warmup_s": warm, "peak_rss_mb": _rss_mb(), "start_rss_mb": start_rss,
+        "first_loss": losses[0], "last_loss": losses[-1],
     }))
+
+
+def _run_case(a, passthrough, impl, mode) -> dict | None:
+    cmd = [sys.executable, __file__, *passthrough, "--worker", impl, mode]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if proc.returncode != 0:
+        print(f"{impl} {mode} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main(argv=None) -> int:
@@ -163,33 +183,40 @@ def main(argv=None) -> int:
     if a.worker:
         worker(a)
         return 0
-    passthrough = [x for x in (argv if argv is not None else sys.argv[1:])]
-    results = {}
-    for mode in a.modes.split(","):
-        for impl in a.impls.split(","):
-            cmd = [sys.executable, __file__, *passthrough, "--worker", impl, mode]
-            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-            if proc.returncode != 0:
-                print(f"{impl} {mode} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+    passthrough = list(argv if argv is not None else sys.argv[1:])
+    cases = [(impl, mode) for mode in a.modes.split(",") for impl in a.impls.split(",")]
+    runs = {case: [] for case in cases}
+    for rnd in range(a.rounds):  # round-robin, so a slow spell of a shared machine hits every case alike
+        for impl, mode in cases:
+            r = _run_case(a, passthrough, impl, mode)
+            if r is None:
                 return 1
-            r = json.loads(proc.stdout.strip().splitlines()[-1])
-            results[impl, mode] = r
-            print(f"{impl:16s} {mode:14s} {r['tokens_per_s']:9.0f} tok/s  step {r['step_s']:.3f}s "
-                  f"(CPU {r['cpu_s']:.3f}s)  "
-                  f"warmup {r['warmup_s']:.1f}s  peak RSS {r['peak_rss_mb']:.0f} MB "
-                  f"(+{r['peak_rss_mb'] - r['start_rss_mb']:.0f})  loss {r['first_loss']:.3f}->{r['last_loss']:.3f}",
-                  flush=True)
+            runs[impl, mode].append(r)
+            print(f"round {rnd + 1}  {impl:16s} {mode:14s} step {statistics.median(r['walls']):.3f}s "
+                  f"(CPU {statistics.median(r['cpus']):.3f}s)  warmup {r['warmup_s']:.1f}s  "
+                  f"peak RSS {r['peak_rss_mb']:.0f} MB  loss {r['first_loss']:.3f}->{r['last_loss']:.3f}", flush=True)
+    tokens = a.batch * a.seq
+    summary = {}
     print(f"\nmodel h{a.hidden} x {a.layers} layers, vocab {a.vocab}, batch {a.batch} x {a.seq}, {a.precision}, "
-          f"AdamW, {a.steps} timed steps after {a.warmup} warm-up")
+          f"AdamW, {a.threads} threads; median over {a.rounds} rounds x {a.steps} timed steps "
+          f"(after {a.warmup} warm-up steps each)")
+    for case, rs in runs.items():
+        step = statistics.median(w for r in rs for w in r["walls"])
+        cpu = statistics.median(c for r in rs for c in r["cpus"])
+        peak = max(r["peak_rss_mb"] for r in rs)
+        summary[case] = {"step": step, "cpu": cpu, "peak": peak, "rounds": [statistics.median(r["walls"]) for r in rs]}
+        print(f"{case[0]:16s} {case[1]:14s} {tokens / step:7.0f} tok/s  step {step:.3f}s  CPU {cpu:.3f}s  "
+              f"peak RSS {peak:.0f} MB")
     for mode in a.modes.split(","):
-        hf = results.get(("hf", mode)) or results.get(("hf", "compiled"))
+        hf = summary.get(("hf", mode)) or summary.get(("hf", "compiled"))
         for impl in ("megapipe", "megapipe-unfused"):
-            ours = results.get((impl, mode))
+            ours = summary.get((impl, mode))
             if not (ours and hf):
                 continue
-            print(f"{mode:14s} {impl} / HF: speed {ours['tokens_per_s'] / hf['tokens_per_s']:.2f}x "
-                  f"(by CPU time per step {hf['cpu_s'] / ours['cpu_s']:.2f}x), "
-                  f"peak memory {ours['peak_rss_mb'] / hf['peak_rss_mb']:.2f}x")
+            per_round = sorted(h / o for h, o in zip(hf["rounds"], ours["rounds"], strict=True))
+            print(f"{mode:14s} {impl} / HF: speed {hf['step'] / ours['step']:.2f}x "
+                  f"(rounds {per_round[0]:.2f}-{per_round[-1]:.2f}x; by CPU time {hf['cpu'] / ours['cpu']:.2f}x), "
+                  f"peak memory {ours['peak'] / hf['peak']:.2f}x")
     return 0
 
 
