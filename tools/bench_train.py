@@ -1,10 +1,13 @@
 """Training-step benchmark: megapipe's Trainer step vs Hugging Face ``LlamaForCausalLM`` on the same config.
 
 Same shapes (default: Llama h256 x 6 layers, vocab 49152, batch 8 x 256, as in PROBES.md), same AdamW
-hyper-parameters, same precision, same random batch; eager and torch.compile. Every case runs in its own process
-so its peak memory (max RSS) is its own. Prints tokens/s, peak memory and the megapipe / HF ratios. On a shared
-machine wall-clock rates swing with the other load; the CPU seconds per step (process time, all threads) are the
-steadier comparison. Both sides run with the same number of threads (--threads).
+hyper-parameters and kernel (torch's fused AdamW, which megapipe and HF's Trainer use; --hf-adamw foreach gives HF
+a plain ``torch.optim.AdamW``), same precision, same random batch; eager and torch.compile. Every case runs in its
+own process so its peak memory (max RSS) is its own, and the cases take turns for --rounds rounds, so a slow spell
+of a shared machine hits all of them alike; the summary gives the median step time over all rounds, the range of
+the per-round ratios, and the ratio of CPU seconds per step. Both sides run with the same number of threads
+(--threads). megapipe's Trainer keeps freed memory in the process on CPU (megapipe.training.cpu_memory);
+--hf-keep-freed-memory gives the HF baseline the same allocator setting, to compare the kernels alone.
 
 Implementations: ``hf`` = ``LlamaForCausalLM(input_ids).logits`` + ``F.cross_entropy`` (the usual user code; HF's
 default attention), ``megapipe`` = the Trainer's step (fused chunked output projection + cross-entropy),
@@ -12,7 +15,7 @@ default attention), ``megapipe`` = the Trainer's step (fused chunked output proj
 ``torch.compile(model)``; megapipe: ``--compile`` as the Trainer does it, per block), ``compiled-model`` (megapipe
 with the whole model under one ``torch.compile``).
 
-    .venv/bin/python tools/bench_train.py                      # eager + compiled, fp32
+    .venv/bin/python tools/bench_train.py                      # eager + compiled, fp32, 3 rounds
     .venv/bin/python tools/bench_train.py --modes eager --precision bf16 --steps 3
 """
 
@@ -48,6 +51,9 @@ def parse_args(argv=None):
     p.add_argument("--impls", default="hf,megapipe")
     p.add_argument("--threads", type=int, default=2, help="torch threads in every case")
     p.add_argument("--rounds", type=int, default=3, help="every case this many times, round-robin; medians reported")
+    p.add_argument("--hf-adamw", choices=["fused", "foreach"], default="fused",
+                   help="HF's AdamW kernel: fused = megapipe's and HF Trainer's default; foreach = a plain "
+                        "torch.optim.AdamW(...)")
     p.add_argument("--hf-keep-freed-memory", action="store_true",
                    help="give HF megapipe's CPU allocator setting too (megapipe.training.cpu_memory), to compare "
                         "the kernels alone")
@@ -114,7 +120,8 @@ def hf_step(a, mode: str):
     )
     model = LlamaForCausalLM(config)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01,
+                            **{a.hf_adamw: True})
     fwd = torch.compile(model) if mode != "eager" else model
     scaler = torch.amp.GradScaler("cpu") if a.precision == "fp16" else None
     batch = _batch(a)
@@ -198,7 +205,7 @@ def main(argv=None) -> int:
     tokens = a.batch * a.seq
     summary = {}
     print(f"\nmodel h{a.hidden} x {a.layers} layers, vocab {a.vocab}, batch {a.batch} x {a.seq}, {a.precision}, "
-          f"AdamW, {a.threads} threads; median over {a.rounds} rounds x {a.steps} timed steps "
+          f"AdamW (HF: {a.hf_adamw}{', kept freed memory' if a.hf_keep_freed_memory else ''}), {a.threads} threads; median over {a.rounds} rounds x {a.steps} timed steps "
           f"(after {a.warmup} warm-up steps each)")
     for case, rs in runs.items():
         step = statistics.median(w for r in rs for w in r["walls"])
