@@ -190,16 +190,15 @@ def _drop_unencodable(block, keys, texts, numbers, skipped, skip_bad) -> bool:
 
 def _result(pool, result):
     """A block's result. multiprocessing.Pool replaces a worker that died (out of memory, killed) and loses its
-    block, whose result then never comes: notice that instead of waiting forever. Polls with sleep rather than
-    ``result.get(timeout)``: a Ctrl-C raised inside the Condition wait of ``get`` can leave the result's lock held,
-    and the pool's result thread then blocks on it forever, so ``Pool.terminate()`` never returns."""
+    block, whose result then never comes: notice that instead of waiting forever."""
     workers = {p.pid for p in pool._pool}
-    while not result.ready():
-        time.sleep(0.002)
-        if {p.pid for p in pool._pool} != workers:
-            raise MegapipeError("a preprocess worker process died (out of memory? killed?); nothing was "
-                                "written") from None
-    return result.get()
+    while True:
+        try:
+            return result.get(timeout=0.25)
+        except mp.TimeoutError:
+            if {p.pid for p in pool._pool} != workers:
+                raise MegapipeError("a preprocess worker process died (out of memory? killed?); nothing was "
+                                    "written") from None
 
 
 @contextmanager
