@@ -321,7 +321,10 @@ def test_an_interrupted_run_leaves_nothing(tmp_path, tiny_tokenizer_dir, sig):
     out.mkdir()
     cmd = [sys.executable, "-m", "megapipe.cli", "preprocess", "--input", str(fifo), "--output-prefix",
            str(out / "p"), "--tokenizer", str(tiny_tokenizer_dir), "--workers", "2", "--quiet"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    # Ctrl-C's default action in the child, as a terminal gives it: a shell's background job (CI, nohup ... &)
+    # inherits SIGINT ignored, and Python then never raises KeyboardInterrupt
+    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     with open(fifo, "w") as writer:  # the run blocks reading this pipe until we close it
         writer.write('{"text": "Now is the winter of our discontent"}\n' * 5000)
         writer.flush()
