@@ -205,8 +205,8 @@ def main(argv=None) -> int:
     tokens = a.batch * a.seq
     summary = {}
     print(f"\nmodel h{a.hidden} x {a.layers} layers, vocab {a.vocab}, batch {a.batch} x {a.seq}, {a.precision}, "
-          f"AdamW (HF: {a.hf_adamw}{', kept freed memory' if a.hf_keep_freed_memory else ''}), {a.threads} threads; median over {a.rounds} rounds x {a.steps} timed steps "
-          f"(after {a.warmup} warm-up steps each)")
+          f"AdamW (HF: {a.hf_adamw}{', kept freed memory' if a.hf_keep_freed_memory else ''}), {a.threads} threads; "
+          f"median over {a.rounds} rounds x {a.steps} timed steps (after {a.warmup} warm-up steps each)")
     for case, rs in runs.items():
         step = statistics.median(w for r in rs for w in r["walls"])
         cpu = statistics.median(c for r in rs for c in r["cpus"])

@@ -5,8 +5,8 @@ training step faults fresh, zeroed pages back in for its large tensors (the loss
 output-weight gradients, big activations): ~80k page faults per step of the benchmark model, 5-10% of its step time
 on 2 cores, plus the unmapping in ``zero_grad``. With mmap off for large blocks and no trimming, freed blocks stay in
 the heap for the next step. The process does not shrink below its peak, and the peak grows a little from heap
-fragmentation (a few %, measured by tools/bench_train.py). Does nothing outside glibc (musl, macOS) or when jemalloc/tcmalloc is preloaded
-(they keep their own caches and glibc's settings no longer matter).
+fragmentation (a few %, measured by tools/bench_train.py). Does nothing outside glibc (musl, macOS) or when
+jemalloc/tcmalloc is preloaded (they keep their own caches and glibc's settings no longer matter).
 """
 
 from __future__ import annotations
