@@ -20,6 +20,9 @@ from typing import Callable
 import torch
 
 DEFAULT_CHUNK = 1024  # tokens per chunk: 1024 x 49k vocab = 200 MB of fp32 logits at a time
+# When no logit can exceed this in magnitude, exp() is taken without subtracting the max first: exp(30) ~ 1e13 and
+# exp(-30) ~ 1e-13 keep sums, reciprocals and products with the weights far from fp32's overflow and denormals.
+NO_SHIFT_LIMIT = 30.0
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -54,6 +57,15 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None, None
 
 
+def _logits_may_exceed(h: torch.Tensor, w: torch.Tensor, limit: float) -> bool:
+    """Whether some |h_t . w_v| may exceed ``limit``, by Cauchy-Schwarz: max_t |h_t| * max_v |w_v| (one pass over
+    the weight). When it cannot, the softmax needs no max-shift, which spares two of its five passes over a chunk."""
+    if h.shape[0] == 0:
+        return False
+    norm = torch.linalg.vector_norm
+    return bool(norm(h, dim=1, dtype=torch.float32).max() * norm(w, dim=1, dtype=torch.float32).max() > limit)
+
+
 def _forward(hidden, weight, labels, ignore_index, chunk, dtype, need_h, need_w):
     """The loss and, as asked, fp32 gradients of the hidden states and of the weight (not yet times grad_out)."""
     h, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
@@ -63,6 +75,7 @@ def _forward(hidden, weight, labels, ignore_index, chunk, dtype, need_h, need_w)
     # per-token factor of the mean: 1 / (number of counted tokens), 0 for ignored ones (0 / 0 = nan if none)
     scale = valid.to(f32) / valid.sum()
     target = torch.where(valid, y, 0).unsqueeze(0)
+    shift = _logits_may_exceed(h.to(dtype), w, NO_SHIFT_LIMIT)
     grad_h = torch.empty(h.shape, dtype=f32, device=h.device) if need_h else None
     grad_w = (torch.empty if n else torch.zeros)(weight.shape, dtype=f32, device=h.device) if need_w else None
     loss = torch.zeros((), dtype=f32, device=h.device)
@@ -76,26 +89,35 @@ def _forward(hidden, weight, labels, ignore_index, chunk, dtype, need_h, need_w)
         if zl is not z:
             z.copy_(zl)
         picked = z.gather(0, t).squeeze(0)
-        top = z.amax(0)
-        z.sub_(top).exp_()
+        if shift:
+            top = z.amax(0)
+            z.sub_(top)
+            picked = picked - top
+        z.exp_()
         total = z.sum(0)
-        loss += ((top + total.log() - picked) * sc).sum()
+        loss += ((total.log() - picked) * sc).sum()
         if not (need_h or need_w):
             continue
-        # d loss / d logits = (softmax - one-hot) * scale; the scale goes onto the small [chunk, H] operands,
-        # so an fp16 gradient of the logits stays in range
-        z.mul_(total.reciprocal_())
-        z.scatter_add_(0, t, torch.full(t.shape, -1.0, dtype=f32, device=h.device))
-        if zl is not z:
-            zl.copy_(z)
+        # d loss / d logits = (exp / total - one-hot) * scale. The per-token factors go onto the small [chunk, H]
+        # operands and the one-hot part is added apart (gather, index_add), sparing passes over the chunk; only a
+        # low-precision copy is normalised first, so that it holds the softmax itself (in fp16's range).
+        inv = total.reciprocal_()
+        if zl is z:
+            col = sc * inv
+        else:
+            zl.copy_(z.mul_(inv))
+            col = sc
+        rows = t.squeeze(0)
         if need_h:
-            grad_h[s:e] = torch.mm(zl.t(), w).to(f32).mul_(sc.unsqueeze(1))
+            grad_h[s:e] = torch.mm(zl.t(), w).to(f32).mul_(col.unsqueeze(1))
+            grad_h[s:e] -= w.index_select(0, rows).to(f32) * sc.unsqueeze(1)
         if need_w:
-            hs = (hc.to(f32) * sc.unsqueeze(1)).to(dtype)
+            hs = (hc.to(f32) * col.unsqueeze(1)).to(dtype)
             if dtype == f32:  # straight into the accumulator
                 torch.mm(zl, hs, out=grad_w) if first == 0 else grad_w.addmm_(zl, hs)
             else:
                 grad_w.copy_(torch.mm(zl, hs)) if first == 0 else grad_w.add_(torch.mm(zl, hs))
+            grad_w.index_add_(0, rows, hc.to(f32) * -sc.unsqueeze(1))
     return grad_h, grad_w, loss
 
 

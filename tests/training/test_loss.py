@@ -10,7 +10,12 @@ import torch.nn.functional as F
 
 from megapipe.config import ModelConfig, load_config
 from megapipe.models import build_model
-from megapipe.training.loss import FusedLinearCrossEntropy, fused_linear_cross_entropy
+from megapipe.training.loss import (
+    NO_SHIFT_LIMIT,
+    FusedLinearCrossEntropy,
+    _logits_may_exceed,
+    fused_linear_cross_entropy,
+)
 from megapipe.training.trainer import Trainer
 
 
@@ -67,6 +72,25 @@ def test_gradient_scale_no_grad_and_all_ignored():
     assert not value.requires_grad
     assert value.item() == pytest.approx(F.cross_entropy((h @ w.t()).flatten(0, 1), y.flatten()).item(), rel=1e-6)
     assert math.isnan(fused_linear_cross_entropy(h, w, torch.full_like(y, -100)).item())  # as cross_entropy: 0 / 0
+
+
+@pytest.mark.parametrize("scale", [0.02, 1.0, 10.0])
+def test_small_and_large_logits_with_and_without_the_max_shift(scale):
+    """Small logits skip the max-shift (bounded by |h| |w_v|), large ones (up to ~200, where exp alone would
+    overflow) take it; both match cross_entropy."""
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(3, 11, 24, generator=g).requires_grad_()
+    w = (torch.randn(700, 24, generator=g) * scale).requires_grad_()
+    y = torch.randint(0, 700, (3, 11), generator=g)
+    assert _logits_may_exceed(h.detach().flatten(0, 1), w.detach(), NO_SHIFT_LIMIT) == (scale > 0.02)
+    ref = F.cross_entropy((h @ w.t()).flatten(0, 1), y.flatten())
+    ref_h, ref_w = torch.autograd.grad(ref, (h, w))
+    loss = fused_linear_cross_entropy(h, w, y, chunk=8)
+    got_h, got_w = torch.autograd.grad(loss, (h, w))
+    assert torch.isfinite(loss) and loss.item() == pytest.approx(ref.item(), rel=1e-6)
+    # exp's round-off grows with the logits' size, in the reference as much as here
+    torch.testing.assert_close(got_h, ref_h, rtol=1e-5, atol=1e-6 * scale)
+    torch.testing.assert_close(got_w, ref_w, rtol=1e-5, atol=1e-6 * scale)
 
 
 def test_bf16_autocast_stays_close_to_the_plain_autocast_path():
