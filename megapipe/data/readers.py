@@ -13,6 +13,7 @@ import gzip
 import json
 import os
 import re
+import select
 import socket
 import zlib
 from collections.abc import Iterator
@@ -97,13 +98,28 @@ def iter_blocks(paths: list[Path], keys: list[str], block_bytes: int = BLOCK_BYT
             yield from _datasets_blocks(p, keys)
 
 
+class _PipeReader:
+    """A pipe's reads, each after waiting for data in short ``select`` calls. Python runs a signal's handler only
+    between system calls, so a Ctrl-C or SIGTERM landing just before a plain blocking read would wait until the
+    writer sends more, or forever from a stalled one; here it is acted on within ``poll`` seconds."""
+
+    def __init__(self, raw, poll: float = 0.2):
+        self.raw, self.poll = raw, poll
+
+    def read(self, size: int = -1) -> bytes:
+        while not select.select([self.raw], [], [], self.poll)[0]:
+            pass
+        return self.raw.read(size)
+
+
 def _jsonl_blocks(path: Path, block_bytes: int) -> Iterator[Block]:
-    # Unbuffered reads: one system call each, so a signal (Ctrl-C) is handled even while a pipe is slow to fill.
+    # Unbuffered reads: one system call each, so a block is cut from what has arrived, not after a buffer fills.
     line, done = 1, 0
     try:
         with open(path, "rb", buffering=0) as raw:
             seekable = raw.seekable()
-            f = gzip.GzipFile(fileobj=raw, mode="rb") if path.name.lower().endswith(".gz") else raw
+            src = raw if seekable else _PipeReader(raw)
+            f = gzip.GzipFile(fileobj=src, mode="rb") if path.name.lower().endswith(".gz") else src
             pieces: list[bytes] = []
             size, target = 0, block_bytes
             while True:

@@ -3,6 +3,7 @@ import gzip
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 from megapipe.cli import main
 from megapipe.data.indexed import IndexedDataset
 from megapipe.data.preprocess import preprocess
-from megapipe.data.readers import iter_texts
+from megapipe.data.readers import _PipeReader, iter_texts
 from megapipe.data.tokenizer import load_tokenizer
 from megapipe.errors import DataError, MegapipeError
 
@@ -313,6 +314,46 @@ def test_a_worker_that_dies_is_an_error_not_a_hang(tmp_path, tok, shakespeare_ex
     assert list(out.iterdir()) == []
 
 
+def test_a_read_from_a_silent_pipe_gives_way_to_a_signal():
+    """Reads through the pipe wrapper return the data, and a wait on a silent pipe lets a signal's handler raise."""
+    r, w = os.pipe()
+
+    def handler(signum, frame):
+        raise TimeoutError
+
+    previous = signal.signal(signal.SIGALRM, handler)
+    try:
+        with open(r, "rb", buffering=0) as raw, open(w, "wb", buffering=0) as writer:
+            reader = _PipeReader(raw, poll=0.05)
+            writer.write(b"abc")
+            assert reader.read(10) == b"abc"
+            signal.setitimer(signal.ITIMER_REAL, 0.2)
+            start = time.monotonic()
+            with pytest.raises(TimeoutError):
+                reader.read(10)
+            assert time.monotonic() - start < 5
+            writer.write(b"de")
+            assert reader.read(10) == b"de"
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _threads_of(proc) -> str:
+    """A hung child's threads (state, kernel wait, signal masks) and its stderr, then the child is killed."""
+    lines = [f"parent's blocked signals: {sorted(signal.pthread_sigmask(signal.SIG_BLOCK, []))}"]
+    for task in sorted(Path(f"/proc/{proc.pid}/task").iterdir()):
+        status = dict(line.split(":\t", 1) for line in (task / "status").read_text().splitlines() if ":\t" in line)
+        wchan = (task / "wchan").read_text() if (task / "wchan").exists() else "?"
+        lines.append(f"thread {task.name} {status.get('Name')} {status.get('State')} wchan={wchan} "
+                     + " ".join(f"{k}={status.get(k)}" for k in ("SigBlk", "SigIgn", "SigCgt", "SigPnd", "ShdPnd")))
+    if shutil.which("py-spy"):  # Python stacks, when the tool is at hand
+        lines.append(subprocess.run(["py-spy", "dump", "--pid", str(proc.pid)], capture_output=True, text=True).stdout)
+    proc.kill()
+    lines.append("stderr: " + proc.stderr.read()[-3000:])
+    return "\n".join(lines)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
 def test_an_interrupted_run_leaves_nothing(tmp_path, tiny_tokenizer_dir, sig):
     fifo = tmp_path / "stream.jsonl"
@@ -333,7 +374,10 @@ def test_an_interrupted_run_leaves_nothing(tmp_path, tiny_tokenizer_dir, sig):
             time.sleep(0.05)
         assert any(".tmp-" in p.name for p in out.iterdir())
         proc.send_signal(sig)
-        assert proc.wait(timeout=60) != 0
+        try:
+            assert proc.wait(timeout=60) != 0
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{sig.name} did not stop the run within 60 s; {_threads_of(proc)}")
     assert list(out.iterdir()) == []
     assert "Traceback" not in proc.stderr.read()
 
