@@ -157,6 +157,7 @@ def pretrain(
     if pp_schedule is not None and pp_virtual_stages is None:
         _default_virtual_stages(cfg.parallel)
 
+    from megapipe.parallel.distributed import destroy_distributed
     from megapipe.parallel.launch import maybe_launch_torchrun, planned_world_size
 
     check_layout(cfg, planned_world_size(nproc_per_node, nnodes))
@@ -165,6 +166,7 @@ def pretrain(
     if rc is not None:
         raise typer.Exit(rc)
     run(cfg, quiet)
+    destroy_distributed()  # only after a run that ended well: after an error other ranks may never get here
 
 
 def _layer_split(text: Optional[str]) -> Optional[list[int]]:

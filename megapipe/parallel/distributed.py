@@ -112,9 +112,13 @@ def barrier() -> None:
 
 
 def destroy_distributed() -> None:
+    """Tear the process group down at the end of a run: every rank first waits for all the others to finish their
+    collectives, then closes its transport. A process that exits with the group alive, or tears it down while a
+    peer is still talking to it, can die in C++ (gloo's threads abort on interpreter shutdown)."""
     import torch.distributed as dist
 
     if is_distributed():
+        dist.barrier()
         dist.destroy_process_group()
 
 

@@ -293,6 +293,7 @@ def reshard_worker(src: str, dst: str) -> None:
     from megapipe.checkpoint import load_checkpoint, save_checkpoint
     from megapipe.config import ModelConfig
     from megapipe.models import build_model
+    from megapipe.parallel.distributed import destroy_distributed
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -303,7 +304,7 @@ def reshard_worker(src: str, dst: str) -> None:
     load_checkpoint(src, model, load_rng=False)
     save_checkpoint(dst, 7, model, manifest={**read_manifest(src), "stage": "test-fsdp", "parent": src},
                     tokenizer=Path(src) / "tokenizer")
-    dist.destroy_process_group()
+    destroy_distributed()
 
 
 @pytest.mark.dist
