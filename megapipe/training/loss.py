@@ -107,17 +107,18 @@ def _forward(hidden, weight, labels, ignore_index, chunk, dtype, need_h, need_w)
         else:
             zl.copy_(z.mul_(inv))
             col = sc
-        rows = t.squeeze(0)
+        rows, col, sc = t.squeeze(0), col.unsqueeze(1), sc.unsqueeze(1)
         if need_h:
-            grad_h[s:e] = torch.mm(zl.t(), w).to(f32).mul_(col.unsqueeze(1))
-            grad_h[s:e] -= w.index_select(0, rows).to(f32) * sc.unsqueeze(1)
+            grad_h[s:e] = torch.mm(zl.t(), w).to(f32).mul_(col)
+            grad_h[s:e] -= w.index_select(0, rows).to(f32) * sc
         if need_w:
-            hs = (hc.to(f32) * col.unsqueeze(1)).to(dtype)
+            h32 = hc.to(f32)
+            hs = (h32 * col).to(dtype)
             if dtype == f32:  # straight into the accumulator
                 torch.mm(zl, hs, out=grad_w) if first == 0 else grad_w.addmm_(zl, hs)
             else:
                 grad_w.copy_(torch.mm(zl, hs)) if first == 0 else grad_w.add_(torch.mm(zl, hs))
-            grad_w.index_add_(0, rows, hc.to(f32) * -sc.unsqueeze(1))
+            grad_w.index_add_(0, rows, h32 * -sc)
     return grad_h, grad_w, loss
 
 
