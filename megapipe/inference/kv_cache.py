@@ -1,7 +1,8 @@
 """A preallocated key/value cache for generation: per layer [B, kv_heads, max_len, head_dim].
 
 The model's forward calls ``advance(positions)`` once (it records the positions and builds the attention mask
-for the new tokens), then every attention layer calls ``update(layer_id, k, v)``. Rows of a batch share slots:
+for the new tokens), then every attention layer calls ``attend(layer_id, q, k, v)``: the cache stores the new
+keys/values and computes the attention itself, so the model never reads the cache's internals. Rows of a batch share slots:
 prompts are left-padded, and ``set_padding`` marks the pad slots so no query ever attends to them.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from megapipe.errors import MegapipeError
 
@@ -64,6 +66,12 @@ class KVCache:
         # additive float mask: SDPA's CPU kernels are several times slower with a bool mask
         additive = torch.zeros(mask.shape, dtype=self.k[0].dtype, device=mask.device)
         self.attn_mask = additive.masked_fill_(~mask, float("-inf"))[:, None]
+
+    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [B, heads, n, D], k/v [B, kv_heads, n, D] of the current tokens -> attention output [B, heads, n, D]."""
+        k, v = self.update(layer_id, k, v)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.attn_mask, is_causal=self.is_causal,
+                                              enable_gqa=k.shape[1] != q.shape[1])
 
     def update(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k/v [B, kv_heads, n, head_dim] of the current tokens; return all keys/values so far."""

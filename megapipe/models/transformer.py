@@ -17,7 +17,7 @@ from torch import nn
 
 from megapipe.config import ModelConfig
 from megapipe.errors import ConfigError
-from megapipe.models.attention import Attention
+from megapipe.models.attention import Attention, DocumentMask, positions_from_documents
 from megapipe.models.norms import RMSNorm, build_norm, init_norm
 from megapipe.models.rope import inv_frequencies, rope_cos_sin
 
@@ -48,8 +48,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, rope: Optional[tuple] = None, cache=None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, cache)
+    def forward(self, x: torch.Tensor, rope: Optional[tuple] = None, cache=None,
+                mask: Optional[DocumentMask] = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, cache, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -70,16 +71,27 @@ class Transformer(nn.Module):
             inv_frequencies(cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling)  # a bad rope_scaling fails here
 
     def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None, cache=None,
-                last_only: bool = False, return_hidden: Optional[bool] = None) -> torch.Tensor:
+                last_only: bool = False, return_hidden: Optional[bool] = None,
+                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """tokens [B, S] ids (or [B, S, H] hidden states on a later pipeline stage); positions [S] or [B, S].
+
+        ``document_ids`` [B, S]: packed sequences; attention stays within each document (block-diagonal causal) and
+        positions, when not given, restart at every document.
 
         ``last_only``: logits of the last position only ([B, 1, V]), what a generation step needs.
         ``return_hidden`` (default: the ``return_hidden`` attribute): the final normed hidden states [B, S, H]
         instead of the logits.
         """
+        if positions is None and document_ids is not None:
+            positions = positions_from_documents(document_ids)
         if positions is None:
             start = cache.length if cache is not None else 0
             positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+        mask = None
+        if document_ids is not None:
+            if cache is not None:
+                raise ValueError("document_ids (packed sequences) and a KV cache cannot be combined")
+            mask = DocumentMask(document_ids, positions, self.cfg.sliding_window)
         if cache is not None:
             cache.advance(positions)
         if self.tok_embeddings is None or tokens.is_floating_point():
@@ -93,12 +105,16 @@ class Transformer(nn.Module):
             inv_freq = inv_frequencies(self.cfg.dim_per_head, self.cfg.rope_theta, self.cfg.rope_scaling, h.device)
             rope = rope_cos_sin(positions, inv_freq, h.dtype)
         for layer in self.layers.values():
-            h = layer(h, rope, cache)
+            h = layer(h, rope, cache, mask)
         if self.norm is None:
             return h
         h = self.norm(h[:, -1:] if last_only else h)
         if self.return_hidden if return_hidden is None else return_hidden:
             return h
+        return self.logits(h)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final normed hidden states [..., H] -> logits [..., V] (fp32 unless autocast is on)."""
         if self.output is not None:
             logits = self.output(h)
         elif self.tok_embeddings is not None:
