@@ -3,6 +3,10 @@
 Loaded from YAML (errors name ``file:line``), overridden with dotted keys (``train.lr=3e-4``), validated with
 messages that name the key and the allowed values. Every section is a plain dataclass so library code reads
 ``cfg.train.lr`` with types, and ``to_dict``/``from_dict`` round-trip through JSON for checkpoint manifests.
+
+A field declared with ``opt(default, "--flag", ...)`` also gets that command-line flag (Megatron's name first,
+shorter aliases after) in every stage that takes its section (``stages.common.config_options``): one declaration
+gives the YAML key, the ``--set`` path and the flag.
 """
 
 from __future__ import annotations
@@ -21,11 +25,31 @@ from megapipe.errors import ConfigError
 # --------------------------------------------------------------------------------------------------- sections
 
 
+def opt(default: Any = None, *flags: str, help: str = "", factory: Any = None, parse: Any = None,
+        scale: float | None = None, flag_type: Any = None):
+    """A config field with command-line flags. ``parse``: text -> value for flags whose text is not the field's
+    type (e.g. "3,5" -> [3, 5]); ``scale``: the flag's unit times ``scale`` is the field's (minutes -> seconds);
+    ``flag_type``: the flag's Python type when it differs from the field's (with ``scale``)."""
+    meta = {"flags": flags, "help": help, "parse": parse, "scale": scale, "flag_type": flag_type}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in str(text).split(",")]
+    except ValueError:
+        raise ValueError("is not a comma-separated list of integers (e.g. 3,5)") from None
+
+
+
 @dataclass
 class ModelConfig:
     """One decoder-only family; Llama / Qwen2 / Qwen3 / Mistral / GPT-2 are shapes of it."""
 
-    preset: Optional[str] = None  # fields of a named preset are applied first, then the ones given here
+    # fields of a named preset are applied first, then the ones given here
+    preset: Optional[str] = opt(None, "--model", help="Model preset (tiny, llama3-1b, ...); other fields: --set model.*=.")
     arch: Literal["llama", "qwen2", "qwen3", "mistral", "gpt2"] = "llama"
     vocab_size: Optional[int] = None  # None: the tokenizer's size, padded to make_vocab_size_divisible_by
     make_vocab_size_divisible_by: int = 128
@@ -64,77 +88,95 @@ class ModelConfig:
 class ParallelConfig:
     """Layout dp_replicate x dp_shard x cp x tp x pp; -1 for dp_shard means 'the rest of the world size'."""
 
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    dp_shard: int = -1
-    dp_replicate: int = 1
-    dp_mode: Literal["fsdp", "ddp"] = "fsdp"
-    sequence_parallel: bool = True
-    pp_schedule: Literal["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"] = "1F1B"
-    pp_virtual_stages: int = 1
-    pp_layer_split: Optional[list[int]] = None  # layers per (virtual) stage, e.g. [3, 5]; None: as even as possible
-    pp_microbatches: Optional[int] = None  # None: global batch / (micro batch x dp)
+    tp: int = opt(1, "--tensor-model-parallel-size", "--tp", help="Tensor parallel size.")
+    pp: int = opt(1, "--pipeline-model-parallel-size", "--pp", help="Pipeline stages.")
+    cp: int = opt(1, "--context-parallel-size", "--cp", help="Context parallel size.")
+    dp_shard: int = opt(-1, "--dp-shard", help="FSDP sharding size (-1: the rest of the world size).")
+    dp_replicate: int = opt(1, "--dp-replicate", help="Replicas (HSDP with --dp-shard).")
+    dp_mode: Literal["fsdp", "ddp"] = opt("fsdp", "--dp-mode", help="FSDP2/HSDP, or DDP (replication only).")
+    sequence_parallel: bool = opt(True, "--sequence-parallel", help="Split norms/residuals over TP ranks.")
+    pp_schedule: Literal["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"] = opt(
+        "1F1B", "--pp-schedule", help="Pipeline schedule.")
+    pp_virtual_stages: int = opt(
+        1, "--pp-virtual-stages", help="Stages per pipeline rank (Interleaved1F1B; default: what the schedule needs).")
+    # layers per (virtual) stage, e.g. [3, 5]; None: as even as possible
+    pp_layer_split: Optional[list[int]] = opt(
+        None, "--pp-layer-split", help="Layers per pipeline stage, comma-separated, e.g. 3,5.", parse=_int_list,
+        flag_type=str)
+    pp_microbatches: Optional[int] = opt(None, "--pp-microbatches", help="Default: global batch / (micro batch x dp).")
     fsdp_reshard_after_forward: bool = True
-    timeout_s: float = 600.0
+    timeout_s: float = opt(600.0, "--distributed-timeout-minutes", scale=60.0,
+                           help="A collective waiting longer than this fails (default 10).")
 
 
 @dataclass
 class DataConfig:
-    data_path: list[str] = field(default_factory=list)  # ["A"] or Megatron blend ["0.7", "A", "0.3", "B"]
-    split: str = "969,30,1"
-    seq_length: int = 256
-    tokenizer: Optional[str] = None  # HF tokenizer directory or tokenizer.json
-    cache_dir: Optional[str] = None  # index cache; None: next to the first data prefix
+    # ["A"] or Megatron blend ["0.7", "A", "0.3", "B"]
+    data_path: list[str] = opt(None, "--data-path", factory=list,
+                               help="Data PREFIX, or a blend: --data-path 0.7 PREFIX_A 0.3 PREFIX_B.")
+    split: str = opt("969,30,1", "--split", help="train,valid,test weights, e.g. 969,30,1.")
+    seq_length: int = opt(256, "--seq-length")
+    tokenizer: Optional[str] = opt(None, "--tokenizer", help="Tokenizer directory or tokenizer.json.")
+    cache_dir: Optional[str] = opt(None, "--data-cache-path", help="Index cache (default: next to the first prefix).")
     num_workers: int = 0
+    # packed pretraining samples (Megatron's flags): documents are cut at the end-of-document token
+    reset_position_ids: bool = opt(False, "--reset-position-ids", help="Positions restart after each end-of-document.")
+    reset_attention_mask: bool = opt(
+        False, "--reset-attention-mask", help="Attention stays within each document (block-diagonal causal).")
+    eod_mask_loss: bool = opt(False, "--eod-mask-loss", help="No loss on predicting the token after an end-of-document.")
 
 
 @dataclass
 class TrainConfig:
-    micro_batch_size: int = 4
-    global_batch_size: int = 8
-    train_iters: Optional[int] = None
-    train_tokens: Optional[int] = None
-    seed: int = 1234
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    recompute: Literal["none", "selective", "full"] = "none"
-    compile: bool = False
-    eval_interval: Optional[int] = None
-    eval_iters: int = 10
-    log_interval: int = 10
-    log_dir: Optional[str] = None
+    micro_batch_size: int = opt(4, "--micro-batch-size")
+    global_batch_size: int = opt(8, "--global-batch-size")
+    train_iters: Optional[int] = opt(None, "--train-iters")
+    train_tokens: Optional[int] = opt(None, "--train-tokens", help="Instead of --train-iters.")
+    seed: int = opt(1234, "--seed")
+    precision: Literal["fp32", "bf16", "fp16"] = opt("fp32", "--precision", help="Also --bf16 / --fp16.")
+    recompute: Literal["none", "selective", "full"] = opt("none", "--recompute", help="Activation recompute.")
+    compile: bool = opt(False, "--compile", help="torch.compile each block.")
+    eval_interval: Optional[int] = opt(None, "--eval-interval")
+    eval_iters: int = opt(10, "--eval-iters")
+    log_interval: int = opt(10, "--log-interval")
+    log_dir: Optional[str] = opt(None, "--log-dir", help="metrics.jsonl + TensorBoard (default: --save).")
     max_nan_skips: int = 5  # this many non-finite losses in a row abort the run
+    exit_interval: Optional[int] = opt(None, "--exit-interval", help="Stop with a checkpoint after this step.")
+    exit_duration_in_mins: Optional[float] = opt(
+        None, "--exit-duration-in-mins", help="Stop with a checkpoint once the run has taken this long.")
+    exit_signal_handler: bool = opt(
+        True, "--exit-signal-handler", help="SIGTERM/SIGINT save a checkpoint and stop (default on).")
     peak_flops: Optional[float] = None  # per device, for MFU; None: from the device when known
     initial_loss_scale: float = 2.0**16
     loss_scale_window: int = 1000
     min_loss_scale: float = 1.0
     # learning-rate schedule: warmup, then decay to min_lr
-    lr: float = 3e-4
-    min_lr: float = 0.0
-    lr_warmup_iters: int = 0
-    lr_decay_iters: Optional[int] = None  # None: train_iters
-    lr_decay_style: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
+    lr: float = opt(3e-4, "--lr")
+    min_lr: float = opt(0.0, "--min-lr")
+    lr_warmup_iters: int = opt(0, "--lr-warmup-iters")
+    lr_decay_iters: Optional[int] = opt(None, "--lr-decay-iters", help="Default: --train-iters.")
+    lr_decay_style: Literal["cosine", "linear", "wsd", "constant"] = opt("cosine", "--lr-decay-style")
     lr_wsd_decay_fraction: float = 0.1  # wsd: fraction of decay_iters spent decaying at the end
     lr_wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = "linear"
 
 
 @dataclass
 class OptimConfig:
-    optimizer: Literal["adamw", "sgd"] = "adamw"
-    weight_decay: float = 0.01
-    clip_grad: float = 1.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
+    optimizer: Literal["adamw", "sgd"] = opt("adamw", "--optimizer")
+    weight_decay: float = opt(0.01, "--weight-decay")
+    clip_grad: float = opt(1.0, "--clip-grad", help="Max total gradient norm (0: no clipping).")
+    adam_beta1: float = opt(0.9, "--adam-beta1")
+    adam_beta2: float = opt(0.95, "--adam-beta2")
+    adam_eps: float = opt(1e-8, "--adam-eps")
 
 
 @dataclass
 class CheckpointConfig:
-    save: Optional[str] = None
-    load: Optional[str] = None
-    save_interval: Optional[int] = None
-    keep_last: int = 3
-    finetune: bool = False
+    save: Optional[str] = opt(None, "--save", help="Run directory for checkpoints and metrics.")
+    load: Optional[str] = opt(None, "--load", help="Resume from the newest complete checkpoint here.")
+    save_interval: Optional[int] = opt(None, "--save-interval")
+    keep_last: int = opt(3, "--keep-last", help="Checkpoints kept in the run directory.")
+    finetune: bool = opt(False, "--finetune", help="With --load: weights only, a new run.")
 
 
 @dataclass
@@ -257,8 +299,15 @@ def to_dict(obj: Any) -> dict:
     return dataclasses.asdict(obj)
 
 
+def flag_fields(section: str) -> list[tuple[str, dataclasses.Field, Any]]:
+    """(dotted key, field, type) of every field of ``section`` that has command-line flags, in declaration order."""
+    cls = _field_types(Config)[section]
+    hints = _field_types(cls)
+    return [(f"{section}.{f.name}", f, hints[f.name]) for f in dataclasses.fields(cls) if f.metadata.get("flags")]
+
+
 def resolve_preset(name: str, key: str = "model.preset") -> dict:
-    from megapipe.models.presets import PRESETS
+    from megapipe.presets import PRESETS
 
     if name not in PRESETS:
         raise ConfigError(f"{key} = {name!r} is not a known model preset (allowed: {', '.join(PRESETS)})")

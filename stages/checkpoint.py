@@ -7,9 +7,10 @@ from typing import Optional
 
 import typer
 
+from stages.common import add_command
+
 ORDER = 80
 
-DTYPES = ("fp32", "bf16", "fp16")
 
 
 def _human(n: float, unit: str = "B") -> str:
@@ -79,19 +80,14 @@ def convert(
 
     if to != "safetensors":
         raise MegapipeError(f"--to {to!r} is not a supported format (allowed: safetensors)")
-    if dtype is not None and dtype not in DTYPES:
-        raise MegapipeError(f"--dtype {dtype!r} is not supported (allowed: {', '.join(DTYPES)})")
-    import torch
-
     from megapipe.checkpoint.convert import to_safetensors
+    from megapipe.dtypes import dtype_of
 
-    target = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype) if dtype else None
+    target = dtype_of(dtype) if dtype else None
     path = to_safetensors(ckpt, out, dtype=target)
     typer.echo(f"wrote {path} ({_human(path.stat().st_size)})")
 
 
 def register(app: typer.Typer) -> None:
-    group = typer.Typer(help="Inspect and convert megapipe checkpoints.", no_args_is_help=True)
-    group.command("inspect")(inspect)
-    group.command("convert")(convert)
-    app.add_typer(group, name="checkpoint")
+    add_command(app, "checkpoint inspect", inspect)
+    add_command(app, "checkpoint convert", convert)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+import inspect
+import typing
+from typing import Any, List, Optional
 
 import typer
 from typer.core import TyperCommand
@@ -22,6 +25,76 @@ def build_config(config: Optional[str], flags: dict, sets: Optional[list[str]]):
         k, v = parse_override(item)
         overrides[k] = v
     return load_config(config, overrides)
+
+
+def _flag_option(key: str, f, tp) -> tuple[Any, Any]:
+    """(annotation, typer.Option) for config field ``f`` (dotted ``key``, type ``tp``), grouped by section in --help."""
+    meta = f.metadata
+    flags, panel = list(meta["flags"]), key.split(".")[0]
+    help_text = f"{meta['help']} (config: {key})".strip()
+    base = meta["flag_type"] or tp
+    args = [a for a in typing.get_args(base) if a is not type(None)]
+    if typing.get_origin(base) is typing.Union and len(args) == 1:
+        base = args[0]
+    if base is bool:
+        names = [f"{n}/--no-{n[2:]}" for n in flags]
+        return Optional[bool], typer.Option(None, *names, help=help_text, rich_help_panel=panel)
+    if typing.get_origin(base) is typing.Literal:
+        return Optional[base], typer.Option(None, *flags, help=help_text, rich_help_panel=panel)
+    if typing.get_origin(base) is list:
+        return Optional[List[str]], typer.Option(None, *flags, help=help_text, rich_help_panel=panel)
+    if base not in (int, float, str):
+        raise TypeError(f"config field {key} has no flag type for {base!r}")
+    return Optional[base], typer.Option(None, *flags, help=help_text, rich_help_panel=panel)
+
+
+def config_flags(*sections: str, skip: tuple[str, ...] = ()):
+    """Decorator for a stage command: one option per flagged config field of ``sections`` (see megapipe.config.opt),
+    handed to the command as ``flags`` (dotted key -> value, None = not given), ready for ``build_config``."""
+    from megapipe.config import flag_fields
+
+    fields = [(k, f, tp) for s in sections for k, f, tp in flag_fields(s) if k not in skip]
+
+    def decorate(fn):
+        sig = inspect.signature(fn)
+        own = [p for p in sig.parameters.values() if p.name != "flags"]
+        generated = {}
+        for key, f, tp in fields:
+            name = "cfg__" + key.replace(".", "__")
+            annotation, default = _flag_option(key, f, tp)
+            generated[name] = (key, f)
+            own.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation))
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            flags = {key: _flag_value(kwargs.pop(name), f) for name, (key, f) in generated.items()}
+            return fn(*args, flags=flags, **kwargs)
+
+        wrapper.__signature__ = sig.replace(parameters=own)
+        wrapper.multi_value_flags = tuple(
+            f.metadata["flags"][0] for _, f, tp in fields
+            if typing.get_origin(f.metadata["flag_type"] or tp) is list)
+        return wrapper
+
+    return decorate
+
+
+def _flag_value(value, f):
+    if value is None:
+        return None
+    meta = f.metadata
+    if meta["parse"] is not None:
+        try:
+            return meta["parse"](value)
+        except ValueError as e:
+            from megapipe.errors import ConfigError
+
+            raise ConfigError(f"{meta['flags'][0]} {value!r} {e}") from None
+    if meta["scale"] is not None:
+        return value * meta["scale"]
+    if isinstance(value, (list, tuple)):
+        return list(value) or None
+    return value
 
 
 def _is_option(arg: str) -> bool:
@@ -77,6 +150,9 @@ def print_table(title: str, rows: list[tuple[str, str]]) -> None:
 
 
 GROUP_HELP = {
+    "data": "Fetch corpora; merge and inspect .bin/.idx datasets.",
+    "tokenizer": "Train tokenizers.",
+    "checkpoint": "Inspect and convert megapipe checkpoints.",
     "import": "Bring a model from another format into a megapipe checkpoint.",
     "export": "Write a megapipe checkpoint in another format.",
 }
@@ -90,3 +166,13 @@ def group(app: typer.Typer, name: str) -> typer.Typer:
     sub = typer.Typer(help=GROUP_HELP.get(name), no_args_is_help=True)
     app.add_typer(sub, name=name)
     return sub
+
+
+def add_command(app: typer.Typer, path: str, fn, cls=None) -> None:
+    """The one way a stage registers a command: ``add_command(app, "export hf", fn)`` puts ``fn`` under the group
+    ``export`` (shared by the stage modules that add to it), ``add_command(app, "plan", fn)`` at the top."""
+    *groups, name = path.split()
+    target = app
+    for g in groups:
+        target = group(target, g)
+    target.command(name, cls=cls)(fn)

@@ -6,14 +6,12 @@ from typing import List, Optional
 
 import typer
 
-from stages.common import multi_value_command, print_table
+from stages.common import add_command, multi_value_command, print_table
 
 ORDER = 8
 
-data_app = typer.Typer(help="Fetch corpora; merge and inspect .bin/.idx datasets.", no_args_is_help=True)
 
 
-@data_app.command("fetch")
 def fetch(
     name: str = typer.Argument(..., help="Corpus name: shakespeare."),
     output: str = typer.Option(..., "--output", help="JSONL file to write ({'text', 'source'} per document)."),
@@ -32,7 +30,6 @@ def fetch(
                                        ("size", f"{stats.bytes / 1e6:,.2f} MB"), ("source files", str(stats.sources))])
 
 
-@data_app.command("merge", cls=multi_value_command("--input"))
 def merge(
     input: List[str] = typer.Option(..., "--input", help="Dataset prefixes, .bin/.idx files or directories of them, in "
                                     "order; several may follow one --input. All must have the same token dtype."),
@@ -48,7 +45,6 @@ def merge(
                                ("tokens", f"{ds.num_tokens:,}"), ("dtype", str(ds.dtype))])
 
 
-@data_app.command("inspect")
 def inspect(
     prefix: str = typer.Argument(..., help="Dataset prefix (PREFIX.bin/.idx), or its .bin or .idx file."),
     tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="Decode a sample with this tokenizer."),
@@ -72,4 +68,6 @@ def inspect(
 
 
 def register(app: typer.Typer) -> None:
-    app.add_typer(data_app, name="data")
+    add_command(app, "data fetch", fetch)
+    add_command(app, "data merge", merge, cls=multi_value_command("--input"))
+    add_command(app, "data inspect", inspect)

@@ -6,6 +6,8 @@ from typing import List, Optional
 
 import typer
 
+from stages.common import add_command
+
 ORDER = 70
 
 
@@ -50,4 +52,4 @@ def generate(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("generate")(generate)
+    add_command(app, "generate", generate)

@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from stages.common import group
+from stages.common import add_command
 
 ORDER = 80
 
@@ -76,5 +76,5 @@ def export_hf_command(
 
 
 def register(app: typer.Typer) -> None:
-    group(app, "import").command("hf")(import_hf_command)
-    group(app, "export").command("hf")(export_hf_command)
+    add_command(app, "import hf", import_hf_command)
+    add_command(app, "export hf", export_hf_command)

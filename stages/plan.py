@@ -6,7 +6,7 @@ from typing import List, Optional
 
 import typer
 
-from stages.common import CONFIG_OPTION, SET_OPTION, build_config
+from stages.common import CONFIG_OPTION, SET_OPTION, add_command, build_config
 
 ORDER = 25
 
@@ -129,4 +129,4 @@ def show(r: dict) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("plan")(plan)
+    add_command(app, "plan", plan)

@@ -6,7 +6,7 @@ from typing import List
 
 import typer
 
-from stages.common import multi_value_command, print_table
+from stages.common import add_command, multi_value_command, print_table
 
 ORDER = 10
 
@@ -45,4 +45,4 @@ def preprocess(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("preprocess", cls=multi_value_command("--input", "--json-keys"))(preprocess)
+    add_command(app, "preprocess", preprocess, cls=multi_value_command("--input", "--json-keys"))

@@ -6,14 +6,12 @@ from typing import List
 
 import typer
 
-from stages.common import multi_value_command, print_table
+from stages.common import add_command, multi_value_command, print_table
 
 ORDER = 5
 
-tokenizer_app = typer.Typer(help="Train tokenizers.", no_args_is_help=True)
 
 
-@tokenizer_app.command("train", cls=multi_value_command("--input"))
 def train(
     input: List[str] = typer.Option(..., "--input", help="Training text: JSONL (.gz), parquet, csv or saved-dataset "
                                     "paths or globs (the inputs preprocess takes); several may follow one --input."),
@@ -41,4 +39,4 @@ def train(
 
 
 def register(app: typer.Typer) -> None:
-    app.add_typer(tokenizer_app, name="tokenizer")
+    add_command(app, "tokenizer train", train, cls=multi_value_command("--input"))

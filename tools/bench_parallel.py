@@ -19,7 +19,7 @@ DEFAULT = ["single", "dp_shard2", "ddp2", "tp2", "pp2", "cp2"]
 
 
 def main(argv=None) -> int:
-    from megapipe.parallel.layout_run import launch_layout
+    from layout_run import launch_layout
 
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -47,5 +47,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     sys.exit(main())

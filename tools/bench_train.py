@@ -91,14 +91,20 @@ def megapipe_step(a, mode: str, fused: bool = True):
         optim=OptimConfig(weight_decay=0.01, clip_grad=1.0, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8),
     )
     cfg.data.seq_length = a.seq
-    cls = Trainer
-    if not fused:
-        class Unfused(Trainer):  # its own loss_fn: the Trainer keeps the logits path
-            def loss_fn(self, logits, labels):
-                return super().loss_fn(logits, labels)
+    recipe = None
+    if not fused:  # the same cross-entropy, declared not fusable: the Trainer keeps the logits path
+        from megapipe.training.objective import TokenCrossEntropy
+        from megapipe.training.recipes import PretrainRecipe
 
-        cls = Unfused
-    trainer = cls(cfg, quiet=True, with_data=False)
+        class LogitsLoss(TokenCrossEntropy):
+            fusable = False
+
+        class Unfused(PretrainRecipe):
+            def loss(self):
+                return LogitsLoss()
+
+        recipe = Unfused()
+    trainer = Trainer(cfg, recipe, quiet=True, with_data=False)
     if mode == "compiled-model":
         trainer.model = torch.compile(trainer.model)
     batch = _batch(a)

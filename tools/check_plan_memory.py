@@ -115,7 +115,6 @@ def child(case: dict) -> dict:
     from megapipe.models import build_model
     from megapipe.parallel.parallelize import parallelize_model
     from megapipe.parallel.step import train_step
-    from megapipe.parallel.tp import cross_entropy
     from megapipe.training.optim import build_optimizer
     from megapipe.training.precision import autocast
 
@@ -146,7 +145,7 @@ def child(case: dict) -> dict:
 
     def steps(model, opt, mbs, n_steps):
         for _ in range(n_steps):
-            train_step(model, [{"tokens": b[:, :-1], "labels": b[:, 1:]} for b in mbs], dims, cross_entropy, ctx)
+            train_step(model, [{"tokens": b[:, :-1], "labels": b[:, 1:]} for b in mbs], dims, context=ctx)
             opt.step()
             opt.zero_grad(set_to_none=True)
 

@@ -1,10 +1,10 @@
 """Run two parallel layouts on the same model, seed and global batches and print their per-step losses.
 
 Two ways to run each layout:
-  default     megapipe.parallel.layout_run's own short loop: the library's parallelize_model, train_step and
-              clip_grad_norm_ (what the trainer calls), no LR schedule, data loader or checkpoints; batches are
-              random tokens or windows of a .bin/.idx prefix (--data). Arguments after ``--`` go to layout_run
-              (see ``python -m megapipe.parallel.layout_run --help``).
+  default     tools/layout_run.py: a few steps of the one training loop (megapipe.training.Trainer) at a
+              constant learning rate, without eval or checkpoints; batches are random tokens or windows of a
+              .bin/.idx prefix (--data). Arguments after ``--`` go to layout_run
+              (see ``python tools/layout_run.py --help``).
   --pretrain  the real ``megapipe pretrain --nproc-per-node N`` with the layout's flags (--tp/--pp/--cp/
               --dp-shard/--dp-replicate); losses are read from its metrics.jsonl. Arguments after ``--`` go to
               ``megapipe pretrain`` and must name the data and tokenizer (--data-path, --tokenizer; the rest as usual).
@@ -60,7 +60,7 @@ def run_pretrain(layout: str, steps: int, extra: list[str], log_dir: str) -> dic
 
 
 def main(argv=None) -> int:
-    from megapipe.parallel.layout_run import launch_layout
+    from layout_run import launch_layout
 
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -92,5 +92,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     sys.exit(main())

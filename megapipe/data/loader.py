@@ -35,6 +35,7 @@ class PretrainingLoader:
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.consumed_samples = int(consumed_samples)
+        self.transform = None  # batch dict -> batch dict (e.g. document ids from end-of-document tokens)
 
     @property
     def num_microbatches(self) -> int:
@@ -62,7 +63,8 @@ class PretrainingLoader:
             raise StopIteration
         samples = np.stack([self.dataset[i] for i in self.sample_ids()]).astype(np.int64, copy=False)
         self.consumed_samples += self.micro_batch_size * self.dp_size
-        return {
+        batch = {
             "tokens": torch.from_numpy(np.ascontiguousarray(samples[:, :-1])),
             "labels": torch.from_numpy(np.ascontiguousarray(samples[:, 1:])),
         }
+        return self.transform(batch) if self.transform is not None else batch

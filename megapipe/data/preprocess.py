@@ -188,15 +188,21 @@ def _drop_unencodable(block, keys, texts, numbers, skipped, skip_bad) -> bool:
     return bool(bad)
 
 
+def _worker_pids(pool) -> set[int]:
+    """The pool's worker processes. multiprocessing.Pool has no public way to list them (its ``_pool`` list is
+    private), and without it a worker that died would leave its block's result waiting forever."""
+    return {p.pid for p in pool._pool}
+
+
 def _result(pool, result):
     """A block's result. multiprocessing.Pool replaces a worker that died (out of memory, killed) and loses its
     block, whose result then never comes: notice that instead of waiting forever."""
-    workers = {p.pid for p in pool._pool}
+    workers = _worker_pids(pool)
     while True:
         try:
             return result.get(timeout=0.25)
         except mp.TimeoutError:
-            if {p.pid for p in pool._pool} != workers:
+            if _worker_pids(pool) != workers:
                 raise MegapipeError("a preprocess worker process died (out of memory? killed?); nothing was "
                                     "written") from None
 

@@ -17,41 +17,12 @@ from torch import nn
 
 from megapipe.config import ModelConfig
 from megapipe.errors import ConfigError
-from megapipe.models.attention import Attention, DocumentMask, positions_from_documents
+from megapipe.models.attention import DocumentMask, positions_from_documents
 from megapipe.models.norms import RMSNorm, build_norm, init_norm
 from megapipe.models.rope import inv_frequencies, rope_cos_sin
+from megapipe.models.spec import block_spec
 
 OUTPUT_PROJECTIONS = ("attention.wo", "feed_forward.w2")  # initialised with std / sqrt(2 * num_layers)
-
-
-class FeedForward(nn.Module):
-    """swiglu: w2(silu(w1 x) * w3 x); gelu_tanh: w2(gelu(w1 x)), w3 is None."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.swiglu = cfg.activation == "swiglu"
-        self.w1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.w3 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias) if self.swiglu else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.swiglu:
-            return self.w2(F.silu(self.w1(x)) * self.w3(x))
-        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
-
-
-class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int):
-        super().__init__()
-        self.attention_norm = build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps)
-        self.attention = Attention(cfg, layer_id)
-        self.ffn_norm = build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
-
-    def forward(self, x: torch.Tensor, rope: Optional[tuple] = None, cache=None,
-                mask: Optional[DocumentMask] = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, cache, mask)
-        return h + self.feed_forward(self.ffn_norm(h))
 
 
 class Transformer(nn.Module):
@@ -63,7 +34,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         learned = cfg.position_embedding == "learned"
         self.pos_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size) if learned else None
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.num_layers)})
+        self.layers = nn.ModuleDict({str(i): block_spec(cfg, i).module(cfg, i) for i in range(cfg.num_layers)})
         self.norm = build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.return_hidden = False

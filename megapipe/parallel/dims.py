@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from megapipe.config import ModelConfig, ParallelConfig, TrainConfig
 from megapipe.errors import ConfigError
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -38,8 +39,11 @@ class ParallelDims:
     # ------------------------------------------------------------------------------------------- construction
 
     @classmethod
-    def from_config(cls, pcfg, world_size: int, train_cfg=None, model_cfg=None, seq_length: Optional[int] = None):
-        """Resolve ``dp_shard=-1`` and refuse impossible layouts with one sentence naming the key and the limit."""
+    def from_config(cls, pcfg: ParallelConfig, world_size: int, train_cfg: Optional[TrainConfig] = None,
+                    model_cfg: Optional[ModelConfig] = None, seq_length: Optional[int] = None,
+                    packed: bool = False) -> "ParallelDims":
+        """Resolve ``dp_shard=-1`` and refuse impossible layouts with one sentence naming the key and the limit.
+        ``packed``: batches carry document ids / position ids (packed sequences)."""
         tp, pp, cp, rep = pcfg.tp, pcfg.pp, pcfg.cp, pcfg.dp_replicate
         for name in ("tp", "pp", "cp", "dp_replicate"):
             if getattr(pcfg, name) < 1:
@@ -74,6 +78,12 @@ class ParallelDims:
             pp_microbatches=pcfg.pp_microbatches, fsdp_reshard_after_forward=pcfg.fsdp_reshard_after_forward,
         )
         dims._validate_pp()
+        if packed and (pp > 1 or cp > 1):
+            raise ConfigError(
+                f"packed sequences (document-bounded attention or per-document positions) are not supported with "
+                f"parallel.pp = {pp} / parallel.cp = {cp} yet (ring attention and pipeline stages do not carry "
+                "document ids); use data, tensor or sequence parallelism"
+            )
         if model_cfg is not None:
             dims._validate_model(model_cfg)
         if seq_length is not None:
@@ -242,6 +252,8 @@ class ParallelDims:
         shape = tuple(getattr(self, n) for n in MESH_DIMS)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
         meshes = {n: mesh[n] for n in MESH_DIMS}
+        # DeviceMesh has no public flatten/unflatten in torch 2.13 (torchtitan uses the same private methods); this
+        # is the one place that calls them
         meshes["dp"] = mesh["dp_replicate", "dp_shard"]._flatten("dp")
         meshes["dp_shard_cp"] = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         meshes["dp_cp"] = mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")

@@ -100,6 +100,28 @@ def get_world_size() -> int:
     return dist.get_world_size() if is_distributed() else 1
 
 
+def any_rank(flag: bool) -> bool:
+    """True on every rank when ``flag`` is true on any rank (one small all-reduce; no-op in one process)."""
+    if get_world_size() == 1:
+        return flag
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def all_reduce_max_(t) -> None:
+    """In-place max over all ranks (no-op in one process)."""
+    if get_world_size() > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+
+
 def is_main_process() -> bool:
     return get_rank() == 0
 

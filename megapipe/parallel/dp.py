@@ -13,12 +13,12 @@ from __future__ import annotations
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from megapipe.dtypes import PRECISION_DTYPES
 
 
 def apply_fsdp(model, mesh, precision: str = "fp32", reshard_after_forward: bool = True) -> None:
     """Shard each block, then the root (embeddings, final norm, output). ``mesh`` is 1-D (FSDP) or 2-D (HSDP)."""
-    mp = MixedPrecisionPolicy(param_dtype=_DTYPES[precision], reduce_dtype=torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=PRECISION_DTYPES[precision], reduce_dtype=torch.float32)
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         # the last block's parameters are needed first by backward: keep them gathered

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from megapipe.config import Config
 from megapipe.errors import ConfigError
 from megapipe.parallel.cp import apply_cp, zigzag_indices
 from megapipe.parallel.dims import ParallelDims
@@ -16,12 +17,12 @@ from megapipe.parallel.distributed import DistInfo, init_distributed
 from megapipe.parallel.dp import apply_ddp, apply_fsdp
 from megapipe.parallel.pp import PipelineModel, build_schedule, split_model, tied_groups
 from megapipe.parallel.recompute import apply_compile, apply_recompute
-from megapipe.parallel.tp import apply_tp, cross_entropy
+from megapipe.parallel.tp import apply_tp
 
 
-def setup_parallel(cfg, device_type: str | None = None) -> tuple[DistInfo, ParallelDims]:
+def setup_parallel(cfg: Config, device_type: str | None = None, packed: bool = False) -> tuple[DistInfo, ParallelDims]:
     info = init_distributed(cfg)
-    dims = ParallelDims.from_config(cfg.parallel, info.world_size, cfg.train, cfg.model, cfg.data.seq_length)
+    dims = ParallelDims.from_config(cfg.parallel, info.world_size, cfg.train, cfg.model, cfg.data.seq_length, packed)
     dims.build_mesh(device_type or info.device.split(":")[0])
     return info, dims
 
@@ -41,7 +42,7 @@ def _positions_hook(tp_factor: int, cp: int, cp_rank: int):
     return hook
 
 
-def _parallelize_part(model, dims: ParallelDims, cfg):
+def _parallelize_part(model: torch.nn.Module, dims: ParallelDims, cfg: Config) -> torch.nn.Module:
     if dims.tp > 1:
         apply_tp(model, dims.mesh("tp"), dims.sequence_parallel)
     if dims.cp > 1 or dims.pp > 1:
@@ -62,7 +63,7 @@ def _parallelize_part(model, dims: ParallelDims, cfg):
     return model
 
 
-def parallelize_model(model, dims: ParallelDims, cfg, loss_fn=None, device=None):
+def parallelize_model(model: torch.nn.Module, dims: ParallelDims, cfg: Config, device=None) -> torch.nn.Module:
     """Apply the layout of ``dims`` to ``model`` (built identically on every rank) and return what to train."""
     if dims.trivial:
         apply_recompute(model, cfg.train.recompute)
@@ -80,7 +81,6 @@ def parallelize_model(model, dims: ParallelDims, cfg, loss_fn=None, device=None)
     pipe = PipelineModel(parts, ids, num_stages, tied=cfg.model.tie_embeddings)
     if cfg.model.tie_embeddings:
         pipe.tied_group = tied_groups(dims)
-    pipe.loss_fn = loss_fn or cross_entropy
     n_mb = dims.num_pp_microbatches(cfg.train)
     pipe.schedule = build_schedule(parts, ids, num_stages, dims, n_mb, pipe.schedule_loss, device)
     return pipe

@@ -121,20 +121,38 @@ class ParamCounts:
 
 
 def param_counts(m) -> ParamCounts:
-    """Exact parameter counts of ``Transformer(m)`` (what ``count_params`` returns), by part."""
+    """Parameter counts of ``Transformer(m)`` by part, taken from the model built on the meta device; a block's
+    TP-split share comes from its kind's tensor-parallel plan (megapipe.models.spec)."""
     if m.vocab_size is None:
         raise ConfigError("model.vocab_size is not set: the planner needs it (e.g. --set model.vocab_size=32000)")
-    h, hd, f = m.hidden_size, m.dim_per_head, m.intermediate_size
-    q, kv = m.num_heads * hd, m.kv_heads * hd
-    norm = h * (2 if m.norm_type == "layernorm" else 1)
-    mlp_in = 2 if m.activation == "swiglu" else 1
-    layer_tp = h * (q + 2 * kv) + q * h + (q + 2 * kv) * m.qkv_bias + (mlp_in + 1) * h * f + mlp_in * f * m.mlp_bias
-    layer_rep = 2 * norm + h * m.attn_out_bias + h * m.mlp_bias + 2 * hd * m.qk_norm
+    import json
+
+    key = json.dumps(dataclasses.asdict(m), sort_keys=True)
+    if key not in _PARAM_COUNTS:
+        _PARAM_COUNTS[key] = _count(m)
+    return _PARAM_COUNTS[key]
+
+
+_PARAM_COUNTS: dict[str, ParamCounts] = {}
+
+
+def _count(m) -> ParamCounts:
+    from megapipe.models import build_model
+    from megapipe.models.spec import tp_split_numel
+
+    model = build_model(m, device="meta")
+    layers = {tp_split_numel(block) for block in model.layers.values()}
+    if len(layers) != 1:
+        raise ConfigError("the planner models identical layers; this model mixes block kinds")
+    (layer_tp, layer_rep), = layers
+
+    def numel(module) -> int:
+        return 0 if module is None else sum(p.numel() for p in module.parameters())
+
     return ParamCounts(
-        embedding_tp=m.vocab_size * h,
-        embedding_rep=m.max_position_embeddings * h if m.position_embedding == "learned" else 0,
+        embedding_tp=numel(model.tok_embeddings), embedding_rep=numel(model.pos_embeddings),
         layer_tp=layer_tp, layer_rep=layer_rep,
-        head_tp=0 if m.tie_embeddings else m.vocab_size * h, head_rep=norm,
+        head_tp=numel(model.output), head_rep=numel(model.norm),
         num_layers=m.num_layers, tied=m.tie_embeddings,
     )
 

@@ -126,15 +126,33 @@ class PipelineModel(nn.Module):
         self.num_stages = num_stages
         self.schedule = None
         self.cfg = getattr(parts[0], "cfg", None)
-        self.loss_fn = None  # (logits, labels) -> mean loss; set by parallelize_model / train_step
-        self.scale_loss = None  # fp16 loss scaling, applied inside the schedule's backward
-        self.unscaled_losses: list = []
+        self._step = None  # (loss, batch, factor, scale_loss) of the step being run, see begin_step
 
-    def schedule_loss(self, output, target):
-        """The loss the schedule backpropagates (per pipeline micro-batch); keeps the unscaled value for logging."""
-        loss = self.loss_fn(output, target)
-        self.unscaled_losses.append(loss.detach())
-        return self.scale_loss(loss) if self.scale_loss is not None else loss
+    def begin_step(self, loss, batch: dict, factor: float, scale_loss=None) -> None:
+        """Before a schedule step: the recipe's loss, the step's whole (local) batch, the normalising factor."""
+        self._step, self._results = (loss, batch, factor, scale_loss), {}
+
+    def schedule_loss(self, output, rows):
+        """The schedule's loss for one pipeline micro-batch: ``rows`` (its target) are the micro-batch's rows of the
+        step's batch, so the loss sees every batch key. Keyed by the first row: torch may run the first micro-batch
+        once more while it infers shapes, and that result then replaces itself instead of counting twice."""
+        from megapipe.training.objective import ModelOutput
+
+        loss, batch, factor, scale_loss = self._step
+        rows = rows.to(torch.long)
+        mb = {k: v.index_select(0, rows.to(v.device)) for k, v in batch.items()}
+        result = loss(ModelOutput(logits=output), mb)
+        self._results[int(rows[0])] = result
+        objective = result.total * factor
+        if result.aux is not None:
+            objective = objective + result.aux
+        return scale_loss(objective) if scale_loss is not None else objective
+
+    def end_step(self) -> list:
+        """The loss results of the step's micro-batches (on the last stage; empty elsewhere)."""
+        results = [self._results[k] for k in sorted(self._results)]
+        self._step, self._results = None, {}
+        return results
 
     @property
     def has_first_stage(self) -> bool:
@@ -158,6 +176,8 @@ def split_model(model: nn.Module, dims) -> tuple[list[nn.Module], list[int], int
 
 
 def build_schedule(parts, ids, num_stages, dims, n_microbatches: int, loss_fn, device) -> object:
+    """The schedule; gradients are not scaled by it (scale_grads=False): the loss is already normalised by the
+    global number of loss units (megapipe.parallel.step)."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import get_schedule_class
 
@@ -165,5 +185,5 @@ def build_schedule(parts, ids, num_stages, dims, n_microbatches: int, loss_fn, d
     stages = [PipelineStage(p, s, num_stages, torch.device(device), group=group) for p, s in zip(parts, ids, strict=True)]
     cls = get_schedule_class(dims.pp_schedule)
     if len(stages) == 1 and dims.pp_schedule in ("GPipe", "1F1B"):
-        return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
-    return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
+        return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)

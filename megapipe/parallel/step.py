@@ -1,19 +1,27 @@
 """One training step over a list of micro-batches, for any layout; gradient clipping across sharded gradients.
 
-``train_step(model, microbatches, dims)`` runs forward + backward with gradient accumulation (the loss of each
-micro-batch is divided by their number, so gradients are those of the global-batch mean; DDP, and FSDP in its
-distributed-optimizer mode, skip the gradient reduction until the last micro-batch) and returns the global-batch
-mean loss, identical on every rank. With pp > 1 it concatenates the micro-batches and lets the pipeline schedule
-cut them into its own micro-batches. With cp > 1 each rank keeps its zig-zag chunks of tokens and labels. With
-tp > 1 the loss runs under ``loss_parallel`` on vocabulary-sharded logits. The optimizer step is the caller's.
+``train_step(model, microbatches, dims, loss)`` runs forward + backward with gradient accumulation and returns the
+global batch's loss. Every micro-batch is a dict of tensors (first dimension = rows; see
+megapipe.training.objective). Normalisation is global and token-weighted: the units the loss counts (valid tokens)
+are summed over every micro-batch and every data-parallel / context-parallel rank before the step, and each
+micro-batch backpropagates ``its loss sum * dp_cp / global units`` (the gradient reduction then averages over the
+dp_cp ranks), so a masked token never re-weights the others and 1, 2 or 4 micro-batches give the same gradients.
+
+With pp > 1 the micro-batches are concatenated and the pipeline schedule cuts them again; its loss gets the rows
+of its micro-batch as ``target`` and takes every batch key from them (PipelineModel.schedule_loss). With cp > 1
+each rank keeps its zig-zag chunk of every per-token tensor. With tp > 1 the loss runs under ``loss_parallel`` on
+vocabulary-sharded logits. DDP (and FSDP in its distributed-optimizer mode) skip the gradient reduction until the
+last micro-batch. The optimizer step is the caller's.
 
 ``context``: a factory of a context manager wrapped around each forward (e.g. autocast); ``scale_loss``: fp16
-loss scaling applied to what is backpropagated (the returned loss is unscaled).
+loss scaling applied to what is backpropagated (reported values are unscaled).
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -22,33 +30,24 @@ from megapipe.parallel.cp import shard_sequence
 from megapipe.parallel.dims import ParallelDims
 from megapipe.parallel.dp import set_gradient_sync
 from megapipe.parallel.pp import V_SCHEDULES, PipelineModel, sync_tied_grads
-from megapipe.parallel.tp import cross_entropy, loss_parallel_context
+from megapipe.parallel.tp import loss_parallel_context
+from megapipe.training.objective import Loss, ModelOutput, TokenCrossEntropy
 
 _null = contextlib.nullcontext
 
 
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # the global batch's loss: sum over all units / number of units (same on every rank)
+    units: int  # loss units (valid tokens) in the global batch
+    metrics: dict[str, float] = field(default_factory=dict)  # the loss's extra metrics, normalised the same way
+
+    def item(self) -> float:
+        return self.loss.item()
+
+
 def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def _inputs(mb: dict, dims: ParallelDims):
-    tokens, labels = mb["tokens"], mb["labels"]
-    if dims.cp > 1:
-        r = dims.local_rank("cp")
-        tokens, labels = shard_sequence(tokens, dims.cp, r), shard_sequence(labels, dims.cp, r)
-    return tokens, labels
-
-
-def _mean_over(value: torch.Tensor, dims: ParallelDims, names: tuple[str, ...]) -> torch.Tensor:
-    """Sum over 'pp' (only the last stage holds the loss), average over the others (gloo has no AVG)."""
-    for name in names:
-        size = dims.pp if name == "pp" else dims.dp_size * dims.cp
-        if dims.world_mesh is None or size == 1:
-            continue
-        dist.all_reduce(value, group=dims.group(name))
-        if name != "pp":
-            value /= size
-    return value
 
 
 def _device(model) -> torch.device:
@@ -58,67 +57,135 @@ def _device(model) -> torch.device:
     return p.to_local().device if hasattr(p, "to_local") else p.device
 
 
-def train_step(model, microbatches: list[dict], dims: ParallelDims, loss_fn=cross_entropy, context=None,
-               scale_loss=None) -> torch.Tensor:
-    context = context or contextlib.nullcontext
-    if isinstance(model, PipelineModel):
-        return _pipeline_step(model, microbatches, dims, loss_fn, context, scale_loss)
-    n = len(microbatches)
+def local_batch(mb: dict, dims: ParallelDims) -> dict:
+    """This rank's part of a micro-batch: with cp > 1, the zig-zag chunk of every tensor that runs along the
+    sequence (dimension 1 as long as ``tokens``'), the rest as it is."""
+    if dims.cp == 1:
+        return mb
+    seq, r = mb["tokens"].shape[1], dims.local_rank("cp")
+    return {k: shard_sequence(v, dims.cp, r) if v.dim() > 1 and v.shape[1] == seq else v for k, v in mb.items()}
+
+
+def _dp_cp_sum(value: torch.Tensor, dims: ParallelDims, with_pp: bool = False) -> torch.Tensor:
+    """Sum over the ranks that see different data (dp x cp) and, with ``with_pp``, over pipeline ranks (only the
+    last stage holds the loss)."""
+    if dims.world_mesh is None:
+        return value
+    if with_pp and dims.pp > 1:
+        dist.all_reduce(value, group=dims.group("pp"))
+    if dims.dp_size * dims.cp > 1:
+        dist.all_reduce(value, group=dims.group("dp_cp"))
+    return value
+
+
+def count_units(loss: Loss, microbatches: list[dict], dims: ParallelDims, device) -> int:
+    local = sum(int(loss.units(mb)) for mb in microbatches)
+    total = _dp_cp_sum(torch.tensor(float(local), dtype=torch.float64, device=device), dims)
+    return int(total.item())
+
+
+def model_output(model, mb: dict) -> ModelOutput:
+    """Run the model on a micro-batch: positions and document ids go in when the batch carries them; a model set
+    to return its hidden states (the fused loss) hands them over with its output weight."""
+    kwargs = {}
+    if "position_ids" in mb:
+        kwargs["positions"] = mb["position_ids"]
+    if "document_ids" in mb:
+        kwargs["document_ids"] = mb["document_ids"]
+    out = model(mb["tokens"], **kwargs)
+    if getattr(model, "return_hidden", False):
+        return ModelOutput(hidden=out, output_weight=model.output_weight)
+    return ModelOutput(logits=out)
+
+
+class _Totals:
+    """Sums of a step's loss and metrics (this rank), reduced and normalised at the end."""
+
+    def __init__(self, device):
+        self.loss = torch.zeros((), dtype=torch.float32, device=device)
+        self.metrics: dict[str, torch.Tensor] = {}
+
+    def add(self, result) -> None:
+        self.loss += _full(result.total.detach()).float()
+        for k, v in result.metrics.items():
+            self.metrics[k] = self.metrics.get(k, 0.0) + _full(v.detach()).float()
+
+    def finish(self, dims: ParallelDims, units: int, with_pp: bool) -> StepResult:
+        names = sorted(self.metrics)
+        packed = torch.stack([self.loss, *[self.metrics[k] for k in names]]).to(torch.float64)
+        packed = _dp_cp_sum(packed, dims, with_pp) / units if units else packed * float("nan")
+        values = packed.tolist()
+        return StepResult(packed[0].float(), units, dict(zip(names, values[1:], strict=True)))
+
+
+def train_step(model, microbatches: list[dict], dims: ParallelDims, loss: Optional[Loss] = None,
+               context: Optional[Callable] = None, scale_loss: Optional[Callable] = None) -> StepResult:
+    loss = loss or TokenCrossEntropy()
+    context = context or _null
     device = _device(model)
-    total = torch.zeros((), dtype=torch.float32, device=device)
+    microbatches = [local_batch(mb, dims) for mb in microbatches]
+    units = count_units(loss, microbatches, dims, device)
+    # what each micro-batch backpropagates is its sum times this: the reduction over dp_cp ranks then averages
+    factor = dims.dp_size * dims.cp / units if units else 0.0
+    if isinstance(model, PipelineModel):
+        return _pipeline_step(model, microbatches, dims, loss, factor, units, context, scale_loss)
+    n = len(microbatches)
+    totals = _Totals(device)
     skip_sync = dims.dp_mode == "ddp" or not dims.fsdp_reshard_after_forward
     for i, mb in enumerate(microbatches):
-        tokens, labels = _inputs(mb, dims)
         if n > 1 and skip_sync:
             set_gradient_sync(model, i == n - 1)
         with loss_parallel_context(dims.loss_parallel):
             with context():
-                loss = loss_fn(model(tokens), labels) / n
-            (scale_loss(loss) if scale_loss is not None else loss).backward()
-        total += _full(loss.detach()).float()
-    return _mean_over(total, dims, ("dp_cp",))
+                result = loss(model_output(model, mb), mb)
+                objective = result.total * factor
+                if result.aux is not None:
+                    objective = objective + result.aux
+            (scale_loss(objective) if scale_loss is not None else objective).backward()
+        totals.add(result)
+    return totals.finish(dims, units, with_pp=False)
 
 
-def _pipeline_step(model: PipelineModel, microbatches, dims, loss_fn, context, scale_loss, eval_only=False):
-    parts = [_inputs(mb, dims) for mb in microbatches]
-    tokens = torch.cat([p[0] for p in parts])
-    labels = torch.cat([p[1] for p in parts])
-    model.loss_fn, model.scale_loss, model.unscaled_losses = loss_fn, scale_loss, []
+def _pipeline_step(model: PipelineModel, microbatches, dims, loss, factor, units, context, scale_loss,
+                   eval_only=False) -> StepResult:
+    batch = {k: torch.cat([mb[k] for mb in microbatches]) for k in microbatches[0]}
+    rows = torch.arange(batch["tokens"].shape[0], device=batch["tokens"].device)
+    totals = _Totals(_device(model))
+    model.begin_step(loss, batch, factor, scale_loss)
     run = model.schedule.eval if eval_only else model.schedule.step
     saved_grads = None
     if eval_only and dims.pp_schedule in V_SCHEDULES:
         # torch 2.13's V schedules hang when run forward-only: run the full step and put the gradients back
         run, saved_grads = model.schedule.step, [(p, p.grad) for p in model.parameters()]
     with loss_parallel_context(dims.loss_parallel), context(), torch.enable_grad() if saved_grads else _null():
-        args = (tokens,) if model.has_first_stage else ()
+        args = (batch["tokens"],) if model.has_first_stage else ()
         # return_outputs=False: the last stage does not keep every micro-batch's logits until the step ends
-        run(*args, target=labels if model.has_last_stage else None, losses=[], return_outputs=False)
+        run(*args, target=rows if model.has_last_stage else None, losses=[], return_outputs=False)
     for p, g in saved_grads or []:
         p.grad = g
     if not eval_only:
         sync_tied_grads(model, dims)
-    device = _device(model)
-    if model.has_last_stage:
-        # the schedule may call the loss once more while it infers shapes on its first step: keep the real ones
-        real = model.unscaled_losses[-model.schedule._n_microbatches:]
-        loss = torch.stack([_full(x).float() for x in real]).mean().to(device)
-    else:
-        loss = torch.zeros((), device=device)
-    return _mean_over(loss, dims, ("pp", "dp_cp"))
+    for result in model.end_step():
+        totals.add(result)
+    return totals.finish(dims, units, with_pp=True)
 
 
 @torch.no_grad()
-def eval_step(model, microbatches: list[dict], dims: ParallelDims, loss_fn=cross_entropy, context=None):
-    """Mean loss over the micro-batches without gradients (all layouts, incl. pipeline schedules)."""
-    context = context or contextlib.nullcontext
+def eval_step(model, microbatches: list[dict], dims: ParallelDims, loss: Optional[Loss] = None,
+              context: Optional[Callable] = None) -> StepResult:
+    """The loss over the micro-batches without gradients (all layouts, incl. pipeline schedules)."""
+    loss = loss or TokenCrossEntropy()
+    context = context or _null
+    device = _device(model)
+    microbatches = [local_batch(mb, dims) for mb in microbatches]
+    units = count_units(loss, microbatches, dims, device)
     if isinstance(model, PipelineModel):
-        return _pipeline_step(model, microbatches, dims, loss_fn, context, None, eval_only=True)
-    total = torch.zeros((), dtype=torch.float32, device=_device(model))
+        return _pipeline_step(model, microbatches, dims, loss, 0.0, units, context, None, eval_only=True)
+    totals = _Totals(device)
     for mb in microbatches:
-        tokens, labels = _inputs(mb, dims)
         with loss_parallel_context(dims.loss_parallel), context():
-            total += _full(loss_fn(model(tokens), labels)).float() / len(microbatches)
-    return _mean_over(total, dims, ("dp_cp",))
+            totals.add(loss(model_output(model, mb), mb))
+    return totals.finish(dims, units, with_pp=False)
 
 
 def clip_grad_norm_(model, max_norm: float, dims: ParallelDims | None = None, norm_type: float = 2.0) -> torch.Tensor:

@@ -15,8 +15,6 @@ reused buffer spares the page faults of a fresh 100+ MB tensor per chunk. In fp3
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
 DEFAULT_CHUNK = 1024  # tokens per chunk: 1024 x 49k vocab = 200 MB of fp32 logits at a time
@@ -51,7 +49,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.grads
         del ctx.grads
-        if not torch.equal(grad_out, torch.ones_like(grad_out)):  # 1 / micro-batches, fp16 loss scale
+        if not torch.equal(grad_out, torch.ones_like(grad_out)):  # tokens / global tokens, fp16 loss scale
             grad_h = grad_h * grad_out if grad_h is not None else None
             grad_w = grad_w * grad_out if grad_w is not None else None
         return grad_h, grad_w, None, None, None, None, None
@@ -128,14 +126,3 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     ``ignore_index`` do not count. Under autocast the matmuls run in the autocast dtype, the softmax in fp32."""
     return _FusedLinearCrossEntropy.apply(hidden, weight, labels, ignore_index, chunk, _compute_dtype(hidden),
                                          torch.is_grad_enabled())
-
-
-class FusedLinearCrossEntropy:
-    """``loss(hidden, labels)`` for a model that returns its final hidden states (``model.return_hidden = True``);
-    ``weight`` gives the output projection's weight when called (``model.output_weight``: tied or not)."""
-
-    def __init__(self, weight: Callable[[], torch.Tensor], ignore_index: int = -100, chunk: int = DEFAULT_CHUNK):
-        self.weight, self.ignore_index, self.chunk = weight, ignore_index, chunk
-
-    def __call__(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return fused_linear_cross_entropy(hidden, self.weight(), labels, self.ignore_index, self.chunk)

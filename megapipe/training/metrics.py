@@ -71,11 +71,18 @@ class MetricsLogger:
         self.enabled = enabled and run_dir is not None
         self.quiet = quiet or not enabled
         self.path = Path(run_dir) / "metrics.jsonl" if run_dir is not None else None
+        self.resume_step = resume_step
         self._file = None
         self._tb = None
         self._console = None
+        self._opened = False
+
+    def _open(self) -> None:
+        """Create the files at the first record, so that a run refused before its first step writes nothing."""
+        self._opened = True
         if not self.enabled:
             return
+        resume_step = self.resume_step
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -104,6 +111,8 @@ class MetricsLogger:
     def log(self, record: dict, kind: str = "train") -> None:
         """``record`` must hold ``step``; floats that are nan/inf are written as null in JSON."""
         step = record["step"]
+        if not self._opened:
+            self._open()
         if self._file is not None:
             clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
             self._file.write(json.dumps({"kind": kind, **clean}) + "\n")
@@ -116,6 +125,8 @@ class MetricsLogger:
                 keys = [("loss", "loss"), ("lr", "lr"), ("grad_norm", "grad_norm"), ("tokens_per_s", "tokens/s"),
                         ("mfu", "mfu"), ("loss_scale", "loss scale"), ("skipped", "skipped")]
                 parts = [_fmt(label, record.get(k)) for k, label in keys if k in record and (k != "skipped" or record[k])]
+                known = {k for k, _ in keys} | {"step", "tokens_seen"}
+                parts += [_fmt(k, v) for k, v in record.items() if k not in known]
                 self.console.print(f"[bold]step {step}[/] | " + " | ".join(parts))
             else:
                 parts = [_fmt(k, v) for k, v in record.items() if k != "step"]
@@ -143,3 +154,44 @@ def _truncate_after(path: Path, step: int) -> None:
             except json.JSONDecodeError:  # a line cut by a kill -9
                 continue
     write_text_atomic(path, "".join(keep))
+
+
+class Window:
+    """Sums since the last log line (loss and metrics over non-skipped steps), plus run totals for the summary."""
+
+    def __init__(self):
+        self.total_tokens, self.total_time, self.last_loss = 0, 0.0, None
+        self._reset()
+
+    def _reset(self):
+        self.loss_sum, self.loss_n, self.tokens, self.time, self.skipped = 0.0, 0, 0, 0.0, 0
+        self.metric_sums: dict[str, float] = {}
+
+    def add(self, out: dict, tokens: int, seconds: float) -> None:
+        if math.isfinite(out["loss"]):
+            self.loss_sum += out["loss"]
+            self.loss_n += 1
+            self.last_loss = out["loss"]
+            for k, v in out.items():
+                if k not in _STEP_KEYS and isinstance(v, float):
+                    self.metric_sums[k] = self.metric_sums.get(k, 0.0) + v
+        self.skipped += out["skipped"]
+        self.tokens += tokens
+        self.time += seconds
+        self.total_tokens += tokens
+        self.total_time += seconds
+
+    def flush(self) -> dict:
+        n = self.loss_n
+        w = {
+            "loss": self.loss_sum / n if n else float("nan"),
+            "tokens": self.tokens,
+            "time": self.time,
+            "skipped": self.skipped,
+            "metrics": {k: v / n for k, v in self.metric_sums.items()},
+        }
+        self._reset()
+        return w
+
+
+_STEP_KEYS = ("loss", "skipped", "grad_norm", "lr")

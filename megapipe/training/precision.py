@@ -11,14 +11,15 @@ import contextlib
 
 import torch
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from megapipe.dtypes import PRECISION_DTYPES
+from megapipe.parallel.distributed import all_reduce_max_
 
 
 def autocast(precision: str, device_type: str):
     """Context for the forward pass; fp32 needs none (and must not be touched, for bitwise resume)."""
     if precision == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device_type, dtype=DTYPES[precision])
+    return torch.autocast(device_type=device_type, dtype=PRECISION_DTYPES[precision])
 
 
 class DynamicLossScaler:
@@ -52,7 +53,7 @@ class DynamicLossScaler:
             by_device.setdefault((g.device, g.dtype), []).append(_local(g))
         for group in by_device.values():
             torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv)
-        found_inf = _all_reduce_max(found_inf)
+        all_reduce_max_(found_inf)
         return bool(found_inf.item())
 
     def update(self, found_inf: bool) -> None:
@@ -76,11 +77,3 @@ class DynamicLossScaler:
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor gradient (unscaling is elementwise, so shards are enough)."""
     return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _all_reduce_max(t: torch.Tensor) -> torch.Tensor:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t

@@ -35,16 +35,9 @@ class StopRequest:
     def name(self) -> str:
         return signal.Signals(self.received).name if self.received is not None else ""
 
-    def requested(self) -> bool:
-        """True on every rank when any rank got a signal (ranks must stop at the same step to save together)."""
-        import torch
-        import torch.distributed as dist
+    def requested(self, local: bool = False) -> bool:
+        """True on every rank when any rank got a signal or has ``local`` set (ranks must stop at the same step to
+        save together)."""
+        from megapipe.parallel.distributed import any_rank
 
-        flag = self.received is not None
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-            if dist.get_backend() == "nccl":
-                t = t.cuda()
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            flag = bool(t.item())
-        return flag
+        return any_rank(self.received is not None or local)

@@ -1,31 +1,36 @@
-"""The pretraining loop: data -> forward/backward over micro-batches -> clip -> update, with eval, metrics,
-checkpoints, exact resume, NaN skipping, fp16 loss scaling and a graceful stop on SIGTERM/SIGINT.
+"""The one training loop: data -> forward/backward over micro-batches -> clip -> update, with eval, metrics,
+checkpoints, exact resume, NaN skipping, fp16 loss scaling and a graceful stop. What differs between stages
+(pretraining, SFT, distillation, RL) comes from a recipe (megapipe.training.recipes): its data, its loss over a
+micro-batch, its stage name and extra metrics.
 
 Exact resume: everything a step depends on (weights, optimizer moments, schedule position, loss scale, data
 position, RNG) is in the checkpoint, and nothing in the loop depends on wall-clock or process state, so an fp32 run
 killed and resumed reproduces the uninterrupted run's losses bit for bit.
+
+Stopping: SIGTERM/SIGINT (with train.exit_signal_handler), train.exit_interval and train.exit_duration_in_mins end
+the run after the current step with a checkpoint. A signal that arrives during an evaluation cuts it short, one
+during a save lets the save finish: the run always ends with its newest step saved.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
-import shutil
-import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 import torch
 
-from megapipe.config import Config, ModelConfig, from_dict, to_dict
-from megapipe.errors import ConfigError, DataError, MegapipeError
+from megapipe.config import Config, to_dict
+from megapipe.errors import DataError, MegapipeError
 from megapipe.models import build_model, count_params, flops_per_token
 from megapipe.training.cpu_memory import keep_freed_memory
 from megapipe.training.lr import LRSchedule
-from megapipe.training.metrics import MetricsLogger, device_peak_flops, mfu
+from megapipe.training.metrics import MetricsLogger, Window, device_peak_flops, mfu
 from megapipe.training.optim import build_optimizer, set_lr
 from megapipe.training.precision import DynamicLossScaler, autocast
 from megapipe.training.signals import StopRequest
@@ -47,60 +52,6 @@ class TrainState:
     last_eval: dict = field(default_factory=dict)
 
 
-def padded_vocab_size(vocab: int, multiple: int) -> int:
-    multiple = max(1, multiple)
-    return -(-vocab // multiple) * multiple
-
-
-def resolve_vocab(model_cfg: ModelConfig, tokenizer) -> ModelConfig:
-    """vocab_size None -> the tokenizer's, padded; a model vocab smaller than the tokenizer's is an error."""
-    if tokenizer is None:
-        if model_cfg.vocab_size is None:
-            raise ConfigError("model.vocab_size is not set and no --tokenizer was given to take it from")
-        return model_cfg
-    tv = tokenizer.vocab_size
-    if model_cfg.vocab_size is None:
-        return replace(model_cfg, vocab_size=padded_vocab_size(tv, model_cfg.make_vocab_size_divisible_by))
-    if model_cfg.vocab_size < tv:
-        raise ConfigError(
-            f"model.vocab_size = {model_cfg.vocab_size} is smaller than the tokenizer's vocabulary "
-            f"({tv} tokens, {tokenizer.path}); raise model.vocab_size or leave it unset"
-        )
-    return model_cfg
-
-
-def resolve_train_iters(cfg: Config) -> int:
-    t = cfg.train
-    if t.train_iters is not None:
-        return t.train_iters
-    if t.train_tokens is not None:
-        return max(1, math.ceil(t.train_tokens / (t.global_batch_size * cfg.data.seq_length)))
-    raise ConfigError("neither train.train_iters (--train-iters) nor train.train_tokens (--train-tokens) is set")
-
-
-def find_checkpoint(c) -> tuple[Optional[Path], Optional[Path]]:
-    """(checkpoint to resume from, checkpoint the run descends from) for CheckpointConfig ``c``; --finetune
-    resumes nothing."""
-    if c.load is None:
-        return None, None
-    from megapipe.checkpoint import find_latest, resolve_checkpoint
-
-    ckpt = find_latest(c.load) if Path(c.load).exists() else None
-    if ckpt is None and c.save is not None and Path(c.load).absolute() == Path(c.save).absolute():
-        return None, None  # --save X --load X on a fresh run dir: start, and resume on the next launch
-    ckpt = resolve_checkpoint(c.load)  # raises a CheckpointError saying what is wrong
-    return (None if c.finetune else ckpt), ckpt
-
-
-def base_model_config(m: ModelConfig, parent_ckpt: Optional[Path]) -> ModelConfig:
-    """Loading a checkpoint with no model given (no preset, defaults untouched): take its model config."""
-    if parent_ckpt is None or m != ModelConfig():
-        return m
-    from megapipe.checkpoint import read_manifest
-
-    return from_dict(ModelConfig, read_manifest(parent_ckpt)["model"], "model.")
-
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -108,32 +59,36 @@ def seed_everything(seed: int) -> None:
 
 
 class Trainer:
-    """``Trainer(cfg).train()``. Subclasses may override ``loss_fn`` (e.g. other objectives, fault injection)."""
+    """``Trainer(cfg, recipe).train()``; the recipe defaults to pretraining."""
 
-    def __init__(self, cfg: Config, quiet: bool = False, with_data: bool = True):
-        """``with_data=False`` builds model, optimizer and step only (benchmarks feed their own batches)."""
+    def __init__(self, cfg: Config, recipe=None, quiet: bool = False, with_data: bool = True):
+        """``with_data=False`` builds model, optimizer and step only (benchmarks and tools feed their own batches)."""
         from megapipe.parallel.distributed import init_distributed
         from megapipe.parallel.parallelize import setup_parallel
+        from megapipe.training.recipes import PretrainRecipe
+        from megapipe.training.run import resolve_run
 
-        self.cfg = cfg
-        t = cfg.train
+        self.recipe = recipe if recipe is not None else PretrainRecipe()
         self.dist = init_distributed(cfg)
         self.device = torch.device(self.dist.device)
         if self.device.type == "cpu":
             keep_freed_memory()
         self.is_main = self.dist.rank == 0
-        seed_everything(t.seed)
+        seed_everything(cfg.train.seed)
 
-        self.resume_ckpt, self.parent_ckpt = self._find_checkpoint()
-        self.tokenizer = self._load_tokenizer()
-        cfg.model = resolve_vocab(self._model_config(), self.tokenizer)
-        self.train_iters = resolve_train_iters(cfg)
-        _, self.dims = setup_parallel(cfg, self.device.type)
+        self.run = resolve_run(cfg, private_tokenizer=True)
+        if with_data:
+            self.recipe.check(self.run)
+        self.cfg, self.tokenizer, self.train_iters = self.run.cfg, self.run.tokenizer, self.run.train_iters
+        self.resume_ckpt, self.parent_ckpt = self.run.resume, self.run.parent
+        t = self.cfg.train
+        _, self.dims = setup_parallel(self.cfg, self.device.type, self.recipe.packed_sequences(self.cfg))
         self.num_microbatches = self.dims.num_microbatches(t)
 
+        self.loss = self.recipe.loss()
         self.model = self._build_model()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(self.model, cfg.optim, t.lr)
+        self.optimizer = build_optimizer(self.model, self.cfg.optim, t.lr)
         self.schedule = LRSchedule.from_train_config(t, self.train_iters)
         self.scaler = (
             DynamicLossScaler(t.initial_loss_scale, t.min_loss_scale, t.loss_scale_window)
@@ -142,57 +97,34 @@ class Trainer:
         )
         self.state = TrainState()
         data_state = self._load_checkpoint()
-
-        self.datasets, self.train_loader = {}, None
-        if with_data:
-            self.datasets = self._build_datasets()
-            self.train_loader = self._loader(self.datasets["train"], data_state.get("consumed_samples", 0))
-        self.run_dir = (t.log_dir or cfg.checkpoint.save) if with_data else None
+        self.train_data = self.recipe.train_data(self, data_state) if with_data else None
+        self.run_dir = (t.log_dir or self.cfg.checkpoint.save) if with_data else None
+        # files are created by the first record: a run refused before its first step leaves nothing behind
         self.logger = MetricsLogger(self.run_dir, enabled=self.is_main, quiet=quiet, resume_step=self.state.step)
-        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_length)
+        self.flops_per_token = flops_per_token(self.cfg.model, self.cfg.data.seq_length)
         self.peak_flops = device_peak_flops(self.device.type, t.peak_flops)
         self.last_saved: Optional[Path] = None
+        self._saved_step = -1
 
     # ------------------------------------------------------------------------------------------- set-up
 
-    def _load_tokenizer(self):
-        """--tokenizer, else the one inside the checkpoint given to --load, else none (model.vocab_size must be set)."""
-        from megapipe.data.tokenizer import load_tokenizer
-
-        path = self.cfg.data.tokenizer
-        if path is None and self.parent_ckpt is not None and (self.parent_ckpt / "tokenizer").is_dir():
-            # a private copy: pruning old checkpoints (keep_last) may delete this one while we still copy from it
-            self._tokenizer_copy = tempfile.TemporaryDirectory(prefix="megapipe-tokenizer-")
-            path = shutil.copytree(self.parent_ckpt / "tokenizer", Path(self._tokenizer_copy.name) / "tokenizer")
-        return load_tokenizer(path) if path is not None else None
-
-    def _find_checkpoint(self):
-        return find_checkpoint(self.cfg.checkpoint)
-
-    def _model_config(self) -> ModelConfig:
-        return base_model_config(self.cfg.model, self.parent_ckpt)
+    @property
+    def fused_loss(self) -> bool:
+        """The output projection runs inside the loss, chunk by chunk, so the [tokens, vocab] logits never exist
+        whole: when the recipe's loss can take hidden states and the layout keeps the output weight whole."""
+        d = self.dims
+        return self.loss.fusable and d.tp == d.pp == d.cp == d.dp_size == 1
 
     def _build_model(self):
         from megapipe.parallel.parallelize import parallelize_model
-        from megapipe.training.loss import FusedLinearCrossEntropy
 
         model = build_model(self.cfg.model, device=self.device, seed=self.cfg.train.seed)
-        d = self.dims
-        if type(self).loss_fn is Trainer.loss_fn and d.tp == d.pp == d.cp == d.dp_size == 1:
-            # the output projection runs inside the loss, chunk by chunk: the [tokens, vocab] logits never exist
-            # whole (a subclass with its own loss_fn gets logits)
-            model.return_hidden = True
-            self.loss = FusedLinearCrossEntropy(model.output_weight)
-        elif self.cfg.train.compile and d.tp == 1:
-            # --compile covers the loss too: log-softmax, NLL and their backward fuse into few passes over the
-            # logits (the largest tensors of a small model). Vocabulary-sharded DTensor logits (TP) stay eager.
-            self.loss = torch.compile(self.loss_fn)
-        else:
-            self.loss = self.loss_fn
-        return parallelize_model(model, self.dims, self.cfg, loss_fn=self.loss, device=self.device)
+        model = self.recipe.prepare_model(self, model)
+        model.return_hidden = self.fused_loss
+        return parallelize_model(model, self.dims, self.cfg, device=self.device)
 
     def _load_checkpoint(self) -> dict:
-        """Restore from --load; returns the data-loader state (empty for a new run or --finetune)."""
+        """Restore from --load; returns the data state (empty for a new run or --finetune)."""
         if self.parent_ckpt is None:
             return {}
         from megapipe.checkpoint import load_checkpoint
@@ -212,28 +144,9 @@ class Trainer:
         self.state.tokens_seen = int(manifest.get("tokens_seen", self.state.tokens_seen))
         return dict(manifest.get("data_state") or {})
 
-    def _build_datasets(self) -> dict:
-        from megapipe.data.gpt_dataset import build_gpt_datasets, parse_split
-
-        d, t = self.cfg.data, self.cfg.train
-        if not d.data_path:
-            raise ConfigError("data.data_path (--data-path) is not set: give the PREFIX of a .bin/.idx pair")
-        gbs = t.global_batch_size
-        has_valid = parse_split(d.split)[1] > 0
-        num_samples = {"train": self.train_iters * gbs, "valid": t.eval_iters * gbs if has_valid else 0}
-        return build_gpt_datasets(d.data_path, d.split, d.seq_length, num_samples, t.seed, d.cache_dir)
-
-    def _loader(self, dataset, consumed_samples: int = 0):
-        from megapipe.data.loader import PretrainingLoader
-
-        t = self.cfg.train
-        return PretrainingLoader(
-            dataset, t.micro_batch_size, t.global_batch_size, self.dims.dp_rank, self.dims.dp_size, consumed_samples
-        )
-
     # ------------------------------------------------------------------------------------------- one step
 
-    def _next_microbatches(self, it, split: str) -> list[dict]:
+    def next_microbatches(self, it, split: str = "train") -> list[dict]:
         out = []
         for _ in range(self.num_microbatches):
             try:
@@ -252,16 +165,11 @@ class Trainer:
         vocab = self.cfg.model.vocab_size
         if top >= vocab:
             tok = f" (tokenizer {self.tokenizer.path}: {self.tokenizer.vocab_size} tokens)" if self.tokenizer else ""
+            data = " ".join(self.cfg.data.data_path) or "the training data"
             raise DataError(
-                f"the data {' '.join(self.cfg.data.data_path)} holds token id {top}, but model.vocab_size = {vocab}"
-                f"{tok}: the data was tokenized with another tokenizer, or model.vocab_size is too small"
+                f"{data} holds token id {top}, but model.vocab_size = {vocab}{tok}: the data was tokenized with "
+                "another tokenizer, or model.vocab_size is too small"
             )
-
-    def loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy (fp32 math; vocabulary-sharded logits under TP)."""
-        from megapipe.parallel.tp import cross_entropy
-
-        return cross_entropy(logits, labels)
 
     def _autocast(self):
         return autocast(self.cfg.train.precision, self.device.type)
@@ -271,9 +179,9 @@ class Trainer:
         from megapipe.parallel.step import clip_grad_norm_, train_step
 
         scale = self.scaler.scale_loss if self.scaler else None
-        loss = train_step(self.model, microbatches, self.dims, self.loss, self._autocast, scale)
-        loss_value = loss.item()
-        out = {"loss": loss_value, "skipped": 0, "grad_norm": float("nan")}
+        result = train_step(self.model, microbatches, self.dims, self.loss, self._autocast, scale)
+        loss_value = result.loss.item()
+        out = {"loss": loss_value, "skipped": 0, "grad_norm": float("nan"), **result.metrics}
         if not math.isfinite(loss_value):
             return self._skip(out, nan=True)
         if self.scaler is not None:
@@ -305,67 +213,84 @@ class Trainer:
             if self.state.nan_in_row >= limit:
                 raise TrainingError(
                     f"the loss was not finite (nan/inf) for {self.state.nan_in_row} steps in a row up to step "
-                    f"{self.state.step + 1} (train.max_nan_skips = {limit}): lower --lr, check the data, or use bf16"
+                    f"{self.state.step + 1} (train.max_nan_skips = {limit}): lower --lr, check the data (a batch "
+                    "where no token counts towards the loss is non-finite too), or use bf16"
                 )
         return out
 
     # ------------------------------------------------------------------------------------------- the loop
 
     def train(self) -> dict:
-        t, ckpt = self.cfg.train, self.cfg.checkpoint
-        st = self.state
+        t, ckpt, st = self.cfg.train, self.cfg.checkpoint, self.state
         tokens_per_step = t.global_batch_size * self.cfg.data.seq_length
         self._announce()
-        window = _Window()
+        window = Window()
         if self.resume_ckpt is not None and st.step >= self.train_iters:
             self.logger.print(f"{self.resume_ckpt} already finished {st.step} of {self.train_iters} steps: nothing to do")
             self.last_saved = self.resume_ckpt
             self.logger.close()
             return self._summary(window, "")
-        it = iter(self.train_loader)
-        stopped_by = ""
-        with StopRequest() as stop, self._progress() as progress:
-            task = progress.add_task("pretrain", total=self.train_iters, completed=st.step) if progress else None
-            while st.step < self.train_iters:
-                t0 = time.perf_counter()
-                out = self.train_step(self._next_microbatches(it, "train"))
-                st.step += 1
-                st.tokens_seen += tokens_per_step
-                window.add(out, tokens_per_step, time.perf_counter() - t0)
-                if progress:
-                    progress.update(task, advance=1)
-                if st.step % t.log_interval == 0 or st.step == self.train_iters:
-                    self._log(window.flush(), out)
-                if t.eval_interval and st.step % t.eval_interval == 0 and st.step < self.train_iters:
-                    self.evaluate()
-                if ckpt.save_interval and st.step % ckpt.save_interval == 0 and st.step < self.train_iters:
+        it = iter(self.train_data)
+        stopped_by, started = "", time.monotonic()
+        signals = StopRequest() if t.exit_signal_handler else StopRequest(signals=())
+        try:
+            with signals as stop, self._progress() as progress:
+                task = progress.add_task(self.recipe.stage, total=self.train_iters, completed=st.step) if progress else None
+                while st.step < self.train_iters:
+                    t0 = time.perf_counter()
+                    out = self.train_step(self.next_microbatches(it))
+                    st.step += 1
+                    st.tokens_seen += tokens_per_step
+                    window.add(out, tokens_per_step, time.perf_counter() - t0)
+                    if progress:
+                        progress.update(task, advance=1)
+                    if st.step % t.log_interval == 0 or st.step == self.train_iters:
+                        self._log(window.flush(), out)
+                    stopped_by = self._exit_reason(stop, started)
+                    if stopped_by or st.step == self.train_iters:
+                        break
+                    if t.eval_interval and st.step % t.eval_interval == 0:
+                        self.evaluate(stop=stop)
+                    if ckpt.save_interval and st.step % ckpt.save_interval == 0:
+                        self.save()
+                    stopped_by = self._exit_reason(stop, started)
+                    if stopped_by:
+                        break
+                # the final evaluation and save run with the signal handlers still in place: a signal now cuts the
+                # evaluation short and never interrupts the save
+                if not stopped_by and t.eval_iters > 0:
+                    self.evaluate(stop=stop)
+                if self._saved_step != st.step:
                     self.save()
-                if stop.requested():
-                    stopped_by = stop.name or "a signal on another rank"
-                    break
-        if not stopped_by and t.eval_iters > 0:
-            self.evaluate()
-        if self.last_saved is None or self._saved_step != st.step:
-            self.save()
-        if stopped_by:
-            self.logger.print(f"[yellow]stopped by {stopped_by} after step {st.step}[/]")
-        summary = self._summary(window, stopped_by)
-        self.logger.close()
-        return summary
+                stopped_by = stopped_by or stop.name  # a signal during the final evaluation or save
+            if stopped_by:
+                self.logger.print(f"[yellow]stopped by {stopped_by} after step {st.step}[/]")
+            return self._summary(window, stopped_by)
+        finally:
+            self.logger.close()
+
+    def _exit_reason(self, stop: StopRequest, started: float) -> str:
+        """Why the run stops after this step ('' to go on); the same answer on every rank."""
+        t = self.cfg.train
+        if t.exit_interval and self.state.step >= t.exit_interval:
+            return f"--exit-interval {t.exit_interval}"
+        overtime = t.exit_duration_in_mins is not None and time.monotonic() - started >= 60 * t.exit_duration_in_mins
+        if stop.requested(local=overtime):
+            return stop.name or (f"--exit-duration-in-mins {t.exit_duration_in_mins:g}" if overtime else
+                                 "a stop request on another rank")
+        return ""
 
     def _announce(self) -> None:
         m = self.cfg.model
         resumed = f", resuming from {self.resume_ckpt} at step {self.state.step}" if self.resume_ckpt else ""
         self.logger.print(
-            f"[bold]pretrain[/] {count_params(self.model):,} parameters ({m.num_layers} layers, h{m.hidden_size}, "
-            f"vocab {m.vocab_size}), {self.train_iters} steps x {self.cfg.train.global_batch_size} x "
+            f"[bold]{self.recipe.stage}[/] {count_params(self.model):,} parameters ({m.num_layers} layers, "
+            f"h{m.hidden_size}, vocab {m.vocab_size}), {self.train_iters} steps x {self.cfg.train.global_batch_size} x "
             f"{self.cfg.data.seq_length} tokens, {self.num_microbatches} micro-batch(es) per step, "
             f"{self.cfg.train.precision}, layout {self.dims.describe()}{resumed}"
         )
 
     def _progress(self):
-        import contextlib
-
         if self.logger.quiet:
             return contextlib.nullcontext(None)
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -386,32 +311,34 @@ class Trainer:
             "mfu": mfu(tps / self.dist.world_size, self.flops_per_token, self.peak_flops),
             "skipped": w["skipped"],
             "tokens_seen": self.state.tokens_seen,
+            **w["metrics"],
+            **self.recipe.metrics(self),
         }
         if self.scaler is not None:
             record["loss_scale"] = self.scaler.scale
         self.logger.log(record)
 
     @torch.no_grad()
-    def evaluate(self, split: str = "valid") -> dict:
-        """Mean loss over train.eval_iters global batches from the start of the split (the same ones every time)."""
-        ds = self.datasets.get(split)
-        if ds is None:
+    def evaluate(self, split: str = "valid", stop: Optional[StopRequest] = None) -> dict:
+        """Token-weighted loss over train.eval_iters global batches from the start of the split (the same ones every
+        time); a stop request cuts it short (nothing is recorded then)."""
+        it = self.recipe.eval_data(self, split)
+        if it is None:
             return {}
         from megapipe.parallel.step import eval_step
 
-        it = iter(self._loader(ds))
-        n = self.cfg.train.eval_iters
-        total = sum(
-            eval_step(self.model, self._next_microbatches(it, split), self.dims, self.loss, self._autocast).item()
-            for _ in range(n)
-        )
-        loss = total / n
+        total = units = 0.0
+        for _ in range(self.cfg.train.eval_iters):
+            if stop is not None and stop.requested():
+                return {}
+            r = eval_step(self.model, self.next_microbatches(it, split), self.dims, self.loss, self._autocast)
+            if r.units:
+                total, units = total + r.loss.item() * r.units, units + r.units
+        loss = total / units if units else float("nan")
         result = {"step": self.state.step, "loss": loss, "ppl": math.exp(min(loss, 50.0))}
         self.state.last_eval = {"loss": loss, "ppl": result["ppl"], "step": self.state.step}
         self.logger.log(result, kind=split)
         return result
-
-    _saved_step = -1
 
     def save(self) -> Optional[Path]:
         ckpt = self.cfg.checkpoint
@@ -426,14 +353,15 @@ class Trainer:
             "loss_scaler": self.scaler.state_dict() if self.scaler else None,
         }
         manifest = {
-            "stage": "pretrain",
+            "stage": self.recipe.stage,
             "model": self.cfg.model,
             "layout": {"world_size": self.dist.world_size, "parallel": self.dims.describe()},
             "parent": str(self.parent_ckpt) if self.parent_ckpt else None,
             "tokens_seen": st.tokens_seen,
-            "data_state": self.train_loader.state_dict(),
+            "data_state": self.train_data.state_dict() if self.train_data is not None else {},
             "trainer_state": trainer_state,
             "config": to_dict(self.cfg),
+            **self.recipe.manifest(self),
         }
         self.last_saved = save_checkpoint(
             ckpt.save, st.step, self.model, self.optimizer, manifest=manifest,
@@ -443,7 +371,7 @@ class Trainer:
         self.logger.print(f"saved checkpoint {self.last_saved}")
         return self.last_saved
 
-    def _summary(self, window: "_Window", stopped_by: str) -> dict:
+    def _summary(self, window: Window, stopped_by: str) -> dict:
         st = self.state
         summary = {
             "steps": st.step,
@@ -459,41 +387,8 @@ class Trainer:
         if not self.logger.quiet:
             from rich.table import Table
 
-            table = Table(title="pretrain summary", show_header=False)
+            table = Table(title=f"{self.recipe.stage} summary", show_header=False)
             for k, v in summary.items():
                 table.add_row(k, f"{v:.4f}" if isinstance(v, float) else str(v))
             self.logger.console.print(table)
         return summary
-
-
-class _Window:
-    """Sums since the last log line (loss over non-skipped steps), plus run totals for the summary."""
-
-    def __init__(self):
-        self.total_tokens, self.total_time, self.last_loss = 0, 0.0, None
-        self._reset()
-
-    def _reset(self):
-        self.loss_sum, self.loss_n, self.tokens, self.time, self.skipped = 0.0, 0, 0, 0.0, 0
-
-    def add(self, out: dict, tokens: int, seconds: float) -> None:
-        if math.isfinite(out["loss"]):
-            self.loss_sum += out["loss"]
-            self.loss_n += 1
-            self.last_loss = out["loss"]
-        self.skipped += out["skipped"]
-        self.tokens += tokens
-        self.time += seconds
-        self.total_tokens += tokens
-        self.total_time += seconds
-
-    def flush(self) -> dict:
-        w = {
-            "loss": self.loss_sum / self.loss_n if self.loss_n else float("nan"),
-            "tokens": self.tokens,
-            "time": self.time,
-            "skipped": self.skipped,
-        }
-        self._reset()
-        return w
-

@@ -4,7 +4,8 @@ Every case trains a tiny model for a few SGD steps in one layout and compares, a
 same seed and global batch computed on every rank: the per-step losses (relative), the gradients after step 1, the
 clipped gradient norm, and the weights after the last step. Usage:
     torchrun --nproc-per-node N tests/dist/parallel_cases.py OUT.json CASE [CASE ...]
-CASE is a layout with options, e.g. "tp2", "pp2:schedule=GPipe", "dp_shard2,tp2:recompute=full:model=qk".
+CASE is a layout with options, e.g. "tp2", "pp2:schedule=GPipe", "dp_shard2,tp2:recompute=full:model=qk";
+"mask=1" gives every row a loss mask keeping a different number of tokens (global token-weighted normalisation).
 Rank 0 writes {case: {"loss_rel": .., "grad_abs": .., "param_abs": .., "norm_rel": .., "error": ..}} to OUT.json.
 
 Checkpoint cases (AdamW, next to OUT.json): "tp2,pp2:save=NAME" trains 2 steps, saves NAME/step_00000002 with
@@ -65,10 +66,15 @@ def make_config(layout: dict, opts: dict) -> Config:
     return cfg
 
 
-def batches(cfg: Config, steps: int):
+def batches(cfg: Config, steps: int, masked: bool = False):
     g = torch.Generator().manual_seed(7)
     data = torch.randint(0, cfg.model.vocab_size, (steps, GLOBAL_BATCH, SEQ + 1), generator=g)
-    return [{"tokens": d[:, :-1], "labels": d[:, 1:]} for d in data]
+    out = [{"tokens": d[:, :-1], "labels": d[:, 1:]} for d in data]
+    if masked:  # rows keep 16, 1, 9, 0, 4, 16, 6, 11 tokens: a per-micro-batch or per-rank mean weights them wrongly
+        keep = torch.tensor([16, 1, 9, 0, 4, 16, 6, 11])
+        for b in out:
+            b["loss_mask"] = torch.arange(SEQ)[None] < keep[:, None]
+    return out
 
 
 def micro(batch: dict, lo: int, hi: int, size: int) -> list[dict]:
@@ -78,18 +84,19 @@ def micro(batch: dict, lo: int, hi: int, size: int) -> list[dict]:
 _REFERENCE: dict = {}
 
 
-def reference(cfg: Config) -> dict:
-    """Single-process losses, step-1 gradients, clip norm and final weights (cached per model)."""
-    key = json.dumps(cfg.model.__dict__, sort_keys=True, default=str)
+def reference(cfg: Config, masked: bool = False) -> dict:
+    """Single-process losses, step-1 gradients, clip norm and final weights (cached per model and masking), the
+    global batch in one micro-batch."""
+    key = json.dumps(cfg.model.__dict__, sort_keys=True, default=str) + str(masked)
     if key in _REFERENCE:
         return _REFERENCE[key]
     model = build_model(cfg.model, seed=cfg.train.seed)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     trivial = ParallelDims()
     out = {"losses": []}
-    for i, batch in enumerate(batches(cfg, STEPS)):
+    for i, batch in enumerate(batches(cfg, STEPS, masked)):
         opt.zero_grad()
-        out["losses"].append(train_step(model, micro(batch, 0, GLOBAL_BATCH, MICRO), trivial).item())
+        out["losses"].append(train_step(model, [batch], trivial).item())
         if i == 0:
             out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
         norm = clip_grad_norm_(model, CLIP, trivial)
@@ -97,7 +104,7 @@ def reference(cfg: Config) -> dict:
             out["norm"] = norm.item()
         opt.step()
     out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
-    out["eval"] = eval_step(model, micro(batches(cfg, 1)[0], 0, GLOBAL_BATCH, MICRO), trivial).item()
+    out["eval"] = eval_step(model, [batches(cfg, 1, masked)[0]], trivial).item()
     _REFERENCE[key] = out
     return out
 
@@ -120,7 +127,8 @@ def run_case(text: str) -> dict:
 
     layout, opts = parse_case(text)
     cfg = make_config(layout, opts)
-    ref = reference(cfg)
+    masked = opts.get("mask") == "1"
+    ref = reference(cfg, masked)
     dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size(), cfg.train, cfg.model, SEQ)
     dims.build_mesh("cpu")
     model = parallelize_model(build_model(cfg.model, seed=cfg.train.seed), dims, cfg)
@@ -128,7 +136,7 @@ def run_case(text: str) -> dict:
     per_rank = GLOBAL_BATCH // dims.dp_size
     lo = dims.dp_rank * per_rank
     res = {"loss_rel": 0.0}
-    for i, batch in enumerate(batches(cfg, STEPS)):
+    for i, batch in enumerate(batches(cfg, STEPS, masked)):
         opt.zero_grad()
         loss = train_step(model, micro(batch, lo, lo + per_rank, MICRO), dims).item()
         res["loss_rel"] = max(res["loss_rel"], abs(loss - ref["losses"][i]) / abs(ref["losses"][i]))
@@ -142,7 +150,7 @@ def run_case(text: str) -> dict:
     res["param_abs"] = max_diff(model.named_parameters(), ref["params"])
     # master weights and their gradients stay fp32 whatever the compute precision
     res["not_fp32"] = float(any(p.dtype != torch.float32 or p.grad.dtype != torch.float32 for p in model.parameters()))
-    res["eval_rel"] = abs(eval_step(model, micro(batches(cfg, 1)[0], lo, lo + per_rank, MICRO), dims).item()
+    res["eval_rel"] = abs(eval_step(model, micro(batches(cfg, 1, masked)[0], lo, lo + per_rank, MICRO), dims).item()
                           - ref["eval"]) / ref["eval"]
     res["n_params_checked"] = len(list(model.parameters()))
     return res

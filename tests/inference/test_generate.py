@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import transformers
@@ -13,9 +10,7 @@ from megapipe.config import ModelConfig
 from megapipe.errors import MegapipeError
 from megapipe.inference import KVCache, filter_logits, generate, generate_ids, pick_next, resolve_device
 from megapipe.models import build_model
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "models"))  # the HF weight-copy test helper
-from hf_reference import copy_hf_weights  # noqa: E402
+from tests.helpers.hf_reference import copy_hf_weights
 
 V = 300
 PROMPTS = [[5, 17, 9, 33, 2, 71, 8], [44, 3], [100, 101, 102, 7]]

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from hf_reference import copy_hf_weights, random_tokens
 
 from megapipe.config import ModelConfig
 from megapipe.models import build_model
+from tests.helpers.hf_reference import copy_hf_weights, random_tokens
 
 V, H, I, L, NH = 97, 64, 96, 2, 4  # noqa: E741
 COMMON_HF = dict(vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=L, num_attention_heads=NH,

@@ -20,25 +20,25 @@ import torch
 
 from megapipe.config import ModelConfig
 from megapipe.models import build_model
+from tests.dist import parallel_cases as pc
 
 ROOT = Path(__file__).parents[2]
 SCRIPT = ROOT / "tests" / "dist" / "parallel_cases.py"
 N_TENSORS = 39  # parameters of the 'base' tiny model
-sys.path.insert(0, str(SCRIPT.parent))
-import parallel_cases as pc  # noqa: E402
 
 CASES_2 = [
     "dp_shard2", "ddp2", "tp2:model=tied", "tp2:sp=0:model=gpt2", "tp2:model=qk:recompute=selective",
     "cp2:model=gpt2", "pp2:schedule=GPipe:split=1-3", "pp2:schedule=Interleaved1F1B:split=0-2-1-1",
     "pp2:schedule=ZBVZeroBubble", "pp2:schedule=DualPipeV", "dp_shard2:recompute=full:reshard=0",
     "pp2:model=tied:schedule=Interleaved1F1B", "dp_shard2:precision=bf16",
+    "dp_shard2:mask=1", "ddp2:mask=1", "pp2:schedule=GPipe:mask=1", "tp2:mask=1", "cp2:mask=1",
 ]
 BF16 = [c for c in CASES_2 if "precision=bf16" in c]
 CASES_4 = [
     "dp_shard2,tp2", "pp2,tp2", "dp_shard2,cp2", "dp_replicate2,dp_shard2", "cp2,tp2:model=qk", "pp2,cp2",
     "pp2,dp_shard2:schedule=Interleaved1F1B", "ddp2,cp2",
     "pp2,tp2:model=tied", "tp2,pp2:save=ckpt_tp2pp2", "dp_shard4:load=ckpt_tp2pp2",
-    "dp_shard2,cp2:save=ckpt_dp2cp2", "pp2,tp2:schedule=Interleaved1F1B:load=ckpt_dp2cp2",
+    "dp_shard2,cp2:save=ckpt_dp2cp2", "pp2,tp2:schedule=Interleaved1F1B:load=ckpt_dp2cp2", "dp_shard2,cp2:mask=1",
 ]
 CASES_8 = ["pp2,dp_shard2,tp2", "dp_shard2,cp2,tp2"]
 

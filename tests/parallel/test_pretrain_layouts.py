@@ -152,6 +152,7 @@ def test_pp_schedule_flag_sets_the_stages_per_rank_it_needs():
         _default_virtual_stages(cfg.parallel)
         assert cfg.parallel.pp_virtual_stages == (3 if schedule == "Interleaved1F1B" else v)
     cfg = load_config(None, {"parallel.pp": 2, "parallel.pp_schedule": "Interleaved1F1B", "model.preset": "tiny",
+                             "train.train_iters": 1, "data.data_path": ["unused"],
                              "model.vocab_size": 512, "train.global_batch_size": 8, "train.micro_batch_size": 2})
     _default_virtual_stages(cfg.parallel)
     dims = check_layout(cfg, 2)

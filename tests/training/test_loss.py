@@ -10,12 +10,9 @@ import torch.nn.functional as F
 
 from megapipe.config import ModelConfig, load_config
 from megapipe.models import build_model
-from megapipe.training.loss import (
-    NO_SHIFT_LIMIT,
-    FusedLinearCrossEntropy,
-    _logits_may_exceed,
-    fused_linear_cross_entropy,
-)
+from megapipe.training.loss import NO_SHIFT_LIMIT, _logits_may_exceed, fused_linear_cross_entropy
+from megapipe.training.objective import TokenCrossEntropy
+from megapipe.training.recipes import PretrainRecipe
 from megapipe.training.trainer import Trainer
 
 
@@ -47,7 +44,7 @@ def test_fused_loss_matches_logits_and_cross_entropy_through_the_model(tied):
     model.return_hidden = True
     hidden = model(tokens)
     assert hidden.shape == (3, 20, 32)
-    loss = FusedLinearCrossEntropy(model.output_weight, chunk=16)(hidden, labels)  # 60 tokens: chunks 16,16,16,12
+    loss = fused_linear_cross_entropy(hidden, model.output_weight(), labels, chunk=16)  # 60 tokens: 16,16,16,12
     loss.backward()
     assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
     assert (model.output_weight() is model.tok_embeddings.weight) == tied
@@ -104,26 +101,30 @@ def test_bf16_autocast_stays_close_to_the_plain_autocast_path():
     assert fused.item() == pytest.approx(ref.item(), rel=2e-3)
 
 
-class Unfused(Trainer):
-    """Its own loss_fn (the same cross-entropy): the trainer then keeps the logits path."""
+class LogitsCrossEntropy(TokenCrossEntropy):
+    """The same cross-entropy, declared not fusable: the trainer then keeps the logits path."""
 
-    def loss_fn(self, logits, labels):
-        return super().loss_fn(logits, labels)
+    fusable = False
+
+
+class UnfusedRecipe(PretrainRecipe):
+    def loss(self):
+        return LogitsCrossEntropy()
 
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_trainer_losses_are_unchanged_by_the_fused_path(tied, tiny_overrides, pretrain_data):
-    """3 steps of 2 micro-batches each (the loss is divided by 2 before backward), AdamW, fp32."""
+    """3 steps of 2 micro-batches each, AdamW, fp32: the recipe's loss declares whether it can be fused."""
     losses = {}
-    for cls in (Trainer, Unfused):
+    for recipe in (PretrainRecipe(), UnfusedRecipe()):
         extra = {"train.train_iters": 3, "model.tie_embeddings": tied, "train.eval_iters": 0}
-        trainer = cls(load_config(None, tiny_overrides(*pretrain_data, extra)), quiet=True)
-        assert isinstance(trainer.loss, FusedLinearCrossEntropy) == (cls is Trainer)
-        assert trainer.model.return_hidden == (cls is Trainer)
-        it = iter(trainer.train_loader)
-        losses[cls] = [trainer.train_step(trainer._next_microbatches(it, "train"))["loss"] for _ in range(3)]
-    assert losses[Trainer] == pytest.approx(losses[Unfused], rel=1e-6)
-    assert losses[Trainer][2] < losses[Trainer][0]
+        trainer = Trainer(load_config(None, tiny_overrides(*pretrain_data, extra)), recipe, quiet=True)
+        fused = type(recipe) is PretrainRecipe
+        assert trainer.fused_loss == trainer.model.return_hidden == fused
+        it = iter(trainer.train_data)
+        losses[fused] = [trainer.train_step(trainer.next_microbatches(it))["loss"] for _ in range(3)]
+    assert losses[True] == pytest.approx(losses[False], rel=1e-6)
+    assert losses[True][2] < losses[True][0]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -106,3 +106,43 @@ def test_kill9_and_sigterm_then_resume_is_bitwise_exact(pretrain_data, tmp_path)
     assert [s for k, s, *_ in got if k == "train"] == list(range(1, ITERS + 1))
     assert got == expected  # every loss, gradient norm and learning rate, bit for bit
     assert latest_step(run_dir) == latest_step(ref_dir) == ITERS
+
+
+def short_command(pretrain_data, run_dir: Path, iters: int, eval_iters: int) -> list[str]:
+    cmd = command(pretrain_data, run_dir, "--save-interval", "1000", "--eval-iters", str(eval_iters))
+    cmd[cmd.index("--train-iters") + 1] = str(iters)
+    return cmd
+
+
+def test_a_signal_during_the_final_evaluation_still_saves_the_last_step(pretrain_data, tmp_path):
+    """Ctrl-C right after the last step's line, while the (long) final evaluation runs: the evaluation stops, the
+    last step is saved, the run exits 0 and says why."""
+    run_dir = tmp_path / "run"
+    proc = start(short_command(pretrain_data, run_dir, 6, 5000))
+    wait_for(lambda: any(r["kind"] == "train" and r["step"] == 6 for r in records(run_dir)), proc, "step 6")
+    proc.send_signal(signal.SIGINT)
+    out = finish(proc)
+    assert proc.returncode == 0, out
+    assert "stopped by SIGINT after step 6" in out
+    assert latest_step(run_dir) == 6 and not list(run_dir.glob("*.tmp-*"))
+    assert not [r for r in records(run_dir) if r["kind"] == "valid"]  # the cut evaluation records nothing
+
+
+def test_signals_during_the_final_save_let_the_save_finish(pretrain_data, tmp_path):
+    """SIGTERM every millisecond from the last step's line until the process exits, so signals land before, during
+    and after the final save (a wider model makes the save last a while): the save completes and `latest` names it.
+    (Once the run is over and its handlers are gone, a signal may end the process: exit 0 or -SIGTERM.)"""
+    run_dir = tmp_path / "run"
+    cmd = short_command(pretrain_data, run_dir, 4, 0) + ["--set", "model.hidden_size=384"]
+    proc = start(cmd)
+    wait_for(lambda: any(r["kind"] == "train" and r["step"] == 4 for r in records(run_dir)), proc, "step 4")
+    saw_tmp = False
+    while proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        saw_tmp = saw_tmp or any(run_dir.glob("*.tmp-*"))
+        time.sleep(0.001)
+    out = finish(proc)
+    assert proc.returncode in (0, -signal.SIGTERM), out
+    assert latest_step(run_dir) == 4 and not list(run_dir.glob("*.tmp-*"))
+    manifest = json.loads((run_dir / "step_00000004" / "megapipe.json").read_text())
+    assert manifest["complete"] is True and saw_tmp

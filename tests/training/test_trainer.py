@@ -11,13 +11,16 @@ import torch
 from megapipe.config import load_config
 from megapipe.errors import ConfigError, DataError
 from megapipe.training.lr import LRSchedule
-from megapipe.training.trainer import Trainer, TrainingError, padded_vocab_size
+from megapipe.training.objective import TokenCrossEntropy
+from megapipe.training.recipes import PretrainRecipe
+from megapipe.training.run import padded_vocab_size
+from megapipe.training.trainer import Trainer, TrainingError
 
 
 @pytest.fixture
 def make(tiny_overrides):
-    def build(pretrain_data, extra=None, cls=Trainer):
-        return cls(load_config(None, tiny_overrides(*pretrain_data, extra)), quiet=True)
+    def build(pretrain_data, extra=None, recipe=None):
+        return Trainer(load_config(None, tiny_overrides(*pretrain_data, extra)), recipe, quiet=True)
 
     return build
 
@@ -45,20 +48,32 @@ def test_loss_falls_on_real_text_and_metrics_are_written(make, pretrain_data, tm
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
 
 
-class NaNAt(Trainer):
+class NaNAt(PretrainRecipe):
     """Fault injection: the loss of the steps listed in ``nan_steps`` (1-based) is NaN."""
 
     nan_steps: set = set()
 
-    def loss_fn(self, logits, labels):
-        loss = super().loss_fn(logits, labels)
-        return loss * float("nan") if self.state.step + 1 in self.nan_steps else loss
+    def train_data(self, trainer, state):
+        self.trainer = trainer
+        return super().train_data(trainer, state)
+
+    def loss(self):
+        recipe, base = self, TokenCrossEntropy()
+
+        class Faulty(TokenCrossEntropy):
+            def __call__(self, out, batch):
+                result = base(out, batch)
+                if recipe.trainer.state.step + 1 in recipe.nan_steps:
+                    result.total = result.total * float("nan")
+                return result
+
+        return Faulty()
 
 
 def test_nan_steps_are_skipped_and_counted(make, pretrain_data, tmp_path):
     NaNAt.nan_steps = {3, 4, 7}
     trainer = make(pretrain_data, {"train.train_iters": 8, "train.max_nan_skips": 3, "train.log_dir": str(tmp_path)},
-                   cls=NaNAt)
+                   recipe=NaNAt())
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     summary = trainer.train()
     train = records(tmp_path)
@@ -75,7 +90,7 @@ def test_nan_steps_are_skipped_and_counted(make, pretrain_data, tmp_path):
 
 def test_too_many_nans_in_a_row_abort_with_a_clear_message(make, pretrain_data, tmp_path):
     NaNAt.nan_steps = set(range(2, 100))
-    trainer = make(pretrain_data, {"train.train_iters": 20, "train.max_nan_skips": 3}, cls=NaNAt)
+    trainer = make(pretrain_data, {"train.train_iters": 20, "train.max_nan_skips": 3}, recipe=NaNAt())
     with pytest.raises(TrainingError, match=r"not finite \(nan/inf\) for 3 steps in a row up to step 4 "
                                             r"\(train.max_nan_skips = 3\)"):
         trainer.train()

@@ -9,13 +9,13 @@ from typing import Any, Optional
 
 import torch
 
+from megapipe.dtypes import HF_DTYPE_NAMES, PRECISION_DTYPES  # noqa: F401 (HF_DTYPE_NAMES: re-exported)
 from megapipe.errors import MegapipeError
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-HF_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+DTYPES = PRECISION_DTYPES
 SHORT = {v: k for k, v in DTYPES.items()}
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,

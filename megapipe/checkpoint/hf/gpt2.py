@@ -13,11 +13,13 @@ import torch
 from megapipe.checkpoint.hf.base import Adapter, Conversion, Tensors, meta_state_keys, refuse, register, renames
 from megapipe.config import ModelConfig
 from megapipe.errors import MegapipeError
+from megapipe.models.dense import DENSE
 
 TOP = {"tok_embeddings": "transformer.wte", "pos_embeddings": "transformer.wpe", "norm": "transformer.ln_f",
        "output": "lm_head"}
-LAYER = {"attention_norm": "ln_1", "ffn_norm": "ln_2"}
-CONV1D = {"attention.wo": "attn.c_proj", "feed_forward.w1": "mlp.c_fc", "feed_forward.w2": "mlp.c_proj"}
+_NAMES = DENSE.hf_names["gpt2"]
+LAYER = {k: v for k, v in _NAMES.items() if k.endswith("norm")}
+CONV1D = {k: v for k, v in _NAMES.items() if k not in LAYER}  # stored transposed
 GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")
 
 

@@ -16,21 +16,10 @@ from megapipe.checkpoint.hf.base import (
 )
 from megapipe.config import ModelConfig
 from megapipe.errors import MegapipeError
+from megapipe.models.dense import DENSE
 
 TOP = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"}
-LAYER = {
-    "attention_norm": "input_layernorm",
-    "attention.wq": "self_attn.q_proj",
-    "attention.wk": "self_attn.k_proj",
-    "attention.wv": "self_attn.v_proj",
-    "attention.wo": "self_attn.o_proj",
-    "attention.q_norm": "self_attn.q_norm",
-    "attention.k_norm": "self_attn.k_norm",
-    "ffn_norm": "post_attention_layernorm",
-    "feed_forward.w1": "mlp.gate_proj",
-    "feed_forward.w3": "mlp.up_proj",
-    "feed_forward.w2": "mlp.down_proj",
-}
+LAYER = DENSE.hf_names["llama"]
 
 
 @register

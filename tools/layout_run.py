@@ -1,8 +1,9 @@
-"""Train a few steps in one layout and write per-step losses and times (for tools/loss_compare.py and
-tools/bench_parallel.py). Launched under torchrun for layouts of more than one process:
-    python -m megapipe.parallel.layout_run --layout tp2,pp2 --steps 5 --out r.json [--model tiny ...]
+"""Train a few steps in one layout through the one training loop (megapipe.training.Trainer) and write per-step
+losses and times (for tools/loss_compare.py and tools/bench_parallel.py). Launched under torchrun for layouts of
+more than one process:
+    python tools/layout_run.py --layout tp2,pp2 --steps 5 --out r.json [--model tiny ...]
 Batches are the same in every layout: deterministic random tokens (--seed), or consecutive windows of a
-tokenized .bin/.idx prefix (--data PREFIX).
+tokenized .bin/.idx prefix (--data PREFIX). Constant learning rate, no warm-up, no eval, no checkpoints.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import time
 import torch
 
 from megapipe.config import Config, ModelConfig, ParallelConfig, resolve_preset
-from megapipe.parallel.dims import ParallelDims, apply_layout, parse_layout
+from megapipe.parallel.dims import apply_layout, parse_layout
+from megapipe.training.recipes import Recipe
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,16 +52,18 @@ def make_config(args) -> Config:
     t = cfg.train
     t.global_batch_size, t.micro_batch_size, t.seed = args.global_batch_size, args.micro_batch_size, args.seed
     t.precision, t.recompute, t.compile = args.precision, args.recompute, args.compile
+    t.train_iters, t.lr, t.lr_decay_style, t.eval_iters = args.steps + args.warmup, args.lr, "constant", 0
+    cfg.optim.optimizer, cfg.optim.clip_grad, cfg.optim.weight_decay = args.optimizer, args.clip_grad, 0.0
     cfg.data.seq_length = args.seq_length
     return cfg
 
 
 def batches(args, vocab: int, steps: int) -> torch.Tensor:
-    """[steps, global_batch, seq + 1] token ids, identical in every layout."""
+    """[steps * global_batch, seq + 1] token ids, identical in every layout."""
     n, s = steps * args.global_batch_size, args.seq_length + 1
     if args.data is None:
         g = torch.Generator().manual_seed(args.seed)
-        return torch.randint(0, vocab, (steps, args.global_batch_size, s), generator=g)
+        return torch.randint(0, vocab, (n, s), generator=g)
     from megapipe.data.indexed import IndexedDataset
 
     ds = IndexedDataset(args.data)
@@ -67,59 +71,52 @@ def batches(args, vocab: int, steps: int) -> torch.Tensor:
     while sum(len(x) for x in flat) < n * s:
         flat.append(torch.from_numpy(ds[i % len(ds)].astype("int64")))
         i += 1
-    return torch.cat(flat)[: n * s].view(steps, args.global_batch_size, s).clamp_(max=vocab - 1)
+    return torch.cat(flat)[: n * s].view(n, s).clamp_(max=vocab - 1)
+
+
+class FixedSamples(Recipe):
+    """Pretraining on a fixed array of samples, read in order (the same global batches in every layout)."""
+
+    stage = "layout_run"
+
+    def __init__(self, samples: torch.Tensor):
+        self.samples = samples.numpy()
+
+    def train_data(self, trainer, state):
+        from megapipe.data.loader import PretrainingLoader
+
+        t = trainer.cfg.train
+        return PretrainingLoader(self.samples, t.micro_batch_size, t.global_batch_size, trainer.dims.dp_rank,
+                                 trainer.dims.dp_size)
 
 
 def main(argv=None) -> None:
-    from megapipe.models import build_model
-    from megapipe.parallel.distributed import destroy_distributed, get_rank, init_distributed
-    from megapipe.parallel.parallelize import parallelize_model
-    from megapipe.parallel.step import clip_grad_norm_, train_step
+    from megapipe.parallel.distributed import destroy_distributed, get_rank
+    from megapipe.training.trainer import Trainer
 
     args = build_parser().parse_args(argv)
     cfg = make_config(args)
-    info = init_distributed(cfg)
-    dims = ParallelDims.from_config(cfg.parallel, info.world_size, cfg.train, cfg.model, args.seq_length)
-    dims.build_mesh(info.device.split(":")[0])
-    model = parallelize_model(build_model(cfg.model, device=info.device, seed=args.seed), dims, cfg)
-    if args.optimizer == "sgd":
-        opt = torch.optim.SGD(model.parameters(), lr=args.lr)
-    else:
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=True)
-    data = batches(args, cfg.model.vocab_size, args.steps + args.warmup)
-    per_rank = args.global_batch_size // dims.dp_size
-    lo = dims.dp_rank * per_rank
-    context = None
-    if args.precision == "bf16" and not dims.fsdp_enabled:
-        def context():
-            return torch.autocast(info.device.split(":")[0], dtype=torch.bfloat16)
+    recipe = FixedSamples(batches(args, cfg.model.vocab_size, args.steps + args.warmup))
+    trainer = Trainer(cfg, recipe, quiet=True)
+    it = iter(trainer.train_data)
     losses, times = [], []
     for step in range(args.steps + args.warmup):
-        local = data[step, lo: lo + per_rank].to(info.device)
-        mbs = [{"tokens": c[:, :-1], "labels": c[:, 1:]} for c in local.split(args.micro_batch_size)]
+        microbatches = trainer.next_microbatches(it)
         t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        loss = train_step(model, mbs, dims, context=context)
-        clip_grad_norm_(model, args.clip_grad, dims)
-        opt.step()
-        value = loss.item()  # also waits for the device
+        value = trainer.train_step(microbatches)["loss"]  # .item() inside: also waits for the device
         if step >= args.warmup:
             losses.append(value)
             times.append(time.perf_counter() - t0)
     if get_rank() == 0:
         tokens = args.global_batch_size * args.seq_length
         with open(args.out, "w") as f:
-            json.dump({"layout": dims.describe(), "world_size": info.world_size, "losses": losses,
+            json.dump({"layout": trainer.dims.describe(), "world_size": trainer.dist.world_size, "losses": losses,
                        "step_times": times, "tokens_per_step": tokens}, f)
     destroy_distributed()
 
 
-if __name__ == "__main__":
-    main()
-
-
 def launch_layout(layout: str, extra: list[str], out: str, timeout: float | None = None) -> dict:
-    """Run this module for ``layout`` (under torchrun when it needs several processes) and return its results."""
+    """Run this script for ``layout`` (under torchrun when it needs several processes) and return its results."""
     import os
     import subprocess
     import sys
@@ -128,10 +125,10 @@ def launch_layout(layout: str, extra: list[str], out: str, timeout: float | None
     from megapipe.parallel.dims import layout_world_size
 
     world = layout_world_size(parse_layout(layout))
-    cmd = [sys.executable, "-m"]
+    cmd = [sys.executable]
     if world > 1:
-        cmd += ["torch.distributed.run", "--standalone", "--nproc-per-node", str(world), "-m"]
-    cmd += ["megapipe.parallel.layout_run", "--layout", layout, "--out", out, *extra]
+        cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)]
+    cmd += [os.path.abspath(__file__), "--layout", layout, "--out", out, *extra]
     env = {**os.environ}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -140,3 +137,7 @@ def launch_layout(layout: str, extra: list[str], out: str, timeout: float | None
         raise MegapipeError(f"layout {layout!r} failed (exit {proc.returncode}):\n{tail}")
     with open(out) as f:
         return json.load(f)
+
+
+if __name__ == "__main__":
+    main()

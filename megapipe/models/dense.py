@@ -1,0 +1,112 @@
+"""The dense decoder block (attention + MLP), Llama / Qwen / Mistral / GPT-2 shaped by ModelConfig, with its spec:
+the Megatron-style tensor-parallel plan and its Hugging Face names (megapipe.models.spec)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megapipe.config import ModelConfig
+from megapipe.models.attention import Attention, DocumentMask
+from megapipe.models.norms import build_norm
+from megapipe.models.spec import BlockSpec, register_block
+
+
+class FeedForward(nn.Module):
+    """swiglu: w2(silu(w1 x) * w3 x); gelu_tanh: w2(gelu(w1 x)), w3 is None."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.swiglu = cfg.activation == "swiglu"
+        self.w1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.w3 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias) if self.swiglu else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.attention_norm = build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps)
+        self.attention = Attention(cfg, layer_id)
+        self.ffn_norm = build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, rope: Optional[tuple] = None, cache=None,
+                mask: Optional[DocumentMask] = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, cache, mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+def dense_tp_plan(block: TransformerBlock, sp: bool) -> dict:
+    """wq/wk/wv and w1/w3 split by output features (heads / FFN columns), wo and w2 by input features: one
+    reduction per sub-layer. With sequence parallelism the norms (and the residual stream between them) are split
+    along the sequence: all-gather before attention/FFN, reduce-scatter after."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    act = Shard(1) if sp else Replicate()
+    plan = {
+        "attention": PrepareModuleInput(  # (x, rope, cache, mask)
+            input_layouts=(act, None, None, None), desired_input_layouts=(Replicate(), None, None, None)
+        ),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=act),
+        "feed_forward": PrepareModuleInput(input_layouts=(act,), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=act),
+    }
+    if block.feed_forward.w3 is not None:
+        plan["feed_forward.w3"] = ColwiseParallel()
+    if sp:
+        plan["attention_norm"] = SequenceParallel()
+        plan["ffn_norm"] = SequenceParallel()
+    if block.attention.q_norm is not None:
+        # q/k are [B, S, local heads, head_dim] here: treat the head dim as the sharded one so the (replicated)
+        # norm weights get their gradients summed over TP ranks
+        plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return plan
+
+
+DENSE = register_block(BlockSpec(
+    name="dense",
+    module=TransformerBlock,
+    tp_plan=dense_tp_plan,
+    hf_names={
+        "llama": {  # LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+            "attention_norm": "input_layernorm",
+            "attention.wq": "self_attn.q_proj",
+            "attention.wk": "self_attn.k_proj",
+            "attention.wv": "self_attn.v_proj",
+            "attention.wo": "self_attn.o_proj",
+            "attention.q_norm": "self_attn.q_norm",
+            "attention.k_norm": "self_attn.k_norm",
+            "ffn_norm": "post_attention_layernorm",
+            "feed_forward.w1": "mlp.gate_proj",
+            "feed_forward.w3": "mlp.up_proj",
+            "feed_forward.w2": "mlp.down_proj",
+        },
+        "gpt2": {  # GPT2LMHeadModel: Conv1D layers (transposed) and one fused attn.c_attn for wq/wk/wv
+            "attention_norm": "ln_1",
+            "ffn_norm": "ln_2",
+            "attention.wo": "attn.c_proj",
+            "feed_forward.w1": "mlp.c_fc",
+            "feed_forward.w2": "mlp.c_proj",
+        },
+    },
+))

@@ -1,0 +1,64 @@
+"""Block specs: each kind of decoder block declares, in the file that defines its module, how tensor parallelism
+shards it and what its tensors are called in Hugging Face checkpoints. The model builds its layers from the spec
+chosen for each layer; megapipe.parallel.tp applies ``tp_plan``; the HF bridge renames with ``hf_names``;
+``megapipe plan`` counts parameters from the module built on the meta device, split by ``tp_plan``. A new block
+kind (an MoE block, another family) is one module with its spec, registered here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    name: str
+    module: type  # nn.Module class, built as module(cfg, layer_id)
+    # (block, sequence_parallel) -> {submodule name: torch.distributed.tensor.parallel style}; applied from outside
+    tp_plan: Callable[[nn.Module, bool], dict]
+    # naming family ("llama": Llama / Mistral / Qwen2 / Qwen3 checkpoints) -> {submodule: HF submodule in a layer}
+    hf_names: dict[str, dict[str, str]] = field(default_factory=dict)
+
+
+_BY_MODULE: dict[type, BlockSpec] = {}
+
+
+def register_block(spec: BlockSpec) -> BlockSpec:
+    _BY_MODULE[spec.module] = spec
+    return spec
+
+
+def spec_for(block: nn.Module) -> BlockSpec:
+    """The spec of a built block (also after FSDP/compile wrapped its class)."""
+    for cls in type(block).__mro__:
+        if cls in _BY_MODULE:
+            return _BY_MODULE[cls]
+    raise TypeError(f"{type(block).__name__} has no registered BlockSpec")
+
+
+def block_spec(cfg, layer_id: int) -> BlockSpec:
+    """The block kind of layer ``layer_id`` under ``cfg`` (every layer is dense today)."""
+    from megapipe.models.dense import DENSE
+
+    return DENSE
+
+
+def tp_split_numel(block: nn.Module, sequence_parallel: bool = True) -> tuple[int, int]:
+    """(parameters split over TP ranks, parameters replicated on every TP rank) of one block, by its tp_plan:
+    column-parallel layers split weight and bias, row-parallel ones split the weight and replicate the bias."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    split = set()
+    for name, style in spec_for(block).tp_plan(block, sequence_parallel).items():
+        if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
+            continue
+        module = block.get_submodule(name)
+        split.add(id(module.weight))
+        if isinstance(style, ColwiseParallel) and getattr(module, "bias", None) is not None:
+            split.add(id(module.bias))
+    params = list(block.parameters())
+    n_split = sum(p.numel() for p in params if id(p) in split)
+    return n_split, sum(p.numel() for p in params) - n_split

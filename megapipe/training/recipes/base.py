@@ -1,0 +1,48 @@
+"""The recipe interface. The loop (megapipe.training.trainer) owns the optimizer, accumulation, precision,
+clipping, evaluation, logging, checkpoints and signals; a recipe owns what differs between stages:
+
+- ``stage``: the name written into every checkpoint's manifest (lineage: stage + parent checkpoint);
+- ``train_data`` / ``eval_data``: iterators of micro-batch dicts (CPU tensors, first dimension = rows) for this
+  data-parallel rank; the train iterator's ``state_dict()`` goes into the checkpoint and comes back to
+  ``train_data`` on resume (exact resume);
+- ``loss()``: a megapipe.training.objective.Loss (sum over loss units; the loop normalises globally);
+- ``prepare_model``: changes to the plain model before parallelism is applied (LoRA adapters, frozen parts);
+- ``check``: recipe-specific refusals before any process starts; ``packed_sequences``: whether batches carry
+  document ids / position ids (layouts that cannot attend within documents yet refuse it before launch);
+- ``manifest`` / ``metrics``: extra manifest fields, extra per-step metrics.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional
+
+from megapipe.training.objective import Loss, TokenCrossEntropy
+
+
+class Recipe:
+    stage: str = "train"
+
+    def loss(self) -> Loss:
+        return TokenCrossEntropy()
+
+    def check(self, run) -> None:
+        """Refuse a run this recipe cannot do (``run``: megapipe.training.run.Run), before launch."""
+
+    def packed_sequences(self, cfg) -> bool:
+        return False
+
+    def prepare_model(self, trainer, model):
+        return model
+
+    def train_data(self, trainer, state: dict) -> Iterator[dict]:
+        raise NotImplementedError
+
+    def eval_data(self, trainer, split: str) -> Optional[Iterator[dict]]:
+        return None
+
+    def manifest(self, trainer) -> dict[str, Any]:
+        return {}
+
+    def metrics(self, trainer) -> dict[str, float]:
+        """Extra values for the step's log record (called at each log interval)."""
+        return {}
