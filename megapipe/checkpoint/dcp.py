@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from megapipe.checkpoint import integrity
 from megapipe.checkpoint.manifest import (
     LATEST_NAME,
     MANIFEST_NAME,
@@ -126,13 +127,36 @@ def _quiet_single_process():
         yield
 
 
-def _dcp_save(state: dict, path: Path) -> None:
-    with _quiet_single_process():
-        dcp.save(state, storage_writer=FileSystemWriter(path, sync_files=True), no_dist=not _distributed())
+def _dcp_save(state: dict, path: Path, digests: dict) -> None:
+    """Write DCP shards of ``state`` at ``path``; the digests of the files this rank wrote go into ``digests``."""
+    writer = FileSystemWriter(path, sync_files=True)
+    writer.fs = fs = integrity.HashingFileSystem()
+    try:
+        with _quiet_single_process():
+            dcp.save(state, storage_writer=writer, no_dist=not _distributed())
+    except CheckpointException as e:  # DCP's wrapper of what failed on any rank: show the cause itself
+        raise _write_failure(e) from None
+    finally:
+        digests.update(fs.digests)
+
+
+def _write_failure(e: BaseException) -> BaseException:
+    failures = getattr(e, "failures", None) or {}
+    for failure in failures.values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, (OSError, CheckpointError)):
+            return inner
+    return CheckpointError(f"writing checkpoint shards failed: {str(e).strip().splitlines()[-1]}")
+
+
+def _os_error(what: str, e: OSError) -> CheckpointError:
+    where = f"cannot write {e.filename}" if e.filename else "a write failed"
+    return CheckpointError(f"{what} failed: {where} ({e.strerror or e}); nothing of this save was kept")
 
 
 def dcp_load(state: dict, path: Path, what: str, strict: bool = True) -> None:
-    """Load DCP shards at ``path`` into ``state`` in place; every mismatch is a CheckpointError (see safe_dcp)."""
+    """Load DCP shards at ``path`` into ``state`` in place; every mismatch is a CheckpointError (see safe_dcp).
+    Checksums are checked by the callers (``verify_checkpoint``), once per checkpoint, before this."""
     check_shards(path, read_metadata(path))  # before DCP, which would bury these errors in its own
     planner = StrictLoadPlanner(str(path), what, allow_unexpected=not strict)
     try:
@@ -142,7 +166,34 @@ def dcp_load(state: dict, path: Path, what: str, strict: bool = True) -> None:
         inner = unwrap(e)
         if inner is not e:
             raise inner from None
-        raise CheckpointError(f"loading {path} failed (damaged shards?): {str(e).strip().splitlines()[-1]}") from e
+        raise CheckpointError(f"the shards in {path} are damaged and cannot be read ({_cause(e)}); "
+                              f"`megapipe checkpoint verify {path.parent}` names the files") from None
+
+
+def _cause(e: BaseException) -> str:
+    """The first sentence of the root failure, without torch's advice to unpickle with weights_only=False (which
+    would run code from a file that is already known to be damaged)."""
+    failures = getattr(e, "failures", None) or {}
+    inner = next(iter(failures.values()), e) if failures else e
+    inner = inner[0] if isinstance(inner, tuple) else inner
+    text = str(inner).strip().splitlines()[0] if str(inner).strip() else type(inner).__name__
+    for marker in ("weights_only", "Weights only", "Re-running", "If you are seeing this", "This is an internal"):
+        text = text.split(marker)[0]
+    return text.strip().rstrip(".:,;(") or type(inner).__name__
+
+
+def verify_checkpoint(ckpt: Path, manifest: dict, prefixes: Sequence[str]) -> None:
+    """Check the checksums of ``ckpt``'s files under ``prefixes`` (``model/``, ``optim/``, ``extra/``), every rank
+    a share of the files; every rank raises the same CheckpointError naming the first damaged file. Collective."""
+    files = integrity.select(manifest, prefixes)
+    world = dist.get_world_size() if _distributed() else 1
+    found = integrity.verify_files(ckpt, manifest, files, _rank(), world)
+    if _distributed():
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, found)
+        found = [p for part in everyone for p in part]
+    if found:
+        raise integrity.damaged_error(ckpt, found)
 
 
 # --------------------------------------------------------------------------------------------------- saving
@@ -163,10 +214,16 @@ def write_checkpoint(
     tmp = Path(_broadcast_str(str(tmp_name(final))))
     parts, optims = _as_list(model), _as_list(optimizer)
     what = f"saving checkpoint {final}"
+    digests: dict[str, str] = {}  # absolute path -> checksum of the files this rank wrote
     try:
         _together(what, lambda: make_tmp_dir(tmp, final, "extra"), rank0_only=True)
-        _together(what, lambda: _write_states(tmp, parts, optims))
-        _together(what, lambda: _commit(tmp, final, step, extra_state, manifest, tokenizer), rank0_only=True)
+        _together(what, lambda: _write_states(tmp, parts, optims, digests))
+        digests = _gather(digests)
+        _together(what, lambda: _commit(tmp, final, step, extra_state, manifest, tokenizer, digests), rank0_only=True)
+    except OSError as e:  # disk full, file-size limit, read-only file system: name the file
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise _os_error(what, e) from None
     except BaseException:
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -174,11 +231,21 @@ def write_checkpoint(
     return final
 
 
-def _write_states(tmp: Path, parts: list, optims: list) -> None:
-    _dcp_save(_merge(_model_states(parts), "model"), tmp / "model")
+def _write_states(tmp: Path, parts: list, optims: list, digests: dict) -> None:
+    _dcp_save(_merge(_model_states(parts), "model"), tmp / "model", digests)
     if optims:
-        _dcp_save(_merge(_optim_states(parts, optims), "optimizer"), tmp / "optim")
-    save_rng(rng_file(tmp / "extra", _rank()))
+        _dcp_save(_merge(_optim_states(parts, optims), "optimizer"), tmp / "optim", digests)
+    path = rng_file(tmp / "extra", _rank())
+    digests[str(path.absolute())] = save_rng(path)
+
+
+def _gather(digests: dict) -> dict:
+    """Every rank's digests, on rank 0 (the one writing the manifest)."""
+    if not _distributed():
+        return digests
+    parts: Optional[list] = [None] * dist.get_world_size() if _rank() == 0 else None
+    dist.gather_object(digests, parts, dst=0)
+    return {k: v for part in parts for k, v in part.items()} if parts is not None else {}
 
 
 def _together(what: str, fn: Callable[[], Any], rank0_only: bool = False) -> None:
@@ -195,7 +262,7 @@ def _together(what: str, fn: Callable[[], Any], rank0_only: bool = False) -> Non
         raise CheckpointError(f"{what} failed on another rank (see its log)")
 
 
-def _commit(tmp: Path, final: Path, step: int, extra_state, fields, tokenizer) -> None:
+def _commit(tmp: Path, final: Path, step: int, extra_state, fields, tokenizer, digests: dict) -> None:
     fields = dict(fields or {})
     if extra_state:
         fields["trainer_state"] = {**(fields.get("trainer_state") or {}), **extra_state}
@@ -208,6 +275,8 @@ def _commit(tmp: Path, final: Path, step: int, extra_state, fields, tokenizer) -
     manifest["created"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     manifest["complete"] = True
     manifest["files"] = list_files(tmp)
+    manifest["checksum_algorithm"] = integrity.ALGORITHM
+    manifest["checksums"] = integrity.digests_for(tmp, manifest["files"], digests)
     write_bytes_durable(tmp / MANIFEST_NAME, (json.dumps(manifest, indent=2) + "\n").encode())
     for sub in ("model", "optim", "extra", "tokenizer", "."):
         if (tmp / sub).is_dir():
@@ -272,7 +341,11 @@ def save_checkpoint(
         if keep_last:
             prune(run_dir, keep_last, protect=final)
 
-    _together(f"updating {run_dir / LATEST_NAME}", point_and_prune, rank0_only=True)
+    try:
+        _together(f"updating {run_dir / LATEST_NAME}", point_and_prune, rank0_only=True)
+    except OSError as e:  # the new checkpoint is complete; `latest` still names the previous one
+        raise CheckpointError(f"{final} was saved, but {run_dir / LATEST_NAME} could not be updated to name it "
+                              f"({e.strerror or e}: {e.filename})") from None
     return final
 
 
@@ -297,14 +370,19 @@ def load_checkpoint(
     optimizer: Optimizers = None,
     load_optim: bool = True,
     load_rng: bool = True,
+    verify: bool = True,
 ) -> dict:
     """Load ``ckpt`` (a checkpoint or a run dir: its newest complete one) into ``model`` in its current layout.
 
-    ``load_optim=False`` takes the weights only (``--finetune``). Returns the manifest. Collective.
+    ``load_optim=False`` takes the weights only (``--finetune``). Every file read is first checked against the
+    checksum the manifest recorded (``verify=False`` skips that, for benchmarks). Returns the manifest. Collective.
     """
     ckpt = resolve_checkpoint(ckpt)
     manifest = read_manifest(ckpt)
     parts, optims = _as_list(model), _as_list(optimizer)
+    if verify:
+        wanted = ["model/"] + (["optim/"] if optims and load_optim else []) + (["extra/"] if load_rng else [])
+        verify_checkpoint(ckpt, manifest, wanted)
 
     states = _model_states(parts)
     merged = _merge(states, "model")
@@ -354,5 +432,19 @@ def load_model_for_inference(
         model = model.to(dtype)
     load_checkpoint(ckpt, model, load_rng=False)
     model.eval()
+    return model, manifest, checkpoint_tokenizer(ckpt, manifest)
+
+
+def checkpoint_tokenizer(ckpt: Path, manifest: Optional[dict] = None) -> Optional[Path]:
+    """``ckpt/tokenizer`` when the checkpoint has one and its files are intact; None when it has none (the caller
+    then needs --tokenizer); a CheckpointError naming the damaged file otherwise."""
+    ckpt = Path(ckpt)
     tokenizer = ckpt / "tokenizer"
-    return model, manifest, (tokenizer if tokenizer.is_dir() else None)
+    if not tokenizer.is_dir():
+        return None
+    manifest = manifest if manifest is not None else read_manifest(ckpt)
+    found = integrity.problems(ckpt, manifest, integrity.select(manifest, ["tokenizer/"]))
+    if found:
+        raise CheckpointError(f"the tokenizer of checkpoint {ckpt} is damaged: {found[0]}; restore it, or remove "
+                              f"{tokenizer} and pass --tokenizer with the model's tokenizer")
+    return tokenizer
