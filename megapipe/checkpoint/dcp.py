@@ -135,7 +135,11 @@ def _dcp_save(state: dict, path: Path, digests: dict) -> None:
         with _quiet_single_process():
             dcp.save(state, storage_writer=writer, no_dist=not _distributed())
     except CheckpointException as e:  # DCP's wrapper of what failed on any rank: show the cause itself
-        raise _write_failure(e) from None
+        raise (fs.error or _write_failure(e)) from None
+    except Exception:
+        if fs.error is not None:  # a failed write surfaces from torch.save as an unrelated RuntimeError
+            raise fs.error from None
+        raise
     finally:
         digests.update(fs.digests)
 

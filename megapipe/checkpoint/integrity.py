@@ -54,14 +54,16 @@ def hash_bytes(data: bytes) -> str:
 class _HashingStream:
     """A binary write stream that hashes what goes through it and names its file in write errors."""
 
-    def __init__(self, raw, path: Path, done):
-        self.raw, self.path, self._done, self._hash = raw, path, done, _new()
+    def __init__(self, raw, path: Path, done, failed):
+        self.raw, self.path, self._done, self._failed, self._hash = raw, path, done, failed, _new()
 
     def write(self, data) -> int:
         try:
             n = self.raw.write(data)
         except OSError as e:  # disk full, file-size limit: say which file
-            raise OSError(e.errno, e.strerror, str(self.path)) from None
+            error = OSError(e.errno, e.strerror, str(self.path))
+            self._failed(error)  # torch.save's C++ writer replaces it by "unexpected pos": keep the real one
+            raise error from None
         self._hash.update(data)
         return n
 
@@ -85,7 +87,9 @@ class _HashingStream:
             try:
                 self.raw.close()
             except OSError as e:
-                raise OSError(e.errno, e.strerror, str(self.path)) from None
+                error = OSError(e.errno, e.strerror, str(self.path))
+                self._failed(error)
+                raise error from None
             self._done(self.path, self._hash.hexdigest())
 
     @property
@@ -106,11 +110,16 @@ class HashingFileSystem(FileSystem):
     def __init__(self) -> None:
         super().__init__()
         self.digests: dict[str, str] = {}
+        self.error: Optional[OSError] = None  # the first write that failed
         self._lock = threading.Lock()
 
     def _record(self, path: Path, digest: str) -> None:
         with self._lock:
             self.digests[str(Path(path).absolute())] = digest
+
+    def _failed(self, error: OSError) -> None:
+        with self._lock:
+            self.error = self.error or error
 
     @contextmanager
     def create_stream(self, path, mode: str):
@@ -119,7 +128,12 @@ class HashingFileSystem(FileSystem):
                 yield stream
             return
         path = Path(path)
-        stream = _HashingStream(open(path, mode), path, self._record)
+        try:
+            raw = open(path, mode)
+        except OSError as e:
+            self._failed(e)
+            raise
+        stream = _HashingStream(raw, path, self._record, self._failed)
         try:
             yield stream
         finally:
