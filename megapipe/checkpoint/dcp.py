@@ -127,10 +127,11 @@ def _quiet_single_process():
         yield
 
 
-def _dcp_save(state: dict, path: Path, digests: dict) -> None:
-    """Write DCP shards of ``state`` at ``path``; the digests of the files this rank wrote go into ``digests``."""
+def _dcp_save(state: dict, path: Path, digests: Optional[dict]) -> None:
+    """Write DCP shards of ``state`` at ``path``; the digests of the files this rank wrote go into ``digests``
+    (None: no checksums, for benchmarks)."""
     writer = FileSystemWriter(path, sync_files=True)
-    writer.fs = fs = integrity.HashingFileSystem()
+    writer.fs = fs = integrity.HashingFileSystem(hashing=digests is not None)
     try:
         with _quiet_single_process():
             dcp.save(state, storage_writer=writer, no_dist=not _distributed())
@@ -141,7 +142,8 @@ def _dcp_save(state: dict, path: Path, digests: dict) -> None:
             raise fs.error from None
         raise
     finally:
-        digests.update(fs.digests)
+        if digests is not None:
+            digests.update(fs.digests)
 
 
 def _write_failure(e: BaseException) -> BaseException:
@@ -212,17 +214,19 @@ def write_checkpoint(
     extra_state: Optional[dict] = None,
     manifest: Optional[dict] = None,
     tokenizer: Any = None,
+    checksums: bool = True,
 ) -> Path:
-    """Write one checkpoint at exactly ``path`` (atomically: temporary sibling, fsync, rename). Collective."""
+    """Write one checkpoint at exactly ``path`` (atomically: temporary sibling, fsync, rename). Collective.
+    ``checksums=False`` records none (only for benchmarks: such a checkpoint cannot be verified)."""
     final = Path(path).absolute()
     tmp = Path(_broadcast_str(str(tmp_name(final))))
     parts, optims = _as_list(model), _as_list(optimizer)
     what = f"saving checkpoint {final}"
-    digests: dict[str, str] = {}  # absolute path -> checksum of the files this rank wrote
+    digests: Optional[dict] = {} if checksums else None  # absolute path -> checksum of the files this rank wrote
     try:
         _together(what, lambda: make_tmp_dir(tmp, final, "extra"), rank0_only=True)
         _together(what, lambda: _write_states(tmp, parts, optims, digests))
-        digests = _gather(digests)
+        digests = _gather(digests) if checksums else None
         _together(what, lambda: _commit(tmp, final, step, extra_state, manifest, tokenizer, digests), rank0_only=True)
     except OSError as e:  # disk full, file-size limit, read-only file system: name the file
         if _rank() == 0:
@@ -240,7 +244,9 @@ def _write_states(tmp: Path, parts: list, optims: list, digests: dict) -> None:
     if optims:
         _dcp_save(_merge(_optim_states(parts, optims), "optimizer"), tmp / "optim", digests)
     path = rng_file(tmp / "extra", _rank())
-    digests[str(path.absolute())] = save_rng(path)
+    digest = save_rng(path)
+    if digests is not None:
+        digests[str(path.absolute())] = digest
 
 
 def _gather(digests: dict) -> dict:
@@ -266,7 +272,7 @@ def _together(what: str, fn: Callable[[], Any], rank0_only: bool = False) -> Non
         raise CheckpointError(f"{what} failed on another rank (see its log)")
 
 
-def _commit(tmp: Path, final: Path, step: int, extra_state, fields, tokenizer, digests: dict) -> None:
+def _commit(tmp: Path, final: Path, step: int, extra_state, fields, tokenizer, digests: Optional[dict]) -> None:
     fields = dict(fields or {})
     if extra_state:
         fields["trainer_state"] = {**(fields.get("trainer_state") or {}), **extra_state}
@@ -279,8 +285,9 @@ def _commit(tmp: Path, final: Path, step: int, extra_state, fields, tokenizer, d
     manifest["created"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     manifest["complete"] = True
     manifest["files"] = list_files(tmp)
-    manifest["checksum_algorithm"] = integrity.ALGORITHM
-    manifest["checksums"] = integrity.digests_for(tmp, manifest["files"], digests)
+    if digests is not None:
+        manifest["checksum_algorithm"] = integrity.ALGORITHM
+        manifest["checksums"] = integrity.digests_for(tmp, manifest["files"], digests)
     write_bytes_durable(tmp / MANIFEST_NAME, (json.dumps(manifest, indent=2) + "\n").encode())
     for sub in ("model", "optim", "extra", "tokenizer", "."):
         if (tmp / sub).is_dir():
@@ -327,6 +334,7 @@ def save_checkpoint(
     manifest: Optional[dict] = None,
     tokenizer: Any = None,
     keep_last: Optional[int] = None,
+    checksums: bool = True,
 ) -> Path:
     """Save ``run_dir/step_{step:08d}``, point ``run_dir/latest`` at it, keep the newest ``keep_last``. Collective."""
     run_dir = Path(run_dir)
@@ -338,6 +346,7 @@ def save_checkpoint(
         extra_state=extra_state,
         manifest=manifest,
         tokenizer=tokenizer,
+        checksums=checksums,
     )
 
     def point_and_prune() -> None:

@@ -54,8 +54,9 @@ def hash_bytes(data: bytes) -> str:
 class _HashingStream:
     """A binary write stream that hashes what goes through it and names its file in write errors."""
 
-    def __init__(self, raw, path: Path, done, failed):
-        self.raw, self.path, self._done, self._failed, self._hash = raw, path, done, failed, _new()
+    def __init__(self, raw, path: Path, done, failed, hashing: bool = True):
+        self.raw, self.path, self._done, self._failed = raw, path, done, failed
+        self._hash = _new() if hashing else None
 
     def write(self, data) -> int:
         try:
@@ -64,7 +65,8 @@ class _HashingStream:
             error = OSError(e.errno, e.strerror, str(self.path))
             self._failed(error)  # torch.save's C++ writer replaces it by "unexpected pos": keep the real one
             raise error from None
-        self._hash.update(data)
+        if self._hash is not None:
+            self._hash.update(data)
         return n
 
     def tell(self) -> int:
@@ -90,7 +92,8 @@ class _HashingStream:
                 error = OSError(e.errno, e.strerror, str(self.path))
                 self._failed(error)
                 raise error from None
-            self._done(self.path, self._hash.hexdigest())
+            if self._hash is not None:
+                self._done(self.path, self._hash.hexdigest())
 
     @property
     def closed(self) -> bool:
@@ -107,8 +110,9 @@ class HashingFileSystem(FileSystem):
     """DCP's FileSystem whose write streams hash their bytes; ``digests`` maps absolute paths to hex digests
     (renames, as of ``.metadata.tmp`` -> ``.metadata``, carry the digest along)."""
 
-    def __init__(self) -> None:
+    def __init__(self, hashing: bool = True) -> None:
         super().__init__()
+        self.hashing = hashing
         self.digests: dict[str, str] = {}
         self.error: Optional[OSError] = None  # the first write that failed
         self._lock = threading.Lock()
@@ -133,7 +137,7 @@ class HashingFileSystem(FileSystem):
         except OSError as e:
             self._failed(e)
             raise
-        stream = _HashingStream(raw, path, self._record, self._failed)
+        stream = _HashingStream(raw, path, self._record, self._failed, self.hashing)
         try:
             yield stream
         finally:
