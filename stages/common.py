@@ -152,7 +152,7 @@ def print_table(title: str, rows: list[tuple[str, str]]) -> None:
 GROUP_HELP = {
     "data": "Fetch corpora; merge and inspect .bin/.idx datasets.",
     "tokenizer": "Train tokenizers.",
-    "checkpoint": "Inspect and convert megapipe checkpoints.",
+    "checkpoint": "Inspect, verify and convert megapipe checkpoints.",
     "import": "Bring a model from another format into a megapipe checkpoint.",
     "export": "Write a megapipe checkpoint in another format.",
 }

@@ -33,13 +33,16 @@ def fetch(
 def merge(
     input: List[str] = typer.Option(..., "--input", help="Dataset prefixes, .bin/.idx files or directories of them, in "
                                     "order; several may follow one --input. All must have the same token dtype."),
-    output_prefix: str = typer.Option(..., "--output-prefix", help="Writes PREFIX.bin/.idx."),
+    output_prefix: str = typer.Option(..., "--output-prefix", help="Writes PREFIX.bin/.idx (never one of the inputs)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace PREFIX.bin/.idx if they exist."),
+    allow_mixed_tokenizers: bool = typer.Option(False, "--allow-mixed-tokenizers", help="Merge inputs that were "
+                                                "tokenized with different tokenizers (their ids mean different text)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No summary table."),
 ) -> None:
-    """Concatenate .bin/.idx datasets into one (Megatron's merge_datasets)."""
+    """Concatenate .bin/.idx datasets into one (Megatron's merge_datasets); the tokenizer they share is recorded."""
     from megapipe.data.preprocess import merge_datasets
 
-    ds = merge_datasets(input, output_prefix)
+    ds = merge_datasets(input, output_prefix, overwrite=overwrite, allow_mixed_tokenizers=allow_mixed_tokenizers)
     if not quiet:
         print_table("merged", [("output", f"{output_prefix}.bin/.idx"), ("documents", f"{ds.num_documents:,}"),
                                ("tokens", f"{ds.num_tokens:,}"), ("dtype", str(ds.dtype))])

@@ -28,9 +28,13 @@ def train(
 
     from megapipe.data.readers import expand_inputs, iter_texts
     from megapipe.data.tokenizer import train_tokenizer
+    from megapipe.errors import DataError
+    from megapipe.fileio import refuse_overlap
 
     start = time.perf_counter()
-    tok = train_tokenizer(iter_texts(expand_inputs(input), json_key), vocab_size, output, eod_token, pad_token,
+    paths = expand_inputs(input)
+    refuse_overlap([output], [p for p in paths if p.exists()], DataError)
+    tok = train_tokenizer(iter_texts(paths, json_key), vocab_size, output, eod_token, pad_token,
                           source=f"--input {' '.join(input)}")
     if not quiet:
         print_table("tokenizer", [("output", str(output)), ("vocab size", f"{tok.vocab_size:,}"),

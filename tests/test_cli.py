@@ -45,3 +45,21 @@ def test_interrupt_exits_130_with_a_message(capsys):
         assert "interrupted" in capsys.readouterr().err
     finally:
         cli.app.registered_commands.pop()
+
+
+def test_arguments_that_are_not_utf8_are_one_sentence(tmp_path):
+    """Real non-UTF-8 bytes on the command line (as a shell passes $'\\xff\\xfe'), never a traceback."""
+    import os
+
+    env = {**os.environ, "LC_ALL": "C.UTF-8"}
+    for argv, message in [
+        ([b"generate", b"CKPT", b"--prompt", b"\xff\xfe"],
+         "the argument after --prompt ('\\xff\\xfe') is not valid UTF-8: byte 0xff at offset 0"),
+        ([b"generate", b"CKPT", b"--prompt=ab\xc3"], "the value of --prompt ('ab\\xc3') is not valid UTF-8: byte 0xc3 at offset 2"),
+        ([b"checkpoint", b"inspect", b"run\xe9"], "argument 3 ('run\\xe9') is not valid UTF-8: byte 0xe9 at offset 3"),
+    ]:
+        out = subprocess.run([sys.executable.encode(), b"-m", b"megapipe.cli", *argv], capture_output=True, env=env,
+                             cwd=tmp_path)
+        err = out.stderr.decode()
+        assert out.returncode == 2 and "Traceback" not in err, err
+        assert message in err, err

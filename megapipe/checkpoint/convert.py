@@ -17,6 +17,7 @@ from typing import Optional, Union
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from megapipe.checkpoint import integrity
 from megapipe.checkpoint.manifest import (
     MANIFEST_NAME,
     fsync_dir,
@@ -67,10 +68,53 @@ def _dir_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def summary(ckpt: Union[str, Path]) -> dict:
-    """What ``megapipe checkpoint inspect`` shows, as plain JSON-able data."""
+def verify(ckpt: Union[str, Path]) -> dict:
+    """Every file of one checkpoint against its manifest (size, checksum) and the DCP metadata against its shards,
+    without loading a tensor: {path, step, files, checked, algorithm, problems, extra_files}."""
+    from megapipe.checkpoint.safe_dcp import check_shards
+
+    ckpt = Path(ckpt)
+    report = {"path": str(ckpt), "step": None, "files": 0, "checked": 0, "algorithm": None, "problems": [],
+              "extra_files": []}
+    try:
+        manifest = read_manifest(ckpt)
+    except CheckpointError as e:
+        report["problems"].append(str(e))
+        return report
+    report["step"] = manifest.get("step")
+    if manifest.get("complete") is not True:
+        report["problems"].append(f"{ckpt / MANIFEST_NAME} marks the checkpoint incomplete")
+    names = integrity.select(manifest, [""])
+    sums = integrity.recorded(manifest)
+    report["files"], report["algorithm"] = len(names), integrity.ALGORITHM if sums is not None else None
+    report["checked"] = len([n for n in names if sums and n in sums])
+    report["problems"] += integrity.problems(ckpt, manifest, names)
+    listed = set(names) | {MANIFEST_NAME}
+    report["extra_files"] = sorted(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*")
+                                   if p.is_file() and p.relative_to(ckpt).as_posix() not in listed)
+    for sub in ("model", "optim"):
+        if (ckpt / sub / ".metadata").is_file() or sub == "model":
+            try:
+                check_shards(ckpt / sub, read_metadata(ckpt / sub))
+            except CheckpointError as e:
+                if str(e) not in report["problems"]:
+                    report["problems"].append(str(e))
+    return report
+
+
+def summary(ckpt: Union[str, Path], check: bool = True) -> dict:
+    """What ``megapipe checkpoint inspect`` shows, as plain JSON-able data; ``check`` verifies the checksums first
+    (a damaged checkpoint is a CheckpointError naming the file)."""
     ckpt = resolve_checkpoint(ckpt)
     manifest = read_manifest(ckpt)
+    integrity_row = "not checked (--no-verify)"
+    if check:
+        found = integrity.problems(ckpt, manifest, integrity.select(manifest, [""]))
+        if found:
+            raise integrity.damaged_error(ckpt, found)
+        sums = integrity.recorded(manifest)
+        integrity_row = (f"ok: {len(sums)} files match their {integrity.ALGORITHM} checksums" if sums is not None
+                         else "no checksums recorded (saved by an older megapipe): sizes only")
     tensors = model_tensors(ckpt)
     by_dtype: dict[str, int] = {}
     for shape, dtype in tensors.values():
@@ -97,6 +141,7 @@ def summary(ckpt: Union[str, Path]) -> dict:
         "trainer_state": manifest.get("trainer_state"),
         "lineage": lineage(ckpt),
         "size_bytes": _dir_size(ckpt),
+        "integrity": integrity_row,
     }
 
 
@@ -108,13 +153,17 @@ def to_safetensors(
 ) -> Path:
     """Write ``out/model.safetensors`` (full, consolidated weights), ``out/config.json`` (the ModelConfig) and
     ``out/megapipe.json`` (the source manifest). ``dtype`` casts floating-point tensors. Single process."""
-    from megapipe.checkpoint.dcp import dcp_load
+    from megapipe.checkpoint.dcp import dcp_load, verify_checkpoint
+    from megapipe.fileio import refuse_overlap
 
+    given = ckpt
     ckpt = resolve_checkpoint(ckpt)
     manifest = read_manifest(ckpt)
     out = Path(out)
+    refuse_overlap([out], [given, ckpt], CheckpointError)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"output {out} already exists and is not an empty directory: choose another path")
+    verify_checkpoint(ckpt, manifest, ["model/"])
     stored = model_tensors(ckpt)
     tensors = {k: (s, dtype if dtype is not None and d.is_floating_point else d) for k, (s, d) in stored.items()}
     for k, (_, d) in tensors.items():
@@ -151,6 +200,11 @@ def to_safetensors(
             out.rmdir()
         tmp.rename(out)
         fsync_dir(out.parent)
+    except OSError as e:  # disk full, file-size limit: name the file; nothing is left at OUT
+        shutil.rmtree(tmp, ignore_errors=True)
+        name = e.filename or tmp / "model.safetensors"
+        raise CheckpointError(f"cannot write {out}: writing {name} failed ({e.strerror or e}); nothing was "
+                              "kept") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from megapipe.checkpoint import integrity
 from megapipe.checkpoint.manifest import (
     LATEST_NAME,
     MANIFEST_NAME,
@@ -53,6 +54,7 @@ from megapipe.checkpoint.manifest import (
 from megapipe.checkpoint.rng import restore_rng, rng_file, save_rng
 from megapipe.checkpoint.safe_dcp import SafeReader, StrictLoadPlanner, check_shards, read_metadata, unwrap
 from megapipe.errors import CheckpointError
+from megapipe.parallel.distributed import get_rank, get_world_size, is_distributed
 
 Modules = Union[nn.Module, Sequence[nn.Module]]
 Optimizers = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer], None]
@@ -63,16 +65,8 @@ _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 # --------------------------------------------------------------------------------------------------- distributed
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0
-
-
 def _broadcast_str(value: str) -> str:
-    if not _distributed():
+    if not is_distributed():
         return value
     box = [value]
     dist.broadcast_object_list(box, src=0)
@@ -81,7 +75,7 @@ def _broadcast_str(value: str) -> str:
 
 def _all_ok(ok: bool) -> bool:
     """True when ``ok`` holds on every rank (so one failing rank makes all of them stop together)."""
-    if not _distributed():
+    if not is_distributed():
         return ok
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
@@ -126,23 +120,79 @@ def _quiet_single_process():
         yield
 
 
-def _dcp_save(state: dict, path: Path) -> None:
-    with _quiet_single_process():
-        dcp.save(state, storage_writer=FileSystemWriter(path, sync_files=True), no_dist=not _distributed())
+def _dcp_save(state: dict, path: Path, digests: Optional[dict]) -> None:
+    """Write DCP shards of ``state`` at ``path``; the digests of the files this rank wrote go into ``digests``
+    (None: no checksums, for benchmarks)."""
+    writer = FileSystemWriter(path, sync_files=True)
+    writer.fs = fs = integrity.HashingFileSystem(hashing=digests is not None)
+    try:
+        with _quiet_single_process():
+            dcp.save(state, storage_writer=writer, no_dist=not is_distributed())
+    except CheckpointException as e:  # DCP's wrapper of what failed on any rank: show the cause itself
+        raise (fs.error or _write_failure(e)) from None
+    except Exception:
+        if fs.error is not None:  # a failed write surfaces from torch.save as an unrelated RuntimeError
+            raise fs.error from None
+        raise
+    finally:
+        if digests is not None:
+            digests.update(fs.digests)
+
+
+def _write_failure(e: BaseException) -> BaseException:
+    failures = getattr(e, "failures", None) or {}
+    for failure in failures.values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, (OSError, CheckpointError)):
+            return inner
+    return CheckpointError(f"writing checkpoint shards failed: {str(e).strip().splitlines()[-1]}")
+
+
+def _os_error(what: str, e: OSError) -> CheckpointError:
+    where = f"cannot write {e.filename}" if e.filename else "a write failed"
+    return CheckpointError(f"{what} failed: {where} ({e.strerror or e}); nothing of this save was kept")
 
 
 def dcp_load(state: dict, path: Path, what: str, strict: bool = True) -> None:
-    """Load DCP shards at ``path`` into ``state`` in place; every mismatch is a CheckpointError (see safe_dcp)."""
+    """Load DCP shards at ``path`` into ``state`` in place; every mismatch is a CheckpointError (see safe_dcp).
+    Checksums are checked by the callers (``verify_checkpoint``), once per checkpoint, before this."""
     check_shards(path, read_metadata(path))  # before DCP, which would bury these errors in its own
     planner = StrictLoadPlanner(str(path), what, allow_unexpected=not strict)
     try:
         with _quiet_single_process():
-            dcp.load(state, storage_reader=SafeReader(path), planner=planner, no_dist=not _distributed())
+            dcp.load(state, storage_reader=SafeReader(path), planner=planner, no_dist=not is_distributed())
     except CheckpointException as e:  # what DCP raises on every rank when any rank failed (a BaseException)
         inner = unwrap(e)
         if inner is not e:
             raise inner from None
-        raise CheckpointError(f"loading {path} failed (damaged shards?): {str(e).strip().splitlines()[-1]}") from e
+        raise CheckpointError(f"the shards in {path} are damaged and cannot be read ({_cause(e)}); "
+                              f"`megapipe checkpoint verify {path.parent}` names the files") from None
+
+
+def _cause(e: BaseException) -> str:
+    """The first sentence of the root failure, without torch's advice to unpickle with weights_only=False (which
+    would run code from a file that is already known to be damaged)."""
+    failures = getattr(e, "failures", None) or {}
+    inner = next(iter(failures.values()), e) if failures else e
+    inner = inner[0] if isinstance(inner, tuple) else inner
+    text = str(inner).strip().splitlines()[0] if str(inner).strip() else type(inner).__name__
+    for marker in ("weights_only", "Weights only", "Re-running", "If you are seeing this", "This is an internal"):
+        text = text.split(marker)[0]
+    return text.strip().rstrip(".:,;(") or type(inner).__name__
+
+
+def verify_checkpoint(ckpt: Path, manifest: dict, prefixes: Sequence[str]) -> None:
+    """Check the checksums of ``ckpt``'s files under ``prefixes`` (``model/``, ``optim/``, ``extra/``), every rank
+    a share of the files; every rank raises the same CheckpointError naming the first damaged file. Collective."""
+    files = integrity.select(manifest, prefixes)
+    world = get_world_size()
+    found = integrity.verify_files(ckpt, manifest, files, get_rank(), world)
+    if is_distributed():
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, found)
+        found = [p for part in everyone for p in part]
+    if found:
+        raise integrity.damaged_error(ckpt, found)
 
 
 # --------------------------------------------------------------------------------------------------- saving
@@ -157,34 +207,54 @@ def write_checkpoint(
     extra_state: Optional[dict] = None,
     manifest: Optional[dict] = None,
     tokenizer: Any = None,
+    checksums: bool = True,
 ) -> Path:
-    """Write one checkpoint at exactly ``path`` (atomically: temporary sibling, fsync, rename). Collective."""
+    """Write one checkpoint at exactly ``path`` (atomically: temporary sibling, fsync, rename). Collective.
+    ``checksums=False`` records none (only for benchmarks: such a checkpoint cannot be verified)."""
     final = Path(path).absolute()
     tmp = Path(_broadcast_str(str(tmp_name(final))))
     parts, optims = _as_list(model), _as_list(optimizer)
     what = f"saving checkpoint {final}"
+    digests: Optional[dict] = {} if checksums else None  # absolute path -> checksum of the files this rank wrote
     try:
         _together(what, lambda: make_tmp_dir(tmp, final, "extra"), rank0_only=True)
-        _together(what, lambda: _write_states(tmp, parts, optims))
-        _together(what, lambda: _commit(tmp, final, step, extra_state, manifest, tokenizer), rank0_only=True)
+        _together(what, lambda: _write_states(tmp, parts, optims, digests))
+        digests = _gather(digests) if checksums else None
+        _together(what, lambda: _commit(tmp, final, step, extra_state, manifest, tokenizer, digests), rank0_only=True)
+    except OSError as e:  # disk full, file-size limit, read-only file system: name the file
+        if get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise _os_error(what, e) from None
     except BaseException:
-        if _rank() == 0:
+        if get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
 
 
-def _write_states(tmp: Path, parts: list, optims: list) -> None:
-    _dcp_save(_merge(_model_states(parts), "model"), tmp / "model")
+def _write_states(tmp: Path, parts: list, optims: list, digests: dict) -> None:
+    _dcp_save(_merge(_model_states(parts), "model"), tmp / "model", digests)
     if optims:
-        _dcp_save(_merge(_optim_states(parts, optims), "optimizer"), tmp / "optim")
-    save_rng(rng_file(tmp / "extra", _rank()))
+        _dcp_save(_merge(_optim_states(parts, optims), "optimizer"), tmp / "optim", digests)
+    path = rng_file(tmp / "extra", get_rank())
+    digest = save_rng(path)
+    if digests is not None:
+        digests[str(path.absolute())] = digest
+
+
+def _gather(digests: dict) -> dict:
+    """Every rank's digests, on rank 0 (the one writing the manifest)."""
+    if not is_distributed():
+        return digests
+    parts: Optional[list] = [None] * dist.get_world_size() if get_rank() == 0 else None
+    dist.gather_object(digests, parts, dst=0)
+    return {k: v for part in parts for k, v in part.items()} if parts is not None else {}
 
 
 def _together(what: str, fn: Callable[[], Any], rank0_only: bool = False) -> None:
     """Run ``fn`` (on every rank, or rank 0 only); when it fails on any rank, every rank raises."""
     error: Optional[Exception] = None
-    if not rank0_only or _rank() == 0:
+    if not rank0_only or get_rank() == 0:
         try:
             fn()
         except Exception as e:  # noqa: BLE001 - re-raised below, after every rank knows
@@ -195,7 +265,7 @@ def _together(what: str, fn: Callable[[], Any], rank0_only: bool = False) -> Non
         raise CheckpointError(f"{what} failed on another rank (see its log)")
 
 
-def _commit(tmp: Path, final: Path, step: int, extra_state, fields, tokenizer) -> None:
+def _commit(tmp: Path, final: Path, step: int, extra_state, fields, tokenizer, digests: Optional[dict]) -> None:
     fields = dict(fields or {})
     if extra_state:
         fields["trainer_state"] = {**(fields.get("trainer_state") or {}), **extra_state}
@@ -203,11 +273,14 @@ def _commit(tmp: Path, final: Path, step: int, extra_state, fields, tokenizer) -
         fields["tokenizer"] = _copy_tokenizer(tokenizer, tmp / "tokenizer")
     if fields.get("parent"):
         fields["parent"] = str(Path(fields["parent"]).absolute())
-    fields.setdefault("layout", {"world_size": dist.get_world_size() if _distributed() else 1})
+    fields.setdefault("layout", {"world_size": get_world_size()})
     manifest = new_manifest(step, fields)
     manifest["created"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     manifest["complete"] = True
     manifest["files"] = list_files(tmp)
+    if digests is not None:
+        manifest["checksum_algorithm"] = integrity.ALGORITHM
+        manifest["checksums"] = integrity.digests_for(tmp, manifest["files"], digests)
     write_bytes_durable(tmp / MANIFEST_NAME, (json.dumps(manifest, indent=2) + "\n").encode())
     for sub in ("model", "optim", "extra", "tokenizer", "."):
         if (tmp / sub).is_dir():
@@ -254,6 +327,7 @@ def save_checkpoint(
     manifest: Optional[dict] = None,
     tokenizer: Any = None,
     keep_last: Optional[int] = None,
+    checksums: bool = True,
 ) -> Path:
     """Save ``run_dir/step_{step:08d}``, point ``run_dir/latest`` at it, keep the newest ``keep_last``. Collective."""
     run_dir = Path(run_dir)
@@ -265,6 +339,7 @@ def save_checkpoint(
         extra_state=extra_state,
         manifest=manifest,
         tokenizer=tokenizer,
+        checksums=checksums,
     )
 
     def point_and_prune() -> None:
@@ -272,7 +347,11 @@ def save_checkpoint(
         if keep_last:
             prune(run_dir, keep_last, protect=final)
 
-    _together(f"updating {run_dir / LATEST_NAME}", point_and_prune, rank0_only=True)
+    try:
+        _together(f"updating {run_dir / LATEST_NAME}", point_and_prune, rank0_only=True)
+    except OSError as e:  # the new checkpoint is complete; `latest` still names the previous one
+        raise CheckpointError(f"{final} was saved, but {run_dir / LATEST_NAME} could not be updated to name it "
+                              f"({e.strerror or e}: {e.filename})") from None
     return final
 
 
@@ -297,14 +376,19 @@ def load_checkpoint(
     optimizer: Optimizers = None,
     load_optim: bool = True,
     load_rng: bool = True,
+    verify: bool = True,
 ) -> dict:
     """Load ``ckpt`` (a checkpoint or a run dir: its newest complete one) into ``model`` in its current layout.
 
-    ``load_optim=False`` takes the weights only (``--finetune``). Returns the manifest. Collective.
+    ``load_optim=False`` takes the weights only (``--finetune``). Every file read is first checked against the
+    checksum the manifest recorded (``verify=False`` skips that, for benchmarks). Returns the manifest. Collective.
     """
     ckpt = resolve_checkpoint(ckpt)
     manifest = read_manifest(ckpt)
     parts, optims = _as_list(model), _as_list(optimizer)
+    if verify:
+        wanted = ["model/"] + (["optim/"] if optims and load_optim else []) + (["extra/"] if load_rng else [])
+        verify_checkpoint(ckpt, manifest, wanted)
 
     states = _model_states(parts)
     merged = _merge(states, "model")
@@ -324,7 +408,7 @@ def load_checkpoint(
             set_optimizer_state_dict(part, opt, {k: merged[k] for k in sd}, options=_OPTIM_OPTIONS)
 
     if load_rng:
-        path = rng_file(ckpt / "extra", _rank())
+        path = rng_file(ckpt / "extra", get_rank())
         if path.is_file():
             restore_rng(path)
     return manifest
@@ -354,5 +438,19 @@ def load_model_for_inference(
         model = model.to(dtype)
     load_checkpoint(ckpt, model, load_rng=False)
     model.eval()
+    return model, manifest, checkpoint_tokenizer(ckpt, manifest)
+
+
+def checkpoint_tokenizer(ckpt: Path, manifest: Optional[dict] = None) -> Optional[Path]:
+    """``ckpt/tokenizer`` when the checkpoint has one and its files are intact; None when it has none (the caller
+    then needs --tokenizer); a CheckpointError naming the damaged file otherwise."""
+    ckpt = Path(ckpt)
     tokenizer = ckpt / "tokenizer"
-    return model, manifest, (tokenizer if tokenizer.is_dir() else None)
+    if not tokenizer.is_dir():
+        return None
+    manifest = manifest if manifest is not None else read_manifest(ckpt)
+    found = integrity.problems(ckpt, manifest, integrity.select(manifest, ["tokenizer/"]))
+    if found:
+        raise CheckpointError(f"the tokenizer of checkpoint {ckpt} is damaged: {found[0]}; restore it, or remove "
+                              f"{tokenizer} and pass --tokenizer with the model's tokenizer")
+    return tokenizer

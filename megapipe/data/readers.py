@@ -60,8 +60,25 @@ def expand_inputs(patterns: list[str]) -> list[Path]:
             raise DataError(f"input file {pattern} does not exist")
         if not os.access(p, os.R_OK):
             raise DataError(f"input file {pattern} is not readable (permission denied)")
-        paths.append(p)
+        paths += _data_files(p) if p.is_dir() else [p]
     return paths
+
+
+DATA_SUFFIXES = (*JSONL_SUFFIXES, *(s + ".gz" for s in JSONL_SUFFIXES), ".parquet", ".csv", ".tsv", ".txt")
+
+
+def _data_files(directory: Path) -> list[Path]:
+    """A directory of data files -> those files (sorted, recursively, hidden ones left out), read one by one so a
+    bad record is named by its file and line; a saved Hugging Face dataset (or a directory without such files)
+    stays one input for ``datasets``."""
+    if any((directory / m).is_file() for m in HF_SAVED_MARKERS):
+        return [directory]
+    found = sorted(
+        f for f in directory.rglob("*")
+        if f.is_file() and f.name.lower().endswith(DATA_SUFFIXES)
+        and not any(part.startswith(".") for part in f.relative_to(directory).parts)
+    )
+    return found or [directory]
 
 
 def _is_hub_name(name: str) -> bool:
@@ -271,7 +288,9 @@ def parse_block(block: Block, keys: list[str], skip_bad: bool) -> tuple[list[lis
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
-        lines: list = data.split(b"\n")  # decoded one by one below, to name the bad line
+        # decoded one by one, to name the bad line; never by json.loads(bytes), which guesses UTF-16/32 from NUL
+        # bytes and would then report offsets into text that is not there
+        lines: list = [_decode_line(line) for line in data.split(b"\n")]
     else:
         fast = _parse_clean_lines(text, keys)
         if fast is not None:
@@ -281,11 +300,14 @@ def parse_block(block: Block, keys: list[str], skip_bad: bool) -> tuple[list[lis
         lines.pop()
     loads = json.loads
     for i, line in enumerate(lines):
+        if isinstance(line, UnicodeDecodeError):
+            reject(block.first + i, f"is not valid UTF-8 ({utf8_problem(line.object, line)})")
+            continue
         try:
             record = loads(line)
             values = [record[k] for k in keys]
         except UnicodeDecodeError as e:
-            reject(block.first + i, f"is not valid UTF-8 (byte 0x{line[e.start]:02x} at offset {e.start})")
+            reject(block.first + i, f"is not valid UTF-8 ({utf8_problem(line, e)})")
             continue
         except (ValueError, KeyError, TypeError, IndexError) as e:
             if not line.strip():
@@ -294,6 +316,14 @@ def parse_block(block: Block, keys: list[str], skip_bad: bool) -> tuple[list[lis
             continue
         take(block.first + i, values)
     return texts, numbers, bad
+
+
+def _decode_line(line: bytes):
+    """The line as text, or the UnicodeDecodeError saying where it is not UTF-8."""
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return e
 
 
 def _parse_clean_lines(text: str, keys: list[str]) -> list[list[str]] | None:
@@ -312,6 +342,21 @@ def _parse_clean_lines(text: str, keys: list[str]) -> list[list[str]] | None:
     return None
 
 
+def utf8_problem(data: bytes, e: UnicodeDecodeError) -> str:
+    """Which byte is wrong, at which offset of ``data`` (0-based, in bytes), and why: a byte that cannot start a
+    character, a character whose next byte does not continue it, or one cut off by the end of the line."""
+    start, end = e.start, e.end
+    first = f"byte 0x{data[start]:02x} at offset {start}"
+    if e.reason == "invalid continuation byte" and end < len(data):
+        after = f" (after {' '.join(f'{b:02x}' for b in data[start:end])})" if end - start > 1 else ""
+        return f"{first} begins a multi-byte character, but byte 0x{data[end]:02x} at offset {end} does not continue it{after}"
+    if e.reason in ("unexpected end of data", "invalid continuation byte"):
+        return f"{first} begins a multi-byte character that the end of the line cuts off"
+    if e.reason == "invalid start byte":
+        return f"{first} cannot start a character"
+    return f"{first}: {e.reason}"
+
+
 def _not_a_string(key: str, value) -> str:
     return f"has a {JSON_TYPES.get(type(value), type(value).__name__)} under '{key}', not a string"
 
@@ -324,7 +369,7 @@ def _json_problem(line, e: Exception, keys: list[str]) -> str:
         try:
             line.decode("utf-8")
         except UnicodeDecodeError as u:
-            return f"is not valid UTF-8 (byte 0x{line[u.start]:02x} at offset {u.start})"
+            return f"is not valid UTF-8 ({utf8_problem(line, u)})"
     try:
         record = json.loads(line)
     except ValueError as err:

@@ -66,6 +66,20 @@ class Tokenizer:
     def __setstate__(self, state):
         self.__init__(state["path"], state["json_text"], state["config"])
 
+    @property
+    def fingerprint(self) -> str:
+        """What identifies this tokenizer in a dataset's sidecar: a hash of its vocabulary (token -> id, added tokens
+        included) and of its ids for a probe text, so it depends on what the tokenizer does, not on how its JSON was
+        formatted or which tool saved it."""
+        if getattr(self, "_fingerprint", None) is None:
+            import xxhash
+
+            vocab = sorted(self._hf.get_vocab(with_added_tokens=True).items())
+            probe = self._hf.encode(PARITY_PROBE, add_special_tokens=False).ids
+            text = json.dumps({"vocab": vocab, "probe": probe}, ensure_ascii=False, separators=(",", ":"))
+            self._fingerprint = "xxh3_128:" + xxhash.xxh3_128(text.encode("utf-8")).hexdigest()
+        return self._fingerprint
+
     def encode(self, text: str) -> list[int]:
         return self.encode_batch([text])[0]
 

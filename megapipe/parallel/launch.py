@@ -9,6 +9,7 @@ with --nnodes, --node-rank and --rdzv-endpoint HOST:PORT (c10d rendezvous, as to
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from typing import Optional, Sequence
@@ -71,4 +72,51 @@ def maybe_launch_torchrun(argv: Sequence[str], nproc_per_node: Optional[int], nn
     cmd = torchrun_command(argv, nproc_per_node or 1, nnodes, node_rank, rdzv_endpoint)
     env = {**os.environ}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (nproc_per_node or 1))))
-    return subprocess.call(cmd, env=env)
+    return run_forwarding_signals(cmd, env)
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when the launching process dies (Linux), so torchrun never runs on unwatched."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _children(pid: int) -> list[int]:
+    """Direct child processes of ``pid`` (Linux /proc; empty elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+
+
+def run_forwarding_signals(cmd: list[str], env: dict) -> int:
+    """Run torchrun ``cmd`` in its own process group and pass SIGTERM/SIGINT straight to its workers, exactly once
+    (a Ctrl-C in the terminal reaches only this process): each worker finishes its step, saves with the others
+    and exits 0, so torchrun ends cleanly. (Signalled itself, torchrun would raise, kill the workers after 30 s
+    and exit 1.) Without workers yet, torchrun gets the signal."""
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+
+    def forward(signum, frame):
+        if proc.poll() is not None:
+            return
+        workers = _children(proc.pid)
+        for pid in workers or [proc.pid]:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return proc.wait()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        if proc.poll() is None:  # an exception here: never leave the job behind
+            proc.terminate()
+            proc.wait()

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from megapipe.config import CheckpointConfig, Config, ModelConfig, from_dict
+from megapipe.config import CheckpointConfig, Config, ModelConfig, check_seq_length, from_dict
 from megapipe.errors import ConfigError
 
 
@@ -89,8 +89,11 @@ def _tokenizer(cfg: Config, parent: Optional[Path], private_copy: bool):
     from megapipe.data.tokenizer import load_tokenizer
 
     path, keep = cfg.data.tokenizer, None
-    if path is None and parent is not None and (parent / "tokenizer").is_dir():
-        path = parent / "tokenizer"
+    if path is None and parent is not None:
+        from megapipe.checkpoint.dcp import checkpoint_tokenizer
+
+        path = checkpoint_tokenizer(parent)  # None when it has none; a damaged file is named
+    if path is not None and cfg.data.tokenizer is None:
         if private_copy:  # pruning old checkpoints (keep_last) may delete this one while the run copies from it
             keep = tempfile.TemporaryDirectory(prefix="megapipe-tokenizer-")
             path = shutil.copytree(path, Path(keep.name) / "tokenizer")
@@ -103,10 +106,6 @@ def resolve_run(cfg: Config, private_tokenizer: bool = False) -> Run:
     resume, parent = find_checkpoint(cfg.checkpoint)
     tokenizer, keep = _tokenizer(cfg, parent, private_tokenizer)
     model = resolve_vocab(base_model_config(cfg.model, parent), tokenizer)
-    seq, limit = cfg.data.seq_length, model.max_position_embeddings
-    if seq > limit:
-        raise ConfigError(
-            f"data.seq_length = {seq} (--seq-length) is longer than the model's max_position_embeddings = {limit}"
-        )
+    check_seq_length(model, cfg.data.seq_length)
     resolved = dataclasses.replace(cfg, model=model)
     return Run(resolved, resume, parent, tokenizer, resolve_train_iters(resolved), keep)

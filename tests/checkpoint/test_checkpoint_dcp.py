@@ -210,7 +210,7 @@ def test_missing_shard_file_is_named_even_without_the_manifest_list(tmp_path):
     model, _ = trained()
     ckpt = save_checkpoint(tmp_path, 1, model)
     m = json.loads((ckpt / "megapipe.json").read_text())
-    del m["files"]  # so only DCP's own metadata can tell that a shard is gone
+    del m["files"], m["checksums"]  # so only DCP's own metadata can tell that a shard is gone
     (ckpt / "megapipe.json").write_text(json.dumps(m))
     (ckpt / "model" / "__0_0.distcp").unlink()
     with pytest.raises(CheckpointError, match=r"shard file .*model/__0_0\.distcp is missing"):
@@ -262,7 +262,7 @@ def test_metadata_with_code_is_refused(tmp_path):
 
     (ckpt / "model" / ".metadata").write_bytes(pickle.dumps(Evil()))
     m = json.loads((ckpt / "megapipe.json").read_text())
-    del m["files"]
+    del m["files"], m["checksums"]  # a crafted checkpoint comes with a manifest that matches it
     (ckpt / "megapipe.json").write_text(json.dumps(m))
     with pytest.raises(CheckpointError, match=r"untrusted DCP metadata .*system is not allowed"):
         load_checkpoint(ckpt, Tiny())
@@ -325,26 +325,34 @@ def test_failed_save_leaves_nothing_behind(tmp_path):
 
 
 def test_pipeline_parts_save_and_load_across_splits(tmp_path):
-    """Model parts (as pipeline stages hold them: same names as the full model) with one optimizer each."""
+    """Model parts (as pipeline stages hold them: same names as the full model) with one optimizer each. The parts
+    start from other weights and empty optimizers, so only the load can make them equal to the saved model."""
     model, opt = trained()
 
-    def split(full: Tiny):
+    def split(seed: int):
+        torch.manual_seed(seed)
         first, second = Tiny(), Tiny()
-        first.load_state_dict(full.state_dict())
-        second.load_state_dict(full.state_dict())
         first.out = None
         second.emb = second.proj = second.norm = None
         return [first, second]
 
-    parts = split(model)
+    parts = split(seed=5)
     part_opts = [torch.optim.AdamW(p.parameters(), lr=1e-2) for p in parts]
+    names = [[n for n, _ in p.named_parameters()] for p in parts]
+    assert names == [["emb.weight", "proj.weight", "proj.bias", "norm.weight", "norm.bias"], ["out.weight"]]
+    assert not any(torch.equal(p.get_parameter(n), model.get_parameter(n)) for p, ns in zip(parts, names, strict=True)
+                   for n in ns if "norm" not in n)  # (LayerNorm starts at ones/zeros in both)
     load_checkpoint(save_checkpoint(tmp_path / "full", 1, model, opt), parts, part_opts)  # 1 stage -> 2 stages
-    for p, o in zip(parts, part_opts, strict=True):
-        for name, param in p.named_parameters():
+    for p, o, ns in zip(parts, part_opts, names, strict=True):
+        assert len(o.state) == len(ns)  # every parameter got its AdamW state
+        for name in ns:
+            param = p.get_parameter(name)
             assert torch.equal(param, model.get_parameter(name)), name
             full_state = opt.state[model.get_parameter(name)]
-            for k, v in o.state[param].items():
-                assert torch.equal(v, full_state[k]), (name, k)
+            assert sorted(o.state[param]) == sorted(full_state) == ["exp_avg", "exp_avg_sq", "step"], name
+            for k, v in full_state.items():
+                assert torch.equal(o.state[param][k], v), (name, k)
+        assert o.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
 
     ckpt = save_checkpoint(tmp_path / "parts", 2, parts, part_opts)  # 2 stages -> 1
     fresh = Tiny()

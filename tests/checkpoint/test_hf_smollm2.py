@@ -22,11 +22,13 @@ from megapipe.data.tokenizer import load_tokenizer  # noqa: E402
 from megapipe.inference import generate_ids  # noqa: E402
 
 MODEL_DIR = Path(os.environ.get("MEGAPIPE_SMOLLM2_DIR", Path.home() / ".cache" / "megapipe" / "smollm2")).expanduser()
+UNAVAILABLE = MODEL_DIR.with_name(MODEL_DIR.name + ".unavailable")  # written by prepare_smollm2.py --if-available
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
         not (MODEL_DIR / "config.json").is_file(),
-        reason=f"SmolLM2 not prepared at {MODEL_DIR} (run tools/prepare_smollm2.py or set MEGAPIPE_SMOLLM2_DIR)",
+        reason=(f"SmolLM2 cannot be had here: {UNAVAILABLE.read_text().strip()}" if UNAVAILABLE.is_file() else
+                f"SmolLM2 not prepared at {MODEL_DIR} (`make test` prepares it; or run tools/prepare_smollm2.py)"),
     ),
 ]
 

@@ -69,20 +69,50 @@ def test_error_leaves_nothing_and_merge_checks_dtype(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["i32.bin", "i32.idx"]
 
 
-def test_damaged_files_are_clear_errors(tmp_path):
+def _patch(data: bytes, offset: int, fmt: str, value) -> bytes:
+    b = bytearray(data)
+    struct.pack_into(fmt, b, offset, value)
+    return bytes(b)
+
+
+# (what is damaged, new .idx from the good one, new .bin from the good one, the message): DOCS hold 4 sequences of
+# uint16 tokens, so sizes start at byte 34, pointers at 50, the document index at 82.
+DAMAGE = [
+    ("idx truncated", lambda i: i[:-8], None, r"d\.idx is truncated: 114 bytes, the header promises 122"),
+    ("idx trailing bytes", lambda i: i + b"\0" * 8, None, r"d\.idx has 8 bytes after the index"),
+    ("bad magic", lambda i: b"NOTMAGIC!" + i[9:], None, "bad magic"),
+    ("dtype byte", lambda i: _patch(i, 17, "<B", 4), None,
+     r"d\.idx is inconsistent: its dtype code 4 says int32 \(4-byte tokens\), but its pointers are spaced for "
+     r"2-byte tokens \(the dtype byte is wrong\)"),
+    ("bin of another dtype", None, lambda b: np.frombuffer(b, np.uint16).astype(np.int32).tobytes(),
+     r"d\.bin does not match .*d\.idx: the index describes 10 uint16 tokens \(20 bytes\) but the \.bin has 40 "
+     r"bytes, the size of 4-byte tokens"),
+    ("bin truncated", None, lambda b: b[:4], r"d\.bin does not match .*d\.idx: .* has 4 bytes \(truncated\)"),
+    ("bin longer", None, lambda b: b + b"\0" * 6, r"d\.bin does not match .*the \.bin has 26 bytes \(longer than"),
+    ("pointer", lambda i: _patch(i, 50 + 2 * 8, "<q", 7), None,
+     r"d\.idx is inconsistent: pointer 2 is 7, but the lengths before it put sequence 2 at byte 8"),
+    ("negative length", lambda i: _patch(i, 34 + 4, "<i", -1), None,
+     r"d\.idx is damaged: sequence 1 has a negative length \(-1\)"),
+    ("document index", lambda i: _patch(i, 82 + 4 * 8, "<q", 9), None,
+     r"d\.idx has a malformed document index: it must rise from 0 to the sequence count 4, found 5 entries from "
+     r"0 to 9"),
+]
+
+
+def test_missing_files_are_named(tmp_path):
     with pytest.raises(DataError, match=r"nothing\.idx does not exist"):
         IndexedDataset(tmp_path / "nothing")
+
+
+@pytest.mark.parametrize("what,idx,bin_,message", DAMAGE, ids=[d[0] for d in DAMAGE])
+def test_an_inconsistent_pair_names_the_file_and_what_disagrees(tmp_path, what, idx, bin_, message):
+    """Each damage is read as garbage without the consistency checks (every case keeps the header readable)."""
     write(tmp_path / "d", DOCS)
-    idx = (tmp_path / "d.idx").read_bytes()
-    (tmp_path / "d.idx").write_bytes(idx[:-8])
-    with pytest.raises(DataError, match="is truncated"):
-        IndexedDataset(tmp_path / "d")
-    (tmp_path / "d.idx").write_bytes(b"NOTMAGIC!" + idx[9:])
-    with pytest.raises(DataError, match="bad magic"):
-        IndexedDataset(tmp_path / "d")
-    (tmp_path / "d.idx").write_bytes(idx)
-    (tmp_path / "d.bin").write_bytes(b"\x00" * 4)
-    with pytest.raises(DataError, match=r"d\.bin is truncated"):
+    for suffix, change in ((".idx", idx), (".bin", bin_)):
+        if change is not None:
+            path = tmp_path / f"d{suffix}"
+            path.write_bytes(change(path.read_bytes()))
+    with pytest.raises(DataError, match=message):
         IndexedDataset(tmp_path / "d")
 
 

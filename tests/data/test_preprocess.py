@@ -423,3 +423,47 @@ def test_blocks_cut_at_line_ends_whatever_the_line_lengths(tmp_path):
             assert [t for p in parsed for t in p[0][0]] == texts
             assert [n for p in parsed for n in p[1]] == list(range(1, len(texts) + 1))
             assert sum(b.nbytes for b in blocks) == path.stat().st_size
+
+
+@pytest.mark.parametrize("line, message", [
+    (b'{"text": "caf\xe9"}', "byte 0xe9 at offset 13 begins a multi-byte character, but byte 0x22 at offset 14 does "
+                             "not continue it"),
+    (b'{"text": "abc \xe2\x82 x"}', "byte 0xe2 at offset 14 begins a multi-byte character, but byte 0x20 at offset "
+                                    "16 does not continue it (after e2 82)"),
+    (b'{"text": "ok \xff"}', "byte 0xff at offset 13 cannot start a character"),
+    (b'{"text": "x"} \xf0\x9f', "byte 0xf0 at offset 14 begins a multi-byte character that the end of the line cuts off"),
+    (b'{\x00"text": "\xff"}', "byte 0xff at offset 11 cannot start a character"),  # NUL: json would guess UTF-16
+])
+def test_invalid_utf8_names_the_offending_byte_and_its_offset(tmp_path, tok, line, message):
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b'{"text": "fine"}\n' + line + b"\n")
+    with pytest.raises(DataError) as e:
+        preprocess([str(src)], tmp_path / "o", tok)
+    assert f"in.jsonl:2: the record is not valid UTF-8 ({message})" in str(e.value)
+
+
+def test_a_directory_input_names_the_file_inside_that_failed(tmp_path, tok):
+    d = tmp_path / "corpus"
+    (d / "sub").mkdir(parents=True)
+    (d / "a.jsonl").write_text('{"text": "one"}\n')
+    (d / "sub" / "b.jsonl").write_text('{"text": "two"}\n{"text": broken\n')
+    (d / ".hidden.jsonl").write_text("not read\n")
+    with pytest.raises(DataError, match=r"corpus/sub/b\.jsonl:2: the record is not valid JSON"):
+        preprocess([str(d)], tmp_path / "o", tok)
+    (d / "sub" / "b.jsonl").write_text('{"text": "two"}\n')
+    stats = preprocess([str(d)], tmp_path / "o", tok)
+    ds = IndexedDataset(stats.outputs["text"])
+    assert [tok.decode(ds[i]) for i in range(len(ds))] == ["one", "two"]
+
+
+def test_workers_have_a_sane_bound(tmp_path, tok, shakespeare_excerpt):
+    from megapipe.data.preprocess import available_cpus
+
+    limit = 4 * available_cpus()
+    for workers, message in [(0, "--workers must be at least 1, got 0"),
+                             (limit + 1, f"--workers {limit + 1} is more than 4 per CPU ({available_cpus()} CPUs "
+                                         f"here, so at most {limit})")]:
+        with pytest.raises(DataError) as e:
+            preprocess([str(shakespeare_excerpt)], tmp_path / "o", tok, workers=workers)
+        assert message in str(e.value)
+    assert not list(tmp_path.iterdir())

@@ -93,7 +93,7 @@ def reference(cfg: Config, masked: bool = False) -> dict:
     model = build_model(cfg.model, seed=cfg.train.seed)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     trivial = ParallelDims()
-    out = {"losses": []}
+    out = {"losses": [], "init": {n: p.detach().clone() for n, p in model.named_parameters()}}
     for i, batch in enumerate(batches(cfg, STEPS, masked)):
         opt.zero_grad()
         out["losses"].append(train_step(model, [batch], trivial).item())
@@ -122,6 +122,15 @@ def max_diff(named, ref: dict) -> float:
     return worst
 
 
+def max_rel(named, ref: dict) -> float:
+    """The largest ||t - ref|| / ||ref|| over tensors (whole-tensor norms, so tiny entries do not dominate)."""
+    worst = 0.0
+    for name, t in named:
+        r = ref[name].float()
+        worst = max(worst, ((t.float() - r).norm() / r.norm().clamp_min(1e-30)).item())
+    return worst
+
+
 def run_case(text: str) -> dict:
     from megapipe.parallel.parallelize import parallelize_model
 
@@ -136,6 +145,7 @@ def run_case(text: str) -> dict:
     per_rank = GLOBAL_BATCH // dims.dp_size
     lo = dims.dp_rank * per_rank
     res = {"loss_rel": 0.0}
+    init = {n: full(p.detach()).clone() for n, p in model.named_parameters()}
     for i, batch in enumerate(batches(cfg, STEPS, masked)):
         opt.zero_grad()
         loss = train_step(model, micro(batch, lo, lo + per_rank, MICRO), dims).item()
@@ -143,11 +153,15 @@ def run_case(text: str) -> dict:
         if i == 0:
             grads = [(n, p.grad) for n, p in model.named_parameters()]
             res["grad_abs"] = max_diff(grads, ref["grads"])
+            res["grad_rel"] = max_rel(((n, full(g)) for n, g in grads), ref["grads"])
         norm = clip_grad_norm_(model, CLIP, dims)
         if i == 0:
             res["norm_rel"] = abs(norm.item() - ref["norm"]) / ref["norm"]
         opt.step()
     res["param_abs"] = max_diff(model.named_parameters(), ref["params"])
+    # what the 3 steps changed, against what they changed in the reference: 1.0 for a run that never updates
+    updates = ((n, full(p.detach()) - init[n]) for n, p in model.named_parameters())
+    res["update_rel"] = max_rel(updates, {n: ref["params"][n] - ref["init"][n] for n in ref["params"]})
     # master weights and their gradients stay fp32 whatever the compute precision
     res["not_fp32"] = float(any(p.dtype != torch.float32 or p.grad.dtype != torch.float32 for p in model.parameters()))
     res["eval_rel"] = abs(eval_step(model, micro(batches(cfg, 1, masked)[0], lo, lo + per_rank, MICRO), dims).item()

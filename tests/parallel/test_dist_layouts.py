@@ -91,12 +91,16 @@ def test_two_processes(results_2, case):
 @pytest.mark.dist
 @pytest.mark.parametrize("case", BF16)
 def test_fsdp_bf16_compute_with_fp32_master_weights_and_reduction(results_2, case):
-    """MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): losses follow the fp32 run to bf16 accuracy
-    (and do differ from it: bf16 is really used), parameters and gradients stay fp32."""
+    """MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): losses, step-1 gradients and what the 3 steps
+    changed in the weights follow the fp32 single-process run to bf16 accuracy (observed: loss 2.5e-5, gradients
+    1.3e-2, updates 1.2e-2 relative), and do differ from it (bf16 is really used); parameters and gradients stay
+    fp32. A run that never updates has update_rel 1.0, one with zero or wrong gradients grad_rel ~1.0."""
     res = results_2[case]
     assert "error" not in res, res.get("trace", res)
-    assert 1e-5 < res["loss_rel"] < 2e-2, res
-    assert res["param_abs"] < 5e-2 and res["not_fp32"] == 0.0, res
+    assert 1e-5 < res["loss_rel"] < 2e-3, res
+    assert 1e-4 < res["grad_rel"] < 5e-2, res
+    assert res["update_rel"] < 5e-2, res
+    assert res["param_abs"] < 5e-3 and res["not_fp32"] == 0.0, res
 
 
 @pytest.mark.dist

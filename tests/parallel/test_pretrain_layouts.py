@@ -157,3 +157,34 @@ def test_pp_schedule_flag_sets_the_stages_per_rank_it_needs():
     _default_virtual_stages(cfg.parallel)
     dims = check_layout(cfg, 2)
     assert (dims.pp, dims.pp_virtual_stages, dims.dp_shard) == (2, 2, 1)
+
+
+@pytest.mark.dist
+def test_sigterm_to_the_launcher_reaches_the_workers_once(data, tmp_path):
+    """``kill -TERM`` of the ``megapipe pretrain --nproc-per-node 2`` process: it forwards the signal to torchrun
+    (its own process group), both workers finish the step, save together and the launcher exits 0; no process of
+    the job is left."""
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    exe = Path(sys.executable).with_name("megapipe")
+    args = [*data, "--train-iters", "400", "--save", str(run_dir), "--nproc-per-node", "2"]
+    args = [a for a in args if a != "--quiet"]
+    proc = subprocess.Popen([str(exe), "pretrain", *args], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    end = time.monotonic() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert time.monotonic() < end, "no training step in 300 s"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    assert "stopped by SIGTERM" in out
+    latest = (run_dir / "latest").read_text().strip()
+    step = json.loads((run_dir / latest / "megapipe.json").read_text())["step"]
+    assert 2 <= step < 400
+    leftover = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True).stdout.split()
+    assert leftover == [], leftover

@@ -37,16 +37,21 @@ def finish(proc: subprocess.Popen, timeout=600) -> str:
     return out
 
 
-def records(run_dir: Path) -> list[dict]:
+def records(run_dir: Path, running: bool = False) -> list[dict]:
+    """Every record of metrics.jsonl; a line that is not JSON fails the test (it would hide a lost or damaged
+    record). Only while the run is still writing may the last line be incomplete (no newline yet): it is left out."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return []
+    lines = path.read_text().split("\n")
+    tail = lines.pop()  # "" when the file ends with a newline
+    assert running or not tail, f"{path} ends with a cut line: {tail!r}"
     out = []
-    for line in path.read_text().splitlines():
+    for number, line in enumerate(lines, 1):
         try:
             out.append(json.loads(line))
-        except json.JSONDecodeError:  # a line being written
-            pass
+        except json.JSONDecodeError as e:
+            raise AssertionError(f"{path}:{number} is not a JSON record ({e}): {line!r}") from None
     return out
 
 
@@ -82,7 +87,8 @@ def test_kill9_and_sigterm_then_resume_is_bitwise_exact(pretrain_data, tmp_path)
 
     # 2. resume; SIGTERM once it has made progress: it finishes the step, saves, exits 0
     b = start(command(pretrain_data, run_dir, "--load", str(run_dir)))
-    wait_for(lambda: any(r["step"] > killed_at + 1 for r in records(run_dir)), b, "progress after the resume")
+    wait_for(lambda: any(r["step"] > killed_at + 1 for r in records(run_dir, running=True)), b,
+             "progress after the resume")
     b.send_signal(signal.SIGTERM)
     out = finish(b)
     assert b.returncode == 0, out

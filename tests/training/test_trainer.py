@@ -138,7 +138,11 @@ def test_data_ids_beyond_the_model_vocab_are_refused(make, pretrain_data, tmp_pa
     small = tmp_path / "small_tok"
     train_tokenizer(iter_texts([shakespeare_excerpt], "text"), 300, small)
     prefix, _ = pretrain_data
-    trainer = make((prefix, small), {"train.train_iters": 2, "model.make_vocab_size_divisible_by": 1})
+    with pytest.raises(DataError, match=rf"was tokenized with tokenizer .* not with {small} \(300 tokens\)"):
+        make((prefix, small), {"train.train_iters": 2, "model.make_vocab_size_divisible_by": 1})
+    # told to go on anyway, the first batch still stops at the first id the model cannot embed
+    trainer = make((prefix, small), {"train.train_iters": 2, "model.make_vocab_size_divisible_by": 1,
+                                     "data.allow_tokenizer_mismatch": True})
     assert trainer.cfg.model.vocab_size == 300
     with pytest.raises(DataError, match=rf"holds token id \d+, but model.vocab_size = 300 \(tokenizer {small}: "
                                         r"300 tokens\)"):

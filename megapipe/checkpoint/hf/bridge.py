@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from megapipe.checkpoint.dcp import dcp_load, write_checkpoint
+from megapipe.checkpoint.dcp import checkpoint_tokenizer, dcp_load, verify_checkpoint, write_checkpoint
 from megapipe.checkpoint.hf.base import Adapter, Conversion, adapter_for_arch, adapter_for_hf
 from megapipe.checkpoint.hf.files import (
     DTYPES,
@@ -35,7 +35,9 @@ from megapipe.checkpoint.hf.files import (
 from megapipe.checkpoint.manifest import make_tmp_dir, read_manifest, resolve_checkpoint
 from megapipe.checkpoint.safe_dcp import read_metadata
 from megapipe.config import ModelConfig, from_dict
+from megapipe.data.readers import first_line
 from megapipe.errors import CheckpointError, MegapipeError
+from megapipe.fileio import refuse_overlap
 from megapipe.models import build_model
 
 Progress = Optional[Callable[[int, int], None]]  # (done, total) after each tensor group
@@ -103,6 +105,7 @@ def import_hf(hf_dir: str | Path, out_ckpt: str | Path, overwrite: bool = False,
     hf_dir, out_ckpt = Path(hf_dir).expanduser(), Path(out_ckpt).expanduser()
     if not hf_dir.is_dir():
         raise MegapipeError(f"Hugging Face model directory {hf_dir} does not exist")
+    refuse_overlap([out_ckpt], [hf_dir])
     if out_ckpt.exists() and not overwrite:
         raise MegapipeError(f"{out_ckpt} already exists: pick another output or pass --overwrite")
     adapter, cfg, hf = read_hf_config(hf_dir)
@@ -182,12 +185,15 @@ def export_hf(
     """megapipe checkpoint (any layout) -> Hugging Face directory ``out_dir``; returns a summary."""
     started = time.perf_counter()
     out_dir = Path(out_dir).expanduser()
+    given = Path(ckpt).expanduser()
+    refuse_overlap([out_dir], [given, tokenizer])  # before resolving: the input may be a run directory
     if out_dir.exists() and not overwrite:
         raise MegapipeError(f"{out_dir} already exists: pick another output or pass --overwrite")
     if dtype is not None and dtype not in DTYPES:
         raise MegapipeError(f"--dtype {dtype!r} is not supported (allowed: {', '.join(DTYPES)})")
     max_bytes = max_shard_size if isinstance(max_shard_size, int) else parse_size(max_shard_size)
-    ckpt = resolve_checkpoint(Path(ckpt).expanduser())
+    ckpt = resolve_checkpoint(given)
+    refuse_overlap([out_dir], [ckpt])
     manifest = read_manifest(ckpt)
     where = str(ckpt / "megapipe.json")
     if not isinstance(manifest.get("model"), dict):
@@ -200,10 +206,11 @@ def export_hf(
     hf_extra = manifest.get("hf") if isinstance(manifest.get("hf"), dict) else {}
     out_dtype = DTYPES[dtype or hf_extra.get("dtype") or "bf16"]
 
-    tok_dir = Path(tokenizer).expanduser() if tokenizer is not None else ckpt / "tokenizer"
-    if not tok_dir.exists():
+    tok_dir = Path(tokenizer).expanduser() if tokenizer is not None else checkpoint_tokenizer(ckpt, manifest)
+    if tok_dir is None:
         raise CheckpointError(f"{ckpt} holds no tokenizer/ directory: pass --tokenizer with the model's tokenizer")
     tok = _tokenizer(tok_dir, cfg, str(tok_dir))
+    verify_checkpoint(ckpt, manifest, ["model/"])
 
     stored = {
         k: m for k, m in read_metadata(ckpt / "model").state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)
@@ -238,6 +245,10 @@ def export_hf(
         _write_json(tmp / "config.json", config)
         _write_json(tmp / "generation_config.json", generation)
         _replace_dir(tmp, out_dir)
+    except OSError as e:  # disk full, file-size limit: name the file; OUT_DIR is as it was
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise MegapipeError(f"cannot write {out_dir}: writing {e.filename or tmp} failed ({e.strerror or e}); "
+                            "nothing was kept") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -264,9 +275,13 @@ def _read_group(group: list[Conversion], stored: dict, model_dir: Path, out_dtyp
 
 
 def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    save_file(tensors, str(path), metadata={"format": "pt"})
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except SafetensorError as e:  # its I/O errors (disk full, file-size limit) come as this type
+        raise OSError(None, first_line(e), str(path)) from None
     umask = os.umask(0)
     os.umask(umask)
     path.chmod(0o666 & ~umask)  # safetensors creates 0600 files; the other outputs follow the umask

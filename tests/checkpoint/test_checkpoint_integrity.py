@@ -1,0 +1,139 @@
+"""Checksums: recorded per file while saving, verified before anything is loaded, `megapipe checkpoint verify`.
+
+Damage is a flipped block inside a file of unchanged size (what a bad disk or a broken copy does): the sizes still
+match, so only the checksums can tell.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from test_checkpoint_dcp import Tiny, assert_same, trained
+
+from megapipe.checkpoint import load_checkpoint, load_model_for_inference, save_checkpoint
+from megapipe.checkpoint.integrity import ALGORITHM, hash_file
+from megapipe.cli import main
+from megapipe.config import ModelConfig
+from megapipe.errors import CheckpointError
+from megapipe.models import build_model
+
+CFG = ModelConfig(vocab_size=512, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
+
+
+def flip_block(path: Path, at: float = 0.5, length: int = 64) -> None:
+    data = bytearray(path.read_bytes())
+    start = min(int(len(data) * at), max(0, len(data) - length))
+    for i in range(start, min(start + length, len(data))):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture
+def saved(tmp_path, tiny_tokenizer_dir):
+    """A run with two checkpoints of a real transformer (model + AdamW + RNG + tokenizer)."""
+    model = build_model(CFG, seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randint(0, 512, (2, 5))).sum().backward()
+    opt.step()
+    run = tmp_path / "run"
+    first = save_checkpoint(run, 1, model, opt, manifest={"model": CFG}, tokenizer=tiny_tokenizer_dir)
+    second = save_checkpoint(run, 2, model, opt, manifest={"model": CFG}, tokenizer=tiny_tokenizer_dir)
+    return model, run, first, second
+
+
+def test_every_file_has_the_checksum_of_its_bytes(saved):
+    _, _, _, ckpt = saved
+    manifest = json.loads((ckpt / "megapipe.json").read_text())
+    assert manifest["checksum_algorithm"] == ALGORITHM == "xxh3_128"
+    on_disk = sorted(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file() and p.name != "megapipe.json")
+    assert sorted(manifest["checksums"]) == sorted(manifest["files"]) == on_disk
+    assert {"model/.metadata", "model/__0_0.distcp", "optim/__0_0.distcp", "extra/rng_rank00000.safetensors",
+            "tokenizer/tokenizer.json"} <= set(on_disk)
+    for rel, digest in manifest["checksums"].items():  # the shards' digests were computed while writing
+        assert hash_file(ckpt / rel) == digest, rel
+
+
+@pytest.mark.parametrize("rel", ["model/__0_0.distcp", "model/.metadata", "optim/__0_0.distcp",
+                                 "extra/rng_rank00000.safetensors"])
+def test_a_flipped_block_is_refused_naming_the_file(saved, rel):
+    model, _, _, ckpt = saved
+    flip_block(ckpt / rel)
+    fresh = build_model(CFG, seed=2)
+    with pytest.raises(CheckpointError, match=rf"{ckpt / rel} is damaged \(its xxh3_128 checksum differs") as e:
+        load_checkpoint(ckpt, fresh, torch.optim.AdamW(fresh.parameters()))
+    assert "weights_only" not in str(e.value)
+    assert any(not torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values(),
+                                                     strict=True))  # nothing was loaded
+    if rel.startswith("model/"):
+        with pytest.raises(CheckpointError, match=rf"{ckpt / rel} is damaged"):
+            load_model_for_inference(ckpt)
+    else:  # weights-only loads (--finetune, inference) do not read the damaged file, and work
+        loaded, _, _ = load_model_for_inference(ckpt)
+        assert_same(model, loaded)
+
+
+def test_a_damaged_tokenizer_is_named_and_a_removed_one_is_replaced_by_tokenizer(saved, tiny_tokenizer_dir, tmp_path):
+    _, _, _, ckpt = saved
+    flip_block(ckpt / "tokenizer" / "tokenizer.json", length=8)
+    with pytest.raises(CheckpointError, match=r"tokenizer of checkpoint .* is damaged: .*tokenizer\.json is damaged"):
+        load_model_for_inference(ckpt)
+    shutil.rmtree(ckpt / "tokenizer")  # a checkpoint without its tokenizer is still this checkpoint, not step 1
+    _, manifest, tok = load_model_for_inference(ckpt.parent)
+    assert manifest["step"] == 2 and tok is None
+    assert main(["export", "hf", str(ckpt.parent), str(tmp_path / "hf"), "--tokenizer", str(tiny_tokenizer_dir),
+                 "-q"]) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_hidden_layers"] == 2
+
+
+def test_verify_command_reports_every_checkpoint_and_inspect_refuses_damage(saved, capsys):
+    _, run, first, second = saved
+    assert main(["checkpoint", "verify", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("ok: 8 of 8 files by xxh3_128 checksum") == 2, out
+    flip_block(second / "model" / "__0_0.distcp")
+    flip_block(second / "optim" / "__0_0.distcp")
+    assert main(["checkpoint", "verify", "--json", str(second)]) == 2
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert report["checked"] == report["files"] == 8
+    assert [p.split(" is ")[0] for p in report["problems"]] == [str(second / "model" / "__0_0.distcp"),
+                                                                str(second / "optim" / "__0_0.distcp")]
+    assert "optim/__0_0.distcp" in captured.err
+    assert main(["checkpoint", "verify", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "1 of 2 checkpoint(s)" in err and "step_00000002/model/__0_0.distcp is damaged" in err
+    assert main(["checkpoint", "inspect", str(second)]) == 2
+    assert "model/__0_0.distcp is damaged" in capsys.readouterr().err
+    assert main(["checkpoint", "inspect", "--no-verify", "--json", str(second)]) == 0
+    assert json.loads(capsys.readouterr().out)["integrity"] == "not checked (--no-verify)"
+    assert main(["checkpoint", "inspect", "--json", str(first)]) == 0
+    assert json.loads(capsys.readouterr().out)["integrity"] == "ok: 8 files match their xxh3_128 checksums"
+
+
+def test_checkpoints_without_checksums_still_load_and_damage_never_suggests_weights_only(tmp_path, capsys):
+    model, opt = trained()
+    ckpt = save_checkpoint(tmp_path, 1, model, opt)
+    manifest = json.loads((ckpt / "megapipe.json").read_text())
+    del manifest["checksums"], manifest["checksum_algorithm"]  # as saved by an older megapipe
+    (ckpt / "megapipe.json").write_text(json.dumps(manifest))
+    fresh = Tiny()
+    load_checkpoint(ckpt, fresh)
+    assert_same(model, fresh)
+    assert main(["checkpoint", "verify", str(ckpt)]) == 0
+    assert "by size only (no checksums recorded)" in capsys.readouterr().out
+    flip_block(ckpt / "model" / "__0_0.distcp", at=0.0, length=256)  # the zip header of the first tensor
+    with pytest.raises(CheckpointError, match=r"shards in .*model are damaged and cannot be read") as e:
+        load_checkpoint(ckpt, Tiny())
+    assert "weights_only" not in str(e.value) and "checkpoint verify" in str(e.value)
+
+
+def test_verify_false_skips_the_checksums(saved):
+    model, _, _, ckpt = saved
+    flip_block(ckpt / "extra" / "rng_rank00000.safetensors", at=0.9, length=4)  # the tail: stays readable
+    fresh = build_model(CFG, seed=3)
+    load_checkpoint(ckpt, fresh, load_rng=False, verify=False)
+    assert_same(model, fresh)
