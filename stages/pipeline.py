@@ -79,9 +79,22 @@ def status(
     for col in ("step", "stage", "state", "output", "duration", "key", "job", "note"):
         table.add_column(col, overflow="fold")
     for r in rows:
-        table.add_row(r.step, r.stage, f"[{colors.get(r.state, 'white')}]{r.state}[/]", r.output,
+        table.add_row(r.step, r.stage, f"[{colors.get(r.state, 'white')}]{r.state}[/]", _under(r.output, pipeline),
                       _duration(r.duration_s), r.key, r.job, r.note)
-    Console(soft_wrap=False).print(table)
+    console = Console()
+    if not console.is_terminal:  # a pipe or a file: wide rows rather than paths folded over lines
+        console = Console(width=max(console.width, 200))
+    console.print(table)
+
+
+def _under(path: str, pipeline) -> str:
+    """A step's output relative to the run directory (named in the table's title)."""
+    from pathlib import Path
+
+    try:
+        return str(Path(path).absolute().relative_to(pipeline.run_dir.absolute()))
+    except ValueError:
+        return path
 
 
 def _duration(seconds: Optional[float]) -> str:

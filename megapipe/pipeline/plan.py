@@ -96,11 +96,14 @@ def _validity(pipeline: Pipeline, name: str, key: str, material: dict, rec: Opti
     if state == FAILED:
         return False, _short(rec.get("error") or "failed")
     if state in (RUNNING, QUEUED):
-        return False, f"its last attempt never finished ({state})"
+        job = f" as Slurm job {rec['job_id']}" if rec.get("job_id") else ""
+        return False, f"its last attempt never finished ({state}{job})"
     if state != DONE:
         return False, f"unknown state {state!r}"
     if rec.get("key") != key:
-        return False, describe_change(rec.get("material") or {}, material)
+        why = describe_change(rec.get("material") or {}, material)
+        changed = why.split("'")[1] if why.startswith("upstream '") else None
+        return False, (f"upstream '{changed}' reruns" if changed and decided[changed].action == RUN else why)
     for u in pipeline.steps[name].upstream:
         up = decided[u]
         if up.action == RUN:

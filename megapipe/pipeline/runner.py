@@ -171,8 +171,9 @@ def status_rows(pipeline: Pipeline) -> list[StatusRow]:
         if job and job in job_states:
             job += f" {job_states[job][0]}"
         out = pipeline.reference(d.name, "output")
-        rows.append(StatusRow(d.name, pipeline.steps[d.name].stage, state, _relative(out), rec.get("duration_s"),
-                              d.key[:12], job, note))
+        duration = rec.get("duration_s") if state not in ("queued", "running", "pending") else None
+        rows.append(StatusRow(d.name, pipeline.steps[d.name].stage, state, _relative(out), duration, d.key[:12], job,
+                              note))
     return rows
 
 

@@ -53,8 +53,9 @@ def batch_script(job: dict, step_dir: Path, res: dict) -> str:
 
 
 def submit(pipeline, runs: list, job_for, echo) -> dict[str, str]:
-    """Submit the steps to run (in order); returns {step: job id}. A submission that fails part-way cancels the
-    jobs it already submitted."""
+    """Submit the steps to run (in order) and return {step: job id}. Jobs are submitted held, recorded as queued,
+    then released together: no job starts before its state says queued (so it never races that write), and a
+    submission that fails part-way cancels what it submitted before anything ran."""
     require_slurm()
     ids: dict[str, str] = {}
     for d in runs:
@@ -66,7 +67,7 @@ def submit(pipeline, runs: list, job_for, echo) -> dict[str, str]:
         script = step_dir / "job.sbatch"
         write_text_atomic(script, batch_script(job, step_dir, step.resources))
         deps = [ids[u] for u in step.upstream if u in ids]
-        cmd = ["sbatch", "--parsable", "--kill-on-invalid-dep=yes"]
+        cmd = ["sbatch", "--parsable", "--hold", "--kill-on-invalid-dep=yes"]
         if deps:
             cmd.append("--dependency=afterok:" + ":".join(deps))
         cmd.append(str(script))
@@ -79,14 +80,23 @@ def submit(pipeline, runs: list, job_for, echo) -> dict[str, str]:
             cancel(list(ids.values()))
             message = (res.stderr or res.stdout).strip().splitlines()
             raise MegapipeError(f"sbatch refused step '{d.name}': {message[-1] if message else res.returncode}")
-        job_id = res.stdout.strip().split(";")[0]
-        ids[d.name] = job_id
-        update_state(step_dir, state=QUEUED, job_id=job_id, key=d.key, stage=step.stage, submitted=now(),
-                     executor="slurm", error=None, started=None, finished=None, duration_s=None)
-        if echo is not None:
-            after = f" after {', '.join(u for u in step.upstream if u in ids)}" if deps else ""
-            echo.write(f"submitted {d.name} as job {job_id}{after}\n")
-            echo.flush()
+        ids[d.name] = res.stdout.strip().split(";")[0]
+    for d in runs:  # `key` stays the one of the attempt that last ran: a resume needs its checkpoints
+        update_state(pipeline.step_dir(d.name), state=QUEUED, job_id=ids[d.name], queued_key=d.key,
+                     stage=pipeline.steps[d.name].stage, submitted=now(), executor="slurm", error=None)
+    if ids:
+        res = subprocess.run(["scontrol", "release", ",".join(ids.values())], capture_output=True, text=True,
+                             timeout=60)
+        if res.returncode != 0:
+            cancel(list(ids.values()))
+            raise MegapipeError(f"scontrol release of jobs {', '.join(ids.values())} failed: "
+                                f"{(res.stderr or res.stdout).strip()}")
+    if echo is not None:
+        for d in runs:
+            after = [u for u in pipeline.steps[d.name].upstream if u in ids]
+            echo.write(f"submitted {d.name} as job {ids[d.name]}" + (f" after {', '.join(after)}" if after else "")
+                       + "\n")
+        echo.flush()
     return ids
 
 
