@@ -132,6 +132,7 @@ def plot_runs(runs: Sequence[str | Path], output: str | Path, labels: Optional[S
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     paths = [find_metrics(r) for r in runs]
     run_dirs = [p.parent for p in paths]
@@ -172,6 +173,7 @@ def plot_runs(runs: Sequence[str | Path], output: str | Path, labels: Optional[S
             continue
         ax.set_title(spec.title)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel(spec.ylabel)
         if spec.name == "lr":
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))

@@ -54,7 +54,7 @@ def run(
 @pipeline_app.command("status")
 def status(
     file: str = typer.Argument(..., help="Pipeline YAML file."),
-    sets: Optional[List[str]] = typer.Option(None, "--set", help=SET_HELP + " (as given to `run`)."),
+    sets: Optional[List[str]] = typer.Option(None, "--set", help=SET_HELP + " Default: those of the last `run`."),
     run_dir: Optional[str] = typer.Option(None, "--run-dir", help=RUN_DIR_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON list of rows instead of a table."),
 ) -> None:
@@ -64,8 +64,12 @@ def status(
     import json
 
     from megapipe.pipeline import load_pipeline, status_rows
+    from megapipe.pipeline.state import read_pipeline_record
 
     pipeline = load_pipeline(file, sets, run_dir)
+    last = read_pipeline_record(pipeline.run_dir) or {}
+    if not sets and last.get("sets"):  # compare with what the last run was asked for
+        pipeline = load_pipeline(file, last["sets"], run_dir)
     rows = status_rows(pipeline)
     if as_json:
         typer.echo(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
@@ -75,7 +79,8 @@ def status(
 
     colors = {"done": "green", "cached": "green", "stale": "yellow", "failed": "red", "pending": "dim",
               "queued": "cyan", "running": "cyan"}
-    table = Table(title=f"pipeline {pipeline.name} ({pipeline.run_dir})", title_justify="left")
+    overrides = f", --set {' --set '.join(pipeline.sets)}" if pipeline.sets else ""
+    table = Table(title=f"pipeline {pipeline.name} ({pipeline.run_dir}{overrides})", title_justify="left")
     for col in ("step", "stage", "state", "output", "duration", "key", "job", "note"):
         table.add_column(col, overflow="fold")
     for r in rows:

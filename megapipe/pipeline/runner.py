@@ -70,7 +70,8 @@ def run_pipeline(pipeline: Pipeline, executor: str, start: Optional[str] = None,
         if on_plan is not None:
             on_plan(decisions)
         run_id = uuid.uuid4().hex[:12]
-        record = {"run_id": run_id, "file": str(pipeline.file), "executor": executor, "started": t0,
+        record = {"run_id": run_id, "file": str(pipeline.file), "sets": pipeline.sets, "executor": executor,
+                  "started": t0,
                   "finished": None, "steps": {d.name: {"action": d.action, "reason": d.reason, "key": d.key}
                                               for d in decisions}}
         write_pipeline_record(pipeline.run_dir, record)

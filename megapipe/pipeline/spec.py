@@ -72,6 +72,7 @@ class Pipeline:
     executor: str
     steps: dict[str, Step]  # in file order
     order: list[str]  # a topological order (file order where the file allows)
+    sets: list[str] = field(default_factory=list)  # the --set overrides it was loaded with
 
     def step_dir(self, name: str) -> Path:
         return self.run_dir / name
@@ -199,7 +200,7 @@ def load_pipeline(path: str | Path, sets: Optional[list[str]] = None, run_dir: O
 
     _link(steps, doc)
     order = _topological(steps, doc)
-    pipeline = Pipeline(Path(path), pipeline_name, rd, executor, steps, order)
+    pipeline = Pipeline(Path(path), pipeline_name, rd, executor, steps, order, list(sets or []))
     for name in order:
         _check_command_line(pipeline, name)
     return pipeline

@@ -71,6 +71,8 @@ def test_rerun_is_a_cache_hit(copy, capsys):
     # through the CLI, with the status table after it
     assert main(["pipeline", "run", str(SMALL), "--run-dir", str(run_dir), "--set", f"vars.corpus={corpus}"]) == 0
     assert "ran 0 step(s) (none), 4 cached" in capsys.readouterr().out
+    assert main(["pipeline", "status", str(SMALL), "--run-dir", str(run_dir), "--json"]) == 0  # the run's --set
+    assert [r["state"] for r in json.loads(capsys.readouterr().out)] == ["cached"] * 4
     assert [r.state for r in status_rows(load_pipeline(SMALL, [f"vars.corpus={corpus}"], str(run_dir)))] == \
         ["cached"] * 4
 
