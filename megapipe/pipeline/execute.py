@@ -131,13 +131,14 @@ def run_step(job: dict, echo: Optional[IO[str]] = None) -> dict:
     env = {**os.environ, **job["env"], "PYTHONUNBUFFERED": "1"}
     stdout_path = Path(out["path"]) if out["kind"] == "stdout" else None
     rc, stopped_by, tail = _run(cmd, env, step_dir / LOG_NAME, stdout_path, echo,
-                                header=f"attempt {attempt}: {shlex.join(cmd)}")
+                                header=f"attempt {attempt}: {shlex.join(cmd)}",
+                                on_start=lambda pid: update_state(step_dir, child_pid=pid))
     duration = now() - started
     if job["training"] and job["metrics"]:
         _plot(Path(out["reference"]) / job["metrics"], step_dir / "plots", job["step"], echo)
     if rc == 0 and stopped_by is None:
         return update_state(step_dir, state=DONE, finished=now(), duration_s=duration, rc=0, error=None,
-                            generation=new_generation(), pid=None)
+                            generation=new_generation(), pid=None, child_pid=None)
     if stopped_by is not None:
         error = f"interrupted by {stopped_by}"
         if job["training"]:
@@ -149,7 +150,8 @@ def run_step(job: dict, echo: Optional[IO[str]] = None) -> dict:
         error = f"exit {rc}" + (f": {tail}" if tail else "")
     if not job["training"]:
         remove_output(out)  # nothing half-written survives a failure (a run directory keeps its checkpoints)
-    return update_state(step_dir, state=FAILED, finished=now(), duration_s=duration, rc=rc, error=error, pid=None)
+    return update_state(step_dir, state=FAILED, finished=now(), duration_s=duration, rc=rc, error=error, pid=None,
+                        child_pid=None)
 
 
 def remove_output(out: dict) -> None:
@@ -164,8 +166,19 @@ def remove_output(out: dict) -> None:
             t.unlink()
 
 
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM when the pipeline process dies, even by SIGKILL, so a training
+    stage saves and stops instead of running on unwatched (it has its own process group, away from Ctrl-C)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _run(cmd: list[str], env: dict, log_path: Path, stdout_path: Optional[Path], echo: Optional[IO[str]],
-         header: str) -> tuple[int, Optional[str], str]:
+         header: str, on_start=None) -> tuple[int, Optional[str], str]:
     """Start ``cmd`` in its own process group, tee its output, pass stop signals on; (rc, signal name, last
     error line)."""
     stopped: list[str] = []
@@ -174,9 +187,15 @@ def _run(cmd: list[str], env: dict, log_path: Path, stdout_path: Optional[Path],
     with open(log_path, "a", encoding="utf-8", errors="replace") as log:
         log.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} {header}\n")
         log.flush()
-        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, start_new_session=True, text=True, errors="replace",
-                                bufsize=1)
+        try:
+            proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, start_new_session=True, text=True, errors="replace",
+                                    bufsize=1, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        except OSError as e:
+            log.write(f"cannot start {cmd[0]}: {e}\n")
+            return 127, None, f"cannot start {cmd[0]}: {e.strerror}"
+        if on_start is not None:
+            on_start(proc.pid)
         lock = threading.Lock()
 
         def pump(stream, extra: Optional[IO[str]]):

@@ -5,7 +5,8 @@ A key covers the stage, its options as written (variables resolved; references t
 identity of every input file an option names that the pipeline did not make, and the keys of the upstream steps.
 An input file's identity is its size and modification time (a directory's: those of every file in it), as make
 and most build caches use: reading terabytes of training data to hash them is not affordable.
-How a step is run (executor, resources, environment) is not part of its key.
+How a step is run (executor, resources, environment) is not part of its key, nor are options that only change
+what a command prints (``quiet``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from megapipe.pipeline.refs import REF
 
 KEY_FORMAT = 1
 MAX_DIR_FILES = 100_000
+NOT_IN_KEY = ("quiet",)  # options that change what a command prints, never what it writes
 
 
 def step_key(pipeline, name: str, upstream_keys: dict[str, str]) -> tuple[str, dict]:
@@ -29,7 +31,7 @@ def step_key(pipeline, name: str, upstream_keys: dict[str, str]) -> tuple[str, d
     material = {
         "format": KEY_FORMAT,
         "stage": step.stage,
-        "options": _canonical(step.options),
+        "options": _canonical({k: v for k, v in step.options.items() if k not in NOT_IN_KEY}),
         "megapipe": __version__,
         "inputs": input_identities(step.options),
         "upstream": {u: upstream_keys[u] for u in step.upstream},

@@ -128,13 +128,16 @@ def active(rec: Optional[dict]) -> Optional[str]:
 
         state = job_states([job_id]).get(job_id, ("", ""))[0]
         return f"{rec['state']} as Slurm job {job_id} ({state})" if state in ACTIVE else None
-    pid = rec.get("pid")
-    if pid and rec.get("host") == socket.gethostname() and pid != os.getpid():
-        try:
-            os.kill(int(pid), 0)
-            return f"running (pid {pid})"
-        except (ProcessLookupError, PermissionError, ValueError):
-            return None
+    if rec.get("host") != socket.gethostname():
+        return None
+    for key in ("pid", "child_pid"):  # the pipeline process, and the command it started
+        pid = rec.get(key)
+        if pid and pid != os.getpid():
+            try:
+                os.kill(int(pid), 0)
+                return f"running (pid {pid})"
+            except (ProcessLookupError, PermissionError, ValueError):
+                continue
     return None
 
 

@@ -32,7 +32,16 @@ from typing import Any, Optional
 from megapipe.config import parse_override
 from megapipe.errors import ConfigError
 from megapipe.pipeline.refs import STEP_ATTRS, refs_in, substitute, unescape, vars_lookup
-from megapipe.pipeline.stages import LAUNCH_OPTIONS, Command, Output, command, commands, is_argument, output_of
+from megapipe.pipeline.stages import (
+    LAUNCH_OPTIONS,
+    Command,
+    Output,
+    command,
+    commands,
+    is_argument,
+    output_of,
+    to_argv,
+)
 from megapipe.pipeline.yamlpos import Loc, Located, load_located
 
 TOP_KEYS = ("name", "description", "run_dir", "executor", "vars", "resources", "env", "steps")
@@ -196,6 +205,12 @@ def load_pipeline(path: str | Path, sets: Optional[list[str]] = None, run_dir: O
         resources = {**defaults_res, **_resources(resolve_vars(raw["resources"], doc.loc(*base, "resources")),
                                                    doc, base + ("resources",))}
         env = {**defaults_env, **_env(resolve_vars(raw["env"], doc.loc(*base, "env")), doc, base + ("env",))}
+        if not output.training:
+            for key in ("nodes", "procs_per_node"):
+                if resources.get(key, 1) > 1:
+                    where = doc.loc(*base, "resources", key) if key in raw["resources"] else doc.loc("resources", key)
+                    raise ConfigError(f"{where}: step '{name}' ({stage}): resources.{key} > 1 only applies to "
+                                      "training stages, which start one process per GPU (this one runs once)")
         steps[name] = Step(name, stage, cmd, output, doc.loc(*base), options, option_locs, resources, env, after)
 
     _link(steps, doc)
@@ -402,8 +417,6 @@ def _check_command_line(pipeline: Pipeline, name: str) -> None:
     import typer
 
     step = pipeline.steps[name]
-    from megapipe.pipeline.stages import to_argv
-
     argv = to_argv(step.cmd, pipeline.resolved_options(name))
     try:
         step.cmd.command.make_context(step.stage, argv[len(step.stage.split()):])

@@ -103,6 +103,8 @@ def test_set_overrides_options_and_variables(tmp_path):
     ("      tokenizer: ${tok.output}\n", "",
      "FILE:10: step 'data' (preprocess): the required option 'tokenizer' is not given"),
     ("  tok:\n", "  tok:\n    resources: {nodes: 0}\n", "FILE:6: resource 'nodes' must be an integer >= 1, got 0"),
+    ("  tok:\n", "  tok:\n    resources: {procs_per_node: 4}\n", "FILE:6: step 'tok' (tokenizer train): "
+     "resources.procs_per_node > 1 only applies to training stages"),
     ("  tok:\n", "  tok:\n    resurces: {}\n", "FILE:6: unknown key of step 'tok' 'resurces' (did you mean "
      "'resources'?)"),
     ("name: demo\n", "name: demo\nstepz: {}\n", "FILE:2: unknown top-level key 'stepz' (did you mean 'steps'?)"),
