@@ -148,13 +148,17 @@ def load_pipeline(path: str | Path, sets: Optional[list[str]] = None, run_dir: O
         raw["options"] = _options_file(raw["options"], doc, name, Path(path))
     _apply_sets(data, doc, sets or [])
 
-    lookup = vars_lookup(data["vars"])
+    variables: dict[str, Any] = {}  # a variable may use ${env.*} and the variables above it
+    lookup = vars_lookup(variables)
 
     def resolve_vars(value, loc: Loc):
         try:
             return substitute(value, lookup)
         except ConfigError as e:
             raise ConfigError(f"{loc}: {e}") from None
+
+    for key, value in data["vars"].items():
+        variables[key] = resolve_vars(value, doc.loc("vars", key))
 
     pipeline_name = str(data.get("name") or Path(path).stem)
     executor = str(data.get("executor") or "local")

@@ -181,3 +181,16 @@ def test_dry_run_prints_plan_and_commands(tmp_path, capsys):
     assert f"$ megapipe preprocess --input corpus.jsonl --tokenizer {tmp_path}/r/tok/tokenizer --json-keys text " \
            f"--output-prefix {tmp_path}/r/data/data" in out
     assert not (tmp_path / "r").exists()  # a dry run writes nothing
+
+
+def test_variables_may_use_the_environment_and_earlier_variables(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGAPIPE_TEST_DATA", "/data")
+    text = GOOD.replace("vars:\n  iters: 5\n", "vars:\n  iters: 5\n  root: ${env.MEGAPIPE_TEST_DATA}\n"
+                        "  corpus: ${vars.root}/c.jsonl\n").replace("input: corpus.jsonl", "input: ${vars.corpus}")
+    p = load_pipeline(write(tmp_path, text))
+    assert p.resolved_options("tok")["input"] == "/data/c.jsonl"
+    assert error(tmp_path, text.replace("${vars.root}/c", "${vars.later}/c")).startswith(
+        "FILE:5: '${vars.later}': no variable 'later' (variables: iters, root)")
+    monkeypatch.delenv("MEGAPIPE_TEST_DATA")
+    assert error(tmp_path, text).startswith("FILE:4: '${env.MEGAPIPE_TEST_DATA}': the environment variable "
+                                            "MEGAPIPE_TEST_DATA is not set")
