@@ -177,3 +177,25 @@ def test_deleted_output_is_rebuilt(copy):
     result = run(run_dir, corpus)
     assert result.ran == ["side"] and {d.name: d.reason for d in result.decisions}["side"] == \
         "its output is missing"
+
+
+def test_one_run_at_a_time(copy):
+    import socket
+    import subprocess
+
+    from megapipe.pipeline.state import RunLock, update_state
+
+    run_dir, corpus = copy
+    with RunLock(run_dir), pytest.raises(MegapipeError, match=rf"another `megapipe pipeline run` \(pid {os.getpid()}\)"
+                                                                  rf" is using {run_dir}"):
+        run(run_dir, corpus)
+    # a step whose command still runs (its pipeline process was killed) is not started a second time
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        update_state(run_dir / "side", state="running", host=socket.gethostname(), pid=None, child_pid=sleeper.pid)
+        with pytest.raises(MegapipeError, match=rf"step 'side' is still running \(pid {sleeper.pid}\)"):
+            run(run_dir, corpus)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert run(run_dir, corpus).ran == ["side"]
