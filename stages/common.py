@@ -59,8 +59,12 @@ def config_flags(*sections: str, skip: tuple[str, ...] = ()):
         sig = inspect.signature(fn)
         own = [p for p in sig.parameters.values() if p.name != "flags"]
         generated = {}
+        taken = {p.name for p in own}
         for key, f, tp in fields:
-            name = "cfg__" + key.replace(".", "__")
+            name = min(f.metadata["flags"], key=len).lstrip("-").replace("-", "_")  # its shortest flag, as typer names it
+            if name in taken:
+                raise TypeError(f"{fn.__name__}: the flag of config field {key} clashes with parameter {name!r}")
+            taken.add(name)
             annotation, default = _flag_option(key, f, tp)
             generated[name] = (key, f)
             own.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation))
@@ -155,6 +159,7 @@ GROUP_HELP = {
     "checkpoint": "Inspect, verify and convert megapipe checkpoints.",
     "import": "Bring a model from another format into a megapipe checkpoint.",
     "export": "Write a megapipe checkpoint in another format.",
+    "pipeline": "Run YAML pipelines of stages (cached, resumable; local or Slurm).",
 }
 
 
