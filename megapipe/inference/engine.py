@@ -253,6 +253,7 @@ class LLMEngine:
 
     # ----------------------------------------------------------------------------------------------- stepping
 
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """One scheduling + model step; returns an output for every request that progressed (or finished)."""
         decodes, chunks = self.scheduler.schedule()

@@ -57,6 +57,17 @@ def _params(max_new_tokens: int, temperature: float, top_k: int, top_p: float, s
                           stop=list(stop or []))
 
 
+def _run(engine, prompts, params):
+    """engine.generate with the CLI's flag names in parameter errors."""
+    from megapipe.inference.sampling import ParamError
+
+    try:
+        return engine.generate(prompts, params)
+    except ParamError as e:
+        flag = "--max-new-tokens" if e.param == "max_tokens" else "--" + e.param.replace("_", "-")
+        raise MegapipeError(str(e).replace(e.param, flag, 1)) from None
+
+
 def generate_ids(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None,
                  eos_ids: Sequence[int] = ()) -> list[list[int]]:
@@ -66,7 +77,7 @@ def generate_ids(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, t
     engine = _engine_for(model, None, prompts, max_new_tokens, eos_ids)
     if max_new_tokens == 0:
         return [[] for _ in prompts]
-    outs = engine.generate([list(p) for p in prompts], _params(max_new_tokens, temperature, top_k, top_p, seed))
+    outs = _run(engine, [list(p) for p in prompts], _params(max_new_tokens, temperature, top_k, top_p, seed))
     return [o.outputs[0].token_ids for o in outs]
 
 
@@ -83,5 +94,5 @@ def generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, temp
     engine = _engine_for(model, tokenizer, ids, max_new_tokens, eos)
     if max_new_tokens == 0:
         return ["" for _ in prompts]
-    outs = engine.generate(ids, _params(max_new_tokens, temperature, top_k, top_p, seed, stop))
+    outs = _run(engine, ids, _params(max_new_tokens, temperature, top_k, top_p, seed, stop))
     return [o.outputs[0].text for o in outs]

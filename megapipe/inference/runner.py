@@ -80,8 +80,9 @@ class ModelRunner:
             ids.extend(toks)
         tokens = torch.tensor([ids], dtype=torch.long, device=self.device)
         hidden = self.model(tokens, positions, batch, return_hidden=True)[0]
-        h = hidden[torch.tensor(rows, device=self.device)] if len(rows) != hidden.shape[0] else hidden
-        return self.logits(h)
+        if len(rows) != hidden.shape[0]:
+            hidden = hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
+        return self.logits(hidden)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         if self.head is not None:

@@ -170,7 +170,7 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_
 
 def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
     """fp32 logits [R, V] -> next token ids [R] (a list of python ints is built by the caller)."""
-    if any(r.params.penalised for r in rows):
+    if any(r.params.penalised or r.suppressed for r in rows):
         logits = apply_penalties(logits.clone(), rows)
     for i, row in enumerate(rows):
         if row.suppressed:
