@@ -78,9 +78,10 @@ class RequestOutput:
 
 
 class Request:
-    def __init__(self, request_id: str, prompt: Optional[str], prompt_ids: list[int], params: SamplingParams):
+    def __init__(self, request_id: str, prompt: Optional[str], prompt_ids: list[int], params: SamplingParams,
+                 arrival: Optional[float] = None):
         self.request_id, self.prompt, self.prompt_ids, self.params = request_id, prompt, prompt_ids, params
-        self.arrival = now()
+        self.arrival = now() if arrival is None else arrival
         self.seqs: list[Seq] = []
         self.first_token_time: Optional[float] = None
 
@@ -209,12 +210,14 @@ class LLMEngine:
             params = replace(params, max_tokens=limit - n)
         return params
 
-    def add_request(self, request_id: str, prompt: Union[str, Sequence[int]], params: SamplingParams) -> Request:
+    def add_request(self, request_id: str, prompt: Union[str, Sequence[int]], params: SamplingParams,
+                    arrival: Optional[float] = None) -> Request:
+        """Queue a request; ``arrival`` (time.monotonic) counts from when a server received it."""
         if request_id in self.requests:
             raise ParamError("request_id", f"request id {request_id!r} is already running")
         text, ids = self.encode(prompt)
         params = self.check_request(ids, params)
-        req = Request(request_id, text, ids, params)
+        req = Request(request_id, text, ids, params, arrival)
         first = None
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
