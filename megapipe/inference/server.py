@@ -13,6 +13,7 @@ import asyncio
 import hmac
 import json
 import logging
+import signal
 import time
 import uuid
 from dataclasses import dataclass
@@ -180,15 +181,20 @@ class OpenAIServer:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else f"token_id:{token}"
 
     async def _stream(self, request: Request, prompt, params) -> AsyncIterator[RequestOutput]:
+        outputs = self.engine.generate(prompt, params)
         try:
-            async for out in self.engine.generate(prompt, params):
+            async for out in outputs:
                 yield out
+                if not out.finished and await request.is_disconnected():
+                    return  # the client left
         except ParamError as e:
             raise APIError(400, str(e), param=e.param) from None
         except QueueFull as e:
             raise APIError(503, str(e), "server_error", code="queue_full") from None
         except EngineDead as e:
             raise APIError(503, str(e), "server_error", code="engine_dead") from None
+        finally:
+            await outputs.aclose()  # an unfinished request is aborted, its blocks freed
 
     async def _final(self, request: Request, prompt, params) -> RequestOutput:
         last = None
@@ -543,7 +549,11 @@ def run_server(engine: AsyncEngine, config: ServerConfig, sock, log_level: str =
     uv = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
                         timeout_graceful_shutdown=config.shutdown_timeout)
     server = uvicorn.Server(uv)
+    # uvicorn re-raises the stop signal once it has drained; with these handlers restored that ends in exit 0
+    previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         server.run(sockets=[sock])
     finally:
         engine.shutdown()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
