@@ -41,14 +41,33 @@ def packing_works(dtype: torch.dtype) -> bool:
         return False
 
 
+class PackedSwiGLU(nn.Module):
+    """A swiglu FeedForward with w1 and w3 in one packed matmul: w2(silu(x w1) * (x w3)), the same values."""
+
+    def __init__(self, ff: nn.Module):
+        super().__init__()
+        self.hidden = ff.w1.out_features
+        bias = None if ff.w1.bias is None else torch.cat([ff.w1.bias, ff.w3.bias]).detach()
+        self.w13 = PackedLinear(torch.cat([ff.w1.weight, ff.w3.weight]).detach(), bias)
+        self.w2 = PackedLinear(ff.w2.weight, ff.w2.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(x).split(self.hidden, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
 def pack_linears(model: nn.Module) -> int:
-    """Replace every nn.Linear of the model by a PackedLinear; returns how many."""
+    """Replace every nn.Linear (and swiglu FeedForward) under ``model`` by its packed form; returns matmuls packed."""
     count = 0
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(module, name, PackedLinear(child.weight, child.bias))
-                count += 1
+    for name, child in list(model.named_children()):
+        if getattr(child, "swiglu", False) and isinstance(getattr(child, "w1", None), nn.Linear):
+            setattr(model, name, PackedSwiGLU(child))
+            count += 3
+        elif isinstance(child, nn.Linear):
+            setattr(model, name, PackedLinear(child.weight, child.bias))
+            count += 1
+        else:
+            count += pack_linears(child)
     return count
 
 

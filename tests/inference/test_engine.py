@@ -206,3 +206,16 @@ def test_pool_accounting_abort_and_errors(tiny_engine_factory):
     with pytest.raises(ConfigError, match="--max-num-seqs = 0"):
         tiny_engine_factory(max_num_seqs=0)
     assert not engine.has_unfinished()
+
+
+def test_bf16_packed_weights_give_the_same_tokens_and_logprobs(hf_llama, one_thread):
+    """On CPU the engine swaps bf16 linears for oneDNN pre-packed ones: the same values bit for bit."""
+    path, _ = hf_llama
+    params = SamplingParams(max_tokens=10, temperature=0, logprobs=2, ignore_eos=True)
+    packed = LLMEngine.from_pretrained(path, device="cpu", dtype="bfloat16", pack_weights=True)
+    plain = LLMEngine.from_pretrained(path, device="cpu", dtype="bfloat16", pack_weights=False)
+    if not packed.runner.packed:
+        pytest.skip("oneDNN packed linears are not available in this torch build")
+    a, b = packed.generate(PROMPTS, params), plain.generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    assert [o.outputs[0].logprobs for o in a] == [o.outputs[0].logprobs for o in b]
