@@ -140,7 +140,6 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.eos_token_ids = list(eos_token_ids if eos_token_ids is not None else _eos_list(None, tokenizer))
         self.vocab_size = cfg.vocab_size
-        self.sample_vocab = min(cfg.vocab_size, getattr(tokenizer, "vocab_size", cfg.vocab_size))
         self.special = special_ids(tokenizer) if tokenizer is not None else frozenset()
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings:
@@ -327,9 +326,6 @@ class LLMEngine:
             sample_rows.append(SampleRow(p, seq.generator, seq.tokens[:seq.prompt_len], seq.output_ids, suppressed))
         want_logprobs = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         raw = logits[want_logprobs].log_softmax(dim=-1) if want_logprobs else None
-        if self.sample_vocab < logits.shape[-1]:
-            logits = logits.clone()
-            logits[:, self.sample_vocab:] = float("-inf")  # ids the tokenizer cannot decode (vocab padding)
         chosen = sample(logits, sample_rows)
         if raw is not None:
             k = max(seqs[i].params.logprobs for i in want_logprobs)
