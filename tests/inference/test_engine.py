@@ -219,3 +219,20 @@ def test_bf16_packed_weights_give_the_same_tokens_and_logprobs(hf_llama, one_thr
     a, b = packed.generate(PROMPTS, params), plain.generate(PROMPTS, params)
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
     assert [o.outputs[0].logprobs for o in a] == [o.outputs[0].logprobs for o in b]
+
+
+def test_a_long_prompt_is_chunked_without_stalling_running_decodes(tiny_engine_factory):
+    engine = tiny_engine_factory(max_num_batched_tokens=8)
+    params = SamplingParams(max_tokens=30, **GREEDY)
+    engine.add_request("a", PROMPTS[1], params)
+    engine.add_request("b", PROMPTS[2], params)
+    while len(engine.requests["b"].seqs[0].output_ids) < 2:
+        engine.step()
+    engine.add_request("long", list(range(1, 61)), SamplingParams(max_tokens=4, **GREEDY))
+    steps = 0
+    while engine.requests["long"].seqs[0].num_computed < 60:
+        before = {r: len(engine.requests[r].seqs[0].output_ids) for r in ("a", "b")}
+        engine.step()
+        steps += 1
+        assert all(len(engine.requests[r].seqs[0].output_ids) == before[r] + 1 for r in ("a", "b"))
+    assert steps == 10  # 60 prompt tokens, 6 a step beside the two decodes
