@@ -204,6 +204,9 @@ def main() -> None:
         results, wall = loop.run_until_complete(run_load(args))
         if sampler is not None:
             sampler.cancel()
+            loop.run_until_complete(asyncio.gather(sampler, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
         after_rss = tree_rss_mib(proc.pid) if proc is not None else None
     finally:
         if proc is not None:
