@@ -270,10 +270,14 @@ class LLMEngine:
         offset = len(decodes)
         for seq, n in chunks:
             start = seq.num_computed
-            if seq.params.prompt_logprobs is not None and start < seq.prompt_len - 1:
-                last = min(start + n, seq.prompt_len - 1)  # position p predicts prompt token p + 1
-                prompt_rows.append((seq, start, last, len(rows)))
-                rows.extend(range(offset, offset + last - start))
+            if seq.params.prompt_logprobs is not None:
+                # position p predicts prompt token p + 1, whose entry is prompt_logprobs[p + 1]; a sequence
+                # recomputed after a preemption has some of them already
+                first = max(start, len(seq.prompt_logprobs) - 1) if seq.prompt_logprobs else start
+                last = min(start + n, seq.prompt_len - 1)
+                if first < last:
+                    prompt_rows.append((seq, first, last, len(rows)))
+                    rows.extend(range(offset + first - start, offset + last - start))
             if start + n == len(seq.tokens):
                 sample_at.append(len(rows))
                 rows.append(offset + n - 1)
@@ -310,8 +314,8 @@ class LLMEngine:
         return outs
 
     def _prompt_logprobs(self, seq: Seq, logits: torch.Tensor, start: int) -> None:
-        if start == 0:
-            seq.prompt_logprobs.append(None)
+        if not seq.prompt_logprobs:
+            seq.prompt_logprobs.append(None)  # the first prompt token has no context
         targets = torch.tensor(seq.tokens[start + 1:start + 1 + logits.shape[0]], device=logits.device)
         picked, tops = top_logprobs(logits.log_softmax(dim=-1), targets, seq.params.prompt_logprobs)
         seq.prompt_logprobs.extend(zip(picked, tops, strict=True))
@@ -381,7 +385,7 @@ class LLMEngine:
         metrics = {"arrival_time": req.arrival, "first_token_time": req.first_token_time,
                    "last_token_time": max((s.last_token_time or 0.0) for s in req.seqs) or None}
         return RequestOutput(req.request_id, req.prompt, req.prompt_ids,
-                             first.prompt_logprobs if req.params.prompt_logprobs is not None else None,
+                             (first.prompt_logprobs or [None]) if req.params.prompt_logprobs is not None else None,
                              outs, req.finished, first.num_cached, generated, metrics)
 
     # ----------------------------------------------------------------------------------------------- batch API

@@ -236,3 +236,25 @@ def test_a_long_prompt_is_chunked_without_stalling_running_decodes(tiny_engine_f
         steps += 1
         assert all(len(engine.requests[r].seqs[0].output_ids) == before[r] + 1 for r in ("a", "b"))
     assert steps == 10  # 60 prompt tokens, 6 a step beside the two decodes
+
+
+def test_prompt_logprobs_survive_preemption(hf_llama, one_thread):
+    path, hf = hf_llama
+    engine = LLMEngine.from_pretrained(path, device="cpu", block_size=4, num_blocks=16, max_model_len=64,
+                                       max_num_batched_tokens=16)
+    params = SamplingParams(max_tokens=20, prompt_logprobs=1, **GREEDY)
+    outs = {}
+    pending = list(enumerate(PROMPTS))
+    while pending or engine.has_unfinished():
+        if pending:
+            i, p = pending.pop(0)
+            engine.add_request(str(i), p, params)
+        for out in engine.step():
+            if out.finished:
+                outs[int(out.request_id)] = out
+    assert engine.scheduler.num_preemptions > 0
+    for i, p in enumerate(PROMPTS):
+        ref = full_logprobs(hf, p)
+        got = outs[i].prompt_logprobs
+        assert len(got) == len(p) and got[0] is None
+        assert max(abs(got[j][0] - ref[j - 1, p[j]].item()) for j in range(1, len(p))) < 1e-4
