@@ -56,10 +56,34 @@ class PackedSwiGLU(nn.Module):
         return self.w2(F.silu(gate) * up)
 
 
+class PackedQKV(nn.Module):
+    """wq, wk, wv of one attention layer as one packed matmul; returns the three projections (views)."""
+
+    def __init__(self, attn: nn.Module):
+        super().__init__()
+        parts = (attn.wq, attn.wk, attn.wv)
+        self.sizes = [p.out_features for p in parts]
+        bias = None if attn.wq.bias is None else torch.cat([p.bias for p in parts]).detach()
+        self.wqkv = PackedLinear(torch.cat([p.weight for p in parts]).detach(), bias)
+
+    def forward(self, x: torch.Tensor):
+        return self.wqkv(x).split(self.sizes, dim=-1)
+
+
 def pack_linears(model: nn.Module) -> int:
     """Replace every nn.Linear (and swiglu FeedForward) under ``model`` by its packed form; returns matmuls packed."""
     count = 0
+    if hasattr(model, "project_qkv") and all(isinstance(getattr(model, n, None), nn.Linear) for n in ("wq", "wk", "wv")):
+        qkv = PackedQKV(model)
+        model.add_module("fused_qkv", qkv)
+        # an instance attribute wins over the class method: the model's forward now calls the fused matmul
+        object.__setattr__(model, "project_qkv", qkv)
+        for n in ("wq", "wk", "wv"):
+            setattr(model, n, None)
+        count += 3
     for name, child in list(model.named_children()):
+        if child is None or name == "fused_qkv":
+            continue
         if getattr(child, "swiglu", False) and isinstance(getattr(child, "w1", None), nn.Linear):
             setattr(model, name, PackedSwiGLU(child))
             count += 3
