@@ -120,7 +120,10 @@ class PagedBatch:
         heads, total, dim = q.shape[1], q.shape[2], q.shape[3]
         out = torch.empty(total, heads, dim, dtype=q.dtype, device=q.device)
         if self.num_decodes:
-            out[: self.num_decodes] = self._decode(q[0, :, : self.num_decodes], pk, pv)
+            dec = self._decode(q[0, :, : self.num_decodes], pk, pv)
+            if not self.chunks:
+                return dec.transpose(0, 1)[None]
+            out[: self.num_decodes] = dec
         for c in self.chunks:
             qc = q[:, :, c.offset:c.offset + c.n]
             if c.key_slots is None:
@@ -136,16 +139,15 @@ class PagedBatch:
         return out.transpose(0, 1)[None]
 
     def _decode(self, q: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor) -> torch.Tensor:
-        """q [heads, Bd, D] one token per sequence -> [Bd, heads, D]; scores and softmax in fp32."""
+        """q [heads, Bd, D] one token per sequence -> [Bd, heads, D]; the matmuls in the model's dtype, the softmax
+        in fp32 (as HF's eager attention does)."""
         heads, bd, dim = q.shape
         kvh, length = pk.shape[0], self.decode_len
         group = heads // kvh
         keys = pk.index_select(1, self.decode_slots).view(kvh, bd, length, dim)
         values = pv.index_select(1, self.decode_slots).view(kvh, bd, length, dim)
         qg = q.reshape(kvh, group, bd, dim).transpose(1, 2)  # head h reads kv head h // group, as SDPA's GQA
-        if q.dtype != torch.float32:
-            qg, keys = qg.float(), keys.float()
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(dim ** -0.5).add_(self.decode_mask)
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float().mul_(dim ** -0.5).add_(self.decode_mask)
         probs = scores.softmax(dim=-1).to(values.dtype)
         o = torch.matmul(probs, values)  # [kvh, Bd, group, D]
         return o.permute(1, 0, 2, 3).reshape(bd, heads, dim).to(q.dtype)
