@@ -130,6 +130,7 @@ def main() -> None:
 
     import torch
 
+    load_start = os.getloadavg()[0]
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     if not (Path(args.model) / "config.json").is_file():
@@ -174,7 +175,8 @@ def main() -> None:
                 "ttft_ms": statistics.median(raw[name][k]["ttft"] * 1000 for k in keys),
             }
     print(f"\nSmolLM2 greedy, {args.prompt_len}-token prompts, {args.new_tokens} new tokens, {args.dtype}, "
-          f"{args.threads} threads, median of {args.reps}")
+          f"{args.threads} threads, median of {args.reps}; load average at start {load_start:.1f}, at end "
+          f"{os.getloadavg()[0]:.1f} ({os.cpu_count()} CPUs)")
     head = f"{'batch':>5} | " + " | ".join(f"{n + ' tok/s':>14} {n + ' TTFT ms':>15}" for n in raw)
     print(head)
     for b in args.batch_sizes:

@@ -25,6 +25,9 @@ import torch
 import torch.nn.functional as F
 
 
+KEY_BUCKET = 64
+
+
 class KVPool:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device):
@@ -77,7 +80,9 @@ class PagedBatch:
             positions.append(pos)
         self.num_decodes = len(decodes)
         if decodes:
-            length = max(pos for _, pos in decodes) + 1
+            # keys padded to a multiple of 64 (masked): oneDNN builds a kernel per matmul shape, so a length that
+            # grows by one every step would make it build two new ones every step
+            length = -(-(max(pos for _, pos in decodes) + 1) // KEY_BUCKET) * KEY_BUCKET
             nb = (length + bs - 1) // bs
             table = torch.tensor([list(b[:nb]) + [0] * (nb - len(b[:nb])) for b, _ in decodes], dtype=torch.long)
             key_slots = (table[:, :, None] * bs + torch.arange(bs)).view(len(decodes), -1)[:, :length]
