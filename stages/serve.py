@@ -78,7 +78,8 @@ def serve(
         cmd = vllm_command(python, hf_dir, host=host, port=port, api_key=api_key, served_model_name=name,
                            max_num_seqs=max_num_seqs, max_model_len=max_model_len, dtype=dtype,
                            max_num_batched_tokens=max_num_batched_tokens, prefix_caching=not no_prefix_caching)
-        typer.echo(f"megapipe serve: starting vLLM ({python}) on {hf_dir}", err=True)
+        typer.echo(f"megapipe serve: starting vLLM ({python}) on {hf_dir}; --max-queue and --max-body-size do not "
+                   f"apply to vLLM's server", err=True)
         code = run_vllm(cmd, env, shutdown_timeout)
         if code not in (0, -15, 143):
             raise MegapipeError(f"vLLM's server exited with status {code} (its log is above)")

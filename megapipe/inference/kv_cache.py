@@ -24,7 +24,6 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-
 KEY_BUCKET = 64
 
 
