@@ -144,11 +144,14 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     cmd = [str(ROOT / ".venv/bin/megapipe"), "serve", args.serve, "--port", str(port), "--served-model-name",
            args.model, "--engine", args.engine, "--max-num-seqs", str(args.max_num_seqs), "--dtype", args.dtype,
            "--max-model-len", str(args.prompt_len + args.max_tokens + 64), "--max-queue", str(args.num_requests)]
+    threads = args.threads or os.cpu_count() or 1
     if args.engine == "vllm":
         cmd += ["--vllm-python", args.vllm_python, "--kv-cache-memory", "2GiB"]
+    else:
+        cmd += ["--threads", str(threads)]
     env = dict(os.environ)
-    if args.engine == "vllm":
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
+    if args.engine == "vllm":  # the same CPUs for vLLM's OpenMP threads
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if threads == 1 else f"0-{threads - 1}"
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 600
@@ -184,6 +187,7 @@ def main() -> None:
     ap.add_argument("--engine", default="megapipe", choices=["megapipe", "vllm"])
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads of the started server (default: all)")
     ap.add_argument("--vllm-python", default=os.environ.get("MEGAPIPE_VLLM_PYTHON", str(ROOT / ".venv-vllm/bin/python")))
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
