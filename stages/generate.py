@@ -1,4 +1,4 @@
-"""``megapipe generate CKPT --prompt P``: complete prompts with a checkpoint (greedy or sampled)."""
+"""``megapipe generate CKPT|HF_DIR --prompt P``: complete prompts with a checkpoint (greedy or sampled), on the engine."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ ORDER = 70
 
 
 def generate(
-    ckpt: str = typer.Argument(..., help="Checkpoint directory, or a run directory (its latest checkpoint)."),
+    ckpt: str = typer.Argument(..., help="Checkpoint directory, run directory (its latest checkpoint) or HF model dir."),
     prompt: List[str] = typer.Option(..., "--prompt", "-p", help="Prompt text; repeat for a batch of prompts."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Most tokens generated per prompt."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy; higher = more random."),
@@ -22,7 +22,8 @@ def generate(
     stop: Optional[List[str]] = typer.Option(None, "--stop", help="Stop string (excluded from the output); repeat."),
     tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="Tokenizer; default: the checkpoint's own."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:1 ...; default: cuda if present."),
-    bf16: bool = typer.Option(False, "--bf16", help="Run the model in bfloat16."),
+    bf16: bool = typer.Option(False, "--bf16", help="Run the model in bfloat16 (= --dtype bfloat16)."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (as stored), float32, bfloat16 or float16."),
     json_output: bool = typer.Option(False, "--json", help="Print a JSON list of {prompt, completion}."),
 ) -> None:
     """Complete each --prompt with the model of CKPT and print the completions."""
@@ -30,17 +31,18 @@ def generate(
 
     import torch
 
-    from megapipe.checkpoint import load_model_for_inference
     from megapipe.data.tokenizer import load_tokenizer
     from megapipe.errors import MegapipeError
     from megapipe.inference import generate as run_generate
-    from megapipe.inference import resolve_device
+    from megapipe.inference import load_model, resolve_device
+    from megapipe.inference.engine import resolve_dtype
 
     device = resolve_device(device)
-    model, _, tokenizer_dir = load_model_for_inference(ckpt, device=device, dtype=torch.bfloat16 if bf16 else None)
-    if tokenizer is None and tokenizer_dir is None:
+    model, tok, _ = load_model(ckpt, device=device, dtype=torch.bfloat16 if bf16 else resolve_dtype(dtype))
+    if tokenizer is not None:
+        tok = load_tokenizer(tokenizer)
+    if tok is None:
         raise MegapipeError(f"checkpoint {ckpt} holds no tokenizer/: give one with --tokenizer")
-    tok = load_tokenizer(tokenizer or tokenizer_dir)
     completions = run_generate(model, tok, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop)
     if json_output:
         typer.echo(json.dumps([{"prompt": p, "completion": c} for p, c in zip(prompt, completions, strict=True)]))

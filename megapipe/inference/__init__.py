@@ -1,6 +1,8 @@
-"""Generation: KV cache, sampling, batched decoding."""
+"""Inference: the decoding engine (continuous batching, paged KV cache, prefix caching), sampling, the server."""
 
-from megapipe.inference.generate import filter_logits, generate, generate_ids, pick_next, resolve_device
-from megapipe.inference.kv_cache import KVCache
+from megapipe.inference.engine import CompletionOutput, EngineConfig, LLMEngine, RequestOutput, load_model
+from megapipe.inference.generate import generate, generate_ids, resolve_device
+from megapipe.inference.sampling import ParamError, SamplingParams
 
-__all__ = ["KVCache", "filter_logits", "generate", "generate_ids", "pick_next", "resolve_device"]
+__all__ = ["CompletionOutput", "EngineConfig", "LLMEngine", "ParamError", "RequestOutput", "SamplingParams",
+           "generate", "generate_ids", "load_model", "resolve_device"]

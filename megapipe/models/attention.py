@@ -102,9 +102,13 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
         self.sdpa = CausalSDPA(cfg.sliding_window)
 
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The q, k, v projections (one method, so an inference engine can swap in a fused matmul)."""
+        return self.wq(x), self.wk(x), self.wv(x)
+
     def forward(self, x: torch.Tensor, rope: Optional[tuple], cache=None,
                 mask: Optional[DocumentMask] = None) -> torch.Tensor:
-        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        q, k, v = self.project_qkv(x)
         bsz, seqlen = q.shape[0], q.shape[1]
         q = q.view(bsz, seqlen, -1, self.head_dim)
         k = k.view(bsz, seqlen, -1, self.head_dim)

@@ -1,4 +1,4 @@
-"""Generation: KV cache == full recompute, batched == one by one, greedy == transformers, sampling filters, stops."""
+"""generate / generate_ids (the engine under a batch API): greedy == transformers, batched == one by one, seeds, stops."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import transformers
 
 from megapipe.config import ModelConfig
 from megapipe.errors import MegapipeError
-from megapipe.inference import KVCache, filter_logits, generate, generate_ids, pick_next, resolve_device
+from megapipe.inference import generate, generate_ids, resolve_device
 from megapipe.models import build_model
 from tests.helpers.hf_reference import copy_hf_weights
 
@@ -38,16 +38,6 @@ def tokenizer(tmp_path_factory):
     return train_tokenizer(texts, vocab_size=V, output=tmp_path_factory.mktemp("tok"))
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_cache_equals_full_recompute(shape):
-    model = make_model(**SHAPES[shape])
-    for kw in (dict(), dict(temperature=0.9, top_k=50, top_p=0.95, seed=7)):
-        cached = generate_ids(model, PROMPTS, 12, **kw)
-        recomputed = generate_ids(model, PROMPTS, 12, use_cache=False, **kw)
-        assert cached == recomputed
-        assert all(len(c) == 12 for c in cached)
-
-
 @pytest.mark.parametrize("shape", ["llama-gqa", "gpt2"])
 def test_batched_equals_one_by_one(shape):
     model = make_model(**SHAPES[shape])
@@ -55,36 +45,6 @@ def test_batched_equals_one_by_one(shape):
         batched = generate_ids(model, PROMPTS, 10, **kw)
         alone = [generate_ids(model, [p], 10, **kw)[0] for p in PROMPTS]
         assert batched == alone
-
-
-@pytest.mark.parametrize("shape", ["llama-gqa", "mistral-window"])
-def test_cache_in_chunks_matches_full_forward(shape):
-    """Prefill, one token, then a chunk of three: the unmasked fast path and the masked path."""
-    model = make_model(**SHAPES[shape])
-    seq = torch.tensor([PROMPTS[0] + [11, 12]])
-    cache = KVCache.for_model(model, 1, 12)
-    with torch.no_grad():
-        full = model(seq)
-        parts = [model(seq[:, :5], cache=cache), model(seq[:, 5:6], cache=cache), model(seq[:, 6:], cache=cache)]
-    assert (torch.cat(parts, dim=1) - full).abs().max() < 1e-4
-
-
-def test_cache_logits_match_full_forward_with_left_padding():
-    model = make_model(**SHAPES["mistral-window"])
-    seq = torch.tensor([PROMPTS[0] + [11, 12, 13]])
-    full = model(seq)[0]
-    cache = KVCache.for_model(model, 2, 16)  # logits are O(5) here (init_std 0.3): 1e-4 is fp32 round-off
-    tokens = torch.tensor([[0, 0, 0] + PROMPTS[0][:4], PROMPTS[0]])  # row 0: 3 pads, then 4 tokens
-    real = tokens != 0
-    real[1] = True
-    cache.set_padding(real)
-    with torch.no_grad():
-        first = model(tokens, (real.cumsum(1) - 1).clamp(min=0), cache)
-        assert (first[0, 3:] - full[:4]).abs().max() < 1e-4
-        assert (first[1] - full[:7]).abs().max() < 1e-4
-        nxt = model(torch.tensor([[PROMPTS[0][4]], [11]]), torch.tensor([[4], [7]]), cache)
-        assert (nxt[0, 0] - full[4]).abs().max() < 1e-4
-        assert (nxt[1, 0] - full[7]).abs().max() < 1e-4
 
 
 def test_greedy_matches_transformers_generate():
@@ -100,29 +60,6 @@ def test_greedy_matches_transformers_generate():
         ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                           max_new_tokens=15, do_sample=False, eos_token_id=None, pad_token_id=0)
         assert ref[0, len(prompt):].tolist() == mine
-
-
-def test_filter_logits_by_hand():
-    logits = torch.tensor([[0.5, 0.05, 0.3, 0.15]]).log()
-    kept = lambda **kw: torch.isfinite(filter_logits(logits, **kw))[0].nonzero().flatten().tolist()  # noqa: E731
-    assert kept(top_k=2) == [0, 2]
-    assert kept(top_k=0) == [0, 1, 2, 3]
-    assert kept(top_p=0.4) == [0]
-    assert kept(top_p=0.75) == [0, 2]
-    assert kept(top_p=0.85) == [0, 2, 3]
-    assert kept(top_k=1, top_p=0.99) == [0]
-    assert kept(top_k=3, top_p=0.99) == [0, 2, 3]
-    two_rows = filter_logits(torch.stack([logits[0], logits[0].flip(0)]), top_k=1)
-    assert torch.isfinite(two_rows).nonzero().tolist() == [[0, 0], [1, 3]]
-
-
-def test_sampling_follows_the_filtered_distribution():
-    logits = torch.tensor([[0.5, 0.05, 0.3, 0.15]]).log()
-    g = torch.Generator().manual_seed(0)
-    draws = torch.cat([pick_next(logits, 1.0, 2, 1.0, [g]) for _ in range(2000)])
-    assert set(draws.tolist()) == {0, 2}
-    assert (draws == 0).float().mean().item() == pytest.approx(0.5 / 0.8, abs=0.04)
-    assert pick_next(logits, 0.0, 0, 1.0, []).tolist() == [0]
 
 
 def test_seed_reproducibility():
@@ -144,9 +81,6 @@ def test_eos_and_stop_strings_end_generation(tokenizer):
     stop = full[k:k + 2]
     assert generate(model, tokenizer, [prompt, prompt], 20, stop=[stop])[0] == full[:full.find(stop)]
     assert generate(model, tokenizer, [prompt], 20, stop=stop)[0] == full[:full.find(stop)]
-    calls = []
-    generate_ids(model, [tokenizer.encode(prompt)], 20, stop=lambda row, ids: calls.append(len(ids)) or len(ids) == 4)
-    assert calls == [1, 2, 3, 4]  # stopped early, not only truncated
 
 
 def test_bad_arguments_are_refused():
@@ -161,15 +95,12 @@ def test_bad_arguments_are_refused():
         generate_ids(model, [[1], []], 3)
     with pytest.raises(MegapipeError, match="max_position_embeddings = 64"):
         generate_ids(model, PROMPTS, 60)
-    cache = KVCache.for_model(model, 1, 4)
-    with pytest.raises(MegapipeError, match="KV cache holds 4 tokens; 5"):
-        model(torch.zeros(1, 5, dtype=torch.long), cache=cache)
 
 
 def test_rope_length_limit_and_bad_devices_are_refused():
     model = make_model()  # RoPE: max_position_embeddings is a limit too (the model never saw later positions)
     assert model.cfg.position_embedding == "rope"
-    with pytest.raises(MegapipeError, match=r"prompt \(3 tokens\) \+ --max-new-tokens \(62\) exceeds .* = 64"):
+    with pytest.raises(MegapipeError, match=r"prompt 1 \(3 tokens\) \+ --max-new-tokens \(62\) exceeds .* = 64"):
         generate_ids(model, [[1, 2, 3]], 62)
     assert len(generate_ids(model, [[1, 2, 3]], 61)[0]) == 61
     assert resolve_device("cpu") == torch.device("cpu")

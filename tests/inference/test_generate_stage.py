@@ -45,3 +45,16 @@ def test_generate_stage_bad_input_is_one_error_line(run_dir, tmp_path, capsys):
     assert main(["generate", str(run), "--prompt", "x", "--top-p", "1.5"]) != 0
     err = capsys.readouterr().err
     assert "--top-p = 1.5 must be within (0, 1]" in err and "Traceback" not in err
+
+
+def test_generate_stage_on_a_hugging_face_directory(hf_llama, capsys):
+    from megapipe.inference import LLMEngine, SamplingParams
+
+    path, _ = hf_llama
+    want = LLMEngine.from_pretrained(path, device="cpu", dtype="bfloat16").generate(
+        ["The quick"], SamplingParams(max_tokens=5, temperature=0))[0].outputs[0].text
+    assert main(["generate", str(path), "--prompt", "The quick", "--max-new-tokens", "5", "--dtype", "bfloat16",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == [{"prompt": "The quick", "completion": want}]
+    assert main(["generate", str(path), "--prompt", "x", "--dtype", "int3"]) != 0
+    assert "--dtype 'int3' is not one of" in capsys.readouterr().err

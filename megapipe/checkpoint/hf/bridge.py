@@ -14,7 +14,7 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -99,15 +99,20 @@ class _TokenizerFiles:
 # --------------------------------------------------------------------------------------------------- import
 
 
-def import_hf(hf_dir: str | Path, out_ckpt: str | Path, overwrite: bool = False, progress: Progress = None) -> dict:
-    """Hugging Face model directory -> megapipe checkpoint at ``out_ckpt``; returns a summary."""
-    started = time.perf_counter()
-    hf_dir, out_ckpt = Path(hf_dir).expanduser(), Path(out_ckpt).expanduser()
+class HFModel(NamedTuple):
+    adapter: Adapter
+    cfg: ModelConfig
+    hf: dict[str, Any]  # config.json as transformers normalises it
+    tokenizer: Any
+    model: torch.nn.Module
+    reader: SafetensorsReader
+
+
+def load_hf_model(hf_dir: str | Path, progress: Progress = None) -> HFModel:
+    """A Hugging Face model directory -> megapipe model (fp32, on CPU) in memory, with its config and tokenizer."""
+    hf_dir = Path(hf_dir).expanduser()
     if not hf_dir.is_dir():
         raise MegapipeError(f"Hugging Face model directory {hf_dir} does not exist")
-    refuse_overlap([out_ckpt], [hf_dir])
-    if out_ckpt.exists() and not overwrite:
-        raise MegapipeError(f"{out_ckpt} already exists: pick another output or pass --overwrite")
     adapter, cfg, hf = read_hf_config(hf_dir)
     if not (hf_dir / "tokenizer.json").is_file():
         raise MegapipeError(f"{hf_dir} has no tokenizer.json (megapipe needs a fast Hugging Face tokenizer)")
@@ -137,6 +142,19 @@ def import_hf(hf_dir: str | Path, out_ckpt: str | Path, overwrite: bool = False,
                 target.copy_(tensor)
             if progress:
                 progress(done, len(conversions))
+    return HFModel(adapter, cfg, hf, tok, model, reader)
+
+
+def import_hf(hf_dir: str | Path, out_ckpt: str | Path, overwrite: bool = False, progress: Progress = None) -> dict:
+    """Hugging Face model directory -> megapipe checkpoint at ``out_ckpt``; returns a summary."""
+    started = time.perf_counter()
+    hf_dir, out_ckpt = Path(hf_dir).expanduser(), Path(out_ckpt).expanduser()
+    if not hf_dir.is_dir():
+        raise MegapipeError(f"Hugging Face model directory {hf_dir} does not exist")
+    refuse_overlap([out_ckpt], [hf_dir])
+    if out_ckpt.exists() and not overwrite:
+        raise MegapipeError(f"{out_ckpt} already exists: pick another output or pass --overwrite")
+    adapter, cfg, hf, tok, model, reader = load_hf_model(hf_dir, progress)
 
     generation = hf_dir / "generation_config.json"
     source_dtype = reader.dtype()

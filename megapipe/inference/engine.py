@@ -1,0 +1,419 @@
+"""The decoding engine: continuous batching over a paged KV cache with prefix caching, per-request sampling.
+
+One engine serves ``megapipe generate``, ``megapipe serve``, RL rollouts and evaluation. Use it synchronously::
+
+    engine = LLMEngine.from_pretrained("runs/x/latest", dtype="bfloat16")
+    outputs = engine.generate(["The capital of France is"], SamplingParams(max_tokens=16, temperature=0))
+
+or step by step (``add_request`` / ``step`` / ``abort``), which is what :class:`AsyncEngine` does in its thread.
+Each step schedules (megapipe.inference.scheduler), runs the model once on every scheduled token
+(megapipe.inference.runner), samples (megapipe.inference.sampling) and detokenizes (megapipe.inference.detokenize).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import torch
+
+from megapipe.errors import ConfigError, MegapipeError
+from megapipe.inference.block_manager import BlockManager
+from megapipe.inference.detokenize import Detokenizer, special_ids
+from megapipe.inference.kv_cache import KVPool
+from megapipe.inference.runner import ModelRunner
+from megapipe.inference.sampling import ParamError, SampleRow, SamplingParams, sample, top_logprobs
+from megapipe.inference.scheduler import FINISHED, Scheduler, now
+from megapipe.inference.scheduler import Sequence as Seq
+
+GiB = 1 << 30
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16
+    num_blocks: Optional[int] = None  # KV pool size in blocks; default from kv_cache_memory
+    kv_cache_memory: Optional[int] = None  # bytes; default: what max_num_seqs full-length sequences need, <= 1 GiB
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: Optional[int] = None  # default: the model's max_position_embeddings
+    prefix_caching: bool = True
+    pack_weights: Optional[bool] = None  # oneDNN pre-packed linears on CPU (default: for bf16 / fp16)
+    max_n: int = 128
+
+    def check(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} = {value!r} must be an integer >= 1")
+        for name in ("num_blocks", "kv_cache_memory", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ConfigError(f"--{name.replace('_', '-')} = {value!r} must be an integer >= 1")
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: Optional[list]  # per token: (logprob, [(id, logprob), ...] top alternatives)
+    finish_reason: Optional[str]  # "stop", "length", "abort" or None while running
+    stop_reason: Union[int, str, None] = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    prompt_logprobs: Optional[list]  # None for the first prompt token, then (logprob, alternatives)
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    num_generated_tokens: int = 0  # over all samples, stop tokens included (OpenAI's completion_tokens)
+    metrics: dict = field(default_factory=dict)
+
+
+class Request:
+    def __init__(self, request_id: str, prompt: Optional[str], prompt_ids: list[int], params: SamplingParams,
+                 arrival: Optional[float] = None):
+        self.request_id, self.prompt, self.prompt_ids, self.params = request_id, prompt, prompt_ids, params
+        self.arrival = now() if arrival is None else arrival
+        self.seqs: list[Seq] = []
+        self.first_token_time: Optional[float] = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status == FINISHED for s in self.seqs)
+
+
+def resolve_dtype(name: Union[str, torch.dtype, None]) -> Optional[torch.dtype]:
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    table = {"auto": None, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+             "half": torch.float16}
+    if name not in table:
+        raise ConfigError(f"--dtype {name!r} is not one of auto, float32, bfloat16, float16")
+    return table[name]
+
+
+def load_model(path: Union[str, Path], device="cpu", dtype=None):
+    """A megapipe checkpoint (or run dir) or a Hugging Face model directory -> (model, tokenizer, eos ids)."""
+    from megapipe.checkpoint import load_model_for_inference
+    from megapipe.data.tokenizer import load_tokenizer
+
+    p = Path(path).expanduser()
+    if (p / "config.json").is_file() and not (p / "megapipe.json").is_file():
+        from megapipe.checkpoint.hf.bridge import load_hf_model
+        from megapipe.checkpoint.hf.files import read_json
+
+        loaded = load_hf_model(p)
+        model = loaded.model.to(device=device, dtype=dtype) if dtype else loaded.model.to(device)
+        gen = read_json(p / "generation_config.json", "generation_config.json") \
+            if (p / "generation_config.json").is_file() else loaded.hf
+        return model.eval(), loaded.tokenizer, _eos_list(gen.get("eos_token_id"), loaded.tokenizer)
+    model, manifest, tok_dir = load_model_for_inference(p, device=device, dtype=dtype)
+    tok = load_tokenizer(tok_dir) if tok_dir is not None else None
+    gen = (manifest.get("hf") or {}).get("generation_config") or {}
+    return model, tok, _eos_list(gen.get("eos_token_id"), tok)
+
+
+def _eos_list(value, tokenizer) -> list[int]:
+    ids = [value] if isinstance(value, int) else list(value or [])
+    eod = getattr(tokenizer, "eod_id", None)
+    if eod is not None and eod not in ids:
+        ids.append(eod)
+    return ids
+
+
+class LLMEngine:
+    def __init__(self, model, tokenizer=None, config: Optional[EngineConfig] = None,
+                 eos_token_ids: Optional[Sequence[int]] = None):
+        self.config = config = config or EngineConfig()
+        config.check()
+        cfg = model.cfg
+        self.model_config = cfg
+        self.tokenizer = tokenizer
+        self.eos_token_ids = list(eos_token_ids if eos_token_ids is not None else _eos_list(None, tokenizer))
+        self.vocab_size = cfg.vocab_size
+        self.special = special_ids(tokenizer) if tokenizer is not None else frozenset()
+        self.max_model_len = config.max_model_len or cfg.max_position_embeddings
+        if self.max_model_len > cfg.max_position_embeddings:
+            raise ConfigError(f"--max-model-len = {self.max_model_len} exceeds the model's max_position_embeddings"
+                              f" = {cfg.max_position_embeddings}")
+        model.eval()
+        p = next(model.parameters())
+        bs = config.block_size
+        per_block = KVPool.bytes_per_block(cfg.num_layers, bs, cfg.kv_heads, cfg.dim_per_head, p.dtype)
+        num_blocks = config.num_blocks
+        if num_blocks is None:
+            memory = config.kv_cache_memory
+            if memory is None:
+                want = config.max_num_seqs * ((self.max_model_len + bs - 1) // bs)
+                memory = min(want * per_block, GiB)
+            num_blocks = memory // per_block
+        if num_blocks * bs < self.max_model_len:
+            raise ConfigError(
+                f"the KV cache holds {num_blocks} blocks of {bs} tokens ({num_blocks * bs} tokens) but one sequence of"
+                f" --max-model-len {self.max_model_len} needs {-(-self.max_model_len // bs)}: give more "
+                f"--kv-cache-memory / --num-blocks or a smaller --max-model-len")
+        self.pool = KVPool(cfg.num_layers, num_blocks, bs, cfg.kv_heads, cfg.dim_per_head, p.dtype, p.device)
+        self.blocks = BlockManager(num_blocks, bs, config.prefix_caching)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.pool, config.pack_weights)
+        self.device = p.device
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self.num_prompt_tokens = 0  # computed prompt tokens (prefix-cache hits excluded)
+        self.num_generation_tokens = 0
+        self.num_steps = 0
+
+    @classmethod
+    def from_pretrained(cls, path: Union[str, Path], device=None, dtype=None, **config) -> "LLMEngine":
+        from megapipe.inference.generate import resolve_device
+
+        model, tok, eos = load_model(path, resolve_device(device), resolve_dtype(dtype))
+        return cls(model, tok, EngineConfig(**config), eos)
+
+    # ----------------------------------------------------------------------------------------------- requests
+
+    def encode(self, prompt: Union[str, Sequence[int]]) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ParamError("prompt", "this engine has no tokenizer: give prompts as token ids")
+            return prompt, list(self.tokenizer.encode(prompt))
+        return None, [int(t) for t in prompt]
+
+    def check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> SamplingParams:
+        """Validate a request before it is queued; returns params with max_tokens resolved."""
+        params.validate(self.vocab_size, self.config.max_n)
+        if not prompt_ids:
+            raise ParamError("prompt", "the prompt is empty (it must hold at least one token)")
+        bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ParamError("prompt", f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        limit, n = self.max_model_len, len(prompt_ids)
+        if n >= limit or (params.max_tokens is not None and n + params.max_tokens > limit):
+            asked = n + (params.max_tokens or 1)
+            raise ParamError("max_tokens" if n < limit else "prompt",
+                             f"This model's maximum context length is {limit} tokens. However, you requested {asked}"
+                             f" tokens ({n} in the prompt, {asked - n} in the completion). Please reduce the length "
+                             f"of the prompt or completion.")
+        if params.max_tokens is None:
+            from dataclasses import replace
+
+            params = replace(params, max_tokens=limit - n)
+        return params
+
+    def add_request(self, request_id: str, prompt: Union[str, Sequence[int]], params: SamplingParams,
+                    arrival: Optional[float] = None) -> Request:
+        """Queue a request; ``arrival`` (time.monotonic) counts from when a server received it."""
+        if request_id in self.requests:
+            raise ParamError("request_id", f"request id {request_id!r} is already running")
+        text, ids = self.encode(prompt)
+        params = self.check_request(ids, params)
+        req = Request(request_id, text, ids, params, arrival)
+        first = None
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            gen = None
+            if not params.greedy and seed is not None:
+                gen = torch.Generator(device=self.device)
+                gen.manual_seed(seed)
+            seq = Seq(next(self._ids), req, i, params, gen)
+            if self.tokenizer is not None:
+                seq.detok = Detokenizer(self.tokenizer, ids, self.special if params.skip_special_tokens
+                                        else frozenset(), params.stop)
+            seq.after = first
+            first = first or seq
+            req.seqs.append(seq)
+            self.scheduler.add(seq)
+        self.requests[request_id] = req
+        return req
+
+    def abort(self, request_id: str) -> Optional[RequestOutput]:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        for seq in req.seqs:
+            if seq.status != FINISHED:
+                self.scheduler.finish(seq, "abort")
+        return self._output(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ----------------------------------------------------------------------------------------------- stepping
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """One scheduling + model step; returns an output for every request that progressed (or finished)."""
+        decodes, chunks = self.scheduler.schedule()
+        if not decodes and not chunks:
+            return []
+        self.num_steps += 1
+        rows, samplers, sample_at, prompt_rows = [], [], [], []
+        for i, seq in enumerate(decodes):
+            sample_at.append(len(rows))
+            rows.append(i)
+            samplers.append(seq)
+        offset = len(decodes)
+        for seq, n in chunks:
+            start = seq.num_computed
+            if seq.params.prompt_logprobs is not None:
+                # position p predicts prompt token p + 1, whose entry is prompt_logprobs[p + 1]; a sequence
+                # recomputed after a preemption has some of them already
+                first = max(start, len(seq.prompt_logprobs) - 1) if seq.prompt_logprobs else start
+                last = min(start + n, seq.prompt_len - 1)
+                if first < last:
+                    prompt_rows.append((seq, first, last, len(rows)))
+                    rows.extend(range(offset + first - start, offset + last - start))
+            if start + n == len(seq.tokens):
+                sample_at.append(len(rows))
+                rows.append(offset + n - 1)
+                samplers.append(seq)
+            offset += n
+        logits = self.runner.run(
+            [(s.block_ids, s.num_computed, s.tokens[s.num_computed]) for s in decodes],
+            [(s.block_ids, s.num_computed, s.tokens[s.num_computed:s.num_computed + n]) for s, n in chunks],
+            rows,
+        )
+        for seq in decodes:
+            seq.num_computed += 1
+            self.scheduler.register_computed(seq)
+        for seq, n in chunks:
+            if seq.num_computed < seq.prompt_len:
+                self.num_prompt_tokens += min(n, seq.prompt_len - seq.num_computed)
+            seq.num_computed += n
+            self.scheduler.register_computed(seq)
+        for seq, start, last, at in prompt_rows:
+            self._prompt_logprobs(seq, logits[at:at + last - start], start)
+        touched = {}
+        if samplers:
+            self._sample(samplers, logits if len(sample_at) == len(rows) else logits[sample_at])
+            for seq in samplers:
+                touched[seq.request.request_id] = seq.request
+        for seq, _ in chunks:  # a chunk that did not finish the prompt still counts as progress (prompt logprobs)
+            touched.setdefault(seq.request.request_id, seq.request)
+        outs = []
+        for req in touched.values():
+            out = self._output(req)
+            if req.finished:
+                self.requests.pop(req.request_id, None)
+            outs.append(out)
+        return outs
+
+    def _prompt_logprobs(self, seq: Seq, logits: torch.Tensor, start: int) -> None:
+        if not seq.prompt_logprobs:
+            seq.prompt_logprobs.append(None)  # the first prompt token has no context
+        targets = torch.tensor(seq.tokens[start + 1:start + 1 + logits.shape[0]], device=logits.device)
+        picked, tops = top_logprobs(logits.log_softmax(dim=-1), targets, seq.params.prompt_logprobs)
+        seq.prompt_logprobs.extend(zip(picked, tops, strict=True))
+
+    def _sample(self, seqs: list[Seq], logits: torch.Tensor) -> None:
+        sample_rows = []
+        for seq in seqs:
+            p = seq.params
+            suppressed = ()
+            if len(seq.output_ids) < p.min_tokens:
+                suppressed = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+            sample_rows.append(SampleRow(p, seq.generator, seq.tokens[:seq.prompt_len], seq.output_ids, suppressed))
+        want_logprobs = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        raw = logits[want_logprobs].log_softmax(dim=-1) if want_logprobs else None
+        chosen = sample(logits, sample_rows)
+        if raw is not None:
+            k = max(seqs[i].params.logprobs for i in want_logprobs)
+            picked, tops = top_logprobs(raw, chosen[want_logprobs], k)
+            for j, i in enumerate(want_logprobs):
+                seqs[i].logprobs.append((picked[j], tops[j][: seqs[i].params.logprobs]))
+        t = now()
+        for seq, token in zip(seqs, chosen.tolist(), strict=True):
+            self._append(seq, token, t)
+
+    def _append(self, seq: Seq, token: int, t: float) -> None:
+        p, req = seq.params, seq.request
+        seq.tokens.append(token)
+        self.num_generation_tokens += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = t
+            if req.first_token_time is None:
+                req.first_token_time = t
+        seq.last_token_time = t
+        n_out = len(seq.tokens) - seq.prompt_len
+        reason, stop_reason = None, None
+        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+            reason, stop_reason = "stop", token
+        elif seq.detok is not None:
+            new = seq.detok.add(token)
+            if n_out >= p.min_tokens:
+                hit = seq.detok.find_stop(new)
+                if hit is not None:
+                    seq.detok.text = seq.detok.text[:hit[0]]
+                    reason, stop_reason = "stop", hit[1]
+        if reason is None and (n_out >= p.max_tokens or len(seq.tokens) >= self.max_model_len):
+            reason = "length"
+            if seq.detok is not None:
+                seq.detok.flush()
+        if reason is not None:
+            seq.stop_reason = stop_reason
+            self.scheduler.finish(seq, reason)
+
+    def _output(self, req: Request) -> RequestOutput:
+        outs = []
+        generated = 0
+        for seq in req.seqs:
+            ids = seq.output_ids
+            generated += len(ids)
+            lps = seq.logprobs if seq.params.logprobs is not None else None
+            if seq.finish_reason == "stop" and isinstance(seq.stop_reason, int):
+                ids = ids[:-1]  # the EOS / stop token ends the sequence but is not part of it
+                lps = lps[:len(ids)] if lps is not None else None
+            finished = seq.status == FINISHED
+            text = seq.detok.stable_text(finished) if seq.detok is not None else ""
+            outs.append(CompletionOutput(seq.index, text, ids, lps, seq.finish_reason, seq.stop_reason))
+        first = req.seqs[0]
+        metrics = {"arrival_time": req.arrival, "first_token_time": req.first_token_time,
+                   "last_token_time": max((s.last_token_time or 0.0) for s in req.seqs) or None}
+        return RequestOutput(req.request_id, req.prompt, req.prompt_ids,
+                             (first.prompt_logprobs or [None]) if req.params.prompt_logprobs is not None else None,
+                             outs, req.finished, first.num_cached, generated, metrics)
+
+    # ----------------------------------------------------------------------------------------------- batch API
+
+    def generate(self, prompts: Sequence[Union[str, Sequence[int]]],
+                 params: Union[SamplingParams, Sequence[SamplingParams], None] = None) -> list[RequestOutput]:
+        """Run every prompt to completion (all in one continuous batch); outputs in prompt order."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise MegapipeError(f"{len(prompts)} prompts but {len(params)} sampling parameter sets")
+        ids = [f"generate-{next(self._ids)}" for _ in prompts]
+        try:
+            for rid, prompt, p in zip(ids, prompts, params, strict=True):
+                self.add_request(rid, prompt, p)
+            done: dict[str, RequestOutput] = {}
+            while len(done) < len(ids):
+                for out in self.step():
+                    if out.finished:
+                        done[out.request_id] = out
+        finally:
+            for rid in ids:
+                self.abort(rid)
+        return [done[r] for r in ids]
+
+    def stats(self) -> dict:
+        return {"running": self.num_running(), "waiting": self.num_waiting(), "kv_cache_usage": self.blocks.usage(),
+                "prefix_cache_queries": self.blocks.query_tokens, "prefix_cache_hits": self.blocks.hit_tokens,
+                "prefix_cache_hit_rate": self.blocks.hit_rate(), "num_blocks": self.blocks.num_blocks,
+                "preemptions": self.scheduler.num_preemptions, "prompt_tokens": self.num_prompt_tokens,
+                "generation_tokens": self.num_generation_tokens}

@@ -1,0 +1,91 @@
+"""Prometheus metrics of the server, under vLLM's names (``vllm:...``) so the same dashboards read both engines.
+
+Gauges and token counters are read from the engine at scrape time; latency histograms are observed from the
+engine's outputs as requests progress.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from megapipe.inference.engine import RequestOutput
+from megapipe.inference.scheduler import now
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                   40.0, 80.0, 160.0, 640.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+
+
+class _EngineCollector:
+    def __init__(self, stats, model_name: str):
+        self.stats, self.model_name = stats, model_name
+
+    def collect(self):
+        s = self.stats()
+        labels = ["model_name"]
+        for name, doc, key in (("vllm:num_requests_running", "Requests in the running batch.", "running"),
+                               ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", "waiting"),
+                               ("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
+                                "kv_cache_usage")):
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric([self.model_name], float(s[key]))
+            yield g
+        for name, doc, key in (
+                ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
+                ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+                ("vllm:prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).", "prompt_tokens"),
+                ("vllm:generation_tokens", "Tokens generated.", "generation_tokens"),
+                ("vllm:num_preemptions", "Sequences preempted (KV cache full) and recomputed later.", "preemptions")):
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric([self.model_name], float(s[key]))
+            yield c
+
+
+class ServerMetrics:
+    def __init__(self, stats, model_name: str):
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self.registry.register(_EngineCollector(stats, model_name))
+        kw = dict(labelnames=["model_name"], registry=self.registry)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", buckets=LATENCY_BUCKETS, **kw)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between two tokens of a request.",
+                             buckets=LATENCY_BUCKETS, **kw)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to finish.",
+                             buckets=LATENCY_BUCKETS, **kw)
+        self.prompt_len = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request.",
+                                    buckets=TOKEN_BUCKETS, **kw)
+        self.gen_len = Histogram("vllm:request_generation_tokens", "Generated tokens per request.",
+                                 buckets=TOKEN_BUCKETS, **kw)
+        self.success = Counter("vllm:request_success", "Finished requests by finish reason.",
+                               labelnames=["model_name", "finished_reason"], registry=self.registry)
+        self._last: dict[str, tuple[int, float]] = {}  # request id -> (tokens seen, time of the last)
+
+    def observe(self, out: RequestOutput) -> None:
+        """Called by the engine thread for every output."""
+        label = self.model_name
+        tokens = out.num_generated_tokens
+        seen, last = self._last.get(out.request_id, (0, None))
+        t = out.metrics.get("last_token_time")
+        if tokens > seen and t is not None:
+            if seen == 0 and out.metrics.get("first_token_time") is not None:
+                self.ttft.labels(label).observe(out.metrics["first_token_time"] - out.metrics["arrival_time"])
+            elif last is not None:
+                self.itl.labels(label).observe(max(0.0, t - last))
+            self._last[out.request_id] = (tokens, t)
+        if out.finished:
+            self._last.pop(out.request_id, None)
+            self.e2e.labels(label).observe(now() - out.metrics["arrival_time"])
+            self.prompt_len.labels(label).observe(len(out.prompt_token_ids))
+            self.gen_len.labels(label).observe(tokens)
+            reasons = {o.finish_reason for o in out.outputs}
+            self.success.labels(label, _reason(reasons)).inc()
+
+
+def _reason(reasons: set) -> Optional[str]:
+    for r in ("abort", "length", "stop"):
+        if r in reasons:
+            return r
+    return "stop"

@@ -1,0 +1,208 @@
+"""Continuous batching: which tokens of which sequences the next engine step computes.
+
+Every step is planned afresh under a token budget (``max_num_batched_tokens``):
+
+1. running sequences that decode (one token each) first, so a long prompt never stalls them; when the pool has no
+   slot for one, the most recently admitted other sequence is preempted (its blocks freed, its tokens recomputed
+   later: it goes back to the front of the queue with what it generated so far);
+2. then running sequences whose prompt is still being prefilled, a chunk each of what budget and free blocks allow;
+3. then waiting sequences, first come first served, while fewer than ``max_num_seqs`` run: a cached prefix
+   (full blocks) is taken from the prefix cache, the rest is prefilled in chunks.
+
+A sequence's state is its tokens (prompt + generated) and ``num_computed``, how many of them have keys/values in its
+blocks; the step computes ``tokens[num_computed : num_computed + n]``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Optional
+
+import torch
+
+from megapipe.inference.block_manager import BlockManager, block_hash
+from megapipe.inference.sampling import SamplingParams
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+class Sequence:
+    def __init__(self, seq_id: int, request, index: int, params: SamplingParams,
+                 generator: Optional[torch.Generator]):
+        self.seq_id, self.request, self.index = seq_id, request, index
+        self.params, self.generator = params, generator
+        self.tokens: list[int] = list(request.prompt_ids)
+        self.prompt_len = len(self.tokens)
+        self.block_ids: list[int] = []
+        self.hashes: list[bytes] = []  # chained hashes of the full blocks of tokens
+        self.num_registered = 0  # blocks already offered to the prefix cache
+        self.num_computed = 0
+        self.num_cached = 0  # prompt tokens found in the prefix cache at first admission
+        self.status = WAITING
+        self.finish_reason: Optional[str] = None
+        self.stop_reason = None  # the stop string or token id that ended it
+        self.logprobs: list = []  # per generated token: (logprob, [(id, logprob), ...])
+        self.prompt_logprobs: list = []  # per prompt token from the second on
+        self.after: Optional[Sequence] = None  # a sibling whose prompt is computed first (then shared via the cache)
+        self.detok = None
+        self.text = ""
+        self.first_token_time: Optional[float] = None
+        self.last_token_time: Optional[float] = None
+        self.preemptions = 0
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+    @property
+    def remaining(self) -> int:
+        return len(self.tokens) - self.num_computed
+
+    def full_hashes(self, block_size: int) -> list[bytes]:
+        while len(self.hashes) < len(self.tokens) // block_size:
+            i = len(self.hashes)
+            parent = self.hashes[-1] if i else None
+            self.hashes.append(block_hash(parent, self.tokens[i * block_size:(i + 1) * block_size]))
+        return self.hashes
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.blocks = blocks
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: Optional[str]) -> None:
+        """Take ``seq`` out (finished or aborted) and return its blocks."""
+        if seq.status == RUNNING:
+            self.running.remove(seq)
+        elif seq.status == WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.release(seq.block_ids)
+        seq.block_ids = []
+        seq.status, seq.finish_reason = FINISHED, reason
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.release(seq.block_ids)
+        seq.block_ids, seq.num_computed, seq.num_registered = [], 0, 0
+        seq.status = WAITING
+        seq.preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _blocks_for(self, seq: Sequence, n: int) -> int:
+        bs = self.blocks.block_size
+        return max(0, (seq.num_computed + n + bs - 1) // bs - len(seq.block_ids))
+
+    def _fit(self, seq: Sequence, n: int) -> int:
+        """How many of n tokens the blocks it holds plus the free ones can take."""
+        capacity = (len(seq.block_ids) + self.blocks.num_free()) * self.blocks.block_size - seq.num_computed
+        return min(n, capacity)
+
+    def _grow(self, seq: Sequence, n: int) -> None:
+        seq.block_ids.extend(self.blocks.allocate(self._blocks_for(seq, n)))
+
+    def _make_room(self, seq: Sequence, n: int, scheduled: set) -> bool:
+        """Preempt unscheduled running sequences (latest admitted first) until n tokens of seq fit; False when seq
+        itself had to go."""
+        while self._fit(seq, n) < n:
+            victims = [s for s in self.running if s is not seq and s.seq_id not in scheduled]
+            if not victims:
+                self._preempt(seq)
+                return False
+            self._preempt(victims[-1])
+        return True
+
+    def schedule(self) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
+        """-> (decodes: one token each, chunks: (seq, n tokens)); blocks for them are allocated."""
+        budget = self.max_num_batched_tokens
+        decodes: list[Sequence] = []
+        chunks: list[tuple[Sequence, int]] = []
+        scheduled: set[int] = set()
+        preempted = self.num_preemptions
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status != RUNNING or seq.remaining != 1:
+                continue
+            if self._make_room(seq, 1, scheduled):
+                self._grow(seq, 1)
+                decodes.append(seq)
+                scheduled.add(seq.seq_id)
+                budget -= 1
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status != RUNNING or seq.remaining <= 1 or seq.seq_id in scheduled:
+                continue
+            n = self._fit(seq, min(seq.remaining, budget))
+            if n <= 0:
+                if not self._make_room(seq, min(seq.remaining, budget, self.blocks.block_size), scheduled):
+                    continue
+                n = self._fit(seq, min(seq.remaining, budget))
+            self._grow(seq, n)
+            chunks.append((seq, n))
+            scheduled.add(seq.seq_id)
+            budget -= n
+        if self.num_preemptions != preempted:
+            return decodes, chunks  # the pool is short: admit nobody this step
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            first = seq.after
+            if first is not None and first.status != FINISHED and first.num_computed < first.prompt_len:
+                break  # its sibling's prompt blocks will be cached in a moment: wait for them
+            hits = []
+            if seq.num_computed == 0 and not seq.block_ids:
+                hits = self._cached_prefix(seq)
+            n = self._fit(seq, min(seq.remaining, budget))
+            if n <= 0:
+                self.blocks.release(hits)
+                seq.block_ids, seq.num_computed = [], 0
+                break
+            self.waiting.popleft()
+            if seq.preemptions == 0:  # recomputing after a preemption is not a prefix-cache query
+                self.blocks.query_tokens += seq.prompt_len
+                self.blocks.hit_tokens += seq.num_cached
+            self._grow(seq, n)
+            seq.status = RUNNING
+            self.running.append(seq)
+            chunks.append((seq, n))
+            scheduled.add(seq.seq_id)
+            budget -= n
+        return decodes, chunks
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        bs = self.blocks.block_size
+        if seq.params.prompt_logprobs is not None:  # every prompt position's logits are needed
+            return []
+        usable = (len(seq.tokens) - 1) // bs  # the last token is always computed: its logits give the next one
+        hits = self.blocks.lookup(seq.full_hashes(bs)[:usable])
+        seq.block_ids = list(hits)
+        seq.num_computed = seq.num_registered = len(hits) * bs
+        if seq.preemptions == 0:
+            seq.num_cached = seq.num_computed
+        return hits
+
+    def register_computed(self, seq: Sequence) -> None:
+        """Offer the sequence's newly completed full blocks to the prefix cache."""
+        bs = self.blocks.block_size
+        full = seq.num_computed // bs
+        if full > seq.num_registered:
+            hashes = seq.full_hashes(bs)
+            for j in range(seq.num_registered, full):
+                self.blocks.register(seq.block_ids[j], hashes[j])
+            seq.num_registered = full
+
+
+def now() -> float:
+    return time.monotonic()

@@ -1,0 +1,559 @@
+"""``megapipe serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the async engine.
+
+Routes: /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize, /health, /version, /metrics.
+Safe by default: binds 127.0.0.1; an API key (when set) guards every route but /health; bodies, queue, ``n`` and
+``max_tokens`` are bounded; every error has OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` and
+a user's mistake is never a 500. A client that goes away aborts its request (its KV blocks are freed at once);
+SIGTERM stops accepting connections, lets in-flight requests finish for up to ``shutdown_timeout`` seconds, exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import signal
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from megapipe import __version__
+from megapipe.errors import MegapipeError
+from megapipe.inference.async_engine import AsyncEngine, EngineDead, QueueFull
+from megapipe.inference.chat import ChatTemplate
+from megapipe.inference.engine import RequestOutput
+from megapipe.inference.metrics import ServerMetrics
+from megapipe.inference.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from megapipe.inference.sampling import ParamError
+
+log = logging.getLogger("megapipe.serve")
+MiB = 1 << 20
+
+
+@dataclass
+class ServerConfig:
+    model_name: str
+    model_path: str = ""
+    api_key: Optional[str] = None
+    max_queue: Optional[int] = 256
+    max_body_bytes: int = 8 * MiB
+    shutdown_timeout: float = 30.0
+    disconnect_poll_s: float = 0.2
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: Optional[str] = None,
+                 code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.message, self.type, self.param, self.code), status_code=self.status)
+
+
+def error_body(message: str, type_: str, param: Optional[str] = None, code=None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _param_from(e: ValidationError) -> tuple[Optional[str], str]:
+    err = e.errors()[0]
+    loc = [str(x) for x in err.get("loc", ()) if not isinstance(x, int)]
+    param = loc[0] if loc else None
+    return param, f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid value')}"
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class OpenAIServer:
+    def __init__(self, engine: AsyncEngine, config: ServerConfig, on_ready=None):
+        self.engine, self.config, self.on_ready = engine, config, on_ready
+        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = engine.engine.max_model_len
+        self.chat_template = ChatTemplate.from_tokenizer_dir(getattr(self.tokenizer, "path", None))
+        self.metrics = ServerMetrics(engine.stats, config.model_name)
+        engine.on_output = self.metrics.observe
+        self.created = int(time.time())
+        self.app = self._build()
+
+    # ----------------------------------------------------------------------------------------------- plumbing
+
+    def _build(self) -> FastAPI:
+        from contextlib import asynccontextmanager
+
+        @asynccontextmanager
+        async def lifespan(_app):
+            if self.on_ready is not None:
+                self.on_ready()
+            yield
+
+        app = FastAPI(title="megapipe", version=__version__, docs_url=None, redoc_url=None, openapi_url=None,
+                      lifespan=lifespan)
+        cfg = self.config
+
+        @app.middleware("http")
+        async def guard(request: Request, call_next):
+            if cfg.api_key is not None and request.url.path != "/health":
+                given = request.headers.get("authorization", "")
+                if not hmac.compare_digest(given.encode(), f"Bearer {cfg.api_key}".encode()):
+                    why = "no API key was given" if not given else "the API key is wrong"
+                    return APIError(401, f"Unauthorized: {why} (send 'Authorization: Bearer KEY')",
+                                    "invalid_request_error", None, "invalid_api_key").response()
+            length = request.headers.get("content-length")
+            if length is not None and length.isdigit() and int(length) > cfg.max_body_bytes:
+                return APIError(413, f"the request body ({int(length)} bytes) exceeds the limit of "
+                                     f"{cfg.max_body_bytes} bytes", param=None, code="request_too_large").response()
+            return await call_next(request)
+
+        @app.exception_handler(APIError)
+        async def api_error(_request, exc: APIError):
+            return exc.response()
+
+        @app.exception_handler(StarletteHTTPException)
+        async def http_error(request, exc: StarletteHTTPException):
+            if exc.status_code == 404:
+                msg = f"there is no route {request.method} {request.url.path}"
+            elif exc.status_code == 405:
+                msg = f"{request.method} is not allowed on {request.url.path}"
+            else:
+                msg = str(exc.detail)
+            return APIError(exc.status_code, msg, code="not_found" if exc.status_code == 404 else None).response()
+
+        @app.exception_handler(Exception)
+        async def internal(_request, exc: Exception):
+            log.error("internal error: %r", exc, exc_info=exc)
+            return APIError(500, "internal server error", "server_error").response()
+
+        app.get("/health")(self.health)
+        app.get("/version")(self.version)
+        app.get("/metrics")(self.prometheus)
+        app.get("/v1/models")(self.models)
+        app.post("/v1/completions")(self.completions)
+        app.post("/v1/chat/completions")(self.chat_completions)
+        app.post("/tokenize")(self.tokenize)
+        app.post("/detokenize")(self.detokenize)
+        return app
+
+    async def _body(self, request: Request, model_cls):
+        limit = self.config.max_body_bytes
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"the request body exceeds the limit of {limit} bytes", code="request_too_large")
+            chunks.append(chunk)
+        try:
+            data = json.loads(b"".join(chunks) or b"null")
+        except (ValueError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON ({e})", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+        try:
+            return model_cls.model_validate(data)
+        except ValidationError as e:
+            param, msg = _param_from(e)
+            raise APIError(400, msg, param=param) from None
+
+    def _check_model(self, name: Optional[str]) -> None:
+        if name is not None and name != self.config.model_name:
+            raise APIError(404, f"The model `{name}` does not exist (this server serves `{self.config.model_name}`)",
+                           param="model", code="model_not_found")
+
+    def _need_tokenizer(self):
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: send token ids", param="prompt")
+        return self.tokenizer
+
+    def _token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else f"token_id:{token}"
+
+    async def _stream(self, request: Request, prompt, params) -> AsyncIterator[RequestOutput]:
+        outputs = self.engine.generate(prompt, params)
+        try:
+            async for out in outputs:
+                yield out
+                if not out.finished and await request.is_disconnected():
+                    return  # the client left
+        except ParamError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        except QueueFull as e:
+            raise APIError(503, str(e), "server_error", code="queue_full") from None
+        except EngineDead as e:
+            raise APIError(503, str(e), "server_error", code="engine_dead") from None
+        finally:
+            await outputs.aclose()  # an unfinished request is aborted, its blocks freed
+
+    async def _final(self, request: Request, prompt, params) -> RequestOutput:
+        last = None
+        async for out in self._stream(request, prompt, params):
+            last = out
+        return last
+
+    async def _until_done(self, request: Request, coros: list) -> list:
+        """Run the coroutines; cancel them (aborting their requests) if the client disconnects first."""
+        tasks = [asyncio.ensure_future(c) for c in coros]
+        try:
+            while True:
+                done, pending = await asyncio.wait(tasks, timeout=self.config.disconnect_poll_s,
+                                                   return_when=asyncio.FIRST_EXCEPTION)
+                if not pending or any(t.exception() for t in done if not t.cancelled()):
+                    break
+                if await request.is_disconnected():
+                    raise asyncio.CancelledError
+            return [t.result() for t in tasks]
+        finally:
+            for t in tasks:
+                if not t.done():
+                    t.cancel()
+
+    async def _validate_all(self, prompts, params) -> None:
+        """Check every prompt before any runs, so an error never leaves a half-served request behind."""
+        for p in prompts:
+            _, ids = self.engine.engine.encode(p)
+            try:
+                self.engine.engine.check_request(ids, params)
+            except ParamError as e:
+                raise APIError(400, str(e), param=e.param) from None
+
+    def _logprobs_block(self, token_ids, lps, offset: int = 0, prompt_entries=None) -> dict:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        pos = offset
+        for tok, entry in list(zip(*prompt_entries, strict=True) if prompt_entries else []) + list(
+                zip(token_ids, lps or [], strict=False)):
+            text = self._token_text(tok)
+            tokens.append(text)
+            offsets.append(pos)
+            pos += len(text)
+            if entry is None:
+                token_lps.append(None)
+                tops.append(None)
+            else:
+                token_lps.append(entry[0])
+                tops.append({self._token_text(t): v for t, v in entry[1]})
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    # ----------------------------------------------------------------------------------------------- routes
+
+    async def health(self):
+        if not self.engine.alive:
+            return APIError(503, "the engine stopped", "server_error").response()
+        return Response(status_code=200)
+
+    async def version(self):
+        return {"version": __version__}
+
+    async def prometheus(self):
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def models(self):
+        return {"object": "list", "data": [{
+            "id": self.config.model_name, "object": "model", "created": self.created, "owned_by": "megapipe",
+            "root": self.config.model_path, "parent": None, "max_model_len": self.max_model_len}]}
+
+    async def tokenize(self, request: Request):
+        body = await self._body(request, TokenizeRequest)
+        self._check_model(body.model)
+        tok = self._need_tokenizer()
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+        text = body.prompt if body.prompt is not None else self._render(body.messages, body.add_generation_prompt)
+        ids = tok.encode(text)
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+
+    async def detokenize(self, request: Request):
+        body = await self._body(request, DetokenizeRequest)
+        self._check_model(body.model)
+        tok = self._need_tokenizer()
+        bad = next((t for t in body.tokens if not 0 <= t < self.engine.engine.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {self.engine.engine.vocab_size})",
+                           param="tokens")
+        return {"prompt": tok.decode(body.tokens)}
+
+    def _render(self, messages, add_generation_prompt: bool = True) -> str:
+        if self.chat_template is None:
+            raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions", param="messages")
+        try:
+            return self.chat_template.render([m.as_template_input() for m in messages], add_generation_prompt)
+        except ParamError as e:
+            raise APIError(400, str(e), param=e.param) from None
+
+    def _usage(self, outs: list[RequestOutput]) -> dict:
+        prompt = sum(len(o.prompt_token_ids) for o in outs)
+        completion = sum(o.num_generated_tokens for o in outs)
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        cached = sum(o.num_cached_tokens for o in outs)
+        if cached:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        return usage
+
+    # ----------------------------------------------------------------------------------------------- completions
+
+    def _completion_prompts(self, body: CompletionRequest) -> list:
+        p = body.prompt
+        if isinstance(p, str):
+            prompts = [p]
+        elif p and all(isinstance(x, int) for x in p):
+            prompts = [list(p)]
+        else:
+            prompts = list(p)
+        if not prompts:
+            raise APIError(400, "prompt is empty", param="prompt")
+        if any(isinstance(x, str) for x in prompts):
+            self._need_tokenizer()
+        return prompts
+
+    async def completions(self, request: Request):
+        body = await self._body(request, CompletionRequest)
+        self._check_model(body.model)
+        if body.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        if body.best_of is not None and body.best_of != body.n:
+            raise APIError(400, "best_of other than n is not supported", param="best_of")
+        prompts = self._completion_prompts(body)
+        echo_only = body.echo and body.max_tokens == 0  # scoring a text (log-likelihood): nothing is generated
+        lp = body.logprobs
+        try:
+            params = body.sampling_params(1 if echo_only else body.max_tokens, lp, lp if body.echo and lp is not None
+                                          else None)
+        except ParamError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        if echo_only:
+            params.temperature = 0.0
+        await self._validate_all(prompts, params)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        if body.stream:
+            return StreamingResponse(self._stream_completion(request, body, prompts, params, rid, created, echo_only),
+                                     media_type="text/event-stream")
+        outs = await self._until_done(request, [self._final(request, p, params) for p in prompts])
+        choices = []
+        for i, out in enumerate(outs):
+            prompt_text = out.prompt if out.prompt is not None else (
+                self.tokenizer.decode(out.prompt_token_ids) if self.tokenizer is not None else "")
+            for c in out.outputs:
+                text, ids, lps = c.text, c.token_ids, c.logprobs
+                if echo_only:
+                    text, ids, lps = "", [], []
+                logprobs = None
+                if lp is not None:
+                    prompt_entries = (out.prompt_token_ids, out.prompt_logprobs) if body.echo else None
+                    logprobs = self._logprobs_block(ids, lps, 0, prompt_entries)
+                choices.append({"index": i * body.n + c.index, "text": (prompt_text if body.echo else "") + text,
+                                "logprobs": logprobs, "finish_reason": "length" if echo_only else c.finish_reason,
+                                "stop_reason": c.stop_reason})
+        usage = self._usage(outs)
+        if echo_only:
+            usage["completion_tokens"] = 0
+            usage["total_tokens"] = usage["prompt_tokens"]
+        return {"id": rid, "object": "text_completion", "created": created, "model": self.config.model_name,
+                "choices": choices, "usage": usage}
+
+    async def _merged(self, request, prompts, params):
+        """(prompt index, output) from all prompts' streams as they come."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i, p):
+            try:
+                async for out in self._stream(request, p, params):
+                    await queue.put((i, out))
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer
+                await queue.put((i, e))
+            finally:
+                await queue.put((i, None))
+
+        tasks = [asyncio.ensure_future(pump(i, p)) for i, p in enumerate(prompts)]
+        live = len(tasks)
+        try:
+            while live:
+                i, item = await queue.get()
+                if item is None:
+                    live -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _stream_completion(self, request, body, prompts, params, rid, created, echo_only):
+        name, n = self.config.model_name, body.n
+        sent_text: dict[int, int] = {}
+        sent_ids: dict[int, int] = {}
+        finals: dict[int, RequestOutput] = {}
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+
+        def chunk(index, text, logprobs=None, finish=None):
+            return _sse({"id": rid, "object": "text_completion", "created": created, "model": name,
+                         "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]})
+
+        try:
+            async for i, out in self._merged(request, prompts, params):
+                for c in out.outputs:
+                    key = i * n + c.index
+                    if key not in sent_text:
+                        sent_text[key] = sent_ids[key] = 0
+                        if body.echo:
+                            prompt_text = out.prompt if out.prompt is not None else self.tokenizer.decode(
+                                out.prompt_token_ids)
+                            lps = None
+                            if body.logprobs is not None:
+                                lps = self._logprobs_block([], [], 0, (out.prompt_token_ids, out.prompt_logprobs))
+                            yield chunk(key, prompt_text, lps)
+                    if echo_only:
+                        if c.finish_reason is not None:
+                            yield chunk(key, "", None, "length")
+                        continue
+                    delta = c.text[sent_text[key]:]
+                    new_ids = c.token_ids[sent_ids[key]:]
+                    finish = c.finish_reason if c.finish_reason != "abort" else None
+                    if delta or new_ids or finish:
+                        lps = None
+                        if body.logprobs is not None:
+                            lps = self._logprobs_block(new_ids, (c.logprobs or [])[sent_ids[key]:], sent_text[key])
+                        yield chunk(key, delta, lps, finish)
+                    sent_text[key], sent_ids[key] = len(c.text), len(c.token_ids)
+                if out.finished:
+                    finals[i] = out
+            if include_usage:
+                usage = self._usage(list(finals.values()))
+                if echo_only:
+                    usage["completion_tokens"], usage["total_tokens"] = 0, usage["prompt_tokens"]
+                yield _sse({"id": rid, "object": "text_completion", "created": created, "model": name, "choices": [],
+                            "usage": usage})
+        except APIError as e:
+            yield _sse(error_body(e.message, e.type, e.param, e.code))
+        yield "data: [DONE]\n\n"
+
+    # ----------------------------------------------------------------------------------------------- chat
+
+    async def chat_completions(self, request: Request):
+        body = await self._body(request, ChatCompletionRequest)
+        self._check_model(body.model)
+        if body.tools:
+            raise APIError(400, "tools (function calling) are not supported by this server", param="tools")
+        if body.response_format and body.response_format.get("type", "text") != "text":
+            raise APIError(400, "only response_format type 'text' is supported", param="response_format")
+        self._need_tokenizer()
+        text = self._render(body.messages, body.add_generation_prompt)
+        top = body.top_logprobs
+        if top is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        try:
+            params = body.sampling_params(max_tokens, (top or 0) if body.logprobs else None)
+        except ParamError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        await self._validate_all([text], params)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if body.stream:
+            return StreamingResponse(self._stream_chat(request, body, text, params, rid, created),
+                                     media_type="text/event-stream")
+        (out,) = await self._until_done(request, [self._final(request, text, params)])
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self._chat_logprobs(c.token_ids, c.logprobs) if body.logprobs else None,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
+        return {"id": rid, "object": "chat.completion", "created": created, "model": self.config.model_name,
+                "choices": choices, "usage": self._usage([out])}
+
+    def _chat_logprobs(self, token_ids, lps) -> dict:
+        def entry(t, v):
+            text = self._token_text(t)
+            return {"token": text, "logprob": v, "bytes": list(text.encode("utf-8"))}
+
+        content = []
+        for t, (v, alts) in zip(token_ids, lps or [], strict=False):
+            item = entry(t, v)
+            item["top_logprobs"] = [entry(a, w) for a, w in alts]
+            content.append(item)
+        return {"content": content}
+
+    async def _stream_chat(self, request, body, text, params, rid, created):
+        name = self.config.model_name
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        sent_text: dict[int, int] = {}
+        sent_ids: dict[int, int] = {}
+        last = None
+
+        def chunk(index, delta, logprobs=None, finish=None):
+            return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
+                         "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                      "finish_reason": finish}]})
+
+        try:
+            async for out in self._stream(request, text, params):
+                last = out
+                for c in out.outputs:
+                    if c.index not in sent_text:
+                        sent_text[c.index] = sent_ids[c.index] = 0
+                        yield chunk(c.index, {"role": "assistant", "content": ""})
+                    delta = c.text[sent_text[c.index]:]
+                    new_ids = c.token_ids[sent_ids[c.index]:]
+                    lps = None
+                    if body.logprobs and new_ids:
+                        lps = self._chat_logprobs(new_ids, (c.logprobs or [])[sent_ids[c.index]:])
+                    if delta or lps:
+                        yield chunk(c.index, {"content": delta}, lps)
+                    if c.finish_reason is not None and c.finish_reason != "abort":
+                        yield chunk(c.index, {}, None, c.finish_reason)
+                    sent_text[c.index], sent_ids[c.index] = len(c.text), len(c.token_ids)
+            if include_usage and last is not None:
+                yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
+                            "choices": [], "usage": self._usage([last])})
+        except APIError as e:
+            yield _sse(error_body(e.message, e.type, e.param, e.code))
+        yield "data: [DONE]\n\n"
+
+
+def make_app(engine: AsyncEngine, config: ServerConfig, on_ready=None) -> FastAPI:
+    return OpenAIServer(engine, config, on_ready).app
+
+
+def bind(host: str, port: int):
+    """A listening socket on host:port (port 0: any free one), or one sentence on why not."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise MegapipeError(f"cannot listen on {host}:{port} ({e.strerror or e})") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_server(engine: AsyncEngine, config: ServerConfig, sock, log_level: str = "warning", on_ready=None) -> None:
+    """Serve on ``sock`` until SIGTERM / SIGINT, then drain (up to config.shutdown_timeout) and stop the engine."""
+    import uvicorn
+
+    app = make_app(engine, config, on_ready)
+    uv = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
+                        timeout_graceful_shutdown=config.shutdown_timeout)
+    server = uvicorn.Server(uv)
+    # uvicorn re-raises the stop signal once it has drained; with these handlers restored that ends in exit 0
+    previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine.shutdown()
+        for s, handler in previous.items():
+            signal.signal(s, handler)

@@ -1,0 +1,123 @@
+"""``megapipe serve CKPT|HF_DIR``: an OpenAI-compatible server on megapipe's engine, or on vLLM (``--engine vllm``)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from stages.common import add_command
+
+ORDER = 75
+
+
+def serve(
+    model: str = typer.Argument(..., help="Checkpoint directory, run directory (its latest) or Hugging Face model dir."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (0.0.0.0 exposes the server)."),
+    port: int = typer.Option(8000, "--port", help="Port (0: any free port, printed when ready)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MEGAPIPE_API_KEY",
+                                          help="Require 'Authorization: Bearer KEY' on every route but /health."),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
+                                                    help="The model name clients ask for (default: the path's name)."),
+    max_num_seqs: int = typer.Option(256, "--max-num-seqs", help="Most sequences in one batch."),
+    max_model_len: Optional[int] = typer.Option(None, "--max-model-len",
+                                                help="Context limit, prompt + completion (default: the model's)."),
+    max_queue: int = typer.Option(256, "--max-queue", help="Most waiting requests; more get 503 (0: no limit)."),
+    shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout",
+                                           help="On SIGTERM, seconds in-flight requests get to finish."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (as stored), float32, bfloat16 or float16."),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:1 ...; default: cuda if present."),
+    engine: str = typer.Option("megapipe", "--engine", help="megapipe (own engine) or vllm."),
+    vllm_python: Optional[str] = typer.Option(None, "--vllm-python", envvar="MEGAPIPE_VLLM_PYTHON",
+                                              help="Python of a vLLM environment (tools/setup_vllm_cpu.sh)."),
+    kv_cache_memory: Optional[str] = typer.Option(None, "--kv-cache-memory",
+                                                  help="KV-cache pool size, e.g. 2GiB (default: what the batch needs, "
+                                                       "at most 1 GiB)."),
+    num_blocks: Optional[int] = typer.Option(None, "--num-blocks", help="KV-cache pool size in blocks instead."),
+    block_size: int = typer.Option(16, "--block-size", help="Tokens per KV-cache block."),
+    max_num_batched_tokens: int = typer.Option(2048, "--max-num-batched-tokens",
+                                               help="Token budget of one engine step (prefill is chunked to it)."),
+    no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Do not reuse cached prompt blocks."),
+    max_body_size: str = typer.Option("8MiB", "--max-body-size", help="Largest request body; larger get 413."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: torch's choice)."),
+    log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level."),
+) -> None:
+    """Serve a model over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, /metrics."""
+    import sys
+    from pathlib import Path
+
+    from megapipe.checkpoint.hf.files import parse_size
+    from megapipe.errors import MegapipeError
+
+    if engine not in ("megapipe", "vllm"):
+        raise MegapipeError(f"--engine {engine!r} is not one of megapipe, vllm")
+    for flag, value in (("--max-num-seqs", max_num_seqs), ("--block-size", block_size),
+                        ("--max-num-batched-tokens", max_num_batched_tokens)):
+        if value < 1:
+            raise MegapipeError(f"{flag} = {value} must be >= 1")
+    if max_queue < 0:
+        raise MegapipeError(f"--max-queue = {max_queue} must be >= 0 (0: no limit)")
+    if not 0 <= shutdown_timeout < float("inf"):
+        raise MegapipeError(f"--shutdown-timeout = {shutdown_timeout} must be a number of seconds >= 0")
+    if not 0 <= port <= 65535:
+        raise MegapipeError(f"--port = {port} is not a port number (0-65535)")
+    name = served_model_name or Path(model).expanduser().resolve().name
+    memory = parse_size(kv_cache_memory, "--kv-cache-memory") if kv_cache_memory else None
+    if not Path(model).expanduser().exists():
+        raise MegapipeError(f"{model} does not exist (give a checkpoint, a run directory or a Hugging Face model dir)")
+
+    if engine == "vllm":
+        import os
+
+        from megapipe.inference.vllm_engine import hf_dir_for, run_vllm, vllm_command
+        from megapipe.inference.vllm_engine import vllm_python as find_python
+
+        python = find_python(vllm_python)
+        hf_dir = hf_dir_for(model)
+        env = dict(os.environ)
+        if memory is not None:
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(memory / 2**30))))
+        cmd = vllm_command(python, hf_dir, host=host, port=port, api_key=api_key, served_model_name=name,
+                           max_num_seqs=max_num_seqs, max_model_len=max_model_len, dtype=dtype,
+                           max_num_batched_tokens=max_num_batched_tokens, prefix_caching=not no_prefix_caching)
+        typer.echo(f"megapipe serve: starting vLLM ({python}) on {hf_dir}; --max-queue and --max-body-size do not "
+                   f"apply to vLLM's server", err=True)
+        code = run_vllm(cmd, env, shutdown_timeout)
+        if code not in (0, -15, 143):
+            raise MegapipeError(f"vLLM's server exited with status {code} (its log is above)")
+        return
+
+    import torch
+
+    from megapipe.inference import LLMEngine
+    from megapipe.inference.async_engine import AsyncEngine
+    from megapipe.inference.server import ServerConfig, bind, run_server
+
+    if threads is not None:
+        if threads < 1:
+            raise MegapipeError(f"--threads = {threads} must be >= 1")
+        torch.set_num_threads(threads)
+    sock = bind(host, port)  # before loading: a busy port fails in a second, not after the model loads
+    try:
+        llm = LLMEngine.from_pretrained(
+            model, device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks, kv_cache_memory=memory,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+            prefix_caching=not no_prefix_caching)
+    except BaseException:
+        sock.close()
+        raise
+    bound_host, bound_port = sock.getsockname()[:2]
+    config = ServerConfig(model_name=name, model_path=str(model), api_key=api_key, max_queue=max_queue or None,
+                          max_body_bytes=parse_size(max_body_size, "--max-body-size"),
+                          shutdown_timeout=shutdown_timeout)
+
+    def ready():
+        stats = llm.stats()
+        print(f"megapipe serve: ready on http://{bound_host}:{bound_port} (model {name}, max_model_len "
+              f"{llm.max_model_len}, {stats['num_blocks']} KV blocks of {block_size})", file=sys.stderr, flush=True)
+
+    run_server(AsyncEngine(llm, config.max_queue), config, sock, log_level=log_level, on_ready=ready)
+
+
+def register(app: typer.Typer) -> None:
+    add_command(app, "serve", serve)

@@ -1,0 +1,260 @@
+"""The engine against transformers and against full forward passes: greedy parity under any batch composition
+(staggered arrivals, chunked prefill, forced preemption, prefix-cache hits), logprobs, seeds, stops, limits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import hf_greedy, make_hf_dir
+
+from megapipe.errors import ConfigError
+from megapipe.inference import LLMEngine, ParamError, SamplingParams
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+PROMPTS = [[5, 17, 9, 33, 2, 71, 8, 19, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [44, 3], [100, 101, 102, 7],
+           list(range(60, 97)), [250] * 5 + [251, 252]]
+
+
+def run_staggered(engine: LLMEngine, prompts, params, every: int = 2) -> dict[int, list[int]]:
+    """Add one request every ``every`` steps while earlier ones decode; returns token ids by prompt index."""
+    pending = list(enumerate(prompts))
+    done: dict[int, list[int]] = {}
+    step = 0
+    while pending or engine.has_unfinished():
+        if pending and step % every == 0:
+            i, p = pending.pop(0)
+            engine.add_request(str(i), p, params)
+        for out in engine.step():
+            if out.finished:
+                done[int(out.request_id)] = out.outputs[0].token_ids
+        step += 1
+    return done
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral", "gpt2"])
+def arch_dir(request, tmp_path_factory):
+    return make_hf_dir(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def test_greedy_equals_transformers_with_staggered_arrivals(arch_dir, one_thread):
+    path, hf = arch_dir
+    want = {i: hf_greedy(hf, p, 12) for i, p in enumerate(PROMPTS)}
+    engine = LLMEngine.from_pretrained(path, device="cpu")
+    assert run_staggered(engine, PROMPTS, SamplingParams(max_tokens=12, **GREEDY)) == want
+    # all at once, in one batch, and chunked prefill (8 tokens a step): the same tokens
+    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=12, **GREEDY))
+    assert [o.outputs[0].token_ids for o in outs] == [want[i] for i in range(len(PROMPTS))]
+    chunked = LLMEngine.from_pretrained(path, device="cpu", max_num_batched_tokens=8, prefix_caching=False)
+    assert run_staggered(chunked, PROMPTS, SamplingParams(max_tokens=12, **GREEDY), every=1) == want
+    assert engine.blocks.usage() == 0 and chunked.blocks.usage() == 0
+
+
+def test_forced_preemption_gives_identical_tokens(hf_llama, one_thread):
+    path, hf = hf_llama
+    want = {i: hf_greedy(hf, p, 20) for i, p in enumerate(PROMPTS)}
+    # 12 blocks of 4 tokens: one 57-token sequence fits, five together do not
+    engine = LLMEngine.from_pretrained(path, device="cpu", block_size=4, num_blocks=16, max_model_len=64,
+                                       max_num_batched_tokens=16)
+    got = run_staggered(engine, PROMPTS, SamplingParams(max_tokens=20, **GREEDY), every=1)
+    assert engine.scheduler.num_preemptions > 0
+    assert got == want
+    assert engine.blocks.usage() == 0
+
+
+def test_prefix_cache_hits_give_identical_tokens(hf_llama, one_thread):
+    path, hf = hf_llama
+    system = list(range(10, 58))  # 48 tokens: three full blocks of 16
+    prompts = [system + [i, i + 1, i + 2] for i in (100, 120, 140)]
+    want = [hf_greedy(hf, p, 10) for p in prompts]
+    engine = LLMEngine.from_pretrained(path, device="cpu")
+    first = engine.generate(prompts[:1], SamplingParams(max_tokens=10, **GREEDY))
+    assert first[0].num_cached_tokens == 0
+    rest = engine.generate(prompts[1:], SamplingParams(max_tokens=10, **GREEDY))
+    assert [o.num_cached_tokens for o in rest] == [48, 48]
+    assert [o.outputs[0].token_ids for o in first + rest] == want
+    assert engine.blocks.hit_tokens == 96 and engine.blocks.hit_rate() == pytest.approx(96 / (3 * 51))
+    # the whole prompt cached (a repeat): the last token is recomputed for its logits, the output is the same
+    again = engine.generate(prompts[:1], SamplingParams(max_tokens=10, **GREEDY))
+    assert again[0].num_cached_tokens == 48 and again[0].outputs[0].token_ids == want[0]
+
+
+def full_logprobs(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+
+
+def test_logprobs_and_prompt_logprobs_equal_a_full_forward(hf_llama, one_thread):
+    path, hf = hf_llama
+    engine = LLMEngine.from_pretrained(path, device="cpu", max_num_batched_tokens=7)  # prompt in 3 chunks
+    prompt = PROMPTS[0]
+    out = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0.8, seed=3, logprobs=4,
+                                                   prompt_logprobs=3, ignore_eos=True))[0]
+    gen = out.outputs[0].token_ids
+    ref = full_logprobs(hf, prompt + gen)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for p in range(1, len(prompt)):
+        lp, top = out.prompt_logprobs[p]
+        assert abs(lp - ref[p - 1, prompt[p]].item()) < 1e-4
+        values, ids = ref[p - 1].topk(3)
+        assert [t for t, _ in top] == ids.tolist()
+        assert max(abs(v - w) for (_, v), w in zip(top, values.tolist(), strict=True)) < 1e-4
+    for j, (lp, top) in enumerate(out.outputs[0].logprobs):
+        row = ref[len(prompt) - 1 + j]
+        assert abs(lp - row[gen[j]].item()) < 1e-4  # the raw distribution, not the tempered one
+        assert [t for t, _ in top] == row.topk(4).indices.tolist()
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(tiny_engine_factory, one_thread):
+    engine = tiny_engine_factory()
+    params = SamplingParams(max_tokens=15, temperature=1.0, top_p=0.9, seed=11, ignore_eos=True)
+    alone = engine.generate([PROMPTS[0]], params)[0].outputs[0].token_ids
+    mixed = [SamplingParams(max_tokens=9, temperature=1.3, ignore_eos=True), params,
+             SamplingParams(max_tokens=20, temperature=0.7, top_k=5, seed=4, ignore_eos=True)]
+    outs = engine.generate([PROMPTS[3], PROMPTS[0], PROMPTS[1]], mixed)
+    assert outs[1].outputs[0].token_ids == alone
+    staggered = tiny_engine_factory(max_num_batched_tokens=5)
+    got = run_staggered(staggered, [PROMPTS[1], PROMPTS[3], PROMPTS[0]], params, every=3)
+    assert got[2] == alone
+    other = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=15, temperature=1.0, top_p=0.9, seed=12,
+                                                         ignore_eos=True))[0].outputs[0].token_ids
+    assert other != alone
+    # n samples: sample i uses seed + i, so the first equals the n=1 request
+    many = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=15, temperature=1.0, top_p=0.9, seed=11, n=3,
+                                                        ignore_eos=True))[0]
+    assert [o.index for o in many.outputs] == [0, 1, 2]
+    assert many.outputs[0].token_ids == alone and many.outputs[1].token_ids == other
+    assert many.num_generated_tokens == 45
+
+
+def test_n_samples_share_the_prompt_through_the_prefix_cache(tiny_engine_factory):
+    engine = tiny_engine_factory()
+    prompt = list(range(1, 40))  # two full blocks
+    out = engine.generate([prompt], SamplingParams(n=4, max_tokens=3, temperature=1.0, seed=0))[0]
+    assert len(out.outputs) == 4
+    assert engine.blocks.hit_tokens == 3 * 32  # the three later samples reuse the first one's two blocks
+
+
+def test_eos_stop_tokens_min_and_max_tokens(tiny_engine_factory):
+    engine = tiny_engine_factory()
+    prompt = PROMPTS[3]
+    full = engine.generate([prompt], SamplingParams(max_tokens=12, **GREEDY))[0].outputs[0]
+    assert full.finish_reason == "length" and len(full.token_ids) == 12
+    stop_tok = full.token_ids[4]
+    first = full.token_ids.index(stop_tok)
+    cut = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop_tok]))[0]
+    o = cut.outputs[0]
+    assert o.token_ids == full.token_ids[:first] and o.finish_reason == "stop" and o.stop_reason == stop_tok
+    assert cut.num_generated_tokens == first + 1  # the stop token was generated (usage counts it)
+    engine.eos_token_ids = [stop_tok]
+    eos = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0].outputs[0]
+    assert eos.token_ids == full.token_ids[:first] and eos.finish_reason == "stop"
+    ignored = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    assert ignored.outputs[0].token_ids == full.token_ids
+    late = engine.generate([prompt], SamplingParams(max_tokens=12, min_tokens=first + 2, temperature=0))[0].outputs[0]
+    assert stop_tok not in late.token_ids[:first + 2] and len(late.token_ids) >= first + 2
+    assert late.token_ids[:first] == full.token_ids[:first]
+
+
+def test_stop_strings_across_token_boundaries(tiny_engine_factory):
+    engine = tiny_engine_factory()
+    tok = engine.tokenizer
+    prompt = "The quick brown"
+    full = engine.generate([prompt], SamplingParams(max_tokens=24, **GREEDY))[0].outputs[0]
+    assert full.text == tok.decode(full.token_ids)
+    pieces = [tok.decode([t]) for t in full.token_ids]
+    ends = [len("".join(pieces[:i + 1])) for i in range(len(pieces))]
+    # a stop string made of the last character of one token and the first of the next
+    k = next(i for i in range(1, len(pieces) - 1) if pieces[i] and pieces[i + 1])
+    stop = full.text[ends[k] - 1:ends[k] + 1]
+    at = full.text.find(stop)
+    out = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0, stop=[stop, "never-there"]))[0]
+    o = out.outputs[0]
+    assert o.text == full.text[:at] and o.finish_reason == "stop" and o.stop_reason == stop
+    assert len(o.token_ids) < len(full.token_ids)
+    assert stop not in o.text
+
+
+def test_pool_accounting_abort_and_errors(tiny_engine_factory):
+    engine = tiny_engine_factory()
+    engine.add_request("a", PROMPTS[3], SamplingParams(max_tokens=50, **GREEDY))
+    engine.add_request("b", PROMPTS[0], SamplingParams(max_tokens=50, **GREEDY))
+    for _ in range(3):
+        engine.step()
+    assert engine.blocks.usage() > 0 and engine.num_running() == 2
+    aborted = engine.abort("a")
+    assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
+    engine.abort("b")
+    assert engine.blocks.usage() == 0 and not engine.has_unfinished()
+    limit = engine.max_model_len
+    with pytest.raises(ParamError, match=f"maximum context length is {limit} tokens") as e:
+        engine.add_request("c", PROMPTS[3], SamplingParams(max_tokens=limit))
+    assert e.value.param == "max_tokens"
+    bad = {"temperature": -1.0, "top_p": 0.0, "top_k": -3, "min_p": 1.5, "n": 0, "max_tokens": 0,
+           "repetition_penalty": 0.0, "presence_penalty": 3.0, "logprobs": 21, "seed": -1, "stop_token_ids": [10**6]}
+    for name, value in bad.items():
+        with pytest.raises(ParamError) as e:
+            engine.add_request("d", [1, 2], SamplingParams(**{name: value}))
+        assert e.value.param == name, name
+    with pytest.raises(ParamError, match="prompt is empty"):
+        engine.add_request("e", [], SamplingParams())
+    with pytest.raises(ParamError, match="outside the vocabulary"):
+        engine.add_request("f", [1, 10**6], SamplingParams())
+    with pytest.raises(ParamError, match="temperature = nan must be a finite number"):
+        engine.add_request("g", [1], SamplingParams(temperature=float("nan")))
+    with pytest.raises(ConfigError, match="holds 2 blocks of 16 tokens"):
+        tiny_engine_factory(num_blocks=2)
+    with pytest.raises(ConfigError, match="--max-num-seqs = 0"):
+        tiny_engine_factory(max_num_seqs=0)
+    assert not engine.has_unfinished()
+
+
+def test_bf16_packed_weights_give_the_same_tokens_and_logprobs(hf_llama, one_thread):
+    """On CPU the engine swaps bf16 linears for oneDNN pre-packed ones: the same values bit for bit."""
+    path, _ = hf_llama
+    params = SamplingParams(max_tokens=10, temperature=0, logprobs=2, ignore_eos=True)
+    packed = LLMEngine.from_pretrained(path, device="cpu", dtype="bfloat16", pack_weights=True)
+    plain = LLMEngine.from_pretrained(path, device="cpu", dtype="bfloat16", pack_weights=False)
+    if not packed.runner.packed:
+        pytest.skip("oneDNN packed linears are not available in this torch build")
+    a, b = packed.generate(PROMPTS, params), plain.generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    assert [o.outputs[0].logprobs for o in a] == [o.outputs[0].logprobs for o in b]
+
+
+def test_a_long_prompt_is_chunked_without_stalling_running_decodes(tiny_engine_factory):
+    engine = tiny_engine_factory(max_num_batched_tokens=8)
+    params = SamplingParams(max_tokens=30, **GREEDY)
+    engine.add_request("a", PROMPTS[1], params)
+    engine.add_request("b", PROMPTS[2], params)
+    while len(engine.requests["b"].seqs[0].output_ids) < 2:
+        engine.step()
+    engine.add_request("long", list(range(1, 61)), SamplingParams(max_tokens=4, **GREEDY))
+    steps = 0
+    while engine.requests["long"].seqs[0].num_computed < 60:
+        before = {r: len(engine.requests[r].seqs[0].output_ids) for r in ("a", "b")}
+        engine.step()
+        steps += 1
+        assert all(len(engine.requests[r].seqs[0].output_ids) == before[r] + 1 for r in ("a", "b"))
+    assert steps == 10  # 60 prompt tokens, 6 a step beside the two decodes
+
+
+def test_prompt_logprobs_survive_preemption(hf_llama, one_thread):
+    path, hf = hf_llama
+    engine = LLMEngine.from_pretrained(path, device="cpu", block_size=4, num_blocks=16, max_model_len=64,
+                                       max_num_batched_tokens=16)
+    params = SamplingParams(max_tokens=20, prompt_logprobs=1, **GREEDY)
+    outs = {}
+    pending = list(enumerate(PROMPTS))
+    while pending or engine.has_unfinished():
+        if pending:
+            i, p = pending.pop(0)
+            engine.add_request(str(i), p, params)
+        for out in engine.step():
+            if out.finished:
+                outs[int(out.request_id)] = out
+    assert engine.scheduler.num_preemptions > 0
+    for i, p in enumerate(PROMPTS):
+        ref = full_logprobs(hf, p)
+        got = outs[i].prompt_logprobs
+        assert len(got) == len(p) and got[0] is None
+        assert max(abs(got[j][0] - ref[j - 1, p[j]].item()) for j in range(1, len(p))) < 1e-4

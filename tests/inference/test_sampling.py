@@ -1,0 +1,132 @@
+"""Sampling against its definitions: drawn frequencies equal softmax(logits / T) at T = 0.5 and 2, top-k / top-p /
+min-p keep exactly the sets their definitions name, penalties follow their formulas; end to end through the engine
+(the first sampled token's frequencies against a full forward)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megapipe.inference import SamplingParams
+from megapipe.inference.sampling import SampleRow, apply_penalties, filter_logits, sample
+
+LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.5])
+DRAWS = 40_000
+
+
+def frequencies(params: SamplingParams, logits=LOGITS, draws=DRAWS, seed=0) -> torch.Tensor:
+    """Empirical distribution of ``draws`` samples (rows of one batch, each its own seeded generator)."""
+    rows = []
+    for i in range(draws // 1000):
+        g = torch.Generator().manual_seed(seed * 1000 + i)
+        rows.extend(SampleRow(params, g, [], []) for _ in range(1000))
+    out = torch.cat([sample(logits.expand(1000, -1).clone(), rows[k:k + 1000]) for k in range(0, draws, 1000)])
+    return torch.bincount(out, minlength=logits.shape[-1]).double() / draws
+
+
+def assert_matches(freq: torch.Tensor, probs: torch.Tensor, draws=DRAWS) -> None:
+    """Every frequency within 5 binomial standard deviations (+ a hair) of its probability."""
+    probs = probs.double()
+    sigma = (probs * (1 - probs) / draws).sqrt()
+    assert ((freq - probs).abs() <= 5 * sigma + 1e-9).all(), (freq.tolist(), probs.tolist())
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_temperature_frequencies_follow_softmax_of_logits_over_t(temperature):
+    freq = frequencies(SamplingParams(temperature=temperature))
+    assert_matches(freq, (LOGITS / temperature).softmax(-1))
+    wrong = (LOGITS * temperature).softmax(-1)  # the classic bug: multiplying by T
+    if temperature != 1.0:
+        assert (freq - wrong.double()).abs().max() > 0.05
+
+
+def test_top_k_keeps_the_k_most_likely_renormalised():
+    freq = frequencies(SamplingParams(temperature=1.0, top_k=3))
+    want = torch.zeros(6)
+    want[:3] = LOGITS[:3].softmax(-1)
+    assert_matches(freq, want)
+    assert (freq[3:] == 0).all()
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = LOGITS.softmax(-1)  # [0.49, 0.18, 0.11, 0.07, 0.04, 0.02] (cumulative 0.49, 0.67, 0.78, ...)
+    cum = probs.cumsum(-1)
+    for top_p in (0.3, 0.6, 0.75, 0.9):
+        keep = int((cum < top_p).sum()) + 1  # the smallest prefix whose mass reaches top_p
+        freq = frequencies(SamplingParams(temperature=1.0, top_p=top_p), draws=10_000, seed=int(top_p * 10))
+        want = torch.zeros(6)
+        want[:keep] = probs[:keep] / probs[:keep].sum()
+        assert_matches(freq, want, 10_000)
+
+
+def test_top_p_applies_to_the_tempered_distribution():
+    tempered = (LOGITS / 2.0).softmax(-1)
+    keep = int((tempered.cumsum(-1) < 0.6).sum()) + 1
+    freq = frequencies(SamplingParams(temperature=2.0, top_p=0.6), draws=10_000)
+    want = torch.zeros(6)
+    want[:keep] = tempered[:keep] / tempered[:keep].sum()
+    assert_matches(freq, want, 10_000)
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_top_probability():
+    probs = LOGITS.softmax(-1)
+    keep = probs >= 0.2 * probs.max()
+    freq = frequencies(SamplingParams(temperature=1.0, min_p=0.2), draws=10_000)
+    want = torch.where(keep, probs, torch.zeros(6))
+    assert_matches(freq, want / want.sum(), 10_000)
+
+
+def test_filter_logits_by_hand():
+    logits = torch.tensor([[0.5, 0.05, 0.3, 0.15]]).log()
+    kept = lambda **kw: torch.isfinite(filter_logits(logits, **kw))[0].nonzero().flatten().tolist()  # noqa: E731
+    assert kept(top_k=2) == [0, 2]
+    assert kept(top_k=0) == [0, 1, 2, 3]
+    assert kept(top_p=0.4) == [0]
+    assert kept(top_p=0.75) == [0, 2]
+    assert kept(top_p=0.85) == [0, 2, 3]
+    assert kept(top_k=1, top_p=0.99) == [0]
+    assert kept(top_k=3, top_p=0.99) == [0, 2, 3]
+    assert kept(min_p=0.5) == [0, 2]  # 0.3 >= 0.25, 0.15 < 0.25
+    assert kept(min_p=0.1) == [0, 2, 3]  # 0.05 < 0.05? no: 0.05 is not below 0.05
+    two_rows = filter_logits(torch.stack([logits[0], logits[0].flip(0)]), top_k=1)
+    assert torch.isfinite(two_rows).nonzero().tolist() == [[0, 0], [1, 3]]
+
+
+def test_penalties_follow_their_formulas():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
+    row = SampleRow(SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25), None,
+                    prompt_ids=[0], output_ids=[1, 1, 3])
+    got = apply_penalties(logits.clone(), [row])[0]
+    # repetition: seen (prompt or output) positive logits / 2, negative * 2; then -0.5 * count - 0.25 * (count > 0)
+    want = torch.tensor([2.0 / 2, -1.0 * 2 - 0.5 * 2 - 0.25, 0.5, 3.0 / 2 - 0.5 - 0.25, -2.0])
+    assert torch.allclose(got, want)
+
+
+def test_greedy_and_suppressed_tokens():
+    rows = [SampleRow(SamplingParams(temperature=0), None, [], []),
+            SampleRow(SamplingParams(temperature=0), None, [], [], suppressed=[0]),
+            SampleRow(SamplingParams(temperature=1.0), torch.Generator().manual_seed(0), [], [], suppressed=[0, 1])]
+    logits = torch.tensor([[5.0, 4.0, -30.0]] * 3)
+    assert sample(logits, rows).tolist() == [0, 1, 2]
+
+
+def test_engine_first_token_frequencies_follow_the_tempered_model(tiny_engine_factory):
+    """End to end: 3000 samples of one token; frequencies of the likely tokens against a full forward's softmax(l/T)."""
+    engine = tiny_engine_factory(max_num_seqs=256)
+    prompt = [5, 17, 9, 33, 2]
+    with torch.no_grad():
+        logits = engine.runner.model(torch.tensor([prompt]), return_hidden=True)
+        logits = engine.runner.logits(logits[0, -1])
+    draws = 3000
+    for temperature in (0.5, 2.0):
+        out = engine.generate([prompt], SamplingParams(n=1, max_tokens=1, temperature=temperature, seed=1,
+                                                       ignore_eos=True))
+        outs = [engine.generate([prompt], SamplingParams(n=100, max_tokens=1, temperature=temperature,
+                                                         seed=100 * k, ignore_eos=True))[0] for k in range(draws // 100)]
+        ids = torch.tensor([o.token_ids[0] for r in outs for o in r.outputs])
+        freq = torch.bincount(ids, minlength=logits.shape[-1]).double() / draws
+        probs = (logits / temperature).softmax(-1).double()
+        top = probs.topk(5).indices
+        sigma = (probs[top] * (1 - probs[top]) / draws).sqrt()
+        assert ((freq[top] - probs[top]).abs() <= 5 * sigma).all(), (temperature, freq[top], probs[top])
+        assert len(out[0].outputs[0].token_ids) == 1

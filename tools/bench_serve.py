@@ -1,0 +1,260 @@
+"""Load test for any OpenAI-compatible server: streamed /v1/completions under a concurrency cap or Poisson arrivals.
+
+    # against a running server
+    .venv/bin/python tools/bench_serve.py --base-url http://127.0.0.1:8000 --model NAME -n 500 --concurrency 64
+    # start `megapipe serve` (or `--engine vllm`) itself on a free port, sample its memory, stop it with SIGTERM
+    .venv/bin/python tools/bench_serve.py --serve ~/.cache/megapipe/smollm2 --engine megapipe -n 500 --concurrency 64
+
+Each request sends ``--prompt-len`` random token ids and asks for exactly ``--max-tokens`` tokens (``ignore_eos``),
+streamed with ``include_usage``. Reported: request throughput, output tokens/s, time to first token (TTFT), time per
+output token after the first (TPOT), inter-token latency between chunks (ITL) and end-to-end latency at p50 / p90 /
+p99, errors (any non-200, error event, wrong token count or timeout), and with ``--serve`` the server's peak RSS
+(its process tree) sampled every 0.5 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Result:
+    ok: bool = False
+    error: str = ""
+    ttft: Optional[float] = None
+    e2e: float = 0.0
+    itl: list = field(default_factory=list)
+    tokens: int = 0
+
+
+def percentile(values: list, q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    k = (len(values) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+async def one_request(client: httpx.AsyncClient, args, prompt: list[int]) -> Result:
+    body = {"model": args.model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": args.temperature,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    res = Result()
+    start = time.perf_counter()
+    last = None
+    try:
+        async with client.stream("POST", args.base_url + "/v1/completions", json=body, timeout=args.timeout) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    res.error = f"error event: {chunk['error'].get('message')}"
+                    return res
+                if chunk.get("usage"):
+                    res.tokens = chunk["usage"]["completion_tokens"]
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    now = time.perf_counter()
+                    if res.ttft is None:
+                        res.ttft = now - start
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+        res.e2e = time.perf_counter() - start
+        if res.tokens != args.max_tokens:
+            res.error = f"{res.tokens} tokens instead of {args.max_tokens}"
+        else:
+            res.ok = True
+    except (httpx.HTTPError, asyncio.TimeoutError, ValueError) as e:
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+async def run_load(args) -> tuple[list[Result], float]:
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(100, args.vocab - 100) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=max(args.concurrency, 1) + 8, max_keepalive_connections=args.concurrency)
+    sem = asyncio.Semaphore(args.concurrency)
+    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=args.timeout) as client:
+        async def gated(p):
+            async with sem:
+                return await one_request(client, args, p)
+
+        start = time.perf_counter()
+        tasks = []
+        for p in prompts:
+            tasks.append(asyncio.ensure_future(gated(p)))
+            if args.request_rate:
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        results = await asyncio.gather(*tasks)
+        return results, time.perf_counter() - start
+
+
+def tree_rss_mib(pid: int) -> float:
+    """Resident memory of a process and its descendants (MiB), from /proc."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        todo.extend(children.get(p, []))
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except OSError:
+            pass
+    return total / 1024
+
+
+def start_server(args) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [str(ROOT / ".venv/bin/megapipe"), "serve", args.serve, "--port", str(port), "--served-model-name",
+           args.model, "--engine", args.engine, "--max-num-seqs", str(args.max_num_seqs), "--dtype", args.dtype,
+           "--max-model-len", str(args.prompt_len + args.max_tokens + 64), "--max-queue", str(args.num_requests)]
+    threads = args.threads or os.cpu_count() or 1
+    if args.engine == "vllm":
+        cmd += ["--vllm-python", args.vllm_python, "--kv-cache-memory", "2GiB"]
+    else:
+        cmd += ["--threads", str(threads)]
+    env = dict(os.environ)
+    if args.engine == "vllm":  # the same CPUs for vLLM's OpenMP threads
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if threads == 1 else f"0-{threads - 1}"
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    proc.kill()
+    raise SystemExit("the server did not become ready within 600 s")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base-url", default="http://127.0.0.1:8000")
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    ap.add_argument("-n", "--num-requests", type=int, default=500)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second (default: all "
+                                                                           "at once, capped by --concurrency)")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--vocab", type=int, default=49152)
+    ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--serve", help="start `megapipe serve SERVE` on a free port for the run")
+    ap.add_argument("--engine", default="megapipe", choices=["megapipe", "vllm"])
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads of the started server (default: all)")
+    ap.add_argument("--vllm-python", default=os.environ.get("MEGAPIPE_VLLM_PYTHON", str(ROOT / ".venv-vllm/bin/python")))
+    ap.add_argument("--json", help="also write the figures here")
+    args = ap.parse_args()
+
+    proc, peak = None, [0.0]
+    if args.serve:
+        proc, args.base_url = start_server(args)
+    try:
+        loop = asyncio.new_event_loop()
+        sampler = None
+        if proc is not None:
+            async def sample_memory():
+                while True:
+                    peak[0] = max(peak[0], tree_rss_mib(proc.pid))
+                    await asyncio.sleep(0.5)
+            sampler = loop.create_task(sample_memory())
+        idle_rss = tree_rss_mib(proc.pid) if proc is not None else None
+        results, wall = loop.run_until_complete(run_load(args))
+        if sampler is not None:
+            sampler.cancel()
+            loop.run_until_complete(asyncio.gather(sampler, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+        after_rss = tree_rss_mib(proc.pid) if proc is not None else None
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                code = proc.wait(120)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                code = "killed after 120 s"
+            print(f"server stopped with SIGTERM: exit {code}")
+
+    ok = [r for r in results if r.ok]
+    errors = [r.error for r in results if not r.ok]
+    ms = lambda xs: [x * 1000 for x in xs]  # noqa: E731
+    ttft = ms([r.ttft for r in ok if r.ttft is not None])
+    tpot = ms([(r.e2e - r.ttft) / (r.tokens - 1) for r in ok if r.ttft is not None and r.tokens > 1])
+    itl = ms([x for r in ok for x in r.itl])
+    e2e = ms([r.e2e for r in ok])
+    out = {
+        "requests": len(results), "errors": len(errors), "wall_s": wall,
+        "request_throughput": len(ok) / wall, "output_tokens_per_s": sum(r.tokens for r in ok) / wall,
+        **{f"{name}_ms_p{q}": percentile(vals, q) for name, vals in (("ttft", ttft), ("tpot", tpot), ("itl", itl),
+                                                                    ("e2e", e2e)) for q in (50, 90, 99)},
+        "mean_ttft_ms": statistics.mean(ttft) if ttft else float("nan"),
+    }
+    if proc is not None:
+        out.update(server_rss_idle_mib=idle_rss, server_rss_peak_mib=peak[0], server_rss_after_mib=after_rss)
+    label = args.engine if args.serve else args.base_url
+    print(f"\n{label}: {len(results)} requests, concurrency {args.concurrency}"
+          f"{f', Poisson {args.request_rate}/s' if args.request_rate else ''}, {args.prompt_len}-token prompts, "
+          f"{args.max_tokens} tokens each")
+    print(f"  errors {len(errors)}; wall {wall:.1f} s; {out['request_throughput']:.2f} req/s; "
+          f"{out['output_tokens_per_s']:.1f} output tok/s")
+    for name in ("ttft", "tpot", "itl", "e2e"):
+        print(f"  {name.upper():>4} ms  p50 {out[f'{name}_ms_p50']:9.1f}  p90 {out[f'{name}_ms_p90']:9.1f}  "
+              f"p99 {out[f'{name}_ms_p99']:9.1f}")
+    if proc is not None:
+        print(f"  server RSS: idle {idle_rss:.0f} MiB, peak {peak[0]:.0f} MiB, after {after_rss:.0f} MiB")
+    for e in sorted(set(errors))[:5]:
+        print(f"  error: {e} (x{errors.count(e)})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    sys.exit(1 if errors else 0)
+
+
+if __name__ == "__main__":
+    main()
