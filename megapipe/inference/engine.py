@@ -411,6 +411,13 @@ class LLMEngine:
                 self.abort(rid)
         return [done[r] for r in ids]
 
+    def load_weights(self, state: dict) -> None:
+        """New weights for the model (e.g. the trainer's after an update; full, unsharded, any dtype). Cached
+        prefixes were computed with the old weights, so the prefix cache is emptied; requests in flight continue
+        with the new weights for the tokens not yet computed."""
+        self.runner.load_weights(state)
+        self.blocks.reset_prefix_cache()
+
     def stats(self) -> dict:
         return {"running": self.num_running(), "waiting": self.num_waiting(), "kv_cache_usage": self.blocks.usage(),
                 "prefix_cache_queries": self.blocks.query_tokens, "prefix_cache_hits": self.blocks.hit_tokens,

@@ -112,6 +112,29 @@ class ModelRunner:
         self.window = model.cfg.sliding_window
 
     @torch.inference_mode()
+    def load_weights(self, state: dict) -> None:
+        """Take new weights (a full, unsharded state dict of the model: names as ``Transformer.state_dict()``),
+        cast to the engine's dtype; packed layers are rebuilt from them."""
+        from megapipe.models import build_model
+
+        if self.packed:
+            fresh = build_model(self.model.cfg, device="meta").to_empty(device=self.device).to(self.dtype)
+            fresh.load_state_dict({k: v.to(self.device, self.dtype) for k, v in state.items()}, strict=True)
+            fresh.eval()
+            pack_linears(fresh.layers)
+            self.model = fresh
+            self.head_weight = fresh.output_weight().detach()
+            self.head = PackedLinear(self.head_weight)
+            return
+        mine = self.model.state_dict()
+        missing = sorted(set(mine) - set(state))
+        if missing:
+            raise KeyError(f"load_weights: the state dict lacks {missing[:3]}")
+        for name, t in mine.items():
+            t.copy_(state[name])
+        self.head_weight = self.model.output_weight().detach()
+
+    @torch.inference_mode()
     def run(self, decodes: Sequence[tuple[Sequence[int], int, int]],
             chunks: Sequence[tuple[Sequence[int], int, Sequence[int]]], rows: Sequence[int]) -> torch.Tensor:
         """decodes: (block ids, position, token); chunks: (block ids, start, tokens). Returns fp32 logits of the

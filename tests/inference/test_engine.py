@@ -258,3 +258,26 @@ def test_prompt_logprobs_survive_preemption(hf_llama, one_thread):
         got = outs[i].prompt_logprobs
         assert len(got) == len(p) and got[0] is None
         assert max(abs(got[j][0] - ref[j - 1, p[j]].item()) for j in range(1, len(p))) < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_load_weights_replaces_the_model_and_empties_the_prefix_cache(dtype):
+    """An engine given other weights decodes exactly as a fresh engine built on them (packed bf16 layers too)."""
+    from megapipe.config import ModelConfig
+    from megapipe.inference.engine import EngineConfig, LLMEngine
+    from megapipe.inference.sampling import SamplingParams
+    from megapipe.models import build_model
+
+    cfg = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                      max_position_embeddings=64)
+    a, b = build_model(cfg, seed=1).to(dtype), build_model(cfg, seed=2).to(dtype)
+    prompt = [[3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61]]
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    engine = LLMEngine(a, None, EngineConfig(num_blocks=16), eos_token_ids=[])
+    first = engine.generate(prompt, greedy)[0].outputs[0].token_ids
+    assert engine.blocks.evictable  # the prompt's full block is cached
+    engine.load_weights({k: v.float() for k, v in b.state_dict().items()})
+    assert not engine.blocks.evictable
+    again = engine.generate(prompt, greedy)[0].outputs[0].token_ids
+    fresh = LLMEngine(build_model(cfg, seed=2).to(dtype), None, EngineConfig(num_blocks=16), eos_token_ids=[])
+    assert again == fresh.generate(prompt, greedy)[0].outputs[0].token_ids != first
