@@ -38,7 +38,7 @@ from torch import nn
 
 from megapipe.config import ModelConfig
 from megapipe.models.attention import Attention, DocumentMask
-from megapipe.models.dense import FeedForward, dense_tp_plan
+from megapipe.models.dense import FeedForward, attention_tp_plan
 from megapipe.models.norms import build_norm
 from megapipe.models.spec import BlockSpec, register_block
 
@@ -345,7 +345,7 @@ def moe_tp_plan(block: MoEBlock, sp: bool) -> dict:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
-    plan = {k: v for k, v in dense_tp_plan(block, sp).items() if not k.startswith("feed_forward")}
+    plan = attention_tp_plan(block, sp)
     act = Shard(1) if sp else Replicate()
     plan["moe"] = PrepareModuleInputOutput(
         input_layouts=(act,), desired_input_layouts=(Replicate(),), use_local_input=True,

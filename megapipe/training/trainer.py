@@ -198,6 +198,10 @@ class Trainer:
         set_lr(self.optimizer, out["lr"])
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if result.expert_load:  # aux-loss-free MoE balancing: once per global batch, after the update
+            from megapipe.parallel.ep import update_expert_biases
+
+            update_expert_biases(self.model, result.expert_load)
         self.state.updates += 1
         return out
 
