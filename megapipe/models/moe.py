@@ -118,9 +118,12 @@ class _ContiguousGrad(torch.autograd.Function):
 
 def grouped_mm_ok(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether torch._grouped_mm runs here: CPU (torch >= 2.9: a per-group fallback) for fp32/bf16/fp16, CUDA for
-    bf16 on sm90+; every row stride a multiple of 16 bytes (checked on torch 2.13, see shared/PROBES.md)."""
+    bf16 on sm90+; every row stride a multiple of 16 bytes; at least one token (torch 2.13 on CPU: no tokens at all
+    fails in backward, as does an expanded output gradient, hence _ContiguousGrad)."""
     if not hasattr(torch, "_grouped_mm") or x.shape[0] == 0:
         return False
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+        return False  # its fake-tensor rule (torch 2.13) accepts bf16 only
     dev, dt = x.device, x.dtype
     if dev.type == "cpu":
         ok = dt in (torch.float32, torch.bfloat16, torch.float16)
