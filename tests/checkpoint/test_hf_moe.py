@@ -46,6 +46,16 @@ MATTERS = {"architectures", "model_type", "vocab_size", "hidden_size", "intermed
            "attention_bias", "router_aux_loss_coef"}
 
 
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    from megapipe.data.tokenizer import train_tokenizer
+
+    out = tmp_path_factory.mktemp("tok")
+    train_tokenizer(["the quick brown fox jumps over the lazy dog", "pack my box with five dozen jugs"] * 50,
+                    vocab_size=300, output=out)
+    return out
+
+
 def make_moe(case: str, directory: Path, tokenizer_dir: Path):
     import shutil
 
