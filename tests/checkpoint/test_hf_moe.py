@@ -23,7 +23,6 @@ from tests.checkpoint.test_hf_bridge import (  # noqa: E402
     hf_config,
     refused,
     tensors_of,
-    tokenizer_dir,  # noqa: E402,F401  (fixture)
     tokens,
 )
 
