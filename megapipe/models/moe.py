@@ -246,19 +246,20 @@ class MoE(nn.Module):
                                  cfg.moe_token_drop_policy)
         aux = self._balancing_losses(logits, aux_scores, idx, counts, shape) if torch.is_grad_enabled() else None
 
+        # assignments (token, slot) flattened; the kept ones sorted by expert, then by position
         expert_of = idx.flatten()
-        token_of = torch.arange(t, device=x.device).repeat_interleave(k)
-        weight_of = weights.flatten()
+        slots = torch.arange(t * k, device=x.device)
         if keep is not None:
-            kept = keep.flatten()
-            expert_of, token_of, weight_of = expert_of[kept], token_of[kept], weight_of[kept]
-        order = torch.argsort(expert_of, stable=True)
-        token_of, weight_of = token_of[order], weight_of[order]
-        sent = torch.bincount(expert_of, minlength=cfg.num_experts)
-        tokens, local_counts, state = self.dispatcher.dispatch(x[token_of], sent)
+            slots = slots[keep.flatten()]
+        order = slots[torch.argsort(expert_of[slots], stable=True)]
+        sent = torch.bincount(expert_of[order], minlength=cfg.num_experts)
+        tokens, local_counts, state = self.dispatcher.dispatch(x[order // k], sent)
         y = self.dispatcher.combine(self.experts(tokens, local_counts), state)
-        y = (y.float() * weight_of[:, None]).to(x.dtype)
-        out = torch.zeros_like(x).index_add_(0, token_of, y)
+        # back to (token, slot) order, a zero row for each dropped slot; weighted sum over the k slots (in fp32)
+        where = torch.full((t * k,), len(order), dtype=torch.long, device=x.device)
+        where[order] = torch.arange(len(order), device=x.device)
+        y = torch.cat([y, y.new_zeros(1, y.shape[1])])[where]
+        out = (y.float() * weights.reshape(-1, 1)).view(t, k, -1).sum(dim=1).to(x.dtype)
         if self.shared_experts is not None:
             shared = self.shared_experts(x)
             if self.shared_gate is not None:
@@ -266,7 +267,7 @@ class MoE(nn.Module):
             out = out + shared
         out = out.view(shape)
         if torch.is_grad_enabled():
-            self._record(counts, aux, t * k - len(token_of), t * k)
+            self._record(counts, aux, t * k - len(order), t * k)
             if aux is not None:
                 out = AuxLossBackward.apply(out, aux.sum(), self.aux_loss_scale)
         return out
