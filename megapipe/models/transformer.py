@@ -9,7 +9,7 @@ hidden states instead of logits, for a loss that applies the output projection i
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +44,7 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None, cache=None,
                 last_only: bool = False, return_hidden: Optional[bool] = None,
-                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                document_ids: Optional[torch.Tensor] = None, head: Optional[Callable] = None):
         """tokens [B, S] ids (or [B, S, H] hidden states on a later pipeline stage); positions [S] or [B, S].
 
         ``document_ids`` [B, S]: packed sequences; attention stays within each document (block-diagonal causal) and
@@ -53,6 +53,9 @@ class Transformer(nn.Module):
         ``last_only``: logits of the last position only ([B, 1, V]), what a generation step needs.
         ``return_hidden`` (default: the ``return_hidden`` attribute): the final normed hidden states [B, S, H]
         instead of the logits.
+        ``head``: ``head(hidden, output_weight)`` is what the forward returns, computed inside it (a loss that applies
+        the output projection itself, e.g. the fused output + cross-entropy: whatever wraps this module, FSDP, holds
+        the whole output weight during its forward only).
         """
         if positions is None and document_ids is not None:
             positions = positions_from_documents(document_ids)
@@ -81,6 +84,8 @@ class Transformer(nn.Module):
         if self.norm is None:
             return h
         h = self.norm(h[:, -1:] if last_only else h)
+        if head is not None:
+            return head(h, self.output_weight())
         if self.return_hidden if return_hidden is None else return_hidden:
             return h
         return self.logits(h)

@@ -90,18 +90,33 @@ def count_units(loss: Loss, microbatches: list[dict], dims: ParallelDims, device
     return int(total.item())
 
 
-def model_output(model, mb: dict) -> ModelOutput:
-    """Run the model on a micro-batch: positions and document ids go in when the batch carries them; a model set
-    to return its hidden states (the fused loss) hands them over with its output weight."""
+def _model_kwargs(mb: dict) -> dict:
     kwargs = {}
     if "position_ids" in mb:
         kwargs["positions"] = mb["position_ids"]
     if "document_ids" in mb:
         kwargs["document_ids"] = mb["document_ids"]
-    out = model(mb["tokens"], **kwargs)
+    return kwargs
+
+
+def model_output(model, mb: dict) -> ModelOutput:
+    """Run the model on a micro-batch: positions and document ids go in when the batch carries them; a model set
+    to return its hidden states (the fused loss) hands them over with its output weight."""
+    out = model(mb["tokens"], **_model_kwargs(mb))
     if getattr(model, "return_hidden", False):
         return ModelOutput(hidden=out, output_weight=model.output_weight)
     return ModelOutput(logits=out)
+
+
+def run_loss(model, loss: Loss, mb: dict):
+    """The loss of one micro-batch. A model set to return its hidden states (the fused output + cross-entropy) runs
+    the loss inside its own forward, where FSDP holds the whole output weight (outside it is a shard)."""
+    if getattr(model, "return_hidden", False):
+        def head(hidden, weight):
+            return loss(ModelOutput(hidden=hidden, output_weight=lambda: weight), mb)
+
+        return model(mb["tokens"], **_model_kwargs(mb), head=head)
+    return loss(model_output(model, mb), mb)
 
 
 class _Totals:
@@ -148,7 +163,7 @@ def train_step(model, microbatches: list[dict], dims: ParallelDims, loss: Option
             set_gradient_sync(model, i == n - 1)
         with loss_parallel_context(dims.loss_parallel):
             with context():
-                result = loss(model_output(model, mb), mb)
+                result = run_loss(model, loss, mb)
                 objective = result.total * factor
                 if result.aux is not None:
                     objective = objective + result.aux
@@ -204,7 +219,7 @@ def eval_step(model, microbatches: list[dict], dims: ParallelDims, loss: Optiona
     totals = _Totals(device)
     for mb in microbatches:
         with loss_parallel_context(dims.loss_parallel), context():
-            totals.add(loss(model_output(model, mb), mb))
+            totals.add(run_loss(model, loss, mb))
     return totals.finish(dims, units, with_pp=False)
 
 

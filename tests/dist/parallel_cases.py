@@ -5,7 +5,8 @@ same seed and global batch computed on every rank: the per-step losses (relative
 clipped gradient norm, and the weights after the last step. Usage:
     torchrun --nproc-per-node N tests/dist/parallel_cases.py OUT.json CASE [CASE ...]
 CASE is a layout with options, e.g. "tp2", "pp2:schedule=GPipe", "dp_shard2,tp2:recompute=full:model=qk";
-"mask=1" gives every row a loss mask keeping a different number of tokens (global token-weighted normalisation).
+"mask=1" gives every row a loss mask keeping a different number of tokens (global token-weighted normalisation);
+"fused=1" trains with the fused output projection + cross-entropy (the reference uses the logits).
 MoE models ("model=moe", ...) are compared with a reference that runs the same micro-batches (their balancing losses
 are per micro-batch), and also on their expert biases (aux-loss-free balancing) and MoE metrics after every step.
 Rank 0 writes {case: {"loss_rel": .., "grad_abs": .., "param_abs": .., "norm_rel": .., "error": ..}} to OUT.json.
@@ -165,7 +166,9 @@ def run_case(text: str) -> dict:
     ref = reference(cfg, masked)
     dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size(), cfg.train, cfg.model, SEQ)
     dims.build_mesh("cpu")
-    model = parallelize_model(build_model(cfg.model, seed=cfg.train.seed), dims, cfg)
+    model = build_model(cfg.model, seed=cfg.train.seed)
+    model.return_hidden = opts.get("fused") == "1"  # the fused output + cross-entropy (vs the reference's logits)
+    model = parallelize_model(model, dims, cfg)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     per_rank = GLOBAL_BATCH // dims.dp_size
     lo = dims.dp_rank * per_rank

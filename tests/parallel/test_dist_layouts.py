@@ -36,6 +36,7 @@ CASES_2 = [
     "dp_shard2:mask=1", "ddp2:mask=1", "pp2:schedule=GPipe:mask=1", "tp2:mask=1", "cp2:mask=1",
     "ep2:model=moe", "ep2:model=moe_bias:recompute=full", "ep2:model=moe_drop:mask=1", "tp2:model=moe",
     "pp2:model=moe_bias:schedule=GPipe", "cp2:model=moe_bias",
+    "dp_shard2:fused=1:mask=1", "ddp2:fused=1:model=tied", "dp_shard2:fused=1:model=moe:reshard=0",
 ]
 BF16 = [c for c in CASES_2 if "precision=bf16" in c]
 CASES_4 = [
@@ -46,7 +47,7 @@ CASES_4 = [
     "ep2,dp_shard4:model=moe", "ep4:model=moe_bias", "ep2,tp2:model=moe", "ep2,cp2:model=moe_bias",
     "pp2,ep2:model=moe_bias:schedule=Interleaved1F1B", "ep2,dp_replicate2:model=moe_drop",
     "ep2,dp_shard4:model=moe:save=ckpt_ep2", "pp2,ep2:model=moe:load=ckpt_ep2",
-    "dp_shard4:model=moe:save=ckpt_ep1", "ep4:model=moe:load=ckpt_ep1",
+    "dp_shard4:model=moe:save=ckpt_ep1", "ep4:model=moe:load=ckpt_ep1", "dp_replicate2,dp_shard2:fused=1:model=tied",
 ]
 CASES_8 = ["pp2,dp_shard2,tp2", "dp_shard2,cp2,tp2", "pp2,ep2,tp2:model=moe_bias"]
 
