@@ -56,6 +56,10 @@ MODELS = {
                      moe_router_num_groups=4, moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5,
                      moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.01,
                      moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.05),
+    # every token routed to experts 0 and 1 (a fixed expert bias, see skewed()): other ep ranks receive no token
+    "moe_skew": dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=128,
+                     num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16, moe_router_score_function="sigmoid",
+                     moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0, moe_aux_loss_coeff=0.05),
     # token dropping: capacity factor 1 by probability
     "moe_drop": dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=128,
                      num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16, moe_aux_loss_coeff=0.05,
@@ -85,6 +89,17 @@ def make_config(layout: dict, opts: dict) -> Config:
     return cfg
 
 
+def build(cfg: Config):
+    """The case's model, identical on every rank (and in the reference)."""
+    model = build_model(cfg.model, seed=cfg.train.seed)
+    if cfg.model.moe_router_bias_update_rate == 0.0 and cfg.model.moe_router_enable_expert_bias:
+        from megapipe.models.moe import moe_layers
+
+        for _, moe in moe_layers(model):  # "moe_skew": experts 0 and 1 win every choice
+            moe.expert_bias.copy_(torch.tensor([100.0, 100.0, 0.0, 0.0]))
+    return model
+
+
 def batches(cfg: Config, steps: int, masked: bool = False):
     g = torch.Generator().manual_seed(7)
     data = torch.randint(0, cfg.model.vocab_size, (steps, GLOBAL_BATCH, SEQ + 1), generator=g)
@@ -109,7 +124,7 @@ def reference(cfg: Config, masked: bool = False) -> dict:
     key = json.dumps(cfg.model.__dict__, sort_keys=True, default=str) + str(masked)
     if key in _REFERENCE:
         return _REFERENCE[key]
-    model = build_model(cfg.model, seed=cfg.train.seed)
+    model = build(cfg)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     trivial = ParallelDims()
     out = {"losses": [], "biases": [], "moe": []}
@@ -166,7 +181,7 @@ def run_case(text: str) -> dict:
     ref = reference(cfg, masked)
     dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size(), cfg.train, cfg.model, SEQ)
     dims.build_mesh("cpu")
-    model = build_model(cfg.model, seed=cfg.train.seed)
+    model = build(cfg)
     model.return_hidden = opts.get("fused") == "1"  # the fused output + cross-entropy (vs the reference's logits)
     model = parallelize_model(model, dims, cfg)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -192,6 +207,9 @@ def run_case(text: str) -> dict:
                                                   for n, b in expert_biases(model).items()]])
         if cfg.model.moe_router_enable_expert_bias:
             res["bias_moved"] = float(any(b.abs().max() > 0 for b in ref["biases"][i].values()))
+        if i == 0 and cfg.model.moe_router_bias_update_rate == 0.0 and result.expert_load:
+            # the skewed model: no token for experts 2 and 3, whose ep ranks got nothing to compute
+            res["idle_experts"] = float(all(load[2:].sum() == 0 for load in result.expert_load.values()))
     res["param_abs"] = max_diff(model.named_parameters(), ref["params"])
     # master weights and their gradients stay fp32 whatever the compute precision
     res["not_fp32"] = float(any(p.dtype != torch.float32 or p.grad.dtype != torch.float32 for p in model.parameters()))

@@ -37,6 +37,7 @@ CASES_2 = [
     "ep2:model=moe", "ep2:model=moe_bias:recompute=full", "ep2:model=moe_drop:mask=1", "tp2:model=moe",
     "pp2:model=moe_bias:schedule=GPipe", "cp2:model=moe_bias",
     "dp_shard2:fused=1:mask=1", "ddp2:fused=1:model=tied", "dp_shard2:fused=1:model=moe:reshard=0",
+    "ep2:model=moe_skew",
 ]
 BF16 = [c for c in CASES_2 if "precision=bf16" in c]
 CASES_4 = [
@@ -48,6 +49,7 @@ CASES_4 = [
     "pp2,ep2:model=moe_bias:schedule=Interleaved1F1B", "ep2,dp_replicate2:model=moe_drop",
     "ep2,dp_shard4:model=moe:save=ckpt_ep2", "pp2,ep2:model=moe:load=ckpt_ep2",
     "dp_shard4:model=moe:save=ckpt_ep1", "ep4:model=moe:load=ckpt_ep1", "dp_replicate2,dp_shard2:fused=1:model=tied",
+    "ep4:model=moe_skew",
 ]
 CASES_8 = ["pp2,dp_shard2,tp2", "dp_shard2,cp2,tp2", "pp2,ep2,tp2:model=moe_bias"]
 
@@ -86,6 +88,8 @@ def check_equivalence(res: dict, world: int, layout: str) -> None:
     assert res["bias_abs"] == 0.0 and res["moe_rel"] <= 1e-5, res
     if "model=moe_bias" in layout:
         assert res["bias_moved"] == 1.0, res  # the expert biases really were updated
+    if "model=moe_skew" in layout:
+        assert res["idle_experts"] == 1.0, res  # ep ranks that received no token: no hang, exact gradients
     # every rank compared its parameters: TP/DP/CP replicas hold one copy each, PP stages split them
     pp = 2 if "pp2" in layout else 1
     name = next((o.split("=")[1] for o in layout.split(":") if o.startswith("model=")), "base")
