@@ -340,7 +340,8 @@ class MoEBlock(nn.Module):
 
 def moe_layers(model: nn.Module) -> list[tuple[int, MoE]]:
     """(global layer index, MoE layer) of every MoE block this model (or pipeline stage) holds."""
-    return [(int(key), block.moe) for key, block in model.layers.items() if isinstance(getattr(block, "moe", None), MoE)]
+    layers = getattr(model, "layers", None) or {}
+    return [(int(key), block.moe) for key, block in layers.items() if isinstance(getattr(block, "moe", None), MoE)]
 
 
 def moe_tp_plan(block: MoEBlock, sp: bool) -> dict:
