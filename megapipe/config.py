@@ -43,6 +43,33 @@ def _int_list(text: str) -> list[int]:
         raise ValueError("is not a comma-separated list of integers (e.g. 3,5)") from None
 
 
+def _layer_pattern(text: str) -> int | list[int]:
+    """Megatron's --moe-layer-freq: N (every N-th layer from layer 0), "1,0,1,1", or a list expression such as
+    "([0]*1+[1]*3)*2" (lists of 0/1, + and *, nothing else is evaluated)."""
+    import ast
+
+    text = str(text).strip()
+    if text.lstrip("-").isdigit():
+        return int(text)
+
+    def ev(node):
+        if isinstance(node, (ast.List, ast.Tuple)):
+            return [ev(e) for e in node.elts]
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = ev(node.left), ev(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ValueError
+    try:
+        value = ev(ast.parse(text, mode="eval").body)
+    except (ValueError, SyntaxError, TypeError):
+        value = None
+    if not isinstance(value, list) or not all(v in (0, 1) for v in value):
+        raise ValueError("is not an integer N, a list of 0/1 such as 1,0,1,1, or an expression such as ([0]*1+[1]*3)*2")
+    return value
+
+
 
 @dataclass
 class ModelConfig:
@@ -50,7 +77,7 @@ class ModelConfig:
 
     # fields of a named preset are applied first, then the ones given here
     preset: Optional[str] = opt(None, "--model", help="Model preset (tiny, llama3-1b, ...); other fields: --set model.*=.")
-    arch: Literal["llama", "qwen2", "qwen3", "mistral", "gpt2"] = "llama"
+    arch: Literal["llama", "qwen2", "qwen3", "mistral", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe"] = "llama"
     vocab_size: Optional[int] = None  # None: the tokenizer's size, padded to make_vocab_size_divisible_by
     make_vocab_size_divisible_by: int = 128
     hidden_size: int = 256
@@ -74,6 +101,66 @@ class ModelConfig:
     tie_embeddings: bool = False
     sliding_window: Optional[int] = None
     init_std: float = 0.02
+    # Mixture of experts (megapipe.models.moe), Megatron's names; num_experts = 0 is a dense model
+    num_experts: int = opt(0, "--num-experts", help="Routed experts per MoE layer (0: a dense model).")
+    moe_ffn_hidden_size: Optional[int] = opt(
+        None, "--moe-ffn-hidden-size", help="FFN width of each routed expert (default: intermediate_size).")
+    moe_router_topk: int = opt(2, "--moe-router-topk", help="Experts each token is routed to.")
+    moe_router_score_function: Literal["softmax", "sigmoid"] = opt(
+        "softmax", "--moe-router-score-function", help="Router scores: softmax (Mixtral, Qwen) or sigmoid (DeepSeek-V3).")
+    moe_router_pre_softmax: bool = opt(
+        False, "--moe-router-pre-softmax",
+        help="softmax over all experts, then top-k (default: top-k of the logits, softmax over the k chosen).")
+    moe_router_norm_topk_prob: bool = opt(
+        True, "--moe-router-norm-topk-prob",
+        help="Normalise the k routing weights to sum to 1 (after a pre-softmax or a sigmoid).")
+    moe_router_topk_scaling_factor: Optional[float] = opt(
+        None, "--moe-router-topk-scaling-factor", help="Routing weights times this (DeepSeek's routed_scaling_factor).")
+    moe_router_num_groups: Optional[int] = opt(
+        None, "--moe-router-num-groups", help="Group-limited routing: experts in this many groups (DeepSeek-V3).")
+    moe_router_group_topk: Optional[int] = opt(
+        None, "--moe-router-group-topk", help="Group-limited routing: groups each token may use.")
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "none"] = opt(
+        "aux_loss", "--moe-router-load-balancing-type",
+        help="aux_loss (per micro-batch), seq_aux_loss (per sequence) or none.")
+    moe_aux_loss_coeff: float = opt(0.0, "--moe-aux-loss-coeff", help="Load-balancing loss weight (per MoE layer).")
+    moe_z_loss_coeff: Optional[float] = opt(None, "--moe-z-loss-coeff", help="Router z-loss weight.")
+    moe_router_enable_expert_bias: bool = opt(
+        False, "--moe-router-enable-expert-bias", help="Aux-loss-free balancing: a per-expert bias for selection.")
+    moe_router_bias_update_rate: float = opt(
+        1e-3, "--moe-router-bias-update-rate", help="Expert bias step per global batch: rate * sign(mean - load).")
+    moe_shared_expert_intermediate_size: Optional[int] = opt(
+        None, "--moe-shared-expert-intermediate-size", help="Width of the shared expert(s) every token goes through.")
+    moe_shared_expert_gate: bool = opt(
+        False, "--moe-shared-expert-gate", help="Scale the shared expert by sigmoid(a learned gate) (Qwen2-MoE).")
+    moe_layer_freq: Union[int, list[int]] = opt(
+        1, "--moe-layer-freq", parse=_layer_pattern, flag_type=str,
+        help="MoE on every N-th layer (from layer 0), or a 0/1 pattern such as ([0]*1+[1]*3)*2.")
+    moe_first_k_dense_replace: int = opt(
+        0, "--moe-first-k-dense-replace", help="The first K layers stay dense (DeepSeek's first_k_dense_replace).")
+    moe_expert_capacity_factor: Optional[float] = opt(
+        None, "--moe-expert-capacity-factor", help="Tokens per expert <= factor * tokens * k / experts (default: dropless).")
+    moe_token_drop_policy: Literal["probs", "position"] = opt(
+        "probs", "--moe-token-drop-policy", help="Over capacity, drop the lowest-probability or the latest tokens.")
+    moe_grouped_gemm: bool = opt(
+        True, "--moe-grouped-gemm", help="One grouped GEMM for all experts where torch has it (else a loop).")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """Indices of the MoE layers (empty for a dense model)."""
+        if not self.is_moe:
+            return []
+        freq = self.moe_layer_freq
+        pattern = [int(i % freq == 0) for i in range(self.num_layers)] if isinstance(freq, int) else list(freq)
+        return [i for i, on in enumerate(pattern) if on and i >= self.moe_first_k_dense_replace]
+
+    @property
+    def expert_ffn(self) -> int:
+        return self.moe_ffn_hidden_size or self.intermediate_size
 
     @property
     def kv_heads(self) -> int:
@@ -91,6 +178,8 @@ class ParallelConfig:
     tp: int = opt(1, "--tensor-model-parallel-size", "--tp", help="Tensor parallel size.")
     pp: int = opt(1, "--pipeline-model-parallel-size", "--pp", help="Pipeline stages.")
     cp: int = opt(1, "--context-parallel-size", "--cp", help="Context parallel size.")
+    ep: int = opt(1, "--expert-model-parallel-size", "--ep",
+                  help="Expert parallel size: MoE experts sharded over this many of the dp_shard ranks.")
     dp_shard: int = opt(-1, "--dp-shard", help="FSDP sharding size (-1: the rest of the world size).")
     dp_replicate: int = opt(1, "--dp-replicate", help="Replicas (HSDP with --dp-shard).")
     dp_mode: Literal["fsdp", "ddp"] = opt("fsdp", "--dp-mode", help="FSDP2/HSDP, or DDP (replication only).")
@@ -438,6 +527,59 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"optim.clip_grad = {o.clip_grad} and optim.weight_decay = {o.weight_decay} must be >= 0")
     if p.dp_shard != -1 and p.dp_shard <= 0:
         raise ConfigError(f"parallel.dp_shard = {p.dp_shard} must be > 0, or -1 for the rest of the world size")
+    positive("parallel", p, "ep")
+    validate_moe(m)
+
+
+def validate_moe(m: ModelConfig) -> None:
+    """The MoE fields of ``m``: each failure names the key, the value and the limit."""
+    if m.num_experts < 0:
+        raise ConfigError(f"model.num_experts = {m.num_experts} must be >= 0 (0: a dense model)")
+    if not m.is_moe:
+        return
+    e, k = m.num_experts, m.moe_router_topk
+    if not 1 <= k <= e:
+        raise ConfigError(f"model.moe_router_topk = {k} must be within [1, model.num_experts = {e}]")
+    if m.activation != "swiglu":
+        raise ConfigError(f"model.activation = {m.activation!r}: MoE experts are SwiGLU; use 'swiglu'")
+    for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_router_topk_scaling_factor",
+                 "moe_expert_capacity_factor"):
+        v = getattr(m, name)
+        if v is not None and v <= 0:
+            raise ConfigError(f"model.{name} = {v} must be > 0")
+    for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate", "moe_first_k_dense_replace"):
+        v = getattr(m, name)
+        if v is not None and v < 0:
+            raise ConfigError(f"model.{name} = {v} must be >= 0")
+    freq = m.moe_layer_freq
+    if isinstance(freq, int) and freq < 1:
+        raise ConfigError(f"model.moe_layer_freq = {freq} must be >= 1 (or a 0/1 pattern with one entry per layer)")
+    if isinstance(freq, list):
+        if len(freq) != m.num_layers or any(v not in (0, 1) for v in freq):
+            raise ConfigError(
+                f"model.moe_layer_freq = {freq} must hold one 0 or 1 per layer (model.num_layers = {m.num_layers})")
+    if not m.moe_layers:
+        raise ConfigError(
+            f"model.num_experts = {e} but no layer is an MoE layer (model.moe_layer_freq = {freq}, "
+            f"model.moe_first_k_dense_replace = {m.moe_first_k_dense_replace})")
+    groups, group_topk = m.moe_router_num_groups, m.moe_router_group_topk
+    if (groups is None) != (group_topk is None):
+        raise ConfigError(
+            "model.moe_router_num_groups and model.moe_router_group_topk go together (group-limited routing): "
+            f"got {groups} and {group_topk}")
+    if groups is not None:
+        if groups < 1 or e % groups:
+            raise ConfigError(f"model.moe_router_num_groups = {groups} must divide model.num_experts = {e}")
+        if not 1 <= group_topk <= groups:
+            raise ConfigError(f"model.moe_router_group_topk = {group_topk} must be within [1, num_groups = {groups}]")
+        if k % group_topk or k // group_topk > e // groups:
+            raise ConfigError(
+                f"model.moe_router_topk = {k} must be a multiple of model.moe_router_group_topk = {group_topk}, with "
+                f"at most {e // groups} experts (one group's size) per group")
+        if group_topk * (e // groups) < k:
+            raise ConfigError(
+                f"model.moe_router_group_topk = {group_topk} groups of {e // groups} experts hold fewer than "
+                f"moe_router_topk = {k} experts")
 
 
 # flags of `megapipe pretrain` for the keys whose checks below name them

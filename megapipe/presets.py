@@ -43,4 +43,32 @@ PRESETS: dict[str, dict] = {
         position_embedding="learned", qkv_bias=True, attn_out_bias=True, mlp_bias=True, tie_embeddings=True,
         make_vocab_size_divisible_by=1,
     ),
+    # Mixture of experts (megapipe.models.moe). Small enough for 2 CPU cores, exportable as Mixtral.
+    "tiny-moe": dict(
+        arch="mixtral", hidden_size=256, intermediate_size=352, num_layers=4, num_heads=8, num_kv_heads=4,
+        max_position_embeddings=2048, rope_theta=10000.0, tie_embeddings=False, num_experts=8, moe_router_topk=2,
+        moe_ffn_hidden_size=352, moe_aux_loss_coeff=1e-2,
+    ),
+    "mixtral-8x7b": dict(
+        arch="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+        num_kv_heads=8, max_position_embeddings=32768, rope_theta=1000000.0, norm_eps=1e-5, tie_embeddings=False,
+        num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=14336, moe_aux_loss_coeff=1e-2,
+    ),
+    "qwen3-30b-a3b": dict(
+        arch="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48, num_heads=32,
+        num_kv_heads=4, head_dim=128, qk_norm=True, max_position_embeddings=40960, rope_theta=1000000.0,
+        norm_eps=1e-6, tie_embeddings=False, num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768,
+        moe_router_pre_softmax=True, moe_router_norm_topk_prob=True, moe_aux_loss_coeff=1e-3,
+    ),
+    # DeepSeek-V3's MoE at test size (sigmoid routing over expert groups, routed scaling, aux-loss-free expert
+    # bias with a small sequence aux loss, a shared expert, the first layer dense) on Llama attention: megapipe has
+    # no multi-head latent attention, so this is DeepSeek-V3-shaped, not DeepSeek-V3
+    "deepseek-v3-tiny": dict(
+        arch="llama", hidden_size=256, intermediate_size=704, num_layers=4, num_heads=8, num_kv_heads=8,
+        max_position_embeddings=2048, rope_theta=10000.0, norm_eps=1e-6, tie_embeddings=False, num_experts=16,
+        moe_router_topk=4, moe_ffn_hidden_size=128, moe_router_score_function="sigmoid", moe_router_num_groups=4,
+        moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5, moe_router_enable_expert_bias=True,
+        moe_router_bias_update_rate=1e-3, moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-4,
+        moe_shared_expert_intermediate_size=128, moe_first_k_dense_replace=1,
+    ),
 }

@@ -24,6 +24,7 @@ def plan(
     tp: Optional[int] = typer.Option(None, "--tp", "--tensor-model-parallel-size"),
     pp: Optional[int] = typer.Option(None, "--pp", "--pipeline-model-parallel-size"),
     cp: Optional[int] = typer.Option(None, "--cp", "--context-parallel-size"),
+    ep: Optional[int] = typer.Option(None, "--ep", "--expert-model-parallel-size", help="Expert parallel size (MoE)."),
     dp_shard: Optional[int] = typer.Option(None, "--dp-shard", help="FSDP degree (-1: the rest)."),
     dp_replicate: Optional[int] = typer.Option(None, "--dp-replicate", help="HSDP replicas."),
     mfu: float = typer.Option(0.40, "--mfu", help="Assumed model FLOPs utilisation for the step time."),
@@ -35,7 +36,7 @@ def plan(
     flags = {
         "model.preset": model, "data.seq_length": seq_length, "train.micro_batch_size": micro_batch_size,
         "train.global_batch_size": global_batch_size, "train.precision": precision, "train.recompute": recompute,
-        "parallel.tp": tp, "parallel.pp": pp, "parallel.cp": cp, "parallel.dp_shard": dp_shard,
+        "parallel.tp": tp, "parallel.pp": pp, "parallel.cp": cp, "parallel.ep": ep, "parallel.dp_shard": dp_shard,
         "parallel.dp_replicate": dp_replicate,
     }
     from megapipe.parallel.plan import plan as make_plan
@@ -67,7 +68,8 @@ def _secs(x: float) -> str:
 
 def _layout(d: dict) -> str:
     parts = [f"{n}{d[n]}" for n in ("dp_replicate", "dp_shard", "cp", "tp", "pp") if d[n] > 1]
-    return " x ".join(parts) or "single"
+    text = " x ".join(parts) or "single"
+    return text + (f" (ep{d['ep']} within dp_shard)" if d.get("ep", 1) > 1 else "")
 
 
 def show(r: dict) -> None:
@@ -76,11 +78,13 @@ def show(r: dict) -> None:
 
     con = Console()
     p, g = r["params"], r["gpu"]
+    layers = ", ".join(f"{n} {kind} layers x {p['per_layer'][kind] / 1e6:,.2f} M"
+                       for kind, n in p["layers_by_kind"].items())
+    moe = f", {p['active'] / 1e9:.3f} B active per token" if p["experts"] else ""
     con.print(
         f"[bold]{g['count']} x {g['name']}[/] ({_gb(g['memory_bytes'])} GB, {g['peak_flops'] / 1e12:.0f} TFLOP/s bf16)"
-        f"   parameters {p['total'] / 1e9:.3f} B (embedding {p['embedding'] / 1e6:,.1f} M, "
-        f"{p['layers']} layers x {p['per_layer'] / 1e6:,.2f} M, head {p['head'] / 1e6:,.1f} M"
-        f"{', tied' if p['tied'] else ''})"
+        f"   parameters {p['total'] / 1e9:.3f} B{moe} (embedding {p['embedding'] / 1e6:,.1f} M, "
+        f"{layers}, head {p['head'] / 1e6:,.1f} M{', tied' if p['tied'] else ''})"
     )
     lay = r["layout"]
     t = Table(title=f"memory per rank, GB: layout {_layout(lay)} ({lay['dp_mode']}, "
@@ -94,6 +98,9 @@ def show(r: dict) -> None:
     for key, label in (("weights", "weights fp32"), ("grads", "gradients fp32"), ("optimizer", "optimizer state"),
                        ("compute_copies", "compute copies")):
         t.add_row(label, *(_gb(k[key]) for k in ranks))
+    if p["experts"]:
+        t.add_row("  of which routed experts", *(_gb(k["expert_bytes"]) for k in ranks))
+        t.add_row("MoE all-to-all per step", *(_gb(k["all_to_all_bytes"]) for k in ranks))
     for mode in ("none", "selective", "full"):
         mark = " *" if mode == r["recompute"] else ""
         t.add_row(f"activations, recompute {mode}{mark}", *(_gb(k["activations"][mode]) for k in ranks))
@@ -114,13 +121,16 @@ def show(r: dict) -> None:
         f"{eff['total']:.2f} (pp bubble {1 - eff['pp_bubble']:.1%}): "
         f"[bold]{_secs(r['step_time_s'])}/step, {r['tokens_per_s']:,.0f} tokens/s[/]"
     )
+    if "all_to_all_s" in eff:
+        con.print(f"MoE: token all-to-all {_secs(eff['all_to_all_s'])}/step (on the critical path), routed experts' "
+                  f"FSDP traffic {_secs(eff['expert_fsdp_s'])}/step (overlapped with compute)")
     best = Table(title=f"best layouts for {g['count']} GPUs ({r['layouts_fit']} of {r['layouts_valid']} valid layouts "
                        f"fit in memory, recompute {r['recompute']})", title_justify="left")
-    for col in ("#", "dp_replicate", "dp_shard", "cp", "tp", "pp", "peak GB", "pp bubble", "efficiency",
-                "step", "tokens/s"):
+    dims = ("dp_replicate", "dp_shard", "cp", "tp", "pp") + (("ep",) if p["experts"] else ())
+    for col in ("#", *dims, "peak GB", "pp bubble", "efficiency", "step", "tokens/s"):
         best.add_column(col, justify="right")
     for i, b in enumerate(r["best_layouts"], 1):
-        best.add_row(str(i), *(str(b[n]) for n in ("dp_replicate", "dp_shard", "cp", "tp", "pp")),
+        best.add_row(str(i), *(str(b[n]) for n in dims),
                      _gb(b["memory_bytes"]), f"{b['pp_bubble']:.1%}", f"{b['efficiency']:.2f}",
                      _secs(b["step_time_s"]), f"{b['tokens_per_s']:,.0f}")
     con.print(best)

@@ -11,14 +11,16 @@ fixed overhead (the CUDA context has no CPU counterpart). The activations are al
 the distinct non-parameter storages autograd saves in one forward (saved-tensor hooks), against
 ``layer_activation_bytes`` x layers + the head.
 
-    .venv/bin/python tools/check_plan_memory.py            # the default cases (~6 min on 2 busy cores)
+    .venv/bin/python tools/check_plan_memory.py            # the default cases (~8 min on 2 busy cores)
     .venv/bin/python tools/check_plan_memory.py --json
 
-Measured here (2026-11-30, torch 2.13 CPU; model h256 x 4 layers, vocab 8192, seq 512; error = predicted/measured-1,
-multi-rank cases: the rank that peaks highest): fp32 -1.0%, fp32 selective -1.1%, fp32 full -1.3%, fp32 with 2
-accumulated micro-batches -0.9%, bf16 autocast -0.2%, FSDP dp_shard2 +6.3%, TP+SP tp2 -1.7%, PP 1F1B pp2 with 4
-micro-batches -2.8% (last stage; the first stage -9%: send/recv buffers are not modelled). Saved activations: -0.1%
-(the unmodelled RoPE cos/sin tables).
+Measured here (2026-12-01, torch 2.13 CPU; model h256 x 4 layers, vocab 8192, seq 512; error = predicted/measured-1,
+multi-rank cases: the rank that peaks highest): fp32 -0.9%, fp32 selective -1.1%, fp32 full -1.3%, fp32 with 2
+accumulated micro-batches -0.9%, bf16 autocast -2.8%, FSDP dp_shard2 +6.4%, TP+SP tp2 -1.6%, PP 1F1B pp2 with 4
+micro-batches -3.8% (the last stage; it was -17.4% before the planner counted what the pipeline schedule keeps per
+in-flight micro-batch: the last stage's logits and the other stages' outputs; the first stage is -7.9%: send/recv
+buffers and the embedding gradient's accumulation copy are not modelled), MoE (8 experts of FFN 176, top-2) -0.4%,
+MoE with ep2 x dp_shard2 +6.0%. Saved activations: -0.1% dense, -0.0% MoE (the unmodelled RoPE cos/sin tables).
 """
 
 from __future__ import annotations
@@ -39,9 +41,12 @@ CASES = [
     ("fp32 FSDP dp_shard2", "fp32", "none", 2, 4, {"dp_shard": 2}),
     ("fp32 TP+SP tp2", "fp32", "none", 4, 4, {"tp": 2, "dp_shard": 1}),
     ("fp32 PP 1F1B pp2, 4 micro-batches", "fp32", "none", 2, 8, {"pp": 2, "dp_shard": 1}),
+    ("fp32 MoE (8 experts, top-2)", "fp32", "none", 4, 4, None, "moe"),
+    ("fp32 MoE EP ep2 (dp_shard2)", "fp32", "none", 2, 4, {"dp_shard": 2, "ep": 2}, "moe"),
 ]
 MODEL = dict(vocab_size=8192, hidden_size=256, intermediate_size=688, num_layers=4, num_heads=8, num_kv_heads=4,
              tie_embeddings=False)
+MOE_MODEL = dict(MODEL, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=176, moe_aux_loss_coeff=0.01)
 SEQ = 512
 
 
@@ -63,21 +68,24 @@ def _cfg_of(case: dict):
 
 def _world(case: dict) -> int:
     n = 1
-    for v in (case.get("layout") or {}).values():
-        n *= max(v, 1)
+    for k, v in (case.get("layout") or {}).items():
+        if k != "ep":  # ep borrows from dp_shard
+            n *= max(v, 1)
     return n
 
 
 def predict(cfg, world: int = 1) -> dict:
     from megapipe.parallel.dims import ParallelDims
-    from megapipe.parallel.plan import head_activation_bytes, layer_activation_bytes, rank_memory
+    from megapipe.parallel.plan import block_activation_bytes, head_activation_bytes, param_counts, rank_memory
 
     dims = ParallelDims.from_config(cfg.parallel, world, cfg.train, cfg.model, cfg.data.seq_length)
     rank = max(rank_memory(cfg, dims, cfg.data.seq_length, overhead=0.0), key=lambda r: r.total(cfg.train.recompute))
     tokens = cfg.train.micro_batch_size * cfg.data.seq_length
     kept, _ = head_activation_bytes(cfg.model, cfg.train.precision)
     no_loss = kept - 4 * cfg.model.vocab_size  # the hooks see the model's forward only, not the loss
-    saved = (cfg.model.num_layers * layer_activation_bytes(cfg.model, cfg.train.precision, "none") + no_loss) * tokens
+    blocks = sum(block_activation_bytes(cfg.model, lc.kind, cfg.train.precision, "none")
+                 for lc in param_counts(cfg.model).layers)
+    saved = (blocks + no_loss) * tokens
     # under autocast the bf16 weight copies are saved tensors too
     return {"peak": rank.total(cfg.train.recompute), "saved_activations": saved + rank.compute_copies}
 
@@ -226,7 +234,7 @@ def main(argv=None) -> int:
         print(json.dumps(child(json.loads(args.child))))
         return 0
     rows = [compare(dict(name=c[0], precision=c[1], recompute=c[2], micro=c[3], layout=c[5] if len(c) > 5 else None,
-                         **{"global": c[4]}))
+                         model=MOE_MODEL if len(c) > 6 else None, **{"global": c[4]}))
             for c in CASES]
     if args.json:
         print(json.dumps(rows, indent=1))

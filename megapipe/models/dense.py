@@ -45,10 +45,10 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-def dense_tp_plan(block: TransformerBlock, sp: bool) -> dict:
-    """wq/wk/wv and w1/w3 split by output features (heads / FFN columns), wo and w2 by input features: one
-    reduction per sub-layer. With sequence parallelism the norms (and the residual stream between them) are split
-    along the sequence: all-gather before attention/FFN, reduce-scatter after."""
+def attention_tp_plan(block: nn.Module, sp: bool) -> dict:
+    """wq/wk/wv split by output features (heads), wo by input features: one reduction. With sequence parallelism the
+    norms (and the residual stream between them) are split along the sequence: all-gather before attention and the
+    FFN, reduce-scatter after. Shared by every block kind with this attention."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -66,12 +66,7 @@ def dense_tp_plan(block: TransformerBlock, sp: bool) -> dict:
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=act),
-        "feed_forward": PrepareModuleInput(input_layouts=(act,), desired_input_layouts=(Replicate(),)),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=act),
     }
-    if block.feed_forward.w3 is not None:
-        plan["feed_forward.w3"] = ColwiseParallel()
     if sp:
         plan["attention_norm"] = SequenceParallel()
         plan["ffn_norm"] = SequenceParallel()
@@ -80,6 +75,23 @@ def dense_tp_plan(block: TransformerBlock, sp: bool) -> dict:
         # norm weights get their gradients summed over TP ranks
         plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return plan
+
+
+def dense_tp_plan(block: TransformerBlock, sp: bool) -> dict:
+    """Attention as ``attention_tp_plan``; w1/w3 split by output features (FFN columns), w2 by input features."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+
+    act = Shard(1) if sp else Replicate()
+    plan = {
+        **attention_tp_plan(block, sp),
+        "feed_forward": PrepareModuleInput(input_layouts=(act,), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=act),
+    }
+    if block.feed_forward.w3 is not None:
+        plan["feed_forward.w3"] = ColwiseParallel()
     return plan
 
 

@@ -40,10 +40,12 @@ def spec_for(block: nn.Module) -> BlockSpec:
 
 
 def block_spec(cfg, layer_id: int) -> BlockSpec:
-    """The block kind of layer ``layer_id`` under ``cfg`` (every layer is dense today)."""
+    """The block kind of layer ``layer_id`` under ``cfg``: MoE on the layers ``cfg.moe_layers`` lists (every N-th
+    or a pattern, after the first K dense ones), dense elsewhere."""
     from megapipe.models.dense import DENSE
+    from megapipe.models.moe import MOE
 
-    return DENSE
+    return MOE if layer_id in cfg.moe_layers else DENSE
 
 
 def tp_split_numel(block: nn.Module, sequence_parallel: bool = True) -> tuple[int, int]:

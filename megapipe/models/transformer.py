@@ -9,7 +9,7 @@ hidden states instead of logits, for a loss that applies the output projection i
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +22,8 @@ from megapipe.models.norms import RMSNorm, build_norm, init_norm
 from megapipe.models.rope import inv_frequencies, rope_cos_sin
 from megapipe.models.spec import block_spec
 
-OUTPUT_PROJECTIONS = ("attention.wo", "feed_forward.w2")  # initialised with std / sqrt(2 * num_layers)
+# initialised with std / sqrt(2 * num_layers) (the routed experts' w2 too, see MoE.init_weights)
+OUTPUT_PROJECTIONS = ("attention.wo", "feed_forward.w2", "shared_experts.w2")
 
 
 class Transformer(nn.Module):
@@ -43,7 +44,7 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None, cache=None,
                 last_only: bool = False, return_hidden: Optional[bool] = None,
-                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                document_ids: Optional[torch.Tensor] = None, head: Optional[Callable] = None):
         """tokens [B, S] ids (or [B, S, H] hidden states on a later pipeline stage); positions [S] or [B, S].
 
         ``document_ids`` [B, S]: packed sequences; attention stays within each document (block-diagonal causal) and
@@ -52,6 +53,9 @@ class Transformer(nn.Module):
         ``last_only``: logits of the last position only ([B, 1, V]), what a generation step needs.
         ``return_hidden`` (default: the ``return_hidden`` attribute): the final normed hidden states [B, S, H]
         instead of the logits.
+        ``head``: ``head(hidden, output_weight)`` is what the forward returns, computed inside it (a loss that applies
+        the output projection itself, e.g. the fused output + cross-entropy: whatever wraps this module, FSDP, holds
+        the whole output weight during its forward only).
         """
         if positions is None and document_ids is not None:
             positions = positions_from_documents(document_ids)
@@ -80,6 +84,8 @@ class Transformer(nn.Module):
         if self.norm is None:
             return h
         h = self.norm(h[:, -1:] if last_only else h)
+        if head is not None:
+            return head(h, self.output_weight())
         if self.return_hidden if return_hidden is None else return_hidden:
             return h
         return self.logits(h)
@@ -105,11 +111,16 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_weights(self) -> None:
         """normal(0, init_std); output projections std / sqrt(2 * num_layers); norms 1, biases 0."""
+        from megapipe.models.moe import MoE
+
         std = self.cfg.init_std
+        out_std = std / math.sqrt(2 * self.cfg.num_layers)
         for name, module in self.named_modules():
+            if isinstance(module, MoE):
+                module.init_weights(std, out_std)
             if isinstance(module, nn.Linear):
                 scaled = name.endswith(OUTPUT_PROJECTIONS)
-                nn.init.normal_(module.weight, 0.0, std / math.sqrt(2 * self.cfg.num_layers) if scaled else std)
+                nn.init.normal_(module.weight, 0.0, out_std if scaled else std)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
@@ -148,11 +159,18 @@ def count_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-    """Weights that take part in a matmul per token: all linear layers incl. the output head (tied or not)."""
+    """Weights that take part in a matmul per token: all linear layers incl. the output head (tied or not); in an
+    MoE layer the router, the shared experts and the k experts a token is routed to (the active parameters)."""
     hd, h = cfg.dim_per_head, cfg.hidden_size
     attn = h * (cfg.num_heads + 2 * cfg.kv_heads) * hd + cfg.num_heads * hd * h
     mlp = (3 if cfg.activation == "swiglu" else 2) * h * cfg.intermediate_size
-    return cfg.num_layers * (attn + mlp) + h * cfg.vocab_size
+    n_moe = len(cfg.moe_layers)
+    moe = 0
+    if n_moe:
+        shared = cfg.moe_shared_expert_intermediate_size or 0
+        moe = h * cfg.num_experts + 3 * h * (cfg.moe_router_topk * cfg.expert_ffn + shared)
+        moe += h if (shared and cfg.moe_shared_expert_gate) else 0
+    return cfg.num_layers * attn + (cfg.num_layers - n_moe) * mlp + n_moe * moe + h * cfg.vocab_size
 
 
 def flops_per_token(cfg: ModelConfig, seq_length: int) -> float:

@@ -4,6 +4,10 @@ Mesh dimension order (outermost first) is pp, dp_replicate, dp_shard, cp, tp, as
 neighbours (fastest links), PP ranks are furthest apart. Flattened views: "dp" (dp_replicate x dp_shard: ranks
 that see different data), "dp_shard_cp" (the FSDP sharding group: CP ranks hold the same weights, so they shard
 them too) and "dp_cp" (ranks whose losses/gradients are averaged).
+
+Expert parallelism borrows from dp_shard: with ep > 1, dp_shard is split into "edp" (dp_shard / ep) and "ep"
+(placed inside cp, next to tp): the MoE layers' experts are sharded over "ep" (tokens travel by all-to-all) and
+FSDP-sharded over "edp_cp" (edp x cp; "ehsdp" adds dp_replicate), while everything else is sharded as without EP.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from megapipe.config import ModelConfig, ParallelConfig, TrainConfig
 from megapipe.errors import ConfigError
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+EP_MESH_DIMS = ("pp", "dp_replicate", "edp", "cp", "ep", "tp")
 SCHEDULE_STAGES_PER_RANK = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": None, "ZBVZeroBubble": 2, "DualPipeV": 2}
 
 
@@ -25,6 +30,7 @@ class ParallelDims:
     cp: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1  # expert parallelism, within dp_shard (not a factor of the world size)
     world_size: int = 1
     dp_mode: str = "fsdp"  # "fsdp" (FSDP2 / HSDP) or "ddp" (replication only)
     sequence_parallel: bool = True
@@ -72,7 +78,8 @@ class ParallelDims:
                 )
             rep, shard = rep * shard, 1
         dims = cls(
-            dp_replicate=rep, dp_shard=shard, cp=cp, tp=tp, pp=pp, world_size=world_size, dp_mode=pcfg.dp_mode,
+            dp_replicate=rep, dp_shard=shard, cp=cp, tp=tp, pp=pp, ep=pcfg.ep, world_size=world_size,
+            dp_mode=pcfg.dp_mode,
             sequence_parallel=pcfg.sequence_parallel, pp_schedule=pcfg.pp_schedule,
             pp_virtual_stages=pcfg.pp_virtual_stages, pp_layer_split=pcfg.pp_layer_split,
             pp_microbatches=pcfg.pp_microbatches, fsdp_reshard_after_forward=pcfg.fsdp_reshard_after_forward,
@@ -84,6 +91,7 @@ class ParallelDims:
                 f"parallel.pp = {pp} / parallel.cp = {cp} yet (ring attention and pipeline stages do not carry "
                 "document ids); use data, tensor or sequence parallelism"
             )
+        dims._validate_ep(model_cfg, train_cfg)
         if model_cfg is not None:
             dims._validate_model(model_cfg)
         if seq_length is not None:
@@ -108,6 +116,29 @@ class ParallelDims:
                 )
         elif v != 1:
             raise ConfigError(f"parallel.pp_virtual_stages = {v} needs parallel.pp > 1")
+
+    def _validate_ep(self, m, t) -> None:
+        """Expert parallelism: the supported combinations (refused here, before anything starts, otherwise)."""
+        ep = self.ep
+        if ep < 1:
+            raise ConfigError(f"parallel.ep = {ep} must be >= 1")
+        if ep == 1:
+            return
+        if m is not None and not m.is_moe:
+            raise ConfigError(f"parallel.ep = {ep} needs an MoE model (model.num_experts > 0, e.g. --num-experts 8)")
+        if self.dp_mode != "fsdp":
+            raise ConfigError(
+                f"parallel.ep = {ep} needs parallel.dp_mode = 'fsdp' (expert parallelism borrows from the FSDP ranks)")
+        if self.dp_shard % ep:
+            raise ConfigError(
+                f"parallel.ep = {ep} must divide parallel.dp_shard = {self.dp_shard} (expert parallelism borrows from "
+                "the FSDP ranks; with tp/pp/cp the rest of the world is dp_shard)")
+        if m is not None and m.num_experts % ep:
+            raise ConfigError(f"model.num_experts = {m.num_experts} is not divisible by parallel.ep = {ep}")
+        if t is not None and t.compile:
+            raise ConfigError(
+                f"train.compile = true is not supported with parallel.ep = {ep} (the token all-to-all has "
+                "data-dependent shapes)")
 
     def _validate_model(self, m) -> None:
         tp = self.tp
@@ -238,7 +269,8 @@ class ParallelDims:
 
     def describe(self) -> str:
         """Layout string like 'dp_shard2,tp2' (the form tools/loss_compare.py takes); 'single' for one process."""
-        parts = [f"{n}{getattr(self, n)}" for n in ("dp_replicate", "dp_shard", "cp", "tp", "pp") if getattr(self, n) > 1]
+        names = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
+        parts = [f"{n}{getattr(self, n)}" for n in names if getattr(self, n) > 1]
         return ",".join(parts) or "single"
 
     # ------------------------------------------------------------------------------------------- mesh
@@ -249,14 +281,23 @@ class ParallelDims:
             return None
         from torch.distributed.device_mesh import init_device_mesh
 
-        shape = tuple(getattr(self, n) for n in MESH_DIMS)
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
-        meshes = {n: mesh[n] for n in MESH_DIMS}
+        ep = self.ep > 1
+        dims = EP_MESH_DIMS if ep else MESH_DIMS
+        sizes = {**{n: getattr(self, n) for n in MESH_DIMS}, "edp": self.dp_shard // self.ep, "ep": self.ep}
+        mesh = init_device_mesh(device_type, tuple(sizes[n] for n in dims), mesh_dim_names=dims)
+        meshes = {n: mesh[n] for n in dims}
+        shard = ("edp", "ep") if ep else ("dp_shard",)
         # DeviceMesh has no public flatten/unflatten in torch 2.13 (torchtitan uses the same private methods); this
         # is the one place that calls them
-        meshes["dp"] = mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        meshes["dp_shard_cp"] = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-        meshes["dp_cp"] = mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        if ep:
+            meshes["dp_shard"] = mesh[shard]._flatten("dp_shard")
+            meshes["edp_cp"] = mesh["edp", "cp"]._flatten("edp_cp")
+            meshes["ehsdp"] = mesh["dp_replicate", "edp", "cp"]._flatten("edp_dp_cp")._unflatten(
+                0, (self.dp_replicate, sizes["edp"] * self.cp), ("dp_replicate", "edp_cp"))
+        shard_cp = ("edp", "cp", "ep") if ep else ("dp_shard", "cp")
+        meshes["dp"] = mesh[("dp_replicate", *shard)]._flatten("dp")
+        meshes["dp_shard_cp"] = mesh[shard_cp]._flatten("dp_shard_cp")
+        meshes["dp_cp"] = mesh[("dp_replicate", *shard_cp)]._flatten("dp_cp")
         # HSDP's 2-D mesh: replicate over dp_replicate, shard over dp_shard x cp
         meshes["hsdp"] = meshes["dp_cp"]._unflatten(
             0, (self.dp_replicate, self.dp_shard * self.cp), ("dp_replicate", "dp_shard_cp")
@@ -265,7 +306,8 @@ class ParallelDims:
         return mesh
 
     def mesh(self, name: str):
-        """A 1-D mesh by name (pp, dp_replicate, dp_shard, cp, tp, dp, dp_shard_cp, dp_cp) or the 2-D 'hsdp'."""
+        """A 1-D mesh by name (pp, dp_replicate, dp_shard, cp, tp, dp, dp_shard_cp, dp_cp; with ep > 1 also ep, edp,
+        edp_cp) or the 2-D 'hsdp' (and 'ehsdp': dp_replicate x edp_cp, the experts' HSDP mesh)."""
         return None if self.world_mesh is None else self.meshes[name]
 
     def group(self, name: str):
@@ -287,12 +329,12 @@ def parse_layout(text: str) -> dict[str, int]:
     out: dict[str, int] = {}
     if text.strip() in ("", "single", "1"):
         return out
-    for part in re.split(r",|x(?=d|cp|tp|pp)", text.strip()):
-        m = re.fullmatch(r"(dp_replicate|dp_shard|dp|cp|tp|pp|ddp)(\d+)", part.strip())
+    for part in re.split(r",|x(?=d|cp|tp|pp|ep)", text.strip()):
+        m = re.fullmatch(r"(dp_replicate|dp_shard|dp|cp|tp|pp|ddp|ep)(\d+)", part.strip())
         if not m:
             raise ConfigError(
                 f"layout part {part!r} in {text!r} is not NAMEsize with NAME one of dp_replicate, dp_shard, dp, ddp, "
-                "cp, tp, pp (e.g. 'tp2,pp2')"
+                "cp, tp, pp, ep (e.g. 'tp2,pp2')"
             )
         name = {"dp": "dp_shard"}.get(m.group(1), m.group(1))
         out[name] = int(m.group(2))
@@ -300,15 +342,21 @@ def parse_layout(text: str) -> dict[str, int]:
 
 
 def layout_world_size(layout: dict[str, int]) -> int:
+    """Processes a parsed layout needs (ep borrows from dp_shard: without dp_shard it is dp_shard's size)."""
     n = 1
-    for v in layout.values():
-        n *= v
+    for k, v in layout.items():
+        if k != "ep":
+            n *= v
+    if "ep" in layout and "dp_shard" not in layout:
+        n *= layout["ep"]
     return n
 
 
 def apply_layout(pcfg, layout: dict[str, int], schedule: str | None = None):
     """Set a parsed layout on a ParallelConfig (dims not named are 1; 'ddp' means dp_mode ddp); returns it."""
-    pcfg.tp = pcfg.pp = pcfg.cp = pcfg.dp_replicate = pcfg.dp_shard = 1
+    pcfg.tp = pcfg.pp = pcfg.cp = pcfg.dp_replicate = pcfg.dp_shard = pcfg.ep = 1
+    if "ep" in layout and "dp_shard" not in layout:
+        pcfg.dp_shard = layout["ep"]  # 'ep2' alone: two FSDP ranks holding half of the experts each
     for k, v in layout.items():
         if k == "ddp":
             pcfg.dp_mode, pcfg.dp_replicate = "ddp", v

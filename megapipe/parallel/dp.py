@@ -11,18 +11,37 @@ bf16/fp16 training under FSDP: parameters are cast for compute (``param_dtype``)
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from megapipe.dtypes import PRECISION_DTYPES
 
 
-def apply_fsdp(model, mesh, precision: str = "fp32", reshard_after_forward: bool = True) -> None:
-    """Shard each block, then the root (embeddings, final norm, output). ``mesh`` is 1-D (FSDP) or 2-D (HSDP)."""
+def apply_fsdp(model, mesh, precision: str = "fp32", reshard_after_forward: bool = True, expert_mesh=None,
+               dp_size: int = 1) -> None:
+    """Shard each block, then the root (embeddings, final norm, output). ``mesh`` is 1-D (FSDP) or 2-D (HSDP).
+
+    ``expert_mesh``: expert-parallel MoE layers' experts (DTensors over the ep mesh) get their own FSDP unit over it,
+    sharded along their second dimension (the first is the expert one ep already splits), and their gradients are
+    divided by the whole data-parallel size ``dp_size`` like every other gradient: each rank's experts already summed
+    the contributions of its ep group's tokens, so edp's own average would count them ep times."""
+    from torch.distributed.tensor import Shard
+
     mp = MixedPrecisionPolicy(param_dtype=PRECISION_DTYPES[precision], reduce_dtype=torch.float32)
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
+        keep = reshard_after_forward and i < len(blocks) - 1
+        moe = getattr(block, "moe", None)
+        if expert_mesh is not None and moe is not None:
+            fully_shard(moe.experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=keep,
+                        shard_placement_fn=lambda p: Shard(1))
+            moe.experts.set_gradient_divide_factor(float(dp_size))
+            shard_ranks = expert_mesh.size(expert_mesh.ndim - 1)
+            if shard_ranks > 1 and dist.get_backend() != "nccl":
+                # gloo has no PREMUL_SUM: sum, then divide (not with one shard rank: torch 2.13 would divide twice)
+                moe.experts.set_force_sum_reduction_for_comms(True)
         # the last block's parameters are needed first by backward: keep them gathered
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=keep)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
 
 

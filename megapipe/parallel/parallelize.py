@@ -1,4 +1,5 @@
-"""Apply a layout to a model, torchtitan order: (PP split) -> TP/SP -> CP -> activation recompute -> compile -> FSDP/DDP.
+"""Apply a layout to a model, torchtitan order: (PP split) -> TP/SP -> CP -> EP -> activation recompute -> compile ->
+FSDP/DDP.
 
 ``setup_parallel(cfg)`` joins the process group and builds the validated ParallelDims with its mesh;
 ``parallelize_model(model, dims, cfg)`` returns the model to train (a ``PipelineModel`` holding this rank's stages
@@ -15,6 +16,7 @@ from megapipe.parallel.cp import apply_cp, zigzag_indices
 from megapipe.parallel.dims import ParallelDims
 from megapipe.parallel.distributed import DistInfo, init_distributed
 from megapipe.parallel.dp import apply_ddp, apply_fsdp
+from megapipe.parallel.ep import apply_moe
 from megapipe.parallel.pp import PipelineModel, build_schedule, split_model, tied_groups
 from megapipe.parallel.recompute import apply_compile, apply_recompute
 from megapipe.parallel.tp import apply_tp
@@ -52,12 +54,14 @@ def _parallelize_part(model: torch.nn.Module, dims: ParallelDims, cfg: Config) -
         )
     if dims.cp > 1:
         apply_cp(model, dims.mesh("cp"))
+    apply_moe(model, dims)
     apply_recompute(model, cfg.train.recompute)
     if cfg.train.compile:
         apply_compile(model)
     if dims.dp_mode == "fsdp" and (dims.dp_shard * dims.cp > 1 or dims.dp_replicate > 1):
         mesh = dims.mesh("hsdp" if dims.dp_replicate > 1 else "dp_shard_cp")
-        apply_fsdp(model, mesh, cfg.train.precision, dims.fsdp_reshard_after_forward)
+        experts = dims.mesh("ehsdp" if dims.dp_replicate > 1 else "edp_cp") if dims.ep > 1 else None
+        apply_fsdp(model, mesh, cfg.train.precision, dims.fsdp_reshard_after_forward, experts, dims.dp_size * dims.cp)
     elif dims.dp_mode == "ddp" and dims.dp_replicate * dims.cp > 1:
         apply_ddp(model, dims.mesh("dp_cp"))
     return model
@@ -82,5 +86,6 @@ def parallelize_model(model: torch.nn.Module, dims: ParallelDims, cfg: Config, d
     if cfg.model.tie_embeddings:
         pipe.tied_group = tied_groups(dims)
     n_mb = dims.num_pp_microbatches(cfg.train)
+    pipe.n_microbatches = n_mb
     pipe.schedule = build_schedule(parts, ids, num_stages, dims, n_mb, pipe.schedule_loss, device)
     return pipe

@@ -32,15 +32,26 @@ so the fp32 parameters ARE the master weights, there is no separate master copy)
   all m; interleaved and V schedules: the first rank pp*(1 + (pp-1)/(pp*v)) micro-batches of all its layers
   (Korthikanti et al.'s interleaved formula, v = 2 for V schedules), later ranks min(m, pp - i + 1).
 - pipeline outputs: torch.distributed.pipelining would keep every micro-batch's logits (e*V/tp bytes per token) on
-  the last stage until the step ends; megapipe.parallel.step tells it not to (``PP_KEEPS_OUTPUTS`` = False).
+  the last stage until the step ends; megapipe.parallel.step tells it not to (``PP_KEEPS_OUTPUTS`` = False). It does
+  keep each in-flight micro-batch's stage output until that micro-batch's backward (its forward cache): on the last
+  stage the logits (e*V/tp per token, which a single process frees once the loss has its log-softmax), elsewhere
+  the last block's output (4h, split by tp under SP). Leaving these out made the last stage ~17% low.
+- MoE layers (megapipe.models.moe): attention as dense; the routed experts are split by ep (never by tp: the MoE
+  layer runs on the TP group's whole sequence) and FSDP-sharded over dp_shard*cp/ep; router and shared experts
+  like the other replicated weights. Their activations (``moe_layer_activation_bytes``) are counted per token of the
+  whole sequence (not split by TP), from what autograd saves; the token all-to-all moves 4 x tokens x k x h x
+  (ep-1)/ep activations per MoE layer and micro-batch (dispatch and combine, forward and backward).
 - not modelled: qk_norm's extra saved tensors (~8 B per q/kv element), context parallelism's ring-attention K/V
   buffers, the optimizer step's temporaries, NCCL buckets (in the fixed overhead).
 - a fixed overhead (CUDA context, NCCL and cuBLAS workspaces, allocator fragmentation): OVERHEAD_BYTES.
 
 Step time: model FLOPs ``flops_per_token * tokens`` (x4/3 hardware FLOPs under full recompute; selective
-recomputes element-wise ops only, ~0 FLOPs) at MFU ``mfu`` times an efficiency for the layout (``efficiency``):
-pipeline bubble (p-1)/(v*m+p-1), and per doubling of tp/cp an exposed-communication loss, a small loss when the
-data-parallel group leaves the node. These factors are rough, stated assumptions for ranking, not measurements.
+recomputes element-wise ops only, ~0 FLOPs; an MoE model's FLOPs count its active parameters) at MFU ``mfu`` times
+an efficiency for the layout (``efficiency``): pipeline bubble (p-1)/(v*m+p-1), and per doubling of tp/cp an
+exposed-communication loss, a small loss when the data-parallel group leaves the node. An MoE model adds its token
+all-to-all and what of its experts' FSDP traffic compute does not hide, timed from their volumes at NVLink or
+network bandwidth (``moe_comm_seconds``): that is what tells ep sizes apart. These factors are rough, stated
+assumptions for ranking, not measurements.
 """
 
 from __future__ import annotations
@@ -73,10 +84,15 @@ DEFAULT_MFU = 0.40
 TP_LOSS_PER_DOUBLING = 0.05  # exposed TP all-gather/reduce-scatter per doubling of tp (NVLink, within a node)
 CP_LOSS_PER_DOUBLING = 0.05  # exposed ring-attention K/V exchange per doubling of cp
 DP_OFF_NODE_LOSS = 0.03  # gradient reduce-scatter/all-gather over the network when the FSDP/DP group spans nodes
+# MoE communication is timed from its volume (it decides between ep sizes): per-GPU bandwidth within a node
+# (NVLink, H100/H200 ~450 GB/s per direction) and across nodes (one 400 Gb/s NIC per GPU ~50 GB/s)
+NVLINK_BYTES_PER_S = 450e9
+NETWORK_BYTES_PER_S = 50e9
 # torch.distributed.pipelining keeps the last stage's output (the logits) of every micro-batch until the step ends
 # unless schedule.step(..., return_outputs=False), which megapipe.parallel.step passes (torch 2.13).
 PP_KEEPS_OUTPUTS = False
 RECOMPUTE_MODES = ("none", "selective", "full")
+LAYOUT_DIMS = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
@@ -90,34 +106,82 @@ def gpu_spec(name: str) -> GpuSpec:
 # --------------------------------------------------------------------------------------------------- parameters
 
 
+@dataclass(frozen=True)
+class LayerCounts:
+    """One block's parameters: ``tp`` split by tensor parallelism, ``rep`` replicated on TP ranks (norms, row-parallel
+    biases, an MoE layer's router and shared experts), ``experts`` the routed experts (split by ep)."""
+
+    kind: str
+    tp: int
+    rep: int
+    experts: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.tp + self.rep + self.experts
+
+
 @dataclass
 class ParamCounts:
     """Parameters by part; ``*_tp`` is split by tensor parallelism, ``*_rep`` is replicated on TP ranks."""
 
     embedding_tp: int  # token embedding (vocabulary-parallel)
     embedding_rep: int  # learned position embedding
-    layer_tp: int
-    layer_rep: int
+    layers: list[LayerCounts]
     head_tp: int  # output projection (0 when tied)
     head_rep: int  # final norm
-    num_layers: int
     tied: bool
+    active_fraction: float = 1.0  # of the routed experts, what one token uses (k / E)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def _uniform(self) -> LayerCounts:
+        kinds = set(self.layers)
+        if len(kinds) != 1:
+            raise ValueError("layers differ (an MoE model): use ParamCounts.layers")
+        return self.layers[0]
+
+    @property
+    def layer_tp(self) -> int:
+        return self._uniform().tp
+
+    @property
+    def layer_rep(self) -> int:
+        return self._uniform().rep
+
+    @property
+    def layer(self) -> int:
+        return self._uniform().total
 
     @property
     def embedding(self) -> int:
         return self.embedding_tp + self.embedding_rep
 
     @property
-    def layer(self) -> int:
-        return self.layer_tp + self.layer_rep
-
-    @property
     def head(self) -> int:
         return self.head_tp + self.head_rep
 
     @property
+    def experts(self) -> int:
+        return sum(lc.experts for lc in self.layers)
+
+    @property
     def total(self) -> int:
-        return self.embedding + self.num_layers * self.layer + self.head
+        return self.embedding + sum(lc.total for lc in self.layers) + self.head
+
+    @property
+    def active(self) -> int:
+        """Parameters one token uses: all but the routed experts it is not sent to."""
+        return self.total - round(self.experts * (1 - self.active_fraction))
+
+    def by_kind(self) -> dict[str, dict]:
+        out: dict[str, dict] = {}
+        for lc in self.layers:
+            d = out.setdefault(lc.kind, {"layers": 0, "params": lc.total, "experts": lc.experts})
+            d["layers"] += 1
+        return out
 
 
 def param_counts(m) -> ParamCounts:
@@ -138,22 +202,22 @@ _PARAM_COUNTS: dict[str, ParamCounts] = {}
 
 def _count(m) -> ParamCounts:
     from megapipe.models import build_model
-    from megapipe.models.spec import tp_split_numel
+    from megapipe.models.spec import spec_for, tp_split_numel
 
     model = build_model(m, device="meta")
-    layers = {tp_split_numel(block) for block in model.layers.values()}
-    if len(layers) != 1:
-        raise ConfigError("the planner models identical layers; this model mixes block kinds")
-    (layer_tp, layer_rep), = layers
 
     def numel(module) -> int:
         return 0 if module is None else sum(p.numel() for p in module.parameters())
 
+    layers = []
+    for block in model.layers.values():
+        split, rest = tp_split_numel(block)
+        experts = numel(block.moe.experts) if hasattr(block, "moe") else 0
+        layers.append(LayerCounts(spec_for(block).name, split, rest - experts, experts))
     return ParamCounts(
-        embedding_tp=numel(model.tok_embeddings), embedding_rep=numel(model.pos_embeddings),
-        layer_tp=layer_tp, layer_rep=layer_rep,
-        head_tp=numel(model.output), head_rep=numel(model.norm),
-        num_layers=m.num_layers, tied=m.tie_embeddings,
+        embedding_tp=numel(model.tok_embeddings), embedding_rep=numel(model.pos_embeddings), layers=layers,
+        head_tp=numel(model.output), head_rep=numel(model.norm), tied=m.tie_embeddings,
+        active_fraction=m.moe_router_topk / m.num_experts if m.is_moe else 1.0,
     )
 
 
@@ -190,6 +254,43 @@ def layer_activation_bytes(m, precision: str, recompute: str, tp: int = 1, sp: b
     attention = (e * (2 * q + 2 * kv) + 4 * a) / tp
     mlp = e * (4 if swiglu else 2) * f / tp
     return residual + linear_in + attention + mlp
+
+
+def moe_layer_activation_bytes(m, precision: str, recompute: str, tp: int = 1, sp: bool = True) -> float:
+    """Bytes an MoE block keeps for backward per token of this rank's sequence: the dense block's residual, norm and
+    attention terms, then the MoE layer on the TP group's whole (all-gathered) sequence, so not split by tp:
+      router (fp32): its input 4h, the logits and the softmax scores 8E, the k weights 8k;
+      routed experts, per token k times: the dispatched row (e*h), SwiGLU's 4 F-wide tensors (e*4F) and the expert
+      output kept fp32 for the weighting (4h);
+      shared experts: SwiGLU's 4 tensors (e*4Fs), under autocast a cast of the input per linear (2h each), and with
+      the sigmoid gate its output and the gated product's input (e*(h + 1)).
+    Selective recompute keeps the layer input and the outputs of the attention matmuls and kernel (the dense rule) plus
+    the router and shared-expert linear outputs; full recompute the layer input only."""
+    dense_none = layer_activation_bytes(m, precision, recompute, tp, sp)
+    h, e, k, n_e = m.hidden_size, DTYPE_BYTES[precision], m.moe_router_topk, m.num_experts
+    f_exp, f_sh = m.expert_ffn, m.moe_shared_expert_intermediate_size or 0
+    swiglu_dense = (e * (4 if m.activation == "swiglu" else 2) * m.intermediate_size) / tp
+    ffn_in = 4 * h if e == 4 else 2 * h * (2 if m.activation == "swiglu" else 1)
+    attention_part = dense_none - swiglu_dense - (ffn_in if recompute == "none" else 0)
+    if recompute == "full":
+        return dense_none
+    if recompute == "selective":
+        sel_dense_ffn = e * (2 if m.activation == "swiglu" else 1) * m.intermediate_size / tp
+        out = layer_activation_bytes(m, precision, "selective", tp, sp) - sel_dense_ffn
+        return out + 4 * n_e + (e * 2 * f_sh + (e if m.moe_shared_expert_gate else 0) if f_sh else 0)
+    router = 4 * h + 8 * n_e + 8 * k
+    experts = k * (e * h + e * 4 * f_exp + 4 * h)
+    shared = 0.0
+    if f_sh:
+        casts = 0 if e == 4 else 2 * h * (3 if m.moe_shared_expert_gate else 2)
+        shared = e * 4 * f_sh + casts + (e * (h + 1) if m.moe_shared_expert_gate else 0)
+    return attention_part + router + experts + shared
+
+
+def block_activation_bytes(m, kind: str, precision: str, recompute: str, tp: int = 1, sp: bool = True) -> float:
+    if kind == "moe":
+        return moe_layer_activation_bytes(m, precision, recompute, tp, sp)
+    return layer_activation_bytes(m, precision, recompute, tp, sp)
 
 
 def head_activation_bytes(m, precision: str, tp: int = 1, sp: bool = True) -> tuple[float, float]:
@@ -247,6 +348,9 @@ class RankMemory:
     overhead: float = OVERHEAD_BYTES
 
     grads_persist: bool = True  # gradients live across micro-batches (accumulation, pipelining)
+    expert_params: int = 0  # routed experts held (after ep, before FSDP)
+    expert_bytes: float = 0.0  # their weights + gradients + optimizer state on this rank (after FSDP)
+    all_to_all_bytes: float = 0.0  # MoE token all-to-all per step, sent by this rank (forward + backward)
 
     def total(self, recompute: str) -> float:
         """Peak bytes. Gradients are set to None after each step and backward frees activations as it creates
@@ -267,51 +371,73 @@ def rank_memory(cfg, dims, seq_length: int, overhead: float = OVERHEAD_BYTES) ->
         v = 2
     n_stages = pp * v
     counts = layer_split(m.num_layers, n_stages, dims.pp_layer_split)
+    starts = [sum(counts[:i]) for i in range(n_stages)]
     fsdp = dims.dp_shard * dims.cp if dims.dp_mode == "fsdp" else 1
+    ep = getattr(dims, "ep", 1)
+    efsdp = max(fsdp // ep, 1)  # the experts' FSDP group: edp x cp
     sp = dims.sequence_parallel
     tokens = t.micro_batch_size * seq_length // dims.cp  # tokens of one micro-batch on this rank
     n_micro = dims.num_pp_microbatches(t) if pp > 1 else 1
-    layer_local = pc.layer_tp / tp + pc.layer_rep
     e = DTYPE_BYTES[t.precision]
+
+    def local(lc: LayerCounts) -> float:  # one block's parameters on this rank, experts included
+        return lc.tp / tp + lc.rep + lc.experts / ep
+
     out = []
     for r in range(pp):
         ids = stage_ids(r, pp, v, dims.pp_schedule) if pp > 1 else [0]
         first, last = 0 in ids, n_stages - 1 in ids
-        layers = sum(counts[i] for i in ids)
-        params = layers * layer_local
+        mine = [pc.layers[j] for i in ids for j in range(starts[i], starts[i] + counts[i])]
+        layers = len(mine)
+        expert_params = int(sum(lc.experts / ep for lc in mine))
+        params = sum(lc.tp / tp + lc.rep for lc in mine)
         if first:
             params += pc.embedding_tp / tp + pc.embedding_rep
         if last:
             params += pc.head_rep + (pc.head_tp if not pc.tied else (0 if first else pc.embedding_tp)) / tp
-        params = int(params)
-        shard = math.ceil(params / fsdp)
+        dense_params = int(params)
+        params = dense_params + expert_params
+        shard = math.ceil(dense_params / fsdp) + math.ceil(expert_params / efsdp)
         optim = 8 if cfg.optim.optimizer == "adamw" else 0
         acts = {}
         for mode in RECOMPUTE_MODES:
-            per_mb = layers * layer_activation_bytes(m, t.precision, mode, tp, sp) * tokens
+            per_mb = sum(block_activation_bytes(m, lc.kind, t.precision, mode, tp, sp) for lc in mine) * tokens
             transient = 0.0  # the loss backward and the re-run of a recomputed layer happen at different times
             if last:
                 kept, tr = head_activation_bytes(m, t.precision, tp, sp)
                 per_mb += kept * tokens
                 transient = tr * tokens
+            if pp > 1:  # the schedule's forward cache: each in-flight micro-batch's stage output, until its backward
+                per_mb += (e * m.vocab_size / tp if last else 4 * m.hidden_size / (tp if sp and tp > 1 else 1)) * tokens
             if mode != "none" and layers:
-                transient = max(transient, layer_activation_bytes(m, t.precision, "none", tp, sp) * tokens)
+                full = max(block_activation_bytes(m, lc.kind, t.precision, "none", tp, sp) for lc in mine)
+                transient = max(transient, full * tokens)
             acts[mode] = per_mb * _in_flight(dims.pp_schedule, pp, v, n_micro, r) + transient
             if last and pp > 1 and PP_KEEPS_OUTPUTS:
                 acts[mode] += n_micro * tokens * e * m.vocab_size / tp
+        biggest = max((local(lc) for lc in mine), default=0.0)
         if fsdp > 1:  # FSDP2 all-gathers a module's parameters (in the compute dtype) and frees them after use
-            gathered = max(2 * layer_local, params - layers * layer_local)  # two blocks, or the root (embedding/head)
+            root = dense_params - sum(lc.tp / tp + lc.rep for lc in mine)
+            gathered = max(2 * biggest, root)  # two blocks, or the root (embedding/head)
             held = gathered if dims.fsdp_reshard_after_forward else params
-            copies = e * held + e * 2 * layer_local  # + two blocks' unsharded gradients before their reduce-scatter
+            copies = e * held + e * 2 * biggest  # + two blocks' unsharded gradients before their reduce-scatter
         elif e < 4:  # autocast casts every matmul weight (not the embedding lookup table) once per forward
             cast = params - (pc.embedding_tp / tp + pc.embedding_rep if first and not pc.tied else 0)
-            copies = e * (cast if t.recompute == "none" else cast - (layers - 1) * layer_local)
+            copies = e * (cast if t.recompute == "none" else cast - (layers - 1) * biggest)
         else:
             copies = 0.0
+        n_moe = sum(lc.kind == "moe" for lc in mine)
+        mb_per_step = n_micro if pp > 1 else dims.num_microbatches(t)
+        a2a = 0.0
+        if n_moe and ep > 1:  # dispatch + combine, forward + backward; activations fp32 unless FSDP casts to bf16
+            act = e if fsdp > 1 else 4
+            a2a = 4 * n_moe * mb_per_step * tokens * m.moe_router_topk * m.hidden_size * act * (ep - 1) / ep
         out.append(RankMemory(
             pp_rank=r, stages=list(ids), layers=layers, params=params, params_sharded=shard,
             weights=4.0 * shard, grads=4.0 * shard, optimizer=float(optim * shard), compute_copies=float(copies),
             activations=acts, overhead=overhead, grads_persist=pp > 1 or dims.num_microbatches(t) > 1,
+            expert_params=expert_params, expert_bytes=(4.0 + 4.0 + optim) * math.ceil(expert_params / efsdp),
+            all_to_all_bytes=a2a,
         ))
     return out
 
@@ -363,7 +489,28 @@ class LayoutPlan:
 
     @property
     def layout(self) -> dict:
-        return {n: getattr(self.dims, n) for n in ("dp_replicate", "dp_shard", "cp", "tp", "pp")}
+        return {n: getattr(self.dims, n) for n in LAYOUT_DIMS}
+
+
+def moe_comm_seconds(cfg, dims, ranks: list[RankMemory]) -> dict:
+    """Per step, on the slowest pipeline rank: the MoE token all-to-all (on the critical path: the experts wait for
+    their tokens) and the routed experts' FSDP traffic (all-gather in forward and backward, reduce-scatter of fp32
+    gradients, per micro-batch; overlapped with compute, so only what exceeds it shows). A group inside one node
+    of 8 GPUs uses NVLink, a wider one the network; ranks are laid out tp fastest, then ep, cp, edp (ParallelDims)."""
+    ep, tp = getattr(dims, "ep", 1), dims.tp
+    fsdp = dims.dp_shard * dims.cp if dims.dp_mode == "fsdp" else 1
+    efsdp = max(fsdp // ep, 1)
+    e = DTYPE_BYTES[cfg.train.precision]
+    n_micro = dims.num_pp_microbatches(cfg.train) if dims.pp > 1 else dims.num_microbatches(cfg.train)
+
+    def bandwidth(span: int) -> float:
+        return NVLINK_BYTES_PER_S if span <= GPUS_PER_NODE else NETWORK_BYTES_PER_S
+
+    a2a = max(r.all_to_all_bytes for r in ranks) / bandwidth(ep * tp)
+    moved = max(r.expert_params for r in ranks) * (efsdp - 1) / efsdp
+    passes = (2 if dims.fsdp_reshard_after_forward else 1) * e + 4
+    gather = moved * passes * n_micro / bandwidth(fsdp * tp) if efsdp > 1 else 0.0
+    return {"all_to_all_s": a2a, "expert_fsdp_s": gather}
 
 
 def evaluate(cfg, dims, gpu: GpuSpec, mfu: float = DEFAULT_MFU, overhead: float = OVERHEAD_BYTES) -> LayoutPlan:
@@ -374,6 +521,10 @@ def evaluate(cfg, dims, gpu: GpuSpec, mfu: float = DEFAULT_MFU, overhead: float 
     eff = efficiency(dims, n_micro)
     fl = step_flops(cfg)
     time = fl["hardware_flops"] / (dims.world_size * gpu.peak_flops * mfu * eff["total"])
+    if cfg.model.is_moe:
+        comm = moe_comm_seconds(cfg, dims, ranks)
+        eff = {**eff, **comm}
+        time += comm["all_to_all_s"] + max(0.0, comm["expert_fsdp_s"] - time)
     return LayoutPlan(dims, ranks, mode, worst, worst <= gpu.memory_bytes, time, fl["tokens"] / time, eff)
 
 
@@ -396,7 +547,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidate_layouts(cfg, gpus: int):
-    """Every valid (dp_replicate, dp_shard, cp, tp, pp) for ``gpus`` ranks: tp <= 8, ParallelDims' rules."""
+    """Every valid (dp_replicate, dp_shard, cp, tp, pp, ep) for ``gpus`` ranks: tp <= 8, ParallelDims' rules; ep over
+    the divisors of dp_shard (and of the expert count) for an MoE model."""
     from megapipe.parallel.dims import ParallelDims
 
     p = cfg.parallel
@@ -406,25 +558,28 @@ def candidate_layouts(cfg, gpus: int):
             for cp in _divisors(gpus // (tp * pp)):
                 rest = gpus // (tp * pp * cp)
                 for rep in _divisors(rest):
-                    pcfg = dataclasses.replace(
-                        p, tp=tp, pp=pp, cp=cp, dp_replicate=rep, dp_shard=rest // rep,
-                        pp_virtual_stages=p.pp_virtual_stages if pp > 1 else 1,
-                        pp_layer_split=p.pp_layer_split if pp == p.pp else None,
-                        pp_microbatches=p.pp_microbatches if pp > 1 else None,
-                    )
-                    if pp > 1 and p.pp == 1 and pcfg.pp_schedule != "1F1B" and pcfg.pp_virtual_stages == 1:
-                        pcfg = dataclasses.replace(pcfg, pp_schedule="1F1B")
-                    try:
-                        dims = ParallelDims.from_config(pcfg, gpus, cfg.train, cfg.model, cfg.data.seq_length)
-                    except ConfigError:
-                        continue
-                    if not any(d.world_size == dims.world_size and _same(d, dims) for d in out):
-                        out.append(dims)
+                    shard = rest // rep
+                    eps = [d for d in _divisors(shard) if cfg.model.num_experts % d == 0] if cfg.model.is_moe else [1]
+                    for ep in eps:
+                        pcfg = dataclasses.replace(
+                            p, tp=tp, pp=pp, cp=cp, dp_replicate=rep, dp_shard=shard, ep=ep,
+                            pp_virtual_stages=p.pp_virtual_stages if pp > 1 else 1,
+                            pp_layer_split=p.pp_layer_split if pp == p.pp else None,
+                            pp_microbatches=p.pp_microbatches if pp > 1 else None,
+                        )
+                        if pp > 1 and p.pp == 1 and pcfg.pp_schedule != "1F1B" and pcfg.pp_virtual_stages == 1:
+                            pcfg = dataclasses.replace(pcfg, pp_schedule="1F1B")
+                        try:
+                            dims = ParallelDims.from_config(pcfg, gpus, cfg.train, cfg.model, cfg.data.seq_length)
+                        except ConfigError:
+                            continue
+                        if not any(d.world_size == dims.world_size and _same(d, dims) for d in out):
+                            out.append(dims)
     return out
 
 
 def _same(a, b) -> bool:
-    return all(getattr(a, n) == getattr(b, n) for n in ("dp_replicate", "dp_shard", "cp", "tp", "pp"))
+    return all(getattr(a, n) == getattr(b, n) for n in LAYOUT_DIMS)
 
 
 def rank_layouts(cfg, gpus: int, gpu: GpuSpec, mfu: float = DEFAULT_MFU, top: int = 5) -> tuple[list, int, int]:
@@ -449,8 +604,10 @@ def plan(cfg, gpus: int, gpu_type: str = "h100", mfu: float = DEFAULT_MFU, top: 
         "gpu": {"type": gpu_type.lower(), "name": gpu.name, "memory_bytes": gpu.memory_bytes,
                 "peak_flops": gpu.peak_flops, "count": gpus},
         "mfu_assumed": mfu,
-        "params": {"total": pc.total, "embedding": pc.embedding, "per_layer": pc.layer, "head": pc.head,
-                   "layers": pc.num_layers, "tied": pc.tied},
+        "params": {"total": pc.total, "active": pc.active, "experts": pc.experts, "embedding": pc.embedding,
+                   "per_layer": {kind: d["params"] for kind, d in pc.by_kind().items()},
+                   "layers_by_kind": {kind: d["layers"] for kind, d in pc.by_kind().items()},
+                   "head": pc.head, "layers": pc.num_layers, "tied": pc.tied},
         "layout": {**this.layout, "dp_mode": dims.dp_mode, "pp_schedule": dims.pp_schedule,
                    "microbatches": dims.num_microbatches(cfg.train) if dims.pp == 1
                    else dims.num_pp_microbatches(cfg.train)},

@@ -16,6 +16,8 @@ import copy
 import torch
 from torch import nn
 
+from megapipe.models.moe import moe_layers
+
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 
 
@@ -101,6 +103,39 @@ def sync_tied_grads(model, dims) -> None:
     dist.all_reduce(local, group=group)
 
 
+class _MoEStatsGuard:
+    """Keeps torch's pipeline metadata inference out of a stage's MoE statistics. On the first step, and on the first
+    training step after an evaluation, torch runs each stage once on inferred (uninitialised, for later stages)
+    inputs, forward and backward, before the step's micro-batches; it is then called once more than there are
+    micro-batches. The statistics gathered before its second call are set aside, and dropped at the end of the step
+    when that extra call happened (kept otherwise)."""
+
+    def __init__(self, part: nn.Module):
+        self.layers = [m for _, m in moe_layers(part)]
+        self.calls, self.aside = 0, None
+        part.register_forward_pre_hook(self._pre_forward)
+
+    def begin(self) -> None:
+        self.calls, self.aside = 0, None
+
+    def _pre_forward(self, module, args) -> None:
+        if not torch.is_grad_enabled():
+            return
+        self.calls += 1
+        if self.calls == 2:
+            self.aside = [(m.tokens_per_expert.clone(), m.stats.clone()) for m in self.layers]
+            for m in self.layers:
+                m.reset_stats()
+
+    def end(self, n_microbatches: int) -> None:
+        if self.aside is not None and self.calls == n_microbatches:  # no inference ran: the first call was real
+            with torch.no_grad():
+                for m, (tokens, stats) in zip(self.layers, self.aside, strict=True):
+                    m.tokens_per_expert += tokens
+                    m.stats += stats
+        self.calls, self.aside = 0, None
+
+
 class PipelineModel(nn.Module):
     """This rank's pipeline stages seen as one (partial) model: same attribute and parameter names as the full
     model. Run it with ``schedule`` (see megapipe.parallel.step), not by calling it."""
@@ -125,12 +160,16 @@ class PipelineModel(nn.Module):
         self.stage_indices = stage_indices
         self.num_stages = num_stages
         self.schedule = None
+        self.n_microbatches = 1  # what the schedule cuts a step's batch into (set with the schedule)
         self.cfg = getattr(parts[0], "cfg", None)
         self._step = None  # (loss, batch, factor, scale_loss) of the step being run, see begin_step
+        self._moe = [_MoEStatsGuard(part) for part in parts if moe_layers(part)]
 
     def begin_step(self, loss, batch: dict, factor: float, scale_loss=None) -> None:
         """Before a schedule step: the recipe's loss, the step's whole (local) batch, the normalising factor."""
         self._step, self._results = (loss, batch, factor, scale_loss), {}
+        for guard in self._moe:
+            guard.begin()
 
     def schedule_loss(self, output, rows):
         """The schedule's loss for one pipeline micro-batch: ``rows`` (its target) are the micro-batch's rows of the
@@ -152,6 +191,8 @@ class PipelineModel(nn.Module):
         """The loss results of the step's micro-batches (on the last stage; empty elsewhere)."""
         results = [self._results[k] for k in sorted(self._results)]
         self._step, self._results = None, {}
+        for guard in self._moe:
+            guard.end(self.n_microbatches)
         return results
 
     @property

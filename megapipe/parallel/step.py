@@ -15,6 +15,10 @@ last micro-batch. The optimizer step is the caller's.
 
 ``context``: a factory of a context manager wrapped around each forward (e.g. autocast); ``scale_loss``: fp16
 loss scaling applied to what is backpropagated (reported values are unscaled).
+
+MoE layers add their balancing losses to backward themselves (megapipe.models.moe), weighted as a mean over the
+global batch's micro-batches (``set_aux_loss_scale``); their statistics become ``moe/...`` metrics and the global
+tokens per expert come back in ``StepResult.expert_load`` for the aux-loss-free bias update after the optimizer step.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch.distributed as dist
 from megapipe.parallel.cp import shard_sequence
 from megapipe.parallel.dims import ParallelDims
 from megapipe.parallel.dp import set_gradient_sync
+from megapipe.parallel.ep import moe_step_stats, reset_moe_stats, set_aux_loss_scale
 from megapipe.parallel.pp import V_SCHEDULES, PipelineModel, sync_tied_grads
 from megapipe.parallel.tp import loss_parallel_context
 from megapipe.training.objective import Loss, ModelOutput, TokenCrossEntropy
@@ -41,6 +46,7 @@ class StepResult:
     loss: torch.Tensor  # the global batch's loss: sum over all units / number of units (same on every rank)
     units: int  # loss units (valid tokens) in the global batch
     metrics: dict[str, float] = field(default_factory=dict)  # the loss's extra metrics, normalised the same way
+    expert_load: dict = field(default_factory=dict)  # MoE layer -> tokens per expert in the global batch
 
     def item(self) -> float:
         return self.loss.item()
@@ -84,18 +90,33 @@ def count_units(loss: Loss, microbatches: list[dict], dims: ParallelDims, device
     return int(total.item())
 
 
-def model_output(model, mb: dict) -> ModelOutput:
-    """Run the model on a micro-batch: positions and document ids go in when the batch carries them; a model set
-    to return its hidden states (the fused loss) hands them over with its output weight."""
+def _model_kwargs(mb: dict) -> dict:
     kwargs = {}
     if "position_ids" in mb:
         kwargs["positions"] = mb["position_ids"]
     if "document_ids" in mb:
         kwargs["document_ids"] = mb["document_ids"]
-    out = model(mb["tokens"], **kwargs)
+    return kwargs
+
+
+def model_output(model, mb: dict) -> ModelOutput:
+    """Run the model on a micro-batch: positions and document ids go in when the batch carries them; a model set
+    to return its hidden states (the fused loss) hands them over with its output weight."""
+    out = model(mb["tokens"], **_model_kwargs(mb))
     if getattr(model, "return_hidden", False):
         return ModelOutput(hidden=out, output_weight=model.output_weight)
     return ModelOutput(logits=out)
+
+
+def run_loss(model, loss: Loss, mb: dict):
+    """The loss of one micro-batch. A model set to return its hidden states (the fused output + cross-entropy) runs
+    the loss inside its own forward, where FSDP holds the whole output weight (outside it is a shard)."""
+    if getattr(model, "return_hidden", False):
+        def head(hidden, weight):
+            return loss(ModelOutput(hidden=hidden, output_weight=lambda: weight), mb)
+
+        return model(mb["tokens"], **_model_kwargs(mb), head=head)
+    return loss(model_output(model, mb), mb)
 
 
 class _Totals:
@@ -127,9 +148,14 @@ def train_step(model, microbatches: list[dict], dims: ParallelDims, loss: Option
     units = count_units(loss, microbatches, dims, device)
     # what each micro-batch backpropagates is its sum times this: the reduction over dp_cp ranks then averages
     factor = dims.dp_size * dims.cp / units if units else 0.0
-    if isinstance(model, PipelineModel):
-        return _pipeline_step(model, microbatches, dims, loss, factor, units, context, scale_loss)
-    n = len(microbatches)
+    pipeline = isinstance(model, PipelineModel)
+    n = model.n_microbatches if pipeline else len(microbatches)
+    # balancing losses: a mean over the dp_size * n micro-batches, each counted once over its cp ranks
+    loss_scale = float(scale_loss(torch.ones(()))) if scale_loss is not None else 1.0
+    set_aux_loss_scale(model, loss_scale * dims.cp / n)
+    if pipeline:
+        return _with_moe(model, dims, _pipeline_step(model, microbatches, dims, loss, factor, units, context,
+                                                     scale_loss))
     totals = _Totals(device)
     skip_sync = dims.dp_mode == "ddp" or not dims.fsdp_reshard_after_forward
     for i, mb in enumerate(microbatches):
@@ -137,13 +163,20 @@ def train_step(model, microbatches: list[dict], dims: ParallelDims, loss: Option
             set_gradient_sync(model, i == n - 1)
         with loss_parallel_context(dims.loss_parallel):
             with context():
-                result = loss(model_output(model, mb), mb)
+                result = run_loss(model, loss, mb)
                 objective = result.total * factor
                 if result.aux is not None:
                     objective = objective + result.aux
             (scale_loss(objective) if scale_loss is not None else objective).backward()
         totals.add(result)
-    return totals.finish(dims, units, with_pp=False)
+    return _with_moe(model, dims, totals.finish(dims, units, with_pp=False))
+
+
+def _with_moe(model, dims: ParallelDims, result: StepResult) -> StepResult:
+    metrics, load = moe_step_stats(model, dims)
+    result.metrics.update(metrics)
+    result.expert_load = load
+    return result
 
 
 def _pipeline_step(model: PipelineModel, microbatches, dims, loss, factor, units, context, scale_loss,
@@ -180,11 +213,13 @@ def eval_step(model, microbatches: list[dict], dims: ParallelDims, loss: Optiona
     microbatches = [local_batch(mb, dims) for mb in microbatches]
     units = count_units(loss, microbatches, dims, device)
     if isinstance(model, PipelineModel):
-        return _pipeline_step(model, microbatches, dims, loss, 0.0, units, context, None, eval_only=True)
+        result = _pipeline_step(model, microbatches, dims, loss, 0.0, units, context, None, eval_only=True)
+        reset_moe_stats(model)  # a V schedule evaluates through a training step (see _pipeline_step)
+        return result
     totals = _Totals(device)
     for mb in microbatches:
         with loss_parallel_context(dims.loss_parallel), context():
-            totals.add(loss(model_output(model, mb), mb))
+            totals.add(run_loss(model, loss, mb))
     return totals.finish(dims, units, with_pp=False)
 
 

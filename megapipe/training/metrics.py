@@ -126,7 +126,8 @@ class MetricsLogger:
                         ("mfu", "mfu"), ("loss_scale", "loss scale"), ("skipped", "skipped")]
                 parts = [_fmt(label, record.get(k)) for k, label in keys if k in record and (k != "skipped" or record[k])]
                 known = {k for k, _ in keys} | {"step", "tokens_seen"}
-                parts += [_fmt(k, v) for k, v in record.items() if k not in known]
+                # per-part details (e.g. moe/L3/aux_loss) go to the files only
+                parts += [_fmt(k, v) for k, v in record.items() if k not in known and k.count("/") < 2]
                 self.console.print(f"[bold]step {step}[/] | " + " | ".join(parts))
             else:
                 parts = [_fmt(k, v) for k, v in record.items() if k != "step"]

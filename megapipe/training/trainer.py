@@ -111,9 +111,11 @@ class Trainer:
     @property
     def fused_loss(self) -> bool:
         """The output projection runs inside the loss, chunk by chunk, so the [tokens, vocab] logits never exist
-        whole: when the recipe's loss can take hidden states and the layout keeps the output weight whole."""
+        whole: when the recipe's loss can take hidden states and the layout keeps the output weight whole on each
+        rank during the forward (data parallelism: FSDP gathers it, the loss runs inside the model's forward; not
+        tp, which splits it by vocabulary, nor pp / cp, whose schedules and ring attention take logits)."""
         d = self.dims
-        return self.loss.fusable and d.tp == d.pp == d.cp == d.dp_size == 1
+        return self.loss.fusable and d.tp == d.pp == d.cp == 1
 
     def _build_model(self):
         from megapipe.parallel.parallelize import parallelize_model
@@ -198,6 +200,10 @@ class Trainer:
         set_lr(self.optimizer, out["lr"])
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if result.expert_load:  # aux-loss-free MoE balancing: once per global batch, after the update
+            from megapipe.parallel.ep import update_expert_biases
+
+            update_expert_biases(self.model, result.expert_load)
         self.state.updates += 1
         return out
 

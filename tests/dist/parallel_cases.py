@@ -5,7 +5,10 @@ same seed and global batch computed on every rank: the per-step losses (relative
 clipped gradient norm, and the weights after the last step. Usage:
     torchrun --nproc-per-node N tests/dist/parallel_cases.py OUT.json CASE [CASE ...]
 CASE is a layout with options, e.g. "tp2", "pp2:schedule=GPipe", "dp_shard2,tp2:recompute=full:model=qk";
-"mask=1" gives every row a loss mask keeping a different number of tokens (global token-weighted normalisation).
+"mask=1" gives every row a loss mask keeping a different number of tokens (global token-weighted normalisation);
+"fused=1" trains with the fused output projection + cross-entropy (the reference uses the logits).
+MoE models ("model=moe", ...) are compared with a reference that runs the same micro-batches (their balancing losses
+are per micro-batch), and also on their expert biases (aux-loss-free balancing) and MoE metrics after every step.
 Rank 0 writes {case: {"loss_rel": .., "grad_abs": .., "param_abs": .., "norm_rel": .., "error": ..}} to OUT.json.
 
 Checkpoint cases (AdamW, next to OUT.json): "tp2,pp2:save=NAME" trains 2 steps, saves NAME/step_00000002 with
@@ -27,6 +30,7 @@ import torch.distributed as dist
 from megapipe.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from megapipe.models import build_model
 from megapipe.parallel.dims import ParallelDims, apply_layout, parse_layout
+from megapipe.parallel.ep import update_expert_biases
 from megapipe.parallel.step import clip_grad_norm_, eval_step, train_step
 
 SEQ, GLOBAL_BATCH, MICRO, STEPS, LR, CLIP = 16, 8, 2, 3, 0.5, 0.8
@@ -41,6 +45,25 @@ MODELS = {
                  norm_type="layernorm", activation="gelu_tanh", position_embedding="learned", qkv_bias=True,
                  attn_out_bias=True, mlp_bias=True, max_position_embeddings=64),
     "deep": dict(hidden_size=32, intermediate_size=64, num_layers=8, num_heads=4, num_kv_heads=2, vocab_size=128),
+    # Mixtral/Qwen-shaped: softmax router, micro-batch aux loss + z-loss, a gated shared expert, first layer dense
+    "moe": dict(hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=128,
+                num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16, moe_aux_loss_coeff=0.05,
+                moe_z_loss_coeff=0.01, moe_shared_expert_intermediate_size=16, moe_shared_expert_gate=True,
+                moe_first_k_dense_replace=1),
+    # DeepSeek-V3-shaped: sigmoid scores, group-limited top-k, scaling, expert bias (aux-loss-free) + sequence aux
+    "moe_bias": dict(hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=128,
+                     num_experts=8, moe_router_topk=4, moe_ffn_hidden_size=16, moe_router_score_function="sigmoid",
+                     moe_router_num_groups=4, moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5,
+                     moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.01,
+                     moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.05),
+    # every token routed to experts 0 and 1 (a fixed expert bias, see skewed()): other ep ranks receive no token
+    "moe_skew": dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=128,
+                     num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16, moe_router_score_function="sigmoid",
+                     moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0, moe_aux_loss_coeff=0.05),
+    # token dropping: capacity factor 1 by probability
+    "moe_drop": dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=128,
+                     num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16, moe_aux_loss_coeff=0.05,
+                     moe_expert_capacity_factor=1.0),
 }
 
 
@@ -66,6 +89,17 @@ def make_config(layout: dict, opts: dict) -> Config:
     return cfg
 
 
+def build(cfg: Config):
+    """The case's model, identical on every rank (and in the reference)."""
+    model = build_model(cfg.model, seed=cfg.train.seed)
+    if cfg.model.moe_router_bias_update_rate == 0.0 and cfg.model.moe_router_enable_expert_bias:
+        from megapipe.models.moe import moe_layers
+
+        for _, moe in moe_layers(model):  # "moe_skew": experts 0 and 1 win every choice
+            moe.expert_bias.copy_(torch.tensor([100.0, 100.0, 0.0, 0.0]))
+    return model
+
+
 def batches(cfg: Config, steps: int, masked: bool = False):
     g = torch.Generator().manual_seed(7)
     data = torch.randint(0, cfg.model.vocab_size, (steps, GLOBAL_BATCH, SEQ + 1), generator=g)
@@ -86,31 +120,47 @@ _REFERENCE: dict = {}
 
 def reference(cfg: Config, masked: bool = False) -> dict:
     """Single-process losses, step-1 gradients, clip norm and final weights (cached per model and masking), the
-    global batch in one micro-batch."""
+    global batch in one micro-batch (an MoE model: in the layouts' micro-batches)."""
     key = json.dumps(cfg.model.__dict__, sort_keys=True, default=str) + str(masked)
     if key in _REFERENCE:
         return _REFERENCE[key]
-    model = build_model(cfg.model, seed=cfg.train.seed)
+    model = build(cfg)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     trivial = ParallelDims()
-    out = {"losses": [], "init": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    out = {"losses": [], "biases": [], "moe": [], "init": {n: p.detach().clone() for n, p in model.named_parameters()}}
     for i, batch in enumerate(batches(cfg, STEPS, masked)):
         opt.zero_grad()
-        out["losses"].append(train_step(model, [batch], trivial).item())
+        result = train_step(model, micro(batch, 0, GLOBAL_BATCH, MICRO) if cfg.model.is_moe else [batch], trivial)
+        out["losses"].append(result.item())
+        out["moe"].append({k: v for k, v in result.metrics.items() if k.startswith("moe/")})
         if i == 0:
             out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
         norm = clip_grad_norm_(model, CLIP, trivial)
         if i == 0:
             out["norm"] = norm.item()
         opt.step()
+        update_expert_biases(model, result.expert_load)
+        out["biases"].append(expert_biases(model))
     out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
-    out["eval"] = eval_step(model, [batches(cfg, 1, masked)[0]], trivial).item()
+    last = batches(cfg, 1, masked)[0]
+    out["eval"] = eval_step(model, micro(last, 0, GLOBAL_BATCH, MICRO) if cfg.model.is_moe else [last], trivial).item()
     _REFERENCE[key] = out
     return out
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def expert_biases(model) -> dict:
+    return {n: b.detach().clone() for n, b in model.named_buffers() if n.endswith("expert_bias")}
+
+
+def moe_rel(got: dict, want: dict) -> float:
+    """Largest relative difference of the MoE metrics (balancing losses, load, dropped fraction)."""
+    if set(got) != set(want):
+        raise AssertionError(f"MoE metrics differ: {sorted(set(got) ^ set(want))[:4]}")
+    return max([abs(got[k] - want[k]) / max(abs(want[k]), 1e-12) for k in want], default=0.0)
 
 
 def max_diff(named, ref: dict) -> float:
@@ -140,16 +190,21 @@ def run_case(text: str) -> dict:
     ref = reference(cfg, masked)
     dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size(), cfg.train, cfg.model, SEQ)
     dims.build_mesh("cpu")
-    model = parallelize_model(build_model(cfg.model, seed=cfg.train.seed), dims, cfg)
+    model = build(cfg)
+    model.return_hidden = opts.get("fused") == "1"  # the fused output + cross-entropy (vs the reference's logits)
+    model = parallelize_model(model, dims, cfg)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     per_rank = GLOBAL_BATCH // dims.dp_size
     lo = dims.dp_rank * per_rank
-    res = {"loss_rel": 0.0}
+    res = {"loss_rel": 0.0, "bias_abs": 0.0, "moe_rel": 0.0}
     init = {n: full(p.detach()).clone() for n, p in model.named_parameters()}
     for i, batch in enumerate(batches(cfg, STEPS, masked)):
         opt.zero_grad()
-        loss = train_step(model, micro(batch, lo, lo + per_rank, MICRO), dims).item()
+        result = train_step(model, micro(batch, lo, lo + per_rank, MICRO), dims)
+        loss = result.item()
         res["loss_rel"] = max(res["loss_rel"], abs(loss - ref["losses"][i]) / abs(ref["losses"][i]))
+        res["moe_rel"] = max(res["moe_rel"], moe_rel({k: v for k, v in result.metrics.items() if k.startswith("moe/")},
+                                                     ref["moe"][i]))
         if i == 0:
             grads = [(n, p.grad) for n, p in model.named_parameters()]
             res["grad_abs"] = max_diff(grads, ref["grads"])
@@ -158,6 +213,14 @@ def run_case(text: str) -> dict:
         if i == 0:
             res["norm_rel"] = abs(norm.item() - ref["norm"]) / ref["norm"]
         opt.step()
+        update_expert_biases(model, result.expert_load)
+        res["bias_abs"] = max([res["bias_abs"], *[(b - ref["biases"][i][n]).abs().max().item()
+                                                  for n, b in expert_biases(model).items()]])
+        if cfg.model.moe_router_enable_expert_bias:
+            res["bias_moved"] = float(any(b.abs().max() > 0 for b in ref["biases"][i].values()))
+        if i == 0 and cfg.model.moe_router_bias_update_rate == 0.0 and result.expert_load:
+            # the skewed model: no token for experts 2 and 3, whose ep ranks got nothing to compute
+            res["idle_experts"] = float(all(load[2:].sum() == 0 for load in result.expert_load.values()))
     res["param_abs"] = max_diff(model.named_parameters(), ref["params"])
     # what the 3 steps changed, against what they changed in the reference: 1.0 for a run that never updates
     updates = ((n, full(p.detach()) - init[n]) for n, p in model.named_parameters())

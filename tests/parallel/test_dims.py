@@ -102,3 +102,29 @@ def test_launcher_detection():
     assert detect_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}).launcher == "none"  # sbatch shell, not srun
     assert first_slurm_host("node[003-005,007],gpu1") == "node003"
     assert first_slurm_host("gpu17") == "gpu17"
+
+
+MOE = ModelConfig(**{**MODEL.__dict__, "num_experts": 8, "moe_router_topk": 2})
+
+
+def test_expert_parallel_layouts():
+    d = dims(16, model=MOE, tp=2, ep=4)
+    assert (d.dp_shard, d.ep, d.world_size) == (8, 4, 16) and d.describe() == "dp_shard8,tp2,ep4"
+    assert parse_layout("ep2,tp2") == {"ep": 2, "tp": 2}
+    from megapipe.parallel.dims import apply_layout, layout_world_size
+
+    assert layout_world_size({"ep": 2, "tp": 2}) == 4 and layout_world_size({"ep": 2, "dp_shard": 4}) == 4
+    pc = apply_layout(ParallelConfig(), {"ep": 2, "pp": 2})
+    assert (pc.dp_shard, pc.ep, pc.pp) == (2, 2, 2)
+
+
+@pytest.mark.parametrize("world, kw, model, message", [
+    (4, dict(ep=2), MODEL, "parallel.ep = 2 needs an MoE model"),
+    (4, dict(ep=3), MOE, "parallel.ep = 3 must divide parallel.dp_shard = 4"),
+    (4, dict(ep=2, dp_mode="ddp"), MOE, "parallel.ep = 2 needs parallel.dp_mode = 'fsdp'"),
+    (4, dict(ep=4), ModelConfig(**{**MOE.__dict__, "num_experts": 6}), "model.num_experts = 6 is not divisible"),
+    (4, dict(ep=0), MOE, "parallel.ep = 0 must be >= 1"),
+])
+def test_impossible_expert_parallel_layouts(world, kw, model, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        dims(world, model=model, **kw)

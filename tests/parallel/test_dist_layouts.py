@@ -4,7 +4,9 @@ and checkpoints saved in one layout load in another (model + AdamW state, exactl
 
 Bounds: loss relative difference <= 1e-5 over 3 steps; gradients after step 1, clipped-gradient norm and weights
 after 3 steps within 1e-6 absolute (observed: ~1e-7 relative losses, ~1e-8 absolute tensors: the order of fp32
-summations differs between layouts, nothing else).
+summations differs between layouts, nothing else). MoE models (expert parallelism "epN" alone and with dp / tp /
+pp / cp, and MoE under the other layouts) also match on their expert biases after every step (aux-loss-free
+balancing: exactly) and on their MoE metrics (balancing losses, expert load, dropped fraction: 1e-5 relative).
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ CASES_2 = [
     "pp2:schedule=ZBVZeroBubble", "pp2:schedule=DualPipeV", "dp_shard2:recompute=full:reshard=0",
     "pp2:model=tied:schedule=Interleaved1F1B", "dp_shard2:precision=bf16",
     "dp_shard2:mask=1", "ddp2:mask=1", "pp2:schedule=GPipe:mask=1", "tp2:mask=1", "cp2:mask=1",
+    "ep2:model=moe", "ep2:model=moe_bias:recompute=full", "ep2:model=moe_drop:mask=1", "tp2:model=moe",
+    "pp2:model=moe_bias:schedule=GPipe", "cp2:model=moe_bias",
+    "dp_shard2:fused=1:mask=1", "ddp2:fused=1:model=tied", "dp_shard2:fused=1:model=moe:reshard=0",
+    "ep2:model=moe_skew",
 ]
 BF16 = [c for c in CASES_2 if "precision=bf16" in c]
 CASES_4 = [
@@ -39,8 +45,13 @@ CASES_4 = [
     "pp2,dp_shard2:schedule=Interleaved1F1B", "ddp2,cp2",
     "pp2,tp2:model=tied", "tp2,pp2:save=ckpt_tp2pp2", "dp_shard4:load=ckpt_tp2pp2",
     "dp_shard2,cp2:save=ckpt_dp2cp2", "pp2,tp2:schedule=Interleaved1F1B:load=ckpt_dp2cp2", "dp_shard2,cp2:mask=1",
+    "ep2,dp_shard4:model=moe", "ep4:model=moe_bias", "ep2,tp2:model=moe", "ep2,cp2:model=moe_bias",
+    "pp2,ep2:model=moe_bias:schedule=Interleaved1F1B", "ep2,dp_replicate2:model=moe_drop",
+    "ep2,dp_shard4:model=moe:save=ckpt_ep2", "pp2,ep2:model=moe:load=ckpt_ep2",
+    "dp_shard4:model=moe:save=ckpt_ep1", "ep4:model=moe:load=ckpt_ep1", "dp_replicate2,dp_shard2:fused=1:model=tied",
+    "ep4:model=moe_skew",
 ]
-CASES_8 = ["pp2,dp_shard2,tp2", "dp_shard2,cp2,tp2"]
+CASES_8 = ["pp2,dp_shard2,tp2", "dp_shard2,cp2,tp2", "pp2,ep2,tp2:model=moe_bias"]
 
 
 def launch(nproc: int, cases: list[str], out_dir: Path) -> dict:
@@ -74,6 +85,11 @@ def check_equivalence(res: dict, world: int, layout: str) -> None:
     assert res["loss_rel"] <= 1e-5, res
     assert res["grad_abs"] <= 1e-6 and res["param_abs"] <= 1e-6 and res["norm_rel"] <= 1e-5, res
     assert res["not_fp32"] == 0.0 and res["eval_rel"] <= 1e-5, res
+    assert res["bias_abs"] == 0.0 and res["moe_rel"] <= 1e-5, res
+    if "model=moe_bias" in layout:
+        assert res["bias_moved"] == 1.0, res  # the expert biases really were updated
+    if "model=moe_skew" in layout:
+        assert res["idle_experts"] == 1.0, res  # ep ranks that received no token: no hang, exact gradients
     # every rank compared its parameters: TP/DP/CP replicas hold one copy each, PP stages split them
     pp = 2 if "pp2" in layout else 1
     name = next((o.split("=")[1] for o in layout.split(":") if o.startswith("model=")), "base")
@@ -122,7 +138,9 @@ def test_checkpoint_loads_in_another_layout(results_4, case):
     assert "error" not in res, res.get("trace", res)
     saved = next(r for c, r in results_4[1].items() if f"save={case.split('load=')[1]}" in c)
     assert "error" not in saved, saved.get("trace", saved)
-    assert res["tensors"] == saved["tensors"] == 3 * N_TENSORS  # weights + exp_avg + exp_avg_sq
+    model = next((o.split("=")[1] for o in case.split(":") if o.startswith("model=")), "base")
+    n_tensors = len(list(build_model(ModelConfig(**pc.MODELS[model]), device="meta").parameters()))
+    assert res["tensors"] == saved["tensors"] == 3 * n_tensors  # weights + exp_avg + exp_avg_sq
     assert res["ckpt_model_abs"] == 0.0 and res["ckpt_optim_abs"] == 0.0, res
     assert res["resume_loss_rel"] <= 1e-5, res
 
@@ -147,3 +165,25 @@ def test_tp2_pp2_checkpoint_loads_in_one_process(results_4):
         for k in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(st[k], ref[f"optim.{names[id(p)]}.{k}"]), (names[id(p)], k)
         assert float(st["step"]) == 2.0
+
+
+@pytest.mark.dist
+def test_ep2_checkpoint_loads_in_one_process(results_4):
+    """Experts saved sharded over 2 ep ranks (and 2 edp ranks) load into one process: every expert under its global
+    index, weights and AdamW state equal."""
+    from megapipe.checkpoint import load_checkpoint
+
+    out_dir = results_4[0]
+    assert "error" not in results_4[1]["ep2,dp_shard4:model=moe:save=ckpt_ep2"]
+    cfg = pc.make_config({}, {"model": "moe"})
+    model = build_model(cfg.model, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    load_checkpoint(out_dir / "ckpt_ep2" / "step_00000002", model, opt)
+    ref = torch.load(out_dir / "ckpt_ep2.ref.pt")
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert model.layers["1"].moe.experts.w1.shape == (4, 16, 32)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), ref[f"model.{n}"]), n
+    for p, st in opt.state.items():
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(st[k], ref[f"optim.{names[id(p)]}.{k}"]), (names[id(p)], k)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -227,8 +228,88 @@ def test_pipeline_activations_follow_1f1b_in_flight_counts():
     assert m == 8
     ranks = P.rank_memory(cfg, dims, 4096)
     layer = P.layer_activation_bytes(cfg.model, "bf16", "none", tp=2) * 4096
+    stage_output = 4 * 4096 / 2 * 4096  # the last block's fp32 output (split by SP), in the schedule's forward cache
     for r in ranks[:3]:  # stage i holds pp - i micro-batches of its 8 layers
-        assert r.activations["none"] == pytest.approx(8 * layer * (4 - r.pp_rank))
+        assert r.activations["none"] == pytest.approx((8 * layer + stage_output) * (4 - r.pp_rank))
     kept, transient = P.head_activation_bytes(cfg.model, "bf16", tp=2)
     assert not P.PP_KEEPS_OUTPUTS  # megapipe.parallel.step passes return_outputs=False: no logits kept per micro-batch
-    assert ranks[3].activations["none"] == pytest.approx(8 * layer + (kept + transient) * 4096)
+    logits = 2 * 128256 / 2 * 4096  # but the in-flight micro-batch's bf16 logits stay in the forward cache
+    assert ranks[3].activations["none"] == pytest.approx(8 * layer + logits + (kept + transient) * 4096)
+
+
+# --------------------------------------------------------------------------------------------------- MoE
+
+
+@pytest.mark.parametrize("preset", ["tiny-moe", "mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3-tiny"])
+def test_moe_param_counts_match_the_model(preset):
+    cfg = load_config(None, {"model.preset": preset, "model.vocab_size": 32000}).model
+    pc = P.param_counts(cfg)
+    model = build_model(cfg, device="meta")
+    assert pc.total == count_params(model)
+    experts = sum(b.moe.experts.w1.numel() * 3 for b in model.layers.values() if hasattr(b, "moe"))
+    assert pc.experts == experts
+    assert pc.active == pc.total - round(experts * (1 - cfg.moe_router_topk / cfg.num_experts))
+    kinds = pc.by_kind()
+    assert sum(d["layers"] for d in kinds.values()) == cfg.num_layers
+    assert kinds["moe"]["layers"] == len(cfg.moe_layers)
+
+
+def test_mixtral_total_and_active_parameters():
+    pc = P.param_counts(load_config(None, {"model.preset": "mixtral-8x7b"}).model)
+    assert round(pc.total / 1e9, 1) == 46.7 and round(pc.active / 1e9, 1) == 12.9  # Mixtral's 46.7 B / 12.9 B
+
+
+def test_expert_memory_per_rank_and_all_to_all_volume():
+    over = {"model.preset": "mixtral-8x7b", "train.global_batch_size": 64, "train.micro_batch_size": 1,
+            "data.seq_length": 4096, "train.precision": "bf16", "parallel.pp": 2, "parallel.ep": 4}
+    cfg = _cfg(**over)
+    dims = ParallelDims.from_config(cfg.parallel, 32, cfg.train, cfg.model, 4096)
+    assert (dims.dp_shard, dims.ep) == (16, 4)
+    pc = P.param_counts(cfg.model)
+    ranks = P.rank_memory(cfg, dims, 4096)
+    per_layer_experts = pc.layers[0].experts
+    for r in ranks:
+        assert r.expert_params == 16 * per_layer_experts // 4  # 16 layers per stage, experts split by ep
+        # FSDP shards the experts over the other dp_shard / ep = 4 ranks, everything else over 16
+        assert r.expert_bytes == 16 * math.ceil(r.expert_params / 4)
+        dense = r.params - r.expert_params
+        assert r.params_sharded == math.ceil(dense / 16) + math.ceil(r.expert_params / 4)
+        tokens = 4096 * dims.num_pp_microbatches(cfg.train)
+        assert r.all_to_all_bytes == pytest.approx(4 * 16 * tokens * 2 * 4096 * 2 * 3 / 4)
+    no_ep = P.rank_memory(_cfg(**{**over, "parallel.ep": 1}), ParallelDims.from_config(
+        _cfg(**{**over, "parallel.ep": 1}).parallel, 32, cfg.train, cfg.model, 4096), 4096)
+    # the sharded state is the same (experts / ep / (dp_shard / ep)); ep shrinks what FSDP gathers: a block's experts
+    assert no_ep[0].all_to_all_bytes == 0 and no_ep[0].params_sharded == ranks[0].params_sharded
+    assert no_ep[0].compute_copies > 3 * ranks[0].compute_copies
+
+
+def test_moe_saved_activations_equal_the_formula():
+    tool = _tool()
+    from megapipe.training.precision import autocast
+
+    model_over = dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_layers=2, num_heads=4,
+                      num_kv_heads=2, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64,
+                      moe_shared_expert_intermediate_size=96, moe_shared_expert_gate=True, moe_z_loss_coeff=0.01,
+                      moe_aux_loss_coeff=0.01, moe_layer_freq=[0, 1])
+    for precision in ("fp32", "bf16"):
+        cfg = tool.build_cfg(precision, "none", 2, 2, model_over, seq=32)
+        model = build_model(cfg.model, seed=0)
+        measured = tool._saved_bytes(model, torch.randint(0, 512, (2, 32)), lambda p=precision: autocast(p, "cpu"))
+        predicted = tool.predict(cfg)["saved_activations"]
+        assert abs(predicted - measured) <= 2 * 32 * 16 * 4 + 256, (precision, predicted, measured)
+
+
+def test_moe_ranking_prefers_expert_parallelism_and_explains_the_time(capsys):
+    cfg = _cfg(**{"model.preset": "mixtral-8x7b", "train.global_batch_size": 256, "train.micro_batch_size": 1,
+                  "data.seq_length": 4096, "train.precision": "bf16", "train.recompute": "full"})
+    best, n_valid, _ = P.rank_layouts(cfg, 64, P.gpu_spec("h100"), top=3)
+    assert all(cfg.model.num_experts % b.dims.ep == 0 and b.dims.dp_shard % b.dims.ep == 0 for b in best)
+    assert best[0].dims.ep > 1  # without ep every rank gathers all experts of a layer over the network
+    assert "all_to_all_s" in best[0].efficiency
+    assert main(["plan", "--model", "mixtral-8x7b", "--gpus", "16", "--seq-length", "4096", "--micro-batch-size", "1",
+                 "--global-batch-size", "64", "--precision", "bf16", "--recompute", "full", "--ep", "8"]) == 0
+    text = capsys.readouterr().out
+    assert "active per token" in text and "MoE all-to-all per step" in text and "ep8 within dp_shard" in text
+    assert main(["plan", "--model", "mixtral-8x7b", "--gpus", "16", "--ep", "3", "--micro-batch-size", "1",
+                 "--global-batch-size", "64"]) != 0
+    assert "parallel.ep = 3 must divide parallel.dp_shard = 16" in capsys.readouterr().err

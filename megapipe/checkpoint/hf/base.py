@@ -34,8 +34,12 @@ class Conversion:
     to_hf: Callable[[Tensors], Tensors] = _same
 
 
-# ModelConfig fields that say nothing about the weights or the maths, so they are not compared on export.
-UNMAPPED_FIELDS = ("preset", "arch", "make_vocab_size_divisible_by", "init_std")
+# ModelConfig fields that say nothing about the weights or the maths, so they are not compared on export (the MoE
+# ones only shape training: balancing losses, token dropping, the expert kernel).
+UNMAPPED_FIELDS = ("preset", "arch", "make_vocab_size_divisible_by", "init_std",
+                   "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+                   "moe_router_bias_update_rate", "moe_expert_capacity_factor", "moe_token_drop_policy",
+                   "moe_grouped_gemm")
 
 
 class Adapter:
@@ -97,6 +101,14 @@ def canonical(name: str, value: Any, cfg: ModelConfig) -> Any:
         return float(value)
     if name == "sliding_window" and value is not None and value >= cfg.max_position_embeddings:
         return None  # a window as long as the context is no window
+    if name == "moe_layer_freq":
+        return tuple(cfg.moe_layers)  # every-N-th, a pattern and first-K-dense are one list of MoE layers
+    if name == "moe_first_k_dense_replace":
+        return None
+    if name == "moe_ffn_hidden_size":
+        return cfg.expert_ffn if cfg.is_moe else None
+    if name == "intermediate_size" and cfg.is_moe and len(cfg.moe_layers) == cfg.num_layers:
+        return None  # no dense layer uses it
     return value
 
 

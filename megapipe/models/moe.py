@@ -1,0 +1,392 @@
+"""The mixture-of-experts decoder block: attention as in the dense block, then a routed SwiGLU MoE layer (Mixtral,
+Qwen2/3-MoE, DeepSeek-V3 shapes by ModelConfig), with its spec: TP plan and Hugging Face names.
+
+Routing (``route``; the router runs in fp32): softmax or sigmoid scores, top-k of the logits with a softmax over
+the k (Megatron's default) or top-k after a softmax over all experts (``moe_router_pre_softmax``, Qwen's way), the
+k weights optionally normalised and scaled, group-limited selection (DeepSeek-V3: the best ``group_topk`` of
+``num_groups`` expert groups), and an aux-loss-free per-expert bias that only changes which experts are chosen.
+
+Balancing losses (Megatron's definitions, per MoE layer): the load-balancing loss per micro-batch
+``coeff * E / (k T^2) * sum_e count_e * sum_t p_te`` or per sequence (``seq_aux_loss``), and the router z-loss
+``coeff * mean_t logsumexp(logits_t)^2``. They reach backward through ``AuxLossBackward`` on the layer's output, as
+Megatron's MoEAuxLossAutoScaler does, so they work on every layout (pipeline stages included) and never enter the
+reported LM loss; ``aux_loss_scale`` (set by megapipe.parallel.step each step) weighs them as a mean over the
+global batch's micro-batches.
+
+Experts: 3-D weights ``w1``/``w3`` [E, F, H] and ``w2`` [E, H, F] (expert e's tensors are HF's per-expert linear
+weights), dropless by default; one grouped GEMM for all experts (``torch._grouped_mm``) where torch has it for the
+device and dtype, else a loop over experts. An optional capacity factor drops the assignments over capacity (by
+lowest probability or latest position); shared experts (optionally behind a sigmoid gate) see every token.
+
+The model holds no parallel code: the tokens sorted by expert go through ``dispatcher`` (``LocalDispatch`` here;
+megapipe.parallel.ep installs an all-to-all one), and statistics that span a sequence split over context-parallel
+ranks go through ``sum_over_sequence_shards`` (identity here). Per-step statistics (tokens per expert, aux/z values,
+dropped assignments) accumulate in buffers while gradients are enabled; activation recompute runs a forward twice,
+which scales every sum alike, so what is reported (ratios, means per call) and the sign-based bias update are the
+same with and without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megapipe.config import ModelConfig
+from megapipe.models.attention import Attention, DocumentMask
+from megapipe.models.dense import FeedForward, attention_tp_plan
+from megapipe.models.norms import build_norm
+from megapipe.models.spec import BlockSpec, register_block
+
+STATS = ("aux", "z", "dropped", "assigned", "calls")  # MoE.stats entries
+
+
+# --------------------------------------------------------------------------------------------------- routing
+
+
+def group_limited(scores: torch.Tensor, k: int, groups: int, group_topk: int) -> torch.Tensor:
+    """``scores`` [T, E] with every expert outside each token's best ``group_topk`` groups set to -inf; a group's
+    score is the sum of its best k // group_topk expert scores (Megatron; DeepSeek-V3's top-2 sum at k = 8, 4 groups)."""
+    t, e = scores.shape
+    per_group = scores.view(t, groups, e // groups)
+    group_scores = per_group.topk(k // group_topk, dim=-1).values.sum(dim=-1)
+    keep = torch.zeros_like(group_scores, dtype=torch.bool)
+    keep.scatter_(1, group_scores.topk(group_topk, dim=-1).indices, True)
+    return per_group.masked_fill(~keep[..., None], float("-inf")).view(t, e)
+
+
+def route(logits: torch.Tensor, cfg: ModelConfig, bias: Optional[torch.Tensor] = None):
+    """Router logits [T, E] (fp32) -> (expert indices [T, k], routing weights [T, k], scores for the aux loss [T, E])."""
+    k = cfg.moe_router_topk
+    sigmoid = cfg.moe_router_score_function == "sigmoid"
+    if sigmoid:
+        scores = torch.sigmoid(logits)
+        aux_scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    else:
+        scores = aux_scores = torch.softmax(logits, dim=-1)
+    # what the selection ranks: the scores (sigmoid / pre-softmax) or the logits (top-k before the softmax)
+    basis = scores if (sigmoid or cfg.moe_router_pre_softmax) else logits
+    select = basis if bias is None else basis + bias
+    if cfg.moe_router_num_groups:
+        select = group_limited(select, k, cfg.moe_router_num_groups, cfg.moe_router_group_topk)
+    idx = select.topk(k, dim=-1).indices
+    if sigmoid or cfg.moe_router_pre_softmax:
+        weights = scores.gather(1, idx)
+        if cfg.moe_router_norm_topk_prob and k > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if sigmoid else 0.0))
+    else:
+        weights = torch.softmax(logits.gather(1, idx), dim=-1)
+    if cfg.moe_router_topk_scaling_factor is not None:
+        weights = weights * cfg.moe_router_topk_scaling_factor
+    return idx, weights, aux_scores
+
+
+def capacity_keep(idx: torch.Tensor, weights: torch.Tensor, num_experts: int, factor: float,
+                  policy: str) -> torch.Tensor:
+    """[T, k] bool: which assignments fit in their expert's capacity ceil(T * k / E * factor) (Megatron), keeping the
+    highest routing weights (``probs``) or the earliest tokens (``position``)."""
+    t, k = idx.shape
+    capacity = math.ceil(t * k / num_experts * factor)
+    routed = torch.zeros(t, num_experts, dtype=torch.bool, device=idx.device).scatter_(1, idx, True)
+    if policy == "position":
+        fits = routed & (routed.cumsum(dim=0) <= capacity)
+    else:
+        probs = torch.full((t, num_experts), -1.0, device=idx.device).scatter_(1, idx, weights.detach().float())
+        best = probs.topk(min(capacity, t), dim=0).indices
+        fits = routed & torch.zeros_like(routed).scatter_(0, best, True)
+    return fits.gather(1, idx)
+
+
+# --------------------------------------------------------------------------------------------------- experts
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient (torch._grouped_mm's backward rejects expanded ones)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def grouped_mm_ok(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm runs here: CPU (torch >= 2.9: a per-group fallback) for fp32/bf16/fp16, CUDA for
+    bf16 on sm90+; every row stride a multiple of 16 bytes; at least one token (torch 2.13 on CPU: no tokens at all
+    fails in backward, as does an expanded output gradient, hence _ContiguousGrad)."""
+    if not hasattr(torch, "_grouped_mm") or x.shape[0] == 0:
+        return False
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+        return False  # its fake-tensor rule (torch 2.13) accepts bf16 only
+    dev, dt = x.device, x.dtype
+    if dev.type == "cpu":
+        ok = dt in (torch.float32, torch.bfloat16, torch.float16)
+    elif dev.type == "cuda":
+        ok = dt == torch.bfloat16 and torch.cuda.get_device_capability(dev) >= (9, 0)
+    else:
+        ok = False
+    return ok and all(w.dtype == dt and (w.shape[-1] * w.element_size()) % 16 == 0
+                      and (w.shape[-2] * w.element_size()) % 16 == 0 for w in weights)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A weight's local part (expert parallelism shards the expert dimension; the module computes with what this rank
+    holds, the tokens having been dispatched to it)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts as 3-D weights; ``forward(x, counts)``: x [N, H] sorted by expert, counts [E_local]."""
+
+    def __init__(self, num_experts: int, hidden: int, ffn: int, grouped_gemm: bool = True):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, ffn, hidden))  # gate_proj per expert
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, ffn))  # down_proj
+        self.w3 = nn.Parameter(torch.empty(num_experts, ffn, hidden))  # up_proj
+        self.grouped_gemm = grouped_gemm
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = local(self.w1), local(self.w2), local(self.w3)
+        if torch.is_autocast_enabled(x.device.type):  # explicit: torch._grouped_mm has no autocast rule
+            dt = torch.get_autocast_dtype(x.device.type)
+            x, w1, w2, w3 = x.to(dt), w1.to(dt), w2.to(dt), w3.to(dt)
+        elif w1.dtype != x.dtype:
+            x = x.to(w1.dtype)
+        if self.grouped_gemm and grouped_mm_ok(x, w1, w2, w3):
+            offs = torch.cumsum(counts, 0).to(torch.int32)
+
+            def gmm(a, w):
+                return _ContiguousGrad.apply(torch._grouped_mm(a, w.transpose(-2, -1), offs=offs))
+
+            return gmm(F.silu(gmm(x, w1)) * gmm(x, w3), w2)
+        return expert_loop(x, counts, w1, w2, w3)
+
+
+def expert_loop(x, counts, w1, w2, w3) -> torch.Tensor:
+    """The reference path: one SwiGLU per expert on its rows (empty experts included, so every weight gets a
+    gradient even when a rank received no token)."""
+    outs = []
+    for e, part in enumerate(torch.split(x, counts.tolist())):
+        outs.append(F.linear(F.silu(F.linear(part, w1[e])) * F.linear(part, w3[e]), w2[e]))
+    return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
+
+
+class LocalDispatch:
+    """Tokens sorted by expert go straight to this rank's experts (no expert parallelism)."""
+
+    def dispatch(self, tokens: torch.Tensor, counts: torch.Tensor):
+        return tokens, counts, None
+
+    def combine(self, out: torch.Tensor, state) -> torch.Tensor:
+        return out
+
+
+class AuxLossBackward(torch.autograd.Function):
+    """Identity on ``out``; in backward also gives ``aux`` the gradient ``scale`` (Megatron's MoEAuxLossAutoScaler):
+    the balancing losses enter backward wherever the layer's output goes, and are never added to the LM loss."""
+
+    @staticmethod
+    def forward(ctx, out, aux, scale: float):
+        ctx.scale = scale
+        ctx.aux_shape = aux.shape
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.full(ctx.aux_shape, ctx.scale, dtype=torch.float32, device=grad.device), None
+
+
+# --------------------------------------------------------------------------------------------------- the layer
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        e, h = cfg.num_experts, cfg.hidden_size
+        self.gate = nn.Linear(h, e, bias=False)  # the router
+        self.experts = GroupedExperts(e, h, cfg.expert_ffn, cfg.moe_grouped_gemm)
+        self.shared_experts = None
+        self.shared_gate = None
+        if cfg.moe_shared_expert_intermediate_size:
+            self.shared_experts = FeedForward(
+                dataclasses.replace(cfg, intermediate_size=cfg.moe_shared_expert_intermediate_size, mlp_bias=False))
+            if cfg.moe_shared_expert_gate:
+                self.shared_gate = nn.Linear(h, 1, bias=False)
+        if cfg.moe_router_enable_expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(e, dtype=torch.float32))
+        else:
+            self.expert_bias = None
+        self.register_buffer("tokens_per_expert", torch.zeros(e, dtype=torch.float64), persistent=False)
+        self.register_buffer("stats", torch.zeros(len(STATS), dtype=torch.float64), persistent=False)
+        self.dispatcher = LocalDispatch()
+        self.sum_over_sequence_shards: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+        self.sequence_shards = 1  # ranks a sequence is split over (context parallelism)
+        self.aux_loss_scale = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.gate.weight.float())
+        bias = None if self.expert_bias is None else self.expert_bias.detach()
+        idx, weights, aux_scores = route(logits, cfg, bias)
+        t, k = idx.shape
+        counts = torch.bincount(idx.flatten(), minlength=cfg.num_experts)
+        keep = None
+        if cfg.moe_expert_capacity_factor is not None:
+            keep = capacity_keep(idx, weights, cfg.num_experts, cfg.moe_expert_capacity_factor,
+                                 cfg.moe_token_drop_policy)
+        aux = self._balancing_losses(logits, aux_scores, idx, counts, shape) if torch.is_grad_enabled() else None
+
+        # assignments (token, slot) flattened; the kept ones sorted by expert, then by position
+        expert_of = idx.flatten()
+        slots = torch.arange(t * k, device=x.device)
+        if keep is not None:
+            slots = slots[keep.flatten()]
+        order = slots[torch.argsort(expert_of[slots], stable=True)]
+        sent = torch.bincount(expert_of[order], minlength=cfg.num_experts)
+        tokens, local_counts, state = self.dispatcher.dispatch(x[order // k], sent)
+        y = self.dispatcher.combine(self.experts(tokens, local_counts), state)
+        # back to (token, slot) order, a zero row for each dropped slot; weighted sum over the k slots (in fp32)
+        where = torch.full((t * k,), len(order), dtype=torch.long, device=x.device)
+        where[order] = torch.arange(len(order), device=x.device)
+        y = torch.cat([y, y.new_zeros(1, y.shape[1])])[where]
+        out = (y.float() * weights.reshape(-1, 1)).view(t, k, -1).sum(dim=1).to(x.dtype)
+        if self.shared_experts is not None:
+            shared = self.shared_experts(x)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(x)) * shared
+            out = out + shared
+        out = out.view(shape)
+        if torch.is_grad_enabled():
+            self._record(counts, aux, t * k - len(order), t * k)
+            if aux is not None:
+                out = AuxLossBackward.apply(out, aux.sum(), self.aux_loss_scale)
+        return out
+
+    def _balancing_losses(self, logits, scores, idx, counts, shape) -> Optional[torch.Tensor]:
+        """[aux, z] (this rank's part of the micro-batch's values: parts add up over context-parallel ranks)."""
+        cfg = self.cfg
+        e, k = cfg.num_experts, cfg.moe_router_topk
+        kind, coeff = cfg.moe_router_load_balancing_type, cfg.moe_aux_loss_coeff
+        aux = logits.new_zeros(())
+        tokens = float(logits.shape[0] * self.sequence_shards)
+        if kind == "aux_loss" and coeff > 0:
+            total = self.sum_over_sequence_shards(counts.to(logits.dtype))
+            aux = coeff * e / (k * tokens * tokens) * (total * scores.sum(dim=0)).sum()
+        elif kind == "seq_aux_loss" and coeff > 0:
+            b, s = shape[0], shape[1] * self.sequence_shards
+            per_seq = torch.zeros(b, e, device=logits.device, dtype=logits.dtype)
+            per_seq.scatter_add_(1, idx.view(b, -1), torch.ones_like(idx.view(b, -1), dtype=logits.dtype))
+            per_seq = self.sum_over_sequence_shards(per_seq)
+            aux = coeff / b * (per_seq * e / (s * k) * scores.view(b, -1, e).sum(dim=1) / s).sum()
+        z = logits.new_zeros(())
+        if cfg.moe_z_loss_coeff:
+            z = cfg.moe_z_loss_coeff * torch.logsumexp(logits, dim=-1).square().sum() / tokens
+        if not (aux.requires_grad or z.requires_grad):
+            return None
+        return torch.stack([aux, z])
+
+    @torch.no_grad()
+    def _record(self, counts, aux, dropped: int, assigned: int) -> None:
+        self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
+        a, z = (aux.detach().double().tolist() if aux is not None else (0.0, 0.0))
+        self.stats += torch.tensor([a, z, dropped, assigned, 1.0], dtype=torch.float64, device=self.stats.device)
+
+    @torch.no_grad()
+    def update_expert_bias(self, load: torch.Tensor) -> None:
+        """Aux-loss-free balancing: bias += rate * sign(mean load - load) (``load``: tokens per expert in the global
+        batch)."""
+        if self.expert_bias is not None:
+            load = load.to(self.expert_bias.device, torch.float32)
+            self.expert_bias += self.cfg.moe_router_bias_update_rate * torch.sign(load.mean() - load)
+
+    @torch.no_grad()
+    def reset_stats(self) -> None:
+        self.tokens_per_expert.zero_()
+        self.stats.zero_()
+
+    @torch.no_grad()
+    def init_weights(self, std: float, out_std: float) -> None:
+        nn.init.normal_(self.experts.w1, 0.0, std)
+        nn.init.normal_(self.experts.w3, 0.0, std)
+        nn.init.normal_(self.experts.w2, 0.0, out_std)
+        if self.expert_bias is not None:
+            self.expert_bias.zero_()
+        self.reset_stats()
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.attention_norm = build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps)
+        self.attention = Attention(cfg, layer_id)
+        self.ffn_norm = build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps)
+        self.moe = MoE(cfg)
+
+    def forward(self, x: torch.Tensor, rope: Optional[tuple] = None, cache=None,
+                mask: Optional[DocumentMask] = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, cache, mask)
+        return h + self.moe(self.ffn_norm(h))
+
+
+def moe_layers(model: nn.Module) -> list[tuple[int, MoE]]:
+    """(global layer index, MoE layer) of every MoE block this model (or pipeline stage) holds."""
+    layers = getattr(model, "layers", None) or {}
+    return [(int(key), block.moe) for key, block in layers.items() if isinstance(getattr(block, "moe", None), MoE)]
+
+
+def moe_tp_plan(block: MoEBlock, sp: bool) -> dict:
+    """Attention as in the dense block; the MoE layer is not split by TP (expert tensor parallelism is 1): it runs
+    on the TP group's whole (all-gathered) sequence on every TP rank, and each keeps its part of the output."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+
+    plan = attention_tp_plan(block, sp)
+    act = Shard(1) if sp else Replicate()
+    plan["moe"] = PrepareModuleInputOutput(
+        input_layouts=(act,), desired_input_layouts=(Replicate(),), use_local_input=True,
+        output_layouts=(Replicate(),), desired_output_layouts=(act,), use_local_output=True,
+    )
+    return plan
+
+
+_EXPERTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def _hf_names(moe: dict[str, str]) -> dict[str, str]:
+    """Attention as in the dense Llama-shaped block, plus the MoE layer's names; an ``experts.wN`` tensor [E, ...] is E
+    HF tensors, ``{e}`` standing for the expert index (megapipe.checkpoint.hf.moe)."""
+    from megapipe.models.dense import DENSE
+
+    attention = {k: v for k, v in DENSE.hf_names["llama"].items() if not k.startswith("feed_forward")}
+    return {**attention, **moe}
+
+
+MOE = register_block(BlockSpec(
+    name="moe",
+    module=MoEBlock,
+    tp_plan=moe_tp_plan,
+    hf_names={
+        "qwen_moe": _hf_names({  # Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+            "moe.gate": "mlp.gate",
+            **{f"moe.experts.{w}": f"mlp.experts.{{e}}.{hf}.weight" for w, hf in _EXPERTS.items()},
+            **{f"moe.shared_experts.{w}": f"mlp.shared_expert.{hf}" for w, hf in _EXPERTS.items()},
+            "moe.shared_gate": "mlp.shared_expert_gate",
+        }),
+        # MixtralForCausalLM: the Hub's block_sparse_moe names (transformers 5 fuses them when it loads, and writes
+        # them back when it saves)
+        "mixtral": _hf_names({
+            "moe.gate": "block_sparse_moe.gate",
+            **{f"moe.experts.{w}": f"block_sparse_moe.experts.{{e}}.{w}.weight" for w in _EXPERTS},
+        }),
+    },
+))
