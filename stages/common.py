@@ -79,6 +79,7 @@ def print_table(title: str, rows: list[tuple[str, str]]) -> None:
 GROUP_HELP = {
     "import": "Bring a model from another format into a megapipe checkpoint.",
     "export": "Write a megapipe checkpoint in another format.",
+    "posttrain": "Post-train a checkpoint: sft, distill, prune, quantize, rl.",
 }
 
 

@@ -1,0 +1,74 @@
+"""Tiny megapipe checkpoints of each architecture and their Hugging Face twins, for the quantization oracles.
+
+Shared by tests/posttrain/test_quantize*.py and tests/checkpoint/test_trt*.py (imported by path: test dirs are not
+packages). Every weight is random, norms and biases too, so a wrong name map or a fusion applied to the wrong
+tensor shows up in the values.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+
+VOCAB = 512  # the tiny tokenizer's size (tests/conftest.py)
+BASE = dict(vocab_size=VOCAB, make_vocab_size_divisible_by=1, hidden_size=128, intermediate_size=256, num_layers=2,
+            num_heads=4, num_kv_heads=2, max_position_embeddings=256, norm_eps=1e-6, rope_theta=10000.0)
+ARCHS = {
+    "llama": dict(BASE, arch="llama"),
+    "qwen2": dict(BASE, arch="qwen2", qkv_bias=True, tie_embeddings=True, rope_theta=1000000.0),
+    "qwen3": dict(BASE, arch="qwen3", qk_norm=True, head_dim=64),
+    "mistral": dict(BASE, arch="mistral", rope_theta=500000.0),
+    "gpt2": dict(vocab_size=VOCAB, make_vocab_size_divisible_by=1, arch="gpt2", hidden_size=128,
+                 intermediate_size=512, num_layers=2, num_heads=4, max_position_embeddings=256, norm_type="layernorm",
+                 activation="gelu_tanh", position_embedding="learned", qkv_bias=True, attn_out_bias=True,
+                 mlp_bias=True, tie_embeddings=True),
+}
+
+
+def model_config(arch: str, **overrides):
+    from megapipe.config import ModelConfig
+
+    return ModelConfig(**{**ARCHS[arch], **overrides})
+
+
+def make_checkpoint(path: Path, arch: str, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
+    """A random megapipe checkpoint of ``arch`` (weights N(0, 0.05), norms around 1, biases around 0)."""
+    from megapipe.checkpoint import write_checkpoint
+    from megapipe.models import build_model
+
+    cfg = model_config(arch, **overrides)
+    model = build_model(cfg, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or ".attention_norm." in name or ".ffn_norm." in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith(".bias") or "norm" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    return write_checkpoint(path, model, manifest={"model": cfg, "stage": "pretrain"}, tokenizer=tokenizer_dir)
+
+
+def hf_twin(ckpt: Path, tmp: Path, dtype: torch.dtype = torch.float32):
+    """The Hugging Face model with the checkpoint's (unquantized) weights: ``export hf``, then from_pretrained."""
+    import transformers
+
+    from megapipe.checkpoint.hf import export_hf
+
+    out = tmp / f"hf-twin-{ckpt.name}"
+    if not out.exists():
+        export_hf(ckpt, out, dtype="fp32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=dtype)
+    return model.eval()
+
+
+def windows_of(prefix, count: int, seq_length: int, first: int = 0) -> torch.Tensor:
+    from megapipe.posttrain.quantize import token_stream, windows
+
+    stream = token_stream(prefix, None, (first + count) * seq_length + 1)
+    return windows(stream, count, seq_length, first)
