@@ -63,6 +63,8 @@ def token_stream(source: str | Path, tokenizer, need: int, json_key: str = "text
 def windows(stream: torch.Tensor, count: int, seq_length: int, first: int = 0) -> torch.Tensor:
     """``count`` windows of ``seq_length + 1`` tokens, window i starting at token ``(first + i) * seq_length``."""
     starts = (first + torch.arange(count)) * seq_length
+    if count == 0:
+        return torch.zeros(0, seq_length + 1, dtype=stream.dtype)
     return torch.stack([stream[s : s + seq_length + 1] for s in starts.tolist()])
 
 

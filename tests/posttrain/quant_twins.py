@@ -7,6 +7,7 @@ tensor shows up in the values.
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 
@@ -72,3 +73,60 @@ def windows_of(prefix, count: int, seq_length: int, first: int = 0) -> torch.Ten
 
     stream = token_stream(prefix, None, (first + count) * seq_length + 1)
     return windows(stream, count, seq_length, first)
+
+
+QUANTIZER_KEY = re.compile(r"^(.*)\.((?:weight|input|output|[qkvp]_bmm)_quantizer(?:\.\d+)?)\.(_[a-z_]+)$")
+
+
+def hf_names(cfg) -> dict[str, str]:
+    """megapipe tensor name -> HF tensor name (the bridge's conversions, 1:1 for the Llama-shaped models)."""
+    from megapipe.checkpoint.hf.base import adapter_for_arch
+
+    return {c.mp[0]: c.hf[0] for c in adapter_for_arch(cfg.arch).conversions(cfg)}
+
+
+def quantized_twin(quantized_ckpt: Path, tmp: Path, dtype: torch.dtype):
+    """The HF twin of a *quantized* megapipe checkpoint: its (smoothed) weights in ``dtype`` and ModelOpt
+    quantizers attached the HF way, holding exactly the checkpoint's quantizer tensors (fp32)."""
+    import transformers
+
+    from megapipe.checkpoint import load_model_for_inference, read_manifest
+    from megapipe.checkpoint.hf import export_hf
+    from megapipe.posttrain import quant_state
+
+    manifest = read_manifest(quantized_ckpt)
+    parent = Path(manifest["parent"])
+    ours, _, _ = load_model_for_inference(quantized_ckpt)
+    state = ours.state_dict()
+    names = hf_names(ours.cfg)
+    base = tmp / f"hf-base-{quantized_ckpt.name}"
+    if not base.exists():
+        export_hf(parent, base, dtype="fp32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        twin = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=dtype).eval()
+    weights = {names[k]: v.to(dtype) for k, v in state.items() if "_quantizer." not in k}
+    missing, unexpected = twin.load_state_dict(weights, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+
+    q = manifest["quantization"]
+    config = quant_state.quantize_config(q["format"], q["kv_cache"])
+    config["algorithm"] = "max"  # only to build the quantizers; every tensor is replaced below
+    dummy = torch.randint(0, ours.cfg.vocab_size, (1, 8))
+    with torch.no_grad(), quant_state.quiet():
+        quant_state.mtq().quantize(twin, config, lambda m: m(dummy))
+    modules = {k.removesuffix(".weight"): v.removesuffix(".weight") for k, v in names.items() if k.endswith(".weight")}
+    for key, tensor in state.items():
+        m = QUANTIZER_KEY.match(key)
+        if not m:
+            continue
+        module, quantizer, buffer = m.groups()
+        hf_module = modules.get(module) or modules[module + ".wq"].rsplit(".", 1)[0]  # the attention itself
+        target = twin.get_submodule(f"{hf_module}.{quantizer}")
+        if hasattr(target, buffer):
+            delattr(target, buffer)
+        # quantizer state in float32, the AWQ/SmoothQuant input scale in the model's dtype (it multiplies activations)
+        target.register_buffer(buffer, tensor.to(dtype) if buffer == "_pre_quant_scale" else tensor.clone())
+    with torch.no_grad():
+        twin.load_state_dict(weights, strict=False)  # max calibration did not touch them; make sure
+    return twin
