@@ -14,6 +14,7 @@ output shard. The writes go to a temporary sibling that is renamed at the end: a
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 import uuid
@@ -212,14 +213,21 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: Optional[dict] = None) -> None:
-    from megapipe.checkpoint.hf.bridge import _save_safetensors
+    """safetensors refuses tensors that share memory (a tied head, one shared scale): each gets its own copy."""
+    from safetensors.torch import save_file
 
-    if metadata is None:
-        from safetensors.torch import save_file
-
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
-        return
-    _save_safetensors({k: v.contiguous() for k, v in tensors.items()}, path)
+    seen: set[int] = set()
+    own = {}
+    for name, t in tensors.items():
+        t = t.contiguous()
+        if t.untyped_storage().data_ptr() in seen:
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        own[name] = t
+    save_file(own, str(path), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)  # safetensors creates 0600 files; the other outputs follow the umask
 
 
 class ShardWriter:

@@ -130,3 +130,49 @@ def quantized_twin(quantized_ckpt: Path, tmp: Path, dtype: torch.dtype):
     with torch.no_grad():
         twin.load_state_dict(weights, strict=False)  # max calibration did not touch them; make sure
     return twin
+
+
+GPT2_MODULES = {"attention.wo": "attn.c_proj", "feed_forward.w1": "mlp.c_fc", "feed_forward.w2": "mlp.c_proj"}
+
+
+def quantized_gpt2_twin(quantized_ckpt: Path, tmp: Path, dtype: torch.dtype):
+    """GPT-2's twin for per-tensor formats (fp8): HF fuses q/k/v into one ``c_attn`` quantizer, which holds the
+    max of megapipe's three weight amaxes (the input amax is one value: q, k and v read the same input)."""
+    import transformers
+
+    from megapipe.checkpoint import load_model_for_inference, read_manifest
+    from megapipe.checkpoint.hf import export_hf
+    from megapipe.posttrain import quant_state
+
+    manifest = read_manifest(quantized_ckpt)
+    q = manifest["quantization"]
+    assert q["format"] == "fp8", "only per-tensor scales fuse without re-smoothing"
+    base = tmp / f"hf-base-{quantized_ckpt.name}"
+    if not base.exists():
+        export_hf(Path(manifest["parent"]), base, dtype="fp32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        twin = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=dtype).eval()
+    state = load_model_for_inference(quantized_ckpt)[0].state_dict()
+    config = quant_state.quantize_config(q["format"], q["kv_cache"])
+    with torch.no_grad(), quant_state.quiet():
+        quant_state.mtq().quantize(twin, config, lambda m: m(torch.randint(0, 100, (1, 8))))
+
+    def put(module, quantizer, tensor):
+        target = twin.get_submodule(f"{module}.{quantizer}")
+        delattr(target, "_amax")
+        target.register_buffer("_amax", tensor.clone())
+
+    for i in range(twin.config.n_layer):
+        pre, hf = f"layers.{i}.", f"transformer.h.{i}."
+        qkv = [f"{pre}attention.{w}" for w in ("wq", "wk", "wv")]
+        put(hf + "attn.c_attn", "weight_quantizer",
+            torch.stack([state[f"{n}.weight_quantizer._amax"] for n in qkv]).max())
+        put(hf + "attn.c_attn", "input_quantizer", state[f"{qkv[0]}.input_quantizer._amax"])
+        for ours, theirs in GPT2_MODULES.items():
+            for quantizer in ("weight_quantizer", "input_quantizer"):
+                put(hf + theirs, quantizer, state[f"{pre}{ours}.{quantizer}._amax"])
+        if q["kv_cache"]:
+            for kv in ("k", "v"):
+                put(hf + "attn", f"{kv}_bmm_quantizer", state[f"{pre}attention.{kv}_bmm_quantizer._amax"])
+    return twin
