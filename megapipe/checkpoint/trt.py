@@ -76,9 +76,6 @@ class Source:
         prefix = f"layers.{i}."
         return self.read([n for n in self.stored if n.startswith(prefix)])
 
-    def top(self) -> dict[str, torch.Tensor]:
-        return self.read([n for n in self.stored if not n.startswith("layers.") and "_quantizer." not in n])
-
     def block_size(self) -> int:
         return 128 if self.fmt in AWQ else 0
 
@@ -91,6 +88,19 @@ class Source:
         pre = f"layers.{i}.attention."
         return tuple(state.get(f"{pre}{q}_bmm_quantizer._amax") if self.enabled.get(f"{pre}{q}_bmm_quantizer") else None
                      for q in ("k", "v"))
+
+
+def check_blocks(src: "Source") -> None:
+    """INT4 weights are exported in whole 128-wide blocks along each linear's input (ModelOpt packs no partial ones)."""
+    if src.fmt not in AWQ:
+        return
+    block, cfg = src.block_size(), src.cfg
+    for name, width in (("hidden_size", cfg.hidden_size), ("heads x head_dim", cfg.num_heads * cfg.dim_per_head),
+                        ("intermediate_size", cfg.intermediate_size)):
+        if width % block:
+            raise MegapipeError(f"{src.where}: {src.fmt} exports need linear inputs in whole {block}-wide INT4 blocks, "
+                                f"but the model's {name} is {width}: TensorRT-LLM's INT4 kernels take no partial block "
+                                "(quantize this model with fp8 or int8_sq)")
 
 
 def _modelopt_version(q: Optional[dict]) -> str:
@@ -156,11 +166,13 @@ def export_trt(
             return _unquantized_unified(src, out_dir, short, max_shard_size, progress, started)
         from megapipe.checkpoint.trt_unified import check_unified, write_unified
 
+        check_blocks(src)
         check_unified(src)
         writer = write_unified
     else:
         from megapipe.checkpoint.trt_legacy import check_legacy, write_legacy
 
+        check_blocks(src)
         check_legacy(src, tp, pp)
         writer = write_legacy
 

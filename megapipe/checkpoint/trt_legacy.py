@@ -141,6 +141,7 @@ def _dup_kv(t: Optional[torch.Tensor], head_size: int, kv: int, tp: int) -> Opti
 
 
 def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Zero rows appended up to a multiple of ``multiple`` (a vocabulary split over ranks)."""
     extra = -t.shape[0] % multiple
     return torch.nn.functional.pad(t, (0, 0, 0, extra)) if extra else t
 
@@ -234,45 +235,44 @@ def _embedding(t: torch.Tensor, tp: int, r: int) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------- writing
 
 
+def _vocab_table(src: Source, name: str, dtype: torch.dtype) -> torch.Tensor:
+    """The embedding or output table, padded as ModelOpt pads AWQ exports (to a multiple of 64 rows)."""
+    table = src.read([name])[name].to(dtype)
+    return _pad_rows(table, AWQ_VOCAB_MULTIPLE) if src.fmt in AWQ else table
+
+
 def write_legacy(src: Source, out: Path, dtype: torch.dtype, tp: int = 1, pp: int = 1, progress=None, **_) -> dict:
     cfg = src.cfg
     per_stage = cfg.num_layers // pp
-    top = src.top()
-    vocab = cfg.vocab_size
-    embed = top["tok_embeddings.weight"].to(dtype)
-    head = top["output.weight"].to(dtype) if "output.weight" in top else None
-    if src.fmt in AWQ and vocab % AWQ_VOCAB_MULTIPLE:
-        vocab = -(-vocab // AWQ_VOCAB_MULTIPLE) * AWQ_VOCAB_MULTIPLE
-        embed = _pad_rows(embed, AWQ_VOCAB_MULTIPLE)
-        head = _pad_rows(head, AWQ_VOCAB_MULTIPLE) if head is not None else None
-    if head is None:  # tied: the output projection is the embedding, written out as ModelOpt does for HF models
-        head = embed
-
+    vocab = -(-cfg.vocab_size // AWQ_VOCAB_MULTIPLE) * AWQ_VOCAB_MULTIPLE if src.fmt in AWQ else cfg.vocab_size
+    # tied: the output projection is the embedding, written out as ModelOpt does for Hugging Face models
+    head = "output.weight" if "output.weight" in src.stored else "tok_embeddings.weight"
     total, count, done = 0, 0, 0
     world = tp * pp
     for p in range(pp):
-        layers = [(j, _layer(src, p * per_stage + j, dtype)) for j in range(per_stage)]
-        for r in range(tp):
+        for r in range(tp):  # one rank file in memory at a time; each layer is read again for each rank
             tensors: dict[str, torch.Tensor] = {}
             if p == 0:
-                tensors["transformer.vocab_embedding.weight"] = _embedding(embed, tp, r)
-                if "pos_embeddings.weight" in top:
+                tensors["transformer.vocab_embedding.weight"] = _embedding(
+                    _vocab_table(src, "tok_embeddings.weight", dtype), tp, r)
+                if "pos_embeddings.weight" in src.stored:
                     tensors["transformer.position_embedding.weight"] = _embedding(
-                        top["pos_embeddings.weight"].to(dtype), tp, r)
-            for j, parts in layers:
+                        src.read(["pos_embeddings.weight"])["pos_embeddings.weight"].to(dtype), tp, r)
+            for j in range(per_stage):
+                parts = _layer(src, p * per_stage + j, dtype)
                 tensors.update(_rank_layer(parts, cfg, tp, r, dtype, f"transformer.layers.{j}"))
+                del parts
             if p == pp - 1:
-                tensors["transformer.ln_f.weight"] = top["norm.weight"].to(dtype)
-                if "norm.bias" in top:
-                    tensors["transformer.ln_f.bias"] = top["norm.bias"].to(dtype)
-                tensors["lm_head.weight"] = _embedding(head, tp, r)
+                final = src.read([n for n in ("norm.weight", "norm.bias") if n in src.stored])
+                tensors.update({f"transformer.ln_f.{k.split('.')[-1]}": v.to(dtype) for k, v in final.items()})
+                tensors["lm_head.weight"] = _embedding(_vocab_table(src, head, dtype), tp, r)
             save_safetensors(tensors, out / f"rank{p * tp + r}.safetensors")
             total += sum(t.numel() * t.element_size() for t in tensors.values())
             count += len(tensors)
             done += 1
             if progress:
                 progress(done, world)
-        del layers
+            del tensors
     write_json(out / "config.json", trt_config(src, dtype, tp, pp, vocab))
     if src.fmt is None:
         write_json(out / "quant_cfg.json", {"quant_algo": None, "kv_cache_quant_algo": None, "quantized_layers": {}})

@@ -141,18 +141,20 @@ def write_unified(src: Source, out: Path, dtype: torch.dtype, max_shard_size="5G
     tok = _tokenizer(tok_dir, src.cfg, str(tok_dir))
 
     shards = ShardWriter(out, max_shard_size)
-    top = src.top()
-    shards.add({names[k]: v.to(dtype) for k, v in top.items() if k.startswith("tok_embeddings.")})
-    count = 0
+    top = [n for n in src.stored if not n.startswith("layers.") and "_quantizer." not in n]
+    first = src.read([n for n in top if n.startswith("tok_embeddings.")])  # in the order HF models list them
+    shards.add({names[k]: v.to(dtype) for k, v in first.items()})
+    count = len(first)
+    del first
     for i in range(src.cfg.num_layers):
         tensors = layer_tensors(src, i, dtype, names)
         count += len(tensors)
         shards.add(tensors)
         if progress:
             progress(i + 1, src.cfg.num_layers)
-    final = {names[k]: v.to(dtype) for k, v in top.items() if not k.startswith("tok_embeddings.")}
-    shards.add(final)
-    count += len(final) + 1
+    final = src.read([n for n in top if not n.startswith("tok_embeddings.")])
+    shards.add({names[k]: v.to(dtype) for k, v in final.items()})
+    count += len(final)
     n_shards = shards.close()
 
     hf_quant, quantization_config = quant_config(src)

@@ -154,11 +154,13 @@ def register_attention() -> None:
 
 
 def encode(value: Any) -> Any:
-    """ModelOpt's config/property values -> JSON: tuples, dtypes and int-keyed dicts (block_sizes) kept apart."""
+    """ModelOpt's config/property values -> JSON: tuples, slices, dtypes, int-keyed dicts (block_sizes) kept apart."""
     if isinstance(value, torch.dtype):
         return {"__dtype__": str(value).removeprefix("torch.")}
     if isinstance(value, (tuple, torch.Size)):
         return {"__tuple__": [encode(v) for v in value]}
+    if isinstance(value, slice):  # the padding of a last, partial quantization block
+        return {"__slice__": [encode(value.start), encode(value.stop), encode(value.step)]}
     if isinstance(value, list):
         return [encode(v) for v in value]
     if isinstance(value, dict):
@@ -178,6 +180,8 @@ def decode(value: Any) -> Any:
             return getattr(torch, value["__dtype__"])
         if "__tuple__" in value:
             return tuple(decode(v) for v in value["__tuple__"])
+        if "__slice__" in value:
+            return slice(*(decode(v) for v in value["__slice__"]))
         if "__items__" in value:
             return {decode(k): decode(v) for k, v in value["__items__"]}
         return {k: decode(v) for k, v in value.items()}

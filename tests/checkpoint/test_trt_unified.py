@@ -20,14 +20,14 @@ pytest.importorskip("modelopt")
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parents[1] / "posttrain"))
 
-from quant_twins import make_checkpoint, quantized_twin  # noqa: E402
+from quant_twins import make_checkpoint, quantized_twin, windows_of  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
 from megapipe.checkpoint import load_model_for_inference  # noqa: E402
 from megapipe.checkpoint.trt import export_trt  # noqa: E402
 from megapipe.errors import MegapipeError  # noqa: E402
 from megapipe.posttrain.quant_state import quiet  # noqa: E402
-from megapipe.posttrain.quantize import quantize_checkpoint  # noqa: E402
+from megapipe.posttrain.quantize import evaluate, quantize_checkpoint  # noqa: E402
 
 CASES = [  # every format ModelOpt exports on CPU, across the Llama-shaped architectures
     ("llama", "fp8", "fp8"), ("llama", "int8_sq", None), ("llama", "int4_awq", "fp8"), ("llama", "w4a8_awq", None),
@@ -163,3 +163,16 @@ def test_unified_refusals(quantized, tiny_tokenizer_dir, pretrain_data, tmp_path
     with pytest.raises(MegapipeError, match="use --format legacy"):
         export_trt(tmp_path / "gpt2-fp8", tmp_path / "b", "unified")
     assert not any(".tmp-" in p.name for p in tmp_path.iterdir())
+
+
+def test_int4_needs_whole_blocks(tiny_tokenizer_dir, pretrain_data, tmp_path):
+    base = make_checkpoint(tmp_path / "base", "llama", tiny_tokenizer_dir, hidden_size=192, num_heads=3,
+                           num_kv_heads=1)
+    summary = quantize_checkpoint(base, tmp_path / "q", "int4_awq", pretrain_data[0], calib_samples=2,
+                                  seq_length=32, eval_iters=1)  # fake quantization pads the last block ...
+    restored, _, _ = load_model_for_inference(tmp_path / "q")  # ... (its slices survive the JSON round trip) ...
+    evals = windows_of(pretrain_data[0], 4, 32, first=2)  # 1 batch of the default 4 after the 2 calibration ones
+    assert evaluate(restored, evals, 4)["perplexity"] == pytest.approx(summary["perplexity_after"], rel=1e-6)
+    for fmt in ("unified", "legacy"):
+        with pytest.raises(MegapipeError, match="hidden_size is 192"):  # ... the export cannot
+            export_trt(tmp_path / "q", tmp_path / fmt, fmt)

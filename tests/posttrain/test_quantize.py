@@ -182,7 +182,7 @@ def test_bad_inputs_are_clear_errors(base, pretrain_data, tmp_path, monkeypatch)
 
 def test_quantizer_state_json_codec_round_trips():
     value = {"_num_bits": (4, 3), "_block_sizes": {-1: 128, "type": "static"}, "_input_dtype": torch.bfloat16,
-             "shape": torch.Size([3, 1]), "plain": [1, 2.5, None, "x"]}
+             "shape": torch.Size([3, 1]), "plain": [1, 2.5, None, "x"], "_slices": (slice(None), slice(0, 4, None))}
     back = quant_state.decode(json.loads(json.dumps(quant_state.encode(value))))
     assert back == {**value, "shape": (3, 1)}
     assert isinstance(back["_num_bits"], tuple) and -1 in back["_block_sizes"]
