@@ -30,8 +30,10 @@ from megapipe.posttrain.quant_state import quiet  # noqa: E402
 from megapipe.posttrain.quantize import quantize_checkpoint  # noqa: E402
 
 WIDE = dict(hidden_size=256, intermediate_size=512)  # INT4 blocks of 128 on each of 2 ranks
+GQA4 = dict(hidden_size=512, intermediate_size=1024, num_heads=8, num_kv_heads=2)  # ... on 4 ranks, 2 KV heads
+FP16 = {("mistral", "fp8"), ("qwen3", "int8_sq"), ("gpt2", None)}  # exported in fp16, the others in bf16
 DECODER = {"llama": "llama", "mistral": "llama", "qwen2": "qwen", "qwen3": "qwen", "gpt2": "gpt"}
-# (arch, format, kv, tp, pp, checkpoint overrides)
+# (arch, format, kv, tp, pp, checkpoint overrides); every CPU format on each architecture with legacy names
 CASES = [
     ("llama", None, None, 1, 1, {}),
     ("llama", "fp8", "fp8", 2, 2, {}),
@@ -40,10 +42,20 @@ CASES = [
     ("llama", "int4_awq", None, 2, 1, WIDE),
     ("llama", "w4a8_awq", "fp8", 1, 2, {}),
     ("qwen2", None, None, 2, 2, {"vocab_size": 515}),  # tied; the vocabulary padded for 2 ranks
+    ("qwen2", "fp8", "fp8", 2, 1, {}),
     ("qwen2", "int8_sq", None, 2, 1, {}),
+    ("qwen2", "int4_awq", None, 1, 1, {}),
+    ("qwen2", "w4a8_awq", "fp8", 4, 1, GQA4),  # INT4 block scales follow the duplicated KV heads
+    ("qwen3", None, None, 1, 2, {}),
     ("qwen3", "fp8", "fp8", 1, 2, {}),
+    ("qwen3", "int8_sq", None, 2, 1, {}),
+    ("qwen3", "int4_awq", "fp8", 1, 1, {}),
     ("qwen3", "w4a8_awq", None, 2, 1, WIDE),
+    ("mistral", None, None, 2, 1, {}),
+    ("mistral", "fp8", None, 1, 1, {}),
+    ("mistral", "int8_sq", "fp8", 1, 2, {}),
     ("mistral", "int4_awq", "fp8", 1, 1, {"vocab_size": 544}),  # AWQ pads the vocabulary to a multiple of 64
+    ("mistral", "w4a8_awq", None, 2, 2, WIDE),
     ("gpt2", None, None, 2, 1, {}),
     ("gpt2", "fp8", "fp8", 2, 1, {}),
 ]
@@ -74,17 +86,18 @@ def test_legacy_export_equals_modelopt_export_tensorrt_llm_checkpoint(tiny_token
     from modelopt.torch.export import export_tensorrt_llm_checkpoint
 
     arch, fmt, kv, tp, pp, overrides = case
+    dtype, torch_dtype = ("fp16", torch.float16) if (arch, fmt) in FP16 else ("bf16", torch.bfloat16)
     ckpt = _checkpoint(tmp_path, tiny_tokenizer_dir, pretrain_data[0], arch, fmt, kv, overrides)
-    summary = export_trt(ckpt, tmp_path / "ours", "legacy", dtype="bf16", tp=tp, pp=pp)
+    summary = export_trt(ckpt, tmp_path / "ours", "legacy", dtype=dtype, tp=tp, pp=pp)
     if fmt is None:
-        twin = hf_twin(ckpt, tmp_path, torch.bfloat16)
+        twin = hf_twin(ckpt, tmp_path, torch_dtype)
     elif arch == "gpt2":
-        twin = quantized_gpt2_twin(ckpt, tmp_path, torch.bfloat16)
+        twin = quantized_gpt2_twin(ckpt, tmp_path, torch_dtype)
     else:
-        twin = quantized_twin(ckpt, tmp_path, torch.bfloat16)
+        twin = quantized_twin(ckpt, tmp_path, torch_dtype)
     with quiet(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        export_tensorrt_llm_checkpoint(twin, DECODER[arch], dtype=torch.bfloat16, export_dir=tmp_path / "modelopt",
+        export_tensorrt_llm_checkpoint(twin, DECODER[arch], dtype=torch_dtype, export_dir=tmp_path / "modelopt",
                                        inference_tensor_parallel=tp, inference_pipeline_parallel=pp)
 
     ours_dir, theirs_dir = tmp_path / "ours", tmp_path / "modelopt"

@@ -29,10 +29,15 @@ from megapipe.errors import MegapipeError  # noqa: E402
 from megapipe.posttrain.quant_state import quiet  # noqa: E402
 from megapipe.posttrain.quantize import evaluate, quantize_checkpoint  # noqa: E402
 
-CASES = [  # every format ModelOpt exports on CPU, across the Llama-shaped architectures
-    ("llama", "fp8", "fp8"), ("llama", "int8_sq", None), ("llama", "int4_awq", "fp8"), ("llama", "w4a8_awq", None),
-    ("qwen2", "int4_awq", None), ("qwen2", "fp8", None), ("qwen3", "w4a8_awq", "fp8"), ("qwen3", "int8_sq", None),
-    ("mistral", "int8_sq", "fp8"), ("mistral", "fp8", None),
+CASES = [  # every format ModelOpt exports on CPU, on each Llama-shaped architecture (some with the KV cache, fp16)
+    ("llama", "fp8", "fp8", "bf16"), ("llama", "int8_sq", None, "bf16"), ("llama", "int4_awq", "fp8", "bf16"),
+    ("llama", "w4a8_awq", None, "fp16"),
+    ("qwen2", "fp8", None, "bf16"), ("qwen2", "int8_sq", "fp8", "fp16"), ("qwen2", "int4_awq", None, "bf16"),
+    ("qwen2", "w4a8_awq", "fp8", "bf16"),
+    ("qwen3", "fp8", "fp8", "bf16"), ("qwen3", "int8_sq", None, "bf16"), ("qwen3", "int4_awq", None, "fp16"),
+    ("qwen3", "w4a8_awq", "fp8", "bf16"),
+    ("mistral", "fp8", None, "fp16"), ("mistral", "int8_sq", "fp8", "bf16"), ("mistral", "int4_awq", "fp8", "bf16"),
+    ("mistral", "w4a8_awq", None, "bf16"),
 ]
 CONFIG_FIELDS = {"architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
@@ -91,15 +96,16 @@ def assert_same_tensors(ours: dict, theirs: dict) -> None:
         assert same_bits(a, b), f"{name}: max diff {(a.float() - b.float()).abs().max()}"
 
 
-@pytest.mark.parametrize("arch,fmt,kv", CASES, ids=[f"{a}-{f}{'-kv' if k else ''}" for a, f, k in CASES])
-def test_unified_export_equals_modelopt_export_hf_checkpoint(quantized, tmp_path, arch, fmt, kv):
+@pytest.mark.parametrize("arch,fmt,kv,dtype", CASES, ids=[f"{a}-{f}{'-kv' if k else ''}-{d}" for a, f, k, d in CASES])
+def test_unified_export_equals_modelopt_export_hf_checkpoint(quantized, tmp_path, arch, fmt, kv, dtype):
     from modelopt.torch.export import export_hf_checkpoint
 
     ckpt = quantized(arch, fmt, kv)
-    summary = export_trt(ckpt, tmp_path / "ours", "unified", dtype="bf16")
-    twin = quantized_twin(ckpt, tmp_path, torch.bfloat16)
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    summary = export_trt(ckpt, tmp_path / "ours", "unified", dtype=dtype)
+    twin = quantized_twin(ckpt, tmp_path, torch_dtype)
     with quiet():
-        export_hf_checkpoint(twin, dtype=torch.bfloat16, export_dir=tmp_path / "modelopt")
+        export_hf_checkpoint(twin, dtype=torch_dtype, export_dir=tmp_path / "modelopt")
 
     assert_same_tensors(tensors(tmp_path / "ours"), tensors(tmp_path / "modelopt"))
     ours_cfg = json.loads((tmp_path / "ours" / "config.json").read_text())
@@ -176,3 +182,19 @@ def test_int4_needs_whole_blocks(tiny_tokenizer_dir, pretrain_data, tmp_path):
     for fmt in ("unified", "legacy"):
         with pytest.raises(MegapipeError, match="hidden_size is 192"):  # ... the export cannot
             export_trt(tmp_path / "q", tmp_path / fmt, fmt)
+
+
+def test_format_without_export_is_refused(quantized, tmp_path):
+    """A checkpoint quantized on a GPU in a format megapipe does not export (nvfp4) is refused, for both formats."""
+    import shutil
+
+    from megapipe.checkpoint.manifest import MANIFEST_NAME
+
+    ckpt = tmp_path / "nvfp4"
+    shutil.copytree(quantized("llama", "fp8", None), ckpt)
+    manifest = json.loads((ckpt / MANIFEST_NAME).read_text())
+    manifest["quantization"]["format"] = "nvfp4"
+    (ckpt / MANIFEST_NAME).write_text(json.dumps(manifest))
+    for fmt in ("unified", "legacy"):
+        with pytest.raises(MegapipeError, match="'nvfp4' has no .*TensorRT-LLM export in megapipe"):
+            export_trt(ckpt, tmp_path / fmt, fmt)
