@@ -120,6 +120,8 @@ def test_cli_quantize_then_generate(base, pretrain_data, tmp_path, capsys):
     assert main(["generate", str(out), "--prompt", "To be", "--max-new-tokens", "4", "--json"]) == 0
     completions = json.loads(capsys.readouterr().out)
     assert len(completions) == 1 and isinstance(completions[0]["completion"], str)
+    assert main(["checkpoint", "inspect", str(out)]) == 0
+    assert "fp8 + kv fp8 (nvidia-modelopt" in capsys.readouterr().out
 
 
 def test_calibration_from_jsonl(base, shakespeare_excerpt, tmp_path):
