@@ -88,14 +88,15 @@ def size(directory: Path) -> int:
 
 def bench_model(name: str, ckpt: Path, data: Path, args, work: Path) -> list[dict]:
     samples, seq, batch = args.calib_samples, args.seq_len, args.batch_size
+    slug = name.split()[0].lower()
     stream = token_stream(data, None, (samples + args.eval_iters * batch) * seq + 1)
     calib = windows(stream, samples, seq)[:, :-1]
     evals = windows(stream, args.eval_iters * batch, seq, first=samples)
-    export_trt(ckpt, work / f"{name}-bf16", "unified", dtype="bf16", overwrite=True)
-    bf16_bytes = size(work / f"{name}-bf16")
+    export_trt(ckpt, work / f"{slug}-bf16", "unified", dtype="bf16", overwrite=True)
+    bf16_bytes = size(work / f"{slug}-bf16")
     rows = []
     for fmt in args.formats:
-        out = work / f"{name}-{fmt}"
+        out = work / f"{slug}-{fmt}"
         summary = quantize_checkpoint(ckpt, out, fmt, data, kv_cache=args.kv, calib_samples=samples, seq_length=seq,
                                       batch_size=batch, eval_iters=args.eval_iters, overwrite=True)
         row = {"model": name, "format": summary["format"], "ppl_base": summary["perplexity_before"],
@@ -104,21 +105,21 @@ def bench_model(name: str, ckpt: Path, data: Path, args, work: Path) -> list[dic
         restored, _, _ = load_model_for_inference(out)
         row["ppl_restored"] = evaluate(restored, evals, batch)["perplexity"]
         if args.hf:
-            twin = hf_twin(ckpt, work / f"{name}-hf")
+            twin = hf_twin(ckpt, work / f"{slug}-hf")
             t0 = time.perf_counter()
             calibrate(twin, fmt, args.kv, calib, batch)
             row["hf_calib_s"] = time.perf_counter() - t0
             row["ppl_hf"] = evaluate(lambda t, m=twin: m(t).logits, evals, batch)["perplexity"]
             del twin
         try:
-            export_trt(out, work / f"{name}-{fmt}-unified", "unified", dtype="bf16", overwrite=True)
-            row["size_ratio"] = size(work / f"{name}-{fmt}-unified") / bf16_bytes
+            export_trt(out, work / f"{slug}-{fmt}-unified", "unified", dtype="bf16", overwrite=True)
+            row["size_ratio"] = size(work / f"{slug}-{fmt}-unified") / bf16_bytes
         except MegapipeError as e:
             row["size_ratio"] = None
             row["export"] = str(e).split(": ", 1)[-1][:80]
         rows.append(row)
         print(json.dumps(row), flush=True)
-        shutil.rmtree(work / f"{name}-{fmt}-unified", ignore_errors=True)
+        shutil.rmtree(work / f"{slug}-{fmt}-unified", ignore_errors=True)
     return rows
 
 

@@ -29,7 +29,7 @@ import torch
 from megapipe.checkpoint import quantized_linear as ql
 from megapipe.checkpoint.hf.base import adapter_for_arch
 from megapipe.checkpoint.hf.files import HF_DTYPE_NAMES
-from megapipe.checkpoint.trt import AWQ, QUANT_ALGO, Source, save_safetensors, write_json
+from megapipe.checkpoint.trt import AWQ, LAYER_LINEARS, QUANT_ALGO, Source, save_safetensors, write_json
 from megapipe.errors import MegapipeError
 
 DECODER = {"llama": "llama", "mistral": "llama", "qwen2": "qwen", "qwen3": "qwen", "gpt2": "gpt"}
@@ -105,9 +105,7 @@ def _layer(src: Source, i: int, dtype: torch.dtype) -> dict:
     """Layer i as legacy parts: {"qkv": [q, k, v], "dense", "fc", "gate", "proj": Linear, norms, kv scales}."""
     state = src.layer(i)
     pre = f"layers.{i}."
-    lin = {n: src.linear(state, pre + n, dtype) for n in
-           ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1", "feed_forward.w2",
-            "feed_forward.w3")}
+    lin = {n: src.linear(state, pre + n, dtype) for n in LAYER_LINEARS}
     qkv = ql.fuse_group([lin["attention.wq"], lin["attention.wk"], lin["attention.wv"]])
     fc, gate = lin["feed_forward.w1"], lin["feed_forward.w3"]
     if gate is not None and src.fmt == "fp8":  # TensorRT-LLM may fuse gate and fc for FP8
