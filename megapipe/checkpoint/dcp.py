@@ -352,11 +352,14 @@ def load_model_for_inference(
     model = builder(cfg, device=device)
     if dtype is not None:
         model = model.to(dtype)
-    if manifest.get("quantization"):  # fake-quantized: put ModelOpt's quantizers back before loading their tensors
+    quantized = bool(manifest.get("quantization"))
+    if quantized:  # fake-quantized: put ModelOpt's quantizers back before loading their tensors
         from megapipe.posttrain.quantize import restore_quantized
 
         model = restore_quantized(model, manifest["quantization"], ckpt, str(ckpt / MANIFEST_NAME)).to(device)
     load_checkpoint(ckpt, model, load_rng=False)
+    if quantized and dtype is not None:
+        model = model.to(dtype)  # the quantizer tensors (stored in float32) follow the weights
     model.eval()
     tokenizer = ckpt / "tokenizer"
     return model, manifest, (tokenizer if tokenizer.is_dir() else None)

@@ -194,3 +194,30 @@ def test_cli_export_trt(tiny_tokenizer_dir, pretrain_data, tmp_path, capsys):
     assert main(["export", "hf", str(tmp_path / "q"), str(tmp_path / "hf")]) == 2
     assert "export trt CKPT OUT --format unified" in capsys.readouterr().err
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("fmt", ["int8_sq", "int4_awq"])
+def test_gpt2_smoothed_qkv_dequantizes_to_the_fake_quant_weights(tiny_tokenizer_dir, pretrain_data, tmp_path, fmt):
+    """GPT-2's HF twin fuses q/k/v into one Conv1D quantizer, so SmoothQuant/AWQ states (one smoothing vector per
+    projection in megapipe) have no ModelOpt counterpart to compare with. Instead: the exported fused qkv, scaled back
+    (INT values x weight scales x the shared pre_quant_scale), equals each projection's weight x its own scale."""
+    from megapipe.checkpoint import load_model_for_inference
+
+    ckpt = _checkpoint(tmp_path, tiny_tokenizer_dir, pretrain_data[0], "gpt2", fmt, None, {})
+    export_trt(ckpt, tmp_path / "out", "legacy", dtype="bf16")
+    rank = _rank(tmp_path / "out", 0)
+    pre = "transformer.layers.0.attention.qkv."
+    ints, scales = rank[pre + "weight"], rank[pre + "weights_scaling_factor"]
+    if fmt == "int4_awq":  # two INT4 values per byte along the output rows, [out/2, in] -> [out, in]
+        b = ints.view(torch.uint8).to(torch.int16)
+        low, high = ((b & 0x0F) ^ 8) - 8, ((b >> 4) ^ 8) - 8
+        ints = torch.stack([low, high], dim=1).reshape(-1, b.shape[1])
+        scales = scales.repeat_interleave(128, dim=1)
+    else:
+        scales = scales[:, None]
+    smoothed = ints.float() * scales * rank[pre + "prequant_scaling_factor"].float()
+    model, _, _ = load_model_for_inference(ckpt)
+    attn = model.layers["0"].attention
+    want = torch.cat([w.weight * w.input_quantizer._pre_quant_scale for w in (attn.wq, attn.wk, attn.wv)])
+    step = (scales * rank[pre + "prequant_scaling_factor"].float()).expand_as(want)
+    assert ((smoothed - want).abs() <= 0.51 * step + 0.02 * want.abs()).all()

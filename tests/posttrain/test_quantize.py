@@ -188,3 +188,15 @@ def test_quantizer_state_json_codec_round_trips():
     back = quant_state.decode(json.loads(json.dumps(quant_state.encode(value))))
     assert back == {**value, "shape": (3, 1)}
     assert isinstance(back["_num_bits"], tuple) and -1 in back["_block_sizes"]
+
+
+def test_quantized_checkpoint_runs_in_bf16(base, pretrain_data, tmp_path, capsys):
+    prefix, _ = pretrain_data
+    _quantize(base["llama"], tmp_path / "q", prefix, "int8_sq", "fp8")  # a pre_quant_scale multiplies activations
+    fp32, _, _ = load_model_for_inference(tmp_path / "q")
+    bf16, _, _ = load_model_for_inference(tmp_path / "q", dtype=torch.bfloat16)
+    tokens = windows_of(prefix, 1, SEQ, first=30)[:, :-1]
+    with torch.no_grad():
+        a, b = fp32(tokens), bf16(tokens)
+    assert torch.isfinite(b).all() and (a - b).abs().max() < 0.1 * a.abs().max()
+    assert main(["generate", str(tmp_path / "q"), "--prompt", "To be", "--max-new-tokens", "3", "--bf16"]) == 0
