@@ -28,6 +28,17 @@ def _count(n: int) -> str:
     return f"{n:,}"
 
 
+def _quantization(q) -> str:
+    """One line for a quantized checkpoint (its full ModelOpt state is in the manifest and in --json)."""
+    if not q:
+        return "-"
+    if not isinstance(q, dict) or "format" not in q:
+        return json.dumps(q)
+    kv = f" + kv {q['kv_cache']}" if q.get("kv_cache") else ""
+    calib = q.get("calibration") or {}
+    return f"{q['format']}{kv} ({q.get('tool', '?')}; {calib.get('samples', '?')} x {calib.get('seq_length', '?')} tokens)"
+
+
 def inspect(
     ckpt: str = typer.Argument(..., help="A checkpoint directory, or a run directory (its newest complete checkpoint)."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
@@ -60,7 +71,7 @@ def inspect(
         ("optimizer state", "yes" if info["optimizer_state"] else "no (weights only)"),
         ("RNG states", f"{info['rng_ranks']} rank(s)"),
         ("tokenizer", str(info["tokenizer"] or "-")),
-        ("quantization", json.dumps(info["quantization"]) if info["quantization"] else "-"),
+        ("quantization", _quantization(info["quantization"])),
         ("size on disk", _human(info["size_bytes"])),
         ("integrity", info["integrity"]),
         (

@@ -160,6 +160,7 @@ GROUP_HELP = {
     "import": "Bring a model from another format into a megapipe checkpoint.",
     "export": "Write a megapipe checkpoint in another format.",
     "pipeline": "Run YAML pipelines of stages (cached, resumable; local or Slurm).",
+    "posttrain": "Post-train a checkpoint: sft, distill, prune, quantize, rl.",
 }
 
 

@@ -1,7 +1,7 @@
 """`megapipe import hf` and `megapipe export hf`: Hugging Face checkpoints in and out.
 
-The ``import`` and ``export`` groups are shared (``stages.common.group``): another stage module adds its own
-format with ``group(app, "export").command("trt")(...)``, in whatever order the modules register.
+The ``import`` and ``export`` groups are shared (``stages.common.add_command``): another stage module adds its own
+format with ``add_command(app, "export trt", fn)``, in whatever order the modules register.
 """
 
 from __future__ import annotations

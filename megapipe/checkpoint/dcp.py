@@ -436,7 +436,14 @@ def load_model_for_inference(
     model = builder(cfg, device=device)
     if dtype is not None:
         model = model.to(dtype)
+    quantized = bool(manifest.get("quantization"))
+    if quantized:  # fake-quantized: put ModelOpt's quantizers back before loading their tensors
+        from megapipe.posttrain.quantize import restore_quantized
+
+        model = restore_quantized(model, manifest["quantization"], ckpt, str(ckpt / MANIFEST_NAME)).to(device)
     load_checkpoint(ckpt, model, load_rng=False)
+    if quantized and dtype is not None:
+        model = model.to(dtype)  # the quantizer tensors (stored in float32) follow the weights
     model.eval()
     return model, manifest, checkpoint_tokenizer(ckpt, manifest)
 

@@ -217,7 +217,11 @@ def export_hf(
     if not isinstance(manifest.get("model"), dict):
         raise CheckpointError(f"{where} has no model config")
     if manifest.get("quantization"):
-        raise CheckpointError(f"{where}: quantized checkpoints are not exported by `export hf` (quantization is set)")
+        fmt = manifest["quantization"].get("format") if isinstance(manifest["quantization"], dict) else None
+        raise CheckpointError(
+            f"{where}: the checkpoint is quantized ({fmt}) and `export hf` writes unquantized weights only: use "
+            "`megapipe export trt CKPT OUT --format unified` for the quantized Hugging Face layout (hf_quant_config.json) "
+            "that TensorRT-LLM, vLLM and SGLang load")
     cfg = from_dict(ModelConfig, manifest["model"], "model.", f"{where}: ")
     adapter = adapter_for_arch(cfg.arch)
     hf_cfg = adapter.hf_config(cfg)

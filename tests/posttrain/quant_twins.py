@@ -1,0 +1,178 @@
+"""Tiny megapipe checkpoints of each architecture and their Hugging Face twins, for the quantization oracles.
+
+Shared by tests/posttrain/test_quantize*.py and tests/checkpoint/test_trt*.py (imported by path: test dirs are not
+packages). Every weight is random, norms and biases too, so a wrong name map or a fusion applied to the wrong
+tensor shows up in the values.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+
+import torch
+
+VOCAB = 512  # the tiny tokenizer's size (tests/conftest.py)
+BASE = dict(vocab_size=VOCAB, make_vocab_size_divisible_by=1, hidden_size=128, intermediate_size=256, num_layers=2,
+            num_heads=4, num_kv_heads=2, max_position_embeddings=256, norm_eps=1e-6, rope_theta=10000.0)
+ARCHS = {
+    "llama": dict(BASE, arch="llama"),
+    "qwen2": dict(BASE, arch="qwen2", qkv_bias=True, tie_embeddings=True, rope_theta=1000000.0),
+    "qwen3": dict(BASE, arch="qwen3", qk_norm=True, head_dim=64),
+    "mistral": dict(BASE, arch="mistral", rope_theta=500000.0),
+    "gpt2": dict(vocab_size=VOCAB, make_vocab_size_divisible_by=1, arch="gpt2", hidden_size=128,
+                 intermediate_size=512, num_layers=2, num_heads=4, max_position_embeddings=256, norm_type="layernorm",
+                 activation="gelu_tanh", position_embedding="learned", qkv_bias=True, attn_out_bias=True,
+                 mlp_bias=True, tie_embeddings=True),
+}
+
+
+def model_config(arch: str, **overrides):
+    from megapipe.config import ModelConfig
+
+    return ModelConfig(**{**ARCHS[arch], **overrides})
+
+
+def make_checkpoint(path: Path, arch: str, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
+    """A random megapipe checkpoint of ``arch`` (weights N(0, 0.05), norms around 1, biases around 0)."""
+    from megapipe.checkpoint import write_checkpoint
+    from megapipe.models import build_model
+
+    cfg = model_config(arch, **overrides)
+    model = build_model(cfg, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or ".attention_norm." in name or ".ffn_norm." in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith(".bias") or "norm" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    return write_checkpoint(path, model, manifest={"model": cfg, "stage": "pretrain"}, tokenizer=tokenizer_dir)
+
+
+def hf_twin(ckpt: Path, tmp: Path, dtype: torch.dtype = torch.float32):
+    """The Hugging Face model with the checkpoint's (unquantized) weights: ``export hf``, then from_pretrained."""
+    import transformers
+
+    from megapipe.checkpoint.hf import export_hf
+
+    out = tmp / f"hf-twin-{ckpt.name}"
+    if not out.exists():
+        export_hf(ckpt, out, dtype="fp32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=dtype)
+    return model.eval()
+
+
+def windows_of(prefix, count: int, seq_length: int, first: int = 0) -> torch.Tensor:
+    from megapipe.posttrain.quantize import token_stream, windows
+
+    stream = token_stream(prefix, None, (first + count) * seq_length + 1)
+    return windows(stream, count, seq_length, first)
+
+
+QUANTIZER_KEY = re.compile(r"^(.*)\.((?:weight|input|output|[qkvp]_bmm)_quantizer(?:\.\d+)?)\.(_[a-z_]+)$")
+
+
+def hf_names(cfg) -> dict[str, str]:
+    """megapipe tensor name -> HF tensor name (the bridge's conversions, 1:1 for the Llama-shaped models)."""
+    from megapipe.checkpoint.hf.base import adapter_for_arch
+
+    return {c.mp[0]: c.hf[0] for c in adapter_for_arch(cfg.arch).conversions(cfg)}
+
+
+def quantized_twin(quantized_ckpt: Path, tmp: Path, dtype: torch.dtype):
+    """The HF twin of a *quantized* megapipe checkpoint: its (smoothed) weights in ``dtype`` and ModelOpt
+    quantizers attached the HF way, holding exactly the checkpoint's quantizer tensors (fp32)."""
+    import transformers
+
+    from megapipe.checkpoint import load_model_for_inference, read_manifest
+    from megapipe.checkpoint.hf import export_hf
+    from megapipe.posttrain import quant_state
+
+    manifest = read_manifest(quantized_ckpt)
+    parent = Path(manifest["parent"])
+    ours, _, _ = load_model_for_inference(quantized_ckpt)
+    state = ours.state_dict()
+    names = hf_names(ours.cfg)
+    base = tmp / f"hf-base-{quantized_ckpt.name}"
+    if not base.exists():
+        export_hf(parent, base, dtype="fp32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        twin = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=dtype).eval()
+    weights = {names[k]: v.to(dtype) for k, v in state.items() if "_quantizer." not in k}
+    missing, unexpected = twin.load_state_dict(weights, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+
+    q = manifest["quantization"]
+    config = quant_state.quantize_config(q["format"], q["kv_cache"])
+    config["algorithm"] = "max"  # only to build the quantizers; every tensor is replaced below
+    dummy = torch.randint(0, ours.cfg.vocab_size, (1, 8))
+    with torch.no_grad(), quant_state.quiet():
+        quant_state.mtq().quantize(twin, config, lambda m: m(dummy))
+    modules = {k.removesuffix(".weight"): v.removesuffix(".weight") for k, v in names.items() if k.endswith(".weight")}
+    for key, tensor in state.items():
+        m = QUANTIZER_KEY.match(key)
+        if not m:
+            continue
+        module, quantizer, buffer = m.groups()
+        hf_module = modules.get(module) or modules[module + ".wq"].rsplit(".", 1)[0]  # the attention itself
+        target = twin.get_submodule(f"{hf_module}.{quantizer}")
+        if hasattr(target, buffer):
+            delattr(target, buffer)
+        # quantizer state in float32, the AWQ/SmoothQuant input scale in the model's dtype (it multiplies activations)
+        target.register_buffer(buffer, tensor.to(dtype) if buffer == "_pre_quant_scale" else tensor.clone())
+    with torch.no_grad():
+        twin.load_state_dict(weights, strict=False)  # max calibration did not touch them; make sure
+    return twin
+
+
+GPT2_MODULES = {"attention.wo": "attn.c_proj", "feed_forward.w1": "mlp.c_fc", "feed_forward.w2": "mlp.c_proj"}
+
+
+def quantized_gpt2_twin(quantized_ckpt: Path, tmp: Path, dtype: torch.dtype):
+    """GPT-2's twin for per-tensor formats (fp8): HF fuses q/k/v into one ``c_attn`` quantizer, which holds the
+    max of megapipe's three weight amaxes (the input amax is one value: q, k and v read the same input)."""
+    import transformers
+
+    from megapipe.checkpoint import load_model_for_inference, read_manifest
+    from megapipe.checkpoint.hf import export_hf
+    from megapipe.posttrain import quant_state
+
+    manifest = read_manifest(quantized_ckpt)
+    q = manifest["quantization"]
+    assert q["format"] == "fp8", "only per-tensor scales fuse without re-smoothing"
+    base = tmp / f"hf-base-{quantized_ckpt.name}"
+    if not base.exists():
+        export_hf(Path(manifest["parent"]), base, dtype="fp32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        twin = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=dtype).eval()
+    state = load_model_for_inference(quantized_ckpt)[0].state_dict()
+    config = quant_state.quantize_config(q["format"], q["kv_cache"])
+    with torch.no_grad(), quant_state.quiet():
+        quant_state.mtq().quantize(twin, config, lambda m: m(torch.randint(0, 100, (1, 8))))
+
+    def put(module, quantizer, tensor):
+        target = twin.get_submodule(f"{module}.{quantizer}")
+        delattr(target, "_amax")
+        target.register_buffer("_amax", tensor.clone())
+
+    for i in range(twin.config.n_layer):
+        pre, hf = f"layers.{i}.", f"transformer.h.{i}."
+        qkv = [f"{pre}attention.{w}" for w in ("wq", "wk", "wv")]
+        put(hf + "attn.c_attn", "weight_quantizer",
+            torch.stack([state[f"{n}.weight_quantizer._amax"] for n in qkv]).max())
+        put(hf + "attn.c_attn", "input_quantizer", state[f"{qkv[0]}.input_quantizer._amax"])
+        for ours, theirs in GPT2_MODULES.items():
+            for quantizer in ("weight_quantizer", "input_quantizer"):
+                put(hf + theirs, quantizer, state[f"{pre}{ours}.{quantizer}._amax"])
+        if q["kv_cache"]:
+            for kv in ("k", "v"):
+                put(hf + "attn", f"{kv}_bmm_quantizer", state[f"{pre}attention.{kv}_bmm_quantizer._amax"])
+    return twin
