@@ -155,6 +155,7 @@ GROUP_HELP = {
     "checkpoint": "Inspect and convert megapipe checkpoints.",
     "import": "Bring a model from another format into a megapipe checkpoint.",
     "export": "Write a megapipe checkpoint in another format.",
+    "posttrain": "Post-train a checkpoint: sft, distill, prune, quantize, rl.",
 }
 
 

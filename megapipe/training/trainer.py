@@ -365,7 +365,7 @@ class Trainer:
         }
         self.last_saved = save_checkpoint(
             ckpt.save, st.step, self.model, self.optimizer, manifest=manifest,
-            tokenizer=self.tokenizer.path if self.tokenizer else None, keep_last=ckpt.keep_last,
+            tokenizer=self.recipe.tokenizer_files(self), keep_last=ckpt.keep_last,
         )
         self._saved_step = st.step
         self.logger.print(f"saved checkpoint {self.last_saved}")
@@ -383,6 +383,7 @@ class Trainer:
             "eval_ppl": st.last_eval.get("ppl"),
             "checkpoint": str(self.last_saved) if self.last_saved else None,
             "stopped_by": stopped_by or None,
+            **self.recipe.summary(self),
         }
         if not self.logger.quiet:
             from rich.table import Table

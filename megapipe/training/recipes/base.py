@@ -9,7 +9,9 @@ clipping, evaluation, logging, checkpoints and signals; a recipe owns what diffe
 - ``prepare_model``: changes to the plain model before parallelism is applied (LoRA adapters, frozen parts);
 - ``check``: recipe-specific refusals before any process starts; ``packed_sequences``: whether batches carry
   document ids / position ids (layouts that cannot attend within documents yet refuse it before launch);
-- ``manifest`` / ``metrics``: extra manifest fields, extra per-step metrics.
+- ``manifest`` / ``metrics``: extra manifest fields, extra per-step metrics;
+- ``tokenizer_files``: the tokenizer copied into each checkpoint (e.g. with the chat template SFT rendered with);
+  ``summary``: extra rows of the end-of-run summary.
 """
 
 from __future__ import annotations
@@ -45,4 +47,12 @@ class Recipe:
 
     def metrics(self, trainer) -> dict[str, float]:
         """Extra values for the step's log record (called at each log interval)."""
+        return {}
+
+    def tokenizer_files(self, trainer):
+        """The tokenizer (directory or file) written into every checkpoint: the run's own by default."""
+        return trainer.tokenizer.path if trainer.tokenizer else None
+
+    def summary(self, trainer) -> dict[str, Any]:
+        """Extra entries of the end-of-run summary."""
         return {}
