@@ -352,7 +352,16 @@ def load_model_for_inference(
     model = builder(cfg, device=device)
     if dtype is not None:
         model = model.to(dtype)
+    lora = manifest.get("lora")
+    if lora:  # LoRA adapters are extra tensors: load them, then fold them into the base weights
+        from megapipe.posttrain.lora import LoRASpec, apply_lora
+
+        apply_lora(model, LoRASpec.from_manifest(lora))
     load_checkpoint(ckpt, model, load_rng=False)
+    if lora:
+        from megapipe.posttrain.lora import merge_lora
+
+        merge_lora(model)
     model.eval()
     tokenizer = ckpt / "tokenizer"
     return model, manifest, (tokenizer if tokenizer.is_dir() else None)

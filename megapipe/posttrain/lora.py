@@ -159,6 +159,19 @@ def merge_lora(model: nn.Module) -> nn.Module:
     return model
 
 
+def load_base_weights(ckpt, model: nn.Module) -> None:
+    """Load checkpoint ``ckpt``'s weights into a model whose new adapters it does not hold (any layout)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    from megapipe.checkpoint.dcp import dcp_load
+    from megapipe.checkpoint.manifest import resolve_checkpoint
+
+    ckpt = resolve_checkpoint(ckpt)
+    state = {k: v for k, v in get_model_state_dict(model).items() if not is_adapter(k)}
+    dcp_load(state, ckpt / "model", "model")
+    set_model_state_dict(model, state, options=StateDictOptions(strict=False))
+
+
 def adapter_names(weight_name: str) -> tuple[str, str]:
     """``X.weight`` -> (``X.lora_A.weight``, ``X.lora_B.weight``)."""
     base = weight_name.removesuffix(".weight")

@@ -130,7 +130,7 @@ class Trainer:
         from megapipe.checkpoint import load_checkpoint
 
         if self.resume_ckpt is None:  # --finetune: weights only, a new run
-            load_checkpoint(self.parent_ckpt, self.model, optimizer=None, load_optim=False, load_rng=False)
+            self.recipe.load_weights(self, self.parent_ckpt)
             return {}
         manifest = load_checkpoint(self.resume_ckpt, self.model, self.optimizer, load_optim=True, load_rng=True)
         ts = dict(manifest.get("trainer_state") or {})

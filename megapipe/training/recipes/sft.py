@@ -66,6 +66,13 @@ class SFTRecipe(Recipe):
         spec = lora_spec(trainer.cfg)
         return apply_lora(model, spec, seed=trainer.cfg.train.seed) if spec is not None else model
 
+    def load_weights(self, trainer, ckpt) -> None:
+        from megapipe.posttrain.lora import load_base_weights, lora_spec
+
+        if lora_spec(trainer.cfg) is None:
+            return super().load_weights(trainer, ckpt)
+        load_base_weights(ckpt, trainer.model)
+
     def datasets(self, trainer) -> dict:
         if self._datasets is None:
             from megapipe.data.gpt_dataset import parse_split
