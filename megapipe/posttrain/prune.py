@@ -458,7 +458,7 @@ def prune_checkpoint(ckpt, output, targets: PruneTargets, calib_data: str, calib
     ``ckpt``); returns the summary: shapes, parameters and validation loss before and after."""
     from pathlib import Path
 
-    from megapipe.checkpoint import load_model_for_inference, read_manifest, resolve_checkpoint, write_checkpoint
+    from megapipe.checkpoint import load_model_for_inference, resolve_checkpoint, write_checkpoint
     from megapipe.errors import CheckpointError
 
     ckpt, output = resolve_checkpoint(Path(ckpt).expanduser()), Path(output).expanduser()
