@@ -60,7 +60,7 @@ def inspect_sft(
 
     console = Console(highlight=False)
     for where, segs, n, t in shown:
-        console.rule(f"{where}: {n} tokens, {t} trained (bold green)")
+        console.print(f"[bold]── {where}: {n} tokens, {t} trained (bold green)[/]", soft_wrap=True)
         out = Text()
         for s, tr in segs:
             out.append(s, style="bold green" if tr else "dim")
