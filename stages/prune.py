@@ -29,6 +29,8 @@ def prune(
     kv_heads: Optional[int] = typer.Option(None, "--kv-heads", help="New number of KV heads (GQA groups)."),
     layers: Optional[int] = typer.Option(None, "--layers", help="New number of layers."),
     depth_metric: str = typer.Option("bi", "--depth-metric", help="Layer importance: bi (1 - cos(in, out)) or loss."),
+    group_metric: str = typer.Option(
+        "loss", "--group-metric", help="KV-group importance: loss (increase when removed) or norm (its heads' sum)."),
     importance: str = typer.Option("activation", "--importance", help="activation, or random (the baseline)."),
     seq_length: int = typer.Option(512, "--seq-length", help="Tokens per calibration sequence."),
     micro_batch_size: int = typer.Option(8, "--micro-batch-size", help="Sequences per forward pass."),
@@ -59,7 +61,8 @@ def prune(
     info = init_distributed()
     targets = PruneTargets(hidden, ffn, heads, kv_heads, layers, target_params)
     s = prune_checkpoint(ckpt, output, targets, calib_data, calib_samples, valid_samples, seq_length,
-                         micro_batch_size, split, depth_metric, importance, seed, overwrite, cache_dir, chat_template)
+                         micro_batch_size, split, depth_metric, importance, seed, overwrite, cache_dir, chat_template,
+                         group_metric)
     destroy_distributed()
     if info.rank != 0:
         return

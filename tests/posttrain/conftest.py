@@ -45,3 +45,16 @@ def write_model(path: Path, tokenizer: Path, seed: int = 0, **fields) -> Path:
 @pytest.fixture(scope="session")
 def base_ckpt(tmp_path_factory, chat_tokenizer) -> Path:
     return write_model(tmp_path_factory.mktemp("base") / "ckpt", chat_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def sft_model(base_ckpt, chat_data, tmp_path_factory) -> Path:
+    """``base_ckpt`` fine-tuned on the chat set until it answers in its format (60 steps, packed)."""
+    from megapipe.cli import main
+
+    run = tmp_path_factory.mktemp("sft_model") / "run"
+    assert main(["posttrain", "sft", "--load", str(base_ckpt), "--data", str(chat_data), "--chat-template", "chatml",
+                 "--packing", "--seq-length", "128", "--micro-batch-size", "8", "--global-batch-size", "8",
+                 "--train-iters", "60", "--lr", "1e-2", "--lr-warmup-iters", "5", "--split", "90,10,0",
+                 "--eval-iters", "1", "--log-interval", "20", "--save", str(run), "--quiet"]) == 0
+    return run / "step_00000060"

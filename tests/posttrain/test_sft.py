@@ -205,17 +205,13 @@ def generate(ckpt: Path, prompts: list[str]) -> list[str]:
     return [r["completion"] for r in json.loads(out.stdout)]
 
 
-def test_sft_makes_generate_answer_in_the_trained_format(base_ckpt, chat_data, tmp_path):
-    """The demonstration on a small model trained here (tools/demo_sft.py runs it on SmolLM2-135M-Instruct): after
-    SFT on the chat set, held-out questions rendered with the checkpoint's chat template get one-line answers in the
-    set's format, ``ANSWER: ...``, ended by the end-of-turn token; before, none."""
-    run = tmp_path / "run"
-    assert main(sft_args(base_ckpt, chat_data, run, "--packing", "--seq-length", "128", "--micro-batch-size", "8",
-                         "--global-batch-size", "8", "--train-iters", "60", "--lr", "1e-2", "--lr-warmup-iters", "5",
-                         "--log-interval", "20")) == 0
-    ckpt = run / "step_00000060"
-    prompts = chat_prompts(ckpt / "tokenizer")
-    before, after = generate(base_ckpt, prompts), generate(ckpt, prompts)
+def test_sft_makes_generate_answer_in_the_trained_format(base_ckpt, sft_model):
+    """The demonstration on a small model trained here (conftest.sft_model; tools/demo_sft.py runs it on
+    SmolLM2-135M-Instruct): after SFT on the chat set, held-out questions rendered with the checkpoint's own chat
+    template get one-line answers in the set's format, ``ANSWER: ...``, ended by the end-of-turn token; before,
+    none."""
+    prompts = chat_prompts(sft_model / "tokenizer")
+    before, after = generate(base_ckpt, prompts), generate(sft_model, prompts)
     assert not any(ANSWER.match(b) for b in before), before
     assert all(ANSWER.match(a) for a in after), after
 
