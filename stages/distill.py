@@ -55,7 +55,7 @@ def distill(
     teacher = resolve_checkpoint(kd.teacher)
     if kd.student is None and cfg.data.tokenizer is None and (Path(teacher) / "tokenizer").is_dir():
         cfg.data.tokenizer = str(Path(teacher) / "tokenizer")  # a fresh student speaks the teacher's vocabulary
-    cfg = posttrain_checkpoints(cfg, kd.student)
+    cfg = posttrain_checkpoints(cfg, kd.student, "distill")
     launch_training(ctx, "posttrain distill", cfg, DistillRecipe(cfg.distill, quiet), nproc_per_node, nnodes,
                     node_rank, rdzv_endpoint, quiet)
 

