@@ -270,6 +270,49 @@ class CheckpointConfig:
     finetune: bool = opt(False, "--finetune", help="With --load: weights only, a new run.")
 
 
+# post-training sections (megapipe posttrain sft / distill): only the stages that take them show their flags
+
+
+@dataclass
+class SFTConfig:
+    data: list[str] = opt(None, "--data", factory=list,
+                          help="SFT records: JSONL (.gz), parquet or saved HF datasets with 'messages', "
+                               "'prompt'/'completion' or 'text'.")
+    chat_template: Optional[str] = opt(
+        None, "--chat-template", help="chatml, llama3 or FILE.jinja (default: the tokenizer's own template).")
+    train_on_prompt: bool = opt(False, "--train-on-prompt", help="Train on every token, not only the assistant's.")
+    packing: bool = opt(False, "--packing", help="Pack several conversations per sequence (attention kept apart).")
+    skip_bad_records: bool = opt(False, "--skip-bad-records", help="Leave out malformed records (counted) instead "
+                                                                   "of stopping at the first.")
+    overlong: Literal["truncate", "drop"] = opt(
+        "truncate", "--overlong", help="Conversations longer than --seq-length: cut at the end, or leave out.")
+
+
+@dataclass
+class LoRAConfig:
+    rank: int = opt(0, "--lora-rank", help="LoRA rank (0: train all weights).")
+    alpha: Optional[float] = opt(None, "--lora-alpha", help="LoRA alpha; the update is scaled by alpha / rank "
+                                                            "(default: alpha = rank).")
+    dropout: float = opt(0.0, "--lora-dropout", help="Dropout on the LoRA input.")
+    targets: str = opt("all-linear", "--lora-targets",
+                       help="all-linear, or a comma-separated subset of q,k,v,o,gate,up,down.")
+
+
+@dataclass
+class DistillConfig:
+    teacher: Optional[str] = opt(None, "--teacher", help="Teacher checkpoint (or run directory).")
+    student: Optional[str] = opt(None, "--student", help="Student checkpoint whose weights start the run.")
+    loss: Literal["forward_kl", "reverse_kl", "jsd"] = opt(
+        "forward_kl", "--kd-loss", help="Divergence between teacher and student distributions.")
+    temperature: float = opt(1.0, "--kd-temperature", help="Softmax temperature of both distributions.")
+    alpha: float = opt(1.0, "--kd-alpha", help="Weight of the distillation loss; 1 - alpha goes to the LM loss.")
+    jsd_beta: float = opt(0.5, "--kd-jsd-beta", help="Generalized JSD mixing weight beta (0: forward KL, 1: reverse).")
+    top_k: int = opt(0, "--kd-top-k", help="Only the teacher's k most likely tokens (0: the whole vocabulary).")
+    teacher_precision: Literal["fp32", "bf16"] = opt("fp32", "--teacher-precision", help="Teacher weights' dtype.")
+    teacher_parallel: Literal["replicate", "fsdp"] = opt(
+        "replicate", "--teacher-parallel", help="Teacher on every rank, or FSDP-sharded over the data-parallel ranks.")
+
+
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -278,6 +321,9 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
 
 # --------------------------------------------------------------------------------------------------- building
@@ -529,6 +575,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"parallel.dp_shard = {p.dp_shard} must be > 0, or -1 for the rest of the world size")
     positive("parallel", p, "ep")
     validate_moe(m)
+    validate_posttrain(cfg)
 
 
 def validate_moe(m: ModelConfig) -> None:
@@ -627,3 +674,22 @@ def check_seq_length(model: ModelConfig, seq_length: int) -> None:
             f"{_named('data.seq_length')} = {seq_length} is beyond the position limit of {name}: "
             f"model.max_position_embeddings = {limit}; shorten the sequences or raise the limit"
         )
+
+
+def validate_posttrain(cfg: Config) -> None:
+    """Range checks of the post-training sections (sft, lora, distill)."""
+    lo, kd = cfg.lora, cfg.distill
+    if lo.rank < 0:
+        raise ConfigError(f"lora.rank = {lo.rank} must be >= 0 (0: no LoRA)")
+    if lo.alpha is not None and lo.alpha <= 0:
+        raise ConfigError(f"lora.alpha = {lo.alpha} must be > 0")
+    if not 0 <= lo.dropout < 1:
+        raise ConfigError(f"lora.dropout = {lo.dropout} must be within [0, 1)")
+    if kd.temperature <= 0:
+        raise ConfigError(f"distill.temperature = {kd.temperature} must be > 0")
+    if not 0 <= kd.alpha <= 1:
+        raise ConfigError(f"distill.alpha = {kd.alpha} must be within [0, 1]")
+    if not 0 <= kd.jsd_beta <= 1:
+        raise ConfigError(f"distill.jsd_beta = {kd.jsd_beta} must be within [0, 1]")
+    if kd.top_k < 0:
+        raise ConfigError(f"distill.top_k = {kd.top_k} must be >= 0 (0: the whole vocabulary)")

@@ -63,6 +63,9 @@ def export_hf_command(
         None, "--tokenizer", help="Tokenizer directory to ship (default: the checkpoint's tokenizer/)."
     ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT_DIR if it exists."),
+    lora_adapter_only: bool = typer.Option(
+        False, "--lora-adapter-only", help="LoRA checkpoints: write a peft adapter directory instead of the merged "
+                                           "model (load it onto the exported base with peft)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
 ) -> None:
     """Export a checkpoint (any parallel layout) for transformers / vLLM: config, safetensors, tokenizer."""
@@ -71,7 +74,7 @@ def export_hf_command(
     bar, progress = _progress("exporting tensors", quiet)
     with bar:
         summary = export_hf(ckpt, out_dir, dtype=dtype, max_shard_size=max_shard_size, tokenizer=tokenizer,
-                            overwrite=overwrite, progress=progress)
+                            overwrite=overwrite, progress=progress, lora_adapter_only=lora_adapter_only)
     _summary("export hf", summary, quiet)
 
 

@@ -436,12 +436,21 @@ def load_model_for_inference(
     model = builder(cfg, device=device)
     if dtype is not None:
         model = model.to(dtype)
+    lora = manifest.get("lora")
+    if lora:  # LoRA adapters are extra tensors: load them, then fold them into the base weights
+        from megapipe.posttrain.lora import LoRASpec, apply_lora
+
+        apply_lora(model, LoRASpec.from_manifest(lora))
     quantized = bool(manifest.get("quantization"))
     if quantized:  # fake-quantized: put ModelOpt's quantizers back before loading their tensors
         from megapipe.posttrain.quantize import restore_quantized
 
         model = restore_quantized(model, manifest["quantization"], ckpt, str(ckpt / MANIFEST_NAME)).to(device)
     load_checkpoint(ckpt, model, load_rng=False)
+    if lora:
+        from megapipe.posttrain.lora import merge_lora
+
+        merge_lora(model)
     if quantized and dtype is not None:
         model = model.to(dtype)  # the quantizer tensors (stored in float32) follow the weights
     model.eval()

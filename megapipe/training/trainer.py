@@ -132,7 +132,7 @@ class Trainer:
         from megapipe.checkpoint import load_checkpoint
 
         if self.resume_ckpt is None:  # --finetune: weights only, a new run
-            load_checkpoint(self.parent_ckpt, self.model, optimizer=None, load_optim=False, load_rng=False)
+            self.recipe.load_weights(self, self.parent_ckpt)
             return {}
         manifest = load_checkpoint(self.resume_ckpt, self.model, self.optimizer, load_optim=True, load_rng=True)
         ts = dict(manifest.get("trainer_state") or {})
@@ -371,7 +371,7 @@ class Trainer:
         }
         self.last_saved = save_checkpoint(
             ckpt.save, st.step, self.model, self.optimizer, manifest=manifest,
-            tokenizer=self.tokenizer.path if self.tokenizer else None, keep_last=ckpt.keep_last,
+            tokenizer=self.recipe.tokenizer_files(self), keep_last=ckpt.keep_last,
         )
         self._saved_step = st.step
         self.logger.print(f"saved checkpoint {self.last_saved}")
@@ -389,6 +389,7 @@ class Trainer:
             "eval_ppl": st.last_eval.get("ppl"),
             "checkpoint": str(self.last_saved) if self.last_saved else None,
             "stopped_by": stopped_by or None,
+            **self.recipe.summary(self),
         }
         if not self.logger.quiet:
             from rich.table import Table

@@ -199,8 +199,14 @@ def export_hf(
     tokenizer: Optional[str | Path] = None,
     overwrite: bool = False,
     progress: Progress = None,
+    lora_adapter_only: bool = False,
 ) -> dict:
-    """megapipe checkpoint (any layout) -> Hugging Face directory ``out_dir``; returns a summary."""
+    """megapipe checkpoint (any layout) -> Hugging Face directory ``out_dir``; returns a summary. A LoRA checkpoint
+    is written merged, or with ``lora_adapter_only`` as a peft adapter directory (megapipe.posttrain.lora)."""
+    if lora_adapter_only:
+        from megapipe.posttrain.lora import write_peft_adapter
+
+        return write_peft_adapter(ckpt, out_dir, overwrite, Path(tokenizer).expanduser() if tokenizer else None)
     started = time.perf_counter()
     out_dir = Path(out_dir).expanduser()
     given = Path(ckpt).expanduser()
@@ -237,8 +243,10 @@ def export_hf(
     stored = {
         k: m for k, m in read_metadata(ckpt / "model").state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)
     }
+    lora = _lora_scale(manifest)
     conversions = adapter.conversions(cfg)
-    _check_names({m for c in conversions for m in c.mp}, set(stored), f"the model shards of {ckpt}", "model config")
+    weights = {k for k in stored if lora is None or not _is_adapter(k)}
+    _check_names({m for c in conversions for m in c.mp}, weights, f"the model shards of {ckpt}", "model config")
     itemsize = torch.empty((), dtype=out_dtype).element_size()
     sizes = [sum(stored[m].size.numel() for m in c.mp) * itemsize for c in conversions]
     plan = plan_shards(sizes, max_bytes)
@@ -251,7 +259,7 @@ def export_hf(
         done = 0
         for file, items in zip(files, plan, strict=True):
             group = [conversions[i] for i in items]
-            tensors = _read_group(group, stored, ckpt / "model", out_dtype)
+            tensors = _read_group(group, stored, ckpt / "model", out_dtype, lora)
             _save_safetensors(tensors, tmp / file)
             weight_map.update({name: file for name in tensors})
             done += len(group)
@@ -285,10 +293,36 @@ def export_hf(
     }
 
 
-def _read_group(group: list[Conversion], stored: dict, model_dir: Path, out_dtype) -> dict[str, torch.Tensor]:
-    """Load the megapipe tensors of ``group`` from DCP (as plain tensors, whatever layout saved them), convert them."""
-    state = {m: torch.empty(tuple(stored[m].size), dtype=stored[m].properties.dtype) for c in group for m in c.mp}
+def _lora_scale(manifest: dict) -> Optional[float]:
+    """alpha / rank of a LoRA checkpoint's adapters (None: no LoRA)."""
+    if not manifest.get("lora"):
+        return None
+    from megapipe.posttrain.lora import LoRASpec
+
+    return LoRASpec.from_manifest(manifest["lora"]).scale
+
+
+def _is_adapter(name: str) -> bool:
+    from megapipe.posttrain.lora import is_adapter
+
+    return is_adapter(name)
+
+
+def _read_group(group: list[Conversion], stored: dict, model_dir: Path, out_dtype,
+                lora: Optional[float] = None) -> dict[str, torch.Tensor]:
+    """Load the megapipe tensors of ``group`` from DCP (as plain tensors, whatever layout saved them), convert them;
+    with ``lora`` (the adapters' scale) each weight's adapters are loaded too and merged into it."""
+    names = [m for c in group for m in c.mp]
+    if lora is not None:
+        from megapipe.posttrain.lora import adapter_names
+
+        names += [a for m in list(names) for a in adapter_names(m) if a in stored]
+    state = {m: torch.empty(tuple(stored[m].size), dtype=stored[m].properties.dtype) for m in names}
     dcp_load(state, model_dir, "model", strict=False)
+    if lora is not None:
+        from megapipe.posttrain.lora import merge_state_dict
+
+        state = merge_state_dict(state, lora)
     out: dict[str, torch.Tensor] = {}
     for conv in group:
         for name, tensor in zip(conv.hf, conv.to_hf([state.pop(m) for m in conv.mp]), strict=True):

@@ -7,9 +7,12 @@ clipping, evaluation, logging, checkpoints and signals; a recipe owns what diffe
   ``train_data`` on resume (exact resume);
 - ``loss()``: a megapipe.training.objective.Loss (sum over loss units; the loop normalises globally);
 - ``prepare_model``: changes to the plain model before parallelism is applied (LoRA adapters, frozen parts);
+  ``load_weights``: how a new run (--finetune) takes its parent's weights into that model;
 - ``check``: recipe-specific refusals before any process starts; ``packed_sequences``: whether batches carry
   document ids / position ids (layouts that cannot attend within documents yet refuse it before launch);
-- ``manifest`` / ``metrics``: extra manifest fields, extra per-step metrics.
+- ``manifest`` / ``metrics``: extra manifest fields, extra per-step metrics;
+- ``tokenizer_files``: the tokenizer copied into each checkpoint (e.g. with the chat template SFT rendered with);
+  ``summary``: extra rows of the end-of-run summary.
 """
 
 from __future__ import annotations
@@ -34,6 +37,12 @@ class Recipe:
     def prepare_model(self, trainer, model):
         return model
 
+    def load_weights(self, trainer, ckpt) -> None:
+        """A new run from ``ckpt`` (--finetune): its weights into ``trainer.model``, no optimizer or RNG state."""
+        from megapipe.checkpoint import load_checkpoint
+
+        load_checkpoint(ckpt, trainer.model, optimizer=None, load_optim=False, load_rng=False)
+
     def train_data(self, trainer, state: dict) -> Iterator[dict]:
         raise NotImplementedError
 
@@ -45,4 +54,12 @@ class Recipe:
 
     def metrics(self, trainer) -> dict[str, float]:
         """Extra values for the step's log record (called at each log interval)."""
+        return {}
+
+    def tokenizer_files(self, trainer):
+        """The tokenizer (directory or file) written into every checkpoint: the run's own by default."""
+        return trainer.tokenizer.path if trainer.tokenizer else None
+
+    def summary(self, trainer) -> dict[str, Any]:
+        """Extra entries of the end-of-run summary."""
         return {}

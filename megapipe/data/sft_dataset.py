@@ -1,0 +1,345 @@
+"""SFT datasets: records tokenized once into an indexed store (cached), then split, packed and batched.
+
+The store is two Megatron ``.bin/.idx`` pairs in one cache directory, one sequence per conversation: ``tokens``
+(the ids) and ``mask`` (uint8, 1 where the token is a target the loss counts), plus ``first_target.npy`` (per
+conversation, the position of its first trained target) and ``meta.json`` (counts, skipped records). The directory
+is named by a hash of everything the tokens depend on (the inputs' path, size, mtime and inode, the tokenizer file,
+the chat template, --train-on-prompt, --skip-bad-records), built once under a file lock (rank 0 under
+torch.distributed, the others wait at a barrier) into a temporary directory and renamed, and memory-mapped after:
+epochs, resumed runs and other stages reuse it without re-tokenizing.
+
+A sample is one row of ``seq_length`` tokens: one conversation (cut at ``seq_length``, or left out with
+``overlong='drop'``) padded at the end, or, with packing, several conversations placed by best-fit-decreasing,
+each with its own document id and positions restarting at 0. ``labels[t] = tokens[t + 1]`` within a conversation;
+``loss_mask[t]`` is the mask of token t + 1, and false at the last token of each conversation and on padding. The
+train split's rows are reshuffled every epoch (seeded), the valid split's kept in order.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from megapipe.data.indexed import IndexedDataset, IndexedDatasetWriter, optimal_dtype
+from megapipe.data.loader import PretrainingLoader
+from megapipe.data.sft import ChatEncoder, input_identity, iter_records, parse_record
+from megapipe.errors import DataError
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+CACHE_NAME = "megapipe_sft_cache"
+BAD_EXAMPLES_KEPT = 5
+
+
+def _torch_dist():
+    """torch.distributed when a process group is up."""
+    dist = torch.distributed
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+@dataclass
+class SFTIndex:
+    path: Path
+    tokens: IndexedDataset
+    mask: IndexedDataset
+    first_target: np.ndarray
+    meta: dict
+    cache_hit: bool = False
+
+    @property
+    def num_conversations(self) -> int:
+        return len(self.tokens)
+
+
+def expand_sft_inputs(inputs: list[str]) -> list[Path]:
+    from megapipe.data.readers import expand_inputs
+
+    if not inputs:
+        raise DataError("sft.data (--data) is not set: give the JSONL / parquet / saved-dataset files to train on")
+    paths = expand_inputs(inputs)
+    for p in paths:
+        if not p.exists():
+            raise DataError(f"input file {p} does not exist")
+    return paths
+
+
+def cache_root(paths: list[Path], cache_dir: Optional[str]) -> Path:
+    """--data-cache-path, else ``megapipe_sft_cache`` next to the first input (else under ~/.cache/megapipe)."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    first = paths[0].resolve()
+    parent = first if first.is_dir() else first.parent
+    if os.access(parent, os.W_OK):
+        return parent / CACHE_NAME
+    return Path.home() / ".cache" / "megapipe" / CACHE_NAME
+
+
+def index_key(paths: list[Path], encoder: ChatEncoder, skip_bad: bool) -> dict:
+    return {"format_version": FORMAT_VERSION, "inputs": input_identity(paths), "tokenizer": encoder.tokenizer_sha,
+            "chat_template": encoder.template_sha, "train_on_prompt": encoder.train_on_prompt,
+            "skip_bad_records": skip_bad}
+
+
+def prepare_sft_index(inputs: list[str], encoder: ChatEncoder, skip_bad: bool = False,
+                      cache_dir: Optional[str] = None, progress: Optional[Callable[[int], None]] = None) -> SFTIndex:
+    """The tokenized store of ``inputs`` (built now, or found in the cache)."""
+    paths = expand_sft_inputs(inputs)
+    key = index_key(paths, encoder, skip_bad)
+    root = cache_root(paths, cache_dir)
+    entry = root / f"sft-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]}"
+    if entry.is_dir():
+        return _load(entry, hit=True)
+    dist = _torch_dist()
+    builder = dist is None or dist.get_rank() == 0
+    if not builder:
+        dist.barrier()  # rank 0 builds first; the others then load it (or fail the same way when it could not)
+        if entry.is_dir():
+            return _load(entry, hit=True)
+    try:
+        with _lock(root, explicit=cache_dir is not None):
+            if entry.is_dir():
+                return _load(entry, hit=True)
+            _build(paths, encoder, skip_bad, entry, key, progress)
+            return _load(entry, hit=False)
+    finally:
+        if builder and dist is not None:
+            dist.barrier()
+
+
+def _load(entry: Path, hit: bool) -> SFTIndex:
+    meta = json.loads((entry / "meta.json").read_text())
+    return SFTIndex(entry, IndexedDataset(entry / "tokens"), IndexedDataset(entry / "mask"),
+                    np.load(entry / "first_target.npy", mmap_mode="r").view(np.ndarray), meta, hit)
+
+
+@contextlib.contextmanager
+def _lock(root: Path, explicit: bool):
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(root, os.O_RDONLY)
+    except OSError as e:
+        where = "data.cache_dir (--data-cache-path)" if explicit else "the SFT index cache"
+        raise DataError(f"{where} {root} cannot be used: {e.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _build(paths: list[Path], encoder: ChatEncoder, skip_bad: bool, entry: Path, key: dict, progress) -> None:
+    tmp = entry.with_name(f".{entry.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    counts = {"records": 0, "conversations": 0, "tokens": 0, "trained_tokens": 0, "bad_records": 0}
+    bad: list[str] = []
+    first: list[int] = []
+    try:
+        tmp.mkdir(parents=True)
+        dtype = optimal_dtype(len(encoder.vocab))
+        with IndexedDatasetWriter(tmp / "tokens", dtype) as tokens, IndexedDatasetWriter(tmp / "mask", np.uint8) as mask:
+            for path in paths:
+                for where, record in iter_records(path):
+                    counts["records"] += 1
+                    try:
+                        if isinstance(record, DataError):
+                            raise record
+                        ids, trained = encoder.encode(parse_record(record, where))
+                        if len(ids) < 2 or not trained[1:].any():
+                            raise DataError(f"{where}: the record renders to no token to train on")
+                    except DataError as e:
+                        if not skip_bad:
+                            raise DataError(f"{e}; fix it or pass --skip-bad-records") from None
+                        counts["bad_records"] += 1
+                        if len(bad) < BAD_EXAMPLES_KEPT:
+                            bad.append(str(e))
+                        continue
+                    tokens.add_document(ids)
+                    mask.add_document(trained.astype(np.uint8))
+                    first.append(1 + int(np.argmax(trained[1:])))
+                    counts["conversations"] += 1
+                    counts["tokens"] += len(ids)
+                    counts["trained_tokens"] += int(trained[1:].sum())
+                    if progress is not None:
+                        progress(counts["records"])
+        if not counts["conversations"]:
+            raise DataError(f"{', '.join(map(str, paths))} hold no usable record ({counts['bad_records']} bad)")
+        np.save(tmp / "first_target.npy", np.asarray(first, dtype=np.int64), allow_pickle=False)
+        meta = {**counts, "bad_examples": bad, "chat_template": encoder.template_name, "key": key}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        os.rename(tmp, entry)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+# ----------------------------------------------------------------------------------------------- samples
+
+
+def pack_best_fit(lengths: np.ndarray, capacity: int) -> list[list[int]]:
+    """Best-fit-decreasing bin packing: longest first, each into the fullest row it still fits (a new row if none).
+    Deterministic (ties by index). Every length must be <= capacity."""
+    order = np.argsort(-np.asarray(lengths), kind="stable")
+    rows: list[list[int]] = []
+    free: list[int] = []  # remaining capacity of the open rows, sorted
+    free_rows: list[int] = []  # the row of each entry of ``free``
+    for i in order.tolist():
+        n = int(lengths[i])
+        k = bisect.bisect_left(free, n)
+        if k == len(free):
+            row, left = len(rows), capacity - n
+            rows.append([i])
+        else:
+            row, left = free_rows[k], free[k] - n
+            del free[k], free_rows[k]
+            rows[row].append(i)
+        if left > 0:
+            j = bisect.bisect_left(free, left)
+            free.insert(j, left)
+            free_rows.insert(j, row)
+    return rows
+
+
+class SFTSamples:
+    """Rows of ``seq_length`` tokens over conversations ``conv_ids`` of an SFTIndex (see the module docstring).
+
+    ``num_samples`` rows are available (whole epochs: the rows of an epoch are reshuffled each epoch when
+    ``shuffle``); ``dropped``: conversations left out (too long with overlong='drop', or no target within the
+    first ``seq_length`` tokens); ``efficiency``: the fraction of non-padding tokens in an epoch's rows.
+    """
+
+    def __init__(self, index: SFTIndex, conv_ids: np.ndarray, seq_length: int, pad_id: int, packing: bool,
+                 overlong: str, seed: int, num_samples: Optional[int], shuffle: bool, split_name: str = "train"):
+        self.index, self.seq_length, self.pad_id, self.packing = index, seq_length, pad_id, packing
+        self.seed, self.shuffle = seed, shuffle
+        sizes = np.asarray(index.tokens.sizes, dtype=np.int64)[conv_ids]
+        lengths = np.minimum(sizes, seq_length)
+        keep = np.asarray(index.first_target)[conv_ids] < lengths
+        self.truncated = int(((sizes > seq_length) & keep).sum()) if overlong == "truncate" else 0
+        if overlong == "drop":
+            keep &= sizes <= seq_length
+        self.dropped = int((~keep).sum())
+        self.conv_ids, self.lengths = np.asarray(conv_ids)[keep], lengths[keep]
+        if not len(self.conv_ids):
+            raise DataError(
+                f"the {split_name} split has no conversation with a trained token within --seq-length {seq_length} "
+                f"({len(conv_ids)} conversations, {self.dropped} left out); raise --seq-length or add data"
+            )
+        members = pack_best_fit(self.lengths, seq_length) if packing else [[i] for i in range(len(self.conv_ids))]
+        self.row_start = np.zeros(len(members) + 1, dtype=np.int64)
+        np.cumsum([len(m) for m in members], out=self.row_start[1:])
+        self.row_members = np.asarray([i for m in members for i in m], dtype=np.int64)
+        self.per_epoch = len(members)
+        self.epochs = max(1, -(-num_samples // self.per_epoch)) if num_samples else 1
+        self.efficiency = float(self.lengths.sum()) / (self.per_epoch * seq_length)
+        self._order: tuple[int, np.ndarray] = (-1, np.arange(0))
+
+    def __len__(self) -> int:
+        return self.per_epoch * self.epochs
+
+    def _row(self, i: int) -> int:
+        epoch, j = divmod(i, self.per_epoch)
+        if not self.shuffle:
+            return j
+        if self._order[0] != epoch:
+            rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, 2, epoch])))
+            self._order = (epoch, rng.permutation(self.per_epoch))
+        return int(self._order[1][j])
+
+    def members(self, i: int) -> list[int]:
+        """The conversation ids (in the SFTIndex) packed into sample i."""
+        r = self._row(i)
+        return [int(self.conv_ids[m]) for m in self.row_members[self.row_start[r]: self.row_start[r + 1]]]
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {i} out of range for {len(self)} samples")
+        r = self._row(i)
+        s = self.seq_length
+        tokens = np.full(s, self.pad_id, dtype=np.int64)
+        labels = np.full(s, self.pad_id, dtype=np.int64)
+        mask = np.zeros(s, dtype=bool)
+        docs = np.full(s, -1, dtype=np.int64)
+        pos = 0
+        for d, m in enumerate(self.row_members[self.row_start[r]: self.row_start[r + 1]].tolist()):
+            c, n = int(self.conv_ids[m]), int(self.lengths[m])
+            t = self.index.tokens.get(c, 0, n)
+            tokens[pos: pos + n] = t
+            labels[pos: pos + n - 1] = t[1:]
+            mask[pos: pos + n - 1] = self.index.mask.get(c, 1, n - 1).astype(bool)
+            docs[pos: pos + n] = d
+            pos += n
+        out = {"tokens": tokens, "labels": labels, "loss_mask": mask}
+        if self.packing:
+            docs[pos:] = docs[pos - 1] + 1  # the padding is a document of its own
+            starts = np.flatnonzero(np.r_[True, docs[1:] != docs[:-1]])
+            out["document_ids"] = docs
+            out["position_ids"] = np.arange(s) - np.repeat(starts, np.diff(np.r_[starts, s]))
+        return out
+
+
+def build_sft_datasets(index: SFTIndex, split: str, seq_length: int, num_samples: dict[str, int], seed: int,
+                       packing: bool, overlong: str, pad_id: int) -> dict[str, Optional[SFTSamples]]:
+    """Train / valid samples: the conversations split by ``split`` weights in file order (Megatron's document
+    split); None where no samples are requested."""
+    from megapipe.data.gpt_dataset import parse_split, split_document_ranges
+
+    n = index.num_conversations
+    ranges = split_document_ranges(parse_split(split), n)
+    out: dict[str, Optional[SFTSamples]] = {}
+    for k, name in enumerate(("train", "valid")):
+        wanted = num_samples.get(name, 0)
+        if not wanted:
+            out[name] = None
+            continue
+        lo, hi = ranges[k]
+        if hi <= lo:
+            raise DataError(f"split {name!r} of the SFT data has 0 of its {n} conversations (data.split {split!r}); "
+                            "change --split or add data")
+        out[name] = SFTSamples(index, np.arange(lo, hi), seq_length, pad_id, packing, overlong, seed, wanted,
+                               shuffle=name == "train", split_name=name)
+    return out
+
+
+class SFTLoader(PretrainingLoader):
+    """PretrainingLoader's batching and exact-resume position (consumed samples), over SFT sample dicts."""
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        batch_start = self.consumed_samples - self.consumed_samples % self.global_batch_size
+        if batch_start + self.global_batch_size > len(self.dataset):
+            raise StopIteration
+        rows = [self.dataset[i] for i in self.sample_ids()]
+        self.consumed_samples += self.micro_batch_size * self.dp_size
+        return {k: torch.from_numpy(np.stack([r[k] for r in rows])) for k in rows[0]}
+
+
+def progress_printer(enabled: bool):
+    """A rich progress line counting records while an index is built (a no-op when off or not a terminal)."""
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    if not enabled or not console.is_terminal or not sys.stderr.isatty():
+        return contextlib.nullcontext(None)
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    @contextlib.contextmanager
+    def bar():
+        with Progress(SpinnerColumn(), TextColumn("tokenizing SFT records: {task.completed:,}"), TimeElapsedColumn(),
+                      console=console, transient=True) as p:
+            task = p.add_task("sft", total=None)
+            yield lambda n: p.update(task, completed=n)
+
+    return bar()

@@ -1,0 +1,202 @@
+"""Logit distillation: a frozen teacher's next-token distributions train the student (megapipe.posttrain.
+distill_losses: forward KL at temperature T, reverse KL, generalized JSD, top-k, mixed with the LM loss by alpha).
+
+The data is either pretraining data (--data-path, every token counts) or SFT records (--data, the trained tokens of
+megapipe.data.sft). The teacher is loaded from its checkpoint in eval mode with gradients off (fp32 or bf16), on
+every rank or FSDP-sharded over the data-parallel ranks, and run on each micro-batch inside the loss; the student
+trains in any layout the loop offers except context parallelism (the teacher needs whole sequences). Teacher and
+student must share the vocabulary: same size and same tokenizer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from megapipe.errors import ConfigError
+from megapipe.training.objective import IGNORE_INDEX, LossResult, ModelOutput, loss_targets
+from megapipe.training.objective import Loss as LossBase
+from megapipe.training.recipes.base import Recipe
+
+
+class DistillLoss(LossBase):
+    """alpha * T^2 * divergence(teacher, student) + (1 - alpha) * cross-entropy, summed over the trained tokens.
+    ``teacher`` is set by the recipe once the model is built (DistillRecipe.prepare_model)."""
+
+    fusable = True
+
+    def __init__(self, spec):
+        self.spec = spec
+        self.teacher = None
+
+    def units(self, batch: dict) -> torch.Tensor:
+        return (loss_targets(batch) != IGNORE_INDEX).sum()
+
+    @torch.no_grad()
+    def teacher_states(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The teacher's final hidden states [tokens, H_t] and its output weight [V, H_t] (gathered when sharded)."""
+        kwargs = {k: batch[v] for k, v in (("positions", "position_ids"), ("document_ids", "document_ids"))
+                  if v in batch}
+        tokens = batch["tokens"]
+        dev = tokens.device.type
+        with torch.autocast(dev, enabled=False):
+            hidden = self.teacher(tokens, return_hidden=True, **kwargs)
+        weight = self.teacher.output_weight()
+        if hasattr(weight, "full_tensor"):
+            weight = weight.full_tensor()
+        if hasattr(hidden, "full_tensor"):
+            hidden = hidden.full_tensor()
+        return hidden.flatten(0, 1), weight
+
+    def __call__(self, out: ModelOutput, batch: dict) -> LossResult:
+        from megapipe.posttrain.distill_losses import distill_fused, distill_logits
+
+        targets = loss_targets(batch).flatten()
+        weights = (targets != IGNORE_INDEX).float()
+        labels = torch.where(targets == IGNORE_INDEX, 0, targets)
+        t_hidden, t_weight = self.teacher_states(batch)
+        if out.hidden is not None:
+            total, kd, ce = distill_fused(out.hidden.flatten(0, 1), out.output_weight(), t_hidden, t_weight, labels,
+                                          weights, self.spec)
+        else:
+            logits = out.logits
+            if hasattr(logits, "full_tensor"):  # vocabulary-sharded (TP): the divergence needs whole rows
+                logits = logits.full_tensor()
+            total, kd, ce = distill_logits(logits.flatten(0, 1), t_hidden, t_weight, labels, weights, self.spec)
+        metrics = {"kd_loss": kd.detach()}
+        if self.spec.alpha < 1:
+            metrics["lm_loss"] = ce.detach()
+        return LossResult(total=total, metrics=metrics)
+
+
+def _vocab(path) -> dict:
+    from tokenizers import Tokenizer
+
+    from megapipe.data.sft import tokenizer_files
+
+    return Tokenizer.from_file(str(tokenizer_files(path)[0])).get_vocab(with_added_tokens=True)
+
+
+def check_same_vocabulary(teacher_ckpt: Path, student_vocab_size: int, student_tokenizer) -> None:
+    """A teacher with another vocabulary size or tokenizer than the student's is refused, naming both."""
+    from megapipe.checkpoint import read_manifest
+
+    model = read_manifest(teacher_ckpt).get("model") or {}
+    tv = model.get("vocab_size")
+    if tv != student_vocab_size:
+        raise ConfigError(
+            f"teacher {teacher_ckpt} has vocab_size {tv} but the student has {student_vocab_size}: distillation "
+            "compares distributions over one vocabulary (same tokenizer, same padded size)"
+        )
+    teacher_tok = teacher_ckpt / "tokenizer"
+    if student_tokenizer is None or not teacher_tok.is_dir():
+        return
+    a, b = _vocab(teacher_tok), _vocab(student_tokenizer.path)
+    if a != b:
+        diff = sorted(set(a.items()) ^ set(b.items()), key=lambda kv: kv[1])[:1]
+        what = f" (e.g. token {diff[0][0]!r} = id {diff[0][1]} in only one)" if diff else ""
+        raise ConfigError(
+            f"teacher {teacher_ckpt} and the student use different tokenizers ({teacher_tok} vs "
+            f"{student_tokenizer.path}){what}: distill from a teacher with the student's tokenizer"
+        )
+
+
+class DistillRecipe(Recipe):
+    """``DistillRecipe(cfg.distill)``: the distillation settings fix the loss before the run is resolved."""
+
+    stage = "distill"
+
+    def __init__(self, distill_cfg, quiet: bool = False):
+        from megapipe.posttrain.distill_losses import KDSpec
+
+        self.quiet = quiet
+        self._data: Optional[Recipe] = None
+        self._loss = DistillLoss(KDSpec.from_config(distill_cfg))
+
+    def data_recipe(self, cfg) -> Recipe:
+        if self._data is None:
+            from megapipe.training.recipes.pretrain import PretrainRecipe
+            from megapipe.training.recipes.sft import SFTRecipe
+
+            if cfg.data.data_path and cfg.sft.data:
+                raise ConfigError("give --data-path (pretraining data) or --data (SFT records), not both")
+            self._data = SFTRecipe(self.quiet) if cfg.sft.data else PretrainRecipe()
+        return self._data
+
+    def packed_sequences(self, cfg) -> bool:
+        return self.data_recipe(cfg).packed_sequences(cfg)
+
+    def check(self, run) -> None:
+        from megapipe.checkpoint import resolve_checkpoint
+
+        cfg = run.cfg
+        kd = cfg.distill
+        if kd.teacher is None:
+            raise ConfigError("distill.teacher (--teacher) is not set: give the teacher checkpoint")
+        if cfg.parallel.cp > 1:
+            raise ConfigError(f"posttrain distill with context parallelism (--context-parallel-size {cfg.parallel.cp})"
+                              " is not supported: the teacher needs whole sequences; use tp / dp / pp")
+        if cfg.lora.rank:
+            raise ConfigError("posttrain distill trains the whole student: --lora-rank is not supported here")
+        if not cfg.data.data_path and not cfg.sft.data:
+            raise ConfigError("posttrain distill needs data: --data-path PREFIX (pretraining) or --data FILE (SFT)")
+        teacher = resolve_checkpoint(kd.teacher)
+        check_same_vocabulary(teacher, run.model.vocab_size, run.tokenizer)
+        if run.resume is not None:
+            from megapipe.checkpoint import read_manifest
+
+            before = (read_manifest(run.resume).get("distill") or {}).get("teacher")
+            if before is not None and before != str(teacher.absolute()):
+                raise ConfigError(f"{run.resume} was distilled from teacher {before}, not {teacher}: resume with that "
+                                  "teacher, or pick another --save directory")
+        self.data_recipe(cfg).check(run)
+
+    def loss(self) -> DistillLoss:
+        return self._loss
+
+    def prepare_model(self, trainer, model):
+        """The student as it is; the teacher is loaded here (it needs the device and the mesh)."""
+        self._loss.teacher = self.build_teacher(trainer)
+        return self.data_recipe(trainer.cfg).prepare_model(trainer, model)
+
+    def build_teacher(self, trainer):
+        from megapipe.checkpoint import load_model_for_inference, resolve_checkpoint
+
+        kd = trainer.cfg.distill
+        dtype = torch.bfloat16 if kd.teacher_precision == "bf16" else None
+        teacher, _, _ = load_model_for_inference(resolve_checkpoint(kd.teacher), device=trainer.device, dtype=dtype)
+        teacher.requires_grad_(False)
+        dims = trainer.dims
+        if kd.teacher_parallel == "fsdp" and dims.dp_shard * dims.cp > 1:
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = dims.mesh("dp_shard_cp")
+            for block in teacher.layers.values():
+                fully_shard(block, mesh=mesh)
+            fully_shard(teacher, mesh=mesh)
+        return teacher
+
+    def train_data(self, trainer, state: dict):
+        return self.data_recipe(trainer.cfg).train_data(trainer, state)
+
+    def eval_data(self, trainer, split: str):
+        return self.data_recipe(trainer.cfg).eval_data(trainer, split)
+
+    def manifest(self, trainer) -> dict:
+        from megapipe.checkpoint import resolve_checkpoint
+        from megapipe.posttrain.start import START_KEY, start_of
+
+        kd = trainer.cfg.distill
+        data = self.data_recipe(trainer.cfg).manifest(trainer)
+        return {**data, START_KEY: start_of(trainer), "distill": {
+            "teacher": str(resolve_checkpoint(kd.teacher).absolute()), "loss": kd.loss, "temperature": kd.temperature,
+            "alpha": kd.alpha, "jsd_beta": kd.jsd_beta, "top_k": kd.top_k,
+        }}
+
+    def summary(self, trainer) -> dict:
+        return self.data_recipe(trainer.cfg).summary(trainer)
+
+    def tokenizer_files(self, trainer):
+        return self.data_recipe(trainer.cfg).tokenizer_files(trainer)

@@ -1,0 +1,174 @@
+"""Supervised fine-tuning: chat / prompt-completion / text records (megapipe.data.sft), tokenized once into a cached
+index (megapipe.data.sft_dataset), next-token cross-entropy on the trained tokens only (the assistant's, unless
+--train-on-prompt), optional packing (block-diagonal attention, positions restarting per conversation) and LoRA.
+
+The chat template the data was rendered with is written into every checkpoint's tokenizer (``chat_template.jinja``
+and ``tokenizer_config.json``), so generation and serving format conversations the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from megapipe.errors import ConfigError
+from megapipe.training.recipes.base import Recipe
+
+
+class SFTRecipe(Recipe):
+    stage = "sft"
+
+    def __init__(self, quiet: bool = False):
+        self.quiet = quiet
+        self._index = None
+        self._encoder = None
+        self._datasets: Optional[dict] = None
+        self._tokenizer_dir: Optional[tempfile.TemporaryDirectory] = None
+
+    # ------------------------------------------------------------------------------------------- checks
+
+    def packed_sequences(self, cfg) -> bool:
+        return cfg.sft.packing
+
+    def check(self, run) -> None:
+        """Refuse what cannot run, and tokenize the data now (cached): a bad record stops the run before launch."""
+        from megapipe.posttrain.lora import check_lora_run
+
+        if run.tokenizer is None:
+            raise ConfigError("posttrain sft needs a tokenizer: the --load checkpoint holds none, so give --tokenizer")
+        check_lora_run(run.cfg, run.resume, run.parent)
+        self.index(run.cfg, run.tokenizer)
+
+    def encoder(self, cfg, tokenizer):
+        if self._encoder is None:
+            from megapipe.data.sft import ChatEncoder
+
+            self._encoder = ChatEncoder(tokenizer.path, cfg.sft.chat_template, cfg.sft.train_on_prompt)
+        return self._encoder
+
+    def index(self, cfg, tokenizer):
+        if self._index is None:
+            from megapipe.data.sft_dataset import prepare_sft_index, progress_printer
+
+            encoder = self.encoder(cfg, tokenizer)
+            with progress_printer(enabled=True) as progress:
+                self._index = prepare_sft_index(cfg.sft.data, encoder, cfg.sft.skip_bad_records, cfg.data.cache_dir,
+                                                progress)
+        return self._index
+
+    # ------------------------------------------------------------------------------------------- model and data
+
+    def prepare_model(self, trainer, model):
+        from megapipe.posttrain.lora import apply_lora, lora_spec
+
+        spec = lora_spec(trainer.cfg)
+        return apply_lora(model, spec, seed=trainer.cfg.train.seed) if spec is not None else model
+
+    def load_weights(self, trainer, ckpt) -> None:
+        from megapipe.posttrain.lora import load_base_weights, lora_spec
+
+        if lora_spec(trainer.cfg) is None:
+            return super().load_weights(trainer, ckpt)
+        load_base_weights(ckpt, trainer.model)
+
+    def datasets(self, trainer) -> dict:
+        if self._datasets is None:
+            from megapipe.data.gpt_dataset import parse_split
+            from megapipe.data.sft_dataset import build_sft_datasets
+
+            cfg, t = trainer.cfg, trainer.cfg.train
+            gbs = t.global_batch_size
+            has_valid = parse_split(cfg.data.split)[1] > 0
+            wanted = {"train": trainer.train_iters * gbs, "valid": t.eval_iters * gbs if has_valid else 0}
+            index = self.index(cfg, trainer.tokenizer)
+            self._datasets = build_sft_datasets(index, cfg.data.split, cfg.data.seq_length, wanted, t.seed,
+                                                cfg.sft.packing, cfg.sft.overlong, trainer.tokenizer.pad_id)
+            if trainer.is_main and not self.quiet:
+                from rich.console import Console
+
+                Console().print(self.describe(trainer, index))
+        return self._datasets
+
+    def describe(self, trainer, index) -> str:
+        """One paragraph on the data: conversations, trained tokens, skipped records, rows and packing."""
+        m, train, valid = index.meta, self._datasets["train"], self._datasets.get("valid")
+        skipped = f", {m['bad_records']} bad record(s) skipped" if m["bad_records"] else ""
+        lines = [
+            f"sft data: {m['conversations']:,} conversations ({len(train.conv_ids):,} train"
+            f"{f', {len(valid.conv_ids):,} valid' if valid else ''}), {m['trained_tokens']:,} of {m['tokens']:,} "
+            f"tokens trained{skipped}; chat template {m['chat_template']}; "
+            f"{'packed' if train.packing else 'one per row'}: {train.per_epoch:,} rows of "
+            f"{trainer.cfg.data.seq_length} tokens, {100 * train.efficiency:.1f}% not padding"
+            f"{f', {train.truncated} cut at --seq-length' if train.truncated else ''}"
+            f"{f', {train.dropped} left out' if train.dropped else ''}"
+            f"{' (index cached)' if index.cache_hit else ''}"
+        ]
+        lines += [f"  [yellow]skipped[/] {line}" for line in m.get("bad_examples", [])]
+        return "\n".join(lines)
+
+    def _loader(self, trainer, dataset, consumed: int = 0):
+        from megapipe.data.sft_dataset import SFTLoader
+
+        t = trainer.cfg.train
+        return SFTLoader(dataset, t.micro_batch_size, t.global_batch_size, trainer.dims.dp_rank, trainer.dims.dp_size,
+                         consumed)
+
+    def train_data(self, trainer, state: dict):
+        return self._loader(trainer, self.datasets(trainer)["train"], state.get("consumed_samples", 0))
+
+    def eval_data(self, trainer, split: str):
+        ds = self.datasets(trainer).get(split)
+        return None if ds is None else self._loader(trainer, ds)
+
+    # ------------------------------------------------------------------------------------------- outputs
+
+    def manifest(self, trainer) -> dict:
+        from megapipe.posttrain.lora import lora_spec
+        from megapipe.posttrain.start import START_KEY, start_of
+
+        cfg = trainer.cfg
+        train = self.datasets(trainer)["train"]
+        out = {START_KEY: start_of(trainer), "sft": {
+            "data": list(cfg.sft.data), "chat_template": self._encoder.template_name,
+            "train_on_prompt": cfg.sft.train_on_prompt, "packing": cfg.sft.packing,
+            "packing_efficiency": train.efficiency, "index": str(self._index.path),
+        }}
+        spec = lora_spec(cfg)
+        if spec is not None:
+            out["lora"] = spec.to_manifest()
+        return out
+
+    def summary(self, trainer) -> dict:
+        return {"packing_efficiency": self.datasets(trainer)["train"].efficiency}
+
+    def tokenizer_files(self, trainer):
+        """The run's tokenizer with the chat template it was trained with (when the tokenizer did not ship it)."""
+        from megapipe.data.sft import own_template
+
+        source = trainer.tokenizer.path
+        enc = self._encoder
+        if enc.template is None or own_template(source) == enc.template:
+            return source
+        if self._tokenizer_dir is None:
+            self._tokenizer_dir = tempfile.TemporaryDirectory(prefix="megapipe-sft-tokenizer-")
+            write_tokenizer_with_template(source, Path(self._tokenizer_dir.name), enc.template)
+        return Path(self._tokenizer_dir.name)
+
+
+def write_tokenizer_with_template(source, out: Path, template: str) -> Path:
+    """Copy tokenizer ``source`` (directory or tokenizer.json) to ``out`` with ``template`` as its chat template
+    (``chat_template.jinja``, read by transformers 5, and tokenizer_config.json's ``chat_template``, read by 4)."""
+    from megapipe.data.tokenizer import load_tokenizer
+
+    load_tokenizer(source).save(out)
+    for name in ("chat_template.json",):
+        (out / name).unlink(missing_ok=True)
+    (out / "chat_template.jinja").write_text(template, encoding="utf-8")
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+    config["chat_template"] = template
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    return out
+
