@@ -69,7 +69,23 @@ def rl_config(cfg):
                 raise ConfigError(f"--save {c.save} holds an rl run started from {start}, not from {wanted}: "
                                   "relaunch it with that --load, or pick another --save directory")
         ckpt = dataclasses.replace(c, load=c.save, finetune=False)
+    _check_length(cfg, latest if latest is not None else c.load)
     return dataclasses.replace(cfg, train=train, data=data, checkpoint=ckpt)
+
+
+def _check_length(cfg, ckpt) -> None:
+    """Prompt + completion within the model's position limit, said in the rl section's terms."""
+    from megapipe.checkpoint import resolve_checkpoint
+    from megapipe.training.run import base_model_config
+
+    r = cfg.rl
+    model = base_model_config(cfg.model, resolve_checkpoint(Path(ckpt).expanduser()))
+    limit = model.max_position_embeddings
+    if limit is not None and r.max_prompt_tokens + r.max_completion_tokens > limit:
+        raise ConfigError(
+            f"--max-prompt-tokens {r.max_prompt_tokens} + --max-completion-tokens {r.max_completion_tokens} = "
+            f"{r.max_prompt_tokens + r.max_completion_tokens} tokens is beyond the model's position limit "
+            f"(model.max_position_embeddings = {limit}): lower them")
 
 
 def check_world_size(cfg, world_size: int) -> None:
