@@ -262,6 +262,84 @@ class OptimConfig:
 
 
 @dataclass
+class RLConfig:
+    """``megapipe posttrain rl``: GRPO with verifiable rewards (megapipe.training.recipes.rl)."""
+
+    task: Optional[str] = opt(None, "--task", help="arithmetic, format or jsonl:FILE (prompt and answer fields).")
+    reward: list[str] = opt(
+        None, "--reward", factory=list,
+        help="Reward functions NAME[=WEIGHT]: accuracy, format, or package.module:function (default: the task's).")
+    prompts_per_step: int = opt(8, "--prompts-per-step", help="Prompts per rollout batch (all ranks together).")
+    group_size: int = opt(8, "--group-size", help="Completions sampled per prompt (G).")
+    max_prompt_tokens: int = opt(256, "--max-prompt-tokens", help="Longest prompt (after the chat template).")
+    max_completion_tokens: int = opt(128, "--max-completion-tokens", help="Completion length limit.")
+    min_completion_tokens: int = opt(0, "--min-completion-tokens", help="No end-of-sequence before this many tokens.")
+    temperature: float = opt(1.0, "--temperature", help="Sampling temperature (the policy trained is p^(1/T)).")
+    top_p: float = opt(1.0, "--top-p", help="Nucleus sampling (1: off); see the docs on truncated sampling.")
+    top_k: int = opt(0, "--top-k", help="Top-k sampling (0: off).")
+    scale_rewards: Literal["group", "batch", "none"] = opt(
+        "group", "--scale-rewards", help="Advantage = (r - group mean) / std of the group, of the batch, or 1 (Dr. GRPO).")
+    clip_low: float = opt(0.2, "--clip-low", help="Ratio clipped below at 1 - clip_low.")
+    clip_high: float = opt(0.2, "--clip-high", help="Ratio clipped above at 1 + clip_high (DAPO: 0.28).")
+    kl_coef: float = opt(0.0, "--kl-coef", help="KL penalty to the starting policy (0: no reference model).")
+    kl_estimator: Literal["k1", "k3"] = opt("k3", "--kl-estimator", help="k1 = log(p/ref), k3 = ref/p - log(ref/p) - 1.")
+    loss_aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = opt(
+        "token-mean", "--loss-aggregation", help="Mean over completion tokens, or over sequences of their sum / mean.")
+    updates_per_batch: int = opt(1, "--updates-per-batch", help="Optimizer steps per rollout batch (old log-probs).")
+    dynamic_sampling: bool = opt(False, "--dynamic-sampling", help="Drop groups whose rewards are all equal.")
+    mask_truncated: bool = opt(False, "--mask-truncated", help="No loss on completions cut at the length limit.")
+    max_mismatch: float = opt(
+        1e-2, "--max-mismatch", help="Stop when the engine/trainer log-prob mismatch (--mismatch-metric) exceeds this.")
+    mismatch_metric: Literal["kl", "max", "mean"] = opt(
+        "kl", "--mismatch-metric", help="kl (per token, k3), max or mean absolute log-prob difference.")
+    check_weights: bool = opt(True, "--check-weights", help="Compare the engine's weights with the trainer's.")
+    rollout_dtype: Optional[Literal["fp32", "bf16", "fp16"]] = opt(
+        None, "--rollout-dtype", help="Engine weights (default: the training precision's dtype).")
+    chat_template: Optional[str] = opt(
+        None, "--chat-template", help="FILE.jinja, or none for raw prompts (default: the tokenizer's template).")
+    system_prompt: Optional[str] = opt(None, "--system-prompt", help="A system message before every prompt.")
+    prompt_field: str = opt("prompt", "--prompt-field", help="jsonl task: the prompt field.")
+    answer_field: str = opt("answer", "--answer-field", help="jsonl task: the reference answer field.")
+    answer_match: Literal["exact", "numeric"] = opt("exact", "--answer-match", help="jsonl task: how answers compare.")
+    answer_regex: Optional[str] = opt(
+        None, "--answer-regex", help="Regex whose last match (group 1 if any) is the answer (default: see docs).")
+    format_regex: str = opt(r"^\s*-?\d+\s*$", "--format-regex", help="format reward: a completion matching it gets 1.")
+    arithmetic_max: int = opt(20, "--arithmetic-max", help="arithmetic task: operands within [0, this].")
+    arithmetic_ops: str = opt("+", "--arithmetic-ops", help="arithmetic task: operators drawn from, e.g. +-*.")
+    logprob_chunk: int = opt(1024, "--logprob-chunk", help="Tokens per chunk of the log-prob computation.")
+
+
+def validate_rl(r: RLConfig) -> None:
+    """Range checks of the rl section (the task and rewards are checked when the run is resolved)."""
+    for name in ("prompts_per_step", "group_size", "max_prompt_tokens", "max_completion_tokens",
+                 "updates_per_batch", "logprob_chunk", "arithmetic_max"):
+        if getattr(r, name) < 1:
+            raise ConfigError(f"rl.{name} = {getattr(r, name)} must be >= 1")
+    if r.group_size < 2:
+        raise ConfigError(f"rl.group_size = {r.group_size} must be >= 2: GRPO compares completions within a group")
+    if not 0 <= r.min_completion_tokens <= r.max_completion_tokens:
+        raise ConfigError(f"rl.min_completion_tokens = {r.min_completion_tokens} must be within [0, "
+                          f"rl.max_completion_tokens = {r.max_completion_tokens}]")
+    if r.temperature <= 0:
+        raise ConfigError(f"rl.temperature = {r.temperature} must be > 0 (GRPO needs sampled completions)")
+    if not 0 < r.top_p <= 1:
+        raise ConfigError(f"rl.top_p = {r.top_p} must be within (0, 1]")
+    if r.top_k < 0:
+        raise ConfigError(f"rl.top_k = {r.top_k} must be >= 0 (0: off)")
+    for name in ("clip_low", "clip_high"):
+        if getattr(r, name) < 0:
+            raise ConfigError(f"rl.{name} = {getattr(r, name)} must be >= 0")
+    if r.clip_low >= 1:
+        raise ConfigError(f"rl.clip_low = {r.clip_low} must be < 1 (the ratio is clipped at 1 - clip_low > 0)")
+    if r.kl_coef < 0:
+        raise ConfigError(f"rl.kl_coef = {r.kl_coef} must be >= 0 (0: no reference model)")
+    if r.max_mismatch <= 0:
+        raise ConfigError(f"rl.max_mismatch = {r.max_mismatch} must be > 0")
+    if not r.arithmetic_ops or set(r.arithmetic_ops) - set("+-*"):
+        raise ConfigError(f"rl.arithmetic_ops = {r.arithmetic_ops!r} must be made of + - *")
+
+
+@dataclass
 class CheckpointConfig:
     save: Optional[str] = opt(None, "--save", help="Run directory for checkpoints and metrics.")
     load: Optional[str] = opt(None, "--load", help="Resume from the newest complete checkpoint here.")
@@ -320,6 +398,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
@@ -551,6 +630,7 @@ def validate(cfg: Config) -> None:
     positive("train", t, "micro_batch_size", "global_batch_size", "train_iters", "train_tokens", "log_interval")
     positive("parallel", p, "tp", "pp", "cp", "dp_replicate", "pp_virtual_stages")
     positive("data", cfg.data, "seq_length")
+    validate_rl(cfg.rl)
     if m.num_heads and m.hidden_size % m.num_heads and m.head_dim is None:
         raise ConfigError(
             f"model.hidden_size = {m.hidden_size} is not divisible by model.num_heads = {m.num_heads}; set model.head_dim"

@@ -159,6 +159,7 @@ GROUP_HELP = {
     "checkpoint": "Inspect, verify and convert megapipe checkpoints.",
     "import": "Bring a model from another format into a megapipe checkpoint.",
     "export": "Write a megapipe checkpoint in another format.",
+    "posttrain": "Post-train a checkpoint: sft, distill, prune, quantize, rl.",
     "pipeline": "Run YAML pipelines of stages (cached, resumable; local or Slurm).",
     "posttrain": "Post-train a checkpoint: sft, distill, prune, quantize, rl.",
 }

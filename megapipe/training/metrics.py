@@ -56,6 +56,8 @@ def _fmt(key: str, value) -> str:
             return f"{key} {100 * value:.1f}%"
         if key in ("tokens/s", "loss scale"):
             return f"{key} {value:,.0f}"
+        if value and abs(value) < 1e-3:  # e.g. a log-prob mismatch of 2e-7 would print as 0.0000
+            return f"{key} {value:.2e}"
         return f"{key} {value:.4f}"
     return f"{key} {value}"
 

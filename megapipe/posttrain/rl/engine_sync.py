@@ -1,0 +1,126 @@
+"""The rollout engine next to the trainer: built from the trainer's model config, given the trainer's weights before
+every rollout batch, and checked to hold exactly those weights.
+
+Weight sync: the trainer's full, unsharded state dict (under FSDP gathered with DCP's ``get_model_state_dict(...,
+full_state_dict=True)`` on every rank, since every rank samples its share) goes through the engine's
+``load_weights``, which casts it to the engine's dtype and rebuilds its pre-packed layers.
+
+Weight check (``check_engine_weights``): every tensor the engine computes with (its plain parameters, the oneDNN
+pre-packed linears read back with ``to_dense()``, split where several were fused, and the output head it keeps
+apart) is compared, bit for bit, with the trainer's tensor cast to the engine's dtype, and every tensor of the
+trainer must have its counterpart. It reads what the engine uses, not what was handed to it, so a sync that
+silently did nothing, a stale or partial copy, a wrong name or a broken re-packing all fail it, naming the tensor.
+Cost: one pass over the weights (cheaper than the load itself). The numerical side of the agreement is measured
+on the sampled tokens of every batch (the mismatch figures, megapipe.posttrain.rl.rollout).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megapipe.errors import MegapipeError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class WeightSyncError(MegapipeError):
+    """The engine does not hold the trainer's weights."""
+
+
+def full_state_dict(model) -> dict[str, torch.Tensor]:
+    """The model's full state dict (plain tensors, DDP/FSDP/compile wrappers' names removed). Collective under FSDP."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach() for k, v in state.items()}
+
+
+def build_engine(model_cfg, tokenizer, eos_token_ids, dtype: torch.dtype, device, max_num_seqs: int,
+                 max_model_len: int, state: dict):
+    """An LLMEngine for ``model_cfg`` holding ``state`` (through load_weights, as every later sync)."""
+    from megapipe.inference.engine import EngineConfig, LLMEngine
+    from megapipe.models import build_model
+
+    model = build_model(model_cfg, device="meta").to_empty(device=device).to(dtype)
+    model.load_state_dict({k: v.to(device, dtype) for k, v in state.items()}, strict=True)
+    bs = 16
+    blocks = max_num_seqs * -(-max_model_len // bs) + 1
+    config = EngineConfig(block_size=bs, num_blocks=blocks, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                          max_num_batched_tokens=max(2048, max_model_len))
+    return LLMEngine(model, tokenizer, config, eos_token_ids)
+
+
+def engine_weights(engine) -> dict[str, torch.Tensor]:
+    """What the engine computes with, under the model's state-dict names (``<head>`` for its output projection)."""
+    from megapipe.inference.runner import PackedLinear, PackedQKV, PackedSwiGLU
+
+    runner = engine.runner
+    out = dict(runner.model.state_dict())
+    fused_children = set()
+    for name, module in runner.model.named_modules():
+        prefix = name + "." if name else ""
+        if isinstance(module, PackedQKV):
+            owner = prefix[: -len("fused_qkv.")]
+            weights = module.wqkv.packed.to_dense().split(module.sizes, dim=0)
+            biases = module.wqkv.bias.split(module.sizes) if module.wqkv.bias is not None else (None,) * 3
+            for part, w, b in zip(("wq", "wk", "wv"), weights, biases, strict=True):
+                out[f"{owner}{part}.weight"] = w
+                if b is not None:
+                    out[f"{owner}{part}.bias"] = b
+            fused_children.add(prefix + "wqkv")
+        elif isinstance(module, PackedSwiGLU):
+            w1, w3 = module.w13.packed.to_dense().split(module.hidden, dim=0)
+            out[f"{prefix}w1.weight"], out[f"{prefix}w3.weight"] = w1, w3
+            out[f"{prefix}w2.weight"] = module.w2.packed.to_dense()
+            if module.w13.bias is not None:
+                out[f"{prefix}w1.bias"], out[f"{prefix}w3.bias"] = module.w13.bias.split(module.hidden)
+            if module.w2.bias is not None:
+                out[f"{prefix}w2.bias"] = module.w2.bias
+            fused_children.update({prefix + "w13", prefix + "w2"})
+        elif isinstance(module, PackedLinear) and name not in fused_children:
+            out[f"{prefix}weight"] = module.packed.to_dense()
+            if module.bias is not None:
+                out[f"{prefix}bias"] = module.bias
+    out["<head>"] = runner.head.packed.to_dense() if runner.head is not None else runner.head_weight
+    return out
+
+
+@dataclass
+class WeightCheck:
+    tensors: int
+    elements: int
+
+
+def check_engine_weights(engine, state: dict[str, torch.Tensor]) -> WeightCheck:
+    """Raise WeightSyncError unless every tensor of ``state`` (cast to the engine's dtype) equals the engine's."""
+    dtype = engine.runner.dtype
+    have = engine_weights(engine)
+    expected = dict(state)
+    expected["<head>"] = state["output.weight"] if "output.weight" in state else state["tok_embeddings.weight"]
+    bad: list[str] = []
+    elements = 0
+    for name, ref in expected.items():
+        mine = have.get(name)
+        want = ref.to(engine.device, dtype)
+        if mine is None:
+            bad.append(f"{name} (missing in the engine)")
+        elif mine.shape != want.shape:
+            bad.append(f"{name} (shape {tuple(mine.shape)} vs {tuple(want.shape)})")
+        elif not torch.equal(mine, want):
+            diff = (mine.float() - want.float()).abs()
+            bad.append(f"{name} ({int((diff > 0).sum())} of {want.numel()} values differ, by up to {float(diff.max()):.3g})")
+        elements += want.numel()
+    if bad:
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        raise WeightSyncError(
+            f"the rollout engine's weights are not the trainer's after the weight sync: {len(bad)} of "
+            f"{len(expected)} tensors differ ({'; '.join(bad[:3])}{more})")
+    return WeightCheck(len(expected), elements)
+
+
+def sync_engine(engine, state: dict[str, torch.Tensor], check: bool) -> Optional[WeightCheck]:
+    engine.load_weights(state)
+    return check_engine_weights(engine, state) if check else None

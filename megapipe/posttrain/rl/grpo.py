@@ -1,0 +1,162 @@
+"""GRPO: group-relative advantages, the clipped surrogate with a KL penalty, and the three loss aggregations.
+
+For a prompt with G sampled completions and rewards r_1..r_G, the advantage of completion i is
+
+    A_i = (r_i - mean(r)) / (std + eps)      std: of the group (``group``), of the whole batch (``batch``)
+    A_i =  r_i - mean(r)                     ``none`` (Dr. GRPO)
+
+(std unbiased, eps = 1e-4, as TRL). Every token t of completion i is trained with
+
+    l_it = -min(rho_it A_i, clip(rho_it, 1 - clip_low, 1 + clip_high) A_i) + kl_coef * KL_it
+    rho_it = exp(logp_it - old_logp_it)
+
+where logp is the policy's log-probability of the sampled token at temperature T (softmax(z / T)), old_logp the
+same under the weights that sampled the batch (recomputed by the trainer, so rho = 1 on the batch's first update)
+and KL_it an estimate of KL(policy || reference) from the sampled token: k1 = logp - ref_logp, or
+k3 = exp(ref_logp - logp) - (ref_logp - logp) - 1 (non-negative, unbiased; TRL's and DeepSeek's choice).
+
+Aggregation over the global batch (all micro-batches and data-parallel ranks; the loop divides the sums by the
+global count of units, megapipe.training.objective):
+- ``token-mean``: sum_it l_it / number of completion tokens (DAPO);
+- ``seq-mean-token-sum``: sum_i sum_t l_it / number of sequences;
+- ``seq-mean-token-mean``: sum_i mean_t l_it / number of sequences (the GRPO paper).
+A sequence none of whose tokens is trained (its group dropped by dynamic sampling, or truncated under
+--mask-truncated) is no unit at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megapipe.training.objective import Loss, LossResult, ModelOutput
+
+EPS = 1e-4
+AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+
+
+def group_advantages(rewards: torch.Tensor, scale: str, batch_std: float | None = None) -> torch.Tensor:
+    """rewards [groups, G] -> advantages [groups, G]; ``batch_std`` (the whole batch's, over every rank) for
+    scale = batch."""
+    r = rewards.double()
+    centred = r - r.mean(dim=1, keepdim=True)
+    if scale == "none":
+        return centred
+    if scale == "group":
+        return centred / (r.std(dim=1, keepdim=True) + EPS)
+    if scale == "batch":
+        if batch_std is None:
+            batch_std = float(r.flatten().std())
+        return centred / (batch_std + EPS)
+    raise ValueError(f"unknown reward scaling {scale!r}")
+
+
+def degenerate_groups(rewards: torch.Tensor) -> torch.Tensor:
+    """[groups] True where every completion of the group got the same reward (no learning signal)."""
+    return (rewards == rewards[:, :1]).all(dim=1)
+
+
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from tokens sampled from the policy."""
+    if estimator == "k1":
+        return logp - ref_logp
+    if estimator == "k3":
+        d = ref_logp - logp
+        return torch.exp(d) - d - 1.0
+    raise ValueError(f"unknown KL estimator {estimator!r}")
+
+
+def clipped_surrogate(logp, old_logp, advantages, clip_low: float, clip_high: float):
+    """Per-token -min(rho A, clip(rho) A) and where clipping took effect: (loss, low-clipped, high-clipped).
+    Low-clipped: rho < 1 - clip_low with A < 0 (the clipped term is the min); high: rho > 1 + clip_high, A > 0."""
+    ratio = torch.exp(logp - old_logp)
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    loss = -torch.minimum(ratio * advantages, clipped * advantages)
+    low = (ratio < 1.0 - clip_low) & (advantages < 0)
+    high = (ratio > 1.0 + clip_high) & (advantages > 0)
+    return loss, low, high
+
+
+@dataclass
+class GRPOSettings:
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    aggregation: str = "token-mean"
+    temperature: float = 1.0
+    chunk: int = 1024
+
+
+class GRPOLoss(Loss):
+    """The recipe's loss over a micro-batch of rollouts. Batch keys: ``tokens``, ``labels`` [B, S];
+    ``completion_mask`` [B, S] (label positions trained on); ``old_logprobs`` (and ``ref_logprobs`` with a KL
+    penalty) [B, S], read where the mask is set; ``advantages`` [B]."""
+
+    fusable = True
+
+    def __init__(self, settings: GRPOSettings):
+        if settings.aggregation not in AGGREGATIONS:
+            raise ValueError(f"unknown loss aggregation {settings.aggregation!r}")
+        self.s = settings
+
+    def units(self, batch: dict) -> torch.Tensor:
+        mask = batch["completion_mask"]
+        if self.s.aggregation == "token-mean":
+            return mask.sum()
+        return mask.any(dim=1).sum()
+
+    def policy_logprobs(self, out: ModelOutput, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logp, entropy) of the labels at the masked positions, in row-major order."""
+        return masked_logprobs(out, batch["labels"], batch["completion_mask"], self.s.temperature, self.s.chunk)
+
+    def token_weights(self, mask: torch.Tensor) -> torch.Tensor:
+        """Per masked token: its weight in the loss sum (1, or 1 / the length of its sequence)."""
+        if self.s.aggregation == "seq-mean-token-mean":
+            lengths = mask.sum(dim=1, keepdim=True).clamp(min=1).float()
+            return (mask.float() / lengths)[mask]
+        return torch.ones(int(mask.sum()), device=mask.device)
+
+    def __call__(self, out: ModelOutput, batch: dict) -> LossResult:
+        s, mask = self.s, batch["completion_mask"]
+        logp, entropy = self.policy_logprobs(out, batch)
+        old = batch["old_logprobs"][mask]
+        adv = batch["advantages"][:, None].expand(mask.shape)[mask].float()
+        pg, low, high = clipped_surrogate(logp, old, adv, s.clip_low, s.clip_high)
+        per_token = pg
+        metrics_w = self.metric_weights(mask)
+        metrics = {}
+        if s.kl_coef > 0:
+            kl = kl_estimate(logp, batch["ref_logprobs"][mask], s.kl_estimator)
+            per_token = per_token + s.kl_coef * kl
+            metrics["kl"] = (kl.detach() * metrics_w).sum()
+        w = self.token_weights(mask)
+        total = (per_token * w).sum()
+        metrics.update({
+            "pg_loss": (pg.detach() * w).sum(),
+            "entropy": (entropy * metrics_w).sum(),
+            "clip_low": (low.float() * metrics_w).sum(),
+            "clip_high": (high.float() * metrics_w).sum(),
+        })
+        return LossResult(total=total, metrics=metrics)
+
+    def metric_weights(self, mask: torch.Tensor) -> torch.Tensor:
+        """Per-token metrics are averaged like the loss: over tokens (token-mean), or per sequence then over
+        sequences (the seq-mean aggregations, whose units are sequences)."""
+        if self.s.aggregation == "token-mean":
+            return torch.ones(int(mask.sum()), device=mask.device)
+        lengths = mask.sum(dim=1, keepdim=True).clamp(min=1).float()
+        return (mask.float() / lengths)[mask]
+
+
+def masked_logprobs(out: ModelOutput, labels: torch.Tensor, mask: torch.Tensor, temperature: float,
+                    chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """log softmax(z / T)[label] and the entropy at the positions where ``mask`` is set, from the model's hidden
+    states (chunked through the output projection) or from its logits."""
+    from megapipe.posttrain.rl.logprobs import logits_logprobs, token_logprobs
+
+    targets = labels[mask]
+    if out.hidden is not None:
+        return token_logprobs(out.hidden[mask], out.output_weight(), targets, temperature, chunk)
+    return logits_logprobs(out.logits[mask], targets, temperature, chunk)
