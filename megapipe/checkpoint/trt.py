@@ -32,6 +32,7 @@ from megapipe.checkpoint.manifest import MANIFEST_NAME, make_tmp_dir, read_manif
 from megapipe.checkpoint.safe_dcp import read_metadata
 from megapipe.config import ModelConfig, from_dict
 from megapipe.errors import CheckpointError, MegapipeError
+from megapipe.fileio import refuse_overlap
 
 Progress = Optional[Callable[[int, int], None]]
 FORMATS = ("unified", "legacy")
@@ -154,9 +155,10 @@ def export_trt(
         raise MegapipeError(f"--tp {tp} --pp {pp}: a unified checkpoint is one directory that TensorRT-LLM shards "
                             "itself when it loads it (trtllm-serve --tp_size/--pp_size); --tp/--pp apply to "
                             "--format legacy")
+    src = Source(Path(ckpt).expanduser())
+    refuse_overlap([out_dir], [Path(ckpt).expanduser(), src.path])  # quantized or not, before --overwrite
     if out_dir.exists() and not overwrite and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise MegapipeError(f"{out_dir} already exists and is not empty: pick another output or pass --overwrite")
-    src = Source(Path(ckpt).expanduser())
     source_dtype = src.hf_extra.get("dtype")
     out_dtype = DTYPES[dtype or (source_dtype if source_dtype in EXPORT_DTYPES else "bf16")]
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from megapipe.errors import DataError, MegapipeError
+from megapipe.fileio import refuse_overlap
 from megapipe.posttrain import quant_state
 
 Progress = Optional[Callable[[int, int], None]]
@@ -154,11 +155,10 @@ def quantize_checkpoint(
             raise MegapipeError(f"{name} {value} is too small (at least {low})")
     device = resolve_device(device)
     check_device(fmt, device)
-    ckpt = resolve_checkpoint(ckpt)
+    given, ckpt = Path(ckpt).expanduser(), resolve_checkpoint(ckpt)
+    refuse_overlap([out], [given, ckpt])  # before --overwrite: no output may replace or sit inside what it reads
     if out.exists() and not overwrite:
         raise MegapipeError(f"{out} already exists: pick another output or pass --overwrite")
-    if out.absolute() == ckpt.absolute():
-        raise MegapipeError(f"--output {out} is the input checkpoint: write the quantized model elsewhere")
     manifest = read_manifest(ckpt)
     if manifest.get("quantization"):
         raise MegapipeError(f"{ckpt} is already quantized ({manifest['quantization'].get('format')}): quantize its "
