@@ -157,6 +157,10 @@ def export_trt(
     if out_dir.exists() and not overwrite and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise MegapipeError(f"{out_dir} already exists and is not empty: pick another output or pass --overwrite")
     src = Source(Path(ckpt).expanduser())
+    if src.cfg.is_moe and src.fmt is not None:
+        raise MegapipeError(f"{src.where}: a quantized MoE checkpoint ({src.fmt}) has no TensorRT-LLM export in "
+                            "megapipe (its experts are not quantized): export its unquantized parent "
+                            f"({src.manifest.get('parent')}) instead")
     source_dtype = src.hf_extra.get("dtype")
     out_dtype = DTYPES[dtype or (source_dtype if source_dtype in EXPORT_DTYPES else "bf16")]
 

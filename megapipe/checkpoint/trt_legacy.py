@@ -15,6 +15,12 @@ Where ModelOpt's config is wrong without TensorRT-LLM installed (it then writes 
 TensorRT-LLM's own ``from_hugging_face`` writes are used instead: ``rotary_base`` / ``rotary_scaling`` always,
 ``qwen_type``, ``attn_bias`` / ``mlp_bias``, GPT-2's ``learned_absolute`` positions. Tied embeddings get an
 ``lm_head`` of their own (``share_embedding_table`` false), as ModelOpt writes Hugging Face models.
+
+Mixtral (every layer MoE): ``mlp.router`` (float32, whole on every rank), ``mlp.fc`` [E, 2F, H] with each expert's
+up projection (w3) before its gate (w1), ``mlp.proj`` [E, H, F]; TP splits every expert's F (w3 and w1 each,
+then concatenated), as ModelOpt does (``moe_tp_size`` = tp, ``moe_ep_size`` = 1: its exporter has no expert
+parallel split). The config adds ``moe`` (num_experts, top_k, normalization_mode 1 = renormalised top-k softmax)
+and ``hidden_act`` "swiglu" (TensorRT-LLM's MoE takes the gated activation explicitly).
 """
 
 from __future__ import annotations
@@ -32,7 +38,9 @@ from megapipe.checkpoint.hf.files import HF_DTYPE_NAMES
 from megapipe.checkpoint.trt import AWQ, LAYER_LINEARS, QUANT_ALGO, Source, save_safetensors, write_json
 from megapipe.errors import MegapipeError
 
-DECODER = {"llama": "llama", "mistral": "llama", "qwen2": "qwen", "qwen3": "qwen", "gpt2": "gpt"}
+DECODER = {"llama": "llama", "mistral": "llama", "qwen2": "qwen", "qwen3": "qwen", "gpt2": "gpt", "mixtral": "llama"}
+MOE_ARCHS = ("mixtral",)  # MoE architectures with legacy names
+RENORMALIZE = 1  # TensorRT-LLM's MoeConfig.ExpertScaleNormalizationMode: softmax over all, top-k, renormalised
 AWQ_VOCAB_MULTIPLE = 64  # ModelOpt pads the vocabulary of AWQ exports to this
 
 
@@ -74,16 +82,20 @@ def check_legacy(src: Source, tp: int, pp: int) -> None:
     if src.fmt is not None and src.fmt not in QUANT_ALGO:
         raise MegapipeError(f"{where}: quantization format {src.fmt!r} has no legacy TensorRT-LLM export in megapipe "
                             f"(exported: {', '.join(QUANT_ALGO)})")
+    if cfg.is_moe:
+        check_moe(src)
     if cfg.sliding_window is not None:
         raise MegapipeError(f"{where}: model.sliding_window = {cfg.sliding_window} has no field in the legacy "
                             f"checkpoint (trtllm-build takes it as --max_attention_window_size): use --format unified")
-    heads, kv, inter = cfg.num_heads, cfg.kv_heads, cfg.intermediate_size
+    heads, kv = cfg.num_heads, cfg.kv_heads
+    inter = cfg.expert_ffn if cfg.is_moe else cfg.intermediate_size
     if heads % tp:
         raise MegapipeError(f"--tp {tp} does not divide the model's {heads} attention heads")
     if kv % tp and tp % kv:
         raise MegapipeError(f"--tp {tp} cannot split the model's {kv} KV heads (one must divide the other)")
     if inter % tp:
-        raise MegapipeError(f"--tp {tp} does not divide the model's intermediate_size {inter}")
+        what = "expert FFN size (moe_ffn_hidden_size)" if cfg.is_moe else "intermediate_size"
+        raise MegapipeError(f"--tp {tp} does not divide the model's {what} {inter}")
     if tp > kv and src.fmt == "int8_sq":
         raise MegapipeError(f"--tp {tp} > {kv} KV heads duplicates KV heads, which the per-channel INT8 scales of "
                             "int8_sq cannot follow (neither in ModelOpt): use --tp <= the KV heads")
@@ -98,6 +110,21 @@ def check_legacy(src: Source, tp: int, pp: int) -> None:
                                     f"the {block}-wide INT4 blocks")
 
 
+def check_moe(src: Source) -> None:
+    """A legacy MoE checkpoint is TensorRT-LLM's Mixtral: HF Mixtral's routing exactly, every layer MoE, no
+    shared expert: what the Mixtral adapter can express."""
+    from megapipe.errors import ConfigError
+
+    cfg, where = src.cfg, src.where
+    if cfg.arch not in MOE_ARCHS:
+        raise MegapipeError(f"{where}: model.arch = {cfg.arch!r} (MoE) has no legacy TensorRT-LLM names in megapipe "
+                            f"(legacy MoE: {', '.join(MOE_ARCHS)}): use --format unified")
+    try:
+        adapter_for_arch(cfg.arch).hf_config(cfg)
+    except ConfigError as e:
+        raise MegapipeError(f"{where}: the routing cannot be expressed by TensorRT-LLM's Mixtral MoE: {e}") from None
+
+
 # --------------------------------------------------------------------------------------------------- layers
 
 
@@ -107,13 +134,18 @@ def _layer(src: Source, i: int, dtype: torch.dtype) -> dict:
     pre = f"layers.{i}."
     lin = {n: src.linear(state, pre + n, dtype) for n in LAYER_LINEARS}
     qkv = ql.fuse_group([lin["attention.wq"], lin["attention.wk"], lin["attention.wv"]])
-    fc, gate = lin["feed_forward.w1"], lin["feed_forward.w3"]
-    if gate is not None and src.fmt == "fp8":  # TensorRT-LLM may fuse gate and fc for FP8
-        fc, gate = ql.fuse_group([fc, gate])
-    parts = {"qkv": [Linear.of(q, True) for q in qkv], "dense": Linear.of(lin["attention.wo"], False),
-             "fc": Linear.of(fc, True), "proj": Linear.of(lin["feed_forward.w2"], False)}
-    if gate is not None:
-        parts["gate"] = Linear.of(gate, True)
+    parts = {"qkv": [Linear.of(q, True) for q in qkv], "dense": Linear.of(lin["attention.wo"], False)}
+    if f"{pre}moe.gate.weight" in state:
+        # the router as a model loaded in the export dtype holds it, computed in fp32 by TensorRT-LLM
+        parts["moe"] = {"router": state[f"{pre}moe.gate.weight"].to(dtype).float(),
+                        **{w: state[f"{pre}moe.experts.{w}"].to(dtype) for w in ("w1", "w2", "w3")}}
+    else:
+        fc, gate = lin["feed_forward.w1"], lin["feed_forward.w3"]
+        if gate is not None and src.fmt == "fp8":  # TensorRT-LLM may fuse gate and fc for FP8
+            fc, gate = ql.fuse_group([fc, gate])
+        parts.update(fc=Linear.of(fc, True), proj=Linear.of(lin["feed_forward.w2"], False))
+        if gate is not None:
+            parts["gate"] = Linear.of(gate, True)
     norms = {"input_layernorm": "attention_norm", "post_layernorm": "ffn_norm",
              "attention.q_layernorm": "attention.q_norm", "attention.k_layernorm": "attention.k_norm"}
     for trt, ours in norms.items():
@@ -222,8 +254,17 @@ def _rank_layer(parts: dict, cfg, tp: int, r: int, dtype: torch.dtype, prefix: s
     for name in ("fc", "gate", "proj"):
         if name in parts:
             out.update(_tensors(f"{prefix}.mlp.{name}", _split(parts[name], tp, r), dtype))
+    if "moe" in parts:
+        out.update(_rank_experts(parts["moe"], tp, r, f"{prefix}.mlp"))
     out.update({f"{prefix}.{k}": t for k, t in parts.items() if isinstance(t, torch.Tensor)})
     return out
+
+
+def _rank_experts(moe: dict, tp: int, r: int, prefix: str) -> dict[str, torch.Tensor]:
+    """Rank r's experts: every expert's F split (w3 and w1 each, so each rank holds [its w3 | its w1])."""
+    w1, w2, w3 = (moe[w] if tp == 1 else moe[w].chunk(tp, dim=2 if w == "w2" else 1)[r] for w in ("w1", "w2", "w3"))
+    return {f"{prefix}.router.weight": moe["router"], f"{prefix}.fc.weight": torch.cat([w3, w1], dim=1),
+            f"{prefix}.proj.weight": w2.contiguous()}
 
 
 def _embedding(t: torch.Tensor, tp: int, r: int) -> torch.Tensor:
@@ -293,11 +334,11 @@ def trt_config(src: Source, dtype: torch.dtype, tp: int, pp: int, vocab: int) ->
         "norm_epsilon": cfg.norm_eps,
         "vocab_size": vocab,
         "max_position_embeddings": cfg.max_position_embeddings,
-        "hidden_act": "silu" if cfg.activation == "swiglu" else "gelu",
+        "hidden_act": ("swiglu" if cfg.is_moe else "silu") if cfg.activation == "swiglu" else "gelu",
         "use_parallel_embedding": True,
         "embedding_sharding_dim": 0,
         "head_size": cfg.dim_per_head,
-        "intermediate_size": cfg.intermediate_size,
+        "intermediate_size": cfg.expert_ffn if cfg.is_moe else cfg.intermediate_size,
         "position_embedding_type": "rope_gpt_neox" if cfg.position_embedding == "rope" else "learned_absolute",
         "share_embedding_table": False,
         "residual_mlp": False,
@@ -317,6 +358,8 @@ def trt_config(src: Source, dtype: torch.dtype, tp: int, pp: int, vocab: int) ->
     if decoder == "qwen":
         config["qwen_type"] = adapter_for_arch(cfg.arch).model_type
     config["mapping"] = {"world_size": tp * pp, "tp_size": tp, "pp_size": pp}
+    if cfg.is_moe:
+        config["mapping"].update(moe_tp_size=tp, moe_ep_size=1)
     if src.fmt is None:
         config["quantization"] = {"quant_algo": None, "kv_cache_quant_algo": None}
     else:
@@ -325,6 +368,9 @@ def trt_config(src: Source, dtype: torch.dtype, tp: int, pp: int, vocab: int) ->
             quant.update(group_size=src.block_size(), has_zero_point=False, pre_quant_scale=True)
         quant["exclude_modules"] = ["lm_head"]
         config["quantization"] = quant
+    if cfg.is_moe:
+        config["moe"] = {"num_experts": cfg.num_experts, "top_k": cfg.moe_router_topk,
+                         "normalization_mode": RENORMALIZE}
     return config
 
 
