@@ -7,6 +7,9 @@
 - ``legacy``: config.json + ``rank{N}.safetensors`` per tp x pp rank for ``trtllm-build`` (TRT-LLM <= 1.2), the way
   ModelOpt's ``export_tensorrt_llm_checkpoint`` writes them (see trt_legacy).
 
+MoE checkpoints export unquantized (``posttrain quantize`` does not quantize their experts): unified as ``export hf``
+writes them, legacy for Mixtral.
+
 Both read the DCP shards of any parallel layout one group of tensors (a layer) at a time, so memory stays near one
 output shard. The writes go to a temporary sibling that is renamed at the end: a failure leaves nothing behind.
 """

@@ -132,6 +132,7 @@ def _error(ckpt, out: Path, fmt: str, **kw) -> str:
     ("moe_router_enable_expert_bias", True),
     ("moe_router_topk_scaling_factor", 2.5),
     ("moe_shared_expert_intermediate_size", 96),
+    ("moe_layer_freq", [1, 0]),  # a dense layer
 ])
 def test_mixtral_routing_trt_cannot_express_is_refused(tiny_tokenizer_dir, tmp_path, field, value):
     ckpt = make_checkpoint(tmp_path / "ckpt", "mixtral", tiny_tokenizer_dir, **{field: value})
