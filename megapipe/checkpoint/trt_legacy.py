@@ -16,11 +16,12 @@ TensorRT-LLM's own ``from_hugging_face`` writes are used instead: ``rotary_base`
 ``qwen_type``, ``attn_bias`` / ``mlp_bias``, GPT-2's ``learned_absolute`` positions. Tied embeddings get an
 ``lm_head`` of their own (``share_embedding_table`` false), as ModelOpt writes Hugging Face models.
 
-Mixtral (every layer MoE): ``mlp.router`` (float32, whole on every rank), ``mlp.fc`` [E, 2F, H] with each expert's
-up projection (w3) before its gate (w1), ``mlp.proj`` [E, H, F]; TP splits every expert's F (w3 and w1 each,
-then concatenated), as ModelOpt does (``moe_tp_size`` = tp, ``moe_ep_size`` = 1: its exporter has no expert
-parallel split). The config adds ``moe`` (num_experts, top_k, normalization_mode 1 = renormalised top-k softmax)
-and ``hidden_act`` "swiglu" (TensorRT-LLM's MoE takes the gated activation explicitly).
+Mixtral and Qwen3-MoE (every layer MoE): ``mlp.router`` (float32, whole on every rank), ``mlp.fc`` [E, 2F, H]
+with each expert's up projection (w3) before its gate (w1), ``mlp.proj`` [E, H, F]; TP splits every expert's F
+(w3 and w1 each, then concatenated), as ModelOpt does (``moe_tp_size`` = tp, ``moe_ep_size`` = 1: its exporter
+has no expert parallel split). The config adds ``moe`` (num_experts, top_k, normalization_mode: 1 renormalises the
+top-k weights, 0 keeps them, as the routing does) and ``hidden_act`` "swiglu" (TensorRT-LLM's MoE takes the gated
+activation explicitly); Qwen3-MoE also ``moe_intermediate_size``, the expert width TensorRT-LLM's Qwen model reads.
 """
 
 from __future__ import annotations
@@ -38,9 +39,11 @@ from megapipe.checkpoint.hf.files import HF_DTYPE_NAMES
 from megapipe.checkpoint.trt import AWQ, LAYER_LINEARS, QUANT_ALGO, Source, save_safetensors, write_json
 from megapipe.errors import MegapipeError
 
-DECODER = {"llama": "llama", "mistral": "llama", "qwen2": "qwen", "qwen3": "qwen", "gpt2": "gpt", "mixtral": "llama"}
-MOE_ARCHS = ("mixtral",)  # MoE architectures with legacy names
-RENORMALIZE = 1  # TensorRT-LLM's MoeConfig.ExpertScaleNormalizationMode: softmax over all, top-k, renormalised
+DECODER = {"llama": "llama", "mistral": "llama", "qwen2": "qwen", "qwen3": "qwen", "gpt2": "gpt", "mixtral": "llama",
+           "qwen3_moe": "qwen"}
+MOE_ARCHS = ("mixtral", "qwen3_moe")  # MoE architectures with legacy names (Qwen2-MoE's shared expert: not yet)
+# TensorRT-LLM's MoeConfig.ExpertScaleNormalizationMode: top-k of the softmax as is, or renormalised over the k
+NONE, RENORMALIZE = 0, 1
 AWQ_VOCAB_MULTIPLE = 64  # ModelOpt pads the vocabulary of AWQ exports to this
 
 
@@ -111,18 +114,25 @@ def check_legacy(src: Source, tp: int, pp: int) -> None:
 
 
 def check_moe(src: Source) -> None:
-    """A legacy MoE checkpoint is TensorRT-LLM's Mixtral: HF Mixtral's routing exactly, every layer MoE, no
-    shared expert: what the Mixtral adapter can express."""
+    """A legacy MoE checkpoint routes as the HF architecture does (what its adapter can express: no sigmoid scores,
+    expert bias, scaling or shared expert beyond it), with every layer MoE."""
     from megapipe.errors import ConfigError
 
     cfg, where = src.cfg, src.where
     if cfg.arch not in MOE_ARCHS:
         raise MegapipeError(f"{where}: model.arch = {cfg.arch!r} (MoE) has no legacy TensorRT-LLM names in megapipe "
                             f"(legacy MoE: {', '.join(MOE_ARCHS)}): use --format unified")
+    adapter = adapter_for_arch(cfg.arch)
     try:
-        adapter_for_arch(cfg.arch).hf_config(cfg)
+        adapter.hf_config(cfg)
     except ConfigError as e:
-        raise MegapipeError(f"{where}: the routing cannot be expressed by TensorRT-LLM's Mixtral MoE: {e}") from None
+        raise MegapipeError(f"{where}: the routing cannot be expressed by TensorRT-LLM's {adapter.architecture} MoE: "
+                            f"{e}") from None
+    dense = [i for i in range(cfg.num_layers) if i not in cfg.moe_layers]
+    if dense:
+        raise MegapipeError(f"{where}: layers {dense} are dense (model.moe_layer_freq = {cfg.moe_layer_freq!r}, "
+                            f"model.moe_first_k_dense_replace = {cfg.moe_first_k_dense_replace}): the legacy "
+                            "TensorRT-LLM MoE models route every layer: use --format unified")
 
 
 # --------------------------------------------------------------------------------------------------- layers
@@ -369,8 +379,12 @@ def trt_config(src: Source, dtype: torch.dtype, tp: int, pp: int, vocab: int) ->
         quant["exclude_modules"] = ["lm_head"]
         config["quantization"] = quant
     if cfg.is_moe:
+        # megapipe.models.moe.route: a softmax over the k chosen logits, or the top-k of the softmax renormalised
+        renormalised = not cfg.moe_router_pre_softmax or (cfg.moe_router_norm_topk_prob and cfg.moe_router_topk > 1)
         config["moe"] = {"num_experts": cfg.num_experts, "top_k": cfg.moe_router_topk,
-                         "normalization_mode": RENORMALIZE}
+                         "normalization_mode": RENORMALIZE if renormalised else NONE}
+        if decoder == "qwen":
+            config["moe_intermediate_size"] = cfg.expert_ffn
     return config
 
 

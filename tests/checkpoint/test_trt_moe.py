@@ -5,7 +5,8 @@
   tensors, bit for bit, and the same config fields.
 - legacy: ModelOpt's ``export_tensorrt_llm_checkpoint`` of the twin rebuilt in the Hub's per-expert module layout
   (the one its MoE code reads; transformers 5 fuses the experts when it loads); every rank file identical, the
-  config identical but for the fields TensorRT-LLM's own converter writes (test_trt_legacy's DEVIATIONS).
+  config identical but for the fields TensorRT-LLM's own converter writes (test_trt_legacy's deviations, and
+  Qwen3-MoE's moe_intermediate_size). Qwen2-MoE (shared expert) has no legacy export yet.
 - what TensorRT-LLM cannot run from megapipe's MoE (routing it has no mode for, shared experts without legacy
   names, quantized experts) is refused with the culprit named, and nothing is left behind.
 """
@@ -70,20 +71,22 @@ def test_unified_moe_export_equals_modelopt_export_hf_checkpoint(tiny_tokenizer_
     assert summary["quantization"] == "none"
 
 
-# (tp, pp, dtype): experts split by TP, with KV heads duplicated at tp 4; layers over two stages
-LEGACY = [(1, 1, "bf16"), (2, 1, "fp16"), (2, 2, "bf16"), (4, 1, "bf16")]
+# (arch, tp, pp, dtype): experts split by TP, with KV heads duplicated at tp 4; layers over two stages
+LEGACY = [("mixtral", 1, 1, "bf16"), ("mixtral", 2, 1, "fp16"), ("mixtral", 2, 2, "bf16"), ("mixtral", 4, 1, "bf16"),
+          ("qwen3_moe", 1, 1, "bf16"), ("qwen3_moe", 2, 2, "fp16")]
+DECODER = {"mixtral": "llama", "qwen3_moe": "qwen"}
 
 
-@pytest.mark.parametrize("tp,pp,dtype", LEGACY, ids=[f"tp{t}-pp{p}-{d}" for t, p, d in LEGACY])
-def test_legacy_mixtral_equals_modelopt_export_tensorrt_llm_checkpoint(tiny_tokenizer_dir, tmp_path, tp, pp, dtype):
+@pytest.mark.parametrize("arch,tp,pp,dtype", LEGACY, ids=[f"{a}-tp{t}-pp{p}-{d}" for a, t, p, d in LEGACY])
+def test_legacy_moe_equals_modelopt_export_tensorrt_llm_checkpoint(tiny_tokenizer_dir, tmp_path, arch, tp, pp, dtype):
     from modelopt.torch.export import export_tensorrt_llm_checkpoint
 
-    ckpt = make_checkpoint(tmp_path / "ckpt", "mixtral", tiny_tokenizer_dir)
+    ckpt = make_checkpoint(tmp_path / "ckpt", arch, tiny_tokenizer_dir)
     summary = export_trt(ckpt, tmp_path / "ours", "legacy", dtype=dtype, tp=tp, pp=pp)
     twin = per_expert_layout(hf_twin(ckpt, tmp_path, DTYPES[dtype]))
     with quiet(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        export_tensorrt_llm_checkpoint(twin, "llama", dtype=DTYPES[dtype], export_dir=tmp_path / "modelopt",
+        export_tensorrt_llm_checkpoint(twin, DECODER[arch], dtype=DTYPES[dtype], export_dir=tmp_path / "modelopt",
                                        inference_tensor_parallel=tp, inference_pipeline_parallel=pp)
 
     ours_dir, theirs_dir = tmp_path / "ours", tmp_path / "modelopt"
@@ -96,7 +99,9 @@ def test_legacy_mixtral_equals_modelopt_export_tensorrt_llm_checkpoint(tiny_toke
         assert fc.shape == (4, 2 * 64 // tp, 128) and ours["transformer.layers.0.mlp.router.weight"].dtype == torch.float32
     ours_cfg = json.loads((ours_dir / "config.json").read_text())
     theirs_cfg = json.loads((theirs_dir / "config.json").read_text())
-    _check_deviations(ours_cfg, theirs_cfg, "mixtral", tp, pp)
+    _check_deviations(ours_cfg, theirs_cfg, arch, tp, pp)
+    if arch == "qwen3_moe":  # the expert width TensorRT-LLM's Qwen reads (its converter writes it; ModelOpt does not)
+        assert ours_cfg.pop("moe_intermediate_size") == 64
     assert ours_cfg == theirs_cfg
     assert ours_cfg["moe"] == {"num_experts": 4, "top_k": 2, "normalization_mode": 1}
     assert (ours_cfg["mapping"]["moe_tp_size"], ours_cfg["mapping"]["moe_ep_size"]) == (tp, 1)
@@ -137,13 +142,23 @@ def _error(ckpt, out: Path, fmt: str, **kw) -> str:
 def test_mixtral_routing_trt_cannot_express_is_refused(tiny_tokenizer_dir, tmp_path, field, value):
     ckpt = make_checkpoint(tmp_path / "ckpt", "mixtral", tiny_tokenizer_dir, **{field: value})
     legacy = _error(ckpt, tmp_path / "legacy", "legacy")
-    assert "cannot be expressed by TensorRT-LLM's Mixtral MoE" in legacy and f"model.{field} = {value!r}" in legacy
+    assert "cannot be expressed by TensorRT-LLM's MixtralForCausalLM MoE" in legacy and f"model.{field} = {value!r}" in legacy
     assert f"model.{field} = {value!r}" in _error(ckpt, tmp_path / "unified", "unified")
 
 
+def test_legacy_normalization_mode_follows_the_routing(tiny_tokenizer_dir, tmp_path):
+    """ModelOpt writes 1 (renormalise) for every MoE; Qwen3-MoE without norm_topk_prob keeps the top-k softmax
+    weights as they are: TensorRT-LLM's mode 0 (NONE)."""
+    ckpt = make_checkpoint(tmp_path / "ckpt", "qwen3_moe", tiny_tokenizer_dir, moe_router_norm_topk_prob=False)
+    export_trt(ckpt, tmp_path / "out", "legacy")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["moe"]["normalization_mode"] == 0
+
+
 def test_legacy_moe_refusals(tiny_tokenizer_dir, tmp_path):
-    qwen = make_checkpoint(tmp_path / "qwen3_moe", "qwen3_moe", tiny_tokenizer_dir)
-    assert "model.arch = 'qwen3_moe' has no legacy TensorRT-LLM names" in _error(qwen, tmp_path / "a", "legacy")
+    qwen = make_checkpoint(tmp_path / "qwen2_moe", "qwen2_moe", tiny_tokenizer_dir, moe_layer_freq=1)
+    assert "model.arch = 'qwen2_moe' has no legacy TensorRT-LLM names" in _error(qwen, tmp_path / "a", "legacy")
+    dense = make_checkpoint(tmp_path / "dense", "qwen3_moe", tiny_tokenizer_dir, moe_layer_freq=[0, 1])
+    assert "layers [0] are dense" in _error(dense, tmp_path / "e", "legacy")
     llama = make_checkpoint(tmp_path / "llama_moe", "llama", tiny_tokenizer_dir, num_experts=4, moe_ffn_hidden_size=64)
     assert "model.arch = 'llama' (MoE) has no legacy TensorRT-LLM names" in _error(llama, tmp_path / "d", "legacy")
     odd = make_checkpoint(tmp_path / "odd", "mixtral", tiny_tokenizer_dir, moe_ffn_hidden_size=60, num_heads=8,

@@ -90,10 +90,13 @@ def disabled_quantizers(twin):
 
 
 def per_expert_layout(twin):
-    """``twin`` (a transformers >= 5 Mixtral: fused 3-D experts behind a router module) rebuilt, in place and with
-    the same tensors, in the module layout the Hub's files describe and ModelOpt's TensorRT-LLM exporter reads: an
-    ``nn.Linear`` router ``gate`` and a ModuleList of experts with ``w1`` (gate) / ``w2`` (down) / ``w3`` (up)."""
+    """``twin`` (a transformers >= 5 Mixtral or Qwen3-MoE: fused 3-D experts behind a router module) rebuilt, in
+    place and with the same tensors, in the module layout the Hub's files describe and ModelOpt's TensorRT-LLM
+    exporter reads: an ``nn.Linear`` router ``gate`` and a ModuleList of experts with ``w1`` (gate) / ``w2`` (down) /
+    ``w3`` (up), Qwen's ``gate_proj`` / ``down_proj`` / ``up_proj``."""
     from torch import nn
+
+    gate, down, up = ("w1", "w2", "w3") if twin.config.model_type == "mixtral" else ("gate_proj", "down_proj", "up_proj")
 
     def linear(weight):
         layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
@@ -107,8 +110,9 @@ def per_expert_layout(twin):
         per_expert = nn.ModuleList()
         for e in range(experts.num_experts):
             expert = nn.Module()
-            expert.w1, expert.w3 = linear(experts.gate_up_proj[e, :f]), linear(experts.gate_up_proj[e, f:])
-            expert.w2 = linear(experts.down_proj[e])
+            setattr(expert, gate, linear(experts.gate_up_proj[e, :f]))
+            setattr(expert, up, linear(experts.gate_up_proj[e, f:]))
+            setattr(expert, down, linear(experts.down_proj[e]))
             per_expert.append(expert)
         moe.experts, moe.gate = per_expert, linear(moe.gate.weight)
     return twin
