@@ -8,7 +8,7 @@
   ModelOpt's ``export_tensorrt_llm_checkpoint`` writes them (see trt_legacy).
 
 MoE checkpoints export unquantized (``posttrain quantize`` does not quantize their experts): unified as ``export hf``
-writes them, legacy for Mixtral and Qwen3-MoE.
+writes them, legacy for Mixtral, Qwen2-MoE and Qwen3-MoE.
 
 Both read the DCP shards of any parallel layout one group of tensors (a layer) at a time, so memory stays near one
 output shard. The writes go to a temporary sibling that is renamed at the end: a failure leaves nothing behind.

@@ -16,12 +16,16 @@ TensorRT-LLM's own ``from_hugging_face`` writes are used instead: ``rotary_base`
 ``qwen_type``, ``attn_bias`` / ``mlp_bias``, GPT-2's ``learned_absolute`` positions. Tied embeddings get an
 ``lm_head`` of their own (``share_embedding_table`` false), as ModelOpt writes Hugging Face models.
 
-Mixtral and Qwen3-MoE (every layer MoE): ``mlp.router`` (float32, whole on every rank), ``mlp.fc`` [E, 2F, H]
+Mixtral, Qwen2-MoE and Qwen3-MoE (every layer MoE): ``mlp.router`` (float32, whole on every rank), ``mlp.fc`` [E, 2F, H]
 with each expert's up projection (w3) before its gate (w1), ``mlp.proj`` [E, H, F]; TP splits every expert's F
 (w3 and w1 each, then concatenated), as ModelOpt does (``moe_tp_size`` = tp, ``moe_ep_size`` = 1: its exporter
 has no expert parallel split). The config adds ``moe`` (num_experts, top_k, normalization_mode: 1 renormalises the
 top-k weights, 0 keeps them, as the routing does) and ``hidden_act`` "swiglu" (TensorRT-LLM's MoE takes the gated
-activation explicitly); Qwen3-MoE also ``moe_intermediate_size``, the expert width TensorRT-LLM's Qwen model reads.
+activation explicitly); the Qwen ones also ``moe_intermediate_size`` (the expert width TensorRT-LLM's Qwen model
+reads). Qwen2-MoE's shared expert is ``mlp.shared_expert.fc`` ([up | gate] of each rank) / ``.proj``, split by TP
+like a dense MLP, and its sigmoid gate ``mlp.shared_expert_gate`` [1, H] whole on every rank, with
+``moe_shared_expert_intermediate_size`` in the config. ModelOpt's config has no ``moe`` section for Qwen2-MoE (its
+config map knows only ``num_local_experts``): the fields are those of TensorRT-LLM's converter.
 """
 
 from __future__ import annotations
@@ -40,8 +44,8 @@ from megapipe.checkpoint.trt import AWQ, LAYER_LINEARS, QUANT_ALGO, Source, save
 from megapipe.errors import MegapipeError
 
 DECODER = {"llama": "llama", "mistral": "llama", "qwen2": "qwen", "qwen3": "qwen", "gpt2": "gpt", "mixtral": "llama",
-           "qwen3_moe": "qwen"}
-MOE_ARCHS = ("mixtral", "qwen3_moe")  # MoE architectures with legacy names (Qwen2-MoE's shared expert: not yet)
+           "qwen2_moe": "qwen", "qwen3_moe": "qwen"}
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")  # MoE architectures with legacy names
 # TensorRT-LLM's MoeConfig.ExpertScaleNormalizationMode: top-k of the softmax as is, or renormalised over the k
 NONE, RENORMALIZE = 0, 1
 AWQ_VOCAB_MULTIPLE = 64  # ModelOpt pads the vocabulary of AWQ exports to this
@@ -99,6 +103,9 @@ def check_legacy(src: Source, tp: int, pp: int) -> None:
     if inter % tp:
         what = "expert FFN size (moe_ffn_hidden_size)" if cfg.is_moe else "intermediate_size"
         raise MegapipeError(f"--tp {tp} does not divide the model's {what} {inter}")
+    shared = cfg.moe_shared_expert_intermediate_size if cfg.is_moe else None
+    if shared and shared % tp:
+        raise MegapipeError(f"--tp {tp} does not divide the model's moe_shared_expert_intermediate_size {shared}")
     if tp > kv and src.fmt == "int8_sq":
         raise MegapipeError(f"--tp {tp} > {kv} KV heads duplicates KV heads, which the per-channel INT8 scales of "
                             "int8_sq cannot follow (neither in ModelOpt): use --tp <= the KV heads")
@@ -149,6 +156,10 @@ def _layer(src: Source, i: int, dtype: torch.dtype) -> dict:
         # the router as a model loaded in the export dtype holds it, computed in fp32 by TensorRT-LLM
         parts["moe"] = {"router": state[f"{pre}moe.gate.weight"].to(dtype).float(),
                         **{w: state[f"{pre}moe.experts.{w}"].to(dtype) for w in ("w1", "w2", "w3")}}
+        if f"{pre}moe.shared_experts.w1.weight" in state:
+            parts["moe"]["shared"] = {w: state[f"{pre}moe.shared_experts.{w}.weight"].to(dtype)
+                                      for w in ("w1", "w2", "w3")}
+            parts["moe"]["shared"]["gate"] = state[f"{pre}moe.shared_gate.weight"].to(dtype)
     else:
         fc, gate = lin["feed_forward.w1"], lin["feed_forward.w3"]
         if gate is not None and src.fmt == "fp8":  # TensorRT-LLM may fuse gate and fc for FP8
@@ -272,9 +283,16 @@ def _rank_layer(parts: dict, cfg, tp: int, r: int, dtype: torch.dtype, prefix: s
 
 def _rank_experts(moe: dict, tp: int, r: int, prefix: str) -> dict[str, torch.Tensor]:
     """Rank r's experts: every expert's F split (w3 and w1 each, so each rank holds [its w3 | its w1])."""
-    w1, w2, w3 = (moe[w] if tp == 1 else moe[w].chunk(tp, dim=2 if w == "w2" else 1)[r] for w in ("w1", "w2", "w3"))
-    return {f"{prefix}.router.weight": moe["router"], f"{prefix}.fc.weight": torch.cat([w3, w1], dim=1),
-            f"{prefix}.proj.weight": w2.contiguous()}
+    w1, w2, w3 = (moe[w].chunk(tp, dim=2 if w == "w2" else 1)[r] for w in ("w1", "w2", "w3"))
+    out = {f"{prefix}.router.weight": moe["router"], f"{prefix}.fc.weight": torch.cat([w3, w1], dim=1),
+           f"{prefix}.proj.weight": w2.contiguous()}
+    shared = moe.get("shared")
+    if shared:
+        w1, w2, w3 = (shared[w].chunk(tp, dim=1 if w == "w2" else 0)[r] for w in ("w1", "w2", "w3"))
+        out.update({f"{prefix}.shared_expert.fc.weight": torch.cat([w3, w1]),
+                    f"{prefix}.shared_expert.proj.weight": w2.contiguous(),
+                    f"{prefix}.shared_expert_gate.weight": shared["gate"]})
+    return out
 
 
 def _embedding(t: torch.Tensor, tp: int, r: int) -> torch.Tensor:
@@ -385,6 +403,8 @@ def trt_config(src: Source, dtype: torch.dtype, tp: int, pp: int, vocab: int) ->
                          "normalization_mode": RENORMALIZE if renormalised else NONE}
         if decoder == "qwen":
             config["moe_intermediate_size"] = cfg.expert_ffn
+            if cfg.moe_shared_expert_intermediate_size:
+                config["moe_shared_expert_intermediate_size"] = cfg.moe_shared_expert_intermediate_size
     return config
 
 

@@ -6,7 +6,7 @@
 - legacy: ModelOpt's ``export_tensorrt_llm_checkpoint`` of the twin rebuilt in the Hub's per-expert module layout
   (the one its MoE code reads; transformers 5 fuses the experts when it loads); every rank file identical, the
   config identical but for the fields TensorRT-LLM's own converter writes (test_trt_legacy's deviations, and
-  Qwen3-MoE's moe_intermediate_size). Qwen2-MoE (shared expert) has no legacy export yet.
+  the Qwen MoE fields ModelOpt does not write).
 - what TensorRT-LLM cannot run from megapipe's MoE (routing it has no mode for, shared experts without legacy
   names, quantized experts) is refused with the culprit named, and nothing is left behind.
 """
@@ -73,15 +73,16 @@ def test_unified_moe_export_equals_modelopt_export_hf_checkpoint(tiny_tokenizer_
 
 # (arch, tp, pp, dtype): experts split by TP, with KV heads duplicated at tp 4; layers over two stages
 LEGACY = [("mixtral", 1, 1, "bf16"), ("mixtral", 2, 1, "fp16"), ("mixtral", 2, 2, "bf16"), ("mixtral", 4, 1, "bf16"),
-          ("qwen3_moe", 1, 1, "bf16"), ("qwen3_moe", 2, 2, "fp16")]
-DECODER = {"mixtral": "llama", "qwen3_moe": "qwen"}
+          ("qwen3_moe", 1, 1, "bf16"), ("qwen3_moe", 2, 2, "fp16"), ("qwen2_moe", 1, 1, "bf16"), ("qwen2_moe", 2, 1, "fp16")]
+DECODER = {"mixtral": "llama", "qwen2_moe": "qwen", "qwen3_moe": "qwen"}
+ALL_MOE = {"qwen2_moe": {"moe_layer_freq": 1}}  # TensorRT-LLM's legacy MoE models route every layer
 
 
 @pytest.mark.parametrize("arch,tp,pp,dtype", LEGACY, ids=[f"{a}-tp{t}-pp{p}-{d}" for a, t, p, d in LEGACY])
 def test_legacy_moe_equals_modelopt_export_tensorrt_llm_checkpoint(tiny_tokenizer_dir, tmp_path, arch, tp, pp, dtype):
     from modelopt.torch.export import export_tensorrt_llm_checkpoint
 
-    ckpt = make_checkpoint(tmp_path / "ckpt", arch, tiny_tokenizer_dir)
+    ckpt = make_checkpoint(tmp_path / "ckpt", arch, tiny_tokenizer_dir, **ALL_MOE.get(arch, {}))
     summary = export_trt(ckpt, tmp_path / "ours", "legacy", dtype=dtype, tp=tp, pp=pp)
     twin = per_expert_layout(hf_twin(ckpt, tmp_path, DTYPES[dtype]))
     with quiet(), warnings.catch_warnings():
@@ -100,11 +101,16 @@ def test_legacy_moe_equals_modelopt_export_tensorrt_llm_checkpoint(tiny_tokenize
     ours_cfg = json.loads((ours_dir / "config.json").read_text())
     theirs_cfg = json.loads((theirs_dir / "config.json").read_text())
     _check_deviations(ours_cfg, theirs_cfg, arch, tp, pp)
-    if arch == "qwen3_moe":  # the expert width TensorRT-LLM's Qwen reads (its converter writes it; ModelOpt does not)
+    if arch != "mixtral":  # the expert width TensorRT-LLM's Qwen reads (its converter writes it; ModelOpt does not)
         assert ours_cfg.pop("moe_intermediate_size") == 64
+    if arch == "qwen2_moe":  # ModelOpt writes no MoE fields at all here: TensorRT-LLM's converter's
+        assert ours_cfg.pop("moe_shared_expert_intermediate_size") == 96
+        assert ours_cfg.pop("moe") == {"num_experts": 4, "top_k": 2, "normalization_mode": 0}  # no norm_topk_prob
+        assert (ours_cfg["mapping"].pop("moe_tp_size"), ours_cfg["mapping"].pop("moe_ep_size")) == (tp, 1)
+    else:
+        assert ours_cfg["moe"] == {"num_experts": 4, "top_k": 2, "normalization_mode": 1}
+        assert (ours_cfg["mapping"]["moe_tp_size"], ours_cfg["mapping"]["moe_ep_size"]) == (tp, 1)
     assert ours_cfg == theirs_cfg
-    assert ours_cfg["moe"] == {"num_experts": 4, "top_k": 2, "normalization_mode": 1}
-    assert (ours_cfg["mapping"]["moe_tp_size"], ours_cfg["mapping"]["moe_ep_size"]) == (tp, 1)
 
 
 def test_legacy_mixtral_rank_files_hold_each_experts_slice(tiny_tokenizer_dir, tmp_path):
@@ -155,10 +161,12 @@ def test_legacy_normalization_mode_follows_the_routing(tiny_tokenizer_dir, tmp_p
 
 
 def test_legacy_moe_refusals(tiny_tokenizer_dir, tmp_path):
-    qwen = make_checkpoint(tmp_path / "qwen2_moe", "qwen2_moe", tiny_tokenizer_dir, moe_layer_freq=1)
-    assert "model.arch = 'qwen2_moe' has no legacy TensorRT-LLM names" in _error(qwen, tmp_path / "a", "legacy")
-    dense = make_checkpoint(tmp_path / "dense", "qwen3_moe", tiny_tokenizer_dir, moe_layer_freq=[0, 1])
-    assert "layers [0] are dense" in _error(dense, tmp_path / "e", "legacy")
+    qwen = make_checkpoint(tmp_path / "qwen2_moe", "qwen2_moe", tiny_tokenizer_dir)  # layer 1 dense
+    assert "layers [1] are dense (model.moe_layer_freq = [1, 0]" in _error(qwen, tmp_path / "a", "legacy")
+    wide = make_checkpoint(tmp_path / "wide", "qwen2_moe", tiny_tokenizer_dir, moe_layer_freq=1,
+                           moe_shared_expert_intermediate_size=98)
+    assert "--tp 4 does not divide the model's moe_shared_expert_intermediate_size 98" in _error(
+        wide, tmp_path / "e", "legacy", tp=4)
     llama = make_checkpoint(tmp_path / "llama_moe", "llama", tiny_tokenizer_dir, num_experts=4, moe_ffn_hidden_size=64)
     assert "model.arch = 'llama' (MoE) has no legacy TensorRT-LLM names" in _error(llama, tmp_path / "d", "legacy")
     odd = make_checkpoint(tmp_path / "odd", "mixtral", tiny_tokenizer_dir, moe_ffn_hidden_size=60, num_heads=8,

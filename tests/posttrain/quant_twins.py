@@ -90,7 +90,7 @@ def disabled_quantizers(twin):
 
 
 def per_expert_layout(twin):
-    """``twin`` (a transformers >= 5 Mixtral or Qwen3-MoE: fused 3-D experts behind a router module) rebuilt, in
+    """``twin`` (a transformers >= 5 Mixtral or Qwen-MoE: fused 3-D experts behind a router module) rebuilt, in
     place and with the same tensors, in the module layout the Hub's files describe and ModelOpt's TensorRT-LLM
     exporter reads: an ``nn.Linear`` router ``gate`` and a ModuleList of experts with ``w1`` (gate) / ``w2`` (down) /
     ``w3`` (up), Qwen's ``gate_proj`` / ``down_proj`` / ``up_proj``."""
@@ -106,6 +106,8 @@ def per_expert_layout(twin):
 
     for block in twin.model.layers:
         moe = block.mlp
+        if not hasattr(moe, "experts"):  # a dense layer
+            continue
         experts, f = moe.experts, moe.experts.down_proj.shape[-1]
         per_expert = nn.ModuleList()
         for e in range(experts.num_experts):
