@@ -16,16 +16,16 @@ TensorRT-LLM's own ``from_hugging_face`` writes are used instead: ``rotary_base`
 ``qwen_type``, ``attn_bias`` / ``mlp_bias``, GPT-2's ``learned_absolute`` positions. Tied embeddings get an
 ``lm_head`` of their own (``share_embedding_table`` false), as ModelOpt writes Hugging Face models.
 
-Mixtral, Qwen2-MoE and Qwen3-MoE (every layer MoE): ``mlp.router`` (float32, whole on every rank), ``mlp.fc`` [E, 2F, H]
-with each expert's up projection (w3) before its gate (w1), ``mlp.proj`` [E, H, F]; TP splits every expert's F
-(w3 and w1 each, then concatenated), as ModelOpt does (``moe_tp_size`` = tp, ``moe_ep_size`` = 1: its exporter
-has no expert parallel split). The config adds ``moe`` (num_experts, top_k, normalization_mode: 1 renormalises the
-top-k weights, 0 keeps them, as the routing does) and ``hidden_act`` "swiglu" (TensorRT-LLM's MoE takes the gated
-activation explicitly); the Qwen ones also ``moe_intermediate_size`` (the expert width TensorRT-LLM's Qwen model
-reads). Qwen2-MoE's shared expert is ``mlp.shared_expert.fc`` ([up | gate] of each rank) / ``.proj``, split by TP
-like a dense MLP, and its sigmoid gate ``mlp.shared_expert_gate`` [1, H] whole on every rank, with
-``moe_shared_expert_intermediate_size`` in the config. ModelOpt's config has no ``moe`` section for Qwen2-MoE (its
-config map knows only ``num_local_experts``): the fields are those of TensorRT-LLM's converter.
+Mixtral, Qwen2-MoE and Qwen3-MoE (every layer MoE): ``mlp.router`` (float32, whole on every rank), ``mlp.fc``
+[E, 2F, H] with each expert's up projection (w3) before its gate (w1), ``mlp.proj`` [E, H, F]; TP splits every
+expert's F (w3 and w1 each, then concatenated), as ModelOpt does (``moe_tp_size`` = tp, ``moe_ep_size`` = 1: its
+exporter has no expert parallel split). The config adds ``moe`` (num_experts, top_k, normalization_mode: 1
+renormalises the top-k weights, 0 keeps them, as the routing does) and ``hidden_act`` "swiglu" (TensorRT-LLM's MoE
+takes the gated activation explicitly); the Qwen ones also ``moe_intermediate_size`` (the expert width
+TensorRT-LLM's Qwen model reads). Qwen2-MoE's shared expert is ``mlp.shared_expert.fc`` ([up | gate] of each rank)
+and ``.proj``, split by TP like a dense MLP, and its sigmoid gate ``mlp.shared_expert_gate`` [1, H] whole on every
+rank, with ``moe_shared_expert_intermediate_size`` in the config. ModelOpt's config has no ``moe`` section for
+Qwen2-MoE (its config map knows only ``num_local_experts``): the fields are those of TensorRT-LLM's converter.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from megapipe.checkpoint import quantized_linear as ql
 from megapipe.checkpoint.hf.base import adapter_for_arch
 from megapipe.checkpoint.hf.files import HF_DTYPE_NAMES
 from megapipe.checkpoint.trt import AWQ, LAYER_LINEARS, QUANT_ALGO, Source, save_safetensors, write_json
-from megapipe.errors import MegapipeError
+from megapipe.errors import ConfigError, MegapipeError
 
 DECODER = {"llama": "llama", "mistral": "llama", "qwen2": "qwen", "qwen3": "qwen", "gpt2": "gpt", "mixtral": "llama",
            "qwen2_moe": "qwen", "qwen3_moe": "qwen"}
@@ -123,8 +123,6 @@ def check_legacy(src: Source, tp: int, pp: int) -> None:
 def check_moe(src: Source) -> None:
     """A legacy MoE checkpoint routes as the HF architecture does (what its adapter can express: no sigmoid scores,
     expert bias, scaling or shared expert beyond it), with every layer MoE."""
-    from megapipe.errors import ConfigError
-
     cfg, where = src.cfg, src.where
     if cfg.arch not in MOE_ARCHS:
         raise MegapipeError(f"{where}: model.arch = {cfg.arch!r} (MoE) has no legacy TensorRT-LLM names in megapipe "

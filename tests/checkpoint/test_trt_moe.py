@@ -73,7 +73,8 @@ def test_unified_moe_export_equals_modelopt_export_hf_checkpoint(tiny_tokenizer_
 
 # (arch, tp, pp, dtype): experts split by TP, with KV heads duplicated at tp 4; layers over two stages
 LEGACY = [("mixtral", 1, 1, "bf16"), ("mixtral", 2, 1, "fp16"), ("mixtral", 2, 2, "bf16"), ("mixtral", 4, 1, "bf16"),
-          ("qwen3_moe", 1, 1, "bf16"), ("qwen3_moe", 2, 2, "fp16"), ("qwen2_moe", 1, 1, "bf16"), ("qwen2_moe", 2, 1, "fp16")]
+          ("qwen3_moe", 1, 1, "bf16"), ("qwen3_moe", 2, 2, "fp16"),
+          ("qwen2_moe", 1, 1, "bf16"), ("qwen2_moe", 2, 1, "fp16")]
 DECODER = {"mixtral": "llama", "qwen2_moe": "qwen", "qwen3_moe": "qwen"}
 ALL_MOE = {"qwen2_moe": {"moe_layer_freq": 1}}  # TensorRT-LLM's legacy MoE models route every layer
 
@@ -97,7 +98,8 @@ def test_legacy_moe_equals_modelopt_export_tensorrt_llm_checkpoint(tiny_tokenize
         ours = _rank(ours_dir, rank)
         assert_same_tensors(ours, _rank(theirs_dir, rank))
         fc = ours["transformer.layers.0.mlp.fc.weight"]
-        assert fc.shape == (4, 2 * 64 // tp, 128) and ours["transformer.layers.0.mlp.router.weight"].dtype == torch.float32
+        assert fc.shape == (4, 2 * 64 // tp, 128)
+        assert ours["transformer.layers.0.mlp.router.weight"].dtype == torch.float32
     ours_cfg = json.loads((ours_dir / "config.json").read_text())
     theirs_cfg = json.loads((theirs_dir / "config.json").read_text())
     _check_deviations(ours_cfg, theirs_cfg, arch, tp, pp)
@@ -148,7 +150,8 @@ def _error(ckpt, out: Path, fmt: str, **kw) -> str:
 def test_mixtral_routing_trt_cannot_express_is_refused(tiny_tokenizer_dir, tmp_path, field, value):
     ckpt = make_checkpoint(tmp_path / "ckpt", "mixtral", tiny_tokenizer_dir, **{field: value})
     legacy = _error(ckpt, tmp_path / "legacy", "legacy")
-    assert "cannot be expressed by TensorRT-LLM's MixtralForCausalLM MoE" in legacy and f"model.{field} = {value!r}" in legacy
+    assert "cannot be expressed by TensorRT-LLM's MixtralForCausalLM MoE" in legacy
+    assert f"model.{field} = {value!r}" in legacy
     assert f"model.{field} = {value!r}" in _error(ckpt, tmp_path / "unified", "unified")
 
 

@@ -96,7 +96,8 @@ def per_expert_layout(twin):
     ``w3`` (up), Qwen's ``gate_proj`` / ``down_proj`` / ``up_proj``."""
     from torch import nn
 
-    gate, down, up = ("w1", "w2", "w3") if twin.config.model_type == "mixtral" else ("gate_proj", "down_proj", "up_proj")
+    mixtral = twin.config.model_type == "mixtral"
+    gate, down, up = ("w1", "w2", "w3") if mixtral else ("gate_proj", "down_proj", "up_proj")
 
     def linear(weight):
         layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
