@@ -204,3 +204,16 @@ def test_posttrain_quantize_refuses_moe(tiny_tokenizer_dir, pretrain_data, tmp_p
         quantize_checkpoint(ckpt, tmp_path / "q", "fp8", pretrain_data[0], calib_samples=2, seq_length=32,
                             eval_iters=0)
     assert not (tmp_path / "q").exists()
+
+
+def test_cli_moe(tiny_tokenizer_dir, pretrain_data, tmp_path, capsys):
+    from megapipe.cli import main
+
+    ckpt = make_checkpoint(tmp_path / "ckpt", "mixtral", tiny_tokenizer_dir)
+    assert main(["export", "trt", str(ckpt), str(tmp_path / "legacy"), "--format", "legacy", "--tp", "2"]) == 0
+    assert sorted(p.name for p in (tmp_path / "legacy").iterdir()) == ["config.json", "quant_cfg.json",
+                                                                        "rank0.safetensors", "rank1.safetensors"]
+    assert main(["posttrain", "quantize", str(ckpt), "--quant", "fp8", "--calib-data", str(pretrain_data[0]),
+                 "--output", str(tmp_path / "q")]) == 2
+    assert "posttrain quantize does not quantize MoE models" in capsys.readouterr().err
+    assert not (tmp_path / "q").exists()
