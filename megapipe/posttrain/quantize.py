@@ -164,6 +164,11 @@ def quantize_checkpoint(
         raise MegapipeError(f"{ckpt} is already quantized ({manifest['quantization'].get('format')}): quantize its "
                             f"unquantized parent instead ({manifest.get('parent')})")
     model_cfg = manifest.get("model") or {}
+    if int(model_cfg.get("num_experts") or 0) > 0:
+        raise MegapipeError(
+            f"{ckpt}: model.num_experts = {model_cfg['num_experts']}: posttrain quantize does not quantize MoE models "
+            "(ModelOpt's quantizers wrap nn.Linear layers and megapipe's experts are 3-D weights, so only attention "
+            "and the router would be quantized, the router being what ModelOpt keeps in high precision)")
     if seq_length > int(model_cfg.get("max_position_embeddings", seq_length)):
         raise MegapipeError(f"--calib-seq-len {seq_length} exceeds the model's max_position_embeddings "
                             f"({model_cfg['max_position_embeddings']})")
