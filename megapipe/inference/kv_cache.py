@@ -43,7 +43,6 @@ class KVPool:
         return 2 * num_layers * block_size * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
 
 
-
 @dataclass
 class Chunk:
     """Tokens [offset, offset + n) of the flattened batch are positions [start, start + n) of one sequence."""
@@ -67,8 +66,8 @@ class PagedBatch:
         self.slots: Optional[torch.Tensor] = None  # [T] where each token's k/v go
         self.num_decodes = 0
         self.decode_slots: Optional[torch.Tensor] = None  # [Bd * L] keys of each decode, padded to L
-        self.decode_mask: Optional[torch.Tensor] = None  # additive [kv_heads=1, Bd, 1, L] fp32
-        self._mask_cast: Optional[torch.Tensor] = None
+        self.decode_mask: Optional[torch.Tensor] = None  # additive [1, Bd, 1, L] fp32 (over kv heads, group)
+        self._mask_cast: Optional[torch.Tensor] = None  # decode_mask in the model's dtype
         self.decode_len = 0
         self.chunks: list[Chunk] = []
 
