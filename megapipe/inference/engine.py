@@ -40,7 +40,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: Optional[int] = None  # default: the model's max_position_embeddings
     prefix_caching: bool = True
-    pack_weights: Optional[bool] = None  # oneDNN pre-packed linears on CPU (default: for bf16 / fp16)
+    pack_weights: Optional[bool] = None  # oneDNN pre-packed linears (default: on CPU)
     max_n: int = 128
 
     def check(self) -> None:

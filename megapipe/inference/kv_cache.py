@@ -9,7 +9,7 @@ An engine step runs the model once on a flattened batch: every scheduled token o
 (nothing to do: the step was planned by the engine) and ``attend(layer_id, q, k, v)``, which writes the new keys and
 values into their slots and computes attention per sequence:
 
-- one-token queries (decodes) together, as a padded batch over their gathered keys, in two matmuls;
+- one-token queries (decodes) together, as a padded batch over their gathered keys, in two batched matmuls;
 - longer chunks (prefill, chunked prefill, recompute after preemption) one sequence at a time with SDPA, causal from
   the chunk's first position, over the sequence's earlier keys when it does not start at 0.
 
@@ -18,13 +18,14 @@ Tokens are ordered decodes first, then the chunks, so each group is a contiguous
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
-KEY_BUCKET = 64
+KEY_BUCKET = 16
 
 
 class KVPool:
@@ -65,7 +66,8 @@ class PagedBatch:
         self.slots: Optional[torch.Tensor] = None  # [T] where each token's k/v go
         self.num_decodes = 0
         self.decode_slots: Optional[torch.Tensor] = None  # [Bd * L] keys of each decode, padded to L
-        self.decode_mask: Optional[torch.Tensor] = None  # additive [1, Bd, 1, L] fp32
+        self.decode_mask: Optional[torch.Tensor] = None  # additive [1, Bd, 1, L] fp32 (over kv heads, group)
+        self._mask_cast: Optional[torch.Tensor] = None  # decode_mask in the model's dtype
         self.decode_len = 0
         self.chunks: list[Chunk] = []
 
@@ -79,8 +81,8 @@ class PagedBatch:
             positions.append(pos)
         self.num_decodes = len(decodes)
         if decodes:
-            # keys padded to a multiple of 64 (masked): oneDNN builds a kernel per matmul shape, so a length that
-            # grows by one every step would make it build two new ones every step
+            # keys padded to a multiple of 16 (masked): oneDNN builds a kernel per matmul shape (~1 ms in bf16), so a
+            # length that grew by one every step would build two new ones every step; 16 keeps the padding small
             length = -(-(max(pos for _, pos in decodes) + 1) // KEY_BUCKET) * KEY_BUCKET
             nb = (length + bs - 1) // bs
             table = torch.tensor([list(b[:nb]) + [0] * (nb - len(b[:nb])) for b, _ in decodes], dtype=torch.long)
@@ -118,20 +120,27 @@ class PagedBatch:
 
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [1, heads, T, D], k/v [1, kv_heads, T, D] -> attention output [1, heads, T, D]."""
-        pk, pv = self.pool.k[layer_id], self.pool.v[layer_id]
-        pk.index_copy_(1, self.slots, k[0].to(pk.dtype))
-        pv.index_copy_(1, self.slots, v[0].to(pv.dtype))
         heads, total, dim = q.shape[1], q.shape[2], q.shape[3]
-        out = torch.empty(total, heads, dim, dtype=q.dtype, device=q.device)
+        out = self.attend_flat(layer_id, q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1))
+        return out.view(total, heads, dim).transpose(0, 1)[None]
+
+    def attend_flat(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, heads, D], k/v [T, kv_heads, D] (views of the projections are fine) -> [T, heads * D]: stores k/v
+        in their slots, then attends. The token-major form the engine's decode path calls directly."""
+        pk, pv = self.pool.k[layer_id], self.pool.v[layer_id]
+        pk.index_copy_(1, self.slots, k.transpose(0, 1).to(pk.dtype))
+        pv.index_copy_(1, self.slots, v.transpose(0, 1).to(pv.dtype))
+        total, heads, dim = q.shape
+        out = torch.empty(total, heads * dim, dtype=q.dtype, device=q.device)
         if self.num_decodes:
-            dec = self._decode(q[0, :, : self.num_decodes], pk, pv)
-            if not self.chunks:
-                return dec.transpose(0, 1)[None]
-            out[: self.num_decodes] = dec
+            bd = self.num_decodes
+            keys_t, values = self._gather(pk).transpose(-1, -2), self._gather(pv)
+            self._decode(q[:bd], keys_t, values, out[:bd].view(bd, -1, heads // pk.shape[0], dim))
         for c in self.chunks:
-            qc = q[:, :, c.offset:c.offset + c.n]
+            qc = q[c.offset:c.offset + c.n].transpose(0, 1)[None]
             if c.key_slots is None:
-                kc, vc = k[:, :, c.offset:c.offset + c.n], v[:, :, c.offset:c.offset + c.n]
+                kc = k[c.offset:c.offset + c.n].transpose(0, 1)[None]
+                vc = v[c.offset:c.offset + c.n].transpose(0, 1)[None]
             else:
                 kc, vc = pk.index_select(1, c.key_slots)[None], pv.index_select(1, c.key_slots)[None]
             gqa = kc.shape[1] != heads
@@ -139,19 +148,33 @@ class PagedBatch:
                 o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=gqa)
             else:
                 o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=c.mask.to(qc.dtype), enable_gqa=gqa)
-            out[c.offset:c.offset + c.n] = o[0].transpose(0, 1)
-        return out.transpose(0, 1)[None]
+            out[c.offset:c.offset + c.n].view(c.n, heads, dim).copy_(o[0].transpose(0, 1))
+        return out
 
-    def _decode(self, q: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor) -> torch.Tensor:
-        """q [heads, Bd, D] one token per sequence -> [Bd, heads, D]; the matmuls in the model's dtype, the softmax
-        in fp32 (as HF's eager attention does)."""
-        heads, bd, dim = q.shape
-        kvh, length = pk.shape[0], self.decode_len
+    def _gather(self, pool_layer: torch.Tensor) -> torch.Tensor:
+        kvh, dim = pool_layer.shape[0], pool_layer.shape[2]
+        return pool_layer.index_select(1, self.decode_slots).view(kvh, self.num_decodes, self.decode_len, dim)
+
+    def _decode(self, q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, out: torch.Tensor) -> None:
+        """q [Bd, heads, D] one token per sequence, keys_t [kv_heads, Bd, D, L] (transposed), values [kv_heads, Bd,
+        L, D] -> out [Bd, kv_heads, group, D]; the matmuls in the model's dtype, the softmax in fp32 (as HF's eager
+        attention does)."""
+        bd, heads, dim = q.shape
+        kvh = keys_t.shape[0]
         group = heads // kvh
-        keys = pk.index_select(1, self.decode_slots).view(kvh, bd, length, dim)
-        values = pv.index_select(1, self.decode_slots).view(kvh, bd, length, dim)
-        qg = q.reshape(kvh, group, bd, dim).transpose(1, 2)  # head h reads kv head h // group, as SDPA's GQA
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).float().mul_(dim ** -0.5).add_(self.decode_mask)
-        probs = scores.softmax(dim=-1).to(values.dtype)
-        o = torch.matmul(probs, values)  # [kvh, Bd, group, D]
-        return o.permute(1, 0, 2, 3).reshape(bd, heads, dim).to(q.dtype)
+        qg = q.reshape(bd, kvh, group, dim).transpose(0, 1)  # head h reads kv head h // group, as SDPA's GQA
+        scale = dim ** -0.5
+        if math.frexp(scale)[0] == 0.5:
+            # a power of two: scaling q first is exact, and a 0 / -inf mask added in q's dtype is too, so this is
+            # the same as scaling and masking the scores in fp32, with fewer passes over them
+            scores = torch.matmul(qg * scale, keys_t).add_(self.decode_mask_as(q.dtype))
+            probs = scores.softmax(dim=-1, dtype=torch.float32)
+        else:
+            scores = torch.matmul(qg, keys_t).float().mul_(scale).add_(self.decode_mask)
+            probs = scores.softmax(dim=-1)
+        out.copy_(torch.matmul(probs.to(values.dtype), values).transpose(0, 1))
+
+    def decode_mask_as(self, dtype: torch.dtype) -> torch.Tensor:
+        if self._mask_cast is None or self._mask_cast.dtype != dtype:
+            self._mask_cast = self.decode_mask.to(dtype)
+        return self._mask_cast

@@ -281,3 +281,35 @@ def test_load_weights_replaces_the_model_and_empties_the_prefix_cache(dtype):
     again = engine.generate(prompt, greedy)[0].outputs[0].token_ids
     fresh = LLMEngine(build_model(cfg, seed=2).to(dtype), None, EngineConfig(num_blocks=16), eos_token_ids=[])
     assert again == fresh.generate(prompt, greedy)[0].outputs[0].token_ids != first
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decoder_layer_fast_path_equals_the_model_forward(arch, dtype, tmp_path_factory, one_thread):
+    """Dense blocks run through the runner's DecoderLayer: the same tokens and logprobs, bit for bit, as the model's
+    own forward, in mixed steps (staggered arrivals: decodes and prefill chunks together), with biases (qwen2) and a
+    sliding window (mistral)."""
+    path, _ = make_hf_dir(tmp_path_factory.mktemp(f"fast_{arch}"), arch)
+    params = SamplingParams(max_tokens=12, logprobs=2, **GREEDY)
+    fast = LLMEngine.from_pretrained(path, device="cpu", dtype=dtype, max_num_batched_tokens=8)
+    slow = LLMEngine.from_pretrained(path, device="cpu", dtype=dtype, max_num_batched_tokens=8)
+    assert fast.runner.layers is not None
+    slow.runner.layers = None  # the model's forward through PagedBatch.attend
+    outs = []
+    for engine in (fast, slow):
+        done = {}
+        pending = list(enumerate(PROMPTS))
+        while pending or engine.has_unfinished():
+            if pending:
+                i, p = pending.pop(0)
+                engine.add_request(str(i), p, params)
+            for out in engine.step():
+                if out.finished:
+                    done[int(out.request_id)] = (out.outputs[0].token_ids, out.outputs[0].logprobs)
+        outs.append(done)
+    assert outs[0] == outs[1]
+
+
+def test_the_fast_path_is_only_taken_by_plain_dense_blocks(arch_dir):
+    engine = LLMEngine.from_pretrained(arch_dir[0], device="cpu")
+    assert (engine.runner.layers is None) == (engine.model_config.position_embedding != "rope")
