@@ -79,6 +79,11 @@ def test_yaml_errors_name_file_and_line(tmp_path):
     ("data.data_path=[.nan, A, 1, B]", "data.data_path (--data-path) weight nan for prefix A must be a positive"),
     ("data.data_path=[0, A, 1, B]", "data.data_path (--data-path) weight 0.0 for prefix A must be a positive"),
     ("data.data_path=[0.5, A, B]", "data.data_path (--data-path) ['0.5', 'A', 'B'] is malformed"),
+    ("optim.adam_beta1=1.5", "optim.adam_beta1 (--adam-beta1) = 1.5 must be within [0, 1)"),
+    ("optim.adam_beta2=-0.1", "optim.adam_beta2 (--adam-beta2) = -0.1 must be within [0, 1)"),
+    ("optim.adam_eps=0", "optim.adam_eps = 0.0 must be > 0"),
+    ("optim.clip_grad=-1", "optim.clip_grad (--clip-grad) = -1.0 must be >= 0"),
+    ("optim.weight_decay=-1", "optim.weight_decay (--weight-decay) = -1.0 must be >= 0"),
 ])
 def test_non_finite_and_out_of_range_values_are_refused_where_they_enter(override, message):
     import json

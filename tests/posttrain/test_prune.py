@@ -75,6 +75,7 @@ def test_gqa_selection_keeps_whole_groups_and_regular_query_counts():
     (PruneTargets(heads=4, kv_heads=1), "needs 4 query heads per KV group, but each group has 2"),
     (PruneTargets(layers=9), "--layers 9 is more than the model has (num_layers = 4)"),
     (PruneTargets(target_params=1.5e9), "must be below the model's"),
+    (PruneTargets(target_params=float("nan")), "--target-params nan must be a finite fraction"),
     (PruneTargets(target_params=0.001), "cannot be reached by narrowing hidden and FFN sizes alone"),
     (PruneTargets(target_params=0.5, hidden=32), "--target-params chooses --hidden and --ffn itself"),
 ])
