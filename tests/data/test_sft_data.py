@@ -131,6 +131,16 @@ def test_a_bad_record_names_file_line_and_key(tok, tmp_path, line, message):
     assert index.meta["bad_examples"][0].startswith(str(tmp_path / message))
 
 
+def test_a_missing_chat_template_is_a_setup_error_even_when_skipping_bad_records(tok, tmp_path):
+    path = write_jsonl(tmp_path / "data.jsonl", [{"text": "plain"}, CHAT])
+    for skip in (False, True):
+        with pytest.raises(DataError) as e:
+            prepare_sft_index([str(path)], ChatEncoder(tok), skip_bad=skip, cache_dir=str(tmp_path / "cache"))
+        assert "has no chat template: pass --chat-template" in str(e.value)
+        assert "--skip-bad-records" not in str(e.value)
+    assert not any((tmp_path / "cache").glob("*sft-*"))
+
+
 def test_jsonl_gz_parquet_and_saved_datasets_give_the_same_index(tok, tmp_path):
     import datasets
     import pyarrow as pa
