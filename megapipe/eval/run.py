@@ -61,6 +61,9 @@ def _check_prefixes(data_paths: Sequence[str], perplexity: bool) -> list[str]:
     if prefixes and not perplexity:
         raise MegapipeError(f"--data-path {data_paths[0]} is read only by the perplexity task: add perplexity to "
                             f"--tasks")
+    dupes = sorted({p for p in prefixes if prefixes.count(p) > 1})
+    if dupes:
+        raise MegapipeError(f"--data-path names {dupes[0]} twice")
     if perplexity and not prefixes:
         raise MegapipeError("the perplexity task needs --data-path PREFIX (a megapipe .bin/.idx pair)")
     for given, prefix in zip(data_paths, prefixes, strict=True):

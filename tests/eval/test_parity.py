@@ -1,0 +1,105 @@
+"""lm-eval's own Hugging Face model (``hf``, HFLM) and megapipe's engine-backed wrapper give the same scores on the
+same weights: every log-likelihood, acc / acc_norm, the rolling perplexities and the generated text."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+TASKS = ["megapipe_mc", "megapipe_gen", "megapipe_text"]
+WINDOW = 256 - 2  # megapipe's default lm-eval window on tests/eval's Llama (its 256 positions - 2)
+
+
+def evaluate(lm, tasks, limit, num_fewshot=None) -> dict:
+    import lm_eval
+
+    from megapipe.eval.tasks import quiet_lm_eval, select_tasks
+
+    with quiet_lm_eval():
+        return lm_eval.simple_evaluate(model=lm, tasks=select_tasks(tasks).lm_eval, limit=limit,
+                                       num_fewshot=num_fewshot, bootstrap_iters=0, log_samples=True)
+
+
+def hf_lm(path, max_length=WINDOW):
+    from lm_eval.models.huggingface import HFLM
+
+    return HFLM(pretrained=str(path), dtype="float32", device="cpu", batch_size=1, max_length=max_length)
+
+
+def megapipe_lm(path, **kwargs):
+    from megapipe.eval.lm import MegapipeLM
+
+    return MegapipeLM(pretrained=str(path), dtype="float32", device="cpu", **kwargs)
+
+
+def assert_same_scores(ours: dict, theirs: dict, rel: float) -> dict:
+    """Every metric and every per-document response of ``ours`` against ``theirs``; returns the largest gaps."""
+    gaps = {"loglikelihood": 0.0, "metric": 0.0}
+    assert ours["results"].keys() == theirs["results"].keys()
+    for task, metrics in theirs["results"].items():
+        for key, value in metrics.items():
+            if not isinstance(value, float):
+                continue
+            mine = ours["results"][task][key]
+            if key.startswith(("acc", "exact_match")):
+                assert mine == value, (task, key, mine, value)  # counts of equal decisions
+            else:
+                assert mine == pytest.approx(value, rel=rel), (task, key, mine, value)
+                gaps["metric"] = max(gaps["metric"], abs(mine - value) / abs(value))
+        a, b = ours["samples"][task], theirs["samples"][task]
+        assert [s["doc_id"] for s in a] == [s["doc_id"] for s in b]
+        for sa, sb in zip(a, b, strict=True):
+            for ra, rb in zip(sa["resps"], sb["resps"], strict=True):
+                ra, rb = ra[0], rb[0]
+                if isinstance(rb, str):
+                    assert ra == rb, (task, sa["doc_id"], ra, rb)
+                    continue
+                lla, llb = (ra[0], rb[0]) if isinstance(rb, (list, tuple)) else (ra, rb)
+                assert lla == pytest.approx(llb, rel=rel, abs=1e-4), (task, sa["doc_id"], lla, llb)
+                gaps["loglikelihood"] = max(gaps["loglikelihood"], abs(lla - llb))
+                if isinstance(rb, (list, tuple)):
+                    assert ra[1] == rb[1], (task, sa["doc_id"], "is_greedy")
+    return gaps
+
+
+def test_parity_with_lm_eval_hf_backend(tiny_llama, one_thread):
+    hf_dir, ckpt = tiny_llama
+    assert json.loads((hf_dir / "config.json").read_text())["max_position_embeddings"] - 2 == WINDOW
+    limit = 12
+    ours = evaluate(megapipe_lm(ckpt, batch_size=8), TASKS, limit)
+    theirs = evaluate(hf_lm(hf_dir), TASKS, limit)
+    gaps = assert_same_scores(ours, theirs, rel=1e-5)
+    print(f"\nparity (fp32, random Llama): largest log-likelihood gap {gaps['loglikelihood']:.2e} nats, "
+          f"largest relative metric gap {gaps['metric']:.2e}")
+    # the rolling task really spans several windows per document, so the window logic is what is compared
+    doc = ours["samples"]["megapipe_text"][0]["doc"]["text"]
+    assert len(megapipe_lm(ckpt).tok_encode(doc)) > 2 * WINDOW
+
+
+def test_parity_with_few_shot_and_a_short_window(tiny_llama, one_thread):
+    """Few-shot contexts longer than the window: both truncate from the left the same way."""
+    hf_dir, ckpt = tiny_llama
+    ours = evaluate(megapipe_lm(ckpt, max_length=96), ["megapipe_mc", "megapipe_text"], 6, num_fewshot=3)
+    theirs = evaluate(hf_lm(hf_dir, max_length=96), ["megapipe_mc", "megapipe_text"], 6, num_fewshot=3)
+    assert_same_scores(ours, theirs, rel=1e-5)
+
+
+SMOLLM2 = Path(os.environ.get("MEGAPIPE_SMOLLM2_DIR", Path.home() / ".cache/megapipe/smollm2")).expanduser()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (SMOLLM2 / "config.json").is_file(),
+                    reason=f"SmolLM2 is not prepared at {SMOLLM2} (make test runs tools/prepare_smollm2.py)")
+def test_parity_on_smollm2():
+    """The real model, straight from its HF directory: same acc / acc_norm and log-likelihoods as HFLM."""
+    window = 510  # short texts: the window only bounds the few-shot context here
+    ours = evaluate(megapipe_lm(SMOLLM2, max_length=window, max_model_len=window + 2), ["megapipe_mc"], 8)
+    theirs = evaluate(hf_lm(SMOLLM2, max_length=window), ["megapipe_mc"], 8)
+    gaps = assert_same_scores(ours, theirs, rel=1e-4)
+    print(f"\nparity (fp32, SmolLM2-135M, megapipe_mc x8): acc {ours['results']['megapipe_mc']['acc,none']:.4f}, "
+          f"largest log-likelihood gap {gaps['loglikelihood']:.2e} nats")
+    assert math.isfinite(gaps["loglikelihood"])
