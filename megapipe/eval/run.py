@@ -118,7 +118,7 @@ def run_eval(ckpt: str | Path, tasks: Sequence[str] | str, data_paths: Sequence[
 
         with quiet_lm_eval():
             results = lm_eval.simple_evaluate(
-                model=lm, tasks=selection.lm_eval, num_fewshot=num_fewshot, limit=limit,
+                model=lm, tasks=selection.lm_eval, task_manager=selection.manager, num_fewshot=num_fewshot, limit=limit,
                 bootstrap_iters=bootstrap_iters, log_samples=log_samples, random_seed=seed, numpy_random_seed=seed,
                 torch_random_seed=seed, fewshot_random_seed=seed)
     else:

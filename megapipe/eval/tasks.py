@@ -14,7 +14,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Sequence
 
 from megapipe.errors import DataError, MegapipeError
 
@@ -33,6 +33,7 @@ class TaskSelection:
     lm_eval: list = field(default_factory=list)  # built lm-eval Task / Group objects, in the order asked
     perplexity: bool = False
     names: list[str] = field(default_factory=list)  # the leaf task names, for messages
+    manager: object = None  # the TaskManager that built them (lm-eval's simple_evaluate would index its registry)
 
 
 @contextlib.contextmanager
@@ -170,7 +171,7 @@ def select_tasks(names: Sequence[str], include_paths: Sequence[str | Path] = ())
         paths.append(path)
     with quiet_lm_eval():
         specs, perplexity, manager = _specs(names, paths)
-        selection = TaskSelection(perplexity=perplexity)
+        selection = TaskSelection(perplexity=perplexity, manager=manager)
         if specs:
             try:
                 loaded = manager.load(specs)
@@ -186,6 +187,3 @@ def select_tasks(names: Sequence[str], include_paths: Sequence[str | Path] = ())
         selection.names.append(PERPLEXITY)
     return selection
 
-
-def describe_available(extra: Optional[Sequence[str]] = None) -> str:
-    return ", ".join(sorted(shipped_tasks()) + [PERPLEXITY] + list(extra or []))

@@ -37,3 +37,21 @@ def tiny_llama(tmp_path_factory, tiny_tokenizer_dir) -> tuple[Path, Path]:
         gen.write_text(json.dumps(body))
     import_hf(hf_dir, ckpt)
     return hf_dir, ckpt
+
+
+@pytest.fixture(autouse=True)
+def no_env_report(monkeypatch):
+    """lm-eval ends every simple_evaluate with torch's collect_env report (pip and other subprocesses: ~6 s on the
+    2 shared cores); it is not under test here, so the results keep only what the rest of add_env_info records."""
+    import lm_eval.evaluator
+
+    real = lm_eval.evaluator.add_env_info
+
+    def versions_only(storage):
+        import torch.utils.collect_env as collect_env
+
+        with monkeypatch.context() as m:
+            m.setattr(collect_env, "get_pretty_env_info", lambda: "skipped in megapipe's tests")
+            real(storage)
+
+    monkeypatch.setattr(lm_eval.evaluator, "add_env_info", versions_only)

@@ -19,8 +19,9 @@ def evaluate(lm, tasks, limit, num_fewshot=None) -> dict:
 
     from megapipe.eval.tasks import quiet_lm_eval, select_tasks
 
+    selection = select_tasks(tasks)
     with quiet_lm_eval():
-        return lm_eval.simple_evaluate(model=lm, tasks=select_tasks(tasks).lm_eval, limit=limit,
+        return lm_eval.simple_evaluate(model=lm, tasks=selection.lm_eval, task_manager=selection.manager, limit=limit,
                                        num_fewshot=num_fewshot, bootstrap_iters=0, log_samples=True)
 
 
