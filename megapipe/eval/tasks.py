@@ -38,17 +38,24 @@ class TaskSelection:
 
 @contextlib.contextmanager
 def quiet_lm_eval():
-    """lm-eval and datasets log every step at INFO/WARNING; keep their errors only."""
+    """lm-eval and datasets log every step at INFO/WARNING (and datasets draws a bar per split it reads); keep their
+    errors only. lm-eval's own request bars stay: they are the progress of the evaluation."""
+    from datasets.utils import logging as datasets_logging
+
     names = ("lm-eval", "lm_eval", "datasets", "evaluate", "absl")
     loggers = [logging.getLogger(n) for n in names]
     levels = [lg.level for lg in loggers]
+    bars = datasets_logging.is_progress_bar_enabled()
     for lg in loggers:
         lg.setLevel(logging.ERROR)
+    datasets_logging.disable_progress_bar()
     try:
         yield
     finally:
         for lg, level in zip(loggers, levels, strict=True):
             lg.setLevel(level)
+        if bars:
+            datasets_logging.enable_progress_bar()
 
 
 def _resolve_data_files(cfg: dict, yaml_path: Path) -> dict:

@@ -39,7 +39,7 @@ def megapipe_lm(path, **kwargs):
 
 def assert_same_scores(ours: dict, theirs: dict, rel: float) -> dict:
     """Every metric and every per-document response of ``ours`` against ``theirs``; returns the largest gaps."""
-    gaps = {"loglikelihood": 0.0, "metric": 0.0}
+    gaps = {"loglikelihood": 0.0, "relative": 0.0, "metric": 0.0}
     assert ours["results"].keys() == theirs["results"].keys()
     for task, metrics in theirs["results"].items():
         for key, value in metrics.items():
@@ -62,6 +62,7 @@ def assert_same_scores(ours: dict, theirs: dict, rel: float) -> dict:
                 lla, llb = (ra[0], rb[0]) if isinstance(rb, (list, tuple)) else (ra, rb)
                 assert lla == pytest.approx(llb, rel=rel, abs=1e-4), (task, sa["doc_id"], lla, llb)
                 gaps["loglikelihood"] = max(gaps["loglikelihood"], abs(lla - llb))
+                gaps["relative"] = max(gaps["relative"], abs(lla - llb) / max(abs(llb), 1e-30))
                 if isinstance(rb, (list, tuple)):
                     assert ra[1] == rb[1], (task, sa["doc_id"], "is_greedy")
     return gaps
@@ -74,7 +75,8 @@ def test_parity_with_lm_eval_hf_backend(tiny_llama, one_thread):
     ours = evaluate(megapipe_lm(ckpt, batch_size=8), TASKS, limit)
     theirs = evaluate(hf_lm(hf_dir), TASKS, limit)
     gaps = assert_same_scores(ours, theirs, rel=1e-5)
-    print(f"\nparity (fp32, random Llama): largest log-likelihood gap {gaps['loglikelihood']:.2e} nats, "
+    print(f"\nparity (fp32, random Llama): largest log-likelihood gap {gaps['loglikelihood']:.2e} nats "
+          f"({gaps['relative']:.1e} relative), "
           f"largest relative metric gap {gaps['metric']:.2e}")
     # the rolling task really spans several windows per document, so the window logic is what is compared
     doc = ours["samples"]["megapipe_text"][0]["doc"]["text"]
