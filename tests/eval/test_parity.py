@@ -106,3 +106,30 @@ def test_parity_on_smollm2():
     print(f"\nparity (fp32, SmolLM2-135M, megapipe_mc x8): acc {ours['results']['megapipe_mc']['acc,none']:.4f}, "
           f"largest log-likelihood gap {gaps['loglikelihood']:.2e} nats")
     assert math.isfinite(gaps["loglikelihood"])
+
+
+def test_parity_with_a_tokenizer_that_adds_bos(tiny_llama, tmp_path, one_thread):
+    """A Llama-style tokenizer whose template puts BOS before every text (HF's encode adds it): megapipe adds it the
+    same way, so contexts, continuations and rolling windows hold the same ids."""
+    import shutil
+
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    from megapipe.checkpoint.hf import import_hf
+
+    hf_dir = tmp_path / "hf_bos"
+    shutil.copytree(tiny_llama[0], hf_dir)
+    tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    tok.post_processor = TemplateProcessing(single="<|endoftext|> $A", pair="<|endoftext|> $A $B",
+                                            special_tokens=[("<|endoftext|>", 0)])
+    tok.save(str(hf_dir / "tokenizer.json"))
+    import_hf(hf_dir, tmp_path / "ckpt")
+    ours_lm = megapipe_lm(tmp_path / "ckpt")
+    assert ours_lm.add_bos_token and ours_lm.tok_encode("Hello")[0] == 0
+    ours = evaluate(ours_lm, ["megapipe_mc", "megapipe_text"], 6)
+    theirs = evaluate(hf_lm(hf_dir), ["megapipe_mc", "megapipe_text"], 6)
+    assert_same_scores(ours, theirs, rel=1e-5)
+    without = evaluate(megapipe_lm(tmp_path / "ckpt", add_bos_token="false"), ["megapipe_text"], 6)
+    assert without["results"]["megapipe_text"]["word_perplexity,none"] != pytest.approx(
+        theirs["results"]["megapipe_text"]["word_perplexity,none"], rel=1e-3)  # the BOS really changes the scores
