@@ -150,7 +150,16 @@ def _specs(names: Sequence[str], include_paths: Sequence[Path]):
                 + f"; lm-eval's registry has {len(registry.all_tasks)} more (their data comes from the Hugging Face "
                 "hub), or give a task YAML file or directory")
         manager = registry
-    return specs, perplexity, manager
+    return specs, perplexity, manager, unknown
+
+
+def _root_cause(e: BaseException) -> str:
+    """The first line of what raised: datasets wraps its reader's error (a JSON parse error, row N) in a generic
+    DatasetGenerationError, so that one's cause when it has one."""
+    if type(e).__name__ == "DatasetGenerationError" and (e.__cause__ or e.__context__) is not None:
+        e = e.__cause__ or e.__context__
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
 def _top_level(loaded: dict) -> list:
@@ -177,7 +186,7 @@ def select_tasks(names: Sequence[str], include_paths: Sequence[str | Path] = ())
             raise DataError(f"--include-path {p}: no such directory")
         paths.append(path)
     with quiet_lm_eval():
-        specs, perplexity, manager = _specs(names, paths)
+        specs, perplexity, manager, from_registry = _specs(names, paths)
         selection = TaskSelection(perplexity=perplexity, manager=manager)
         if specs:
             try:
@@ -186,8 +195,9 @@ def select_tasks(names: Sequence[str], include_paths: Sequence[str | Path] = ())
                 raise
             except Exception as e:  # datasets / lm-eval: unreadable data, a bad template, no network for the hub
                 what = "; ".join(s if isinstance(s, str) else s["task"] for s in specs)
-                raise DataError(f"task(s) {what} could not be built: {type(e).__name__}: "
-                                f"{str(e).splitlines()[0] if str(e) else ''}") from None
+                hint = (f" ({', '.join(from_registry)}: lm-eval registry task(s), whose data comes from the Hugging "
+                        "Face hub or its cache; offline, give a local task YAML)") if from_registry else ""
+                raise DataError(f"task(s) {what} could not be built: {_root_cause(e)}{hint}") from None
             selection.lm_eval = _top_level(loaded)
             selection.names = list(loaded["tasks"])
     if perplexity:

@@ -156,7 +156,8 @@ BAD = [
      "--seq-length = 255 must be within [1, 254]"),
     (["--tasks", "perplexity", "--data-path", "{other}"], "was tokenized with tokenizer"),
     (["--tasks", "megapipe_mc", "--max-length", "300"], "max_length = 300 exceeds what the engine can score: 254"),
-    (["--tasks", "{root}/bad.yaml"], "no such file"),
+    (["--tasks", "{root}/bad.yaml"], "dataset_kwargs.data_files.test = 'absent.jsonl': no such file"),
+    (["--tasks", "{root}/broken.yaml"], "task(s) broken could not be built: ArrowInvalid: JSON parse error"),
     (["--tasks", ","], "--tasks names no task"),
 ]
 
@@ -167,6 +168,9 @@ def test_mistakes_are_refused_in_one_sentence(args, message, tiny_llama, pretrai
     _, ckpt = tiny_llama
     (tmp_path / "bad.yaml").write_text("task: bad\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
                                        "    test: absent.jsonl\noutput_type: multiple_choice\n")
+    (tmp_path / "broken.jsonl").write_text('{"q": "a", "choices": ["x"], "label": 0}\n{"q": \n')
+    (tmp_path / "broken.yaml").write_text((tmp_path / "bad.yaml").read_text().replace("bad", "broken").replace(
+        "absent.jsonl", "broken.jsonl"))
     fill = {"prefix": pretrain_data[0], "root": tmp_path, "other": other_tokenizer_data}
     out = tmp_path / "out"
     code, _, err = run_cli(["eval", ckpt, *[a.format(**fill) for a in args], "--output", out], capsys)
