@@ -142,12 +142,17 @@ def _specs(names: Sequence[str], include_paths: Sequence[Path]):
         registry = TaskManager(include_path=[str(SHIPPED_DIR), *map(str, include_paths)])  # lm-eval's (slow)
         missing = [n for n in unknown if n not in registry.task_index]
         if missing:
+            import difflib
+
             local = sorted(shipped) + [PERPLEXITY]
             extra = sorted(set(manager.all_tasks) - set(local))
+            theirs = sorted(set(registry.all_tasks) - set(local) - set(extra))
+            close = difflib.get_close_matches(missing[0], local + extra + theirs, n=3)
             raise MegapipeError(
-                f"unknown task {missing[0]!r}: megapipe ships {', '.join(local)}"
+                f"unknown task {missing[0]!r}" + (f" (did you mean {', '.join(close)}?)" if close else "")
+                + f": megapipe ships {', '.join(local)}"
                 + (f"; --include-path adds {', '.join(extra[:10])}" if extra else "")
-                + f"; lm-eval's registry has {len(registry.all_tasks)} more (their data comes from the Hugging Face "
+                + f"; lm-eval's registry has {len(theirs)} more (their data comes from the Hugging Face "
                 "hub), or give a task YAML file or directory")
         manager = registry
     return specs, perplexity, manager, unknown

@@ -141,7 +141,8 @@ def other_tokenizer_data(tmp_path_factory):
 
 
 BAD = [
-    (["--tasks", "megapipe_mcq"], "unknown task 'megapipe_mcq': megapipe ships megapipe_gen, megapipe_mc"),
+    (["--tasks", "megapipe_mc,megapipe_mcq"], "unknown task 'megapipe_mcq' (did you mean megapipe_mc, megapipe_gen, "
+     "megapipe_text?): megapipe ships megapipe_gen, megapipe_mc, megapipe_text, perplexity; lm-eval's registry has"),
     (["--tasks", "missing/dir/task.yaml"], "no such task file or directory"),
     (["--tasks", "megapipe_mc", "--limit", "0"], "--limit '0' must be an integer >= 1"),
     (["--tasks", "megapipe_mc", "--limit", "2.5"], "--limit '2.5' must be an integer >= 1"),
