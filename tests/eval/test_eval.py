@@ -194,3 +194,17 @@ def test_task_data_tool_reproduces_the_shipped_files(tmp_path):
                    check=True, capture_output=True)
     for name in ("megapipe_mc.jsonl", "megapipe_gen.jsonl", "megapipe_text.jsonl"):
         assert (tmp_path / name).read_bytes() == (shipped / name).read_bytes(), name
+
+
+def test_hf_directory_and_checkpoint_score_alike_and_default_output(tiny_llama, one_thread):
+    """CKPT may be the HF directory itself; without --output, results go to eval_<name> beside it, whole."""
+    from megapipe.eval.run import run_eval
+
+    hf_dir, ckpt = tiny_llama
+    from_hf, out = run_eval(hf_dir, "megapipe_mc", limit=5, log_samples=True)
+    assert out == hf_dir.parent / "eval_hf" and (out / "results.json").is_file()
+    from_ckpt, _ = run_eval(ckpt, "megapipe_mc", limit=5, log_samples=True, output=hf_dir.parent / "c")
+    lls = [[r[0][0] for r in s["resps"]] for s in from_hf["samples"]["megapipe_mc"]]
+    assert lls == [[r[0][0] for r in s["resps"]] for s in from_ckpt["samples"]["megapipe_mc"]]
+    assert json.loads((out / "results.json").read_text())["results"] == from_hf["results"]
+    assert not list(out.glob("*.tmp*"))
