@@ -156,9 +156,14 @@ class ModelRunner:
         self.model, self.pool = model, pool
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        # a fake-quantized model (ModelOpt quantizers on its linears) must run through its own modules: packed
+        # matmuls and the fast layer path would skip the quantizers
+        self.quantized = any(hasattr(mod, "weight_quantizer") or hasattr(mod, "input_quantizer")
+                             for mod in model.modules())
         if pack is None:
             pack = self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16, torch.float32)
-        self.packed = bool(pack) and self.device.type == "cpu" and packing_works(self.dtype)
+        self.packed = (bool(pack) and not self.quantized and self.device.type == "cpu"
+                       and packing_works(self.dtype))
         head = model.output_weight().detach()
         self.head = None
         if self.packed:
@@ -175,7 +180,7 @@ class ModelRunner:
 
         m, cfg = self.model, self.model.cfg
         self.layers = None
-        if (cfg.position_embedding == "rope" and isinstance(m.norm, RMSNorm) and m.tok_embeddings is not None
+        if (not self.quantized and cfg.position_embedding == "rope" and isinstance(m.norm, RMSNorm) and m.tok_embeddings is not None
                 and all(DecoderLayer.supports(b) for b in m.layers.values())):
             self.layers = [DecoderLayer(b) for b in m.layers.values()]
             self.inv_freq = inv_frequencies(cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling, self.device)
