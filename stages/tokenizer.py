@@ -20,6 +20,8 @@ def train(
     json_key: str = typer.Option("text", "--json-key", help="Key (column) holding the text."),
     eod_token: str = typer.Option("<|endoftext|>", "--eod-token", help="End-of-document token (id 0)."),
     pad_token: str = typer.Option("<|pad|>", "--pad-token", help="Padding token (id 1)."),
+    special_token: List[str] = typer.Option([], "--special-token", help="Another special token, e.g. ChatML's "
+                                            "<|im_start|> and <|im_end|> (ids 2, 3, ... in order); repeatable."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No summary table."),
 ) -> None:
     """Train a byte-level BPE (HF tokenizers) with end-of-document and padding tokens; writes a Hugging Face
@@ -35,7 +37,7 @@ def train(
     paths = expand_inputs(input)
     refuse_overlap([output], [p for p in paths if p.exists()], DataError)
     tok = train_tokenizer(iter_texts(paths, json_key), vocab_size, output, eod_token, pad_token,
-                          source=f"--input {' '.join(input)}")
+                          source=f"--input {' '.join(input)}", special_tokens=tuple(special_token))
     if not quiet:
         print_table("tokenizer", [("output", str(output)), ("vocab size", f"{tok.vocab_size:,}"),
                                   ("eod / pad ids", f"{tok.eod_id} / {tok.pad_id}"),
