@@ -156,6 +156,9 @@ def test_every_step_ran_and_left_its_outputs(demo):
     assert [completion["choices"][0]["text"], smoke["chat"]["response"]["choices"][0]["message"]["content"]] == \
         expected
 
+    assert (run_dir / "data/sft-cache").is_dir()  # nothing is written next to the bundled chat set
+    assert sorted(p.name for p in (ROOT / "pipelines/data").iterdir()) == ["chat.jsonl"]
+
     sample = (run_dir / "sample/completions.txt").read_text()
     assert sample.startswith("To be, or not to be") and "\nMy lord," in sample
 
