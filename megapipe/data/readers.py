@@ -381,7 +381,7 @@ def _json_problem(line, e: Exception, keys: list[str]) -> str:
     return f"has no key '{missing}' (its keys: {have})"
 
 
-def iter_texts(paths: list[Path], key: str) -> Iterator[str]:
-    """Every text under ``key`` in the inputs, in order (bad records raise)."""
+def iter_texts(paths: list[Path], key: str, skip_bad: bool = False) -> Iterator[str]:
+    """Every text under ``key`` in the inputs, in order (bad records raise, or are left out with ``skip_bad``)."""
     for block in iter_blocks(paths, [key]):
-        yield from parse_block(block, [key], skip_bad=False)[0][0]
+        yield from parse_block(block, [key], skip_bad=skip_bad)[0][0]

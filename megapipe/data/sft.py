@@ -68,6 +68,10 @@ TEMPLATE_TOKENS = {
 TEMPLATE_CHOICES = "chatml, llama3 or a FILE.jinja"
 
 
+class NoChatTemplate(DataError):
+    """A conversation met a tokenizer without a chat template: a setup mistake, not a bad record to skip."""
+
+
 def tokenizer_files(path: str | Path) -> tuple[Path, dict]:
     """(tokenizer.json, tokenizer_config.json contents) of a tokenizer directory or tokenizer.json file."""
     p = Path(path).expanduser()
@@ -383,7 +387,7 @@ class ChatEncoder:
 
     def render(self, messages: list[dict], tools=None, add_generation_prompt: bool = False, where: str = "") -> str:
         if self.template is None:
-            raise DataError(
+            raise NoChatTemplate(
                 f"{where + ': ' if where else ''}tokenizer {self.tokenizer_path} has no chat template: pass "
                 f"--chat-template {TEMPLATE_CHOICES}"
             )

@@ -35,7 +35,7 @@ import torch
 
 from megapipe.data.indexed import IndexedDataset, IndexedDatasetWriter, optimal_dtype
 from megapipe.data.loader import PretrainingLoader
-from megapipe.data.sft import ChatEncoder, input_identity, iter_records, parse_record
+from megapipe.data.sft import ChatEncoder, NoChatTemplate, input_identity, iter_records, parse_record
 from megapipe.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -160,6 +160,8 @@ def _build(paths: list[Path], encoder: ChatEncoder, skip_bad: bool, entry: Path,
                         ids, trained = encoder.encode(parse_record(record, where))
                         if len(ids) < 2 or not trained[1:].any():
                             raise DataError(f"{where}: the record renders to no token to train on")
+                    except NoChatTemplate:
+                        raise
                     except DataError as e:
                         if not skip_bad:
                             raise DataError(f"{e}; fix it or pass --skip-bad-records") from None

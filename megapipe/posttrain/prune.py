@@ -67,7 +67,7 @@ def _check_range(flag: str, value: int, limit: int, what: str) -> None:
     if value < 1:
         raise ConfigError(f"{flag} {value} must be >= 1")
     if value > limit:
-        raise ConfigError(f"{flag} {value} is more than the model has ({what} = {limit}): pruning only removes")
+        raise ConfigError(f"{flag} {value} is more than the model has ({what} = {limit}): pruning only removes, never adds")
 
 
 def plan_shape(cfg: ModelConfig, t: PruneTargets) -> ModelConfig:
@@ -135,8 +135,10 @@ def _fit_params(old: ModelConfig, shape: ModelConfig, target: float) -> ModelCon
     """Width-first (Minitron's advice): scale hidden and FFN sizes by one factor, the largest whose model has at
     most ``target`` parameters (a fraction of the original's when <= 1)."""
     total = param_count(old)
+    if not math.isfinite(target) or target <= 0:
+        raise ConfigError(f"--target-params {target:g} must be a finite fraction in (0, 1) or a parameter count")
     want = int(target * total) if target <= 1 else int(target)
-    if target <= 0 or want >= total:
+    if want >= total:
         raise ConfigError(f"--target-params {target:g} must be below the model's {total:,} parameters (a fraction in "
                           "(0, 1) or a smaller count)")
 
@@ -507,8 +509,11 @@ def prune_checkpoint(ckpt, output, targets: PruneTargets, calib_data: str, calib
 
     from megapipe.checkpoint import load_model_for_inference, resolve_checkpoint, write_checkpoint
     from megapipe.errors import CheckpointError
+    from megapipe.fileio import refuse_overlap
 
-    ckpt, output = resolve_checkpoint(Path(ckpt).expanduser()), Path(output).expanduser()
+    given, output = Path(ckpt).expanduser(), Path(output).expanduser()
+    ckpt = resolve_checkpoint(given)
+    refuse_overlap([output], [given, ckpt], CheckpointError)
     if output.exists() and not overwrite:
         raise CheckpointError(f"{output} already exists: pick another --output or pass --overwrite")
     if depth_metric not in ("bi", "loss"):

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from megapipe.errors import DataError, MegapipeError
+from megapipe.fileio import refuse_overlap
 from megapipe.posttrain import quant_state
 
 Progress = Optional[Callable[[int, int], None]]
@@ -154,16 +155,20 @@ def quantize_checkpoint(
             raise MegapipeError(f"{name} {value} is too small (at least {low})")
     device = resolve_device(device)
     check_device(fmt, device)
-    ckpt = resolve_checkpoint(ckpt)
+    given, ckpt = Path(ckpt).expanduser(), resolve_checkpoint(ckpt)
+    refuse_overlap([out], [given, ckpt])  # before --overwrite: no output may replace or sit inside what it reads
     if out.exists() and not overwrite:
         raise MegapipeError(f"{out} already exists: pick another output or pass --overwrite")
-    if out.absolute() == ckpt.absolute():
-        raise MegapipeError(f"--output {out} is the input checkpoint: write the quantized model elsewhere")
     manifest = read_manifest(ckpt)
     if manifest.get("quantization"):
         raise MegapipeError(f"{ckpt} is already quantized ({manifest['quantization'].get('format')}): quantize its "
                             f"unquantized parent instead ({manifest.get('parent')})")
     model_cfg = manifest.get("model") or {}
+    if int(model_cfg.get("num_experts") or 0) > 0:
+        raise MegapipeError(
+            f"{ckpt}: model.num_experts = {model_cfg['num_experts']}: posttrain quantize does not quantize MoE models "
+            "(ModelOpt's quantizers wrap nn.Linear layers and megapipe's experts are 3-D weights, so only attention "
+            "and the router would be quantized, the router being what ModelOpt keeps in high precision)")
     if seq_length > int(model_cfg.get("max_position_embeddings", seq_length)):
         raise MegapipeError(f"--calib-seq-len {seq_length} exceeds the model's max_position_embeddings "
                             f"({model_cfg['max_position_embeddings']})")

@@ -32,7 +32,8 @@ from megapipe.posttrain.quantize import quantize_checkpoint  # noqa: E402
 WIDE = dict(hidden_size=256, intermediate_size=512)  # INT4 blocks of 128 on each of 2 ranks
 GQA4 = dict(hidden_size=512, intermediate_size=1024, num_heads=8, num_kv_heads=2)  # ... on 4 ranks, 2 KV heads
 FP16 = {("mistral", "fp8"), ("qwen3", "int8_sq"), ("gpt2", None)}  # exported in fp16, the others in bf16
-DECODER = {"llama": "llama", "mistral": "llama", "qwen2": "qwen", "qwen3": "qwen", "gpt2": "gpt"}
+DECODER = {"llama": "llama", "mistral": "llama", "qwen2": "qwen", "qwen3": "qwen", "gpt2": "gpt", "mixtral": "llama",
+           "qwen2_moe": "qwen", "qwen3_moe": "qwen"}
 # (arch, format, kv, tp, pp, checkpoint overrides); every CPU format on each architecture with legacy names
 CASES = [
     ("llama", None, None, 1, 1, {}),

@@ -119,7 +119,7 @@ def test_unified_export_equals_modelopt_export_hf_checkpoint(quantized, tmp_path
     assert summary["quantization"].startswith(fmt)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe"])
 def test_unquantized_unified_export_loads_in_transformers_with_megapipe_logits(tiny_tokenizer_dir, tmp_path, arch):
     ckpt = make_checkpoint(tmp_path / "ckpt", arch, tiny_tokenizer_dir)
     export_trt(ckpt, tmp_path / "out", "unified", dtype="bf16")

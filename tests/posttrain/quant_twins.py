@@ -25,6 +25,13 @@ ARCHS = {
                  intermediate_size=512, num_layers=2, num_heads=4, max_position_embeddings=256, norm_type="layernorm",
                  activation="gelu_tanh", position_embedding="learned", qkv_bias=True, attn_out_bias=True,
                  mlp_bias=True, tie_embeddings=True),
+    # MoE: every layer routed (Mixtral), or a dense layer and a shared expert behind its gate (Qwen2-MoE)
+    "mixtral": dict(BASE, arch="mixtral", num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64),
+    "qwen2_moe": dict(BASE, arch="qwen2_moe", qkv_bias=True, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64,
+                      moe_router_pre_softmax=True, moe_router_norm_topk_prob=False, moe_layer_freq=[1, 0],
+                      moe_shared_expert_intermediate_size=96, moe_shared_expert_gate=True),
+    "qwen3_moe": dict(BASE, arch="qwen3_moe", qk_norm=True, head_dim=64, num_experts=4, moe_router_topk=2,
+                      moe_ffn_hidden_size=64, moe_router_pre_softmax=True),
 }
 
 
@@ -66,6 +73,52 @@ def hf_twin(ckpt: Path, tmp: Path, dtype: torch.dtype = torch.float32):
         warnings.simplefilter("ignore")
         model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=dtype)
     return model.eval()
+
+
+def disabled_quantizers(twin):
+    """``twin`` with ModelOpt's quantizer wrappers attached and every quantizer off: how ModelOpt's unified exporter
+    takes a transformers >= 5 MoE model (it refuses the fused-expert modules it has not wrapped)."""
+    import modelopt.torch.quantization as mtq
+
+    from megapipe.posttrain.quant_state import quiet
+
+    dummy = torch.randint(0, twin.config.vocab_size, (1, 8))
+    with torch.no_grad(), quiet():
+        mtq.quantize(twin, {"quant_cfg": [{"quantizer_name": "*", "enable": False}], "algorithm": "max"},
+                     lambda m: m(dummy))
+    return twin
+
+
+def per_expert_layout(twin):
+    """``twin`` (a transformers >= 5 Mixtral or Qwen-MoE: fused 3-D experts behind a router module) rebuilt, in
+    place and with the same tensors, in the module layout the Hub's files describe and ModelOpt's TensorRT-LLM
+    exporter reads: an ``nn.Linear`` router ``gate`` and a ModuleList of experts with ``w1`` (gate) / ``w2`` (down) /
+    ``w3`` (up), Qwen's ``gate_proj`` / ``down_proj`` / ``up_proj``."""
+    from torch import nn
+
+    mixtral = twin.config.model_type == "mixtral"
+    gate, down, up = ("w1", "w2", "w3") if mixtral else ("gate_proj", "down_proj", "up_proj")
+
+    def linear(weight):
+        layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
+        with torch.no_grad():
+            layer.weight.copy_(weight)
+        return layer
+
+    for block in twin.model.layers:
+        moe = block.mlp
+        if not hasattr(moe, "experts"):  # a dense layer
+            continue
+        experts, f = moe.experts, moe.experts.down_proj.shape[-1]
+        per_expert = nn.ModuleList()
+        for e in range(experts.num_experts):
+            expert = nn.Module()
+            setattr(expert, gate, linear(experts.gate_up_proj[e, :f]))
+            setattr(expert, up, linear(experts.gate_up_proj[e, f:]))
+            setattr(expert, down, linear(experts.down_proj[e]))
+            per_expert.append(expert)
+        moe.experts, moe.gate = per_expert, linear(moe.gate.weight)
+    return twin
 
 
 def windows_of(prefix, count: int, seq_length: int, first: int = 0) -> torch.Tensor:

@@ -156,7 +156,7 @@ def test_bad_inputs_are_clear_errors(base, pretrain_data, tmp_path, monkeypatch)
     assert "fewer than the" in _error(run(calib_samples=100000))
     assert "--calib-seq-len 4096 exceeds" in _error(run(seq_length=4096))
     assert "--calib-samples 0 is too small" in _error(run(calib_samples=0))
-    assert "is the input checkpoint" in _error(lambda: quantize_checkpoint(ckpt, ckpt, "fp8", prefix,
+    assert "is the input" in _error(lambda: quantize_checkpoint(ckpt, ckpt, "fp8", prefix,
                                                                            overwrite=True))
     out.mkdir()
     assert "already exists" in _error(run())
