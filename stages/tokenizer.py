@@ -20,6 +20,8 @@ def train(
     json_key: str = typer.Option("text", "--json-key", help="Key (column) holding the text."),
     eod_token: str = typer.Option("<|endoftext|>", "--eod-token", help="End-of-document token (id 0)."),
     pad_token: str = typer.Option("<|pad|>", "--pad-token", help="Padding token (id 1)."),
+    special_token: List[str] = typer.Option([], "--special-token", help="Another special token, e.g. ChatML's "
+                                            "<|im_start|> and <|im_end|> (ids 2, 3, ... in order); repeatable."),
     skip_bad_records: bool = typer.Option(False, "--skip-bad-records", help="Leave out malformed records instead "
                                           "of stopping at the first."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing tokenizer directory at --output."),
@@ -43,7 +45,7 @@ def train(
         raise DataError(f"--output {output} already holds files (a tokenizer?): pick another directory or pass "
                         "--overwrite")
     tok = train_tokenizer(iter_texts(paths, json_key, skip_bad_records), vocab_size, output, eod_token, pad_token,
-                          source=f"--input {' '.join(input)}")
+                          source=f"--input {' '.join(input)}", special_tokens=tuple(special_token))
     if not quiet:
         print_table("tokenizer", [("output", str(output)), ("vocab size", f"{tok.vocab_size:,}"),
                                   ("eod / pad ids", f"{tok.eod_id} / {tok.pad_id}"),

@@ -216,10 +216,11 @@ def _write_json(path: Path, obj) -> None:
 
 
 def train_tokenizer(texts, vocab_size: int, output: str | Path, eod_token: str = EOD_TOKEN,
-                    pad_token: str = PAD_TOKEN, min_frequency: int = 2, source: str = "the input") -> Tokenizer:
+                    pad_token: str = PAD_TOKEN, min_frequency: int = 2, source: str = "the input",
+                    special_tokens: tuple[str, ...] = ()) -> Tokenizer:
     """Train a GPT-2-style byte-level BPE on an iterable of strings; write a Hugging Face tokenizer directory.
 
-    Ids 0 and 1 are the end-of-document and padding tokens.
+    Ids 0 and 1 are the end-of-document and padding tokens; ``special_tokens`` (e.g. ChatML's) follow from id 2.
     """
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, processors, trainers
@@ -227,6 +228,11 @@ def train_tokenizer(texts, vocab_size: int, output: str | Path, eod_token: str =
     specials = [eod_token, pad_token]
     if eod_token == pad_token:
         raise DataError(f"--eod-token and --pad-token are both {eod_token!r}; give two different tokens")
+    for token in special_tokens:
+        if not token or token in specials:
+            raise DataError(f"--special-token {token!r} is empty or given twice (special tokens so far: "
+                            f"{', '.join(specials)})")
+        specials.append(token)
     if vocab_size < 256 + len(specials):
         raise DataError(f"--vocab-size {vocab_size} is too small: a byte-level BPE needs at least "
                         f"{256 + len(specials)} (256 bytes + {len(specials)} special tokens)")

@@ -34,7 +34,7 @@ def job_spec(pipeline: Pipeline, d: Decision, executor: str) -> dict:
     """Everything needed to run the step ``d`` anywhere, as JSON-able data."""
     step = pipeline.steps[d.name]
     options = pipeline.resolved_options(d.name)
-    if d.resume_from is not None and step.output.resume:
+    if d.resume_from is not None and step.output.resume and step.output.resume.option:
         options[step.output.resume.option] = str(pipeline.output_path(d.name))
         for name in step.output.resume.clear:
             options.pop(name, None)

@@ -7,7 +7,7 @@ step's directory, what kind of thing it is (how completeness is judged) and what
 steps downstream. A command that is not in the table still runs as a step; its output is its captured stdout.
 
 To plug in a new stage: register its command in ``stages/`` as usual, then add one line here, e.g.
-``"posttrain sft": Output("save", "run", "run", resume=Resume("load", clear=("finetune",)), training=True)``.
+``"pretrain": Output("save", "run", "run", resume=Resume("load", clear=("finetune",)), training=True)``.
 """
 
 from __future__ import annotations
@@ -27,9 +27,11 @@ LAUNCH_OPTIONS = ("nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint")
 class Resume:
     """How an interrupted run of a training stage continues: ``option`` gets the step's own output (a run
     directory whose newest complete checkpoint is loaded); the options in ``clear`` are dropped for the resumed
-    attempt (``finetune`` would load the weights only and start a new run)."""
+    attempt (``finetune`` would load the weights only and start a new run). ``option`` None: the same command
+    resumes its own run (post-training stages: ``--load BASE --save RUN`` continues RUN when it holds a checkpoint),
+    so the step only keeps its output instead of starting afresh."""
 
-    option: str
+    option: Optional[str] = None
     clear: tuple[str, ...] = ()
 
 
@@ -47,6 +49,7 @@ class Output:
     resume: Optional[Resume] = None
     training: bool = False  # takes LAUNCH_OPTIONS (torchrun/srun), writes metrics.jsonl in its output: plotted
     metrics: str = "metrics.jsonl"  # relative to the output (training stages)
+    complete: Optional[str] = None  # dir outputs: the file that shows the output is whole (else: not empty)
 
     def reference_of(self, path: Path, options: dict) -> str:
         return self.reference(path, options) if self.reference else str(path)
@@ -67,8 +70,17 @@ OUTPUTS: dict[str, Output] = {
     "tokenizer train": Output("output", "tokenizer", "dir"),
     "preprocess": Output("output_prefix", "data", "prefix", reference=_preprocess_reference),
     "pretrain": Output("save", "run", "run", resume=Resume("load", clear=("finetune",)), training=True),
+    "posttrain sft": Output("save", "run", "run", resume=Resume(), training=True),
+    "posttrain distill": Output("save", "run", "run", resume=Resume(), training=True),
+    "posttrain rl": Output("save", "run", "run", resume=Resume(), training=True),
+    "posttrain prune": Output("output", "checkpoint", "checkpoint"),
+    "posttrain quantize": Output("output", "checkpoint", "checkpoint"),
     "import hf": Output("out_ckpt", "checkpoint", "checkpoint"),
     "export hf": Output("out_dir", "hf", "dir"),
+    "export trt": Output("out_dir", "trt", "dir"),
+    # megapipe eval CKPT --tasks ... --output DIR: DIR/results.json (lm-eval's results dict)
+    "eval": Output("output", "eval", "dir", complete="results.json"),
+    "serve-smoke": Output("output", "smoke", "dir", complete="responses.json"),
     "generate": Output(None, "completions.txt", "stdout"),
     "plot": Output("output", "plots", "dir"),
 }
@@ -88,7 +100,8 @@ def output_of(stage: str) -> Output:
         param, _ = cmd.param_for(key)
         return param.name if param is not None else key
 
-    resume = out.resume and Resume(real(out.resume.option), tuple(real(k) for k in out.resume.clear))
+    resume = out.resume and Resume(real(out.resume.option) if out.resume.option else None,
+                                   tuple(real(k) for k in out.resume.clear))
     return dataclasses.replace(out, option=real(out.option) if out.option else None, resume=resume)
 
 
@@ -99,7 +112,7 @@ def output_complete(out: Output, reference: str) -> bool:
     if out.kind in ("file", "stdout"):
         return p.is_file()
     if out.kind == "dir":
-        return p.is_dir() and any(p.iterdir())
+        return p.is_dir() and (p / out.complete).is_file() if out.complete else p.is_dir() and any(p.iterdir())
     if out.kind == "prefix":
         return Path(reference + ".bin").is_file() and Path(reference + ".idx").is_file()
     from megapipe.checkpoint import find_latest, is_complete

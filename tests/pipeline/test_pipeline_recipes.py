@@ -29,8 +29,18 @@ def test_there_are_recipes():
     assert {p.name for p in RECIPES} >= {"tiny-cpu.yaml", "llama3-8b-h100x8.yaml", "llama3-8b-slurm-2x8.yaml"}
 
 
+def uses_eval(recipe: Path) -> bool:
+    import yaml
+
+    return any(s.get("stage") == "eval" for s in yaml.safe_load(recipe.read_text())["steps"].values())
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
 def test_recipe_dry_run(recipe, tmp_path, capsys):
+    from test_pipeline_demo import eval_installed
+
+    if uses_eval(recipe) and not eval_installed():
+        pytest.skip("megapipe eval not installed")
     assert main(["pipeline", "run", str(recipe), "--dry-run", "--run-dir", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out
     assert "$ megapipe" in out or "$ srun" in out
@@ -39,13 +49,47 @@ def test_recipe_dry_run(recipe, tmp_path, capsys):
 
 def test_llama3_8b_on_8_gpus(tmp_path):
     cmds = commands(ROOT / "pipelines" / "llama3-8b-h100x8.yaml", tmp=tmp_path)
-    assert list(cmds) == ["data", "pretrain", "hf"]
+    assert list(cmds) == ["data", "pretrain", "sft", "fp8", "hf", "trt"]
     pre = cmds["pretrain"]
     assert pre[:2] == ["megapipe", "pretrain"] and "--bf16" in pre
     f = flags(pre)
     assert (f["--model"], f["--tensor-model-parallel-size"], f["--dp-shard"], f["--nproc-per-node"]) == ("llama3-8b", "2", "4", "8")
     assert f["--data-path"] == f"{tmp_path}/data/data_text_document" and f["--save"] == f"{tmp_path}/pretrain/run"
-    assert cmds["hf"][3:5] == [f"{tmp_path}/pretrain/run", f"{tmp_path}/hf/hf"]
+    sft = flags(cmds["sft"])
+    assert cmds["sft"][:3] == ["megapipe", "posttrain", "sft"] and "--bf16" in cmds["sft"]
+    assert (sft["--load"], sft["--save"], sft["--chat-template"]) == (f"{tmp_path}/pretrain/run", f"{tmp_path}/sft/run",
+                                                                      "llama3")
+    assert (sft["--tensor-model-parallel-size"], sft["--dp-shard"], sft["--nproc-per-node"]) == ("2", "4", "8")
+    assert cmds["fp8"][3] == f"{tmp_path}/sft/run"
+    fp8 = flags(cmds["fp8"])
+    assert (fp8["--quant"], fp8["--kv-cache-quant"], fp8["--output"]) == ("fp8", "fp8", f"{tmp_path}/fp8/checkpoint")
+    assert "--nproc-per-node" not in cmds["fp8"]  # PTQ runs once, on one GPU
+    assert cmds["hf"][3:5] == [f"{tmp_path}/sft/run", f"{tmp_path}/hf/hf"]
+    assert cmds["trt"][:5] == ["megapipe", "export", "trt", f"{tmp_path}/fp8/checkpoint", f"{tmp_path}/trt/trt"]
+    assert flags(cmds["trt"])["--format"] == "unified"
+
+
+@pytest.mark.parametrize("recipe", ["llama3-8b-h100x8.yaml", "llama3-8b-slurm-2x8.yaml"])
+def test_llama3_8b_layouts_are_ones_the_planner_fits(recipe, capsys):
+    """Each training step's layout fits 80 GB H100s by `megapipe plan`, within 10 % of its fastest layout's step
+    time (the planner does not model inter-node bandwidth, which the Slurm recipe's HSDP keeps off the all-gathers)."""
+    import json
+
+    p = load_pipeline(ROOT / "pipelines" / recipe)
+    for name in ("pretrain", "sft"):
+        o, res = p.steps[name].options, p.steps[name].resources
+        gpus = res.get("nodes", 1) * res["procs_per_node"]
+        layout = {"dp_replicate": o.get("dp_replicate", 1), "dp_shard": o["dp_shard"], "cp": 1, "tp": o["tp"],
+                  "pp": 1}
+        args = ["plan", "--gpus", str(gpus), "--gpu-type", "h100", "--model", o["model"] if "model" in o else
+                "llama3-8b", "--seq-length", str(o["seq_length"]), "--micro-batch-size", str(o["micro_batch_size"]),
+                "--global-batch-size", str(o["global_batch_size"]), "--precision", "bf16", "--tp", str(o["tp"]),
+                "--dp-shard", str(o["dp_shard"]), "--dp-replicate", str(layout["dp_replicate"]), "--json"]
+        assert main(args) == 0
+        plan = json.loads(capsys.readouterr().out)
+        assert plan["fits"], f"{recipe} {name}: {layout} needs {plan['memory_bytes'] / 1e9:.1f} GB per GPU"
+        fastest = plan["best_layouts"][0]
+        assert plan["step_time_s"] <= 1.1 * fastest["step_time_s"], (recipe, name, plan["step_time_s"], fastest)
 
 
 def test_llama3_8b_on_slurm_2_nodes(tmp_path):
@@ -67,18 +111,73 @@ def test_llama3_8b_on_slurm_2_nodes(tmp_path):
     data_script = batch_script(job_spec(p, {d.name: d for d in make_plan(p)}["data"], "slurm"), p.step_dir("data"),
                                p.steps["data"].resources)
     assert "#SBATCH --time=04:00:00" in data_script and "--gpus-per-node" not in data_script
+    assert list(cmds) == ["data", "pretrain", "sft", "fp8", "hf", "trt"]
+    sft = cmds["sft"]
+    assert sft[:4] == ["srun", "--kill-on-bad-exit=1", "--nodes=2", "--ntasks-per-node=1"]
+    f = flags(sft)
+    assert (f["--load"], f["--save"], f["--nnodes"], f["--dp-replicate"]) == (
+        f"{tmp_path}/pretrain/run", f"{tmp_path}/sft/run", "2", "2")
+    assert cmds["fp8"][:4] == ["megapipe", "posttrain", "quantize", f"{tmp_path}/sft/run"]
+    fp8_script = batch_script(job_spec(p, {d.name: d for d in make_plan(p)}["fp8"], "slurm"), p.step_dir("fp8"),
+                              p.steps["fp8"].resources)
+    assert "#SBATCH --gpus-per-node=1" in fp8_script and "#SBATCH --nodes=1" in fp8_script
+    assert cmds["trt"][3:5] == [f"{tmp_path}/fp8/checkpoint", f"{tmp_path}/trt/trt"]
 
 
-def test_tiny_cpu_is_the_former_demo_script(tmp_path):
-    """The demo pipeline runs the commands pipelines/tiny-cpu.sh ran (plus an HF export), with the pipeline's
-    step directories for outputs."""
-    cmds = commands(ROOT / "pipelines" / "tiny-cpu.yaml", tmp=tmp_path)
-    assert list(cmds) == ["corpus", "tokenizer", "data", "inspect", "pretrain", "hf", "sample"]
-    assert cmds["corpus"] == ["megapipe", "data", "fetch", "shakespeare", "--output", f"{tmp_path}/corpus/corpus.jsonl"]
+def test_tiny_cpu_chains_every_stage(tmp_path):
+    """The demo pipeline: corpus -> tokenizer -> data -> pretrain -> SFT -> fp8 -> eval before/after -> HF and
+    TensorRT-LLM exports -> serve smoke -> sample, each step reading its upstream's output under the run dir."""
+    from test_pipeline_demo import demo_file, eval_installed
+
+    t = tmp_path / "run"
+    cmds = commands(demo_file(tmp_path), tmp=t)
+    evals = ["eval_sft", "eval_fp8"] if eval_installed() else []
+    assert list(cmds) == ["corpus", "tokenizer", "data", "inspect", "pretrain", "sft", "fp8", *evals, "hf", "trt",
+                          "serve", "sample"]
+    assert cmds["corpus"] == ["megapipe", "data", "fetch", "shakespeare", "--output", f"{t}/corpus/corpus.jsonl"]
+    assert cmds["tokenizer"][-6:] == ["--special-token", "<|im_start|>", "--special-token", "<|im_end|>",
+                                      "--output", f"{t}/tokenizer/tokenizer"]
     f = flags(cmds["pretrain"])
     expected = {"--model": "tiny", "--seq-length": "128", "--micro-batch-size": "16", "--global-batch-size": "16",
-                "--train-iters": "400", "--lr": "2e-3", "--min-lr": "2e-4", "--lr-warmup-iters": "40",
-                "--lr-decay-style": "cosine", "--weight-decay": "0.1", "--clip-grad": "1.0", "--split": "98,2,0",
-                "--eval-interval": "200", "--eval-iters": "4", "--log-interval": "20", "--save-interval": "200"}
+                "--train-iters": "300", "--lr": "2e-3", "--min-lr": "2e-4", "--lr-decay-style": "cosine",
+                "--split": "98,2,0", "--save": f"{t}/pretrain/run"}
     assert {k: f[k] for k in expected} == expected
-    assert cmds["sample"][-8:] == ["--max-new-tokens", "48", "--temperature", "0.8", "--top-k", "40", "--seed", "1"]
+    sft = flags(cmds["sft"])
+    assert (sft["--load"], sft["--data"], sft["--chat-template"], sft["--save"], sft["--train-iters"]) == (
+        f"{t}/pretrain/run", "pipelines/data/chat.jsonl", "chatml", f"{t}/sft/run", "80")
+    assert cmds["fp8"][3] == f"{t}/sft/run" and flags(cmds["fp8"])["--quant"] == "fp8"
+    assert flags(cmds["fp8"])["--calib-data"] == f"{t}/data/data_text_document"
+    assert cmds["hf"][3:5] == [f"{t}/sft/run", f"{t}/hf/hf"]
+    assert cmds["trt"][3:7] == [f"{t}/fp8/checkpoint", f"{t}/trt/trt", "--format", "unified"]
+    assert cmds["serve"][:3] == ["megapipe", "serve-smoke", f"{t}/hf/hf"]
+    assert flags(cmds["serve"])["--output"] == f"{t}/serve/smoke"
+    assert cmds["sample"][2] == f"{t}/fp8/checkpoint"
+    for name in evals:
+        e = flags(cmds[name])
+        assert (e["--tasks"], e["--data-path"], e["--output"]) == (
+            "megapipe_mc,megapipe_gen,perplexity", f"{t}/data/data_text_document", f"{t}/{name}/eval")
+    if evals:
+        assert cmds["eval_sft"][2] == f"{t}/sft/run" and cmds["eval_fp8"][2] == f"{t}/fp8/checkpoint"
+
+
+def test_tiny_cpu_without_eval_is_refused_by_name():
+    """Before `megapipe eval` is installed the demo file says which step needs it (and nothing runs)."""
+    from test_pipeline_demo import eval_installed
+
+    from megapipe.errors import ConfigError
+
+    if eval_installed():
+        pytest.skip("megapipe eval is installed")
+    with pytest.raises(ConfigError, match=r"tiny-cpu.yaml:\d+: step 'eval_sft': unknown stage 'eval'"):
+        load_pipeline(ROOT / "pipelines" / "tiny-cpu.yaml")
+
+
+def test_bundled_chat_set_is_the_tool_output(tmp_path):
+    """pipelines/data/chat.jsonl is what tools/make_chat_fixture.py writes (deterministic)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "chat.jsonl"
+    subprocess.run([sys.executable, str(ROOT / "tools" / "make_chat_fixture.py"), str(out), "--count", "1000",
+                    "--seed", "1"], check=True, capture_output=True)
+    assert out.read_bytes() == (ROOT / "pipelines" / "data" / "chat.jsonl").read_bytes()
