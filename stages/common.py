@@ -161,7 +161,6 @@ GROUP_HELP = {
     "export": "Write a megapipe checkpoint in another format.",
     "posttrain": "Post-train a checkpoint: sft, distill, prune, quantize, rl.",
     "pipeline": "Run YAML pipelines of stages (cached, resumable; local or Slurm).",
-    "posttrain": "Post-train a checkpoint: sft, distill, prune, quantize, rl.",
 }
 
 

@@ -103,6 +103,7 @@ def _dtype(rl, precision: str) -> torch.dtype:
 
 class RLRecipe(Recipe):
     stage = STAGE
+    empty_batches = True
 
     def __init__(self, rl):
         self.rl = rl
