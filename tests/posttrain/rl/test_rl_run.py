@@ -139,3 +139,13 @@ def test_a_batch_with_every_group_dropped_is_skipped_without_an_update(rl_base, 
     load_checkpoint(rl_base, base, optimizer=None, load_optim=False, load_rng=False)
     for (name, p), q in zip(trainer.model.state_dict().items(), base.state_dict().values(), strict=True):
         assert torch.equal(p, q), name
+
+
+def test_a_micro_batch_that_does_not_divide_the_rollout_batch_is_named_in_rl_terms(rl_base, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["posttrain", "rl", "--load", str(rl_base), "--save", str(run), "--task", "arithmetic",
+                 "--prompts-per-step", "4", "--group-size", "6", "--micro-batch-size", "5"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert ("train.global_batch_size = 24 is not divisible by train.micro_batch_size = 5 (posttrain rl: the global "
+            "batch is rl.prompts_per_step x rl.group_size = 4 x 6 sequences)") in err
+    assert not run.exists()
