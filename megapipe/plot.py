@@ -160,7 +160,7 @@ def plot_runs(runs: Sequence[str | Path], output: str | Path, labels: Optional[S
         fig, ax = plt.subplots(figsize=(7.5, 4.2), dpi=110)
         for i, (label, records) in enumerate(zip(labels, data, strict=True)):
             color = colors[i % len(colors)]
-            for s in spec.series:
+            for j, s in enumerate(spec.series):
                 xs, ys, key = series_points(records, s)
                 if not xs:
                     continue
@@ -169,7 +169,9 @@ def plot_runs(runs: Sequence[str | Path], output: str | Path, labels: Optional[S
                     ax.plot(xs, ys, linestyle="--", marker="o", markersize=4, color=color, label=name)
                 else:
                     shown = ema(ys, smooth) if smooth else ys
-                    ax.plot(xs, shown, linestyle="-", linewidth=1.4, color=color, label=name)
+                    # a run's further lines in one figure (accuracy beside reward) are dotted, in the run's colour
+                    ax.plot(xs, shown, linestyle="-" if j == 0 else ":", linewidth=1.4 if j == 0 else 2.0,
+                            color=color, label=name)
                     ys = shown
                 drawn.append({"run": label, "series": s.label, "key": key, "kind": list(s.kinds or ["any"]),
                               "steps": xs, "values": ys})
