@@ -1,11 +1,11 @@
 """The RL demonstration on a real model: GRPO on SmolLM2-135M-Instruct (prepared by tools/prepare_smollm2.py) with
 the built-in ``arithmetic`` task (small additions, "Reply with only the number."): reward 1 for the exact answer
-(``accuracy``) plus --format-weight when the completion is in a fixed answer format (``format``: it ends with "= N"),
+(``accuracy``) plus, with --format-weight W > 0, W when the completion ends in the answer format "= N" (``format``),
 on this machine's CPUs. Every step is a megapipe command (import hf, posttrain rl, plot).
 
-    python tools/demo_rl.py [--model-dir ~/.cache/megapipe/smollm2] [--work /tmp/megapipe-demo-rl] [--steps 25]
-        [--prompts-per-step 4] [--group-size 4] [--max-completion-tokens 12] [--temperature 0.7] [--lr 3e-5]
-        [--format-weight 1] [--format-regex REGEX]
+    python tools/demo_rl.py [--model-dir ~/.cache/megapipe/smollm2] [--work /tmp/megapipe-demo-rl] [--steps 20]
+        [--prompts-per-step 8] [--group-size 4] [--max-completion-tokens 12] [--temperature 0.7] [--lr 2e-5]
+        [--format-weight 0] [--format-regex REGEX]
 
 Prints the reward curve (reward = accuracy here, completion length, seconds per step), writes WORK/curve.json,
 WORK/plots/{reward,length,...}.png (``megapipe plot``) and WORK/demo.json with the figures: mean reward of the
@@ -41,16 +41,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-dir", default=str(Path.home() / ".cache/megapipe/smollm2"))
     ap.add_argument("--work", default=None)
-    ap.add_argument("--steps", type=int, default=25)
-    ap.add_argument("--prompts-per-step", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--prompts-per-step", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--max-completion-tokens", type=int, default=12)
     ap.add_argument("--arithmetic-max", type=int, default=20)
     ap.add_argument("--temperature", type=float, default=0.7)
-    ap.add_argument("--format-weight", type=float, default=1.0, help="Weight of the format reward; 0: accuracy alone.")
+    ap.add_argument("--format-weight", type=float, default=0.0, help="Weight of the format reward (0: accuracy alone).")
     ap.add_argument("--format-regex", default=r"=\s*-?\d+\.?\s*$",
                     help="The answer format rewarded (default: the completion ends with '= N').")
-    ap.add_argument("--lr", type=float, default=3e-5)
+    ap.add_argument("--lr", type=float, default=2e-5)
     ap.add_argument("--window", type=int, default=5, help="Steps averaged for the start and end reward.")
     ap.add_argument("--min-gain", type=float, default=0.15, help="Required rise of the reward (end - start).")
     args = ap.parse_args()
