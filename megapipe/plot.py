@@ -1,7 +1,8 @@
 """Training curves from ``metrics.jsonl``: one PNG per metric, several runs overlaid, plus ``plots.json``.
 
 Figures (each written only when some run has its data): loss (train, and eval as dashed markers), learning rate,
-gradient norm, tokens/s, and for RL runs reward, KL and completion length. ``plots.json`` beside the PNGs holds
+gradient norm, tokens/s, and for RL runs reward (and accuracy), KL, completion length and the engine/trainer
+log-prob mismatch. ``plots.json`` beside the PNGs holds
 the exact points of every line drawn, so tools (and tests) can read them back.
 """
 
@@ -45,10 +46,14 @@ FIGURES = (
     FigureSpec("grad_norm", "Gradient norm (before clipping)", "grad norm", (Series("grad norm", TRAIN,
                                                                                      ("grad_norm",)),)),
     FigureSpec("tokens_per_s", "Throughput", "tokens/s", (Series("tokens/s", TRAIN, ("tokens_per_s",)),)),
-    FigureSpec("reward", "Reward", "reward", (Series("reward", None, ("reward", "reward_mean", "rewards/mean")),)),
+    FigureSpec("reward", "Reward", "reward", (Series("reward", None, ("reward", "reward_mean", "rewards/mean")),
+                                               Series("accuracy", None, ("accuracy",)))),
     FigureSpec("kl", "KL to the reference policy", "KL", (Series("KL", None, ("kl", "kl_mean", "objective/kl")),)),
-    FigureSpec("length", "Completion length", "tokens", (Series("length", None, ("length", "completion_length",
+    FigureSpec("length", "Completion length", "tokens", (Series("length", None, ("completion_len", "length",
+                                                                                  "completion_length",
                                                                                   "response_length")),)),
+    FigureSpec("mismatch", "Rollout engine vs trainer log-probs (sampled tokens)", "mismatch",
+               (Series("KL", None, ("mismatch_kl",)), Series("max |d|", None, ("mismatch_max",))), log_y=True),
 )
 
 
@@ -155,7 +160,7 @@ def plot_runs(runs: Sequence[str | Path], output: str | Path, labels: Optional[S
         fig, ax = plt.subplots(figsize=(7.5, 4.2), dpi=110)
         for i, (label, records) in enumerate(zip(labels, data, strict=True)):
             color = colors[i % len(colors)]
-            for s in spec.series:
+            for j, s in enumerate(spec.series):
                 xs, ys, key = series_points(records, s)
                 if not xs:
                     continue
@@ -164,7 +169,9 @@ def plot_runs(runs: Sequence[str | Path], output: str | Path, labels: Optional[S
                     ax.plot(xs, ys, linestyle="--", marker="o", markersize=4, color=color, label=name)
                 else:
                     shown = ema(ys, smooth) if smooth else ys
-                    ax.plot(xs, shown, linestyle="-", linewidth=1.4, color=color, label=name)
+                    # a run's further lines in one figure (accuracy beside reward) are dotted, in the run's colour
+                    ax.plot(xs, shown, linestyle="-" if j == 0 else ":", linewidth=1.4 if j == 0 else 2.0,
+                            color=color, label=name)
                     ys = shown
                 drawn.append({"run": label, "series": s.label, "key": key, "kind": list(s.kinds or ["any"]),
                               "steps": xs, "values": ys})
@@ -175,6 +182,8 @@ def plot_runs(runs: Sequence[str | Path], output: str | Path, labels: Optional[S
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel(spec.ylabel)
+        if spec.log_y and all(v > 0 for d in drawn for v in d["values"]):
+            ax.set_yscale("log")
         if spec.name == "lr":
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
         ax.grid(True, alpha=0.3)

@@ -39,10 +39,25 @@ def rl(
     from megapipe.parallel.launch import planned_world_size
     from megapipe.training.recipes.rl import RLRecipe, check_world_size, rl_config
 
-    cfg = rl_config(training_config(config, flags, sets, bf16, fp16))
+    cfg = rl_config(_config(config, flags, sets, bf16, fp16))
     check_world_size(cfg, planned_world_size(nproc_per_node, nnodes))
     launch_training(ctx, "posttrain rl", cfg, RLRecipe(cfg.rl), nproc_per_node, nnodes, node_rank, rdzv_endpoint,
                     quiet)
+
+
+def _config(config, flags, sets, bf16: bool, fp16: bool):
+    """The training config with its global batch set to rl.prompts_per_step x rl.group_size before the checks
+    that read it (a first pass reads the rl section)."""
+    from megapipe.errors import ConfigError
+
+    probe = training_config(config, flags, [*(sets or []), "train.global_batch_size=1", "train.micro_batch_size=1"],
+                            bf16, fp16)
+    p, g = probe.rl.prompts_per_step, probe.rl.group_size
+    try:
+        return training_config(config, flags, [*(sets or []), f"train.global_batch_size={p * g}"], bf16, fp16)
+    except ConfigError as e:
+        raise ConfigError(f"{e} (posttrain rl: the global batch is rl.prompts_per_step x rl.group_size = {p} x {g} "
+                          "sequences)") from None
 
 
 def register(app: typer.Typer) -> None:

@@ -184,6 +184,8 @@ class Trainer:
         result = train_step(self.model, microbatches, self.dims, self.loss, self._autocast, scale)
         loss_value = result.loss.item()
         out = {"loss": loss_value, "skipped": 0, "grad_norm": float("nan"), **result.metrics}
+        if result.units == 0 and self.recipe.empty_batches:
+            return self._skip(out, nan=False)
         if not math.isfinite(loss_value):
             return self._skip(out, nan=True)
         if self.scaler is not None:

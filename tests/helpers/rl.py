@@ -40,3 +40,27 @@ def records(run_dir: Path) -> list[dict]:
     import json
 
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+# metrics of a run's timing: the only values an exact resume or another layout may change
+TIMING = ("tokens_per_s", "mfu", "weight_sync_s", "rollout_s", "logprob_s", "rollout_tokens_per_s")
+
+_calls = 0
+
+
+def has_e(prompts, completions, **fields):
+    """A user reward (``--reward tests.helpers.rl:has_e``) that a random tiny model earns about half the time: 1 for
+    a completion holding the letter e. With MEGAPIPE_TEST_HANG=FILE:N its N-th call writes FILE and then waits for
+    the test to kill the process (a kill -9 placed at a known point of the run)."""
+    import os
+    import time
+
+    global _calls
+    _calls += 1
+    hang = os.environ.get("MEGAPIPE_TEST_HANG")
+    if hang:
+        path, n = hang.rsplit(":", 1)
+        if _calls == int(n):
+            Path(path).write_text("hanging\n")
+            time.sleep(600)
+    return [1.0 if "e" in c else 0.0 for c in completions]

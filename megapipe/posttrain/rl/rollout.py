@@ -177,6 +177,18 @@ def mismatch_sums(engine_lp: torch.Tensor, trainer_lp: torch.Tensor) -> tuple[fl
     return float(d.abs().sum()), float(d.abs().max()), float((torch.expm1(d) - d).sum()), d.numel()
 
 
+def sequence_logprobs(model, tokens, labels, mask, temperatures, chunk: int) -> list[torch.Tensor]:
+    """The model's log-probs of ``labels`` where ``mask`` is set, once per temperature; the output projection runs
+    inside the model's forward (``head``: FSDP holds the whole output weight there), chunk by chunk."""
+    from megapipe.training.objective import ModelOutput
+
+    def head(hidden, weight):
+        out = ModelOutput(hidden=hidden, output_weight=lambda: weight)
+        return [masked_logprobs(out, labels, mask, t, chunk)[0] for t in temperatures]
+
+    return model(tokens, head=head)
+
+
 class Reducer:
     """Sums and maxima over the data-parallel ranks (identity on one process)."""
 
@@ -264,24 +276,18 @@ class RolloutWorker:
     def score_microbatches(self, microbatches: list[dict]) -> list[float]:
         """The trainer's (and the reference's) log-probs of the sampled tokens, into each micro-batch; returns the
         mismatch sums against the engine (sum |d|, max |d|, sum k3, count)."""
-        from megapipe.parallel.step import model_output
-        from megapipe.training.objective import ModelOutput
-
         trainer, rl = self.trainer, self.rl
+        temps = (rl.temperature,) if rl.temperature == 1.0 else (rl.temperature, 1.0)
         sums = [0.0, 0.0, 0.0, 0]
         for mb in microbatches:
             mask = mb["sampled_mask"]
-            tokens = mb["tokens"].to(trainer.device)
+            tokens, labels = mb["tokens"].to(trainer.device), mb["labels"].to(trainer.device)
+            dmask = mask.to(trainer.device)
             with trainer._autocast():
-                out = model_output(trainer.model, {"tokens": tokens})
-                labels, dmask = mb["labels"].to(trainer.device), mask.to(trainer.device)
-                old, _ = masked_logprobs(out, labels, dmask, rl.temperature, rl.logprob_chunk)
-                raw = old if rl.temperature == 1.0 else masked_logprobs(out, labels, dmask, 1.0, rl.logprob_chunk)[0]
-                del out
+                old, *raw = sequence_logprobs(trainer.model, tokens, labels, dmask, temps, rl.logprob_chunk)
+                raw = raw[0] if raw else old
                 if self.reference is not None:
-                    ref = self.reference
-                    ref_out = ModelOutput(hidden=ref(tokens, return_hidden=True), output_weight=ref.output_weight)
-                    ref_lp, _ = masked_logprobs(ref_out, labels, dmask, rl.temperature, rl.logprob_chunk)
+                    ref_lp, = sequence_logprobs(self.reference, tokens, labels, dmask, temps[:1], rl.logprob_chunk)
                     mb["ref_logprobs"] = torch.zeros(mask.shape, dtype=torch.float32).masked_scatter_(
                         mask, ref_lp.float().cpu())
             mb["old_logprobs"] = torch.zeros(mask.shape, dtype=torch.float32).masked_scatter_(mask, old.float().cpu())

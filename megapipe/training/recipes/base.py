@@ -24,6 +24,9 @@ from megapipe.training.objective import Loss, TokenCrossEntropy
 
 class Recipe:
     stage: str = "train"
+    # a global batch with no loss unit is a normal event (RL: every group dropped), skipped without an update;
+    # elsewhere it is a non-finite loss (train.max_nan_skips)
+    empty_batches: bool = False
 
     def loss(self) -> Loss:
         return TokenCrossEntropy()

@@ -103,6 +103,7 @@ def _dtype(rl, precision: str) -> torch.dtype:
 
 class RLRecipe(Recipe):
     stage = STAGE
+    empty_batches = True
 
     def __init__(self, rl):
         self.rl = rl
@@ -224,6 +225,14 @@ class RolloutStream:
         self._metrics: list[dict] = []
         pending = state.get("pending")
         if pending:
+            saved, dp = len(pending["buffers"]), trainer.dims.dp_size
+            if saved != dp:
+                from megapipe.errors import CheckpointError
+
+                raise CheckpointError(
+                    f"{trainer.resume_ckpt} was saved by {saved} data-parallel rank(s) in the middle of a rollout batch "
+                    f"(--updates-per-batch {rl.updates_per_batch}), whose rows each rank holds: resume it with {saved} "
+                    f"rank(s), not {dp}, or from a checkpoint at a rollout-batch boundary")
             self.batch = decode_batch(pending["buffers"][trainer.dims.dp_rank])
             self.passes_left = int(pending["passes_left"])
 
