@@ -85,3 +85,17 @@ def refuse_overlap(outputs, inputs, error=None) -> None:
                             "write the output somewhere else")
             if o.is_relative_to(i) and (i.is_dir() or not i.exists()):
                 raise error(f"output {out} lies inside the input {inp}: write the output somewhere else")
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Put the finished directory ``tmp`` at ``final``: an existing ``final`` is moved aside first and removed only
+    after the rename, so a crash leaves the old or the new output, never a mix of both."""
+    import shutil
+
+    old = None
+    if final.exists():
+        old = final.with_name(f"{final.name}.old-{uuid.uuid4().hex[:8]}")
+        final.rename(old)
+    tmp.rename(final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()

@@ -35,7 +35,7 @@ from megapipe.checkpoint.manifest import MANIFEST_NAME, make_tmp_dir, read_manif
 from megapipe.checkpoint.safe_dcp import read_metadata
 from megapipe.config import ModelConfig, from_dict
 from megapipe.errors import CheckpointError, MegapipeError
-from megapipe.fileio import refuse_overlap
+from megapipe.fileio import refuse_overlap, replace_dir
 
 Progress = Optional[Callable[[int, int], None]]
 FORMATS = ("unified", "legacy")
@@ -214,16 +214,6 @@ def _unquantized_unified(src: Source, out_dir: Path, dtype, max_shard_size, prog
     summary.pop("seconds", None)
     return {"output": str(out_dir), "format": "unified", "quantization": "none", **summary,
             "seconds": time.perf_counter() - started}
-
-
-def replace_dir(tmp: Path, final: Path) -> None:
-    old = None
-    if final.exists():
-        old = final.with_name(f"{final.name}.old-{uuid.uuid4().hex[:8]}")
-        final.rename(old)
-    tmp.rename(final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
 
 
 # --------------------------------------------------------------------------------------------------- files

@@ -37,7 +37,7 @@ from megapipe.checkpoint.safe_dcp import read_metadata
 from megapipe.config import ModelConfig, from_dict
 from megapipe.data.readers import first_line
 from megapipe.errors import CheckpointError, MegapipeError
-from megapipe.fileio import refuse_overlap
+from megapipe.fileio import refuse_overlap, replace_dir
 from megapipe.models import build_model
 
 Progress = Optional[Callable[[int, int], None]]  # (done, total) after each tensor group
@@ -274,7 +274,7 @@ def export_hf(
                   "dtype": HF_DTYPE_NAMES[out_dtype], "torch_dtype": HF_DTYPE_NAMES[out_dtype]}
         _write_json(tmp / "config.json", config)
         _write_json(tmp / "generation_config.json", generation)
-        _replace_dir(tmp, out_dir)
+        replace_dir(tmp, out_dir)
     except OSError as e:  # disk full, file-size limit: name the file; OUT_DIR is as it was
         shutil.rmtree(tmp, ignore_errors=True)
         raise MegapipeError(f"cannot write {out_dir}: writing {e.filename or tmp} failed ({e.strerror or e}); "
@@ -369,14 +369,3 @@ def _write_tokenizer(tok, out: Path) -> dict[str, int]:
     if tok.pad_id is not None:
         ids.setdefault("pad_token_id", tok.pad_id)
     return {k: v for k, v in ids.items() if v is not None}
-
-
-def _replace_dir(tmp: Path, final: Path) -> None:
-    old = None
-    if final.exists():
-        old = final.with_name(f"{final.name}.old-{uuid.uuid4().hex[:8]}")
-        final.rename(old)
-    tmp.rename(final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
-
