@@ -79,8 +79,12 @@ def test_logits_match_transformers(imported, reference):
     hf_model, hf_tok = reference
     ids = torch.tensor([prompts(hf_tok)[0]])
     with torch.no_grad():
-        diff = (model(ids) - hf_model(ids).logits).abs().max().item()
-    assert diff <= 1e-4
+        ours, want = model(ids), hf_model(ids).logits
+    diff, scale = (ours - want).abs().max().item(), want.abs().max().item()
+    print(f"max |diff| {diff:.3g} at max |logit| {scale:.3g}")
+    # fp32 through 30 layers: the two reduce in different orders (thread count, kernels), so bound the error
+    # relative to the logits' size (about 30 ulps of fp32 at their magnitude), not in absolute terms
+    assert diff <= 4e-6 * scale
 
 
 def test_export_reloads_identically(imported, reference, tmp_path):
