@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -48,6 +49,9 @@ def quiet_lm_eval():
     bars = datasets_logging.is_progress_bar_enabled()
     for lg in loggers:
         lg.setLevel(logging.ERROR)
+        for h in lg.handlers:  # datasets binds sys.stderr once, at its first log; that stream may be closed since
+            if isinstance(h, logging.StreamHandler) and getattr(h.stream, "closed", False):
+                h.setStream(sys.stderr)
     datasets_logging.disable_progress_bar()
     try:
         yield
