@@ -398,18 +398,25 @@ class LLMEngine:
         if len(params) != len(prompts):
             raise MegapipeError(f"{len(prompts)} prompts but {len(params)} sampling parameter sets")
         ids = [f"generate-{next(self._ids)}" for _ in prompts]
+        return [out for _, out in self.run_to_completion(list(zip(ids, prompts, params, strict=True)))]
+
+    def run_to_completion(self, requests: Sequence[tuple[str, Union[str, Sequence[int]], SamplingParams]]
+                          ) -> list[tuple[Request, RequestOutput]]:
+        """Add every (request_id, prompt, params), step until all have finished, and return each request with its
+        final output, in the given order; the requests are aborted on the way out (an error included)."""
+        added: list[Request] = []
         try:
-            for rid, prompt, p in zip(ids, prompts, params, strict=True):
-                self.add_request(rid, prompt, p)
+            for rid, prompt, p in requests:
+                added.append(self.add_request(rid, prompt, p))
             done: dict[str, RequestOutput] = {}
-            while len(done) < len(ids):
+            while len(done) < len(added):
                 for out in self.step():
                     if out.finished:
                         done[out.request_id] = out
         finally:
-            for rid in ids:
-                self.abort(rid)
-        return [done[r] for r in ids]
+            for req in added:
+                self.abort(req.request_id)
+        return [(req, done[req.request_id]) for req in added]
 
     def load_weights(self, state: dict) -> None:
         """New weights for the model (e.g. the trainer's after an update; full, unsharded, any dtype). Cached

@@ -65,20 +65,10 @@ def sample_groups(engine, prompt_ids: list[list[int]], seeds: list[int], params)
     engine's sequences for the token ids, since its outputs leave the stop token out and RL trains on it."""
     from dataclasses import replace
 
-    reqs, done = [], {}
-    try:
-        for i, (ids, seed) in enumerate(zip(prompt_ids, seeds, strict=True)):
-            reqs.append(engine.add_request(f"rl-{i}", ids, replace(params, seed=seed)))
-        while len(done) < len(reqs):
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-    finally:
-        for r in reqs:
-            engine.abort(r.request_id)
+    finished = engine.run_to_completion([(f"rl-{i}", ids, replace(params, seed=seed))
+                                         for i, (ids, seed) in enumerate(zip(prompt_ids, seeds, strict=True))])
     groups = []
-    for req in reqs:
-        out = done[req.request_id]
+    for req, out in finished:
         group = []
         for c, seq in zip(out.outputs, req.seqs, strict=True):
             ids = list(seq.output_ids)
