@@ -307,6 +307,8 @@ class RLConfig:
     arithmetic_max: int = opt(20, "--arithmetic-max", help="arithmetic task: operands within [0, this].")
     arithmetic_ops: str = opt("+", "--arithmetic-ops", help="arithmetic task: operators drawn from, e.g. +-*.")
     logprob_chunk: int = opt(1024, "--logprob-chunk", help="Tokens per chunk of the log-prob computation.")
+    shared_prompts: bool = opt(
+        True, "--shared-prompts", help="Train a group's prompt once, its completions packed after it (off: a row each).")
 
 
 def validate_rl(r: RLConfig) -> None:

@@ -34,15 +34,21 @@ class DocumentMask:
     """Block-diagonal causal attention over packed documents: token i attends to j iff j <= i, both lie in the same
     document (equal document id) and, with a sliding window, position(i) - position(j) < window.
 
-    ``document_ids`` [B, S] (any integers; a new id starts a new document). The bool mask is built once per forward
-    and turned into the additive form SDPA's CPU kernels are fastest with, once per dtype.
+    ``document_ids`` [B, S] (any integers; a new id starts a new document). ``prefix_ids`` [B, S] (optional): token
+    i also attends to the earlier tokens of document ``prefix_ids[i]``, a shared prefix that several documents
+    continue (one prompt before its sampled completions, each completion seeing the prompt and itself only); a
+    token with no such prefix names its own document. The bool mask is built once per forward and turned into the
+    additive form SDPA's CPU kernels are fastest with, once per dtype.
     """
 
     def __init__(self, document_ids: torch.Tensor, positions: Optional[torch.Tensor] = None,
-                 sliding_window: Optional[int] = None):
+                 sliding_window: Optional[int] = None, prefix_ids: Optional[torch.Tensor] = None):
         s = document_ids.shape[-1]
         causal = torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril()
-        mask = (document_ids[:, :, None] == document_ids[:, None, :]) & causal
+        same = document_ids[:, :, None] == document_ids[:, None, :]
+        if prefix_ids is not None:
+            same |= prefix_ids[:, :, None] == document_ids[:, None, :]
+        mask = same & causal
         if sliding_window is not None:
             pos = positions if positions is not None else torch.arange(s, device=document_ids.device)
             pos = pos.expand_as(document_ids)

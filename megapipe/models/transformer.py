@@ -44,11 +44,13 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None, cache=None,
                 last_only: bool = False, return_hidden: Optional[bool] = None,
-                document_ids: Optional[torch.Tensor] = None, head: Optional[Callable] = None):
+                document_ids: Optional[torch.Tensor] = None, head: Optional[Callable] = None,
+                prefix_ids: Optional[torch.Tensor] = None):
         """tokens [B, S] ids (or [B, S, H] hidden states on a later pipeline stage); positions [S] or [B, S].
 
         ``document_ids`` [B, S]: packed sequences; attention stays within each document (block-diagonal causal) and
-        positions, when not given, restart at every document.
+        positions, when not given, restart at every document. ``prefix_ids`` [B, S]: the document whose earlier
+        tokens each token also sees (a shared prompt; DocumentMask), with explicit ``positions``.
 
         ``last_only``: logits of the last position only ([B, 1, V]), what a generation step needs.
         ``return_hidden`` (default: the ``return_hidden`` attribute): the final normed hidden states [B, S, H]
@@ -66,7 +68,9 @@ class Transformer(nn.Module):
         if document_ids is not None:
             if cache is not None:
                 raise ValueError("document_ids (packed sequences) and a KV cache cannot be combined")
-            mask = DocumentMask(document_ids, positions, self.cfg.sliding_window)
+            mask = DocumentMask(document_ids, positions, self.cfg.sliding_window, prefix_ids)
+        elif prefix_ids is not None:
+            raise ValueError("prefix_ids name documents: give document_ids with them")
         if cache is not None:
             cache.advance(positions)
         if self.tok_embeddings is None or tokens.is_floating_point():

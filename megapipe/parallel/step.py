@@ -90,19 +90,18 @@ def count_units(loss: Loss, microbatches: list[dict], dims: ParallelDims, device
     return int(total.item())
 
 
-def _model_kwargs(mb: dict) -> dict:
-    kwargs = {}
-    if "position_ids" in mb:
-        kwargs["positions"] = mb["position_ids"]
-    if "document_ids" in mb:
-        kwargs["document_ids"] = mb["document_ids"]
-    return kwargs
+MODEL_INPUTS = (("position_ids", "positions"), ("document_ids", "document_ids"), ("prefix_ids", "prefix_ids"))
+
+
+def model_kwargs(mb: dict) -> dict:
+    """The model's keyword inputs a micro-batch carries besides its tokens (positions, packed documents)."""
+    return {arg: mb[key] for key, arg in MODEL_INPUTS if key in mb}
 
 
 def model_output(model, mb: dict) -> ModelOutput:
     """Run the model on a micro-batch: positions and document ids go in when the batch carries them; a model set
     to return its hidden states (the fused loss) hands them over with its output weight."""
-    out = model(mb["tokens"], **_model_kwargs(mb))
+    out = model(mb["tokens"], **model_kwargs(mb))
     if getattr(model, "return_hidden", False):
         return ModelOutput(hidden=out, output_weight=model.output_weight)
     return ModelOutput(logits=out)
@@ -115,7 +114,7 @@ def run_loss(model, loss: Loss, mb: dict):
         def head(hidden, weight):
             return loss(ModelOutput(hidden=hidden, output_weight=lambda: weight), mb)
 
-        return model(mb["tokens"], **_model_kwargs(mb), head=head)
+        return model(mb["tokens"], **model_kwargs(mb), head=head)
     return loss(model_output(model, mb), mb)
 
 

@@ -237,8 +237,9 @@ class Importance:
 
 
 def _forward(model, batch):
-    kwargs = {"document_ids": batch["document_ids"]} if "document_ids" in batch else {}
-    return model(batch["tokens"], **kwargs)
+    from megapipe.parallel.step import model_kwargs
+
+    return model(batch["tokens"], **model_kwargs(batch))
 
 
 @torch.no_grad()

@@ -182,6 +182,7 @@ class Trainer:
 
         scale = self.scaler.scale_loss if self.scaler else None
         result = train_step(self.model, microbatches, self.dims, self.loss, self._autocast, scale)
+        self.recipe.before_update(self)
         loss_value = result.loss.item()
         out = {"loss": loss_value, "skipped": 0, "grad_norm": float("nan"), **result.metrics}
         if result.units == 0 and self.recipe.empty_batches:

@@ -198,6 +198,25 @@ def test_packed_documents_equal_each_document_alone(kw):
     assert (model(packed)[0, 5:7] - alone[1][0]).abs().max().item() > 1e-3
 
 
+@pytest.mark.parametrize("kw", [{}, {"sliding_window": 4}])
+def test_completions_after_a_shared_prefix_equal_each_continuation_alone(kw):
+    """A row holding a prompt and then two continuations of it (prefix_ids: each continuation sees the prompt and
+    itself, at the positions after the prompt): each continuation's logits equal prompt + continuation run alone."""
+    model = build_model(small_cfg(**kw), seed=0).double()
+    prompt, conts = torch.randint(0, 101, (4,)), [torch.randint(0, 101, (n,)) for n in (3, 5)]
+    row = torch.cat([prompt, *conts])[None]
+    doc_ids = torch.tensor([[0] * 4 + [1] * 3 + [2] * 5])
+    prefix_ids = torch.zeros_like(doc_ids)
+    positions = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 4, 5, 6, 7, 8]])
+    logits = model(row, positions=positions, document_ids=doc_ids, prefix_ids=prefix_ids)[0]
+    alone = [model(torch.cat([prompt, c])[None])[0] for c in conts]
+    assert (logits[:4] - alone[0][:4]).abs().max().item() < 1e-10
+    assert (logits[4:7] - alone[0][4:]).abs().max().item() < 1e-10
+    assert (logits[7:] - alone[1][4:]).abs().max().item() < 1e-10
+    with pytest.raises(ValueError, match="prefix_ids name documents: give document_ids with them"):
+        model(row, prefix_ids=prefix_ids)
+
+
 def test_positions_restart_at_each_document():
     from megapipe.models.attention import positions_from_documents
 

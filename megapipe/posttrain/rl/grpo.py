@@ -89,49 +89,112 @@ class GRPOSettings:
     chunk: int = 1024
 
 
+class MismatchMeter:
+    """This rank's sums of the engine/trainer log-prob mismatch over a step's micro-batches (sum |d|, max |d|, sum
+    k3, count), filled by GRPOLoss when the batch carries the engine's log-probs, read and reset by the recipe."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.sums = [0.0, 0.0, 0.0, 0]
+
+    def add(self, engine_lp: torch.Tensor, trainer_lp: torch.Tensor) -> None:
+        """d = trainer - engine log-prob per token; k3 = e^d - 1 - d estimates KL(engine || trainer) from tokens
+        the engine sampled."""
+        d = trainer_lp.detach().double().cpu() - engine_lp.detach().double().cpu()
+        if d.numel():
+            a, m, k = float(d.abs().sum()), float(d.abs().max()), float((torch.expm1(d) - d).sum())
+            s = self.sums
+            self.sums = [s[0] + a, max(s[1], m), s[2] + k, s[3] + d.numel()]
+
+
+def sequence_index(mask: torch.Tensor, document_ids=None) -> tuple[torch.Tensor, int]:
+    """Per masked position (row-major): the index of the sequence it belongs to, and the number of sequences. A
+    sequence is a row, or a document of a row when the batch packs several (``document_ids``)."""
+    rows = torch.arange(mask.shape[0], device=mask.device)[:, None].expand(mask.shape)
+    key = rows if document_ids is None else rows * (int(document_ids.max()) + 1) + document_ids
+    unique, index = torch.unique(key[mask], return_inverse=True)
+    return index, unique.numel()
+
+
 class GRPOLoss(Loss):
     """The recipe's loss over a micro-batch of rollouts. Batch keys: ``tokens``, ``labels`` [B, S];
-    ``completion_mask`` [B, S] (label positions trained on); ``old_logprobs`` (and ``ref_logprobs`` with a KL
-    penalty) [B, S], read where the mask is set; ``advantages`` [B]."""
+    ``completion_mask`` [B, S] (label positions trained on); ``advantages`` [B] (one per row) or [B, S] (per
+    position, rows packing several completions); ``old_logprobs`` (and ``ref_logprobs`` with a KL penalty)
+    [B, S], read where the mask is set. Without ``old_logprobs`` the update is on-policy: the old log-prob is the
+    policy's own, detached (rho = 1, the first update of a batch, without a separate scoring pass).
+
+    Packed rows (one prompt, then several completions: ``document_ids`` / ``prefix_ids`` / ``position_ids``, see
+    megapipe.models.attention.DocumentMask) are sequences per document for the seq-mean aggregations. With a
+    ``meter`` and the batch's ``engine_logprobs`` / ``sampled_mask``, the log-probs of every sampled token at
+    temperature 1 are compared with the engine's (MismatchMeter), in the same forward."""
 
     fusable = True
 
-    def __init__(self, settings: GRPOSettings):
+    def __init__(self, settings: GRPOSettings, meter: MismatchMeter | None = None):
         if settings.aggregation not in AGGREGATIONS:
             raise ValueError(f"unknown loss aggregation {settings.aggregation!r}")
         self.s = settings
+        self.meter = meter
 
     def units(self, batch: dict) -> torch.Tensor:
         mask = batch["completion_mask"]
         if self.s.aggregation == "token-mean":
             return mask.sum()
-        return mask.any(dim=1).sum()
+        return torch.tensor(sequence_index(mask, batch.get("document_ids"))[1])
 
     def policy_logprobs(self, out: ModelOutput, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logp, entropy) of the labels at the masked positions, in row-major order."""
-        return masked_logprobs(out, batch["labels"], batch["completion_mask"], self.s.temperature, self.s.chunk)
+        """(logp, entropy) of the labels at the trained positions, in row-major order; measures the mismatch on
+        the way when the batch carries the engine's log-probs."""
+        mask, t = batch["completion_mask"], self.s.temperature
+        if self.meter is None or "engine_logprobs" not in batch:
+            return masked_logprobs(out, batch["labels"], mask, t, self.s.chunk)
+        sampled = batch["sampled_mask"]
+        logp, entropy = masked_logprobs(out, batch["labels"], sampled, t, self.s.chunk)
+        raw = logp
+        if t != 1.0:
+            with torch.no_grad():
+                raw = masked_logprobs(out, batch["labels"], sampled, 1.0, self.s.chunk)[0]
+        self.meter.add(batch["engine_logprobs"][sampled], raw)
+        trained = mask[sampled]
+        return logp[trained], entropy[trained]
 
-    def token_weights(self, mask: torch.Tensor) -> torch.Tensor:
-        """Per masked token: its weight in the loss sum (1, or 1 / the length of its sequence)."""
+    def token_weights(self, batch: dict) -> torch.Tensor:
+        """Per trained token: its weight in the loss sum (1, or 1 / the length of its sequence)."""
+        mask = batch["completion_mask"]
         if self.s.aggregation == "seq-mean-token-mean":
-            lengths = mask.sum(dim=1, keepdim=True).clamp(min=1).float()
-            return (mask.float() / lengths)[mask]
+            return self._inverse_lengths(batch)
         return torch.ones(int(mask.sum()), device=mask.device)
+
+    def metric_weights(self, batch: dict) -> torch.Tensor:
+        """Per-token metrics are averaged like the loss: over tokens (token-mean), or per sequence then over
+        sequences (the seq-mean aggregations, whose units are sequences)."""
+        mask = batch["completion_mask"]
+        if self.s.aggregation == "token-mean":
+            return torch.ones(int(mask.sum()), device=mask.device)
+        return self._inverse_lengths(batch)
+
+    @staticmethod
+    def _inverse_lengths(batch: dict) -> torch.Tensor:
+        index, n = sequence_index(batch["completion_mask"], batch.get("document_ids"))
+        return 1.0 / torch.bincount(index, minlength=n).float()[index]
 
     def __call__(self, out: ModelOutput, batch: dict) -> LossResult:
         s, mask = self.s, batch["completion_mask"]
         logp, entropy = self.policy_logprobs(out, batch)
-        old = batch["old_logprobs"][mask]
-        adv = batch["advantages"][:, None].expand(mask.shape)[mask].float()
+        old = batch["old_logprobs"][mask] if "old_logprobs" in batch else logp.detach()
+        adv = batch["advantages"]
+        adv = (adv[:, None].expand(mask.shape) if adv.dim() == 1 else adv)[mask].float()
         pg, low, high = clipped_surrogate(logp, old, adv, s.clip_low, s.clip_high)
         per_token = pg
-        metrics_w = self.metric_weights(mask)
+        metrics_w = self.metric_weights(batch)
         metrics = {}
         if s.kl_coef > 0:
             kl = kl_estimate(logp, batch["ref_logprobs"][mask], s.kl_estimator)
             per_token = per_token + s.kl_coef * kl
             metrics["kl"] = (kl.detach() * metrics_w).sum()
-        w = self.token_weights(mask)
+        w = self.token_weights(batch)
         total = (per_token * w).sum()
         metrics.update({
             "pg_loss": (pg.detach() * w).sum(),
@@ -140,14 +203,6 @@ class GRPOLoss(Loss):
             "clip_high": (high.float() * metrics_w).sum(),
         })
         return LossResult(total=total, metrics=metrics)
-
-    def metric_weights(self, mask: torch.Tensor) -> torch.Tensor:
-        """Per-token metrics are averaged like the loss: over tokens (token-mean), or per sequence then over
-        sequences (the seq-mean aggregations, whose units are sequences)."""
-        if self.s.aggregation == "token-mean":
-            return torch.ones(int(mask.sum()), device=mask.device)
-        lengths = mask.sum(dim=1, keepdim=True).clamp(min=1).float()
-        return (mask.float() / lengths)[mask]
 
 
 def masked_logprobs(out: ModelOutput, labels: torch.Tensor, mask: torch.Tensor, temperature: float,

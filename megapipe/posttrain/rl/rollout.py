@@ -21,6 +21,18 @@ nucleus mass. The loss treats the samples as drawn from p_T (as TRL and verl do)
 (the factor 1 / Z would differ per position) and tokens outside the nucleus are never sampled, so the gradient is
 that of the objective restricted to the nucleus. Keep --top-p 1 --top-k 0 (the defaults) for unbiased on-policy
 GRPO; the reported mismatch is unaffected by truncation, since both sides are raw log-probs.
+
+Where the trainer's log-probs come from: with one update per batch (--updates-per-batch 1) the old log-prob is the
+policy's own in the training forward (detached), and the mismatch is measured in that same forward, before the
+optimizer step (the recipe's ``before_update``): no separate scoring pass. With several updates per batch a no-grad
+pass scores the batch first (the old log-probs must stay those of the sampling weights). A reference model
+(--kl-coef > 0) always scores in its own no-grad pass.
+
+Shared prompts (--shared-prompts, the default): the completions of a group are trained in one packed row, the
+prompt once and then every completion, each attending to the prompt and to itself only (DocumentMask's prefix),
+at the positions the completion had when sampled. The prompt's last token starts each completion's segment (its
+hidden state predicts the first sampled token); the rest of the prompt is computed once per row instead of once per
+completion. Same loss and gradients as one row per completion, up to round-off.
 """
 
 from __future__ import annotations
@@ -33,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from megapipe.errors import MegapipeError
-from megapipe.posttrain.rl.grpo import degenerate_groups, group_advantages, masked_logprobs
+from megapipe.posttrain.rl.grpo import MismatchMeter, degenerate_groups, group_advantages, masked_logprobs
 from megapipe.posttrain.rl.rewards import score, weighted
 
 
@@ -115,6 +127,7 @@ class Row:
     sample: Sample
     advantage: float
     trained: bool  # False: its group was dropped, or it is truncated under --mask-truncated
+    group: int  # index of its prompt in the batch
 
     @property
     def length(self) -> int:
@@ -137,8 +150,9 @@ def split_rows(rows: list[Row], n: int) -> list[list[Row]]:
 
 
 def collate(rows: list[Row], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded [B, S] tensors: ``tokens``, ``labels`` (the next token), ``sampled_mask`` (label positions that
-    are sampled tokens), ``completion_mask`` (those trained on), ``engine_logprobs``, and ``advantages`` [B]."""
+    """One row per completion, right-padded [B, S]: ``tokens``, ``labels`` (the next token), ``sampled_mask`` (label
+    positions that are sampled tokens), ``completion_mask`` (those trained on), ``engine_logprobs``, and
+    ``advantages`` [B]."""
     seq = max(r.length for r in rows)
     b = len(rows)
     tokens = torch.full((b, seq), pad_id, dtype=torch.long)
@@ -158,25 +172,58 @@ def collate(rows: list[Row], pad_id: int) -> dict[str, torch.Tensor]:
     }
 
 
-def mismatch_sums(engine_lp: torch.Tensor, trainer_lp: torch.Tensor) -> tuple[float, float, float, int]:
-    """(sum |d|, max |d|, sum k3, count) over tokens, d = trainer - engine log-prob; k3 = e^d - 1 - d estimates
-    KL(engine || trainer) from tokens the engine sampled."""
-    d = (trainer_lp.double() - engine_lp.double())
-    if d.numel() == 0:
-        return 0.0, 0.0, 0.0, 0
-    return float(d.abs().sum()), float(d.abs().max()), float((torch.expm1(d) - d).sum()), d.numel()
+def collate_shared(rows: list[Row], pad_id: int) -> dict[str, torch.Tensor]:
+    """One packed row per prompt: the prompt but its last token (document 0), then one segment per completion
+    (document k): the prompt's last token and the completion but its last token, labelled with the completion, at
+    the positions they had when sampled, attending to the prompt (``prefix_ids`` 0) and to their own segment. The
+    keys of ``collate`` plus ``document_ids``, ``prefix_ids`` and ``position_ids``; ``advantages`` per position.
+    Padding is document -1, attending only to itself."""
+    groups: dict[int, list[Row]] = {}
+    for r in rows:
+        groups.setdefault(r.group, []).append(r)
+    packed = [g for _, g in sorted(groups.items())]
+    seq = max(len(g[0].prompt) - 1 + sum(len(r.sample.ids) for r in g) for g in packed)
+    shape = (len(packed), seq)
+    out = {"tokens": torch.full(shape, pad_id, dtype=torch.long), "labels": torch.full(shape, pad_id),
+           "sampled_mask": torch.zeros(shape, dtype=torch.bool), "completion_mask": torch.zeros(shape, dtype=torch.bool),
+           "engine_logprobs": torch.zeros(shape), "advantages": torch.zeros(shape),
+           "document_ids": torch.full(shape, -1), "prefix_ids": torch.full(shape, -1),
+           "position_ids": torch.zeros(shape, dtype=torch.long)}
+    for i, group in enumerate(packed):
+        prompt = group[0].prompt
+        p = len(prompt) - 1
+        out["tokens"][i, :p] = torch.tensor(prompt[:-1])
+        out["document_ids"][i, :p] = out["prefix_ids"][i, :p] = 0
+        out["position_ids"][i, :p] = torch.arange(p)
+        at = p
+        for k, r in enumerate(group, start=1):
+            ids, c = r.sample.ids, len(r.sample.ids)
+            seg = slice(at, at + c)
+            out["tokens"][i, seg] = torch.tensor([prompt[-1], *ids[:-1]])
+            out["labels"][i, seg] = torch.tensor(ids)
+            out["document_ids"][i, seg] = k
+            out["prefix_ids"][i, seg] = 0
+            out["position_ids"][i, seg] = torch.arange(p, p + c)
+            out["sampled_mask"][i, seg] = True
+            out["completion_mask"][i, seg] = r.trained
+            out["engine_logprobs"][i, seg] = torch.tensor(r.sample.logprobs, dtype=torch.float32)
+            out["advantages"][i, seg] = r.advantage
+            at += c
+    return out
 
 
-def sequence_logprobs(model, tokens, labels, mask, temperatures, chunk: int) -> list[torch.Tensor]:
-    """The model's log-probs of ``labels`` where ``mask`` is set, once per temperature; the output projection runs
-    inside the model's forward (``head``: FSDP holds the whole output weight there), chunk by chunk."""
+def sequence_logprobs(model, mb: dict, mask, temperatures, chunk: int) -> list[torch.Tensor]:
+    """The model's log-probs of the micro-batch's ``labels`` where ``mask`` is set, once per temperature; the output
+    projection runs inside the model's forward (``head``: FSDP holds the whole output weight there), chunk by
+    chunk. ``mb``: tensors on the model's device."""
+    from megapipe.parallel.step import model_kwargs
     from megapipe.training.objective import ModelOutput
 
     def head(hidden, weight):
         out = ModelOutput(hidden=hidden, output_weight=lambda: weight)
-        return [masked_logprobs(out, labels, mask, t, chunk)[0] for t in temperatures]
+        return [masked_logprobs(out, mb["labels"], mask, t, chunk)[0] for t in temperatures]
 
-    return model(tokens, head=head)
+    return model(mb["tokens"], head=head, **model_kwargs(mb))
 
 
 class Reducer:
@@ -208,6 +255,8 @@ class RolloutWorker:
         self.reduce = Reducer(trainer.dims)
         self.pad_id = getattr(trainer.tokenizer, "pad_id", None) or 0
         self.sync = None  # set by the recipe: the weight-sync callable (state dict -> check result)
+        # one update per batch: the training forward gives the old log-probs and measures the mismatch
+        self.on_policy = rl.updates_per_batch == 1
 
     def prompts(self, first_index: int):
         dims, p = self.trainer.dims, self.rl.prompts_per_step
@@ -253,61 +302,67 @@ class RolloutWorker:
         for gi, (ids, group) in enumerate(zip(prompt_ids, groups, strict=True)):
             for si, s in enumerate(group):
                 trained = not bool(dropped[gi]) and not (rl.mask_truncated and s.truncated)
-                rows.append(Row(ids, s, float(adv[gi, si]), trained))
-        microbatches = [collate(chunk, self.pad_id) for chunk in split_rows(rows, num_microbatches)]
-        mism = self.score_microbatches(microbatches)
+                rows.append(Row(ids, s, float(adv[gi, si]), trained, gi))
+        pack = collate_shared if rl.shared_prompts else collate
+        microbatches = [pack(chunk, self.pad_id) for chunk in split_rows(rows, num_microbatches)]
+        meter = MismatchMeter()
+        self.score_microbatches(microbatches, meter)
         t3 = time.perf_counter()
 
-        metrics = self.metrics(per_fn, total, accuracy, groups, dropped, mism, (t1 - t0, t2 - t1, t3 - t2))
-        self.check_mismatch(metrics, first_index)
+        metrics = self.metrics(per_fn, total, accuracy, groups, dropped, (t1 - t0, t2 - t1, t3 - t2))
+        if not self.on_policy:
+            metrics.update(self.mismatch(meter))
+            self.check_mismatch(metrics, first_index)
         return microbatches, metrics
 
     @torch.no_grad()
-    def score_microbatches(self, microbatches: list[dict]) -> list[float]:
-        """The trainer's (and the reference's) log-probs of the sampled tokens, into each micro-batch; returns the
-        mismatch sums against the engine (sum |d|, max |d|, sum k3, count)."""
+    def score_microbatches(self, microbatches: list[dict], meter: MismatchMeter) -> None:
+        """No-grad passes over the sampled tokens, into each micro-batch: the trainer's old log-probs (several
+        updates per batch; the mismatch against the engine into ``meter``) and the reference's."""
         trainer, rl = self.trainer, self.rl
         temps = (rl.temperature,) if rl.temperature == 1.0 else (rl.temperature, 1.0)
-        sums = [0.0, 0.0, 0.0, 0]
         for mb in microbatches:
+            if self.on_policy and self.reference is None:
+                return
             mask = mb["sampled_mask"]
-            tokens, labels = mb["tokens"].to(trainer.device), mb["labels"].to(trainer.device)
-            dmask = mask.to(trainer.device)
+            dev = {k: v.to(trainer.device) for k, v in mb.items()}
             with trainer._autocast():
-                old, *raw = sequence_logprobs(trainer.model, tokens, labels, dmask, temps, rl.logprob_chunk)
-                raw = raw[0] if raw else old
+                if not self.on_policy:
+                    old, *raw = sequence_logprobs(trainer.model, dev, dev["sampled_mask"], temps, rl.logprob_chunk)
+                    mb["old_logprobs"] = torch.zeros(mask.shape).masked_scatter_(mask, old.float().cpu())
+                    meter.add(mb["engine_logprobs"][mask], (raw[0] if raw else old).float())
                 if self.reference is not None:
-                    ref_lp, = sequence_logprobs(self.reference, tokens, labels, dmask, temps[:1], rl.logprob_chunk)
-                    mb["ref_logprobs"] = torch.zeros(mask.shape, dtype=torch.float32).masked_scatter_(
-                        mask, ref_lp.float().cpu())
-            mb["old_logprobs"] = torch.zeros(mask.shape, dtype=torch.float32).masked_scatter_(mask, old.float().cpu())
-            a, m, k, c = mismatch_sums(mb["engine_logprobs"][mask], raw.float().cpu())
-            sums = [sums[0] + a, max(sums[1], m), sums[2] + k, sums[3] + c]
-        return sums
+                    ref_lp, = sequence_logprobs(self.reference, dev, dev["sampled_mask"], temps[:1], rl.logprob_chunk)
+                    mb["ref_logprobs"] = torch.zeros(mask.shape).masked_scatter_(mask, ref_lp.float().cpu())
 
-    def metrics(self, per_fn, total, accuracy, groups, dropped, mism, times) -> dict:
+    def mismatch(self, meter: MismatchMeter) -> dict:
+        """The batch's mismatch figures over every rank (collective) from this rank's sums."""
+        a, m, k, c = meter.sums
+        a, k, c = self.reduce.sum([a, k, float(c)])
+        m, = self.reduce.max([m])
+        return {"mismatch_mean": a / c if c else 0.0, "mismatch_max": m, "mismatch_kl": k / c if c else 0.0}
+
+    def metrics(self, per_fn, total, accuracy, groups, dropped, times) -> dict:
         """This batch's figures over every rank."""
         lengths = [len(s.ids) for g in groups for s in g]
         truncated = [s.truncated for g in groups for s in g]
         cols = list(zip(*per_fn, strict=True)) if per_fn and per_fn[0] else []
         sums = [float(total.sum()), float((total ** 2).sum()), float(total.numel()), sum(accuracy), sum(lengths),
-                float(sum(truncated)), float(dropped.sum()), float(dropped.numel()), mism[0], mism[2], float(mism[3])]
+                float(sum(truncated)), float(dropped.sum()), float(dropped.numel())]
         for col in cols:
             sums += [sum(col), sum(x * x for x in col)]
         sums = self.reduce.sum(sums)
-        maxima = self.reduce.max([float(max(lengths, default=0)), mism[1], *times])
+        maxima = self.reduce.max([float(max(lengths, default=0)), *times])
         n, tokens = sums[2], sums[4]
         out = {
             "reward": sums[0] / n, "reward_std": _std(sums[0], sums[1], n), "accuracy": sums[3] / n,
             "completion_len": tokens / n, "completion_len_max": maxima[0], "truncated": sums[5] / n,
             "groups_dropped": sums[6] / sums[7],
-            "mismatch_mean": sums[8] / sums[10] if sums[10] else 0.0, "mismatch_max": maxima[1],
-            "mismatch_kl": sums[9] / sums[10] if sums[10] else 0.0,
-            "weight_sync_s": maxima[2], "rollout_s": maxima[3], "logprob_s": maxima[4],
-            "rollout_tokens_per_s": tokens / maxima[3] if maxima[3] > 0 else 0.0, "rollout_tokens": tokens,
+            "weight_sync_s": maxima[1], "rollout_s": maxima[2], "logprob_s": maxima[3],
+            "rollout_tokens_per_s": tokens / maxima[2] if maxima[2] > 0 else 0.0, "rollout_tokens": tokens,
         }
         for i, r in enumerate(self.rewards):
-            s, sq = sums[11 + 2 * i], sums[12 + 2 * i]
+            s, sq = sums[8 + 2 * i], sums[9 + 2 * i]
             out[f"reward/{r.label}"] = s / n
             out[f"reward/{r.label}_std"] = _std(s, sq, n)
         return out

@@ -11,6 +11,8 @@ clipping, evaluation, logging, checkpoints and signals; a recipe owns what diffe
 - ``check``: recipe-specific refusals before any process starts; ``packed_sequences``: whether batches carry
   document ids / position ids (layouts that cannot attend within documents yet refuse it before launch);
 - ``manifest`` / ``metrics``: extra manifest fields, extra per-step metrics;
+- ``before_update``: called on every rank after a step's backward and before its optimizer update (a recipe may
+  stop the run there, e.g. on a figure the forward measured);
 - ``tokenizer_files``: the tokenizer copied into each checkpoint (e.g. with the chat template SFT rendered with);
   ``summary``: extra rows of the end-of-run summary.
 """
@@ -58,6 +60,9 @@ class Recipe:
     def metrics(self, trainer) -> dict[str, float]:
         """Extra values for the step's log record (called at each log interval)."""
         return {}
+
+    def before_update(self, trainer) -> None:
+        """After the step's backward, before its update (every rank)."""
 
     def tokenizer_files(self, trainer):
         """The tokenizer (directory or file) written into every checkpoint: the run's own by default."""

@@ -37,8 +37,9 @@ class DistillLoss(LossBase):
     @torch.no_grad()
     def teacher_states(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The teacher's final hidden states [tokens, H_t] and its output weight [V, H_t] (gathered when sharded)."""
-        kwargs = {k: batch[v] for k, v in (("positions", "position_ids"), ("document_ids", "document_ids"))
-                  if v in batch}
+        from megapipe.parallel.step import model_kwargs
+
+        kwargs = model_kwargs(batch)
         tokens = batch["tokens"]
         dev = tokens.device.type
         with torch.autocast(dev, enabled=False):

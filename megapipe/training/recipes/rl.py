@@ -34,7 +34,8 @@ from megapipe.errors import ConfigError
 from megapipe.training.recipes.base import Recipe
 
 STAGE = "rl"
-TRAIN_KEYS = ("tokens", "labels", "completion_mask", "old_logprobs", "ref_logprobs", "advantages")
+TRAIN_KEYS = ("tokens", "labels", "completion_mask", "old_logprobs", "ref_logprobs", "advantages", "document_ids",
+              "prefix_ids", "position_ids", "sampled_mask", "engine_logprobs")
 
 
 def _resolved(path) -> str:
@@ -106,8 +107,12 @@ class RLRecipe(Recipe):
     empty_batches = True
 
     def __init__(self, rl):
+        from megapipe.posttrain.rl.grpo import MismatchMeter
+
         self.rl = rl
         self.stream: Optional[RolloutStream] = None
+        # one update per batch: the loss measures the mismatch in the training forward, checked before the update
+        self.meter = MismatchMeter() if rl.updates_per_batch == 1 else None
         self._start: Optional[str] = None
         self._start_hf: Optional[dict] = None
 
@@ -116,7 +121,19 @@ class RLRecipe(Recipe):
 
         r = self.rl
         return GRPOLoss(GRPOSettings(r.clip_low, r.clip_high, r.kl_coef, r.kl_estimator, r.loss_aggregation,
-                                     r.temperature, r.logprob_chunk))
+                                     r.temperature, r.logprob_chunk), self.meter)
+
+    def packed_sequences(self, cfg) -> bool:
+        return cfg.rl.shared_prompts
+
+    def before_update(self, trainer) -> None:
+        """On-policy batches: the mismatch the training forward measured, over every rank, into the batch's metrics;
+        above --max-mismatch the run stops here, before the optimizer step."""
+        if self.meter is None or self.stream is None:
+            return
+        figures = self.stream.worker.mismatch(self.meter)
+        self.meter.reset()
+        self.stream.add_metrics(figures)
 
     def check(self, run) -> None:
         p = run.cfg.parallel
@@ -250,6 +267,11 @@ class RolloutStream:
             self.passes_left -= 1
         mb = self.queue.pop(0)
         return {k: mb[k] for k in TRAIN_KEYS if k in mb}
+
+    def add_metrics(self, figures: dict) -> None:
+        """Figures of the current batch measured while training on it (the mismatch); checked against the bound."""
+        self._metrics[-1].update(figures)
+        self.worker.check_mismatch(self._metrics[-1], self.consumed - self.rl.prompts_per_step)
 
     def pop_metrics(self) -> dict:
         """The rollout figures since the last call (averaged over batches; maxima kept), or {} when none."""

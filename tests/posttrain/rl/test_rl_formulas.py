@@ -197,3 +197,56 @@ def test_grpo_loss_through_the_loop_equals_the_direct_objective(aggregation, kl,
         torch.testing.assert_close(p.grad, q.grad.float(), rtol=1e-4, atol=1e-6, msg=name)
     assert 0 < result.metrics["clip_low"] + result.metrics["clip_high"] < 1
     assert result.metrics["entropy"] > 0
+
+
+def _rows(seed: int = 0):
+    """Rollout rows of three prompts (lengths 5, 1 and 3) with 3 completions each of uneven lengths, one of them
+    not trained, and the raw log-probs of their tokens under MODEL (seed 3) computed row by row."""
+    from megapipe.posttrain.rl.rollout import Row, Sample
+
+    g = torch.Generator().manual_seed(seed)
+    model = build_model(MODEL, seed=3)
+    rows = []
+    for gi, (p, lengths) in enumerate([(5, (4, 1, 6)), (1, (3, 5, 2)), (3, (2, 2, 7))]):
+        prompt = torch.randint(0, 64, (p,), generator=g).tolist()
+        for k, c in enumerate(lengths):
+            ids = torch.randint(0, 64, (c,), generator=g).tolist()
+            with torch.no_grad():
+                lp = model(torch.tensor([prompt + ids])).log_softmax(-1)[0, p - 1:p - 1 + c]
+            raw = lp.gather(1, torch.tensor(ids)[:, None])[:, 0].tolist()
+            rows.append(Row(prompt, Sample(ids, raw, "", False), float(torch.randn((), generator=g)),
+                            trained=(gi, k) != (2, 1), group=gi))
+    return rows
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+@pytest.mark.parametrize("fused", [True, False])
+def test_shared_prompt_rows_train_like_one_row_per_completion(aggregation, fused):
+    """A group packed as one row (its prompt once, each completion attending to it and to itself) gives the loss,
+    units, metrics and gradients of one row per completion, on-policy (no old log-probs: ratio 1), and the mismatch
+    measured in the training forward is round-off against the log-probs each completion has on its own."""
+    from megapipe.posttrain.rl.grpo import MismatchMeter
+    from megapipe.posttrain.rl.rollout import collate, collate_shared, split_rows
+
+    s = GRPOSettings(aggregation=aggregation, temperature=0.9, chunk=5)
+    rows = _rows()
+    results = {}
+    for name, pack in (("rows", collate), ("shared", collate_shared)):
+        model = build_model(MODEL, seed=3)
+        model.return_hidden = fused
+        meter = MismatchMeter()
+        mbs = [pack(chunk, 0) for chunk in split_rows(rows, 2)]
+        result = train_step(model, mbs, ParallelDims(), GRPOLoss(s, meter))
+        results[name] = (result, {n: p.grad for n, p in model.named_parameters()}, meter.sums, mbs)
+    (want, want_grads, want_mm, row_mbs), (got, got_grads, got_mm, shared_mbs) = results["rows"], results["shared"]
+    assert sum(mb["tokens"].numel() for mb in shared_mbs) < sum(mb["tokens"].numel() for mb in row_mbs)
+    assert got.units == want.units == (8 if aggregation != "token-mean" else sum(
+        len(r.sample.ids) for r in rows if r.trained))
+    assert got.loss.item() == pytest.approx(want.item(), rel=1e-5, abs=1e-7)
+    for k in want.metrics:
+        assert got.metrics[k] == pytest.approx(want.metrics[k], rel=1e-5, abs=1e-7), k
+    for n, g in want_grads.items():
+        torch.testing.assert_close(got_grads[n], g, rtol=1e-4, atol=1e-6, msg=n)
+    tokens = sum(len(r.sample.ids) for r in rows if r.trained)  # split_rows leaves the untrained row out
+    for mm in (want_mm, got_mm):
+        assert mm[3] == tokens and mm[0] / tokens < 1e-6 and mm[1] < 1e-5 and abs(mm[2]) < 1e-10

@@ -149,3 +149,37 @@ def test_a_micro_batch_that_does_not_divide_the_rollout_batch_is_named_in_rl_ter
     assert ("train.global_batch_size = 24 is not divisible by train.micro_batch_size = 5 (posttrain rl: the global "
             "batch is rl.prompts_per_step x rl.group_size = 4 x 6 sequences)") in err
     assert not run.exists()
+
+
+@pytest.mark.parametrize("other", ["a separate scoring pass", "one row per completion"])
+def test_the_on_policy_fast_path_trains_like_the_plain_one(rl_base, tmp_path, other):
+    """One update per batch takes the old log-probs and the mismatch from the training forward, and packs each
+    group's completions after their prompt: two steps of that equal two steps with a separate no-grad scoring pass,
+    and two steps with one row per completion (same rollouts, loss and gradient norm within round-off, the same
+    mismatch figures, and weights apart by far less than the updates: AdamW's lr 1e-3 step on an element whose
+    gradient is round-off either way is round-off amplified, up to ~6e-5 here)."""
+    from megapipe.training.recipes.rl import RLRecipe
+    from megapipe.training.trainer import Trainer
+
+    common = {**HAS_E, "train.train_iters": 2, "train.precision": "fp32", "temperature": 0.8}
+    runs = {}
+    for name in ("fast", other):
+        cfg = make_config(rl_base, tmp_path / name.replace(" ", "-"), shared_prompts=name != "one row per completion",
+                          **common)
+        recipe = RLRecipe(cfg.rl)
+        if name == "a separate scoring pass":
+            recipe.meter = None
+        trainer = Trainer(cfg, recipe, quiet=True)
+        trainer.train_data.worker.on_policy = name != "a separate scoring pass"
+        trainer.train()
+        runs[name] = (trainer.model.state_dict(), records(trainer.cfg.checkpoint.save))
+    (fast, fast_recs), (slow, slow_recs) = runs["fast"], runs[other]
+    for k, v in fast.items():
+        torch.testing.assert_close(v, slow[k], rtol=0, atol=2e-4, msg=k)
+    for a, b in zip(fast_recs, slow_recs, strict=True):
+        assert (a["reward"], a["completion_len"]) == (b["reward"], b["completion_len"])
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+        assert a["mismatch_max"] < 1e-5 and b["mismatch_max"] < 1e-5
+        assert a["mismatch_mean"] == pytest.approx(b["mismatch_mean"], abs=1e-6)
+    assert slow_recs[0]["logprob_s"] > 0 if other == "a separate scoring pass" else True
