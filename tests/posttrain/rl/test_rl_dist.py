@@ -70,3 +70,28 @@ def test_dp2_fsdp_equals_one_process_on_the_same_rollouts(rl_base, tmp_path, cap
     err = " ".join(capsys.readouterr().err.split())
     assert "was saved by 2 data-parallel rank(s) in the middle of a rollout batch (--updates-per-batch 2)" in err
     assert "resume it with 2 rank(s), not 1" in err
+
+
+def test_dp2_ddp_on_policy_equals_one_process(rl_base, tmp_path):
+    """--dp-mode ddp with one update per batch (the training forward gives the old log-probs, and the mismatch is
+    reduced over both ranks before the update): the same rollouts and curve as one process."""
+    args = ["posttrain", "rl", "--load", str(rl_base), "--task", "arithmetic", "--reward", "tests.helpers.rl:has_e",
+            "--prompts-per-step", "4", "--group-size", "4", "--max-completion-tokens", "8", "--max-prompt-tokens",
+            "48", "--micro-batch-size", "4", "--train-iters", "3", "--lr", "1e-3", "--log-interval", "1",
+            "--precision", "fp32", "--temperature", "0.8", "--quiet"]
+    assert main([*args, "--save", str(tmp_path / "one")]) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "megapipe.cli", *args, "--save", str(tmp_path / "two"),
+                           "--nproc-per-node", "2", "--dp-mode", "ddp"], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    one, two = records(tmp_path / "one"), records(tmp_path / "two")
+    assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2, 3]
+    for a, b in zip(one, two, strict=True):
+        for k in ROLLOUT:
+            assert a.get(k) == b.get(k), (a["step"], k, a.get(k), b.get(k))
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-7), a["step"]
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), a["step"]
+        assert a["mismatch_max"] < 1e-5 and b["mismatch_max"] < 1e-5 and b["mismatch_mean"] < 1e-6
+    m = json.loads((tmp_path / "two" / "step_00000003" / "megapipe.json").read_text())
+    assert m["layout"]["world_size"] == 2 and m["stage"] == "rl"
