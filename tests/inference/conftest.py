@@ -1,66 +1,10 @@
-"""Tiny random Hugging Face models saved as real model directories (config.json, safetensors, tokenizer), made here:
-the engine loads them through the bridge, transformers is the reference."""
+"""Inference fixtures: tiny random Hugging Face model directories (tests/helpers/hf_tiny.py) and engines over them."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
-import torch
 
-VOCAB = 320
-TEXTS = ["The quick brown fox jumps over the lazy dog.", "A stitch in time saves nine.",
-         "To be, or not to be, that is the question.", "All that glitters is not gold; all that wander are lost.",
-         "Hello world! Numbers 12345 and symbols #@%."] * 20
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
-
-
-def _hf_config(arch: str):
-    import transformers
-
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  max_position_embeddings=128, initializer_range=0.3, tie_word_embeddings=False,
-                  attn_implementation="eager")
-    if arch == "llama":
-        return transformers.LlamaConfig(num_key_value_heads=2, **common)
-    if arch == "qwen2":
-        return transformers.Qwen2Config(num_key_value_heads=2, **common)
-    if arch == "mistral":
-        return transformers.MistralConfig(num_key_value_heads=2, sliding_window=8, **common)
-    if arch == "gpt2":
-        return transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128,
-                                       initializer_range=0.3, tie_word_embeddings=True, attn_implementation="eager")
-    raise ValueError(arch)
-
-
-def make_hf_dir(root: Path, arch: str, seed: int = 0, dtype=torch.float32) -> tuple[Path, object]:
-    """A random HF model of ``arch`` + a trained byte-level BPE of VOCAB ids (0 = <|endoftext|>) in ``root``."""
-    import transformers
-
-    from megapipe.data.tokenizer import train_tokenizer
-
-    root.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
-    cfg = _hf_config(arch)
-    cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
-           "mistral": transformers.MistralForCausalLM, "gpt2": transformers.GPT2LMHeadModel}[arch]
-    model = cls(cfg).eval()
-    if arch == "qwen2":  # random biases, so the bias path is exercised
-        with torch.no_grad():
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0, 0.3)
-    model.save_pretrained(root)
-    train_tokenizer(TEXTS, vocab_size=VOCAB, output=root)
-    config_file = root / "tokenizer_config.json"
-    tok_cfg = json.loads(config_file.read_text()) if config_file.is_file() else {}
-    tok_cfg["chat_template"] = CHAT_TEMPLATE
-    config_file.write_text(json.dumps(tok_cfg))
-    return root, model.to(dtype)
+from tests.helpers.hf_tiny import make_hf_dir
 
 
 @pytest.fixture(scope="session")
@@ -77,9 +21,3 @@ def tiny_engine_factory(hf_llama):
         return LLMEngine.from_pretrained(hf_llama[0], device="cpu", **config)
 
     return make
-
-
-def hf_greedy(hf_model, prompt: list[int], max_new: int) -> list[int]:
-    out = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                            max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import hf_greedy, make_hf_dir
 
 from megapipe.errors import ConfigError
 from megapipe.inference import LLMEngine, ParamError, SamplingParams
+from tests.helpers.hf_tiny import hf_greedy, make_hf_dir
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 17, 9, 33, 2, 71, 8, 19, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [44, 3], [100, 101, 102, 7],
