@@ -85,8 +85,10 @@ class RunLock:
     def __init__(self, run_dir: Path):
         self.path = run_dir / LOCK_NAME
         self._fd: Optional[int] = None
+        self._created = False
 
     def __enter__(self) -> "RunLock":
+        self._created = not self.path.parent.exists()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -104,9 +106,13 @@ class RunLock:
         self._fd = fd
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         if self._fd is not None:
             os.ftruncate(self._fd, 0)
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+        if exc_type is not None and self._created and [p.name for p in self.path.parent.iterdir()] == [LOCK_NAME]:
+            # refused before anything was written (a bad --set, a busy step): leave no run directory behind
+            self.path.unlink()
+            self.path.parent.rmdir()

@@ -194,3 +194,13 @@ def test_variables_may_use_the_environment_and_earlier_variables(tmp_path, monke
     monkeypatch.delenv("MEGAPIPE_TEST_DATA")
     assert error(tmp_path, text).startswith("FILE:4: '${env.MEGAPIPE_TEST_DATA}': the environment variable "
                                             "MEGAPIPE_TEST_DATA is not set")
+
+
+def test_a_refused_run_leaves_no_run_directory(tmp_path, capsys):
+    """A mistake found before any step ran (a bad --set, a bad --from) leaves no run directory (nor its lock)."""
+    path = write(tmp_path, GOOD)
+    run_dir = tmp_path / "runs" / "new"
+    assert main(["pipeline", "run", str(path), "--run-dir", str(run_dir), "--set", "pretrain.lrr=1"]) == 2
+    assert main(["pipeline", "run", str(path), "--run-dir", str(run_dir), "--from", "pretrainn"]) == 2
+    assert "--from pretrainn: no step 'pretrainn'" in capsys.readouterr().err
+    assert not run_dir.exists()
