@@ -181,6 +181,8 @@ class IndexedDatasetWriter:
             clash = f"{parent} is a file, not a directory"
         if clash:
             raise DataError(f"cannot write the dataset {self.prefix}.bin/.idx: {clash}")
+        # the directories made for the output, removed again (when empty) by abort()
+        self._made = [d for d in [parent, *parent.parents] if not d.exists()]
         try:
             parent.mkdir(parents=True, exist_ok=True)
             self._bin = open(self._tmp_bin, "wb")
@@ -291,6 +293,11 @@ class IndexedDatasetWriter:
             self._bin.close()
         for p in (self._tmp_bin, self._tmp_idx):
             p.unlink(missing_ok=True)
+        for d in self._made:  # innermost first
+            try:
+                d.rmdir()
+            except OSError:  # not empty (something else was written there meanwhile), or gone
+                break
         self._done = True
 
     def __enter__(self) -> IndexedDatasetWriter:

@@ -67,6 +67,11 @@ def test_error_leaves_nothing_and_merge_checks_dtype(tmp_path):
         with IndexedDatasetWriter(tmp_path / "y", np.uint16) as w:
             w.add_dataset(tmp_path / "i32")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["i32.bin", "i32.idx"]
+    # the directories made for an output that failed go too (not those that were there before)
+    with pytest.raises(DataError):
+        with IndexedDatasetWriter(tmp_path / "new" / "deeper" / "y", np.uint16) as w:
+            w.add_dataset(tmp_path / "i32")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["i32.bin", "i32.idx"]
 
 
 def _patch(data: bytes, offset: int, fmt: str, value) -> bytes:
