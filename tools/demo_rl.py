@@ -5,12 +5,14 @@ on this machine's CPUs. Every step is a megapipe command (import hf, posttrain r
 
     python tools/demo_rl.py [--model-dir ~/.cache/megapipe/smollm2] [--work /tmp/megapipe-demo-rl] [--steps 20]
         [--prompts-per-step 8] [--group-size 4] [--max-completion-tokens 12] [--temperature 0.7] [--lr 2e-5]
-        [--format-weight 0] [--format-regex REGEX]
+        [--format-weight 0] [--format-regex REGEX] [--seeds 1234,1,2]
 
-Prints the reward curve (reward = accuracy here, completion length, seconds per step), writes WORK/curve.json,
-WORK/plots/{reward,length,...}.png (``megapipe plot``) and WORK/demo.json with the figures: mean reward of the
-first and last --window steps, steps, wall time, machine load. Exits 1 unless the reward rose by at least --min-gain.
-A --work that already holds the run resumes it (``posttrain rl`` resumes exactly from its newest checkpoint).
+Each seed (--seeds: the run's --seed, which draws the prompts and the samples) is one run, WORK/rl-seed<N>. Prints
+each run's reward curve (reward = accuracy here, completion length), writes WORK/rl-seed<N>/curve.json and
+WORK/rl-seed<N>/plots/{reward,length,...}.png (``megapipe plot``) and WORK/demo.json with the figures: mean reward of
+the first and last --window steps per seed and over the seeds, steps, wall time, machine load. Exits 1 unless the
+reward rose by at least --min-gain on average over the seeds and rose in every one. A --work that already holds a
+run resumes it (``posttrain rl`` resumes exactly from its newest checkpoint).
 """
 
 from __future__ import annotations
@@ -52,16 +54,40 @@ def main() -> int:
                     help="The answer format rewarded (default: the completion ends with '= N').")
     ap.add_argument("--lr", type=float, default=2e-5)
     ap.add_argument("--window", type=int, default=5, help="Steps averaged for the start and end reward.")
-    ap.add_argument("--min-gain", type=float, default=0.15, help="Required rise of the reward (end - start).")
+    ap.add_argument("--min-gain", type=float, default=0.15,
+                    help="Required rise of the reward (end - start), on average over the seeds.")
+    ap.add_argument("--seeds", type=lambda v: [int(x) for x in v.split(",")], default=[1234],
+                    help="Comma-separated run seeds, one run each (default 1234).")
     args = ap.parse_args()
     if not (Path(args.model_dir) / "config.json").is_file():
         print(f"{args.model_dir} holds no HF model: run tools/prepare_smollm2.py first", file=sys.stderr)
         return 2
     work = Path(args.work or tempfile.mkdtemp(prefix="megapipe-demo-rl-"))
     work.mkdir(parents=True, exist_ok=True)
-    base, run = work / "base", work / "rl"
+    base = work / "base"
     if not base.exists():
         megapipe("import", "hf", args.model_dir, str(base), "--quiet")
+    runs = [run_seed(args, base, work / f"rl-seed{seed}", seed) for seed in args.seeds]
+    n = len(runs)
+    figures = {
+        "model": args.model_dir, "task": f"arithmetic 0..{args.arithmetic_max} (+)", "seeds": args.seeds,
+        "prompts_per_step": args.prompts_per_step, "group_size": args.group_size, "lr": args.lr,
+        "max_completion_tokens": args.max_completion_tokens, "temperature": args.temperature,
+        "reward_start": sum(r["reward_start"] for r in runs) / n, "reward_end": sum(r["reward_end"] for r in runs) / n,
+        "runs": runs,
+    }
+    (work / "demo.json").write_text(json.dumps(figures, indent=1) + "\n")
+    for r in runs:
+        print(f"seed {r['seed']}: reward (mean of {r['window']} steps) {r['reward_start']:.3f} -> {r['reward_end']:.3f} "
+              f"over {r['steps']} steps; completion length {r['length_start']:.1f} -> {r['length_end']:.1f}; "
+              f"mismatch KL <= {r['mismatch_kl_max']:.2g}; {r['s_per_step']:.1f} s/step ({r['load_before']})")
+    print(f"mean over {n} seed(s): {figures['reward_start']:.3f} -> {figures['reward_end']:.3f}; figures in "
+          f"{work / 'demo.json'}")
+    rose = all(r["reward_end"] > r["reward_start"] for r in runs)
+    return 0 if rose and figures["reward_end"] - figures["reward_start"] >= args.min_gain else 1
+
+
+def run_seed(args, base: Path, run: Path, seed: int) -> dict:
     load_before, t0 = load(), time.monotonic()
     megapipe("posttrain", "rl", "--load", str(base), "--save", str(run), "--task", "arithmetic",
              "--arithmetic-max", str(args.arithmetic_max), "--prompts-per-step", str(args.prompts_per_step),
@@ -71,39 +97,34 @@ def main() -> int:
              "--format-regex", args.format_regex, "--micro-batch-size", str(args.prompts_per_step * args.group_size),
              "--train-iters", str(args.steps), "--lr", str(args.lr), "--lr-decay-style", "constant",
              "--lr-warmup-iters", "0", "--precision", "fp32", "--log-interval", "1", "--save-interval", "5",
-             "--keep-last", "1")
+             "--keep-last", "1", "--seed", str(seed), "--quiet")
     wall, load_after = time.monotonic() - t0, load()
-    megapipe("plot", str(run), "--output", str(work / "plots"), "--quiet")
+    megapipe("plot", str(run), "--output", str(run / "plots"), "--quiet")
 
     from megapipe.plot import read_metrics
 
     recs = [r for r in read_metrics(run / "metrics.jsonl") if r.get("kind", "train") == "train" and "reward" in r]
-    curve = [{k: r.get(k) for k in ("step", "reward", "accuracy", "reward/format", "completion_len", "truncated", "mismatch_kl",
-                                    "mismatch_max", "rollout_s", "logprob_s")} for r in recs]
-    print(f"{'step':>4} {'reward':>7} {'accuracy':>8} {'format':>7} {'length':>7} {'truncated':>9} {'mismatch_kl':>11}")
+    curve = [{k: r.get(k) for k in ("step", "reward", "accuracy", "reward/format", "completion_len", "truncated",
+                                    "mismatch_kl", "mismatch_max", "rollout_s", "logprob_s")} for r in recs]
+    print(f"seed {seed}\n{'step':>4} {'reward':>7} {'accuracy':>8} {'format':>7} {'length':>7} {'truncated':>9} "
+          f"{'mismatch_kl':>11}")
     for c in curve:
         print(f"{c['step']:>4} {c['reward']:>7.3f} {c['accuracy']:>8.3f} {c.get('reward/format') or 0:>7.3f} "
               f"{c['completion_len']:>7.2f} {c['truncated']:>9.2f} {c['mismatch_kl']:>11.2e}")
+    (run / "curve.json").write_text(json.dumps(curve, indent=1) + "\n")
     w = min(args.window, max(1, len(curve) // 2))
-    start = sum(c["reward"] for c in curve[:w]) / w
-    end = sum(c["reward"] for c in curve[-w:]) / w
-    figures = {
-        "model": args.model_dir, "task": f"arithmetic 0..{args.arithmetic_max} (+)", "steps": len(curve),
-        "prompts_per_step": args.prompts_per_step, "group_size": args.group_size, "lr": args.lr,
-        "max_completion_tokens": args.max_completion_tokens, "temperature": args.temperature, "window": w, "reward_start": start,
-        "reward_end": end, "accuracy_start": sum(c["accuracy"] for c in curve[:w]) / w,
-        "accuracy_end": sum(c["accuracy"] for c in curve[-w:]) / w, "length_start": sum(c["completion_len"] for c in curve[:w]) / w,
-        "length_end": sum(c["completion_len"] for c in curve[-w:]) / w,
-        "mismatch_kl_max": max(c["mismatch_kl"] for c in curve), "wall_s": wall, "load_before": load_before,
-        "load_after": load_after, "plots": str(work / "plots"),
+
+    def mean(key: str, part: list) -> float:
+        return sum(c[key] for c in part) / len(part)
+
+    return {
+        "seed": seed, "steps": len(curve), "window": w, "reward_start": mean("reward", curve[:w]),
+        "reward_end": mean("reward", curve[-w:]), "accuracy_start": mean("accuracy", curve[:w]),
+        "accuracy_end": mean("accuracy", curve[-w:]), "length_start": mean("completion_len", curve[:w]),
+        "length_end": mean("completion_len", curve[-w:]), "mismatch_kl_max": max(c["mismatch_kl"] for c in curve),
+        "wall_s": wall, "s_per_step": wall / max(len(curve), 1), "load_before": load_before, "load_after": load_after,
+        "curve": str(run / "curve.json"), "plots": str(run / "plots"),
     }
-    (work / "curve.json").write_text(json.dumps(curve, indent=1) + "\n")
-    (work / "demo.json").write_text(json.dumps(figures, indent=1) + "\n")
-    print(f"reward (mean of {w} steps): start {start:.3f} -> end {end:.3f} over {len(curve)} steps (accuracy "
-          f"{figures['accuracy_start']:.3f} -> {figures['accuracy_end']:.3f}); "
-          f"completion length {figures['length_start']:.1f} -> {figures['length_end']:.1f}; wall {wall:.0f} s "
-          f"({load_before}; after: {load_after}); curve {work / 'curve.json'}, PNGs in {work / 'plots'}")
-    return 0 if end - start >= args.min_gain else 1
 
 
 if __name__ == "__main__":

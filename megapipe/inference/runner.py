@@ -100,6 +100,36 @@ def pack_linears(model: nn.Module) -> int:
     return count
 
 
+def packed_parts(model: nn.Module):
+    """Every packed matmul under ``model`` with the state-dict names of the weights it fuses (rows in that order),
+    of their biases, and their row counts: (PackedLinear, [weight names], [bias names], [rows])."""
+    fused = set()
+    for name, module in model.named_modules():
+        prefix = name + "." if name else ""
+        if isinstance(module, PackedQKV):
+            owner = prefix[: -len("fused_qkv.")]
+            parts = [f"{owner}{p}" for p in ("wq", "wk", "wv")]
+            yield module.wqkv, [f"{p}.weight" for p in parts], [f"{p}.bias" for p in parts], module.sizes
+            fused.add(prefix + "wqkv")
+        elif isinstance(module, PackedSwiGLU):
+            yield (module.w13, [f"{prefix}w1.weight", f"{prefix}w3.weight"], [f"{prefix}w1.bias", f"{prefix}w3.bias"],
+                   [module.hidden] * 2)
+            yield module.w2, [f"{prefix}w2.weight"], [f"{prefix}w2.bias"], [module.w2.out_features]
+            fused.update({prefix + "w13", prefix + "w2"})
+        elif isinstance(module, PackedLinear) and name not in fused:
+            yield module, [f"{prefix}weight"], [f"{prefix}bias"], [module.out_features]
+
+
+def repack(linear: PackedLinear, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+    """New values for a packed matmul of the same shape (its bias updated in place)."""
+    if tuple(weight.shape) != (linear.out_features, linear.in_features):
+        raise ValueError(f"a packed linear of {linear.out_features}x{linear.in_features} got a {tuple(weight.shape)} "
+                         "weight")
+    linear.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16)
+    if linear.bias is not None:
+        linear.bias.copy_(bias)
+
+
 class DecoderLayer:
     """One dense pre-norm block (RMSNorm, rotary attention, swiglu MLP) run on the flattened batch [T, H] with far
     fewer operations than the module's forward: fused RMSNorm, rotary embedding in place on the fused q/k
@@ -189,25 +219,22 @@ class ModelRunner:
     def load_weights(self, state: dict) -> None:
         """Take new weights (a full, unsharded state dict of the model: names as ``Transformer.state_dict()``),
         cast to the engine's dtype; packed layers are rebuilt from them."""
-        from megapipe.models import build_model
-
-        if self.packed:
-            fresh = build_model(self.model.cfg, device="meta").to_empty(device=self.device).to(self.dtype)
-            fresh.load_state_dict({k: v.to(self.device, self.dtype) for k, v in state.items()}, strict=True)
-            fresh.eval()
-            pack_linears(fresh.layers)
-            self.model = fresh
-            self.head_weight = fresh.output_weight().detach()
-            self.head = PackedLinear(self.head_weight)
-            self._build_fast_path()
-            return
-        mine = self.model.state_dict()
-        missing = sorted(set(mine) - set(state))
+        mine = self.model.state_dict()  # packed: the tensors left plain (embeddings, norms)
+        parts = list(packed_parts(self.model)) if self.packed else []
+        wanted = set(mine) | {n for _, weights, _, _ in parts for n in weights}
+        missing = sorted(wanted - set(state))
         if missing:
             raise KeyError(f"load_weights: the state dict lacks {missing[:3]}")
         for name, t in mine.items():
             t.copy_(state[name])
+        for linear, weights, biases, _ in parts:  # re-packed in place of the old values: no second model in memory
+            w = [state[n].to(self.device, self.dtype) for n in weights]
+            w = w[0] if len(w) == 1 else torch.cat(w)
+            b = torch.cat([state[n] for n in biases]) if linear.bias is not None else None
+            repack(linear, w, b)
         self.head_weight = self.model.output_weight().detach()
+        if self.head is not None:
+            repack(self.head, self.head_weight, None)
 
     @torch.inference_mode()
     def run(self, decodes: Sequence[tuple[Sequence[int], int, int]],

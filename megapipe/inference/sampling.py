@@ -4,9 +4,10 @@ Order of the logits processors (the one vLLM and HF apply): repetition / frequen
 logits, ``min_tokens`` suppression of EOS and stop ids, then temperature, top-k, top-p and min-p on the tempered
 distribution. Greedy (temperature 0) takes the argmax of the penalised logits.
 
-Sampling draws one exponential variate per vocabulary entry from the request's own generator and takes
-``argmax(p / e)``, an exact draw from ``p`` (the exponential race). A seeded request therefore consumes the same
-random numbers whatever else is in the batch, so its output depends only on its seed and prompt.
+Sampling inverts the distribution's cumulative sum (float64) at one uniform variate per token drawn from the
+request's own generator: an exact draw from ``p`` that costs one random number per token, not one per vocabulary
+entry. A seeded request therefore consumes the same random numbers whatever else is in the batch, so its output
+depends only on its seed and prompt.
 
 Reported logprobs are those of the model's raw distribution: ``log_softmax`` of the unmodified logits, before
 penalties, temperature and any top-k / top-p / min-p truncation (vLLM's default ``raw_logprobs``), so they score the
@@ -191,16 +192,17 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
     if not plain:
         x = torch.stack([filter_logits(x[j], rows[i].params.top_k, rows[i].params.top_p, rows[i].params.min_p)
                          for j, i in enumerate(sampled)])
-    probs = x.softmax(dim=-1)
-    race = torch.empty_like(probs)
+    cdf = x.softmax(dim=-1).double().cumsum_(dim=-1)
+    u = torch.empty(len(sampled), dtype=torch.float64, device=cdf.device)
     unseeded = [j for j, i in enumerate(sampled) if rows[i].generator is None]
     if unseeded:
-        race[unseeded] = torch.empty(len(unseeded), probs.shape[-1], device=probs.device).exponential_()
+        u[unseeded] = torch.rand(len(unseeded), dtype=torch.float64, device=cdf.device)
     for j, i in enumerate(sampled):
         if rows[i].generator is not None:
-            race[j].exponential_(generator=rows[i].generator)
-    race.clamp_(min=torch.finfo(race.dtype).tiny)  # a zero draw would make 0 / 0 for a filtered-out token
-    out[idx] = (probs / race).argmax(dim=-1)
+            u[j] = torch.rand((), dtype=torch.float64, generator=rows[i].generator, device=cdf.device)
+    # the first token whose cumulative mass exceeds u * total: token k with probability p_k (none with p_k = 0)
+    target = (u * cdf[:, -1])[:, None]
+    out[idx] = torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=cdf.shape[-1] - 1)
     return out
 
 

@@ -55,35 +55,16 @@ def build_engine(model_cfg, tokenizer, eos_token_ids, dtype: torch.dtype, device
 
 def engine_weights(engine) -> dict[str, torch.Tensor]:
     """What the engine computes with, under the model's state-dict names (``<head>`` for its output projection)."""
-    from megapipe.inference.runner import PackedLinear, PackedQKV, PackedSwiGLU
+    from megapipe.inference.runner import packed_parts
 
     runner = engine.runner
     out = dict(runner.model.state_dict())
-    fused_children = set()
-    for name, module in runner.model.named_modules():
-        prefix = name + "." if name else ""
-        if isinstance(module, PackedQKV):
-            owner = prefix[: -len("fused_qkv.")]
-            weights = module.wqkv.packed.to_dense().split(module.sizes, dim=0)
-            biases = module.wqkv.bias.split(module.sizes) if module.wqkv.bias is not None else (None,) * 3
-            for part, w, b in zip(("wq", "wk", "wv"), weights, biases, strict=True):
-                out[f"{owner}{part}.weight"] = w
-                if b is not None:
-                    out[f"{owner}{part}.bias"] = b
-            fused_children.add(prefix + "wqkv")
-        elif isinstance(module, PackedSwiGLU):
-            w1, w3 = module.w13.packed.to_dense().split(module.hidden, dim=0)
-            out[f"{prefix}w1.weight"], out[f"{prefix}w3.weight"] = w1, w3
-            out[f"{prefix}w2.weight"] = module.w2.packed.to_dense()
-            if module.w13.bias is not None:
-                out[f"{prefix}w1.bias"], out[f"{prefix}w3.bias"] = module.w13.bias.split(module.hidden)
-            if module.w2.bias is not None:
-                out[f"{prefix}w2.bias"] = module.w2.bias
-            fused_children.update({prefix + "w13", prefix + "w2"})
-        elif isinstance(module, PackedLinear) and name not in fused_children:
-            out[f"{prefix}weight"] = module.packed.to_dense()
-            if module.bias is not None:
-                out[f"{prefix}bias"] = module.bias
+    for linear, weights, biases, sizes in packed_parts(runner.model):
+        for name, w in zip(weights, linear.packed.to_dense().split(sizes, dim=0), strict=True):
+            out[name] = w
+        if linear.bias is not None:
+            for name, b in zip(biases, linear.bias.split(sizes), strict=True):
+                out[name] = b
     out["<head>"] = runner.head.packed.to_dense() if runner.head is not None else runner.head_weight
     return out
 

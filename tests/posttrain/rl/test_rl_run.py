@@ -124,13 +124,15 @@ def test_the_mismatch_check_stops_a_desynchronised_engine(rl_base, tmp_path, mon
 
 
 def test_a_batch_with_every_group_dropped_is_skipped_without_an_update(rl_base, tmp_path):
-    """Arithmetic on a random model: every reward is 0, every group is dropped by dynamic sampling; the steps are
-    skipped (no update, not counted as non-finite losses) and the run ends normally."""
+    """A reward no completion can earn (a format regex that never matches): every reward is 0, every group is
+    dropped by dynamic sampling; the steps are skipped (no update, not counted as non-finite losses) and the run
+    ends normally."""
     from megapipe.checkpoint import load_checkpoint
     from megapipe.models import build_model
 
     run = tmp_path / "run"
-    cfg = make_config(rl_base, run, dynamic_sampling=True, **{"train.train_iters": 2, "train.max_nan_skips": 1})
+    cfg = make_config(rl_base, run, dynamic_sampling=True, reward=["format"], format_regex="(?!)",
+                      **{"train.train_iters": 2, "train.max_nan_skips": 1})
     summary, trainer = train(cfg)
     recs = records(run)
     assert [(r["skipped"], r["groups_dropped"], r["reward"]) for r in recs] == [(1, 1.0, 0.0), (1, 1.0, 0.0)]
