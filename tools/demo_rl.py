@@ -10,8 +10,9 @@ on this machine's CPUs. Every step is a megapipe command (import hf, posttrain r
 Each seed (--seeds: the run's --seed, which draws the prompts and the samples) is one run, WORK/rl-seed<N>. Prints
 each run's reward curve (reward = accuracy here, completion length), writes WORK/rl-seed<N>/curve.json and
 WORK/rl-seed<N>/plots/{reward,length,...}.png (``megapipe plot``) and WORK/demo.json with the figures: mean reward of
-the first and last --window steps per seed and over the seeds, steps, wall time, machine load. Exits 1 unless the
-reward rose by at least --min-gain on average over the seeds and rose in every one. A --work that already holds a
+the first and last --window steps per seed and over the seeds, steps, wall time, machine load, and the greedy
+accuracy on --held-out additions no run trained on (another prompt seed), of the base model and of each run's final
+checkpoint. Exits 1 unless the reward rose by at least --min-gain on average over the seeds and rose in every one. A --work that already holds a
 run resumes it (``posttrain rl`` resumes exactly from its newest checkpoint).
 """
 
@@ -58,6 +59,7 @@ def main() -> int:
                     help="Required rise of the reward (end - start), on average over the seeds.")
     ap.add_argument("--seeds", type=lambda v: [int(x) for x in v.split(",")], default=[1234],
                     help="Comma-separated run seeds, one run each (default 1234).")
+    ap.add_argument("--held-out", type=int, default=100, help="Held-out additions scored greedily at the end.")
     args = ap.parse_args()
     if not (Path(args.model_dir) / "config.json").is_file():
         print(f"{args.model_dir} holds no HF model: run tools/prepare_smollm2.py first", file=sys.stderr)
@@ -68,21 +70,25 @@ def main() -> int:
     if not base.exists():
         megapipe("import", "hf", args.model_dir, str(base), "--quiet")
     runs = [run_seed(args, base, work / f"rl-seed{seed}", seed) for seed in args.seeds]
+    held_out = {"base": held_out_accuracy(base, args)}
+    for r in runs:
+        r["held_out_accuracy"] = held_out[f"seed {r['seed']}"] = held_out_accuracy(Path(r["run"]), args)
     n = len(runs)
     figures = {
         "model": args.model_dir, "task": f"arithmetic 0..{args.arithmetic_max} (+)", "seeds": args.seeds,
         "prompts_per_step": args.prompts_per_step, "group_size": args.group_size, "lr": args.lr,
         "max_completion_tokens": args.max_completion_tokens, "temperature": args.temperature,
         "reward_start": sum(r["reward_start"] for r in runs) / n, "reward_end": sum(r["reward_end"] for r in runs) / n,
-        "runs": runs,
+        "held_out": {"prompts": args.held_out, "greedy_accuracy": held_out}, "runs": runs,
     }
     (work / "demo.json").write_text(json.dumps(figures, indent=1) + "\n")
     for r in runs:
         print(f"seed {r['seed']}: reward (mean of {r['window']} steps) {r['reward_start']:.3f} -> {r['reward_end']:.3f} "
               f"over {r['steps']} steps; completion length {r['length_start']:.1f} -> {r['length_end']:.1f}; "
               f"mismatch KL <= {r['mismatch_kl_max']:.2g}; {r['s_per_step']:.1f} s/step ({r['load_before']})")
-    print(f"mean over {n} seed(s): {figures['reward_start']:.3f} -> {figures['reward_end']:.3f}; figures in "
-          f"{work / 'demo.json'}")
+    print(f"mean over {n} seed(s): {figures['reward_start']:.3f} -> {figures['reward_end']:.3f}; greedy accuracy on "
+          f"{args.held_out} held-out additions: " + ", ".join(f"{k} {v:.3f}" for k, v in held_out.items()) +
+          f"; figures in {work / 'demo.json'}")
     rose = all(r["reward_end"] > r["reward_start"] for r in runs)
     return 0 if rose and figures["reward_end"] - figures["reward_start"] >= args.min_gain else 1
 
@@ -123,8 +129,28 @@ def run_seed(args, base: Path, run: Path, seed: int) -> dict:
         "accuracy_end": mean("accuracy", curve[-w:]), "length_start": mean("completion_len", curve[:w]),
         "length_end": mean("completion_len", curve[-w:]), "mismatch_kl_max": max(c["mismatch_kl"] for c in curve),
         "wall_s": wall, "s_per_step": wall / max(len(curve), 1), "load_before": load_before, "load_after": load_after,
-        "curve": str(run / "curve.json"), "plots": str(run / "plots"),
+        "run": str(run), "curve": str(run / "curve.json"), "plots": str(run / "plots"),
     }
+
+
+HELD_OUT_SEED = 987654321  # the prompt stream of the held-out additions: none of the runs' seeds
+
+
+def held_out_accuracy(ckpt: Path, args) -> float:
+    """Greedy accuracy of the checkpoint on --held-out additions rendered as the runs render theirs (the model's
+    chat template), at the runs' completion limit, through megapipe's engine."""
+    from megapipe.inference import LLMEngine, SamplingParams
+    from megapipe.inference.chat import ChatTemplate
+    from megapipe.posttrain.rl.rollout import PromptRenderer
+    from megapipe.posttrain.rl.tasks import AnswerChecker, ArithmeticTask
+
+    engine = LLMEngine.from_pretrained(ckpt, device="cpu", dtype="fp32", max_num_seqs=args.held_out)
+    task = ArithmeticTask(HELD_OUT_SEED, args.arithmetic_max, "+", AnswerChecker("numeric", None))
+    renderer = PromptRenderer(engine.tokenizer, ChatTemplate.from_tokenizer_dir(engine.tokenizer.path), None, 64)
+    prompts = [task.prompt(i) for i in range(args.held_out)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_completion_tokens)
+    outputs = engine.generate([renderer.encode(p.prompt, p.where) for p in prompts], params)
+    return sum(task.accuracy(o.outputs[0].text, p.fields) for o, p in zip(outputs, prompts, strict=True)) / len(prompts)
 
 
 if __name__ == "__main__":
