@@ -53,20 +53,18 @@ def build_engine(model_cfg, tokenizer, eos_token_ids, dtype: torch.dtype, device
     return LLMEngine(model, tokenizer, config, eos_token_ids)
 
 
-def engine_weights(engine) -> dict[str, torch.Tensor]:
-    """What the engine computes with, under the model's state-dict names (``<head>`` for its output projection)."""
+def engine_weights(engine):
+    """What the engine computes with, one tensor at a time, under the model's state-dict names (``<head>`` for its
+    output projection): (name, tensor) pairs; a packed matmul is read back (``to_dense``) only when reached."""
     from megapipe.inference.runner import packed_parts
 
     runner = engine.runner
-    out = dict(runner.model.state_dict())
+    yield from runner.model.state_dict().items()
     for linear, weights, biases, sizes in packed_parts(runner.model):
-        for name, w in zip(weights, linear.packed.to_dense().split(sizes, dim=0), strict=True):
-            out[name] = w
+        yield from zip(weights, linear.packed.to_dense().split(sizes, dim=0), strict=True)
         if linear.bias is not None:
-            for name, b in zip(biases, linear.bias.split(sizes), strict=True):
-                out[name] = b
-    out["<head>"] = runner.head.packed.to_dense() if runner.head is not None else runner.head_weight
-    return out
+            yield from zip(biases, linear.bias.split(sizes), strict=True)
+    yield "<head>", (runner.head.packed.to_dense() if runner.head is not None else runner.head_weight)
 
 
 @dataclass
@@ -78,22 +76,24 @@ class WeightCheck:
 def check_engine_weights(engine, state: dict[str, torch.Tensor]) -> WeightCheck:
     """Raise WeightSyncError unless every tensor of ``state`` (cast to the engine's dtype) equals the engine's."""
     dtype = engine.runner.dtype
-    have = engine_weights(engine)
     expected = dict(state)
     expected["<head>"] = state["output.weight"] if "output.weight" in state else state["tok_embeddings.weight"]
     bad: list[str] = []
     elements = 0
-    for name, ref in expected.items():
-        mine = have.get(name)
+    seen = set()
+    for name, mine in engine_weights(engine):  # streamed: one read-back tensor alive at a time
+        ref = expected.get(name)
+        if ref is None:
+            continue
+        seen.add(name)
         want = ref.to(engine.device, dtype)
-        if mine is None:
-            bad.append(f"{name} (missing in the engine)")
-        elif mine.shape != want.shape:
+        if mine.shape != want.shape:
             bad.append(f"{name} (shape {tuple(mine.shape)} vs {tuple(want.shape)})")
         elif not torch.equal(mine, want):
             diff = (mine.float() - want.float()).abs()
             bad.append(f"{name} ({int((diff > 0).sum())} of {want.numel()} values differ, by up to {float(diff.max()):.3g})")
         elements += want.numel()
+    bad += [f"{name} (missing in the engine)" for name in expected if name not in seen]
     if bad:
         more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
         raise WeightSyncError(
