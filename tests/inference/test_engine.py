@@ -15,10 +15,11 @@ PROMPTS = [[5, 17, 9, 33, 2, 71, 8, 19, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 
            list(range(60, 97)), [250] * 5 + [251, 252]]
 
 
-def run_staggered(engine: LLMEngine, prompts, params, every: int = 2) -> dict[int, list[int]]:
-    """Add one request every ``every`` steps while earlier ones decode; returns token ids by prompt index."""
+def run_staggered(engine: LLMEngine, prompts, params, every: int = 2, pick=lambda out: out.outputs[0].token_ids):
+    """Add one request every ``every`` steps while earlier ones decode; returns ``pick(output)`` of each finished
+    request (default: its token ids) by prompt index."""
     pending = list(enumerate(prompts))
-    done: dict[int, list[int]] = {}
+    done = {}
     step = 0
     while pending or engine.has_unfinished():
         if pending and step % every == 0:
@@ -26,7 +27,7 @@ def run_staggered(engine: LLMEngine, prompts, params, every: int = 2) -> dict[in
             engine.add_request(str(i), p, params)
         for out in engine.step():
             if out.finished:
-                done[int(out.request_id)] = out.outputs[0].token_ids
+                done[int(out.request_id)] = pick(out)
         step += 1
     return done
 
@@ -243,15 +244,7 @@ def test_prompt_logprobs_survive_preemption(hf_llama, one_thread):
     engine = LLMEngine.from_pretrained(path, device="cpu", block_size=4, num_blocks=16, max_model_len=64,
                                        max_num_batched_tokens=16)
     params = SamplingParams(max_tokens=20, prompt_logprobs=1, **GREEDY)
-    outs = {}
-    pending = list(enumerate(PROMPTS))
-    while pending or engine.has_unfinished():
-        if pending:
-            i, p = pending.pop(0)
-            engine.add_request(str(i), p, params)
-        for out in engine.step():
-            if out.finished:
-                outs[int(out.request_id)] = out
+    outs = run_staggered(engine, PROMPTS, params, every=1, pick=lambda out: out)
     assert engine.scheduler.num_preemptions > 0
     for i, p in enumerate(PROMPTS):
         ref = full_logprobs(hf, p)
@@ -295,18 +288,9 @@ def test_decoder_layer_fast_path_equals_the_model_forward(arch, dtype, tmp_path_
     slow = LLMEngine.from_pretrained(path, device="cpu", dtype=dtype, max_num_batched_tokens=8)
     assert fast.runner.layers is not None
     slow.runner.layers = None  # the model's forward through PagedBatch.attend
-    outs = []
-    for engine in (fast, slow):
-        done = {}
-        pending = list(enumerate(PROMPTS))
-        while pending or engine.has_unfinished():
-            if pending:
-                i, p = pending.pop(0)
-                engine.add_request(str(i), p, params)
-            for out in engine.step():
-                if out.finished:
-                    done[int(out.request_id)] = (out.outputs[0].token_ids, out.outputs[0].logprobs)
-        outs.append(done)
+    outs = [run_staggered(engine, PROMPTS, params, every=1,
+                          pick=lambda out: (out.outputs[0].token_ids, out.outputs[0].logprobs))
+            for engine in (fast, slow)]
     assert outs[0] == outs[1]
 
 
