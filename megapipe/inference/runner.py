@@ -22,11 +22,16 @@ from torch import nn
 from megapipe.inference.kv_cache import KVPool, PagedBatch
 
 
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    """The oneDNN blocked layout of a linear weight (tuned for batches of about 16 rows)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16)
+
+
 class PackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16)
+        self.packed = _pack(weight)
         self.bias = None if bias is None else bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -125,7 +130,7 @@ def repack(linear: PackedLinear, weight: torch.Tensor, bias: Optional[torch.Tens
     if tuple(weight.shape) != (linear.out_features, linear.in_features):
         raise ValueError(f"a packed linear of {linear.out_features}x{linear.in_features} got a {tuple(weight.shape)} "
                          "weight")
-    linear.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16)
+    linear.packed = _pack(weight)
     if linear.bias is not None:
         linear.bias.copy_(bias)
 

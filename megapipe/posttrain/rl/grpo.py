@@ -160,25 +160,17 @@ class GRPOLoss(Loss):
         trained = mask[sampled]
         return logp[trained], entropy[trained]
 
-    def token_weights(self, batch: dict) -> torch.Tensor:
-        """Per trained token: its weight in the loss sum (1, or 1 / the length of its sequence)."""
+    def weights(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per trained token: (its weight in the loss sum, its weight in the per-token metrics). The loss weighs 1,
+        or 1 / the length of its sequence (seq-mean-token-mean); metrics are averaged like the loss's units: over
+        tokens (token-mean), or per sequence then over sequences (the seq-mean aggregations)."""
         mask = batch["completion_mask"]
-        if self.s.aggregation == "seq-mean-token-mean":
-            return self._inverse_lengths(batch)
-        return torch.ones(int(mask.sum()), device=mask.device)
-
-    def metric_weights(self, batch: dict) -> torch.Tensor:
-        """Per-token metrics are averaged like the loss: over tokens (token-mean), or per sequence then over
-        sequences (the seq-mean aggregations, whose units are sequences)."""
-        mask = batch["completion_mask"]
+        ones = torch.ones(int(mask.sum()), device=mask.device)
         if self.s.aggregation == "token-mean":
-            return torch.ones(int(mask.sum()), device=mask.device)
-        return self._inverse_lengths(batch)
-
-    @staticmethod
-    def _inverse_lengths(batch: dict) -> torch.Tensor:
-        index, n = sequence_index(batch["completion_mask"], batch.get("document_ids"))
-        return 1.0 / torch.bincount(index, minlength=n).float()[index]
+            return ones, ones
+        index, n = sequence_index(mask, batch.get("document_ids"))
+        inverse = 1.0 / torch.bincount(index, minlength=n).float()[index]
+        return (inverse if self.s.aggregation == "seq-mean-token-mean" else ones), inverse
 
     def __call__(self, out: ModelOutput, batch: dict) -> LossResult:
         s, mask = self.s, batch["completion_mask"]
@@ -188,13 +180,12 @@ class GRPOLoss(Loss):
         adv = (adv[:, None].expand(mask.shape) if adv.dim() == 1 else adv)[mask].float()
         pg, low, high = clipped_surrogate(logp, old, adv, s.clip_low, s.clip_high)
         per_token = pg
-        metrics_w = self.metric_weights(batch)
+        w, metrics_w = self.weights(batch)
         metrics = {}
         if s.kl_coef > 0:
             kl = kl_estimate(logp, batch["ref_logprobs"][mask], s.kl_estimator)
             per_token = per_token + s.kl_coef * kl
             metrics["kl"] = (kl.detach() * metrics_w).sum()
-        w = self.token_weights(batch)
         total = (per_token * w).sum()
         metrics.update({
             "pg_loss": (pg.detach() * w).sum(),
