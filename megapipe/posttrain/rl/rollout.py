@@ -249,14 +249,15 @@ class Reducer:
 class RolloutWorker:
     """Makes the rollout batches of one rank: ``rollout(first_index)`` -> (micro-batches, metrics)."""
 
-    def __init__(self, trainer, rl, task, rewards, renderer: PromptRenderer, engine, reference=None):
+    def __init__(self, trainer, rl, task, rewards, renderer: PromptRenderer, engine, reference=None,
+                 on_policy: bool = False):
         self.trainer, self.rl, self.task, self.rewards, self.renderer = trainer, rl, task, rewards, renderer
         self.engine, self.reference = engine, reference
         self.reduce = Reducer(trainer.dims)
         self.pad_id = getattr(trainer.tokenizer, "pad_id", None) or 0
         self.sync = None  # set by the recipe: the weight-sync callable (state dict -> check result)
-        # one update per batch: the training forward gives the old log-probs and measures the mismatch
-        self.on_policy = rl.updates_per_batch == 1
+        # the training forward gives the old log-probs and measures the mismatch (the recipe's meter): no scoring pass
+        self.on_policy = on_policy
 
     def prompts(self, first_index: int):
         dims, p = self.trainer.dims, self.rl.prompts_per_step
@@ -320,10 +321,10 @@ class RolloutWorker:
         """No-grad passes over the sampled tokens, into each micro-batch: the trainer's old log-probs (several
         updates per batch; the mismatch against the engine into ``meter``) and the reference's."""
         trainer, rl = self.trainer, self.rl
+        if self.on_policy and self.reference is None:
+            return
         temps = (rl.temperature,) if rl.temperature == 1.0 else (rl.temperature, 1.0)
         for mb in microbatches:
-            if self.on_policy and self.reference is None:
-                return
             mask = mb["sampled_mask"]
             dev = {k: v.to(trainer.device) for k, v in mb.items()}
             with trainer._autocast():

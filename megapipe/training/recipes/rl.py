@@ -233,7 +233,8 @@ class RolloutStream:
         engine = build_engine(cfg.model, trainer.tokenizer, _eos_ids(recipe._start_hf, trainer.tokenizer),
                               _dtype(rl, cfg.train.precision), trainer.device, rows, cfg.data.seq_length,
                               full_state_dict(trainer.model))
-        self.worker = RolloutWorker(trainer, rl, task, rewards, renderer, engine, reference)
+        self.worker = RolloutWorker(trainer, rl, task, rewards, renderer, engine, reference,
+                                    on_policy=recipe.meter is not None)
         self.worker.sync = lambda sd: sync_engine(engine, sd, rl.check_weights)
         self.consumed = int(state.get("consumed_prompts", 0))
         self.batch: list[dict] = []

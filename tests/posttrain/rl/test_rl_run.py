@@ -170,9 +170,9 @@ def test_the_on_policy_fast_path_trains_like_the_plain_one(rl_base, tmp_path, ot
                           **common)
         recipe = RLRecipe(cfg.rl)
         if name == "a separate scoring pass":
-            recipe.meter = None
+            recipe.meter = None  # the loss measures nothing, the rollout scores the batch
         trainer = Trainer(cfg, recipe, quiet=True)
-        trainer.train_data.worker.on_policy = name != "a separate scoring pass"
+        assert trainer.train_data.worker.on_policy == (name != "a separate scoring pass")
         trainer.train()
         runs[name] = (trainer.model.state_dict(), records(trainer.cfg.checkpoint.save))
     (fast, fast_recs), (slow, slow_recs) = runs["fast"], runs[other]
