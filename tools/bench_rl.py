@@ -36,9 +36,10 @@ def load() -> str:
 
 
 def task_prompts(n: int, max_operand: int):
-    from megapipe.posttrain.rl.tasks import AnswerChecker, ArithmeticTask
+    from megapipe.config import RLConfig
+    from megapipe.posttrain.rl.tasks import build_task
 
-    task = ArithmeticTask(SEED, max_operand, "+", AnswerChecker("numeric", None))
+    task = build_task(RLConfig(task="arithmetic", arithmetic_max=max_operand), SEED)
     return task, [task.prompt(i) for i in range(n)]
 
 
