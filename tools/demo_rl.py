@@ -40,6 +40,13 @@ def load() -> str:
     return "load average %.2f %.2f %.2f" % os.getloadavg() + f" on {os.cpu_count()} CPUs"
 
 
+def seed_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-dir", default=str(Path.home() / ".cache/megapipe/smollm2"))
@@ -57,8 +64,7 @@ def main() -> int:
     ap.add_argument("--window", type=int, default=5, help="Steps averaged for the start and end reward.")
     ap.add_argument("--min-gain", type=float, default=0.15,
                     help="Required rise of the reward (end - start), on average over the seeds.")
-    ap.add_argument("--seeds", type=lambda v: [int(x) for x in v.split(",")], default=[1234],
-                    help="Comma-separated run seeds, one run each (default 1234).")
+    ap.add_argument("--seeds", type=seed_list, default=[1234], help="Comma-separated run seeds, one run each (default 1234).")
     ap.add_argument("--held-out", type=int, default=100, help="Held-out additions scored greedily at the end.")
     args = ap.parse_args()
     if not (Path(args.model_dir) / "config.json").is_file():
