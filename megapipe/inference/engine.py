@@ -41,6 +41,7 @@ class EngineConfig:
     max_model_len: Optional[int] = None  # default: the model's max_position_embeddings
     prefix_caching: bool = True
     pack_weights: Optional[bool] = None  # oneDNN pre-packed linears (default: on CPU)
+    huge_pages: Optional[bool] = None  # CPU: weights and KV pool on transparent huge pages (default: >= 64 MiB)
     max_n: int = 128
 
     def check(self) -> None:
@@ -164,7 +165,7 @@ class LLMEngine:
         self.pool = KVPool(cfg.num_layers, num_blocks, bs, cfg.kv_heads, cfg.dim_per_head, p.dtype, p.device)
         self.blocks = BlockManager(num_blocks, bs, config.prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, self.pool, config.pack_weights)
+        self.runner = ModelRunner(model, self.pool, config.pack_weights, config.huge_pages)
         self.device = p.device
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()

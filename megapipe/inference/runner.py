@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megapipe.inference.host_memory import advise_huge_pages, collapse_resident_memory, keep_freed_buffers
 from megapipe.inference.kv_cache import KVPool, PagedBatch
 
 
@@ -186,11 +187,15 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     x.mul_(cos).add_(rotated)
 
 
+HUGE_PAGES_MIN_WEIGHTS = 64 << 20  # below this the weights stay in the CPU's caches: huge pages gain nothing
+
+
 class ModelRunner:
-    def __init__(self, model, pool: KVPool, pack: Optional[bool] = None):
+    def __init__(self, model, pool: KVPool, pack: Optional[bool] = None, huge_pages: Optional[bool] = None):
         self.model, self.pool = model, pool
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
         # a fake-quantized model (ModelOpt quantizers on its linears) must run through its own modules: packed
         # matmuls and the fast layer path would skip the quantizers
         self.quantized = any(hasattr(mod, "weight_quantizer") or hasattr(mod, "input_quantizer")
@@ -207,6 +212,18 @@ class ModelRunner:
         self.head_weight = head
         self.window = model.cfg.sliding_window
         self._build_fast_path()
+        if huge_pages is None:
+            huge_pages = weight_bytes >= HUGE_PAGES_MIN_WEIGHTS
+        self.huge_page_bytes = self._use_huge_pages() if huge_pages and self.device.type == "cpu" else 0
+
+    def _use_huge_pages(self) -> int:
+        """Weights and KV pool on transparent huge pages (megapipe.inference.host_memory); returns bytes advised."""
+        keep_freed_buffers()
+        done = collapse_resident_memory()
+        for t in self.pool.k + self.pool.v:  # not resident yet: huge pages as the cache fills
+            if advise_huge_pages(t.data_ptr(), t.numel() * t.element_size()):
+                done += t.numel() * t.element_size()
+        return done
 
     def _build_fast_path(self) -> None:
         """The layers as DecoderLayer when every block is a plain dense one (else the model's own forward)."""

@@ -1,0 +1,73 @@
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from megapipe.inference import host_memory
+from megapipe.inference.engine import SamplingParams
+
+SMAPS = """\
+55d0a0000000-55d0a0600000 rw-p 00000000 00:00 0                          [heap]
+Size:               6144 kB
+Rss:                6144 kB
+7f0000000000-7f0000800000 rw-p 00000000 00:00 0
+Size:               8192 kB
+Rss:                  12 kB
+7f1000000000-7f1000400000 r--p 00000000 fd:01 1234                       /usr/lib/libfoo.so
+Size:               4096 kB
+Rss:                4096 kB
+7f2000000000-7f2000400000 rw-s 00000000 00:05 77                         /dev/shm/x
+Size:               4096 kB
+Rss:                4096 kB
+7f3000000000-7f3000a00000 rw-p 00000000 00:00 0
+Size:              10240 kB
+Rss:               10240 kB
+VmFlags: rd wr mr mw me ac sd
+"""
+
+
+def test_smaps_parser_keeps_private_writable_anonymous_mappings_only():
+    found = list(host_memory._anonymous_mappings(SMAPS))
+    assert found == [(0x55D0A0000000, 0x55D0A0600000, 6144 * 1024), (0x7F0000000000, 0x7F0000800000, 12 * 1024),
+                     (0x7F3000000000, 0x7F3000A00000, 10240 * 1024)]
+
+
+def _collapse_supported() -> bool:
+    major, minor = (int(x) for x in os.uname().release.split(".")[:2])
+    return host_memory.thp_mode() in ("madvise", "always") and (major, minor) >= (6, 1)
+
+
+def _huge_bytes_in(t: torch.Tensor) -> int:
+    """AnonHugePages of the mappings overlapping t's memory (madvise splits a mapping at huge-page bounds)."""
+    start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    inside, total = False, 0
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5 and ":" in head[3]:
+            lo, hi = (int(x, 16) for x in head[0].split("-"))
+            inside = lo < end and start < hi
+        elif inside and head[0] == "AnonHugePages:":
+            total += int(head[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not _collapse_supported(), reason="needs Linux >= 6.1 with transparent huge pages on")
+def test_resident_memory_is_collapsed_into_huge_pages():
+    t = torch.ones(48 << 20, dtype=torch.uint8)  # resident: every page written
+    before = _huge_bytes_in(t)
+    assert host_memory.collapse_resident_memory() >= 32 << 20
+    assert _huge_bytes_in(t) >= before + (32 << 20)
+    assert float(t.float().mean()) == 1.0  # the contents survive
+
+
+def test_small_models_skip_huge_pages_unless_asked(tiny_engine_factory):
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    auto = tiny_engine_factory(num_blocks=32)
+    assert auto.runner.huge_page_bytes == 0  # a tiny model's weights live in the caches anyway
+    forced = tiny_engine_factory(num_blocks=32, huge_pages=True)
+    if host_memory.thp_mode() in ("madvise", "always"):
+        assert forced.runner.huge_page_bytes > 0
+    prompts = ["The capital of France is", "1 2 3"]
+    assert ([o.outputs[0].token_ids for o in forced.generate(prompts, greedy)]
+            == [o.outputs[0].token_ids for o in auto.generate(prompts, greedy)])
