@@ -10,8 +10,9 @@ An engine step runs the model once on a flattened batch: every scheduled token o
 values into their slots and computes attention per sequence:
 
 - one-token queries (decodes) together, as a padded batch over their gathered keys, in two batched matmuls;
-- longer chunks (prefill, chunked prefill, recompute after preemption) one sequence at a time with SDPA, causal from
-  the chunk's first position, over the sequence's earlier keys when it does not start at 0.
+- longer chunks (prefill, chunked prefill, recompute after preemption) with SDPA, causal from the chunk's first
+  position, over the sequence's earlier keys when it does not start at 0; neighbouring whole prompts of one length
+  (a batch of equal prompts) in one call, each other chunk on its own.
 
 Tokens are ordered decodes first, then the chunks, so each group is a contiguous slice of the batch.
 """
@@ -54,6 +55,11 @@ class Chunk:
     mask: Optional[torch.Tensor]  # additive [n, start + n] when plain causal does not describe it
 
 
+def _as_batch(t: torch.Tensor, count: int) -> torch.Tensor:
+    """[count * n, heads, D] token-major rows of ``count`` equal sequences -> [count, heads, n, D] (a view)."""
+    return t.view(count, -1, t.shape[1], t.shape[2]).transpose(1, 2)
+
+
 def _slots(block_ids: Sequence[int], block_size: int, length: int) -> list[int]:
     return [block_ids[p // block_size] * block_size + p % block_size for p in range(length)]
 
@@ -70,6 +76,7 @@ class PagedBatch:
         self._mask_cast: Optional[torch.Tensor] = None  # decode_mask in the model's dtype
         self.decode_len = 0
         self.chunks: list[Chunk] = []
+        self.runs: list[tuple[int, int, int]] = []  # (index of first chunk, chunks, n): plain chunks attended at once
 
     def plan(self, decodes: Sequence[tuple[Sequence[int], int]], chunks: Sequence[tuple[Sequence[int], int, int]]):
         """decodes: (block ids, position) of each one-token query; chunks: (block ids, start, n). Returns the
@@ -112,6 +119,12 @@ class PagedBatch:
                 mask = torch.zeros(allowed.shape, dtype=self.pool.dtype).masked_fill_(~allowed, float("-inf")).to(dev)
             self.chunks.append(Chunk(offset, start, n, key_slots, mask))
             offset += n
+        for i, c in enumerate(self.chunks):
+            first, count, n = self.runs[-1] if self.runs else (0, 0, 0)
+            if count and n == c.n and self._plain(c) and self._plain(self.chunks[first]):
+                self.runs[-1] = (first, count + 1, n)
+            else:
+                self.runs.append((i, 1, c.n))
         self.slots = torch.tensor(slots, dtype=torch.long, device=dev)
         return torch.tensor([positions], dtype=torch.long, device=dev)
 
@@ -136,11 +149,12 @@ class PagedBatch:
             bd = self.num_decodes
             keys_t, values = self._gather(pk).transpose(-1, -2), self._gather(pv)
             self._decode(q[:bd], keys_t, values, out[:bd].view(bd, -1, heads // pk.shape[0], dim))
-        for c in self.chunks:
-            qc = q[c.offset:c.offset + c.n].transpose(0, 1)[None]
+        for first, count, n in self.runs:
+            c = self.chunks[first]
+            rows = slice(c.offset, c.offset + count * n)
+            qc = _as_batch(q[rows], count)
             if c.key_slots is None:
-                kc = k[c.offset:c.offset + c.n].transpose(0, 1)[None]
-                vc = v[c.offset:c.offset + c.n].transpose(0, 1)[None]
+                kc, vc = _as_batch(k[rows], count), _as_batch(v[rows], count)
             else:
                 kc, vc = pk.index_select(1, c.key_slots)[None], pv.index_select(1, c.key_slots)[None]
             gqa = kc.shape[1] != heads
@@ -148,8 +162,12 @@ class PagedBatch:
                 o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=gqa)
             else:
                 o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=c.mask.to(qc.dtype), enable_gqa=gqa)
-            out[c.offset:c.offset + c.n].view(c.n, heads, dim).copy_(o[0].transpose(0, 1))
+            out[rows].view(count, n, heads, dim).copy_(o.transpose(1, 2))
         return out
+
+    @staticmethod
+    def _plain(c: Chunk) -> bool:
+        return c.key_slots is None and c.mask is None
 
     def _gather(self, pool_layer: torch.Tensor) -> torch.Tensor:
         kvh, dim = pool_layer.shape[0], pool_layer.shape[2]
