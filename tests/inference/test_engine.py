@@ -210,7 +210,8 @@ def test_pool_accounting_abort_and_errors(tiny_engine_factory):
 
 
 def test_bf16_packed_weights_give_the_same_tokens_and_logprobs(hf_llama, one_thread):
-    """On CPU the engine swaps bf16 linears for oneDNN pre-packed ones: the same values bit for bit."""
+    """On CPU the engine swaps bf16 linears for oneDNN pre-packed ones, the MLP's SiLU and product fused into its
+    matmuls (taken before rounding to bf16): the same tokens, log-probs within bf16 round-off of the plain ones."""
     path, _ = hf_llama
     params = SamplingParams(max_tokens=10, temperature=0, logprobs=2, ignore_eos=True)
     packed = LLMEngine.from_pretrained(path, device="cpu", dtype="bfloat16", pack_weights=True)
@@ -219,7 +220,10 @@ def test_bf16_packed_weights_give_the_same_tokens_and_logprobs(hf_llama, one_thr
         pytest.skip("oneDNN packed linears are not available in this torch build")
     a, b = packed.generate(PROMPTS, params), plain.generate(PROMPTS, params)
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
-    assert [o.outputs[0].logprobs for o in a] == [o.outputs[0].logprobs for o in b]
+    got = torch.tensor([lp for o in a for lp, _ in o.outputs[0].logprobs])
+    want = torch.tensor([lp for o in b for lp, _ in o.outputs[0].logprobs])
+    assert not torch.equal(got, want)  # the fused MLP does round differently
+    torch.testing.assert_close(got, want, atol=0.1, rtol=0)
 
 
 def test_a_long_prompt_is_chunked_without_stalling_running_decodes(tiny_engine_factory):
