@@ -71,8 +71,8 @@ class PagedBatch:
         self.pool, self.window = pool, sliding_window
         self.slots: Optional[torch.Tensor] = None  # [T] where each token's k/v go
         self.num_decodes = 0
-        self.decode_slots: Optional[torch.Tensor] = None  # [Bd * L] keys of each decode, padded to L
-        self.decode_mask: Optional[torch.Tensor] = None  # additive [1, Bd, 1, L] fp32 (over kv heads, group)
+        self.decode_index: Optional[torch.Tensor] = None  # [Bd * kv_heads * L] rows of the pool viewed [-1, D]
+        self.decode_mask: Optional[torch.Tensor] = None  # additive [Bd, 1, 1, L] fp32 (over kv heads, group)
         self._mask_cast: Optional[torch.Tensor] = None  # decode_mask in the model's dtype
         self.decode_len = 0
         self.chunks: list[Chunk] = []
@@ -100,9 +100,13 @@ class PagedBatch:
             if self.window is not None:
                 allowed &= ctx[:, None] - keys[None] < self.window
             mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
-            self.decode_slots = key_slots.reshape(-1).to(dev)
-            self.decode_mask = mask[None, :, None].to(dev)
+            self.decode_mask = mask[:, None, None].to(dev)
             self.decode_len = length
+            # the pool viewed as rows [kv_heads * slots, D]: row h * slots + s holds kv head h of slot s, so one
+            # index_select over dim 0 (a parallel copy of whole rows, unlike one over dim 1) gathers every decode's
+            # keys straight into the [Bd, kv_heads, L, D] the matmuls read
+            heads = torch.arange(self.pool.kv_heads)[None, :, None] * (self.pool.num_blocks * bs)
+            self.decode_index = (heads + key_slots[:, None, :]).reshape(-1).to(dev)
         self.chunks = []
         offset = len(decodes)
         for blocks, start, n in chunks:
@@ -148,7 +152,7 @@ class PagedBatch:
         if self.num_decodes:
             bd = self.num_decodes
             keys_t, values = self._gather(pk).transpose(-1, -2), self._gather(pv)
-            self._decode(q[:bd], keys_t, values, out[:bd].view(bd, -1, heads // pk.shape[0], dim))
+            self._decode(q[:bd], keys_t, values, out[:bd].view(bd, pk.shape[0], -1, dim))
         for first, count, n in self.runs:
             c = self.chunks[first]
             rows = slice(c.offset, c.offset + count * n)
@@ -171,16 +175,17 @@ class PagedBatch:
 
     def _gather(self, pool_layer: torch.Tensor) -> torch.Tensor:
         kvh, dim = pool_layer.shape[0], pool_layer.shape[2]
-        return pool_layer.index_select(1, self.decode_slots).view(kvh, self.num_decodes, self.decode_len, dim)
+        rows = pool_layer.view(-1, dim).index_select(0, self.decode_index)
+        return rows.view(self.num_decodes, kvh, self.decode_len, dim)
 
     def _decode(self, q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, out: torch.Tensor) -> None:
-        """q [Bd, heads, D] one token per sequence, keys_t [kv_heads, Bd, D, L] (transposed), values [kv_heads, Bd,
+        """q [Bd, heads, D] one token per sequence, keys_t [Bd, kv_heads, D, L] (transposed), values [Bd, kv_heads,
         L, D] -> out [Bd, kv_heads, group, D]; the matmuls in the model's dtype, the softmax in fp32 (as HF's eager
         attention does)."""
         bd, heads, dim = q.shape
-        kvh = keys_t.shape[0]
+        kvh = keys_t.shape[1]
         group = heads // kvh
-        qg = q.reshape(bd, kvh, group, dim).transpose(0, 1)  # head h reads kv head h // group, as SDPA's GQA
+        qg = q.reshape(bd, kvh, group, dim)  # head h reads kv head h // group, as SDPA's GQA
         scale = dim ** -0.5
         if math.frexp(scale)[0] == 0.5:
             # a power of two: scaling q first is exact, and a 0 / -inf mask added in q's dtype is too, so this is
@@ -190,7 +195,7 @@ class PagedBatch:
         else:
             scores = torch.matmul(qg, keys_t).float().mul_(scale).add_(self.decode_mask)
             probs = scores.softmax(dim=-1)
-        out.copy_(torch.matmul(probs.to(values.dtype), values).transpose(0, 1))
+        out.copy_(torch.matmul(probs.to(values.dtype), values))
 
     def decode_mask_as(self, dtype: torch.dtype) -> torch.Tensor:
         if self._mask_cast is None or self._mask_cast.dtype != dtype:
