@@ -7,8 +7,7 @@ run THP in "madvise" mode: only memory a process asks for gets huge pages, and P
 weights are packed, :func:`collapse_resident_memory` asks the kernel: ``MADV_HUGEPAGE`` on the process's resident
 anonymous mappings, then ``MADV_COLLAPSE`` (Linux >= 6.1) to turn their pages into huge ones at once rather than
 whenever khugepaged gets there. Only mappings already (nearly) fully resident are collapsed, so memory use does not
-grow by filling sparse ones; memory that fills in later (the KV pool) gets ``MADV_HUGEPAGE`` from
-:func:`advise_huge_pages` and takes huge pages as it faults in.
+grow by filling sparse ones; the KV pool is among them (zero-filled when it is allocated).
 
 :func:`keep_freed_buffers` stops glibc from returning every freed activation buffer to the kernel (its default
 ``mmap`` threshold starts at 128 KiB), which made each prefill step page-fault its temporaries in anew.
@@ -20,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import sys
 from pathlib import Path
 from typing import Optional
@@ -31,6 +31,7 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
+@functools.lru_cache(maxsize=1)
 def _libc():
     if not sys.platform.startswith("linux"):
         return None
@@ -55,28 +56,27 @@ def _aligned(lo: int, hi: int) -> tuple[int, int]:
     return (lo + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1), hi & ~(HUGE_PAGE - 1)
 
 
-def advise_huge_pages(ptr: int, nbytes: int) -> bool:
-    """MADV_HUGEPAGE on the whole huge pages inside [ptr, ptr + nbytes): they fault in as huge pages."""
-    libc = _libc()
-    lo, hi = _aligned(ptr, ptr + nbytes)
-    if libc is None or hi <= lo or thp_mode() in (None, "never"):
-        return False
-    return libc.madvise(lo, hi - lo, MADV_HUGEPAGE) == 0
+def mappings(smaps: str):
+    """(start, end, permissions, path, {field: bytes}) of each mapping in a /proc/<pid>/smaps text."""
+    current = None
+    for line in smaps.splitlines():
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5 and ":" in head[3]:
+            if current is not None:
+                yield current
+            lo, hi = (int(x, 16) for x in head[0].split("-"))
+            current = (lo, hi, head[1], head[5] if len(head) > 5 else "", {})
+        elif current is not None and len(head) == 3 and head[2] == "kB":
+            current[4][head[0].rstrip(":")] = int(head[1]) * 1024
+    if current is not None:
+        yield current
 
 
 def _anonymous_mappings(smaps: str):
     """(start, end, resident bytes) of each private, writable mapping without a file behind it."""
-    start = end = None
-    anonymous = False
-    for line in smaps.splitlines():
-        head = line.split()
-        if head and "-" in head[0] and len(head) >= 5 and ":" in head[3]:
-            lo, hi = (int(x, 16) for x in head[0].split("-"))
-            path = head[5] if len(head) > 5 else ""
-            anonymous = head[1].startswith("rw") and head[1][3] == "p" and (not path or path == "[heap]")
-            start, end = lo, hi
-        elif anonymous and head and head[0] == "Rss:":
-            yield start, end, int(head[1]) * 1024
+    for start, end, perms, path, fields in mappings(smaps):
+        if perms.startswith("rw") and perms[3] == "p" and path in ("", "[heap]"):
+            yield start, end, fields.get("Rss", 0)
 
 
 def collapse_resident_memory(min_resident: float = 0.9) -> int:

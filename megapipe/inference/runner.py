@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megapipe.inference.host_memory import advise_huge_pages, collapse_resident_memory, keep_freed_buffers
+from megapipe.inference.host_memory import collapse_resident_memory, keep_freed_buffers
 from megapipe.inference.kv_cache import KVPool, PagedBatch
 
 
@@ -221,14 +221,12 @@ class ModelRunner:
             huge_pages = weight_bytes >= HUGE_PAGES_MIN_WEIGHTS
         self.huge_page_bytes = self._use_huge_pages() if huge_pages and self.device.type == "cpu" else 0
 
-    def _use_huge_pages(self) -> int:
-        """Weights and KV pool on transparent huge pages (megapipe.inference.host_memory); returns bytes advised."""
+    @staticmethod
+    def _use_huge_pages() -> int:
+        """Weights and KV pool (both resident by now) on transparent huge pages (megapipe.inference.host_memory);
+        returns bytes advised."""
         keep_freed_buffers()
-        done = collapse_resident_memory()
-        for t in self.pool.k + self.pool.v:  # not resident yet: huge pages as the cache fills
-            if advise_huge_pages(t.data_ptr(), t.numel() * t.element_size()):
-                done += t.numel() * t.element_size()
-        return done
+        return collapse_resident_memory()
 
     def _build_fast_path(self) -> None:
         """The layers as DecoderLayer when every block is a plain dense one (else the model's own forward)."""

@@ -41,15 +41,9 @@ def _collapse_supported() -> bool:
 def _huge_bytes_in(t: torch.Tensor) -> int:
     """AnonHugePages of the mappings overlapping t's memory (madvise splits a mapping at huge-page bounds)."""
     start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
-    inside, total = False, 0
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()
-        if head and "-" in head[0] and len(head) >= 5 and ":" in head[3]:
-            lo, hi = (int(x, 16) for x in head[0].split("-"))
-            inside = lo < end and start < hi
-        elif inside and head[0] == "AnonHugePages:":
-            total += int(head[1]) * 1024
-    return total
+    return sum(fields.get("AnonHugePages", 0)
+               for lo, hi, _, _, fields in host_memory.mappings(Path("/proc/self/smaps").read_text())
+               if lo < end and start < hi)
 
 
 @pytest.mark.skipif(not _collapse_supported(), reason="needs Linux >= 6.1 with transparent huge pages on")
