@@ -53,6 +53,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigError(f"--{name.replace('_', '-')} = {value!r} must be an integer >= 1")
+        for name in ("pack_weights", "huge_pages"):
+            value = getattr(self, name)
+            if value not in (None, True, False):
+                raise ConfigError(f"EngineConfig.{name} = {value!r} must be True, False or None (automatic)")
 
 
 @dataclass

@@ -4,6 +4,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megapipe.errors import ConfigError
 from megapipe.inference import host_memory
 from megapipe.inference.engine import SamplingParams
 
@@ -62,6 +63,8 @@ def test_small_models_skip_huge_pages_unless_asked(tiny_engine_factory):
     forced = tiny_engine_factory(num_blocks=32, huge_pages=True)
     if host_memory.thp_mode() in ("madvise", "always"):
         assert forced.runner.huge_page_bytes > 0
+    with pytest.raises(ConfigError, match=r"EngineConfig.huge_pages = 'yes' must be True, False or None"):
+        tiny_engine_factory(num_blocks=32, huge_pages="yes")
     prompts = ["The capital of France is", "1 2 3"]
     assert ([o.outputs[0].token_ids for o in forced.generate(prompts, greedy)]
             == [o.outputs[0].token_ids for o in auto.generate(prompts, greedy)])
