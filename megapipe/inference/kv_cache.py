@@ -9,7 +9,9 @@ An engine step runs the model once on a flattened batch: every scheduled token o
 (nothing to do: the step was planned by the engine) and ``attend(layer_id, q, k, v)``, which writes the new keys and
 values into their slots and computes attention per sequence:
 
-- one-token queries (decodes) together, as a padded batch over their gathered keys, in two batched matmuls;
+- one-token queries (decodes) together: on CPU by ``megapipe.inference.kernels``' paged decode attention, which
+  reads each sequence's keys and values in place through its block table; elsewhere (or where that kernel cannot
+  be built) as a padded batch over their gathered keys, in two batched matmuls;
 - longer chunks (prefill, chunked prefill, recompute after preemption) with SDPA, causal from the chunk's first
   position, over the sequence's earlier keys when it does not start at 0; neighbouring whole prompts of one length
   (a batch of equal prompts) in one call, each other chunk on its own.
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -67,10 +69,12 @@ def _slots(block_ids: Sequence[int], block_size: int, length: int) -> list[int]:
 class PagedBatch:
     """The ``cache`` object of one engine step (see the module docstring)."""
 
-    def __init__(self, pool: KVPool, sliding_window: Optional[int] = None):
-        self.pool, self.window = pool, sliding_window
+    def __init__(self, pool: KVPool, sliding_window: Optional[int] = None, decode_kernel: Optional[Callable] = None):
+        self.pool, self.window, self.kernel = pool, sliding_window, decode_kernel
         self.slots: Optional[torch.Tensor] = None  # [T] where each token's k/v go
         self.num_decodes = 0
+        self.block_table: Optional[torch.Tensor] = None  # kernel: int32 [Bd, blocks] of the decodes
+        self.context_lens: Optional[torch.Tensor] = None  # kernel: int32 [Bd] keys each decode attends to
         self.decode_index: Optional[torch.Tensor] = None  # [Bd * kv_heads * L] rows of the pool viewed [-1, D]
         self.decode_mask: Optional[torch.Tensor] = None  # additive [Bd, 1, 1, L] fp32 (over kv heads, group)
         self._mask_cast: Optional[torch.Tensor] = None  # decode_mask in the model's dtype
@@ -87,7 +91,11 @@ class PagedBatch:
             slots.append(blocks[pos // bs] * bs + pos % bs)
             positions.append(pos)
         self.num_decodes = len(decodes)
-        if decodes:
+        if decodes and self.kernel is not None:
+            width = max(len(b) for b, _ in decodes)
+            self.block_table = torch.tensor([list(b) + [0] * (width - len(b)) for b, _ in decodes], dtype=torch.int32)
+            self.context_lens = torch.tensor([pos + 1 for _, pos in decodes], dtype=torch.int32)
+        elif decodes:
             # keys padded to a multiple of 16 (masked): oneDNN builds a kernel per matmul shape (~1 ms in bf16), so a
             # length that grew by one every step would build two new ones every step; 16 keeps the padding small
             length = -(-(max(pos for _, pos in decodes) + 1) // KEY_BUCKET) * KEY_BUCKET
@@ -149,7 +157,11 @@ class PagedBatch:
         pv.index_copy_(1, self.slots, v.transpose(0, 1).to(pv.dtype))
         total, heads, dim = q.shape
         out = torch.empty(total, heads * dim, dtype=q.dtype, device=q.device)
-        if self.num_decodes:
+        if self.num_decodes and self.kernel is not None:
+            bd = self.num_decodes
+            self.kernel(q[:bd], pk, pv, self.block_table, self.context_lens, self.pool.block_size, self.window or 0,
+                        dim ** -0.5, out[:bd])
+        elif self.num_decodes:
             bd = self.num_decodes
             keys_t, values = self._gather(pk).transpose(-1, -2), self._gather(pv)
             self._decode(q[:bd], keys_t, values, out[:bd].view(bd, pk.shape[0], -1, dim))

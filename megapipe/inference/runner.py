@@ -21,7 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megapipe.errors import ConfigError
 from megapipe.inference.host_memory import collapse_resident_memory, keep_freed_buffers
+from megapipe.inference.kernels import capability, decode_kernel_for
 from megapipe.inference.kv_cache import KVPool, PagedBatch
 
 
@@ -196,7 +198,8 @@ HUGE_PAGES_MIN_WEIGHTS = 64 << 20  # below this the weights stay in the CPU's ca
 
 
 class ModelRunner:
-    def __init__(self, model, pool: KVPool, pack: Optional[bool] = None, huge_pages: Optional[bool] = None):
+    def __init__(self, model, pool: KVPool, pack: Optional[bool] = None, huge_pages: Optional[bool] = None,
+                 decode_kernel: Optional[bool] = None):
         self.model, self.pool = model, pool
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -216,6 +219,13 @@ class ModelRunner:
             self.head = PackedLinear(head)
         self.head_weight = head
         self.window = model.cfg.sliding_window
+        self.decode_kernel = None
+        if decode_kernel is not False:
+            self.decode_kernel = decode_kernel_for(model.cfg.dim_per_head, self.dtype, self.device)
+            if decode_kernel and self.decode_kernel is None:
+                raise ConfigError(f"EngineConfig.decode_kernel = True but the paged decode attention kernel does not"
+                                  f" run here ({self.device.type}, {self.dtype}, head dim {model.cfg.dim_per_head},"
+                                  f" {capability()}; see the log)")
         self._build_fast_path()
         if huge_pages is None:
             huge_pages = weight_bytes >= HUGE_PAGES_MIN_WEIGHTS
@@ -266,7 +276,7 @@ class ModelRunner:
             chunks: Sequence[tuple[Sequence[int], int, Sequence[int]]], rows: Sequence[int]) -> torch.Tensor:
         """decodes: (block ids, position, token); chunks: (block ids, start, tokens). Returns fp32 logits of the
         batch rows ``rows`` (indices into the flattened batch: decodes first, then the chunks in order)."""
-        batch = PagedBatch(self.pool, self.window)
+        batch = PagedBatch(self.pool, self.window, self.decode_kernel)
         positions = batch.plan([(b, pos) for b, pos, _ in decodes], [(b, s, len(t)) for b, s, t in chunks])
         ids = [t for _, _, t in decodes]
         for _, _, toks in chunks:

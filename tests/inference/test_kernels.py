@@ -1,0 +1,151 @@
+"""The CPU paged decode attention kernel (megapipe/inference/csrc): exact attention over scattered blocks, the same
+results as the engine's torch path, and a clean fallback where it cannot be built."""
+
+import logging
+import random
+
+import pytest
+import torch
+
+from megapipe.errors import ConfigError
+from megapipe.inference import LLMEngine, SamplingParams, kernels
+from megapipe.inference.kv_cache import KVPool, PagedBatch
+from tests.helpers.hf_tiny import make_hf_dir
+from tests.inference.test_engine import GREEDY, PROMPTS, run_staggered
+
+
+@pytest.fixture(scope="module")
+def op():
+    found = kernels.paged_decode_attention()
+    if found is None:
+        pytest.skip("the paged decode attention kernel cannot be built here (see the warning in the log)")
+    return found
+
+
+def scattered_decodes(pool: KVPool, lengths, seed: int):
+    """A block table per sequence drawn at random from the whole pool (no two sequences share a block)."""
+    rng = random.Random(seed)
+    free = list(range(pool.num_blocks - 1))  # the last block stays spare (attend_decodes writes there)
+    rng.shuffle(free)
+    return [([free.pop() for _ in range(-(-n // pool.block_size))], n - 1) for n in lengths]
+
+
+def exact_attention(pool: KVPool, decodes, q: torch.Tensor, window):
+    """fp64 softmax(q k^T / sqrt(d)) v of each decode over its own keys, [Bd, heads * D]."""
+    bs, kvh, dim = pool.block_size, pool.kv_heads, pool.head_dim
+    group = q.shape[1] // kvh
+    rows = []
+    for b, (blocks, pos) in enumerate(decodes):
+        first = 0 if window is None else max(0, pos + 1 - window)
+        slots = torch.tensor([blocks[t // bs] * bs + t % bs for t in range(first, pos + 1)])
+        k, v = pool.k[0][:, slots].double(), pool.v[0][:, slots].double()
+        qg = q[b].double().view(kvh, group, dim)
+        probs = (torch.einsum("hgd,htd->hgt", qg, k) * dim ** -0.5).softmax(-1)
+        rows.append(torch.einsum("hgt,htd->hgd", probs, v).reshape(-1))
+    return torch.stack(rows)
+
+
+def attend_decodes(pool, decodes, q, window, kernel):
+    batch = PagedBatch(pool, window, kernel)
+    batch.plan(decodes, [])
+    k = v = torch.zeros(len(decodes), pool.kv_heads, pool.head_dim, dtype=pool.dtype)
+    batch.slots = torch.full((len(decodes),), pool.num_blocks * pool.block_size - 1)  # a spare slot, not attended
+    return batch.attend_flat(0, q, k, v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dim,heads,kv_heads,window", [(16, 4, 2, None), (64, 9, 3, None), (128, 8, 8, None),
+                                                       (64, 6, 2, 7)])
+def test_paged_decode_attention_is_exact_attention_over_scattered_blocks(op, dtype, dim, heads, kv_heads, window):
+    """Keys in blocks spread over the pool, lengths from 1 to several blocks (one ending exactly on a block edge),
+    q a strided view of a fused projection as the engine passes it: within one rounding of the fp64 result; in
+    bf16 / fp16 at least as close as the torch path (which rounds the scores and probabilities to that dtype)."""
+    bs = 16
+    pool = KVPool(1, 64, bs, kv_heads, dim, dtype, "cpu")
+    g = torch.Generator().manual_seed(dim + heads)
+    pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=g))
+    pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=g))
+    decodes = scattered_decodes(pool, [1, 5, 16, 17, 40, 93], seed=dim)
+    fused = torch.randn(len(decodes), (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+    q = fused[:, :heads * dim].view(len(decodes), heads, dim)
+    assert not q.is_contiguous()
+
+    want = exact_attention(pool, decodes, q, window)
+    got = attend_decodes(pool, decodes, q, window, op)
+    torch_path = attend_decodes(pool, decodes, q, window, None)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}[dtype]
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+    torch.testing.assert_close(torch_path.double(), want, atol=4 * tol, rtol=4 * tol)
+    if dtype != torch.float32:
+        assert (got.double() - want).abs().max() <= (torch_path.double() - want).abs().max()
+
+
+def test_paged_decode_attention_does_not_depend_on_the_thread_count(op):
+    pool = KVPool(1, 32, 16, 2, 64, torch.bfloat16, "cpu")
+    pool.k[0].normal_(generator=torch.Generator().manual_seed(1))
+    pool.v[0].normal_(generator=torch.Generator().manual_seed(2))
+    decodes = scattered_decodes(pool, [3, 30, 64, 100], seed=3)
+    q = torch.randn(4, 8, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = attend_decodes(pool, decodes, q, None, op)
+        torch.set_num_threads(2)
+        two = attend_decodes(pool, decodes, q, None, op)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_engine_with_the_kernel_gives_the_torch_paths_tokens_and_logprobs(op, arch, tmp_path_factory, one_thread):
+    """fp32, staggered arrivals (decodes batched with prefill chunks), biases (qwen2), a sliding window (mistral)."""
+    path, _ = make_hf_dir(tmp_path_factory.mktemp(f"kernel_{arch}"), arch)
+    params = SamplingParams(max_tokens=12, logprobs=2, **GREEDY)
+    outs = []
+    for kernel in (True, False):
+        engine = LLMEngine.from_pretrained(path, device="cpu", max_num_batched_tokens=8, decode_kernel=kernel)
+        assert (engine.runner.decode_kernel is not None) == kernel
+        outs.append(run_staggered(engine, PROMPTS, params, every=1,
+                                  pick=lambda out: (out.outputs[0].token_ids, out.outputs[0].logprobs)))
+    assert outs[0].keys() == outs[1].keys()
+    for i, (tokens, logprobs) in outs[0].items():
+        want_tokens, want_logprobs = outs[1][i]
+        assert tokens == want_tokens
+        got = torch.tensor([[lp] + [a for _, a in alts] for lp, alts in logprobs])
+        want = torch.tensor([[lp] + [a for _, a in alts] for lp, alts in want_logprobs])
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_a_kernel_that_cannot_be_built_leaves_the_torch_path(tmp_path, monkeypatch, caplog, tiny_engine_factory):
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(kernels, "SOURCE", broken)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    kernels.paged_decode_attention.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="megapipe.inference.kernels"):
+            assert kernels.paged_decode_attention() is None
+        assert "could not be built" in caplog.text and "using the torch path" in caplog.text
+        engine = tiny_engine_factory(num_blocks=32)
+        assert engine.runner.decode_kernel is None
+        assert engine.generate([PROMPTS[0]], SamplingParams(max_tokens=3, **GREEDY))[0].outputs[0].token_ids
+        with pytest.raises(ConfigError, match=r"decode_kernel = True but the paged decode attention kernel does not "
+                                              r"run here \(cpu, torch.float32, head dim 16"):
+            tiny_engine_factory(num_blocks=32, decode_kernel=True)
+    finally:
+        kernels.paged_decode_attention.cache_clear()
+
+
+def test_unsupported_shapes_and_devices_take_the_torch_path(op):
+    width = kernels.vector_width()
+    assert kernels.decode_kernel_for(4 * width, torch.bfloat16, "cpu") is op
+    assert kernels.decode_kernel_for(4 * width + 1, torch.bfloat16, "cpu") is None
+    assert kernels.decode_kernel_for(7 * width, torch.float32, "cpu") is None  # no instantiation for 7 vectors
+    assert kernels.decode_kernel_for(4 * width, torch.float64, "cpu") is None
+    assert kernels.decode_kernel_for(4 * width, torch.float32, "meta") is None
+
+
+def test_decode_kernel_setting_must_be_a_boolean_or_none(tiny_engine_factory):
+    with pytest.raises(ConfigError, match=r"EngineConfig.decode_kernel = 'on' must be True, False or None"):
+        tiny_engine_factory(num_blocks=32, decode_kernel="on")
