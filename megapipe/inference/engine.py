@@ -42,7 +42,7 @@ class EngineConfig:
     prefix_caching: bool = True
     pack_weights: Optional[bool] = None  # oneDNN pre-packed linears (default: on CPU)
     huge_pages: Optional[bool] = None  # CPU: weights and KV pool on transparent huge pages (default: >= 64 MiB)
-    decode_kernel: Optional[bool] = None  # CPU: paged decode attention kernel (default: where it builds)
+    cpu_kernels: Optional[bool] = None  # CPU: megapipe's C++ kernels (kernels.py; default: where they build)
     max_n: int = 128
 
     def check(self) -> None:
@@ -54,7 +54,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigError(f"--{name.replace('_', '-')} = {value!r} must be an integer >= 1")
-        for name in ("pack_weights", "huge_pages", "decode_kernel"):
+        for name in ("pack_weights", "huge_pages", "cpu_kernels"):
             value = getattr(self, name)
             if value not in (None, True, False):
                 raise ConfigError(f"EngineConfig.{name} = {value!r} must be True, False or None (automatic)")
@@ -171,7 +171,7 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, bs, config.prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.pool, config.pack_weights, config.huge_pages,
-                                  config.decode_kernel)
+                                  config.cpu_kernels)
         self.device = p.device
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()

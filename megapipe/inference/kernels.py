@@ -1,8 +1,13 @@
 """CPU kernels of the engine that torch has no operator for, compiled at first use for the CPU they run on.
 
-``paged_decode_attention()`` returns the op ``torch.ops.megapipe.paged_decode_attention`` (csrc/paged_attention.cpp)
-or None when it cannot be built here (no C++ compiler, a torch without its headers): the engine then keeps its
-pure-torch path, which gives the same results up to round-off, and says so once in the log. The build goes through
+- ``paged_decode_attention`` (csrc/paged_attention.cpp): one-token queries attending to their keys and values in
+  place in the paged pool, through the block tables;
+- ``rms_norm``, ``add_rms_norm`` and ``rope_and_cache`` (csrc/layer_ops.cpp): a dense layer's elementwise work in
+  one pass each (the residual add fused into the next norm; the rotary embedding fused with storing k and v).
+
+They land in ``torch.ops.megapipe``. ``ops()`` returns that namespace, or None when the kernels cannot be built here
+(no C++ compiler, a torch without its headers, ``MEGAPIPE_CPU_KERNELS=0``): the engine then keeps its pure-torch
+path, which gives the same results up to round-off, and says so once in the log. The build goes through
 ``torch.utils.cpp_extension`` into its cache (``TORCH_EXTENSIONS_DIR``, default ~/.cache/torch_extensions), one per
 source version and instruction set, so only the first engine on a machine pays the ~20 s compile.
 """
@@ -20,13 +25,15 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "layer_ops.cpp")]
 # ATen's own flags for its vectorized kernels at each capability (what at::vec::Vectorized selects on)
 ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
 }
-VEC_WIDTH = {"AVX512": 16, "AVX2": 8}  # floats per vector; the kernel needs head_dim a multiple of it
+VEC_WIDTH = {"AVX512": 16, "AVX2": 8}  # floats per vector; the attention kernel needs head_dim a multiple of it
+SUPPORTED_VECTORS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)  # head_dim / vector_width() the attention is instantiated for
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def capability() -> str:
@@ -34,39 +41,52 @@ def capability() -> str:
     return torch.backends.cpu.get_cpu_capability()
 
 
-@functools.lru_cache(maxsize=None)
-def paged_decode_attention() -> Optional[Callable]:
-    if os.environ.get("MEGAPIPE_CPU_KERNELS", "1") == "0":
-        return None
-    isa = capability()
-    flags = ["-O3", "-DNDEBUG", "-fopenmp"]
-    if isa in ISA_FLAGS:
-        flags += ISA_FLAGS[isa] + [f"-DCPU_CAPABILITY={isa}", f"-DCPU_CAPABILITY_{isa}"]
-    tag = hashlib.sha1(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:10]
-    try:
-        from torch.utils import cpp_extension
-
-        cpp_extension.load(name=f"megapipe_paged_attention_{isa.lower()}_{tag}", sources=[str(SOURCE)],
-                           extra_cflags=flags, is_python_module=False, verbose=False)
-        return torch.ops.megapipe.paged_decode_attention
-    except Exception as exc:  # no compiler, no headers, a failed build: the torch path serves instead
-        log.warning("the paged decode attention kernel could not be built (%s: %s); using the torch path",
-                    type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
-        return None
-
-
 def vector_width() -> int:
     return VEC_WIDTH.get(capability(), 8)
 
 
-SUPPORTED_VECTORS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)  # head_dim / vector_width() the kernel is instantiated for
+@functools.lru_cache(maxsize=None)
+def ops():
+    """``torch.ops.megapipe`` once the kernels are built and loaded, else None (the reason is logged)."""
+    if os.environ.get("MEGAPIPE_CPU_KERNELS", "1") == "0":
+        return None
+    isa = capability()
+    # -fopenmp: at::parallel_for is OpenMP inlined into the caller; -ffp-contract=off: no a * b + c fused into one
+    # rounding where torch rounds twice
+    flags = ["-O3", "-DNDEBUG", "-fopenmp", "-ffp-contract=off"]
+    if isa in ISA_FLAGS:
+        flags += ISA_FLAGS[isa] + [f"-DCPU_CAPABILITY={isa}", f"-DCPU_CAPABILITY_{isa}"]
+    digest = hashlib.sha1(" ".join(flags).encode())
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    try:
+        from torch.utils import cpp_extension
+
+        cpp_extension.load(name=f"megapipe_cpu_{isa.lower()}_{digest.hexdigest()[:10]}",
+                           sources=[str(s) for s in SOURCES], extra_cflags=flags, is_python_module=False,
+                           verbose=False)
+        return torch.ops.megapipe
+    except Exception as exc:  # no compiler, no headers, a failed build: the torch path serves instead
+        lines = str(exc).strip().splitlines()
+        errors = [line.strip() for line in lines if "error" in line.lower()]
+        log.warning("megapipe's CPU kernels could not be built (%s: %s); using the torch path",
+                    type(exc).__name__, (errors or lines or [""])[0])
+        return None
+
+
+def paged_decode_attention() -> Optional[Callable]:
+    found = ops()
+    return None if found is None else found.paged_decode_attention
+
+
+def available(dtype: torch.dtype, device) -> bool:
+    """The kernels run for tensors of this dtype on this device."""
+    return torch.device(device).type == "cpu" and dtype in DTYPES and ops() is not None
 
 
 def decode_kernel_for(head_dim: int, dtype: torch.dtype, device) -> Optional[Callable]:
     """The paged decode attention op for a model of this head size, dtype and device, or None (torch path)."""
-    if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return None
     width = vector_width()
-    if head_dim % width or head_dim // width not in SUPPORTED_VECTORS:
+    if head_dim % width or head_dim // width not in SUPPORTED_VECTORS or not available(dtype, device):
         return None
     return paged_decode_attention()

@@ -149,12 +149,15 @@ class PagedBatch:
         out = self.attend_flat(layer_id, q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1))
         return out.view(total, heads, dim).transpose(0, 1)[None]
 
-    def attend_flat(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend_flat(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    stored: bool = False) -> torch.Tensor:
         """q [T, heads, D], k/v [T, kv_heads, D] (views of the projections are fine) -> [T, heads * D]: stores k/v
-        in their slots, then attends. The token-major form the engine's decode path calls directly."""
+        in their slots (unless the caller has: ``stored``), then attends. The token-major form the engine's decode
+        path calls directly."""
         pk, pv = self.pool.k[layer_id], self.pool.v[layer_id]
-        pk.index_copy_(1, self.slots, k.transpose(0, 1).to(pk.dtype))
-        pv.index_copy_(1, self.slots, v.transpose(0, 1).to(pv.dtype))
+        if not stored:
+            pk.index_copy_(1, self.slots, k.transpose(0, 1).to(pk.dtype))
+            pv.index_copy_(1, self.slots, v.transpose(0, 1).to(pv.dtype))
         total, heads, dim = q.shape
         out = torch.empty(total, heads * dim, dtype=q.dtype, device=q.device)
         if self.num_decodes and self.kernel is not None:

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megapipe.errors import ConfigError
+from megapipe.inference import kernels
 from megapipe.inference.host_memory import collapse_resident_memory, keep_freed_buffers
-from megapipe.inference.kernels import capability, decode_kernel_for
 from megapipe.inference.kv_cache import KVPool, PagedBatch
 
 
@@ -146,15 +146,20 @@ def repack(linear: PackedLinear, weight: torch.Tensor, bias: Optional[torch.Tens
 class DecoderLayer:
     """One dense pre-norm block (RMSNorm, rotary attention, swiglu MLP) run on the flattened batch [T, H] with far
     fewer operations than the module's forward: fused RMSNorm, rotary embedding in place on the fused q/k
-    projection, attention through ``PagedBatch.attend_flat``, residual adds in place. Every rounding step is the
-    module's own (same dtype, same order), so the values are those of ``TransformerBlock.forward`` bit for bit."""
+    projection, attention through ``PagedBatch.attend_flat``, residual adds in place, the MLP's residual add left to
+    the next layer's norm (``__call__`` takes and returns it as ``delta``). With ``ops`` (megapipe's CPU kernels,
+    megapipe.inference.kernels) the residual add goes into that norm's pass, and the rotary embedding into storing
+    k and v in the pool. Every rounding step is the module's own (same dtype, same order), so without ``ops`` the
+    values are those of ``TransformerBlock.forward`` bit for bit; with them the RMSNorm sums its squares in another
+    order (an ulp of its fp32 variance)."""
 
-    def __init__(self, block: nn.Module):
+    def __init__(self, block: nn.Module, ops=None):
         attn = block.attention
         self.norm1, self.norm2 = block.attention_norm, block.ffn_norm
         self.layer_id, self.head_dim = attn.layer_id, attn.head_dim
         self.qkv = attn.project_qkv
         self.wo, self.ffn = attn.wo, block.feed_forward
+        self.ops = ops
 
     @staticmethod
     def supports(block: nn.Module) -> bool:
@@ -166,20 +171,42 @@ class DecoderLayer:
                 and isinstance(block.ffn_norm, RMSNorm) and attn.q_norm is None
                 and (isinstance(block.feed_forward, PackedSwiGLU) or block.feed_forward.swiglu))
 
-    def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor, delta: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                 batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [T, H] the residual stream, delta the previous layer's MLP output still to be added to it (or None);
+        cos/sin [T, D]. Returns (h, this layer's MLP output)."""
         d = self.head_dim
-        x = rms_norm(h, self.norm1)
+        x = self.norm(h, delta, self.norm1)
         if isinstance(self.qkv, PackedQKV):
             qkv = self.qkv.wqkv(x)
             nq, nk, _ = (n // d for n in self.qkv.sizes)
-            rope_(qkv[:, :(nq + nk) * d].view(len(x), nq + nk, d), cos, sin)
             q, k, v = (t.view(len(x), -1, d) for t in qkv.split(self.qkv.sizes, dim=-1))
+            if self.ops is not None:
+                pool = batch.pool
+                self.ops.rope_and_cache(qkv, cos, sin, pool.k[self.layer_id], pool.v[self.layer_id], batch.slots,
+                                        nq, nk)
+                attended = batch.attend_flat(self.layer_id, q, k, v, stored=True)
+            else:
+                rope_(qkv[:, :(nq + nk) * d].view(len(x), nq + nk, d), cos[:, None], sin[:, None])
+                attended = batch.attend_flat(self.layer_id, q, k, v)
         else:
             q, k, v = (t.view(len(x), -1, d) for t in self.qkv(x))
-            rope_(q, cos, sin)
-            rope_(k, cos, sin)
-        h = h.add_(self.wo(batch.attend_flat(self.layer_id, q, k, v)))
-        return h.add_(self.ffn(rms_norm(h, self.norm2)))
+            rope_(q, cos[:, None], sin[:, None])
+            rope_(k, cos[:, None], sin[:, None])
+            attended = batch.attend_flat(self.layer_id, q, k, v)
+        x = self.norm(h, self.wo(attended), self.norm2)
+        return h, self.ffn(x)
+
+    def norm(self, h: torch.Tensor, delta: Optional[torch.Tensor], norm: nn.Module) -> torch.Tensor:
+        """h += delta in place (when given), then RMSNorm(h)."""
+        if self.ops is None:
+            return rms_norm(h if delta is None else h.add_(delta), norm)
+        out = torch.empty_like(h)
+        if delta is None:
+            self.ops.rms_norm(h, norm.weight, norm.eps, out)
+        else:
+            self.ops.add_rms_norm(h, delta, norm.weight, norm.eps, out)
+        return out
 
 
 def rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
@@ -199,7 +226,7 @@ HUGE_PAGES_MIN_WEIGHTS = 64 << 20  # below this the weights stay in the CPU's ca
 
 class ModelRunner:
     def __init__(self, model, pool: KVPool, pack: Optional[bool] = None, huge_pages: Optional[bool] = None,
-                 decode_kernel: Optional[bool] = None):
+                 cpu_kernels: Optional[bool] = None):
         self.model, self.pool = model, pool
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -219,13 +246,15 @@ class ModelRunner:
             self.head = PackedLinear(head)
         self.head_weight = head
         self.window = model.cfg.sliding_window
+        self.ops = None  # torch.ops.megapipe when megapipe's CPU kernels serve this model
+        if cpu_kernels is not False:
+            self.ops = torch.ops.megapipe if kernels.available(self.dtype, self.device) else None
+            if cpu_kernels and self.ops is None:
+                raise ConfigError(f"EngineConfig.cpu_kernels = True but megapipe's CPU kernels do not run here "
+                                  f"({self.device.type}, {self.dtype}, {kernels.capability()}; see the log)")
         self.decode_kernel = None
-        if decode_kernel is not False:
-            self.decode_kernel = decode_kernel_for(model.cfg.dim_per_head, self.dtype, self.device)
-            if decode_kernel and self.decode_kernel is None:
-                raise ConfigError(f"EngineConfig.decode_kernel = True but the paged decode attention kernel does not"
-                                  f" run here ({self.device.type}, {self.dtype}, head dim {model.cfg.dim_per_head},"
-                                  f" {capability()}; see the log)")
+        if self.ops is not None:
+            self.decode_kernel = kernels.decode_kernel_for(model.cfg.dim_per_head, self.dtype, self.device)
         self._build_fast_path()
         if huge_pages is None:
             huge_pages = weight_bytes >= HUGE_PAGES_MIN_WEIGHTS
@@ -247,7 +276,7 @@ class ModelRunner:
         self.layers = None
         if (not self.quantized and cfg.position_embedding == "rope" and isinstance(m.norm, RMSNorm) and m.tok_embeddings is not None
                 and all(DecoderLayer.supports(b) for b in m.layers.values())):
-            self.layers = [DecoderLayer(b) for b in m.layers.values()]
+            self.layers = [DecoderLayer(b, self.ops) for b in m.layers.values()]
             self.inv_freq = inv_frequencies(cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling, self.device)
 
     @torch.inference_mode()
@@ -289,10 +318,12 @@ class ModelRunner:
         from megapipe.models.rope import rope_cos_sin
 
         h = self.model.tok_embeddings(tokens)
-        cos, sin = (t[0, 0, :, None] for t in rope_cos_sin(positions, self.inv_freq, h.dtype))
+        cos, sin = (t[0, 0] for t in rope_cos_sin(positions, self.inv_freq, h.dtype))
+        delta = None
         for layer in self.layers:
-            h = layer(h, cos, sin, batch)
-        return self.logits(rms_norm(h if select is None else h[select], self.model.norm))
+            h, delta = layer(h, delta, cos, sin, batch)
+        h = h.add_(delta)
+        return self.logits(self.layers[-1].norm(h if select is None else h[select], None, self.model.norm))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         if self.head is not None:

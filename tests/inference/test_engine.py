@@ -215,8 +215,8 @@ def test_bf16_packed_weights_give_the_same_tokens_and_logprobs(hf_llama, one_thr
     path, _ = hf_llama
     params = SamplingParams(max_tokens=10, temperature=0, logprobs=2, ignore_eos=True)
     # the torch decode attention in both: only the matmuls differ
-    packed = LLMEngine.from_pretrained(path, device="cpu", dtype="bfloat16", pack_weights=True, decode_kernel=False)
-    plain = LLMEngine.from_pretrained(path, device="cpu", dtype="bfloat16", pack_weights=False, decode_kernel=False)
+    packed = LLMEngine.from_pretrained(path, device="cpu", dtype="bfloat16", pack_weights=True, cpu_kernels=False)
+    plain = LLMEngine.from_pretrained(path, device="cpu", dtype="bfloat16", pack_weights=False, cpu_kernels=False)
     if not packed.runner.packed:
         pytest.skip("oneDNN packed linears are not available in this torch build")
     a, b = packed.generate(PROMPTS, params), plain.generate(PROMPTS, params)
@@ -286,11 +286,12 @@ def test_load_weights_replaces_the_model_and_empties_the_prefix_cache(dtype):
 def test_decoder_layer_fast_path_equals_the_model_forward(arch, dtype, tmp_path_factory, one_thread):
     """Dense blocks run through the runner's DecoderLayer: the same tokens and logprobs, bit for bit, as the model's
     own forward, in mixed steps (staggered arrivals: decodes and prefill chunks together), with biases (qwen2) and a
-    sliding window (mistral)."""
+    sliding window (mistral). Without megapipe's CPU kernels, whose RMSNorm sums in its own order
+    (tests/inference/test_kernels.py)."""
     path, _ = make_hf_dir(tmp_path_factory.mktemp(f"fast_{arch}"), arch)
     params = SamplingParams(max_tokens=12, logprobs=2, **GREEDY)
-    fast = LLMEngine.from_pretrained(path, device="cpu", dtype=dtype, max_num_batched_tokens=8)
-    slow = LLMEngine.from_pretrained(path, device="cpu", dtype=dtype, max_num_batched_tokens=8)
+    fast = LLMEngine.from_pretrained(path, device="cpu", dtype=dtype, max_num_batched_tokens=8, cpu_kernels=False)
+    slow = LLMEngine.from_pretrained(path, device="cpu", dtype=dtype, max_num_batched_tokens=8, cpu_kernels=False)
     assert fast.runner.layers is not None
     slow.runner.layers = None  # the model's forward through PagedBatch.attend
     outs = [run_staggered(engine, PROMPTS, params, every=1,
