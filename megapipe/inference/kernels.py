@@ -1,7 +1,7 @@
 """CPU kernels of the engine that torch has no operator for, compiled at first use for the CPU they run on.
 
-- ``paged_decode_attention`` (csrc/paged_attention.cpp): one-token queries attending to their keys and values in
-  place in the paged pool, through the block tables;
+- ``paged_attention`` (csrc/paged_attention.cpp): every row of a step (decodes and prefill chunks) attending to
+  its keys and values in place in the paged pool, through the block tables;
 - ``rms_norm``, ``add_rms_norm`` and ``rope_and_cache`` (csrc/layer_ops.cpp): a dense layer's elementwise work in
   one pass each (the residual add fused into the next norm; the rotary embedding fused with storing k and v).
 
@@ -74,9 +74,9 @@ def ops():
         return None
 
 
-def paged_decode_attention() -> Optional[Callable]:
+def paged_attention() -> Optional[Callable]:
     found = ops()
-    return None if found is None else found.paged_decode_attention
+    return None if found is None else found.paged_attention
 
 
 def available(dtype: torch.dtype, device) -> bool:
@@ -84,9 +84,9 @@ def available(dtype: torch.dtype, device) -> bool:
     return torch.device(device).type == "cpu" and dtype in DTYPES and ops() is not None
 
 
-def decode_kernel_for(head_dim: int, dtype: torch.dtype, device) -> Optional[Callable]:
-    """The paged decode attention op for a model of this head size, dtype and device, or None (torch path)."""
+def attention_kernel_for(head_dim: int, dtype: torch.dtype, device) -> Optional[Callable]:
+    """The paged attention op for a model of this head size, dtype and device, or None (torch path)."""
     width = vector_width()
     if head_dim % width or head_dim // width not in SUPPORTED_VECTORS or not available(dtype, device):
         return None
-    return paged_decode_attention()
+    return paged_attention()

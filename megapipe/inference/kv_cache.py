@@ -9,10 +9,11 @@ An engine step runs the model once on a flattened batch: every scheduled token o
 (nothing to do: the step was planned by the engine) and ``attend(layer_id, q, k, v)``, which writes the new keys and
 values into their slots and computes attention per sequence:
 
-- one-token queries (decodes) together: on CPU by ``megapipe.inference.kernels``' paged decode attention, which
-  reads each sequence's keys and values in place through its block table; elsewhere (or where that kernel cannot
-  be built) as a padded batch over their gathered keys, in two batched matmuls;
-- longer chunks (prefill, chunked prefill, recompute after preemption) with SDPA, causal from the chunk's first
+- on CPU every row at once by ``megapipe.inference.kernels``' paged attention, which reads each sequence's keys
+  and values in place through its block table (a chunk's row at position p attends to positions [0, p]);
+- elsewhere, or where that kernel cannot be built: one-token queries (decodes) together, as a padded batch over
+  their gathered keys, in two batched matmuls;
+- and longer chunks (prefill, chunked prefill, recompute after preemption) with SDPA, causal from the chunk's first
   position, over the sequence's earlier keys when it does not start at 0; neighbouring whole prompts of one length
   (a batch of equal prompts) in one call, each other chunk on its own.
 
@@ -69,12 +70,14 @@ def _slots(block_ids: Sequence[int], block_size: int, length: int) -> list[int]:
 class PagedBatch:
     """The ``cache`` object of one engine step (see the module docstring)."""
 
-    def __init__(self, pool: KVPool, sliding_window: Optional[int] = None, decode_kernel: Optional[Callable] = None):
-        self.pool, self.window, self.kernel = pool, sliding_window, decode_kernel
+    def __init__(self, pool: KVPool, sliding_window: Optional[int] = None, kernel: Optional[Callable] = None):
+        self.pool, self.window, self.kernel = pool, sliding_window, kernel
         self.slots: Optional[torch.Tensor] = None  # [T] where each token's k/v go
         self.num_decodes = 0
-        self.block_table: Optional[torch.Tensor] = None  # kernel: int32 [Bd, blocks] of the decodes
-        self.context_lens: Optional[torch.Tensor] = None  # kernel: int32 [Bd] keys each decode attends to
+        # kernel: int32 block tables [sequences, blocks], and per row its sequence and the positions it attends to
+        self.block_table: Optional[torch.Tensor] = None
+        self.seq_of_row: Optional[torch.Tensor] = None
+        self.context_lens: Optional[torch.Tensor] = None
         self.decode_index: Optional[torch.Tensor] = None  # [Bd * kv_heads * L] rows of the pool viewed [-1, D]
         self.decode_mask: Optional[torch.Tensor] = None  # additive [Bd, 1, 1, L] fp32 (over kv heads, group)
         self._mask_cast: Optional[torch.Tensor] = None  # decode_mask in the model's dtype
@@ -91,11 +94,9 @@ class PagedBatch:
             slots.append(blocks[pos // bs] * bs + pos % bs)
             positions.append(pos)
         self.num_decodes = len(decodes)
-        if decodes and self.kernel is not None:
-            width = max(len(b) for b, _ in decodes)
-            self.block_table = torch.tensor([list(b) + [0] * (width - len(b)) for b, _ in decodes], dtype=torch.int32)
-            self.context_lens = torch.tensor([pos + 1 for _, pos in decodes], dtype=torch.int32)
-        elif decodes:
+        if self.kernel is not None:
+            return self._plan_kernel(decodes, chunks, slots, positions)
+        if decodes:
             # keys padded to a multiple of 16 (masked): oneDNN builds a kernel per matmul shape (~1 ms in bf16), so a
             # length that grew by one every step would build two new ones every step; 16 keeps the padding small
             length = -(-(max(pos for _, pos in decodes) + 1) // KEY_BUCKET) * KEY_BUCKET
@@ -140,6 +141,23 @@ class PagedBatch:
         self.slots = torch.tensor(slots, dtype=torch.long, device=dev)
         return torch.tensor([positions], dtype=torch.long, device=dev)
 
+    def _plan_kernel(self, decodes, chunks, slots: list, positions: list) -> torch.Tensor:
+        bs = self.pool.block_size
+        tables = [blocks for blocks, _ in decodes] + [blocks for blocks, _, _ in chunks]
+        width = max(len(b) for b in tables)
+        self.block_table = torch.tensor([list(b) + [0] * (width - len(b)) for b in tables], dtype=torch.int32)
+        rows = list(range(len(decodes)))
+        lens = [pos + 1 for _, pos in decodes]
+        for i, (blocks, start, n) in enumerate(chunks, start=len(decodes)):
+            slots.extend(_slots(blocks, bs, start + n)[start:])
+            positions.extend(range(start, start + n))
+            rows.extend([i] * n)
+            lens.extend(range(start + 1, start + n + 1))
+        self.seq_of_row = torch.tensor(rows, dtype=torch.int32)
+        self.context_lens = torch.tensor(lens, dtype=torch.int32)
+        self.slots = torch.tensor(slots, dtype=torch.long)
+        return torch.tensor([positions], dtype=torch.long)
+
     def advance(self, positions: torch.Tensor) -> None:
         """Called by the model once per forward; the step was planned already."""
 
@@ -160,11 +178,11 @@ class PagedBatch:
             pv.index_copy_(1, self.slots, v.transpose(0, 1).to(pv.dtype))
         total, heads, dim = q.shape
         out = torch.empty(total, heads * dim, dtype=q.dtype, device=q.device)
-        if self.num_decodes and self.kernel is not None:
-            bd = self.num_decodes
-            self.kernel(q[:bd], pk, pv, self.block_table, self.context_lens, self.pool.block_size, self.window or 0,
-                        dim ** -0.5, out[:bd])
-        elif self.num_decodes:
+        if self.kernel is not None:
+            self.kernel(q, pk, pv, self.block_table, self.seq_of_row, self.context_lens, self.pool.block_size,
+                        self.window or 0, dim ** -0.5, out)
+            return out
+        if self.num_decodes:
             bd = self.num_decodes
             keys_t, values = self._gather(pk).transpose(-1, -2), self._gather(pv)
             self._decode(q[:bd], keys_t, values, out[:bd].view(bd, pk.shape[0], -1, dim))

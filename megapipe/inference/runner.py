@@ -252,9 +252,9 @@ class ModelRunner:
             if cpu_kernels and self.ops is None:
                 raise ConfigError(f"EngineConfig.cpu_kernels = True but megapipe's CPU kernels do not run here "
                                   f"({self.device.type}, {self.dtype}, {kernels.capability()}; see the log)")
-        self.decode_kernel = None
+        self.attention_kernel = None
         if self.ops is not None:
-            self.decode_kernel = kernels.decode_kernel_for(model.cfg.dim_per_head, self.dtype, self.device)
+            self.attention_kernel = kernels.attention_kernel_for(model.cfg.dim_per_head, self.dtype, self.device)
         self._build_fast_path()
         if huge_pages is None:
             huge_pages = weight_bytes >= HUGE_PAGES_MIN_WEIGHTS
@@ -305,7 +305,7 @@ class ModelRunner:
             chunks: Sequence[tuple[Sequence[int], int, Sequence[int]]], rows: Sequence[int]) -> torch.Tensor:
         """decodes: (block ids, position, token); chunks: (block ids, start, tokens). Returns fp32 logits of the
         batch rows ``rows`` (indices into the flattened batch: decodes first, then the chunks in order)."""
-        batch = PagedBatch(self.pool, self.window, self.decode_kernel)
+        batch = PagedBatch(self.pool, self.window, self.attention_kernel)
         positions = batch.plan([(b, pos) for b, pos, _ in decodes], [(b, s, len(t)) for b, s, t in chunks])
         ids = [t for _, _, t in decodes]
         for _, _, toks in chunks:

@@ -28,7 +28,7 @@ def ops():
 
 @pytest.fixture(scope="module")
 def op(ops):
-    return ops.paged_decode_attention
+    return ops.paged_attention
 
 
 def scattered_decodes(pool: KVPool, lengths, seed: int):
@@ -40,7 +40,8 @@ def scattered_decodes(pool: KVPool, lengths, seed: int):
 
 
 def exact_attention(pool: KVPool, decodes, q: torch.Tensor, window):
-    """fp64 softmax(q k^T / sqrt(d)) v of each decode over its own keys, [Bd, heads * D]."""
+    """fp64 softmax(q k^T / sqrt(d)) v of each row (block ids, position) over positions [0, position] of its
+    sequence (the last ``window`` of them), [rows, heads * D]."""
     bs, kvh, dim = pool.block_size, pool.kv_heads, pool.head_dim
     group = q.shape[1] // kvh
     rows = []
@@ -65,7 +66,7 @@ def attend_decodes(pool, decodes, q, window, kernel):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("dim,heads,kv_heads,window", [(16, 4, 2, None), (64, 9, 3, None), (128, 8, 8, None),
                                                        (64, 6, 2, 7)])
-def test_paged_decode_attention_is_exact_attention_over_scattered_blocks(op, dtype, dim, heads, kv_heads, window):
+def test_paged_attention_is_exact_attention_over_scattered_blocks(op, dtype, dim, heads, kv_heads, window):
     """Keys in blocks spread over the pool, lengths from 1 to several blocks (one ending exactly on a block edge),
     q a strided view of a fused projection as the engine passes it: within one rounding of the fp64 result; in
     bf16 / fp16 at least as close as the torch path (which rounds the scores and probabilities to that dtype)."""
@@ -89,7 +90,47 @@ def test_paged_decode_attention_is_exact_attention_over_scattered_blocks(op, dty
         assert (got.double() - want).abs().max() <= (torch_path.double() - want).abs().max()
 
 
-def test_paged_decode_attention_does_not_depend_on_the_thread_count(op):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 6])
+def test_paged_attention_serves_a_mixed_step_of_decodes_and_prefill_chunks(op, dtype, window):
+    """One call for the whole step: decodes, two whole prompts of one length (a run the torch path batches), a
+    chunk continuing over cached keys, a prompt of another length. Each chunk row is causal from its own position;
+    the chunks' own keys are stored before they are read. Exact within a rounding, and the torch path's values."""
+    heads, kv_heads, dim, bs = 4, 2, 16, 4
+    pool = KVPool(1, 64, bs, kv_heads, dim, dtype, "cpu")
+    g = torch.Generator().manual_seed(7)
+    pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=g))
+    pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=g))
+    seqs = scattered_decodes(pool, [9, 14, 7, 7, 13, 5], seed=8)
+    decodes = seqs[:2]
+    chunks = [(seqs[2][0], 0, 7), (seqs[3][0], 0, 7), (seqs[4][0], 8, 5), (seqs[5][0], 0, 5)]
+    rows = decodes + [(blocks, start + i) for blocks, start, n in chunks for i in range(n)]
+    total = len(rows)
+    q = torch.randn(total, heads, dim, generator=g).to(dtype)
+    k, v = (torch.randn(total, kv_heads, dim, generator=g).to(dtype) for _ in range(2))
+
+    outs = []
+    for kernel in (op, None):
+        batch = PagedBatch(pool, window, kernel)
+        batch.plan(decodes, chunks)
+        outs.append(batch.attend_flat(0, q, k, v))
+    want = exact_attention(pool, rows, q, window)  # the pool now holds the step's keys too
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2 ** -8}[dtype]
+    torch.testing.assert_close(outs[0].double(), want, atol=tol, rtol=tol)
+    torch.testing.assert_close(outs[0].double(), outs[1].double(), atol=4 * tol, rtol=4 * tol)
+
+
+def test_paged_attention_refuses_a_block_table_that_reads_outside_the_pool(op):
+    pool = KVPool(1, 4, 16, 1, 16, torch.float32, "cpu")
+    q, out = torch.zeros(1, 1, 16), torch.empty(1, 16)
+    rows, lens = torch.zeros(1, dtype=torch.int32), torch.tensor([20], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="row 0 reads block 4 outside the pool"):
+        op(q, pool.k[0], pool.v[0], torch.tensor([[0, 4]], dtype=torch.int32), rows, lens, 16, 0, 0.25, out)
+    with pytest.raises(RuntimeError, match="row 0 attends to 20 positions, more than its block table holds"):
+        op(q, pool.k[0], pool.v[0], torch.tensor([[0]], dtype=torch.int32), rows, lens, 16, 0, 0.25, out)
+
+
+def test_paged_attention_does_not_depend_on_the_thread_count(op):
     pool = KVPool(1, 32, 16, 2, 64, torch.bfloat16, "cpu")
     pool.k[0].normal_(generator=torch.Generator().manual_seed(1))
     pool.v[0].normal_(generator=torch.Generator().manual_seed(2))
@@ -162,7 +203,7 @@ def test_engine_with_the_kernels_gives_the_torch_paths_tokens_and_logprobs(ops, 
     outs = []
     for kernel in (True, False):
         engine = LLMEngine.from_pretrained(path, device="cpu", max_num_batched_tokens=8, cpu_kernels=kernel)
-        assert (engine.runner.decode_kernel is not None) == kernel
+        assert (engine.runner.attention_kernel is not None) == kernel
         assert all((layer.ops is not None) == kernel for layer in engine.runner.layers)
         outs.append(run_staggered(engine, PROMPTS, params, every=1,
                                   pick=lambda out: (out.outputs[0].token_ids, out.outputs[0].logprobs)))
@@ -183,10 +224,10 @@ def test_kernels_that_cannot_be_built_leave_the_torch_path(tmp_path, monkeypatch
     kernels.ops.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="megapipe.inference.kernels"):
-            assert kernels.ops() is None and kernels.paged_decode_attention() is None
+            assert kernels.ops() is None and kernels.paged_attention() is None
         assert "could not be built" in caplog.text and "using the torch path" in caplog.text
         engine = tiny_engine_factory(num_blocks=32)
-        assert engine.runner.ops is None and engine.runner.decode_kernel is None
+        assert engine.runner.ops is None and engine.runner.attention_kernel is None
         assert engine.generate([PROMPTS[0]], SamplingParams(max_tokens=3, **GREEDY))[0].outputs[0].token_ids
         with pytest.raises(ConfigError, match=r"cpu_kernels = True but megapipe's CPU kernels do not run here "
                                               r"\(cpu, torch.float32, "):
@@ -197,11 +238,11 @@ def test_kernels_that_cannot_be_built_leave_the_torch_path(tmp_path, monkeypatch
 
 def test_unsupported_shapes_and_devices_take_the_torch_path(op):
     width = kernels.vector_width()
-    assert kernels.decode_kernel_for(4 * width, torch.bfloat16, "cpu") is op
-    assert kernels.decode_kernel_for(4 * width + 1, torch.bfloat16, "cpu") is None
-    assert kernels.decode_kernel_for(7 * width, torch.float32, "cpu") is None  # no instantiation for 7 vectors
-    assert kernels.decode_kernel_for(4 * width, torch.float64, "cpu") is None
-    assert kernels.decode_kernel_for(4 * width, torch.float32, "meta") is None
+    assert kernels.attention_kernel_for(4 * width, torch.bfloat16, "cpu") is op
+    assert kernels.attention_kernel_for(4 * width + 1, torch.bfloat16, "cpu") is None
+    assert kernels.attention_kernel_for(7 * width, torch.float32, "cpu") is None  # no instantiation for 7 vectors
+    assert kernels.attention_kernel_for(4 * width, torch.float64, "cpu") is None
+    assert kernels.attention_kernel_for(4 * width, torch.float32, "meta") is None
 
 
 def test_cpu_kernels_setting_must_be_a_boolean_or_none(tiny_engine_factory):
