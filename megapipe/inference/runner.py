@@ -27,24 +27,43 @@ from megapipe.inference.host_memory import collapse_resident_memory, keep_freed_
 from megapipe.inference.kv_cache import KVPool, PagedBatch
 
 
-def _pack(weight: torch.Tensor) -> torch.Tensor:
-    """The oneDNN blocked layout of a linear weight (tuned for batches of about 16 rows)."""
+def _pack(weight: torch.Tensor, own: bool) -> torch.Tensor:
+    """The weight in the layout its kernel reads: megapipe's linear_bf16 (``own``) or oneDNN's blocked layout
+    (tuned for batches of about 16 rows)."""
+    if own:
+        return kernels.pack_bf16_weight(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16)
 
 
 class PackedLinear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None):
+    """A linear layer on a pre-packed weight: megapipe's bf16 kernel (``own``; kernels.py) or oneDNN's."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, own: bool = False):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.packed = _pack(weight)
+        self.own = own and self.in_features % 2 == 0  # the kernel reads inputs in pairs
+        self.packed = _pack(weight, self.own)
         self.bias = None if bias is None else bias.detach()
 
     def forward(self, x: torch.Tensor, activation: str = "none") -> torch.Tensor:
+        if self.own:
+            return self._own(x, activation == "swish", None)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, activation, [], "")
 
     def times(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """(x W^T + b) * other, the product taken on the matmul's result before rounding."""
+        if self.own:
+            return self._own(x, False, other)
         return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, "mul")
+
+    def _own(self, x: torch.Tensor, swish: bool, other: Optional[torch.Tensor]) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+        other = None if other is None else other.reshape(-1, self.out_features)
+        torch.ops.megapipe.linear_bf16(rows, self.packed, self.out_features, self.bias, swish, other, out)
+        return out.view(*x.shape[:-1], self.out_features)
 
 
 def packing_works(dtype: torch.dtype) -> bool:
@@ -65,9 +84,9 @@ class PackedSwiGLU(nn.Module):
     oneDNN on each matmul's fp32 result before it is rounded (post-ops): no elementwise passes over the hidden
     activations, which in a long prefill cost as much as a fifth of the MLP."""
 
-    def __init__(self, ff: nn.Module):
+    def __init__(self, ff: nn.Module, own: bool = False):
         super().__init__()
-        self.w1, self.w3, self.w2 = (PackedLinear(w.weight, w.bias) for w in (ff.w1, ff.w3, ff.w2))
+        self.w1, self.w3, self.w2 = (PackedLinear(w.weight, w.bias, own) for w in (ff.w1, ff.w3, ff.w2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate = self.w1(x, "swish")
@@ -77,22 +96,23 @@ class PackedSwiGLU(nn.Module):
 class PackedQKV(nn.Module):
     """wq, wk, wv of one attention layer as one packed matmul; returns the three projections (views)."""
 
-    def __init__(self, attn: nn.Module):
+    def __init__(self, attn: nn.Module, own: bool = False):
         super().__init__()
         parts = (attn.wq, attn.wk, attn.wv)
         self.sizes = [p.out_features for p in parts]
         bias = None if attn.wq.bias is None else torch.cat([p.bias for p in parts]).detach()
-        self.wqkv = PackedLinear(torch.cat([p.weight for p in parts]).detach(), bias)
+        self.wqkv = PackedLinear(torch.cat([p.weight for p in parts]).detach(), bias, own)
 
     def forward(self, x: torch.Tensor):
         return self.wqkv(x).split(self.sizes, dim=-1)
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every nn.Linear (and swiglu FeedForward) under ``model`` by its packed form; returns matmuls packed."""
+def pack_linears(model: nn.Module, own: bool = False) -> int:
+    """Replace every nn.Linear (and swiglu FeedForward) under ``model`` by its packed form (for megapipe's bf16
+    kernel with ``own``, else oneDNN's); returns matmuls packed."""
     count = 0
     if hasattr(model, "project_qkv") and all(isinstance(getattr(model, n, None), nn.Linear) for n in ("wq", "wk", "wv")):
-        qkv = PackedQKV(model)
+        qkv = PackedQKV(model, own)
         model.add_module("fused_qkv", qkv)
         # an instance attribute wins over the class method: the model's forward now calls the fused matmul
         object.__setattr__(model, "project_qkv", qkv)
@@ -103,13 +123,13 @@ def pack_linears(model: nn.Module) -> int:
         if child is None or name == "fused_qkv":
             continue
         if getattr(child, "swiglu", False) and isinstance(getattr(child, "w1", None), nn.Linear):
-            setattr(model, name, PackedSwiGLU(child))
+            setattr(model, name, PackedSwiGLU(child, own))
             count += 3
         elif isinstance(child, nn.Linear):
-            setattr(model, name, PackedLinear(child.weight, child.bias))
+            setattr(model, name, PackedLinear(child.weight, child.bias, own))
             count += 1
         else:
-            count += pack_linears(child)
+            count += pack_linears(child, own)
     return count
 
 
@@ -138,7 +158,7 @@ def repack(linear: PackedLinear, weight: torch.Tensor, bias: Optional[torch.Tens
     if tuple(weight.shape) != (linear.out_features, linear.in_features):
         raise ValueError(f"a packed linear of {linear.out_features}x{linear.in_features} got a {tuple(weight.shape)} "
                          "weight")
-    linear.packed = _pack(weight)
+    linear.packed = _pack(weight, linear.own)
     if linear.bias is not None:
         linear.bias.copy_(bias)
 
@@ -239,13 +259,6 @@ class ModelRunner:
             pack = self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16, torch.float32)
         self.packed = (bool(pack) and not self.quantized and self.device.type == "cpu"
                        and packing_works(self.dtype))
-        head = model.output_weight().detach()
-        self.head = None
-        if self.packed:
-            pack_linears(model.layers)
-            self.head = PackedLinear(head)
-        self.head_weight = head
-        self.window = model.cfg.sliding_window
         self.ops = None  # torch.ops.megapipe when megapipe's CPU kernels serve this model
         if cpu_kernels is not False:
             self.ops = torch.ops.megapipe if kernels.available(self.dtype, self.device) else None
@@ -255,6 +268,16 @@ class ModelRunner:
         self.attention_kernel = None
         if self.ops is not None:
             self.attention_kernel = kernels.attention_kernel_for(model.cfg.dim_per_head, self.dtype, self.device)
+        # bf16 matmuls on megapipe's own kernel where the CPU has AVX512-BF16, else oneDNN's
+        self.own_linears = (self.packed and self.ops is not None and self.dtype == torch.bfloat16
+                            and kernels.bf16_linear_available(2))
+        head = model.output_weight().detach()
+        self.head = None
+        if self.packed:
+            pack_linears(model.layers, self.own_linears)
+            self.head = PackedLinear(head, own=self.own_linears)
+        self.head_weight = head
+        self.window = model.cfg.sliding_window
         self._build_fast_path()
         if huge_pages is None:
             huge_pages = weight_bytes >= HUGE_PAGES_MIN_WEIGHTS

@@ -11,7 +11,7 @@ import torch
 from megapipe.errors import ConfigError
 from megapipe.inference import LLMEngine, SamplingParams, kernels
 from megapipe.inference.kv_cache import KVPool, PagedBatch
-from megapipe.inference.runner import rope_
+from megapipe.inference.runner import PackedLinear, rope_
 from megapipe.models.norms import RMSNorm
 from megapipe.models.rope import inv_frequencies, rope_cos_sin
 from tests.helpers.hf_tiny import make_hf_dir
@@ -193,6 +193,59 @@ def test_rms_norm_and_the_fused_residual_add_match_the_module(ops, dtype):
     ops.add_rms_norm(summed, delta, norm.weight.data, norm.eps, out)
     assert torch.equal(summed, h.clone().add_(delta))
     torch.testing.assert_close(out, norm(summed), rtol=ulp, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def bf16_linear(ops):
+    if not kernels.bf16_linear_available(2):
+        pytest.skip("this CPU has no AVX512-BF16: bf16 linears stay on oneDNN")
+    return ops.linear_bf16
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 16, 32), (3, 40, 64), (5, 200, 576), (70, 1536, 576), (9, 576, 1536)])
+def test_bf16_linear_matches_onednn_and_the_exact_product(bf16_linear, m, n, k):
+    """Row blocks and weight tiles with remainders (n = 40: a part tile; 200: groups of tiles and single ones),
+    bias, SiLU and a product in the epilogue: within a rounding of the fp32 result, and (nearly always bit for
+    bit) oneDNN's packed matmul, which makes the same vdpbf16ps products."""
+    g = torch.Generator().manual_seed(m + n + k)
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    x = torch.randn(m, k, generator=g).bfloat16()
+    other = torch.randn(m, n, generator=g).bfloat16()
+    mine, onednn = PackedLinear(w, b, own=True), PackedLinear(w, b, own=False)
+    assert mine.own and mine.packed.shape == (-(-n // 16), k // 2, 16, 2)
+    exact = x.double() @ w.double().t() + b.double()
+    cases = [(lambda lin: lin(x), exact), (lambda lin: lin(x, "swish"), exact * exact.sigmoid()),
+             (lambda lin: lin.times(x, other), exact * other.double())]
+    for run, want in cases:
+        got, theirs = run(mine), run(onednn)
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        torch.testing.assert_close(got.double(), want, rtol=2 ** -7, atol=1e-2)
+        assert (got == theirs).float().mean() > 0.99
+    no_bias = PackedLinear(w, None, own=True)
+    torch.testing.assert_close(no_bias(x[None]).double(), (exact - b.double())[None], rtol=2 ** -7, atol=1e-2)
+
+
+def test_bf16_linear_refuses_mismatched_shapes_and_leaves_odd_widths_to_onednn(bf16_linear):
+    w = torch.randn(32, 64).bfloat16()
+    packed = kernels.pack_bf16_weight(w)
+    out = torch.empty(2, 32, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="x has 62 features and the weight 64 for 32 outputs"):
+        bf16_linear(torch.zeros(2, 62, dtype=torch.bfloat16), packed, 32, None, False, None, out)
+    with pytest.raises(RuntimeError, match="linear_bf16 takes bf16 tensors"):
+        bf16_linear(torch.zeros(2, 64), packed, 32, None, False, None, out)
+    assert not PackedLinear(torch.randn(8, 63).bfloat16(), own=True).own
+
+
+def test_bf16_engine_on_the_own_linears_scores_as_on_onednn(bf16_linear, hf_llama, one_thread):
+    """Teacher-forced (prompt logprobs, so no diverging continuation): the same log-probs within bf16 round-off."""
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, **GREEDY)
+    engines = [LLMEngine.from_pretrained(hf_llama[0], device="cpu", dtype="bfloat16", cpu_kernels=flag)
+               for flag in (None, False)]
+    assert engines[0].runner.own_linears and not engines[1].runner.own_linears
+    scored = [[lp for out in engine.generate(PROMPTS, params) for lp, _ in out.prompt_logprobs[1:]]
+              for engine in engines]
+    torch.testing.assert_close(torch.tensor(scored[0]), torch.tensor(scored[1]), atol=0.1, rtol=0)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
