@@ -68,18 +68,19 @@ void attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& 
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t n = len - first;
       const int32_t* blocks = table + int64_t(seq[b]) * table_row;
-      const T* k_head = kp + g * slots * dim;
-      const T* v_head = vp + g * slots * dim;
+      // row `pos` of this sequence and kv head in one of the pools, widened to fp32
+      auto load_row = [&](const T* pool, int64_t pos, Vec* into) {
+        const T* row = pool + (g * slots + int64_t(blocks[pos / block_size]) * block_size + pos % block_size) * dim;
+        for (int c = 0; c < C; ++c) into[c] = load_float(row + c * W);
+      };
       for (int64_t j = 0; j < group; ++j) {
         const T* src = qp + b * q_row + (g * group + j) * q_head;
         for (int c = 0; c < C; ++c) qv[j * C + c] = load_float(src + c * W) * vscale;
       }
       scores.resize(group * n);
       for (int64_t t = 0; t < n; ++t) {
-        const int64_t pos = first + t;
-        const T* key = k_head + (int64_t(blocks[pos / block_size]) * block_size + pos % block_size) * dim;
         Vec kc[C];
-        for (int c = 0; c < C; ++c) kc[c] = load_float(key + c * W);
+        load_row(kp, first + t, kc);
         for (int64_t j = 0; j < group; ++j) {
           Vec s = qv[j * C] * kc[0];
           for (int c = 1; c < C; ++c) s = at::vec::fmadd(qv[j * C + c], kc[c], s);
@@ -94,10 +95,8 @@ void attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& 
       }
       std::fill(acc.begin(), acc.end(), Vec(0.f));
       for (int64_t t = 0; t < n; ++t) {
-        const int64_t pos = first + t;
-        const T* value = v_head + (int64_t(blocks[pos / block_size]) * block_size + pos % block_size) * dim;
         Vec vc[C];
-        for (int c = 0; c < C; ++c) vc[c] = load_float(value + c * W);
+        load_row(vp, first + t, vc);
         for (int64_t j = 0; j < group; ++j) {
           const Vec p(scores[j * n + t]);
           for (int c = 0; c < C; ++c) acc[j * C + c] = at::vec::fmadd(p, vc[c], acc[j * C + c]);
