@@ -41,7 +41,7 @@ class PackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, own: bool = False):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.own = own and self.in_features % 2 == 0  # the kernel reads inputs in pairs
+        self.own = own and kernels.bf16_linear_available(self.in_features)  # built here, inputs in pairs
         self.packed = _pack(weight, self.own)
         self.bias = None if bias is None else bias.detach()
 
