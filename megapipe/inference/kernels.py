@@ -86,9 +86,9 @@ def has_avx512_bf16() -> bool:
     return capability() == "AVX512" and bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
 
 
-def bf16_linear_available(in_features: int) -> bool:
-    """``linear_bf16`` is built here and takes this many input features (an even number)."""
-    return in_features % 2 == 0 and has_avx512_bf16() and ops() is not None and hasattr(ops(), "linear_bf16")
+def bf16_linear_built() -> bool:
+    """``linear_bf16`` is built and loaded here (it reads its inputs in pairs: even in_features only)."""
+    return has_avx512_bf16() and ops() is not None and hasattr(ops(), "linear_bf16")
 
 
 def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -41,12 +41,14 @@ class PackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, own: bool = False):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.own = own and kernels.bf16_linear_available(self.in_features)  # built here, inputs in pairs
+        self.own = own and self.in_features % 2 == 0 and kernels.bf16_linear_built()  # it reads inputs in pairs
         self.packed = _pack(weight, self.own)
         self.bias = None if bias is None else bias.detach()
 
     def forward(self, x: torch.Tensor, activation: str = "none") -> torch.Tensor:
         if self.own:
+            if activation not in ("none", "swish"):
+                raise ValueError(f"megapipe's bf16 linear fuses no {activation!r} (only 'none' and 'swish')")
             return self._own(x, activation == "swish", None)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, activation, [], "")
 
@@ -261,7 +263,7 @@ class ModelRunner:
                        and packing_works(self.dtype))
         self.ops = None  # torch.ops.megapipe when megapipe's CPU kernels serve this model
         if cpu_kernels is not False:
-            self.ops = torch.ops.megapipe if kernels.available(self.dtype, self.device) else None
+            self.ops = kernels.ops() if kernels.available(self.dtype, self.device) else None
             if cpu_kernels and self.ops is None:
                 raise ConfigError(f"EngineConfig.cpu_kernels = True but megapipe's CPU kernels do not run here "
                                   f"({self.device.type}, {self.dtype}, {kernels.capability()}; see the log)")
@@ -270,7 +272,7 @@ class ModelRunner:
             self.attention_kernel = kernels.attention_kernel_for(model.cfg.dim_per_head, self.dtype, self.device)
         # bf16 matmuls on megapipe's own kernel where the CPU has AVX512-BF16, else oneDNN's
         self.own_linears = (self.packed and self.ops is not None and self.dtype == torch.bfloat16
-                            and kernels.bf16_linear_available(2))
+                            and kernels.bf16_linear_built())
         head = model.output_weight().detach()
         self.head = None
         if self.packed:

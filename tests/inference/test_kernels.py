@@ -197,7 +197,7 @@ def test_rms_norm_and_the_fused_residual_add_match_the_module(ops, dtype):
 
 @pytest.fixture(scope="module")
 def bf16_linear(ops):
-    if not kernels.bf16_linear_available(2):
+    if not kernels.bf16_linear_built():
         pytest.skip("this CPU has no AVX512-BF16: bf16 linears stay on oneDNN")
     return ops.linear_bf16
 
@@ -235,6 +235,8 @@ def test_bf16_linear_refuses_mismatched_shapes_and_leaves_odd_widths_to_onednn(b
     with pytest.raises(RuntimeError, match="linear_bf16 takes bf16 tensors"):
         bf16_linear(torch.zeros(2, 64), packed, 32, None, False, None, out)
     assert not PackedLinear(torch.randn(8, 63).bfloat16(), own=True).own
+    with pytest.raises(ValueError, match="megapipe's bf16 linear fuses no 'gelu'"):
+        PackedLinear(w, own=True)(torch.zeros(2, 64, dtype=torch.bfloat16), "gelu")
 
 
 def test_bf16_engine_on_the_own_linears_scores_as_on_onednn(bf16_linear, hf_llama, one_thread):
@@ -285,6 +287,17 @@ def test_kernels_that_cannot_be_built_leave_the_torch_path(tmp_path, monkeypatch
         with pytest.raises(ConfigError, match=r"cpu_kernels = True but megapipe's CPU kernels do not run here "
                                               r"\(cpu, torch.float32, "):
             tiny_engine_factory(num_blocks=32, cpu_kernels=True)
+    finally:
+        kernels.ops.cache_clear()
+
+
+def test_megapipe_cpu_kernels_0_turns_them_off(monkeypatch, tiny_engine_factory):
+    monkeypatch.setenv("MEGAPIPE_CPU_KERNELS", "0")
+    kernels.ops.cache_clear()
+    try:
+        assert kernels.ops() is None
+        engine = tiny_engine_factory(num_blocks=32)
+        assert engine.runner.ops is None and engine.runner.attention_kernel is None
     finally:
         kernels.ops.cache_clear()
 

@@ -27,17 +27,17 @@ inline int64_t grain(int64_t width) {
   return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, width));
 }
 
+// out = rms_norm(x) row by row; with `delta`, x += delta first (x is then the writable `add_into`)
 template <typename T>
 void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t n, int64_t x_row, int64_t out_row,
-                   float eps, T* add_into, const T* delta, int64_t h_row, int64_t d_row) {
+                   float eps, T* add_into, const T* delta, int64_t d_row) {
   at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* src = x + r * x_row;
-      if (add_into) {  // h += delta, rounded as add_ rounds, then normalise the new h
-        T* h = add_into + r * h_row;
+      if (delta) {  // h += delta, rounded as add_ rounds, then normalise the new h
+        T* h = add_into + r * x_row;
         const T* d = delta + r * d_row;
         for (int64_t i = 0; i < n; ++i) h[i] = round_to<T>(float(h[i]) + float(d[i]));
-        src = h;
       }
       float lanes[16] = {0.f};
       int64_t i = 0;
@@ -67,7 +67,7 @@ void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Ten
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
     rms_norm_rows<scalar_t>(x.const_data_ptr<scalar_t>(), weight.const_data_ptr<scalar_t>(),
                             out.mutable_data_ptr<scalar_t>(), x.size(0), x.size(1), x.stride(0), out.stride(0),
-                            float(eps), nullptr, nullptr, 0, 0);
+                            float(eps), nullptr, nullptr, 0);
   });
 }
 
@@ -84,7 +84,7 @@ void add_rms_norm(at::Tensor h, const at::Tensor& delta, const at::Tensor& weigh
     scalar_t* hp = h.mutable_data_ptr<scalar_t>();
     rms_norm_rows<scalar_t>(hp, weight.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(), h.size(0),
                             h.size(1), h.stride(0), out.stride(0), float(eps), hp, delta.const_data_ptr<scalar_t>(),
-                            h.stride(0), delta.stride(0));
+                            delta.stride(0));
   });
 }
 

@@ -88,7 +88,7 @@ void linear_bf16(const at::Tensor& x, const at::Tensor& weight, int64_t n, const
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.dim() == 4 && weight.is_contiguous() &&
                   weight.size(2) == kTile && weight.size(3) == 2, "linear_bf16: x [M, K], weight [N/16, K/2, 16, 2]");
   const int64_t m = x.size(0), k = x.size(1), pairs = weight.size(1), tiles = weight.size(0);
-  TORCH_CHECK((k + 1) / 2 == pairs && k % 2 == 0 && (n + kTile - 1) / kTile == tiles,
+  TORCH_CHECK(k == 2 * pairs && (n + kTile - 1) / kTile == tiles,
               "linear_bf16: x has ", k, " features and the weight ", 2 * pairs, " for ", n, " outputs");
   TORCH_CHECK(out.dim() == 2 && out.size(0) == m && out.size(1) == n && out.stride(1) == 1,
               "linear_bf16: out must be [M, N]");
