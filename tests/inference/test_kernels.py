@@ -148,10 +148,11 @@ def test_paged_attention_does_not_depend_on_the_thread_count(op):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_rope_and_cache_rounds_as_the_torch_ops_it_replaces(ops, dtype):
+@pytest.mark.parametrize("dim", [32, 64, 128, 48])
+def test_rope_and_cache_rounds_as_the_torch_ops_it_replaces(ops, dtype, dim):
     """Bit for bit: the rotary embedding on the q and k heads of a fused projection (a strided [T, 3 parts] row),
-    and k and v stored at their slots."""
-    tokens, nq, nk, dim = 7, 6, 2, 32
+    and k and v stored at their slots, for head sizes of whole vectors and not."""
+    tokens, nq, nk = 7, 6, 2
     g = torch.Generator().manual_seed(5)
     qkv = torch.randn(tokens, (nq + 2 * nk) * dim, generator=g).to(dtype)
     positions = torch.tensor([[0, 1, 2, 40, 41, 300, 7]])
@@ -172,21 +173,23 @@ def test_rope_and_cache_rounds_as_the_torch_ops_it_replaces(ops, dtype):
         ops.rope_and_cache(got, cos, sin, pools[1].k[0], pools[1].v[0], torch.full((tokens,), 64), nq, nk)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_and_the_fused_residual_add_match_the_module(ops, dtype):
-    """RMSNorm's value within an ulp (the squares summed in another order), the residual add exactly add_'s."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("width", [576, 100])
+def test_rms_norm_and_the_fused_residual_add_match_the_module(ops, dtype, width):
+    """RMSNorm's value within an ulp (the squares summed in another order), the residual add exactly add_'s; a
+    width of whole vectors and one with a tail."""
     g = torch.Generator().manual_seed(6)
-    norm = RMSNorm(576, eps=1e-5).to(dtype)
-    norm.weight.data.copy_(torch.rand(576, generator=g) + 0.5)
-    h = (3 * torch.randn(37, 576, generator=g)).to(dtype)
-    delta = torch.randn(37, 576, generator=g).to(dtype)
-    ulp = {torch.float32: 2 ** -22, torch.bfloat16: 2 ** -7}[dtype]
+    norm = RMSNorm(width, eps=1e-5).to(dtype)
+    norm.weight.data.copy_(torch.rand(width, generator=g) + 0.5)
+    h = (3 * torch.randn(37, width, generator=g)).to(dtype)
+    delta = torch.randn(37, width, generator=g).to(dtype)
+    ulp = {torch.float32: 2 ** -22, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -9}[dtype]
 
     out = torch.empty_like(h)
     ops.rms_norm(h, norm.weight.data, norm.eps, out)
     want = norm(h)
     torch.testing.assert_close(out, want, rtol=ulp, atol=1e-6)
-    if dtype == torch.bfloat16:  # an ulp of the fp32 variance rarely moves a value rounded to bf16
+    if dtype != torch.float32:  # an ulp of the fp32 variance rarely moves a value rounded to bf16 / fp16
         assert (out == want).float().mean() > 0.99
 
     summed, out = h.clone(), torch.empty_like(h)

@@ -20,8 +20,11 @@
 namespace {
 
 constexpr int kTile = 16;  // outputs per 64-byte weight line
-constexpr int kRows = 4;   // rows of x per register block
-constexpr int kTiles = 4;  // weight tiles per register block: kRows x kTiles accumulators
+// rows of x x weight tiles per register block: 24 accumulators and 3 weight lines of the 32 vector registers; of
+// the blocks that fit, the one that loads the fewest weight lines per product, and whose 3-tile groups split a
+// layer's 36 / 60 / 96 tiles evenly between two threads
+constexpr int kRows = 8;
+constexpr int kTiles = 3;
 constexpr int64_t kRowChunk = 64;  // rows per parallel task
 
 struct Epilogue {
@@ -67,16 +70,12 @@ inline void block(const uint16_t* x, int64_t x_row, const uint16_t* w, int64_t p
   }
 }
 
-template <int NT>
+template <int NT, int R = kRows>
 inline void rows_block(int mb, const uint16_t* x, int64_t x_row, const uint16_t* w, int64_t pairs,
                        int64_t tile_stride, int64_t n0, int64_t n, int64_t m0, const Epilogue& ep,
                        c10::BFloat16* out, int64_t out_row) {
-  switch (mb) {
-    case 4: return block<4, NT>(x, x_row, w, pairs, tile_stride, n0, n, m0, ep, out, out_row);
-    case 3: return block<3, NT>(x, x_row, w, pairs, tile_stride, n0, n, m0, ep, out, out_row);
-    case 2: return block<2, NT>(x, x_row, w, pairs, tile_stride, n0, n, m0, ep, out, out_row);
-    default: return block<1, NT>(x, x_row, w, pairs, tile_stride, n0, n, m0, ep, out, out_row);
-  }
+  if (mb == R) return block<R, NT>(x, x_row, w, pairs, tile_stride, n0, n, m0, ep, out, out_row);
+  if constexpr (R > 1) rows_block<NT, R - 1>(mb, x, x_row, w, pairs, tile_stride, n0, n, m0, ep, out, out_row);
 }
 
 // x [M, K] bf16 (rows contiguous), weight from pack_bf16_weight for N outputs, bias [N] or none, other [M, N] or
