@@ -120,6 +120,30 @@ def test_paged_attention_serves_a_mixed_step_of_decodes_and_prefill_chunks(op, d
     torch.testing.assert_close(outs[0].double(), outs[1].double(), atol=4 * tol, rtol=4 * tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,window", [(9, 3, None), (9, 3, 11), (16, 1, None), (4, 4, 5)])
+def test_paged_attention_on_long_prefill_chunks_in_runs_of_rows(op, dtype, heads, kv_heads, window):
+    """A prefill chunk's rows go through the kernel in runs that fill its vector lanes with (row, head) pairs
+    (5 rows of 3 heads, 4 of 4; with 16 heads per kv head one row at a time): a 45-row chunk over 20 cached
+    keys, a one-row chunk and a decode in one step, with and without a sliding window. Exact within a rounding."""
+    dim, bs = 64, 16
+    pool = KVPool(1, 16, bs, kv_heads, dim, dtype, "cpu")
+    g = torch.Generator().manual_seed(heads + kv_heads)
+    pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=g))
+    pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=g))
+    seqs = scattered_decodes(pool, [65, 9, 30], seed=heads)
+    decodes = seqs[2:]
+    chunks = [(seqs[0][0], 20, 45), (seqs[1][0], 8, 1)]
+    rows = decodes + [(blocks, start + i) for blocks, start, n in chunks for i in range(n)]
+    q = torch.randn(len(rows), heads, dim, generator=g).to(dtype)
+    k, v = (torch.randn(len(rows), kv_heads, dim, generator=g).to(dtype) for _ in range(2))
+    batch = PagedBatch(pool, window, op)
+    batch.plan(decodes, chunks)
+    got = batch.attend_flat(0, q, k, v)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}[dtype]
+    torch.testing.assert_close(got.double(), exact_attention(pool, rows, q, window), atol=tol, rtol=tol)
+
+
 def test_paged_attention_refuses_a_block_table_that_reads_outside_the_pool(op):
     pool = KVPool(1, 4, 16, 1, 16, torch.float32, "cpu")
     q, out = torch.zeros(1, 1, 16), torch.empty(1, 16)

@@ -3,11 +3,14 @@
 // `window` of them with a sliding window), whose keys and values are found through the sequence's block table,
 // never gathered into a copy. Causal masking is that length: a chunk's row at position p has length p + 1.
 //
-// One work item per (query row, kv head) covers the `group` query heads that share that kv head, so each key and
-// value row is loaded and widened to fp32 once for all of them. Items are taken in a zig-zag order (first, last,
-// second, ...) so the threads' contiguous shares mix a chunk's short and long rows. Scores, softmax and the weighted sum of values are
-// all in fp32 (ATen's vectorized types and Sleef's exp, as torch's own softmax); only the output is rounded to the
-// model's dtype. Built at first use by megapipe/inference/kernels.py for the CPU it runs on.
+// A decode row is one work item per kv head, covering the `group` query heads that share it, so each key and value
+// row is loaded and widened to fp32 once for all of them. A prefill chunk's consecutive rows go in runs of as many
+// as fill a vector's lanes with (row, query head) pairs (5 rows of 3 heads with AVX512): one key row then scores
+// all of them at once, one vector of scores per key, and the softmax runs down the keys with no sums across lanes.
+// Items are taken in a zig-zag order (first, last, second, ...) so the threads' contiguous shares mix a chunk's
+// short and long rows. Scores, softmax and the weighted sum of values are all in fp32 (ATen's vectorized types and
+// Sleef's exp, as torch's own softmax); only the output is rounded to the model's dtype. Built at first use by
+// megapipe/inference/kernels.py for the CPU it runs on.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -19,6 +22,8 @@
 
 #include <algorithm>
 #include <limits>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -37,76 +42,180 @@ inline Vec load_float<float>(const float* p) {
   return Vec::loadu(p);
 }
 
-// C = head_dim / Vec::size(), known at compile time so a key or value row lives in registers
+// One row's result for its `group` heads, from fp32 accumulators, rounded once to the model's dtype
+template <typename T>
+inline void store_row(T* dst, const Vec& v) {
+  if constexpr (std::is_same_v<T, float>) {
+    v.store(dst);
+  } else {
+    at::vec::convert_from_float<T>(v, v).store(dst, Vec::size());
+  }
+}
+
+// Everything one call shares: the pools, the tables and the output
+template <typename T>
+struct Step {
+  const T *q, *k, *v;
+  const int32_t *table, *lens, *seq;
+  T* out;
+  int64_t q_row, q_head, out_row, table_row, slots, block_size, window, group;
+  float scale;
+  // where the keys first .. first + n - 1 of sequence `b` and kv head g lie in either pool (element offsets),
+  // found through its block table once per work item rather than once per key and pass
+  void key_offsets(int64_t b, int64_t g, int64_t first, int64_t n, int64_t dim, std::vector<int64_t>& at) const {
+    const int32_t* blocks = table + int64_t(seq[b]) * table_row;
+    at.resize(n);
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t pos = first + t;
+      at[t] = (g * slots + int64_t(blocks[pos / block_size]) * block_size + pos % block_size) * dim;
+    }
+  }
+  int64_t first_key(int64_t b) const {
+    return window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
+  }
+};
+
+// C = head_dim / Vec::size(), known at compile time so a key or value row lives in registers.
+// One row (a decode) and kv head: its `group` query heads share each key and value row, loaded and widened once.
+template <typename T, int C>
+void attend_row(const Step<T>& s, int64_t b, int64_t g, std::vector<Vec>& qv, std::vector<Vec>& acc,
+                std::vector<float>& scores, std::vector<float>& total, std::vector<int64_t>& at) {
+  constexpr int64_t W = Vec::size(), dim = C * W;
+  const int64_t group = s.group, first = s.first_key(b), n = s.lens[b] - first;
+  const Vec vscale(s.scale);
+  for (int64_t j = 0; j < group; ++j) {
+    const T* src = s.q + b * s.q_row + (g * group + j) * s.q_head;
+    for (int c = 0; c < C; ++c) qv[j * C + c] = load_float(src + c * W) * vscale;
+  }
+  s.key_offsets(b, g, first, n, dim, at);
+  scores.resize(group * n);
+  for (int64_t t = 0; t < n; ++t) {
+    const T* row = s.k + at[t];
+    Vec kc[C];
+    for (int c = 0; c < C; ++c) kc[c] = load_float(row + c * W);
+    for (int64_t j = 0; j < group; ++j) {
+      Vec d = qv[j * C] * kc[0];
+      for (int c = 1; c < C; ++c) d = at::vec::fmadd(qv[j * C + c], kc[c], d);
+      scores[j * n + t] = d.reduce_add();
+    }
+  }
+  for (int64_t j = 0; j < group; ++j) {
+    float* p = scores.data() + j * n;
+    const float top = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, p, n);
+    at::vec::map([top](Vec x) { return (x - Vec(top)).exp(); }, p, p, n);
+    total[j] = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, p, n);
+  }
+  std::fill(acc.begin(), acc.end(), Vec(0.f));
+  for (int64_t t = 0; t < n; ++t) {
+    const T* row = s.v + at[t];
+    Vec vc[C];
+    for (int c = 0; c < C; ++c) vc[c] = load_float(row + c * W);
+    for (int64_t j = 0; j < group; ++j) {
+      const Vec p(scores[j * n + t]);
+      for (int c = 0; c < C; ++c) acc[j * C + c] = at::vec::fmadd(p, vc[c], acc[j * C + c]);
+    }
+  }
+  for (int64_t j = 0; j < group; ++j) {
+    const Vec inv(1.f / total[j]);
+    T* dst = s.out + b * s.out_row + (g * group + j) * dim;
+    for (int c = 0; c < C; ++c) store_row(dst + c * W, acc[j * C + c] * inv);
+  }
+}
+
+// Rows b0 .. b0 + rows - 1 of one sequence at consecutive positions (part of a prefill chunk) and kv head g, with
+// a (row, query head) pair in each vector lane: every key and value row is loaded once for all of them, and the
+// scores come out one vector per key, so the softmax runs down the keys with no sums across lanes. Lanes past
+// rows x group repeat the first row's and are dropped.
+template <typename T, int C>
+void attend_rows(const Step<T>& s, int64_t b0, int64_t rows, int64_t g, std::vector<float>& qt,
+                 std::vector<float>& scores, std::vector<int64_t>& at) {
+  constexpr int64_t W = Vec::size(), dim = C * W;
+  const int64_t group = s.group, lanes = rows * group;
+  alignas(64) float len_lane[W], first_lane[W];
+  for (int64_t l = 0; l < W; ++l) {
+    const int64_t b = b0 + (l < lanes ? l / group : 0), j = l < lanes ? l % group : 0;
+    len_lane[l] = float(s.lens[b]);
+    first_lane[l] = float(s.first_key(b));
+    const T* src = s.q + b * s.q_row + (g * group + j) * s.q_head;
+    for (int c = 0; c < C; ++c) (load_float(src + c * W) * Vec(s.scale)).store(qt.data() + l * dim + c * W);
+  }
+  at::vec::transpose_mxn<float>(qt.data(), dim, qt.data() + W * dim, W, W, dim);  // q^T: [dim][lanes]
+  const Vec lens_v = Vec::loadu(len_lane), firsts_v = Vec::loadu(first_lane), minus_inf(-std::numeric_limits<float>::infinity());
+  const int64_t first = s.first_key(b0), n = s.lens[b0 + rows - 1] - first;
+  s.key_offsets(b0, g, first, n, dim, at);
+  scores.resize(n * W);
+  const float* q = qt.data() + W * dim;
+  for (int64_t t = 0; t < n; ++t) {
+    const T* row = s.k + at[t];
+    alignas(64) float key[dim];
+    for (int c = 0; c < C; ++c) load_float(row + c * W).store(key + c * W);
+    Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f);  // four chains to hide the multiply-add latency
+    for (int64_t d = 0; d < dim; d += 4) {
+      a0 = at::vec::fmadd(Vec::loadu(q + d * W), Vec(key[d]), a0);
+      a1 = at::vec::fmadd(Vec::loadu(q + (d + 1) * W), Vec(key[d + 1]), a1);
+      a2 = at::vec::fmadd(Vec::loadu(q + (d + 2) * W), Vec(key[d + 2]), a2);
+      a3 = at::vec::fmadd(Vec::loadu(q + (d + 3) * W), Vec(key[d + 3]), a3);
+    }
+    const Vec pos(float(first + t));
+    const Vec seen = (pos < lens_v) & (pos >= firsts_v);  // causal and sliding-window mask per lane
+    Vec::blendv(minus_inf, (a0 + a1) + (a2 + a3), seen).store(scores.data() + t * W);
+  }
+  Vec top = minus_inf, total(0.f);
+  for (int64_t t = 0; t < n; ++t) top = at::vec::maximum(top, Vec::loadu(scores.data() + t * W));
+  for (int64_t t = 0; t < n; ++t) {
+    const Vec p = (Vec::loadu(scores.data() + t * W) - top).exp();
+    p.store(scores.data() + t * W);
+    total = total + p;
+  }
+  alignas(64) float inv[W];
+  (Vec(1.f) / total).store(inv);
+  for (int c = 0; c < C; ++c) {
+    Vec acc[W];
+    for (int64_t l = 0; l < W; ++l) acc[l] = Vec(0.f);
+    for (int64_t t = 0; t < n; ++t) {
+      const Vec v = load_float(s.v + at[t] + c * W);
+      const float* p = scores.data() + t * W;
+      for (int64_t l = 0; l < W; ++l) acc[l] = at::vec::fmadd(Vec(p[l]), v, acc[l]);
+    }
+    for (int64_t l = 0; l < lanes; ++l)
+      store_row(s.out + (b0 + l / group) * s.out_row + (g * group + l % group) * dim + c * W, acc[l] * Vec(inv[l]));
+  }
+}
+
 template <typename T, int C>
 void attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                const at::Tensor& block_table, const at::Tensor& seq_of_row, const at::Tensor& context_lens,
                int64_t block_size, int64_t window, double scale, at::Tensor& out) {
   constexpr int64_t W = Vec::size(), dim = C * W;
-  const int64_t batch = q.size(0), heads = q.size(1);
-  const int64_t kv_heads = k_pool.size(0), slots = k_pool.size(1), group = heads / kv_heads;
-  const int64_t q_row = q.stride(0), q_head = q.stride(1), out_row = out.stride(0);
-  const int64_t table_row = block_table.stride(0);
-  const T* qp = q.const_data_ptr<T>();
-  const T* kp = k_pool.const_data_ptr<T>();
-  const T* vp = v_pool.const_data_ptr<T>();
-  const int32_t* table = block_table.const_data_ptr<int32_t>();
-  const int32_t* lens = context_lens.const_data_ptr<int32_t>();
-  const int32_t* seq = seq_of_row.const_data_ptr<int32_t>();
-  T* op = out.mutable_data_ptr<T>();
-  const Vec vscale(static_cast<float>(scale));
-
-  const int64_t items = batch * kv_heads;
+  const int64_t batch = q.size(0), heads = q.size(1), kv_heads = k_pool.size(0), group = heads / kv_heads;
+  const Step<T> s{q.const_data_ptr<T>(), k_pool.const_data_ptr<T>(), v_pool.const_data_ptr<T>(),
+                  block_table.const_data_ptr<int32_t>(), context_lens.const_data_ptr<int32_t>(),
+                  seq_of_row.const_data_ptr<int32_t>(), out.mutable_data_ptr<T>(), q.stride(0), q.stride(1),
+                  out.stride(0), block_table.stride(0), k_pool.size(1), block_size, window, group,
+                  static_cast<float>(scale)};
+  // runs of a prefill chunk's consecutive rows, as many as fill the lanes with their query heads; decodes alone
+  const int64_t per_run = std::max<int64_t>(1, W / group);
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  for (int64_t b = 0; b < batch;) {
+    int64_t n = 1;
+    while (per_run > 1 && n < per_run && b + n < batch && s.seq[b + n] == s.seq[b] && s.lens[b + n] == s.lens[b + n - 1] + 1)
+      ++n;
+    runs.emplace_back(b, n);
+    b += n;
+  }
+  // a zig-zag order (first, last, second, ...) so the threads' contiguous shares mix a chunk's short and long rows
+  const int64_t items = int64_t(runs.size()) * kv_heads;
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     std::vector<Vec> qv(group * C), acc(group * C);
-    std::vector<float> scores, total(group);
-    alignas(64) float row[dim];
+    std::vector<float> scores, total(group), qt(2 * dim * W);
+    std::vector<int64_t> at;
     for (int64_t zig = begin; zig < end; ++zig) {
       const int64_t item = zig % 2 == 0 ? zig / 2 : items - 1 - zig / 2;
-      const int64_t b = item / kv_heads, g = item % kv_heads;
-      const int64_t len = lens[b];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t n = len - first;
-      const int32_t* blocks = table + int64_t(seq[b]) * table_row;
-      // row `pos` of this sequence and kv head in one of the pools, widened to fp32
-      auto load_row = [&](const T* pool, int64_t pos, Vec* into) {
-        const T* row = pool + (g * slots + int64_t(blocks[pos / block_size]) * block_size + pos % block_size) * dim;
-        for (int c = 0; c < C; ++c) into[c] = load_float(row + c * W);
-      };
-      for (int64_t j = 0; j < group; ++j) {
-        const T* src = qp + b * q_row + (g * group + j) * q_head;
-        for (int c = 0; c < C; ++c) qv[j * C + c] = load_float(src + c * W) * vscale;
-      }
-      scores.resize(group * n);
-      for (int64_t t = 0; t < n; ++t) {
-        Vec kc[C];
-        load_row(kp, first + t, kc);
-        for (int64_t j = 0; j < group; ++j) {
-          Vec s = qv[j * C] * kc[0];
-          for (int c = 1; c < C; ++c) s = at::vec::fmadd(qv[j * C + c], kc[c], s);
-          scores[j * n + t] = s.reduce_add();
-        }
-      }
-      for (int64_t j = 0; j < group; ++j) {
-        float* s = scores.data() + j * n;
-        const float top = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, s, n);
-        at::vec::map([top](Vec x) { return (x - Vec(top)).exp(); }, s, s, n);
-        total[j] = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, s, n);
-      }
-      std::fill(acc.begin(), acc.end(), Vec(0.f));
-      for (int64_t t = 0; t < n; ++t) {
-        Vec vc[C];
-        load_row(vp, first + t, vc);
-        for (int64_t j = 0; j < group; ++j) {
-          const Vec p(scores[j * n + t]);
-          for (int c = 0; c < C; ++c) acc[j * C + c] = at::vec::fmadd(p, vc[c], acc[j * C + c]);
-        }
-      }
-      for (int64_t j = 0; j < group; ++j) {
-        const Vec inv(1.f / total[j]);
-        for (int c = 0; c < C; ++c) (acc[j * C + c] * inv).store(row + c * W);
-        T* dst = op + b * out_row + (g * group + j) * dim;
-        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(row[d]);
+      const auto [b, rows] = runs[item / kv_heads];
+      if (rows == 1) {
+        attend_row<T, C>(s, b, item % kv_heads, qv, acc, scores, total, at);
+      } else {
+        attend_rows<T, C>(s, b, rows, item % kv_heads, qt, scores, at);
       }
     }
   });
