@@ -124,7 +124,7 @@ def test_paged_attention_serves_a_mixed_step_of_decodes_and_prefill_chunks(op, d
 @pytest.mark.parametrize("heads,kv_heads,window", [(9, 3, None), (9, 3, 11), (16, 1, None), (4, 4, 5)])
 def test_paged_attention_on_long_prefill_chunks_in_runs_of_rows(op, dtype, heads, kv_heads, window):
     """A prefill chunk's rows go through the kernel in runs that fill its vector lanes with (row, head) pairs
-    (5 rows of 3 heads, 4 of 4; with 16 heads per kv head one row at a time): a 45-row chunk over 20 cached
+    (5 rows of 3 heads, 16 rows of one; with 16 heads per kv head one row at a time): a 45-row chunk over 20 cached
     keys, a one-row chunk and a decode in one step, with and without a sliding window. Exact within a rounding."""
     dim, bs = 64, 16
     pool = KVPool(1, 16, bs, kv_heads, dim, dtype, "cpu")
@@ -175,7 +175,7 @@ def test_paged_attention_does_not_depend_on_the_thread_count(op):
 @pytest.mark.parametrize("dim", [32, 64, 128, 48])
 def test_rope_and_cache_rounds_as_the_torch_ops_it_replaces(ops, dtype, dim):
     """Bit for bit: the rotary embedding on the q and k heads of a fused projection (a strided [T, 3 parts] row),
-    and k and v stored at their slots, for head sizes of whole vectors and not."""
+    and k and v stored at their slots, for several head sizes."""
     tokens, nq, nk = 7, 6, 2
     g = torch.Generator().manual_seed(5)
     qkv = torch.randn(tokens, (nq + 2 * nk) * dim, generator=g).to(dtype)
@@ -201,7 +201,7 @@ def test_rope_and_cache_rounds_as_the_torch_ops_it_replaces(ops, dtype, dim):
 @pytest.mark.parametrize("width", [576, 100])
 def test_rms_norm_and_the_fused_residual_add_match_the_module(ops, dtype, width):
     """RMSNorm's value within an ulp (the squares summed in another order), the residual add exactly add_'s; a
-    width of whole vectors and one with a tail."""
+    width of whole 16-lane groups and one with a tail."""
     g = torch.Generator().manual_seed(6)
     norm = RMSNorm(width, eps=1e-5).to(dtype)
     norm.weight.data.copy_(torch.rand(width, generator=g) + 0.5)

@@ -131,16 +131,18 @@ void attend_rows(const Step<T>& s, int64_t b0, int64_t rows, int64_t g, std::vec
                  std::vector<float>& scores, std::vector<int64_t>& at) {
   constexpr int64_t W = Vec::size(), dim = C * W;
   const int64_t group = s.group, lanes = rows * group;
+  const Vec vscale(s.scale);
   alignas(64) float len_lane[W], first_lane[W];
   for (int64_t l = 0; l < W; ++l) {
     const int64_t b = b0 + (l < lanes ? l / group : 0), j = l < lanes ? l % group : 0;
     len_lane[l] = float(s.lens[b]);
     first_lane[l] = float(s.first_key(b));
     const T* src = s.q + b * s.q_row + (g * group + j) * s.q_head;
-    for (int c = 0; c < C; ++c) (load_float(src + c * W) * Vec(s.scale)).store(qt.data() + l * dim + c * W);
+    for (int c = 0; c < C; ++c) (load_float(src + c * W) * vscale).store(qt.data() + l * dim + c * W);
   }
   at::vec::transpose_mxn<float>(qt.data(), dim, qt.data() + W * dim, W, W, dim);  // q^T: [dim][lanes]
-  const Vec lens_v = Vec::loadu(len_lane), firsts_v = Vec::loadu(first_lane), minus_inf(-std::numeric_limits<float>::infinity());
+  const Vec lens_v = Vec::loadu(len_lane), firsts_v = Vec::loadu(first_lane);
+  const Vec minus_inf(-std::numeric_limits<float>::infinity());
   const int64_t first = s.first_key(b0), n = s.lens[b0 + rows - 1] - first;
   s.key_offsets(b0, g, first, n, dim, at);
   scores.resize(n * W);
@@ -198,8 +200,7 @@ void attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& 
   std::vector<std::pair<int64_t, int64_t>> runs;
   for (int64_t b = 0; b < batch;) {
     int64_t n = 1;
-    while (per_run > 1 && n < per_run && b + n < batch && s.seq[b + n] == s.seq[b] && s.lens[b + n] == s.lens[b + n - 1] + 1)
-      ++n;
+    while (n < per_run && b + n < batch && s.seq[b + n] == s.seq[b] && s.lens[b + n] == s.lens[b + n - 1] + 1) ++n;
     runs.emplace_back(b, n);
     b += n;
   }
