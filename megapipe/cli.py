@@ -1,20 +1,107 @@
-"""The ``megapipe`` command: a typer root that gathers one sub-command per module of ``stages/``.
+"""The ``megapipe`` command: a typer root and ``COMMANDS``, the table of its sub-commands.
 
-Each stage module defines ``register(app)`` and an ``ORDER`` for ``--help``; importing them must stay cheap
-(heavy libraries are imported inside the command functions), so ``megapipe --help`` is instant.
+Each row names a command's function in ``stages/`` and, next to it, what the command produces as a pipeline step
+(megapipe/pipeline/stages.py: ``Output``). Importing the stage modules stays cheap (heavy libraries are imported
+inside the command functions), so ``megapipe --help`` is instant. The pipeline never imports this module: `pipeline
+run|status` hand it ``step_commands()`` through the click context.
 """
 
 from __future__ import annotations
 
 import errno
-import importlib
-import pkgutil
+import functools
 import sys
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import typer
 
 from megapipe import __version__
 from megapipe.errors import MegapipeError
+from megapipe.pipeline.stages import DEFAULT_OUTPUT, Command, Output, Resume, commands_of
+from stages import (
+    checkpoint,
+    data,
+    distill,
+    export_trt,
+    generate,
+    hf,
+    inspect_sft,
+    pipeline,
+    plan,
+    plot,
+    preprocess,
+    pretrain,
+    prune,
+    quantize,
+    rl,
+    serve,
+    sft,
+    smoke,
+    tokenizer,
+)
+from stages import eval as evaluate
+from stages.common import multi_value_command
+from stages.pretrain import training_command_class
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A row of the command table: the command's function, what it produces as a pipeline step (None: it cannot be
+    a step) and its click command class (None: typer's)."""
+
+    function: Callable
+    output: Optional[Output] = DEFAULT_OUTPUT
+    cls: Optional[type] = None
+
+
+RUN = Output("save", "run", "run", resume=Resume(), training=True)  # post-training: --load BASE --save RUN resumes RUN
+CHECKPOINT = Output("output", "checkpoint", "checkpoint")
+
+# Every command, in --help order (top-level commands first, then the groups in the order they first appear).
+COMMANDS: dict[str, Entry] = {
+    "tokenizer train": Entry(tokenizer.train, Output("output", "tokenizer", "dir"), multi_value_command("--input")),
+    "data fetch": Entry(data.fetch, Output("output", "corpus.jsonl", "file")),
+    "data merge": Entry(data.merge, Output("output_prefix", "merged", "prefix"), multi_value_command("--input")),
+    "data inspect": Entry(data.inspect),
+    "data inspect-sft": Entry(inspect_sft.inspect_sft),
+    "preprocess": Entry(preprocess.preprocess, Output("output_prefix", "data", "prefix",
+                                                      reference=preprocess.first_dataset),
+                        multi_value_command("--input", "--json-keys")),
+    "plan": Entry(plan.plan),
+    "pretrain": Entry(pretrain.pretrain, Output("save", "run", "run", resume=Resume("load", clear=("finetune",)),
+                                                training=True), training_command_class(pretrain.pretrain)),
+    "posttrain sft": Entry(sft.sft, RUN, training_command_class(sft.sft)),
+    "posttrain distill": Entry(distill.distill, RUN, training_command_class(distill.distill)),
+    "posttrain prune": Entry(prune.prune, CHECKPOINT, training_command_class(prune.prune)),
+    "posttrain rl": Entry(rl.rl, RUN, training_command_class(rl.rl)),
+    "posttrain quantize": Entry(quantize.quantize, CHECKPOINT),
+    "generate": Entry(generate.generate, Output(None, "completions.txt", "stdout")),
+    # megapipe eval CKPT --tasks ... --output DIR: DIR/results.json (lm-eval's results dict)
+    "eval": Entry(evaluate.eval_command, Output("output", "eval", "dir", complete="results.json"),
+                  multi_value_command("--data-path", "--include-path")),
+    "serve": Entry(serve.serve),
+    "serve-smoke": Entry(smoke.serve_smoke, Output("output", "smoke", "dir", complete="responses.json")),
+    "checkpoint inspect": Entry(checkpoint.inspect),
+    "checkpoint verify": Entry(checkpoint.verify),
+    "checkpoint convert": Entry(checkpoint.convert),
+    "import hf": Entry(hf.import_hf_command, Output("out_ckpt", "checkpoint", "checkpoint")),
+    "export hf": Entry(hf.export_hf_command, Output("out_dir", "hf", "dir")),
+    "export trt": Entry(export_trt.export_trt_command, Output("out_dir", "trt", "dir")),
+    "pipeline run": Entry(pipeline.run, output=None),  # a pipeline does not run pipelines
+    "pipeline status": Entry(pipeline.status, output=None),
+    "plot": Entry(plot.plot, Output("output", "plots", "dir")),
+}
+
+GROUP_HELP = {
+    "data": "Fetch corpora; merge and inspect .bin/.idx datasets.",
+    "tokenizer": "Train tokenizers.",
+    "checkpoint": "Inspect, verify and convert megapipe checkpoints.",
+    "import": "Bring a model from another format into a megapipe checkpoint.",
+    "export": "Write a megapipe checkpoint in another format.",
+    "posttrain": "Post-train a checkpoint: sft, distill, prune, quantize, rl.",
+    "pipeline": "Run YAML pipelines of stages (cached, resumable; local or Slurm).",
+}
 
 app = typer.Typer(
     name="megapipe",
@@ -33,21 +120,41 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
+    ctx: typer.Context,
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
 ) -> None:
     """megapipe: raw JSONL to a served model; every stage shares one checkpoint format."""
+    ctx.obj = step_commands  # what `pipeline run|status` check their steps against
 
 
-def _register_stages() -> None:
-    import stages
+def group(parent: typer.Typer, name: str) -> typer.Typer:
+    """The sub-command group ``name`` of ``parent``, created on first use (so several commands can share it)."""
+    for info in parent.registered_groups:
+        if info.name == name:
+            return info.typer_instance
+    sub = typer.Typer(help=GROUP_HELP.get(name), no_args_is_help=True)
+    parent.add_typer(sub, name=name)
+    return sub
 
-    modules = [importlib.import_module(f"stages.{m.name}") for m in pkgutil.iter_modules(stages.__path__)]
-    for mod in sorted(modules, key=lambda m: getattr(m, "ORDER", 100)):
-        if hasattr(mod, "register"):
-            mod.register(app)
+
+def add_command(parent: typer.Typer, path: str, fn, cls=None) -> None:
+    """``add_command(app, "export hf", fn)`` puts ``fn`` under the group ``export``, ``add_command(app, "plan", fn)``
+    at the top."""
+    *groups, name = path.split()
+    target = parent
+    for g in groups:
+        target = group(target, g)
+    target.command(name, cls=cls)(fn)
 
 
-_register_stages()
+for _path, _entry in COMMANDS.items():
+    add_command(app, _path, _entry.function, _entry.cls)
+
+
+@functools.cache
+def step_commands() -> dict[str, Command]:
+    """The commands a pipeline step may run, by path, each with what it produces."""
+    return commands_of(typer.main.get_command(app), {path: e.output for path, e in COMMANDS.items() if e.output})
 
 
 # OS errors that are the machine's state, not a bug: shown as one sentence naming the file (exit 1).

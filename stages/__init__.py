@@ -1,1 +1,2 @@
-"""One module per stage command; each defines ``register(app)``. Thin: parse options, build config, call the library."""
+"""The CLI's command functions, one module per stage (``COMMANDS`` in megapipe/cli.py lists them all). Thin: parse
+options, build config, call the library; heavy imports stay inside the functions so ``megapipe --help`` is instant."""

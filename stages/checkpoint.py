@@ -7,11 +7,6 @@ from typing import Optional
 
 import typer
 
-from stages.common import add_command
-
-ORDER = 80
-
-
 
 def _human(n: float, unit: str = "B") -> str:
     for prefix in ("", "Ki", "Mi", "Gi", "Ti"):
@@ -143,9 +138,3 @@ def verify(
             if not is_ckpt else f"checkpoint {path} is damaged: " + "; ".join(first["problems"][:3])
             + (f" (and {len(first['problems']) - 3} more)" if len(first["problems"]) > 3 else "")
         )
-
-
-def register(app: typer.Typer) -> None:
-    add_command(app, "checkpoint inspect", inspect)
-    add_command(app, "checkpoint verify", verify)
-    add_command(app, "checkpoint convert", convert)

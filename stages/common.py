@@ -10,8 +10,6 @@ from typing import Any, List, Optional
 import typer
 from typer.core import TyperCommand
 
-ORDER = 1000  # not a stage
-
 CONFIG_OPTION = typer.Option(None, "--config", "-c", help="YAML config file (same fields as the flags).")
 SET_OPTION = typer.Option(None, "--set", help="Dotted config override, repeatable: --set train.lr=3e-4.")
 
@@ -151,34 +149,3 @@ def print_table(title: str, rows: list[tuple[str, str]]) -> None:
     for k, v in rows:
         table.add_row(k, v)
     Console().print(table)
-
-
-GROUP_HELP = {
-    "data": "Fetch corpora; merge and inspect .bin/.idx datasets.",
-    "tokenizer": "Train tokenizers.",
-    "checkpoint": "Inspect, verify and convert megapipe checkpoints.",
-    "import": "Bring a model from another format into a megapipe checkpoint.",
-    "export": "Write a megapipe checkpoint in another format.",
-    "posttrain": "Post-train a checkpoint: sft, distill, prune, quantize, rl.",
-    "pipeline": "Run YAML pipelines of stages (cached, resumable; local or Slurm).",
-}
-
-
-def group(app: typer.Typer, name: str) -> typer.Typer:
-    """The sub-command group ``name`` of ``app``, created on first use (so several stage modules can share it)."""
-    for info in app.registered_groups:
-        if info.name == name:
-            return info.typer_instance
-    sub = typer.Typer(help=GROUP_HELP.get(name), no_args_is_help=True)
-    app.add_typer(sub, name=name)
-    return sub
-
-
-def add_command(app: typer.Typer, path: str, fn, cls=None) -> None:
-    """The one way a stage registers a command: ``add_command(app, "export hf", fn)`` puts ``fn`` under the group
-    ``export`` (shared by the stage modules that add to it), ``add_command(app, "plan", fn)`` at the top."""
-    *groups, name = path.split()
-    target = app
-    for g in groups:
-        target = group(target, g)
-    target.command(name, cls=cls)(fn)

@@ -6,10 +6,7 @@ from typing import List, Optional
 
 import typer
 
-from stages.common import add_command, multi_value_command, print_table
-
-ORDER = 8
-
+from stages.common import print_table
 
 
 def fetch(
@@ -68,9 +65,3 @@ def inspect(
     if "sample" in info:
         rows.append(("sample (document 0)", repr(info["sample"])))
     print_table("dataset", rows)
-
-
-def register(app: typer.Typer) -> None:
-    add_command(app, "data fetch", fetch)
-    add_command(app, "data merge", merge, cls=multi_value_command("--input"))
-    add_command(app, "data inspect", inspect)

@@ -9,11 +9,9 @@ from typing import List, Optional
 
 import typer
 
-from stages.common import CONFIG_OPTION, SET_OPTION, add_command, config_flags
-from stages.pretrain import TRAINING_SECTIONS, launch_training, training_command_class, training_config
+from stages.common import CONFIG_OPTION, SET_OPTION, config_flags
+from stages.pretrain import TRAINING_SECTIONS, launch_training, training_config
 from stages.sft import BF16, FP16, NNODES, NODE_RANK, NPROC, QUIET, RDZV
-
-ORDER = 41
 
 
 @config_flags(*TRAINING_SECTIONS, "distill", "sft", skip=("checkpoint.finetune", "checkpoint.load"))
@@ -58,7 +56,3 @@ def distill(
     cfg = posttrain_checkpoints(cfg, kd.student, "distill")
     launch_training(ctx, "posttrain distill", cfg, DistillRecipe(cfg.distill, quiet), nproc_per_node, nnodes,
                     node_rank, rdzv_endpoint, quiet)
-
-
-def register(app: typer.Typer) -> None:
-    add_command(app, "posttrain distill", distill, cls=training_command_class(distill))

@@ -6,10 +6,6 @@ from typing import List, Optional
 
 import typer
 
-from stages.common import add_command, multi_value_command
-
-ORDER = 75
-
 
 def eval_command(
     ckpt: str = typer.Argument(..., help="Checkpoint directory, run directory (its latest checkpoint) or HF model dir."),
@@ -54,7 +50,3 @@ def eval_command(
         return
     typer.echo(format_tables(results))
     typer.echo(f"results: {out_dir / 'results.json'}")
-
-
-def register(app: typer.Typer) -> None:
-    add_command(app, "eval", eval_command, cls=multi_value_command("--data-path", "--include-path"))

@@ -6,10 +6,6 @@ from typing import Optional
 
 import typer
 
-from stages.common import add_command
-
-ORDER = 81
-
 
 def export_trt_command(
     ckpt: str = typer.Argument(..., help="megapipe checkpoint (quantized or not), or a run directory."),
@@ -33,7 +29,3 @@ def export_trt_command(
         summary = export_trt(ckpt, out_dir, fmt, dtype=dtype, tp=tp, pp=pp, max_shard_size=max_shard_size,
                              overwrite=overwrite, progress=progress)
     _summary("export trt", summary, quiet)
-
-
-def register(app: typer.Typer) -> None:
-    add_command(app, "export trt", export_trt_command)

@@ -6,10 +6,6 @@ from typing import List, Optional
 
 import typer
 
-from stages.common import add_command
-
-ORDER = 70
-
 
 def generate(
     ckpt: str = typer.Argument(..., help="Checkpoint directory, run directory (its latest checkpoint) or HF model dir."),
@@ -51,7 +47,3 @@ def generate(
         if i:
             typer.echo("-" * 40)
         typer.echo(p + c)
-
-
-def register(app: typer.Typer) -> None:
-    add_command(app, "generate", generate)

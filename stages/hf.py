@@ -1,8 +1,5 @@
-"""`megapipe import hf` and `megapipe export hf`: Hugging Face checkpoints in and out.
-
-The ``import`` and ``export`` groups are shared (``stages.common.add_command``): another stage module adds its own
-format with ``add_command(app, "export trt", fn)``, in whatever order the modules register.
-"""
+"""`megapipe import hf` and `megapipe export hf`: Hugging Face checkpoints in and out (other formats join the
+``import`` and ``export`` groups from their own modules: ``export trt`` in export_trt.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +7,6 @@ from typing import Optional
 
 import typer
 
-from stages.common import add_command
-
-ORDER = 80
 
 def _progress(description: str, quiet: bool):
     """A rich progress bar and the (done, total) callback that drives it."""
@@ -76,8 +70,3 @@ def export_hf_command(
         summary = export_hf(ckpt, out_dir, dtype=dtype, max_shard_size=max_shard_size, tokenizer=tokenizer,
                             overwrite=overwrite, progress=progress, lora_adapter_only=lora_adapter_only)
     _summary("export hf", summary, quiet)
-
-
-def register(app: typer.Typer) -> None:
-    add_command(app, "import hf", import_hf_command)
-    add_command(app, "export hf", export_hf_command)

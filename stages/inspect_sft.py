@@ -7,10 +7,6 @@ from typing import Optional
 
 import typer
 
-from stages.common import add_command
-
-ORDER = 9
-
 
 def inspect_sft(
     file: str = typer.Argument(..., help="SFT records: JSONL (.gz), parquet or a saved Hugging Face dataset."),
@@ -85,7 +81,3 @@ def segments(text, ids, offsets, trained, encoder) -> list[tuple[str, bool]]:
     if pos < len(text) and out:
         out[-1] = (out[-1][0] + text[pos:], out[-1][1])
     return out
-
-
-def register(app: typer.Typer) -> None:
-    add_command(app, "data inspect-sft", inspect_sft)

@@ -1,4 +1,7 @@
-"""``megapipe pipeline run|status FILE``: chain stages from a YAML file, cached and resumable, locally or on Slurm."""
+"""``megapipe pipeline run|status FILE``: chain stages from a YAML file, cached and resumable, locally or on Slurm.
+
+The commands a step may run come from the CLI through the click context (``ctx.obj``: megapipe.cli's
+``step_commands``), so the pipeline imports no CLI."""
 
 from __future__ import annotations
 
@@ -7,15 +10,12 @@ from typing import List, Optional
 
 import typer
 
-from stages.common import add_command
-
-ORDER = 90
-
 SET_HELP = "Override, repeatable: STEP.OPTION=VALUE, vars.NAME=VALUE, STEP.resources.KEY=VALUE."
 RUN_DIR_HELP = "Run directory (default: the file's run_dir, else runs/<name>)."
 
 
 def run(
+    ctx: typer.Context,
     file: str = typer.Argument(..., help="Pipeline YAML file."),
     start: Optional[str] = typer.Option(None, "--from", help="Rerun this step and what depends on it, nothing else."),
     until: Optional[str] = typer.Option(None, "--until", help="Run only this step and what it depends on."),
@@ -33,10 +33,11 @@ def run(
 ) -> None:
     """Run the steps of FILE whose inputs changed since they last completed; reuse the others (cache hits)."""
     from megapipe.errors import ConfigError
-    from megapipe.pipeline import dry_run_lines, load_pipeline, make_plan, run_pipeline
-    from megapipe.pipeline.spec import EXECUTORS
+    from megapipe.pipeline.plan import make_plan
+    from megapipe.pipeline.runner import dry_run_lines, run_pipeline
+    from megapipe.pipeline.spec import EXECUTORS, load_pipeline
 
-    pipeline = load_pipeline(file, sets, run_dir)
+    pipeline = load_pipeline(file, ctx.obj(), sets, run_dir)
     executor = executor or pipeline.executor
     if executor not in EXECUTORS:
         raise ConfigError(f"--executor {executor}: choose {' or '.join(EXECUTORS)}")
@@ -50,6 +51,7 @@ def run(
 
 
 def status(
+    ctx: typer.Context,
     file: str = typer.Argument(..., help="Pipeline YAML file."),
     sets: Optional[List[str]] = typer.Option(None, "--set", help=SET_HELP + " Default: those of the last `run`."),
     run_dir: Optional[str] = typer.Option(None, "--run-dir", help=RUN_DIR_HELP),
@@ -60,13 +62,15 @@ def status(
     import dataclasses
     import json
 
-    from megapipe.pipeline import load_pipeline, status_rows
+    from megapipe.pipeline.runner import status_rows
+    from megapipe.pipeline.spec import load_pipeline
     from megapipe.pipeline.state import read_pipeline_record
 
-    pipeline = load_pipeline(file, sets, run_dir)
+    step_commands = ctx.obj()
+    pipeline = load_pipeline(file, step_commands, sets, run_dir)
     last = read_pipeline_record(pipeline.run_dir) or {}
     if not sets and last.get("sets"):  # compare with what the last run was asked for
-        pipeline = load_pipeline(file, last["sets"], run_dir)
+        pipeline = load_pipeline(file, step_commands, last["sets"], run_dir)
     rows = status_rows(pipeline)
     if as_json:
         typer.echo(json.dumps([dataclasses.asdict(r) for r in rows], indent=1))
@@ -134,8 +138,3 @@ def _show_summary(pipeline, result, executor: str, wait: bool) -> None:
         return
     console.print(f"[bold green]pipeline {pipeline.name} done[/] in {result.seconds:.1f} s: ran {len(result.ran)} "
                   f"step(s) ({', '.join(result.ran) or 'none'}), {len(cached)} cached")
-
-
-def register(app: typer.Typer) -> None:
-    add_command(app, "pipeline run", run)
-    add_command(app, "pipeline status", status)

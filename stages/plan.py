@@ -6,9 +6,7 @@ from typing import List, Optional
 
 import typer
 
-from stages.common import CONFIG_OPTION, SET_OPTION, add_command, build_config
-
-ORDER = 25
+from stages.common import CONFIG_OPTION, SET_OPTION, build_config
 
 
 def plan(
@@ -136,7 +134,3 @@ def show(r: dict) -> None:
     con.print(best)
     if not r["best_layouts"]:
         con.print("[yellow]no layout fits: try --recompute full, a smaller --micro-batch-size or more GPUs[/]")
-
-
-def register(app: typer.Typer) -> None:
-    add_command(app, "plan", plan)

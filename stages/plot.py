@@ -6,10 +6,6 @@ from typing import List, Optional
 
 import typer
 
-from stages.common import add_command
-
-ORDER = 95
-
 
 def plot(
     runs: List[str] = typer.Argument(..., help="Run directories (a training stage's --save), their metrics.jsonl, "
@@ -30,7 +26,3 @@ def plot(
         rows = [(name, f"{output}/{fig['file']} ({len(fig['series'])} series)")
                 for name, fig in summary["figures"].items()]
         print_table("plots", rows + [("data", f"{output}/plots.json")])
-
-
-def register(app: typer.Typer) -> None:
-    add_command(app, "plot", plot)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import List
 
 import typer
 
-from stages.common import add_command, multi_value_command, print_table
-
-ORDER = 10
+from stages.common import print_table
 
 
 def preprocess(
@@ -44,5 +43,9 @@ def preprocess(
         print_table("preprocess summary", rows)
 
 
-def register(app: typer.Typer) -> None:
-    add_command(app, "preprocess", preprocess, cls=multi_value_command("--input", "--json-keys"))
+def first_dataset(path: Path, options: dict) -> str:
+    """What a pipeline step's ``${step.output}`` is: preprocess writes PREFIX_{key}_document.bin/.idx per
+    --json-keys key; downstream gets the first one."""
+    keys = options.get("json_keys") or ["text"]
+    key = keys[0] if isinstance(keys, list) else keys
+    return f"{path}_{key}_document"

@@ -11,10 +11,7 @@ from typing import List, Optional
 
 import typer
 
-from stages.common import CONFIG_OPTION, SET_OPTION, add_command, build_config, config_flags, multi_value_command
-
-ORDER = 30
-
+from stages.common import CONFIG_OPTION, SET_OPTION, build_config, config_flags, multi_value_command
 
 TRAINING_SECTIONS = ("model", "data", "train", "optim", "checkpoint", "parallel")
 
@@ -125,7 +122,3 @@ def training_command_class(command):
             return super().parse_args(ctx, args)
 
     return TrainingCommand
-
-
-def register(app: typer.Typer) -> None:
-    add_command(app, "pretrain", pretrain, cls=training_command_class(pretrain))

@@ -8,10 +8,7 @@ from typing import Optional
 
 import typer
 
-from stages.common import add_command
 from stages.sft import NNODES, NODE_RANK, NPROC, RDZV
-
-ORDER = 42
 
 
 def prune(
@@ -88,9 +85,3 @@ def prune(
 
 
 prune.multi_value_flags = ()
-
-
-def register(app: typer.Typer) -> None:
-    from stages.pretrain import training_command_class
-
-    add_command(app, "posttrain prune", prune, cls=training_command_class(prune))

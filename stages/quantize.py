@@ -6,10 +6,6 @@ from typing import Optional
 
 import typer
 
-from stages.common import add_command
-
-ORDER = 60
-
 
 def quantize(
     ckpt: str = typer.Argument(..., help="Checkpoint (or run directory: its newest checkpoint) to quantize."),
@@ -50,7 +46,3 @@ def quantize(
                  ("evaluated on", f"{summary['eval_tokens']:,} tokens")]
     rows.append(("total", f"{summary['seconds']:.1f} s"))
     print_table("posttrain quantize", rows)
-
-
-def register(app: typer.Typer) -> None:
-    add_command(app, "posttrain quantize", quantize)

@@ -9,10 +9,8 @@ from typing import List, Optional
 
 import typer
 
-from stages.common import CONFIG_OPTION, SET_OPTION, add_command, config_flags
-from stages.pretrain import launch_training, training_command_class, training_config
-
-ORDER = 45
+from stages.common import CONFIG_OPTION, SET_OPTION, config_flags
+from stages.pretrain import launch_training, training_config
 
 # the model comes from --load; the batch and sequence length from the rl section; evaluation is the rollouts' own
 SKIPPED = ("checkpoint.finetune", "train.global_batch_size", "train.train_tokens", "train.eval_interval",
@@ -58,7 +56,3 @@ def _config(config, flags, sets, bf16: bool, fp16: bool):
     except ConfigError as e:
         raise ConfigError(f"{e} (posttrain rl: the global batch is rl.prompts_per_step x rl.group_size = {p} x {g} "
                           "sequences)") from None
-
-
-def register(app: typer.Typer) -> None:
-    add_command(app, "posttrain rl", rl, cls=training_command_class(rl))

@@ -6,10 +6,6 @@ from typing import Optional
 
 import typer
 
-from stages.common import add_command
-
-ORDER = 75
-
 
 def serve(
     model: str = typer.Argument(..., help="Checkpoint directory, run directory (its latest) or Hugging Face model dir."),
@@ -117,7 +113,3 @@ def serve(
               f"{llm.max_model_len}, {stats['num_blocks']} KV blocks of {block_size})", file=sys.stderr, flush=True)
 
     run_server(AsyncEngine(llm, config.max_queue), config, sock, log_level=log_level, on_ready=ready)
-
-
-def register(app: typer.Typer) -> None:
-    add_command(app, "serve", serve)

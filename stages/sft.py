@@ -9,10 +9,8 @@ from typing import List, Optional
 
 import typer
 
-from stages.common import CONFIG_OPTION, SET_OPTION, add_command, config_flags
-from stages.pretrain import TRAINING_SECTIONS, launch_training, training_command_class, training_config
-
-ORDER = 40
+from stages.common import CONFIG_OPTION, SET_OPTION, config_flags
+from stages.pretrain import TRAINING_SECTIONS, launch_training, training_config
 
 BF16 = typer.Option(False, "--bf16", help="Same as --precision bf16.")
 FP16 = typer.Option(False, "--fp16", help="Same as --precision fp16.")
@@ -49,7 +47,3 @@ def sft(
     cfg = posttrain_checkpoints(cfg, cfg.checkpoint.load, "sft")
     launch_training(ctx, "posttrain sft", cfg, SFTRecipe(quiet), nproc_per_node, nnodes, node_rank, rdzv_endpoint,
                     quiet)
-
-
-def register(app: typer.Typer) -> None:
-    add_command(app, "posttrain sft", sft, cls=training_command_class(sft))

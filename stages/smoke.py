@@ -7,10 +7,6 @@ from typing import List, Optional
 
 import typer
 
-from stages.common import add_command
-
-ORDER = 76
-
 
 def serve_smoke(
     model: str = typer.Argument(..., help="Checkpoint, run directory or Hugging Face model dir to serve."),
@@ -48,7 +44,3 @@ def serve_smoke(
         rows.append(("chat", record["chat"]["response"]["choices"][0]["message"]["content"]))
     rows.append(("shutdown", f"SIGTERM, exit {record['shutdown']['exit_status']}"))
     print_table("serve-smoke", rows)
-
-
-def register(app: typer.Typer) -> None:
-    add_command(app, "serve-smoke", serve_smoke)

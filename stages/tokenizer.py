@@ -6,10 +6,7 @@ from typing import List
 
 import typer
 
-from stages.common import add_command, multi_value_command, print_table
-
-ORDER = 5
-
+from stages.common import print_table
 
 
 def train(
@@ -50,7 +47,3 @@ def train(
         print_table("tokenizer", [("output", str(output)), ("vocab size", f"{tok.vocab_size:,}"),
                                   ("eod / pad ids", f"{tok.eod_id} / {tok.pad_id}"),
                                   ("time", f"{time.perf_counter() - start:.1f} s")])
-
-
-def register(app: typer.Typer) -> None:
-    add_command(app, "tokenizer train", train, cls=multi_value_command("--input"))

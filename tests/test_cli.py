@@ -23,6 +23,23 @@ def test_unknown_command_fails():
     assert "no-such-stage" in out.stderr
 
 
+def test_export_group_is_shared():
+    """Commands of one group share it, whichever adds to it first: `export trt` joins `export hf`."""
+    import typer
+    from typer.testing import CliRunner
+
+    from megapipe import cli
+    from stages import hf
+
+    app = typer.Typer()
+    cli.group(app, "export").command("trt")(lambda: None)
+    cli.add_command(app, "import hf", hf.import_hf_command)
+    cli.add_command(app, "export hf", hf.export_hf_command)
+    result = CliRunner().invoke(app, ["export", "--help"])
+    assert result.exit_code == 0 and " hf " in result.output and " trt " in result.output
+    assert [g.name for g in app.registered_groups] == ["export", "import"]
+
+
 def test_multi_value_options_stop_at_short_flags():
     from stages.common import spread_multi_values
 

@@ -1,10 +1,6 @@
-"""Pipeline files: parse + validate, step keys and cache, run directory state, executors (local, Slurm)."""
+"""Pipeline files: parse + validate, step keys and cache, run directory state, executors (local, Slurm).
 
-from megapipe.pipeline.plan import CACHED, RUN, SKIP, Decision, make_plan
-from megapipe.pipeline.runner import RunResult, StepFailed, StepInterrupted, dry_run_lines, run_pipeline, status_rows
-from megapipe.pipeline.spec import Pipeline, Step, load_pipeline
-
-__all__ = [
-    "CACHED", "RUN", "SKIP", "Decision", "Pipeline", "RunResult", "Step", "StepFailed", "StepInterrupted",
-    "dry_run_lines", "load_pipeline", "make_plan", "run_pipeline", "status_rows",
-]
+spec.py ``load_pipeline`` (a file checked against the commands the CLI hands in), plan.py ``make_plan`` (what runs,
+what is cached), runner.py ``run_pipeline`` / ``status_rows`` / ``dry_run_lines``, stages.py (a step's command and
+its ``Output``). The package imports none of them, so a module here may import its siblings without a circle.
+"""

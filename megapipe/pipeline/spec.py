@@ -32,16 +32,7 @@ from typing import Any, Optional
 from megapipe.config import parse_override
 from megapipe.errors import ConfigError
 from megapipe.pipeline.refs import STEP_ATTRS, refs_in, substitute, unescape, vars_lookup
-from megapipe.pipeline.stages import (
-    LAUNCH_OPTIONS,
-    Command,
-    Output,
-    command,
-    commands,
-    is_argument,
-    output_of,
-    to_argv,
-)
+from megapipe.pipeline.stages import LAUNCH_OPTIONS, Command, Output, is_argument, to_argv
 from megapipe.pipeline.yamlpos import Loc, Located, load_located
 
 TOP_KEYS = ("name", "description", "run_dir", "executor", "vars", "resources", "env", "steps")
@@ -121,7 +112,10 @@ class Pipeline:
         return out
 
 
-def load_pipeline(path: str | Path, sets: Optional[list[str]] = None, run_dir: Optional[str] = None) -> Pipeline:
+def load_pipeline(path: str | Path, commands: dict[str, Command], sets: Optional[list[str]] = None,
+                  run_dir: Optional[str] = None) -> Pipeline:
+    """The pipeline of ``path``, each step checked against the command it runs (``commands``: what a step may run,
+    by path, as the CLI hands them over)."""
     doc = load_located(path)
     data = doc.value
     if not isinstance(data, dict):
@@ -175,12 +169,11 @@ def load_pipeline(path: str | Path, sets: Optional[list[str]] = None, run_dir: O
         if not isinstance(stage, str) or not stage.strip():
             raise ConfigError(f"{doc.loc(*base)}: step '{name}' has no 'stage:' (a megapipe command, e.g. pretrain)")
         stage = " ".join(stage.split())
-        try:
-            cmd = command(stage)
-        except ConfigError:
+        cmd = commands.get(stage)
+        if cmd is None:
             raise ConfigError(f"{doc.loc(*base, 'stage')}: step '{name}': unknown stage '{stage}'"
-                              f"{_suggest(stage, commands())} (stages: {', '.join(sorted(commands()))})") from None
-        output = output_of(stage)
+                              f"{_suggest(stage, commands)} (stages: {', '.join(sorted(commands))})")
+        output = cmd.output
         options, option_locs = {}, {}
         for key, value in raw["options"].items():
             loc = doc.loc(*base, "options", key)

@@ -1,23 +1,20 @@
-"""The stages a pipeline step can run: megapipe's own CLI commands, and what each one produces.
+"""The stages a pipeline step can run: megapipe's CLI commands, handed in by the CLI, and what each one produces.
 
 A step's ``stage`` is a command path of the ``megapipe`` CLI (``pretrain``, ``export hf``, ...); its options are
-that command's parameters, checked against the command's real typer/click parameters. What a stage *produces*
-is declared once, in ``OUTPUTS`` below: which parameter receives the output path, the name it gets under the
-step's directory, what kind of thing it is (how completeness is judged) and what ``${step.output}`` hands to the
-steps downstream. A command that is not in the table still runs as a step; its output is its captured stdout.
-
-To plug in a new stage: register its command in ``stages/`` as usual, then add one line here, e.g.
-``"pretrain": Output("save", "run", "run", resume=Resume("load", clear=("finetune",)), training=True)``.
+that command's parameters, checked against the command's real typer/click parameters. What a stage *produces* is
+declared next to its command in the CLI's command table (``COMMANDS``, in cli.py) as an ``Output``: which
+parameter receives the output path, the name it gets under the step's directory, what kind of thing it is (how
+completeness is judged) and what ``${step.output}`` hands to the steps downstream. The CLI gives the pipeline its
+commands (``commands_of``); nothing here imports the CLI.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
-
-from megapipe.errors import ConfigError
 
 # the launch flags every training stage takes (stages/pretrain.py); the pipeline sets them from `resources`
 LAUNCH_OPTIONS = ("nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint")
@@ -55,54 +52,9 @@ class Output:
         return self.reference(path, options) if self.reference else str(path)
 
 
-def _preprocess_reference(path: Path, options: dict) -> str:
-    """preprocess writes PREFIX_{key}_document.bin/.idx per --json-keys key; downstream gets the first one."""
-    keys = options.get("json_keys") or ["text"]
-    key = keys[0] if isinstance(keys, list) else keys
-    return f"{path}_{key}_document"
-
-
 KINDS = ("file", "dir", "prefix", "run", "checkpoint", "stdout")
 
-OUTPUTS: dict[str, Output] = {
-    "data fetch": Output("output", "corpus.jsonl", "file"),
-    "data merge": Output("output_prefix", "merged", "prefix"),
-    "tokenizer train": Output("output", "tokenizer", "dir"),
-    "preprocess": Output("output_prefix", "data", "prefix", reference=_preprocess_reference),
-    "pretrain": Output("save", "run", "run", resume=Resume("load", clear=("finetune",)), training=True),
-    "posttrain sft": Output("save", "run", "run", resume=Resume(), training=True),
-    "posttrain distill": Output("save", "run", "run", resume=Resume(), training=True),
-    "posttrain rl": Output("save", "run", "run", resume=Resume(), training=True),
-    "posttrain prune": Output("output", "checkpoint", "checkpoint"),
-    "posttrain quantize": Output("output", "checkpoint", "checkpoint"),
-    "import hf": Output("out_ckpt", "checkpoint", "checkpoint"),
-    "export hf": Output("out_dir", "hf", "dir"),
-    "export trt": Output("out_dir", "trt", "dir"),
-    # megapipe eval CKPT --tasks ... --output DIR: DIR/results.json (lm-eval's results dict)
-    "eval": Output("output", "eval", "dir", complete="results.json"),
-    "serve-smoke": Output("output", "smoke", "dir", complete="responses.json"),
-    "generate": Output(None, "completions.txt", "stdout"),
-    "plot": Output("output", "plots", "dir"),
-}
-DEFAULT_OUTPUT = Output(None, "stdout.txt", "stdout")
-NOT_STEPS = ("pipeline",)  # command groups that cannot be a step (a pipeline does not run pipelines)
-
-
-def output_of(stage: str) -> Output:
-    """The stage's output, its option names resolved to the command's own parameter names (the table names options
-    as a user does: a parameter name or a flag without dashes, e.g. 'save' for a config-generated --save)."""
-    out = OUTPUTS.get(stage, DEFAULT_OUTPUT)
-    if out.option is None and out.resume is None:
-        return out
-    cmd = command(stage)
-
-    def real(key: str) -> str:
-        param, _ = cmd.param_for(key)
-        return param.name if param is not None else key
-
-    resume = out.resume and Resume(real(out.resume.option) if out.resume.option else None,
-                                   tuple(real(k) for k in out.resume.clear))
-    return dataclasses.replace(out, option=real(out.option) if out.option else None, resume=resume)
+DEFAULT_OUTPUT = Output(None, "stdout.txt", "stdout")  # a command that writes nothing else: its stdout
 
 
 def output_complete(out: Output, reference: str) -> bool:
@@ -142,10 +94,12 @@ def latest_checkpoint_step(run_dir: Path) -> Optional[int]:
 
 @dataclass
 class Command:
-    """A leaf command of the megapipe CLI and its parameters by name."""
+    """A leaf command of the megapipe CLI as a step runs it: its click command, its parameters by name, and what it
+    produces (``declared``: as the command table names options)."""
 
     path: str
     command: Any  # typer's click command
+    declared: Output
     params: dict[str, Any] = field(default_factory=dict)
 
     def param_for(self, key: str):
@@ -162,40 +116,33 @@ class Command:
                 return p, True
         return None, False
 
+    @functools.cached_property
+    def output(self) -> Output:
+        """The declared output, its option names resolved to the command's own parameter names (the table names
+        options as a user does: a parameter name or a flag without dashes, e.g. 'save' for a config-generated
+        --save)."""
+        out = self.declared
+        if out.option is None and out.resume is None:
+            return out
 
-_COMMANDS: Optional[dict[str, Command]] = None
+        def real(key: str) -> str:
+            param, _ = self.param_for(key)
+            return param.name if param is not None else key
 
-
-def commands() -> dict[str, Command]:
-    """Every leaf command of the CLI, by its space-separated path ('export hf')."""
-    global _COMMANDS
-    if _COMMANDS is None:
-        import typer
-
-        from megapipe.cli import app
-
-        found: dict[str, Command] = {}
-
-        def walk(cmd, path: tuple[str, ...]) -> None:
-            subs = getattr(cmd, "commands", None)
-            if subs is not None:
-                for name in cmd.list_commands(None):
-                    if not path and name in NOT_STEPS:
-                        continue
-                    walk(cmd.get_command(None, name), path + (name,))
-            elif path:
-                params = {p.name: p for p in cmd.params if p.name not in ("help",)}
-                found[" ".join(path)] = Command(" ".join(path), cmd, params)
-
-        walk(typer.main.get_command(app), ())
-        _COMMANDS = found
-    return _COMMANDS
+        resume = out.resume and Resume(real(out.resume.option) if out.resume.option else None,
+                                       tuple(real(k) for k in out.resume.clear))
+        return dataclasses.replace(out, option=real(out.option) if out.option else None, resume=resume)
 
 
-def command(stage: str) -> Command:
-    found = commands().get(" ".join(str(stage).split()))
-    if found is None:
-        raise ConfigError(f"unknown stage '{stage}'")
+def commands_of(cli, outputs: dict[str, Output]) -> dict[str, Command]:
+    """The commands a step may run, by their space-separated path ('export hf'): each path of ``outputs`` looked up
+    in ``cli`` (the CLI's click group), with the output it declares."""
+    found: dict[str, Command] = {}
+    for path, output in outputs.items():
+        cmd = cli
+        for word in path.split():
+            cmd = cmd.get_command(None, word)
+        found[path] = Command(path, cmd, output, {p.name: p for p in cmd.params if p.name != "help"})
     return found
 
 

@@ -220,21 +220,6 @@ def test_presets_read_back_through_transformers(preset):
             assert canonical(f.name, getattr(back, f.name), back) == canonical(f.name, getattr(cfg, f.name), cfg), f.name
 
 
-def test_export_group_is_shared():
-    """A later stage module adds `export <format>` next to `export hf`, whichever registers first."""
-    import typer
-    from typer.testing import CliRunner
-
-    from stages import common, hf
-
-    app = typer.Typer()
-    common.group(app, "export").command("trt")(lambda: None)
-    hf.register(app)
-    result = CliRunner().invoke(app, ["export", "--help"])
-    assert result.exit_code == 0 and " hf " in result.output and " trt " in result.output
-    assert [g.name for g in app.registered_groups] == ["export", "import"]
-
-
 # --------------------------------------------------------------------------------------------------- finetune
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"

@@ -13,18 +13,22 @@ from pathlib import Path
 
 import pytest
 
-from megapipe.cli import main
+from megapipe.cli import main, step_commands
 from megapipe.errors import MegapipeError
-from megapipe.pipeline import StepFailed, load_pipeline, run_pipeline, status_rows
+from megapipe.pipeline.runner import StepFailed, run_pipeline, status_rows
+from megapipe.pipeline.spec import load_pipeline
 from megapipe.pipeline.state import read_pipeline_record, read_state
 
 SMALL = Path(__file__).parent / "pipelines" / "small.yaml"
 STEPS = ["tok", "data", "inspect", "side"]
 
 
+def small(run_dir: Path, corpus: Path, *sets: str):
+    return load_pipeline(SMALL, step_commands(), [f"vars.corpus={corpus}", *sets], str(run_dir))
+
+
 def run(run_dir: Path, corpus: Path, *sets: str, **kw):
-    p = load_pipeline(SMALL, [f"vars.corpus={corpus}", *sets], str(run_dir))
-    return run_pipeline(p, "local", **kw)
+    return run_pipeline(small(run_dir, corpus, *sets), "local", **kw)
 
 
 def generations(run_dir: Path) -> dict[str, str]:
@@ -73,8 +77,7 @@ def test_rerun_is_a_cache_hit(copy, capsys):
     assert "ran 0 step(s) (none), 4 cached" in capsys.readouterr().out
     assert main(["pipeline", "status", str(SMALL), "--run-dir", str(run_dir), "--json"]) == 0  # the run's --set
     assert [r["state"] for r in json.loads(capsys.readouterr().out)] == ["cached"] * 4
-    assert [r.state for r in status_rows(load_pipeline(SMALL, [f"vars.corpus={corpus}"], str(run_dir)))] == \
-        ["cached"] * 4
+    assert [r.state for r in status_rows(small(run_dir, corpus))] == ["cached"] * 4
 
 
 def test_changed_option_reruns_exactly_its_downstream(copy):
@@ -116,7 +119,7 @@ def test_force_from_until(copy):
     assert run(run_dir, corpus, force=["tok"]).ran == ["tok", "data", "inspect"]
     assert run(run_dir, corpus, start="data").ran == ["data", "inspect"]
     assert run(run_dir, corpus, force=["data"], until="data").ran == ["data"]
-    rows = {r.step: r for r in status_rows(load_pipeline(SMALL, [f"vars.corpus={corpus}"], str(run_dir)))}
+    rows = {r.step: r for r in status_rows(small(run_dir, corpus))}
     assert (rows["inspect"].state, rows["inspect"].note) == ("stale", "upstream 'data' reran since")
     assert run(run_dir, corpus).ran == ["inspect"]
     before = generations(run_dir)
@@ -125,8 +128,7 @@ def test_force_from_until(copy):
     assert {d.name: d.action for d in result.decisions} == {"tok": "run", "data": "run", "inspect": "skip",
                                                             "side": "skip"}
     assert generations(run_dir)["side"] == before["side"]
-    rows = {r.step: r for r in status_rows(load_pipeline(SMALL, [f"vars.corpus={corpus}", "tok.vocab_size=300",
-                                                                  "side.vocab_size=290"], str(run_dir)))}
+    rows = {r.step: r for r in status_rows(small(run_dir, corpus, "tok.vocab_size=300", "side.vocab_size=290"))}
     assert rows["tok"].state == "done" and rows["data"].state == "done"
     assert (rows["inspect"].state, rows["inspect"].note) == ("stale", "upstream 'data' changed")
     assert (rows["side"].state, rows["side"].note) == ("stale", "option vocab_size changed: 300 -> 290")
@@ -165,7 +167,7 @@ def test_failed_step_stops_the_pipeline_and_keeps_completed_outputs(copy, capsys
 
 
 def test_status_of_a_fresh_run_dir(tmp_path, shakespeare_excerpt):
-    rows = status_rows(load_pipeline(SMALL, [f"vars.corpus={shakespeare_excerpt}"], str(tmp_path / "none")))
+    rows = status_rows(small(tmp_path / "none", shakespeare_excerpt))
     assert [(r.state, r.duration_s, r.output) for r in rows][0] == ("pending", None,
                                                                     str(tmp_path / "none/tok/tokenizer"))
     assert len({r.key for r in rows}) == 4 and all(len(r.key) == 12 for r in rows)

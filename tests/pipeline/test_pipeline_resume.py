@@ -13,7 +13,9 @@ import sys
 import time
 from pathlib import Path
 
-from megapipe.pipeline import load_pipeline, run_pipeline, status_rows
+from megapipe.cli import step_commands
+from megapipe.pipeline.runner import run_pipeline, status_rows
+from megapipe.pipeline.spec import load_pipeline
 from megapipe.pipeline.state import read_state
 
 TRAIN = Path(__file__).parent / "pipelines" / "train.yaml"
@@ -53,7 +55,7 @@ def test_interrupted_pretrain_resumes_from_its_checkpoint(tmp_path, shakespeare_
         f"interrupted by SIGTERM (checkpoint at step {stopped_at}; the next run resumes from it)")
     assert "interrupted by SIGTERM" in " ".join(err.split())
     assert not (run_dir / "hf").exists()  # nothing downstream ran
-    pipeline = load_pipeline(TRAIN, sets, str(run_dir))
+    pipeline = load_pipeline(TRAIN, step_commands(), sets, str(run_dir))
     rows = {r.step: r for r in status_rows(pipeline)}
     assert (rows["pretrain"].state, rows["tok"].state, rows["hf"].state) == ("failed", "done", "pending")
 
@@ -79,6 +81,6 @@ def test_interrupted_pretrain_resumes_from_its_checkpoint(tmp_path, shakespeare_
 
     # the same pretrain, never interrupted, has the same curve: the resume continued the run exactly
     reference = tmp_path / "reference"
-    run_pipeline(load_pipeline(TRAIN, sets, str(reference)), "local", until="pretrain")
+    run_pipeline(load_pipeline(TRAIN, step_commands(), sets, str(reference)), "local", until="pretrain")
     assert train_losses(reference) == losses
     assert run_pipeline(pipeline, "local").ran == []  # and now it is all cached

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from megapipe.pipeline import StepFailed, load_pipeline, run_pipeline, status_rows
+from megapipe.cli import step_commands
 from megapipe.pipeline import slurm as slurm_executor
+from megapipe.pipeline.runner import StepFailed, run_pipeline, status_rows
+from megapipe.pipeline.spec import load_pipeline
 from megapipe.pipeline.state import read_state
 
 TRAIN = Path(__file__).parent / "pipelines" / "train.yaml"
@@ -22,7 +24,7 @@ def test_slurm_runs_a_pipeline_with_a_two_process_pretrain(slurm_cluster, tmp_pa
     run_dir = tmp_path / "run"
     sets = [f"vars.corpus={shakespeare_excerpt}", "pretrain.micro_batch_size=2",
             "pretrain.resources.procs_per_node=2", "pretrain.resources.cpus_per_task=2"]
-    pipeline = load_pipeline(TRAIN, sets, str(run_dir))
+    pipeline = load_pipeline(TRAIN, step_commands(), sets, str(run_dir))
     result = run_pipeline(pipeline, "slurm")
     assert list(result.job_ids) == STEPS and len(set(result.job_ids.values())) == 4
     rows = {r.step: r for r in status_rows(pipeline)}
@@ -50,7 +52,7 @@ def test_slurm_runs_a_pipeline_with_a_two_process_pretrain(slurm_cluster, tmp_pa
     again = run_pipeline(pipeline, "slurm", wait=True)  # a cache hit submits nothing
     assert again.job_ids == {} and {d.action for d in again.decisions} == {"cached"}
 
-    broken = load_pipeline(TRAIN, [*sets, f"data.input={tmp_path}/missing.jsonl"], str(run_dir))
+    broken = load_pipeline(TRAIN, step_commands(), [*sets, f"data.input={tmp_path}/missing.jsonl"], str(run_dir))
     with pytest.raises(StepFailed, match=r"^step 'data' \(preprocess\) failed: exit 2: error: input file "):
         run_pipeline(broken, "slurm", wait=True)
     rows = {r.step: r for r in status_rows(broken)}

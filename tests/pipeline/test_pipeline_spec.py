@@ -6,9 +6,9 @@ import textwrap
 
 import pytest
 
-from megapipe.cli import main
+from megapipe.cli import main, step_commands
 from megapipe.errors import ConfigError
-from megapipe.pipeline import load_pipeline
+from megapipe.pipeline.spec import load_pipeline
 
 GOOD = """\
 name: demo
@@ -45,14 +45,14 @@ def write(tmp_path, text: str, name: str = "p.yaml"):
 def error(tmp_path, text: str, sets=None) -> str:
     path = write(tmp_path, text)
     with pytest.raises(ConfigError) as e:
-        load_pipeline(path, sets)
+        load_pipeline(path, step_commands(), sets)
     message = str(e.value)
     assert "\n" not in message
     return message.replace(str(path), "FILE")
 
 
 def test_good_file_resolves_references_variables_and_flags(tmp_path):
-    p = load_pipeline(write(tmp_path, GOOD), run_dir=str(tmp_path / "run"))
+    p = load_pipeline(write(tmp_path, GOOD), step_commands(), run_dir=str(tmp_path / "run"))
     assert p.order == ["tok", "data", "pretrain"]
     assert p.steps["pretrain"].upstream == ["data"]
     opts = p.resolved_options("pretrain")
@@ -67,7 +67,7 @@ def test_good_file_resolves_references_variables_and_flags(tmp_path):
 
 
 def test_set_overrides_options_and_variables(tmp_path):
-    p = load_pipeline(write(tmp_path, GOOD), ["vars.iters=7", "tok.vocab_size=400"])
+    p = load_pipeline(write(tmp_path, GOOD), step_commands(), ["vars.iters=7", "tok.vocab_size=400"])
     assert p.resolved_options("pretrain")["train_iters"] == 7
     assert p.resolved_options("tok")["vocab_size"] == 400
 
@@ -134,7 +134,7 @@ def test_after_may_order_a_step_before_an_earlier_one(tmp_path):
     options: {name: shakespeare}
 """
     text = text.replace("    stage: tokenizer train\n", "    stage: tokenizer train\n    after: [first]\n")
-    p = load_pipeline(write(tmp_path, text))
+    p = load_pipeline(write(tmp_path, text), step_commands())
     assert p.order == ["first", "tok", "data", "pretrain", "last"]
 
 
@@ -187,7 +187,7 @@ def test_variables_may_use_the_environment_and_earlier_variables(tmp_path, monke
     monkeypatch.setenv("MEGAPIPE_TEST_DATA", "/data")
     text = GOOD.replace("vars:\n  iters: 5\n", "vars:\n  iters: 5\n  root: ${env.MEGAPIPE_TEST_DATA}\n"
                         "  corpus: ${vars.root}/c.jsonl\n").replace("input: corpus.jsonl", "input: ${vars.corpus}")
-    p = load_pipeline(write(tmp_path, text))
+    p = load_pipeline(write(tmp_path, text), step_commands())
     assert p.resolved_options("tok")["input"] == "/data/c.jsonl"
     assert error(tmp_path, text.replace("${vars.root}/c", "${vars.later}/c")).startswith(
         "FILE:5: '${vars.later}': no variable 'later' (variables: iters, root)")

@@ -8,10 +8,12 @@ import shlex
 import pytest
 import yaml
 
+from megapipe.cli import step_commands
 from megapipe.errors import ConfigError
-from megapipe.pipeline import dry_run_lines, load_pipeline, make_plan
 from megapipe.pipeline.execute import job_spec
-from megapipe.pipeline.stages import OUTPUTS, output_of
+from megapipe.pipeline.plan import make_plan
+from megapipe.pipeline.runner import dry_run_lines
+from megapipe.pipeline.spec import load_pipeline
 
 CHAIN = {
     "pretrain": {"stage": "pretrain", "options": {"data_path": "/d/x_text_document", "tokenizer": "/tok",
@@ -35,7 +37,7 @@ CHAIN = {
 def chain(tmp_path):
     path = tmp_path / "chain.yaml"
     path.write_text(yaml.safe_dump({"steps": CHAIN}, sort_keys=False))
-    return load_pipeline(path, run_dir=str(tmp_path / "run")), tmp_path / "run"
+    return load_pipeline(path, step_commands(), run_dir=str(tmp_path / "run")), tmp_path / "run"
 
 
 def test_every_stage_has_its_output_under_the_step(chain):
@@ -65,7 +67,7 @@ def test_the_output_option_is_the_pipelines(tmp_path, step, option):
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump({"steps": steps}, sort_keys=False))
     with pytest.raises(ConfigError, match=rf"step '{step}' \(.*\): option '{option}' is set by the pipeline"):
-        load_pipeline(path)
+        load_pipeline(path, step_commands())
 
 
 def test_resumed_training_steps(chain):
@@ -86,17 +88,13 @@ def test_resumed_training_steps(chain):
             d.resume_from = None
             first = job_spec(p, d, "local")
             assert argv == first["argv"] and first["fresh"] is True
-    assert output_of("posttrain sft").resume.option is None and output_of("pretrain").resume.option == "load"
+    commands = step_commands()
+    assert commands["posttrain sft"].output.resume.option is None
+    assert commands["pretrain"].output.resume.option == "load"
 
 
 def test_table_entries_name_real_parameters():
-    """Each stage of the output table that is installed names one of its command's parameters."""
-    from megapipe.pipeline.stages import commands
-
-    for stage in OUTPUTS:
-        if stage not in commands():
-            assert stage == "eval", stage  # lands on its own branch
-            continue
-        resolved = output_of(stage)
-        if resolved.option is not None:
-            assert resolved.option in commands()[stage].params, (stage, resolved.option)
+    """Each output the command table declares names one of its command's parameters."""
+    for stage, cmd in step_commands().items():
+        if cmd.output.option is not None:
+            assert cmd.output.option in cmd.params, (stage, cmd.output.option)
