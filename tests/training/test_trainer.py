@@ -10,8 +10,8 @@ import torch
 
 from megapipe.config import load_config
 from megapipe.errors import ConfigError, DataError
+from megapipe.models.objective import TokenCrossEntropy
 from megapipe.training.lr import LRSchedule
-from megapipe.training.objective import TokenCrossEntropy
 from megapipe.training.recipes import PretrainRecipe
 from megapipe.training.run import padded_vocab_size
 from megapipe.training.trainer import Trainer, TrainingError

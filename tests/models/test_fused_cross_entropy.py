@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from megapipe.config import ModelConfig, load_config
 from megapipe.models import build_model
-from megapipe.training.loss import NO_SHIFT_LIMIT, _logits_may_exceed, fused_linear_cross_entropy
-from megapipe.training.objective import TokenCrossEntropy
+from megapipe.models.fused_cross_entropy import NO_SHIFT_LIMIT, _logits_may_exceed, fused_linear_cross_entropy
+from megapipe.models.objective import TokenCrossEntropy
 from megapipe.training.recipes import PretrainRecipe
 from megapipe.training.trainer import Trainer
 
