@@ -40,7 +40,8 @@ from typing import Callable
 import numpy as np
 
 from megapipe.data.blend import BlendedDataset, build_blend_index, normalize_weights
-from megapipe.data.indexed import IndexedDataset, bin_path, idx_path
+from megapipe.data.indexed import IndexedDataset
+from megapipe.data.paths import bin_path, idx_path
 from megapipe.errors import DataError
 
 log = logging.getLogger(__name__)
