@@ -1,11 +1,11 @@
-"""The one typed config tree: model, parallel, data, train, optim, checkpoint.
+"""The one typed config tree: model, parallel, data, train, optim, rl, checkpoint, sft, lora, distill.
 
 Loaded from YAML (errors name ``file:line``), overridden with dotted keys (``train.lr=3e-4``), validated with
 messages that name the key and the allowed values. Every section is a plain dataclass so library code reads
 ``cfg.train.lr`` with types, and ``to_dict``/``from_dict`` round-trip through JSON for checkpoint manifests.
 
 A field declared with ``opt(default, "--flag", ...)`` also gets that command-line flag (Megatron's name first,
-shorter aliases after) in every stage that takes its section (``stages.common.config_options``): one declaration
+shorter aliases after) in every stage that takes its section (``stages.common.config_flags``): one declaration
 gives the YAML key, the ``--set`` path and the flag.
 """
 
