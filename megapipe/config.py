@@ -1,17 +1,18 @@
-"""The one typed config tree: model, parallel, data, train, optim, checkpoint.
+"""The one typed config tree: model, parallel, data, train, optim, rl, checkpoint, sft, lora, distill.
 
 Loaded from YAML (errors name ``file:line``), overridden with dotted keys (``train.lr=3e-4``), validated with
 messages that name the key and the allowed values. Every section is a plain dataclass so library code reads
 ``cfg.train.lr`` with types, and ``to_dict``/``from_dict`` round-trip through JSON for checkpoint manifests.
 
 A field declared with ``opt(default, "--flag", ...)`` also gets that command-line flag (Megatron's name first,
-shorter aliases after) in every stage that takes its section (``stages.common.config_options``): one declaration
+shorter aliases after) in every stage that takes its section (``stages.common.config_flags``): one declaration
 gives the YAML key, the ``--set`` path and the flag.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
-from megapipe.errors import ConfigError
+from megapipe.errors import ConfigError, DataError
 
 # --------------------------------------------------------------------------------------------------- sections
 
@@ -727,8 +728,6 @@ def _named(key: str) -> str:
 
 def _non_finite(obj: Any, prefix: str = ""):
     """(dotted key, value) of every NaN or infinite float inside a config dict (lists and dicts included)."""
-    import math
-
     if isinstance(obj, float) and not math.isfinite(obj):
         yield prefix.rstrip("."), obj
     elif isinstance(obj, dict):
@@ -739,11 +738,45 @@ def _non_finite(obj: Any, prefix: str = ""):
             yield from _non_finite(v, f"{prefix.rstrip('.')}[{i}].")
 
 
+def number_or_none(text: str) -> float | None:
+    """``text`` as a float; None when it is no number (a prefix among the weights of data.data_path)."""
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float] | None]:
+    """``(prefixes, weights)``; weights is None for a list of bare prefixes. Items may hold several
+    whitespace-separated entries (``["0.7 A 0.3 B"]``), as a Megatron ``--data-path`` string does."""
+    items = [t for x in (data_path or []) for t in str(x).split()]
+    if not items:
+        raise DataError("data.data_path is empty: give a prefix (PATH without .bin/.idx) or weight/prefix pairs")
+    numbers = [number_or_none(x) for x in items]
+    if all(n is None for n in numbers):
+        prefixes, weights = items, None
+    else:
+        prefixes, weights = _weighted(items, numbers)
+    twice = sorted({p for p in prefixes if prefixes.count(p) > 1})
+    if twice:
+        raise DataError(f"data.data_path lists prefix {twice[0]} more than once; give it one (larger) weight instead")
+    return prefixes, weights
+
+
+def _weighted(items: list[str], numbers: list[float | None]) -> tuple[list[str], list[float]]:
+    if len(items) % 2 or any(n is None for n in numbers[::2]) or any(n is not None for n in numbers[1::2]):
+        raise DataError(
+            f"data.data_path {items} is malformed: give prefixes only ('A B') or weight/prefix pairs ('0.7 A 0.3 B')"
+        )
+    weights, prefixes = numbers[::2], items[1::2]
+    for w, p in zip(weights, prefixes, strict=True):
+        if not (math.isfinite(w) and w > 0):
+            raise DataError(f"data.data_path weight {w} for prefix {p} must be a positive number")
+    return prefixes, weights
+
+
 def _check_blend(data_path: list[str]) -> None:
     """The blend's weights (positive, finite) and prefixes, checked where the value enters, not when data loads."""
-    from megapipe.data.gpt_dataset import parse_data_path
-    from megapipe.errors import DataError
-
     try:
         parse_data_path(data_path)
     except DataError as e:

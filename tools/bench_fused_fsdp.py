@@ -46,7 +46,7 @@ def worker(a) -> None:
     import torch.distributed as dist
 
     from megapipe.config import Config, ModelConfig, TrainConfig
-    from megapipe.training.objective import TokenCrossEntropy
+    from megapipe.models.objective import TokenCrossEntropy
     from megapipe.training.recipes import PretrainRecipe
     from megapipe.training.trainer import Trainer
 

@@ -93,7 +93,7 @@ def megapipe_step(a, mode: str, fused: bool = True):
     cfg.data.seq_length = a.seq
     recipe = None
     if not fused:  # the same cross-entropy, declared not fusable: the Trainer keeps the logits path
-        from megapipe.training.objective import TokenCrossEntropy
+        from megapipe.models.objective import TokenCrossEntropy
         from megapipe.training.recipes import PretrainRecipe
 
         class LogitsLoss(TokenCrossEntropy):

@@ -1,4 +1,11 @@
-"""The shared checkpoint format (see DESIGN.md): DCP shards + a JSON manifest, atomic saves, safe loads."""
+"""The shared checkpoint format every stage reads and writes: one directory per checkpoint.
+
+``CKPT/megapipe.json`` is the manifest (format version, model config, tokenizer, layout, step, stage, parent,
+quantization, and every file with its size and checksum; written last, so a cut-off save never looks complete:
+manifest.py, integrity.py). ``model/`` and ``optim/`` hold torch.distributed.checkpoint shards that load into any
+parallel layout (dcp.py, read without unpickling code: safe_dcp.py), ``extra/`` the per-rank RNG states (rng.py),
+``tokenizer/`` the tokenizer. Saves go to a temporary sibling renamed into place; hf/ and trt*.py write other formats.
+"""
 
 from megapipe.checkpoint.dcp import (
     load_checkpoint,

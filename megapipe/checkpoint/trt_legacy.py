@@ -40,7 +40,8 @@ import torch
 from megapipe.checkpoint import quantized_linear as ql
 from megapipe.checkpoint.hf.base import adapter_for_arch
 from megapipe.checkpoint.hf.files import HF_DTYPE_NAMES
-from megapipe.checkpoint.trt import AWQ, LAYER_LINEARS, QUANT_ALGO, Source, save_safetensors, write_json
+from megapipe.checkpoint.trt_files import save_safetensors, write_json
+from megapipe.checkpoint.trt_source import AWQ, LAYER_LINEARS, QUANT_ALGO, Source
 from megapipe.errors import ConfigError, MegapipeError
 
 DECODER = {"llama": "llama", "mistral": "llama", "qwen2": "qwen", "qwen3": "qwen", "gpt2": "gpt", "mixtral": "llama",

@@ -18,7 +18,8 @@ from megapipe.checkpoint import quantized_linear as ql
 from megapipe.checkpoint.hf.base import adapter_for_arch
 from megapipe.checkpoint.hf.bridge import _token_ids, _tokenizer, _write_tokenizer
 from megapipe.checkpoint.hf.files import HF_DTYPE_NAMES
-from megapipe.checkpoint.trt import AWQ, LAYER_LINEARS, QUANT_ALGO, ShardWriter, Source, write_json
+from megapipe.checkpoint.trt_files import ShardWriter, write_json
+from megapipe.checkpoint.trt_source import AWQ, LAYER_LINEARS, QUANT_ALGO, Source
 from megapipe.errors import CheckpointError, MegapipeError
 
 FUSED = (("attention_norm", ("attention.wq", "attention.wk", "attention.wv")),

@@ -39,8 +39,10 @@ from typing import Callable
 
 import numpy as np
 
+from megapipe.config import number_or_none, parse_data_path
 from megapipe.data.blend import BlendedDataset, build_blend_index, normalize_weights
-from megapipe.data.indexed import IndexedDataset, bin_path, idx_path
+from megapipe.data.indexed import IndexedDataset
+from megapipe.data.paths import bin_path, idx_path
 from megapipe.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -51,46 +53,10 @@ DEFAULT_CACHE_NAME = "megapipe_index_cache"
 
 
 # ----------------------------------------------------------------------------------------------------- inputs
-def _as_number(text: str) -> float | None:
-    try:
-        return float(text)
-    except ValueError:
-        return None
-
-
-def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float] | None]:
-    """``(prefixes, weights)``; weights is None for a list of bare prefixes. Items may hold several
-    whitespace-separated entries (``["0.7 A 0.3 B"]``), as a Megatron ``--data-path`` string does."""
-    items = [t for x in (data_path or []) for t in str(x).split()]
-    if not items:
-        raise DataError("data.data_path is empty: give a prefix (PATH without .bin/.idx) or weight/prefix pairs")
-    numbers = [_as_number(x) for x in items]
-    if all(n is None for n in numbers):
-        prefixes, weights = items, None
-    else:
-        prefixes, weights = _weighted(items, numbers)
-    twice = sorted({p for p in prefixes if prefixes.count(p) > 1})
-    if twice:
-        raise DataError(f"data.data_path lists prefix {twice[0]} more than once; give it one (larger) weight instead")
-    return prefixes, weights
-
-
-def _weighted(items: list[str], numbers: list[float | None]) -> tuple[list[str], list[float]]:
-    if len(items) % 2 or any(n is None for n in numbers[::2]) or any(n is not None for n in numbers[1::2]):
-        raise DataError(
-            f"data.data_path {items} is malformed: give prefixes only ('A B') or weight/prefix pairs ('0.7 A 0.3 B')"
-        )
-    weights, prefixes = numbers[::2], items[1::2]
-    for w, p in zip(weights, prefixes, strict=True):
-        if not (math.isfinite(w) and w > 0):
-            raise DataError(f"data.data_path weight {w} for prefix {p} must be a positive number")
-    return prefixes, weights
-
-
 def parse_split(split: str) -> list[float]:
     """``"969,30,1"`` -> normalised train/valid/test weights (missing trailing ones are 0, as in Megatron)."""
     parts = [p.strip() for p in re.split(r"[,/]", str(split))]
-    values = [_as_number(p) for p in parts]
+    values = [number_or_none(p) for p in parts]
     if not 1 <= len(parts) <= 3 or any(v is None or not math.isfinite(v) or v < 0 for v in values):
         raise DataError(f"data.split {split!r} must be up to three non-negative numbers like '969,30,1'")
     values += [0.0] * (3 - len(values))

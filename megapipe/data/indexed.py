@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from megapipe.data.paths import bin_path, idx_path
+from megapipe.data.sidecar import remove_sidecar, write_sidecar
 from megapipe.errors import DataError
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -33,14 +35,6 @@ CODE_OF = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
 def optimal_dtype(vocab_size: int) -> type:
     """Megatron's choice: uint16 below 65500 tokens, int32 above."""
     return np.uint16 if vocab_size is not None and vocab_size < 65500 else np.int32
-
-
-def bin_path(prefix: str | Path) -> Path:
-    return Path(f"{prefix}.bin")
-
-
-def idx_path(prefix: str | Path) -> Path:
-    return Path(f"{prefix}.idx")
 
 
 def exists(prefix: str | Path) -> bool:
@@ -279,8 +273,6 @@ class IndexedDatasetWriter:
                 os.fsync(f.fileno())
         except OSError as e:
             raise OSError(e.errno, e.strerror, e.filename or str(self._tmp_idx)) from None
-        from megapipe.data.sidecar import remove_sidecar, write_sidecar
-
         remove_sidecar(self.prefix)  # first: a crash below leaves a pair of unknown origin, never a wrong record
         os.replace(self._tmp_bin, bin_path(self.prefix))
         os.replace(self._tmp_idx, idx_path(self.prefix))

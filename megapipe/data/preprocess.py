@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from megapipe.data.indexed import IndexedDataset, IndexedDatasetWriter, bin_path, idx_path, optimal_dtype
+from megapipe.data.indexed import IndexedDataset, IndexedDatasetWriter, optimal_dtype
+from megapipe.data.paths import bin_path, idx_path
 from megapipe.data.readers import BLOCK_BYTES, Block, expand_inputs, iter_blocks, parse_block, total_size
 from megapipe.data.sidecar import (
     check_data_tokenizer,

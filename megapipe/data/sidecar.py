@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Optional, Sequence
 
-from megapipe.data.indexed import bin_path, idx_path
+from megapipe.data.paths import bin_path, idx_path
 from megapipe.errors import DataError
 from megapipe.fileio import write_bytes_atomic
 

@@ -78,14 +78,3 @@ def data_perplexity(engine, prefixes: Sequence[str], seq_length: Optional[int] =
     if len(per_prefix) > 1:
         out.update({f"perplexity:{p}": entry(*v) for p, v in per_prefix.items()})
     return out
-
-
-def total_windows(prefixes: Sequence[str], seq_length: int, limit: Optional[float]) -> int:
-    """How many windows data_perplexity will score (for a progress bar)."""
-    from megapipe.data.indexed import IndexedDataset
-
-    count = 0
-    for prefix in prefixes:
-        total = window_count(IndexedDataset(prefix).num_tokens, seq_length)
-        count += total if limit is None else min(total, int(limit * total) if limit < 1 else int(limit))
-    return count

@@ -55,7 +55,7 @@ def _check_ckpt(ckpt: str | Path) -> None:
 
 
 def _check_prefixes(data_paths: Sequence[str], perplexity: bool) -> list[str]:
-    from megapipe.data import indexed
+    from megapipe.data.paths import bin_path, idx_path
 
     prefixes = [str(Path(p).expanduser()) for p in data_paths]
     if prefixes and not perplexity:
@@ -67,7 +67,7 @@ def _check_prefixes(data_paths: Sequence[str], perplexity: bool) -> list[str]:
     if perplexity and not prefixes:
         raise MegapipeError("the perplexity task needs --data-path PREFIX (a megapipe .bin/.idx pair)")
     for given, prefix in zip(data_paths, prefixes, strict=True):
-        for p in (indexed.bin_path(prefix), indexed.idx_path(prefix)):
+        for p in (bin_path(prefix), idx_path(prefix)):
             if not p.is_file():
                 raise DataError(f"--data-path {given}: {p} does not exist (give the PREFIX of a .bin/.idx pair)")
     return prefixes

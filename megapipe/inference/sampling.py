@@ -18,7 +18,7 @@ logprob.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
@@ -71,9 +71,6 @@ class SamplingParams:
     @property
     def penalised(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-
-    def with_seed(self, seed: Optional[int]) -> "SamplingParams":
-        return replace(self, seed=seed, n=1)
 
     def validate(self, vocab_size: int, max_n: int = 128) -> "SamplingParams":
         def bad(param: str, why: str) -> ParamError:

@@ -46,7 +46,6 @@ class Sequence:
         self.prompt_logprobs: list = []  # per prompt token from the second on
         self.after: Optional[Sequence] = None  # a sibling whose prompt is computed first (then shared via the cache)
         self.detok = None
-        self.text = ""
         self.first_token_time: Optional[float] = None
         self.last_token_time: Optional[float] = None
         self.preemptions = 0
@@ -77,9 +76,6 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def finish(self, seq: Sequence, reason: Optional[str]) -> None:
         """Take ``seq`` out (finished or aborted) and return its blocks."""

@@ -1,8 +1,9 @@
 """Block specs: each kind of decoder block declares, in the file that defines its module, how tensor parallelism
 shards it and what its tensors are called in Hugging Face checkpoints. The model builds its layers from the spec
-chosen for each layer; megapipe.parallel.tp applies ``tp_plan``; the HF bridge renames with ``hf_names``;
-``megapipe plan`` counts parameters from the module built on the meta device, split by ``tp_plan``. A new block
-kind (an MoE block, another family) is one module with its spec, registered here.
+megapipe.models.blocks chooses for each layer; megapipe.parallel.tp applies ``tp_plan``; the HF bridge renames
+with ``hf_names``; ``megapipe plan`` counts parameters from the module built on the meta device, split by
+``tp_plan``. A new block kind (an MoE block, another family) is one module with its spec, registered here and
+chosen in blocks.py.
 """
 
 from __future__ import annotations
@@ -37,15 +38,6 @@ def spec_for(block: nn.Module) -> BlockSpec:
         if cls in _BY_MODULE:
             return _BY_MODULE[cls]
     raise TypeError(f"{type(block).__name__} has no registered BlockSpec")
-
-
-def block_spec(cfg, layer_id: int) -> BlockSpec:
-    """The block kind of layer ``layer_id`` under ``cfg``: MoE on the layers ``cfg.moe_layers`` lists (every N-th
-    or a pattern, after the first K dense ones), dense elsewhere."""
-    from megapipe.models.dense import DENSE
-    from megapipe.models.moe import MOE
-
-    return MOE if layer_id in cfg.moe_layers else DENSE
 
 
 def tp_split_numel(block: nn.Module, sequence_parallel: bool = True) -> tuple[int, int]:

@@ -18,9 +18,9 @@ from torch import nn
 from megapipe.config import ModelConfig
 from megapipe.errors import ConfigError
 from megapipe.models.attention import DocumentMask, positions_from_documents
+from megapipe.models.blocks import block_spec
 from megapipe.models.norms import RMSNorm, build_norm, init_norm
 from megapipe.models.rope import inv_frequencies, rope_cos_sin
-from megapipe.models.spec import block_spec
 
 # initialised with std / sqrt(2 * num_layers) (the routed experts' w2 too, see MoE.init_weights)
 OUTPUT_PROJECTIONS = ("attention.wo", "feed_forward.w2", "shared_experts.w2")

@@ -122,10 +122,6 @@ def all_reduce_max_(t) -> None:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
 
 
-def is_main_process() -> bool:
-    return get_rank() == 0
-
-
 def barrier() -> None:
     import torch.distributed as dist
 

@@ -175,7 +175,7 @@ class PipelineModel(nn.Module):
         """The schedule's loss for one pipeline micro-batch: ``rows`` (its target) are the micro-batch's rows of the
         step's batch, so the loss sees every batch key. Keyed by the first row: torch may run the first micro-batch
         once more while it infers shapes, and that result then replaces itself instead of counting twice."""
-        from megapipe.training.objective import ModelOutput
+        from megapipe.models.objective import ModelOutput
 
         loss, batch, factor, scale_loss = self._step
         rows = rows.to(torch.long)

@@ -2,7 +2,7 @@
 
 ``train_step(model, microbatches, dims, loss)`` runs forward + backward with gradient accumulation and returns the
 global batch's loss. Every micro-batch is a dict of tensors (first dimension = rows; see
-megapipe.training.objective). Normalisation is global and token-weighted: the units the loss counts (valid tokens)
+megapipe.models.objective). Normalisation is global and token-weighted: the units the loss counts (valid tokens)
 are summed over every micro-batch and every data-parallel / context-parallel rank before the step, and each
 micro-batch backpropagates ``its loss sum * dp_cp / global units`` (the gradient reduction then averages over the
 dp_cp ranks), so a masked token never re-weights the others and 1, 2 or 4 micro-batches give the same gradients.
@@ -30,13 +30,13 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megapipe.models.objective import Loss, ModelOutput, TokenCrossEntropy
 from megapipe.parallel.cp import shard_sequence
 from megapipe.parallel.dims import ParallelDims
 from megapipe.parallel.dp import set_gradient_sync
 from megapipe.parallel.ep import moe_step_stats, reset_moe_stats, set_aux_loss_scale
 from megapipe.parallel.pp import V_SCHEDULES, PipelineModel, sync_tied_grads
 from megapipe.parallel.tp import loss_parallel_context
-from megapipe.training.objective import Loss, ModelOutput, TokenCrossEntropy
 
 _null = contextlib.nullcontext
 

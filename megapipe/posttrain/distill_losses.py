@@ -17,7 +17,7 @@ dropped as soon as its gradient is formed. Two entry points:
 
 - ``fused``: the student's final hidden states and output weight (the loop's fused path): the chunk's logits are
   computed, used and dropped in the forward, which also forms the gradients of the hidden states and the weight,
-  as megapipe.training.loss does for cross-entropy;
+  as megapipe.models.fused_cross_entropy does for cross-entropy;
 - ``logits``: the student's logits (any layout); the forward keeps nothing per chunk, the backward recomputes each
   chunk's teacher logits and fills the logits' gradient chunk by chunk.
 

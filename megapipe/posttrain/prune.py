@@ -312,7 +312,7 @@ class _Skip(nn.Module):
 @torch.no_grad()
 def loss_of(model: nn.Module, batches: list[dict]) -> float:
     """Token-weighted next-token cross-entropy over ``batches`` (loss_mask honoured), summed over ranks."""
-    from megapipe.training.objective import IGNORE_INDEX, loss_targets
+    from megapipe.models.objective import IGNORE_INDEX, loss_targets
 
     sums = torch.zeros(2, dtype=torch.float64)
     for b in batches:

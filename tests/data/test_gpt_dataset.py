@@ -14,14 +14,9 @@ import os
 import numpy as np
 import pytest
 
+from megapipe.config import parse_data_path
 from megapipe.data.blend import build_blend_index
-from megapipe.data.gpt_dataset import (
-    build_gpt_datasets,
-    build_sample_index,
-    parse_data_path,
-    parse_split,
-    split_document_ranges,
-)
+from megapipe.data.gpt_dataset import build_gpt_datasets, build_sample_index, parse_split, split_document_ranges
 from megapipe.data.indexed import IndexedDatasetWriter
 from megapipe.errors import DataError
 

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 
 from megapipe.config import ModelConfig
 from megapipe.models import build_model
+from megapipe.models.objective import IGNORE_INDEX, LossResult, TokenCrossEntropy
 from megapipe.parallel.dims import ParallelDims
 from megapipe.parallel.step import eval_step, train_step
-from megapipe.training.objective import IGNORE_INDEX, LossResult, TokenCrossEntropy
 
 MODEL = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=64)
 

@@ -1,4 +1,5 @@
-"""The training loop in-process on real data: loss falls, NaN skip/abort, fp16 overflow recovery, vocab checks."""
+"""The training loop in-process on real data: loss falls, NaN skip/abort, fp16 overflow recovery, vocab checks, the
+fused loss path against the logits path."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import torch
 
 from megapipe.config import load_config
 from megapipe.errors import ConfigError, DataError
+from megapipe.models.objective import TokenCrossEntropy
 from megapipe.training.lr import LRSchedule
-from megapipe.training.objective import TokenCrossEntropy
 from megapipe.training.recipes import PretrainRecipe
 from megapipe.training.run import padded_vocab_size
 from megapipe.training.trainer import Trainer, TrainingError
@@ -161,3 +162,29 @@ def test_activation_recompute_leaves_the_losses_unchanged(make, pretrain_data, t
                              "train.eval_iters": 0}).train()
         runs[mode] = [(r["loss"], r["grad_norm"]) for r in records(tmp_path / mode)]
     assert runs["full"] == runs["none"] == runs["selective"]
+
+
+class LogitsCrossEntropy(TokenCrossEntropy):
+    """The same cross-entropy, declared not fusable: the trainer then keeps the logits path."""
+
+    fusable = False
+
+
+class UnfusedRecipe(PretrainRecipe):
+    def loss(self):
+        return LogitsCrossEntropy()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_trainer_losses_are_unchanged_by_the_fused_path(tied, tiny_overrides, pretrain_data):
+    """3 steps of 2 micro-batches each, AdamW, fp32: the recipe's loss declares whether it can be fused."""
+    losses = {}
+    for recipe in (PretrainRecipe(), UnfusedRecipe()):
+        extra = {"train.train_iters": 3, "model.tie_embeddings": tied, "train.eval_iters": 0}
+        trainer = Trainer(load_config(None, tiny_overrides(*pretrain_data, extra)), recipe, quiet=True)
+        fused = type(recipe) is PretrainRecipe
+        assert trainer.fused_loss == trainer.model.return_hidden == fused
+        it = iter(trainer.train_data)
+        losses[fused] = [trainer.train_step(trainer.next_microbatches(it))["loss"] for _ in range(3)]
+    assert losses[True] == pytest.approx(losses[False], rel=1e-6)
+    assert losses[True][2] < losses[True][0]

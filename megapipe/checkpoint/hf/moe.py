@@ -17,7 +17,7 @@ from megapipe.checkpoint.hf.base import Conversion, meta_state_keys, refuse, reg
 from megapipe.checkpoint.hf.llama import TOP, LlamaAdapter, sliding_from_layer_types, sliding_to_layer_types
 from megapipe.config import ModelConfig
 from megapipe.errors import MegapipeError
-from megapipe.models.spec import block_spec
+from megapipe.models.blocks import block_spec
 
 
 def _stack(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

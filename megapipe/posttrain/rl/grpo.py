@@ -16,7 +16,7 @@ and KL_it an estimate of KL(policy || reference) from the sampled token: k1 = lo
 k3 = exp(ref_logp - logp) - (ref_logp - logp) - 1 (non-negative, unbiased; TRL's and DeepSeek's choice).
 
 Aggregation over the global batch (all micro-batches and data-parallel ranks; the loop divides the sums by the
-global count of units, megapipe.training.objective):
+global count of units, megapipe.models.objective):
 - ``token-mean``: sum_it l_it / number of completion tokens (DAPO);
 - ``seq-mean-token-sum``: sum_i sum_t l_it / number of sequences;
 - ``seq-mean-token-mean``: sum_i mean_t l_it / number of sequences (the GRPO paper).
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megapipe.training.objective import Loss, LossResult, ModelOutput
+from megapipe.models.objective import Loss, LossResult, ModelOutput
 
 EPS = 1e-4
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")

@@ -216,8 +216,8 @@ def sequence_logprobs(model, mb: dict, mask, temperatures, chunk: int) -> list[t
     """The model's log-probs of the micro-batch's ``labels`` where ``mask`` is set, once per temperature; the output
     projection runs inside the model's forward (``head``: FSDP holds the whole output weight there), chunk by
     chunk. ``mb``: tensors on the model's device."""
+    from megapipe.models.objective import ModelOutput
     from megapipe.parallel.step import model_kwargs
-    from megapipe.training.objective import ModelOutput
 
     def head(hidden, weight):
         out = ModelOutput(hidden=hidden, output_weight=lambda: weight)

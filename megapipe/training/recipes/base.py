@@ -5,7 +5,7 @@ clipping, evaluation, logging, checkpoints and signals; a recipe owns what diffe
 - ``train_data`` / ``eval_data``: iterators of micro-batch dicts (CPU tensors, first dimension = rows) for this
   data-parallel rank; the train iterator's ``state_dict()`` goes into the checkpoint and comes back to
   ``train_data`` on resume (exact resume);
-- ``loss()``: a megapipe.training.objective.Loss (sum over loss units; the loop normalises globally);
+- ``loss()``: a megapipe.models.objective.Loss (sum over loss units; the loop normalises globally);
 - ``prepare_model``: changes to the plain model before parallelism is applied (LoRA adapters, frozen parts);
   ``load_weights``: how a new run (--finetune) takes its parent's weights into that model;
 - ``check``: recipe-specific refusals before any process starts; ``packed_sequences``: whether batches carry
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Optional
 
-from megapipe.training.objective import Loss, TokenCrossEntropy
+from megapipe.models.objective import Loss, TokenCrossEntropy
 
 
 class Recipe:

@@ -16,8 +16,8 @@ from typing import Optional
 import torch
 
 from megapipe.errors import ConfigError
-from megapipe.training.objective import IGNORE_INDEX, LossResult, ModelOutput, loss_targets
-from megapipe.training.objective import Loss as LossBase
+from megapipe.models.objective import IGNORE_INDEX, LossResult, ModelOutput, loss_targets
+from megapipe.models.objective import Loss as LossBase
 from megapipe.training.recipes.base import Recipe
 
 

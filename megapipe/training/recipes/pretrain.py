@@ -45,8 +45,8 @@ class PretrainRecipe(Recipe):
         if not d.data_path:
             raise ConfigError("data.data_path (--data-path) is not set: give the PREFIX of a .bin/.idx pair")
         if run.tokenizer is not None and not d.allow_tokenizer_mismatch:
+            from megapipe.config import parse_data_path
             from megapipe.data import check_data_tokenizer
-            from megapipe.data.gpt_dataset import parse_data_path
 
             check_data_tokenizer(parse_data_path(d.data_path)[0], run.tokenizer)
         if (d.reset_attention_mask or d.reset_position_ids or d.eod_mask_loss) and (

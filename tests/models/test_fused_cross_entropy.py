@@ -8,12 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megapipe.config import ModelConfig, load_config
+from megapipe.config import ModelConfig
 from megapipe.models import build_model
-from megapipe.training.loss import NO_SHIFT_LIMIT, _logits_may_exceed, fused_linear_cross_entropy
-from megapipe.training.objective import TokenCrossEntropy
-from megapipe.training.recipes import PretrainRecipe
-from megapipe.training.trainer import Trainer
+from megapipe.models.fused_cross_entropy import NO_SHIFT_LIMIT, _logits_may_exceed, fused_linear_cross_entropy
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(tied: bool):
@@ -99,32 +98,6 @@ def test_bf16_autocast_stays_close_to_the_plain_autocast_path():
         fused = fused_linear_cross_entropy(model(tokens, return_hidden=True), model.output_weight(), labels)
     assert fused.dtype == torch.float32
     assert fused.item() == pytest.approx(ref.item(), rel=2e-3)
-
-
-class LogitsCrossEntropy(TokenCrossEntropy):
-    """The same cross-entropy, declared not fusable: the trainer then keeps the logits path."""
-
-    fusable = False
-
-
-class UnfusedRecipe(PretrainRecipe):
-    def loss(self):
-        return LogitsCrossEntropy()
-
-
-@pytest.mark.parametrize("tied", [False, True])
-def test_trainer_losses_are_unchanged_by_the_fused_path(tied, tiny_overrides, pretrain_data):
-    """3 steps of 2 micro-batches each, AdamW, fp32: the recipe's loss declares whether it can be fused."""
-    losses = {}
-    for recipe in (PretrainRecipe(), UnfusedRecipe()):
-        extra = {"train.train_iters": 3, "model.tie_embeddings": tied, "train.eval_iters": 0}
-        trainer = Trainer(load_config(None, tiny_overrides(*pretrain_data, extra)), recipe, quiet=True)
-        fused = type(recipe) is PretrainRecipe
-        assert trainer.fused_loss == trainer.model.return_hidden == fused
-        it = iter(trainer.train_data)
-        losses[fused] = [trainer.train_step(trainer.next_microbatches(it))["loss"] for _ in range(3)]
-    assert losses[True] == pytest.approx(losses[False], rel=1e-6)
-    assert losses[True][2] < losses[True][0]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

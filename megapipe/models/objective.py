@@ -68,7 +68,7 @@ class TokenCrossEntropy(Loss):
     def __call__(self, out: ModelOutput, batch: dict) -> LossResult:
         targets = loss_targets(batch)
         if out.hidden is not None:
-            from megapipe.training.loss import fused_linear_cross_entropy
+            from megapipe.models.fused_cross_entropy import fused_linear_cross_entropy
 
             # the kernel's mean keeps its low-precision GEMM operands small; times the count it is the sum
             count = (targets != IGNORE_INDEX).sum()

@@ -1,0 +1,13 @@
+"""Which block kind each layer is: the choice among the kinds that register a spec (megapipe.models.spec)."""
+
+from __future__ import annotations
+
+from megapipe.models.dense import DENSE
+from megapipe.models.moe import MOE
+from megapipe.models.spec import BlockSpec
+
+
+def block_spec(cfg, layer_id: int) -> BlockSpec:
+    """The block kind of layer ``layer_id`` under ``cfg``: MoE on the layers ``cfg.moe_layers`` lists (every N-th
+    or a pattern, after the first K dense ones), dense elsewhere."""
+    return MOE if layer_id in cfg.moe_layers else DENSE
