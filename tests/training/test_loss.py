@@ -41,8 +41,7 @@ def test_fused_loss_matches_logits_and_cross_entropy_through_the_model(tied):
     ref_grads = _grads(model)
     model.zero_grad(set_to_none=True)
 
-    model.return_hidden = True
-    hidden = model(tokens)
+    hidden = model(tokens, return_hidden=True)
     assert hidden.shape == (3, 20, 32)
     loss = fused_linear_cross_entropy(hidden, model.output_weight(), labels, chunk=16)  # 60 tokens: 16,16,16,12
     loss.backward()
@@ -120,7 +119,7 @@ def test_trainer_losses_are_unchanged_by_the_fused_path(tied, tiny_overrides, pr
         extra = {"train.train_iters": 3, "model.tie_embeddings": tied, "train.eval_iters": 0}
         trainer = Trainer(load_config(None, tiny_overrides(*pretrain_data, extra)), recipe, quiet=True)
         fused = type(recipe) is PretrainRecipe
-        assert trainer.fused_loss == trainer.model.return_hidden == fused
+        assert trainer.fused_loss == fused
         it = iter(trainer.train_data)
         losses[fused] = [trainer.train_step(trainer.next_microbatches(it))["loss"] for _ in range(3)]
     assert losses[True] == pytest.approx(losses[False], rel=1e-6)

@@ -53,9 +53,12 @@ class NaNAt(PretrainRecipe):
 
     nan_steps: set = set()
 
-    def train_data(self, trainer, state):
-        self.trainer = trainer
-        return super().train_data(trainer, state)
+    def __init__(self):
+        super().__init__()
+        self.steps_done = 0
+
+    def before_update(self, ctx):
+        self.steps_done += 1
 
     def loss(self):
         recipe, base = self, TokenCrossEntropy()
@@ -63,7 +66,7 @@ class NaNAt(PretrainRecipe):
         class Faulty(TokenCrossEntropy):
             def __call__(self, out, batch):
                 result = base(out, batch)
-                if recipe.trainer.state.step + 1 in recipe.nan_steps:
+                if recipe.steps_done + 1 in recipe.nan_steps:
                     result.total = result.total * float("nan")
                 return result
 
