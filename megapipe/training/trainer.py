@@ -41,7 +41,7 @@ class TrainingError(MegapipeError):
     """Training cannot continue (e.g. the loss stays NaN); the message says why and what to change."""
 
 
-TOP_LEVEL = ("step", "tokens_seen")  # TrainState's fields that sit at a manifest's top level
+MANIFEST_TOP_LEVEL = ("step", "tokens_seen")  # TrainState's fields that sit at a manifest's top level
 
 
 @dataclass
@@ -58,7 +58,7 @@ class TrainState:
     def state_dict(self) -> dict:
         """The manifest fields this state is saved in: ``step`` and ``tokens_seen`` at the manifest's top level
         (where every reader of checkpoints finds them), the other counters in ``trainer_state``."""
-        counters = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in TOP_LEVEL}
+        counters = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in MANIFEST_TOP_LEVEL}
         return {"step": self.step, "tokens_seen": self.tokens_seen, "trainer_state": counters}
 
     def load_state_dict(self, state: dict) -> None:
@@ -66,7 +66,7 @@ class TrainState:
         counters = state.get("trainer_state") or {}
         for f in fields(self):
             value = counters.get(f.name, f.default_factory() if f.default is MISSING else f.default)
-            setattr(self, f.name, int(state.get(f.name, value)) if f.name in TOP_LEVEL else value)
+            setattr(self, f.name, int(state.get(f.name, value)) if f.name in MANIFEST_TOP_LEVEL else value)
 
 
 def seed_everything(seed: int) -> None:

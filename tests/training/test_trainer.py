@@ -14,7 +14,7 @@ from megapipe.training.lr import LRSchedule
 from megapipe.training.objective import TokenCrossEntropy
 from megapipe.training.recipes import PretrainRecipe
 from megapipe.training.run import padded_vocab_size
-from megapipe.training.trainer import Trainer, TrainingError
+from megapipe.training.trainer import Trainer, TrainingError, TrainState
 
 
 @pytest.fixture
@@ -23,6 +23,23 @@ def make(tiny_overrides):
         return Trainer(load_config(None, tiny_overrides(*pretrain_data, extra)), recipe, quiet=True)
 
     return build
+
+
+def test_the_train_state_is_saved_where_checkpoints_always_kept_it():
+    """``state_dict()``: ``step`` and ``tokens_seen`` at the manifest's top level, the other counters in
+    ``trainer_state``; ``load_state_dict`` reads such a manifest back whole (the trainer's other entries in
+    ``trainer_state`` left alone), and a manifest that lacks a counter leaves it at its default."""
+    last_eval = {"loss": 2.5, "ppl": 12.18, "step": 5}
+    state = TrainState(step=7, updates=5, tokens_seen=896, skipped_steps=2, nan_in_row=1, last_eval=last_eval)
+    counters = {"updates": 5, "skipped_steps": 2, "nan_in_row": 1, "last_eval": last_eval}
+    assert state.state_dict() == {"step": 7, "tokens_seen": 896, "trainer_state": counters}
+    manifest = {"step": 7, "tokens_seen": 896, "data_state": {"consumed_samples": 28},
+                "trainer_state": {**counters, "schedule": {"decay_iters": 10}, "loss_scaler": None}}
+    restored = TrainState(step=99, nan_in_row=3)
+    restored.load_state_dict(manifest)
+    assert restored == state
+    restored.load_state_dict({"step": 4, "trainer_state": {"updates": 4}})
+    assert restored == TrainState(step=4, updates=4)
 
 
 def records(run_dir, kind="train"):

@@ -16,8 +16,8 @@ clipping, evaluation, logging, checkpoints and signals; a recipe owns what diffe
 - ``tokenizer_files``: the tokenizer copied into each checkpoint (e.g. with the chat template SFT rendered with);
   ``summary``: extra rows of the end-of-run summary.
 
-Every hook after ``check`` gets the run's ``RunContext`` (what a recipe may read of the run, never the trainer);
-the hooks that work on the model get it as an argument of its own.
+The hooks the trainer calls once the layout is set (``prepare_model`` to ``summary``) get the run's ``RunContext``:
+what a recipe may read of the run, never the trainer; those that work on the model get it as an argument of its own.
 """
 
 from __future__ import annotations
