@@ -82,12 +82,12 @@ class FixedSamples(Recipe):
     def __init__(self, samples: torch.Tensor):
         self.samples = samples.numpy()
 
-    def train_data(self, trainer, state):
+    def train_data(self, ctx, model, state):
         from megapipe.data.loader import PretrainingLoader
 
-        t = trainer.cfg.train
-        return PretrainingLoader(self.samples, t.micro_batch_size, t.global_batch_size, trainer.dims.dp_rank,
-                                 trainer.dims.dp_size)
+        t = ctx.cfg.train
+        return PretrainingLoader(self.samples, t.micro_batch_size, t.global_batch_size, ctx.dims.dp_rank,
+                                 ctx.dims.dp_size)
 
 
 def main(argv=None) -> None:

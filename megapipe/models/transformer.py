@@ -2,8 +2,8 @@
 
 Plain PyTorch with torchtitan-like names; parallelism is applied from outside (megapipe.parallel). The forward
 tolerates pipeline stages: without ``tok_embeddings`` (or given float input) it takes hidden states, and without
-``norm`` it returns hidden states. ``model.return_hidden = True`` makes the last stage return the final normed
-hidden states instead of logits, for a loss that applies the output projection itself (``output_weight()``).
+``norm`` it returns hidden states. ``return_hidden=True`` makes the last stage return the final normed hidden
+states instead of logits, for a loss that applies the output projection itself (``output_weight()``).
 """
 
 from __future__ import annotations
@@ -38,12 +38,11 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): block_spec(cfg, i).module(cfg, i) for i in range(cfg.num_layers)})
         self.norm = build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.return_hidden = False
         if cfg.position_embedding == "rope":
             inv_frequencies(cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling)  # a bad rope_scaling fails here
 
     def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None, cache=None,
-                last_only: bool = False, return_hidden: Optional[bool] = None,
+                last_only: bool = False, return_hidden: bool = False,
                 document_ids: Optional[torch.Tensor] = None, head: Optional[Callable] = None,
                 prefix_ids: Optional[torch.Tensor] = None):
         """tokens [B, S] ids (or [B, S, H] hidden states on a later pipeline stage); positions [S] or [B, S].
@@ -53,8 +52,7 @@ class Transformer(nn.Module):
         tokens each token also sees (a shared prompt; DocumentMask), with explicit ``positions``.
 
         ``last_only``: logits of the last position only ([B, 1, V]), what a generation step needs.
-        ``return_hidden`` (default: the ``return_hidden`` attribute): the final normed hidden states [B, S, H]
-        instead of the logits.
+        ``return_hidden``: the final normed hidden states [B, S, H] instead of the logits.
         ``head``: ``head(hidden, output_weight)`` is what the forward returns, computed inside it (a loss that applies
         the output projection itself, e.g. the fused output + cross-entropy: whatever wraps this module, FSDP, holds
         the whole output weight during its forward only).
@@ -90,7 +88,7 @@ class Transformer(nn.Module):
         h = self.norm(h[:, -1:] if last_only else h)
         if head is not None:
             return head(h, self.output_weight())
-        if self.return_hidden if return_hidden is None else return_hidden:
+        if return_hidden:
             return h
         return self.logits(h)
 

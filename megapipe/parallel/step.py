@@ -14,7 +14,8 @@ vocabulary-sharded logits. DDP (and FSDP in its distributed-optimizer mode) skip
 last micro-batch. The optimizer step is the caller's.
 
 ``context``: a factory of a context manager wrapped around each forward (e.g. autocast); ``scale_loss``: fp16
-loss scaling applied to what is backpropagated (reported values are unscaled).
+loss scaling applied to what is backpropagated (reported values are unscaled); ``fused``: the loss takes the final
+hidden states and applies the output projection itself (the fused output + cross-entropy; run_loss).
 
 MoE layers add their balancing losses to backward themselves (megapipe.models.moe), weighted as a mean over the
 global batch's micro-batches (``set_aux_loss_scale``); their statistics become ``moe/...`` metrics and the global
@@ -99,18 +100,14 @@ def model_kwargs(mb: dict) -> dict:
 
 
 def model_output(model, mb: dict) -> ModelOutput:
-    """Run the model on a micro-batch: positions and document ids go in when the batch carries them; a model set
-    to return its hidden states (the fused loss) hands them over with its output weight."""
-    out = model(mb["tokens"], **model_kwargs(mb))
-    if getattr(model, "return_hidden", False):
-        return ModelOutput(hidden=out, output_weight=model.output_weight)
-    return ModelOutput(logits=out)
+    """The model's logits on a micro-batch: positions and document ids go in when the batch carries them."""
+    return ModelOutput(logits=model(mb["tokens"], **model_kwargs(mb)))
 
 
-def run_loss(model, loss: Loss, mb: dict):
-    """The loss of one micro-batch. A model set to return its hidden states (the fused output + cross-entropy) runs
-    the loss inside its own forward, where FSDP holds the whole output weight (outside it is a shard)."""
-    if getattr(model, "return_hidden", False):
+def run_loss(model, loss: Loss, mb: dict, fused: bool = False):
+    """The loss of one micro-batch. ``fused`` (the fused output + cross-entropy): the loss runs on the final hidden
+    states inside the model's own forward, where FSDP holds the whole output weight (outside it is a shard)."""
+    if fused:
         def head(hidden, weight):
             return loss(ModelOutput(hidden=hidden, output_weight=lambda: weight), mb)
 
@@ -139,7 +136,8 @@ class _Totals:
 
 
 def train_step(model, microbatches: list[dict], dims: ParallelDims, loss: Optional[Loss] = None,
-               context: Optional[Callable] = None, scale_loss: Optional[Callable] = None) -> StepResult:
+               context: Optional[Callable] = None, scale_loss: Optional[Callable] = None,
+               fused: bool = False) -> StepResult:
     loss = loss or TokenCrossEntropy()
     context = context or _null
     device = _device(model)
@@ -162,7 +160,7 @@ def train_step(model, microbatches: list[dict], dims: ParallelDims, loss: Option
             set_gradient_sync(model, i == n - 1)
         with loss_parallel_context(dims.loss_parallel):
             with context():
-                result = run_loss(model, loss, mb)
+                result = run_loss(model, loss, mb, fused)
                 objective = result.total * factor
                 if result.aux is not None:
                     objective = objective + result.aux
@@ -204,7 +202,7 @@ def _pipeline_step(model: PipelineModel, microbatches, dims, loss, factor, units
 
 @torch.no_grad()
 def eval_step(model, microbatches: list[dict], dims: ParallelDims, loss: Optional[Loss] = None,
-              context: Optional[Callable] = None) -> StepResult:
+              context: Optional[Callable] = None, fused: bool = False) -> StepResult:
     """The loss over the micro-batches without gradients (all layouts, incl. pipeline schedules)."""
     loss = loss or TokenCrossEntropy()
     context = context or _null
@@ -218,7 +216,7 @@ def eval_step(model, microbatches: list[dict], dims: ParallelDims, loss: Optiona
     totals = _Totals(device)
     for mb in microbatches:
         with loss_parallel_context(dims.loss_parallel), context():
-            totals.add(run_loss(model, loss, mb))
+            totals.add(run_loss(model, loss, mb, fused))
     return totals.finish(dims, units, with_pp=False)
 
 

@@ -1,10 +1,10 @@
 """Where a post-training run starts: the same command resumes its own run, or starts from the parent's weights.
 
-``megapipe posttrain sft --load BASE --save RUN`` (and ``distill --student BASE``) is a new run from BASE's weights
-(Megatron's ``--finetune``: step 0, a fresh optimizer) the first time, and the exact resume of RUN's newest
-checkpoint every time after, so a killed job is restarted with the command that started it. Every checkpoint of such
-a run records the checkpoint it started from (``posttrain_start``); a RUN that holds another stage's run, or one
-started from another checkpoint, is refused rather than silently continued.
+``megapipe posttrain sft --load BASE --save RUN`` (and ``distill --student BASE``, ``rl --load BASE``) is a new run
+from BASE's weights (Megatron's ``--finetune``: step 0, a fresh optimizer) the first time, and the exact resume of
+RUN's newest checkpoint every time after, so a killed job is restarted with the command that started it. Every
+checkpoint of such a run records the checkpoint it started from (``posttrain_start``); a RUN that holds another
+stage's run, or one started from another checkpoint, is refused rather than silently continued.
 """
 
 from __future__ import annotations
@@ -25,6 +25,12 @@ def _resolved(path) -> str:
     return str(resolve_checkpoint(Path(path).expanduser()).absolute())
 
 
+def recorded_start(manifest: dict) -> Optional[str]:
+    """The checkpoint a run started from, as its manifest records it (RL checkpoints of earlier versions kept it
+    as ``rl.start``)."""
+    return manifest.get(START_KEY) or (manifest.get("rl") or {}).get("start")
+
+
 def posttrain_checkpoints(cfg: Config, parent: Optional[str], stage: str) -> Config:
     """``cfg`` with checkpoint.load / finetune set: resume ``--save`` when it holds a complete checkpoint of this
     stage started from ``parent``, else load ``parent``'s weights only (None: a model initialised from scratch)."""
@@ -38,17 +44,18 @@ def posttrain_checkpoints(cfg: Config, parent: Optional[str], stage: str) -> Con
     if m.get("stage") != stage:
         raise ConfigError(f"--save {c.save} holds a {m.get('stage')} run ({latest}), not a {stage} run: pick "
                           "another --save directory")
-    started, wanted = m.get(START_KEY), _resolved(parent) if parent is not None else None
-    if wanted is not None and started is not None and started != wanted and wanted != str(latest.absolute()):
+    started, wanted = recorded_start(m), _resolved(parent) if parent is not None else None
+    if (wanted is not None and started is not None and wanted not in (started, str(latest.absolute()))
+            and Path(parent).absolute() != Path(c.save).absolute()):
         raise ConfigError(f"--save {c.save} holds a run started from {started}, not from {wanted}: resume it with "
                           "that checkpoint, or pick another --save directory")
     return dataclasses.replace(cfg, checkpoint=dataclasses.replace(c, load=c.save, finetune=False))
 
 
-def start_of(trainer) -> Optional[str]:
-    """The checkpoint this run started from (carried over from the resumed checkpoint's manifest)."""
+def start_of(resume: Optional[Path], parent: Optional[Path]) -> Optional[str]:
+    """The checkpoint a run started from: the one its resumed checkpoint records, else its parent."""
     from megapipe.checkpoint import read_manifest
 
-    if trainer.resume_ckpt is not None:
-        return read_manifest(trainer.resume_ckpt).get(START_KEY)
-    return str(trainer.parent_ckpt.absolute()) if trainer.parent_ckpt is not None else None
+    if resume is not None:
+        return recorded_start(read_manifest(resume))
+    return str(parent.absolute()) if parent is not None else None

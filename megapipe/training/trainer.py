@@ -15,10 +15,11 @@ during a save lets the save finish: the run always ends with its newest step sav
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Optional
 
@@ -40,9 +41,12 @@ class TrainingError(MegapipeError):
     """Training cannot continue (e.g. the loss stays NaN); the message says why and what to change."""
 
 
+MANIFEST_TOP_LEVEL = ("step", "tokens_seen")  # TrainState's fields that sit at a manifest's top level
+
+
 @dataclass
 class TrainState:
-    """The loop's own counters; saved in every checkpoint's manifest (trainer_state)."""
+    """The loop's own counters; saved in every checkpoint's manifest (``state_dict``)."""
 
     step: int = 0  # iterations done (skipped ones included: they consume data)
     updates: int = 0  # successful optimizer updates (the LR schedule's clock, as in Megatron)
@@ -50,6 +54,19 @@ class TrainState:
     skipped_steps: int = 0
     nan_in_row: int = 0
     last_eval: dict = field(default_factory=dict)
+
+    def state_dict(self) -> dict:
+        """The manifest fields this state is saved in: ``step`` and ``tokens_seen`` at the manifest's top level
+        (where every reader of checkpoints finds them), the other counters in ``trainer_state``."""
+        counters = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in MANIFEST_TOP_LEVEL}
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "trainer_state": counters}
+
+    def load_state_dict(self, state: dict) -> None:
+        """From a manifest (``state_dict``'s fields); what it lacks takes its default."""
+        counters = state.get("trainer_state") or {}
+        for f in fields(self):
+            value = counters.get(f.name, f.default_factory() if f.default is MISSING else f.default)
+            setattr(self, f.name, int(state.get(f.name, value)) if f.name in MANIFEST_TOP_LEVEL else value)
 
 
 def seed_everything(seed: int) -> None:
@@ -65,7 +82,7 @@ class Trainer:
         """``with_data=False`` builds model, optimizer and step only (benchmarks and tools feed their own batches)."""
         from megapipe.parallel.distributed import init_distributed
         from megapipe.parallel.parallelize import setup_parallel
-        from megapipe.training.recipes import PretrainRecipe
+        from megapipe.training.recipes import PretrainRecipe, RunContext
         from megapipe.training.run import resolve_run
 
         self.recipe = recipe if recipe is not None else PretrainRecipe()
@@ -84,6 +101,12 @@ class Trainer:
         t = self.cfg.train
         _, self.dims = setup_parallel(self.cfg, self.device.type, self.recipe.packed_sequences(self.cfg))
         self.num_microbatches = self.dims.num_microbatches(t)
+        self.ctx = RunContext(
+            cfg=self.cfg, dims=self.dims, tokenizer=self.tokenizer, device=self.device,
+            autocast=functools.partial(autocast, t.precision, self.device.type), resume=self.resume_ckpt,
+            parent=self.parent_ckpt, is_main=self.is_main, train_iters=self.train_iters,
+            num_microbatches=self.num_microbatches,
+        )
 
         self.loss = self.recipe.loss()
         self.model = self._build_model()
@@ -97,7 +120,7 @@ class Trainer:
         )
         self.state = TrainState()
         data_state = self._load_checkpoint()
-        self.train_data = self.recipe.train_data(self, data_state) if with_data else None
+        self.train_data = self.recipe.train_data(self.ctx, self.model, data_state) if with_data else None
         self.run_dir = (t.log_dir or self.cfg.checkpoint.save) if with_data else None
         # files are created by the first record: a run refused before its first step leaves nothing behind
         self.logger = MetricsLogger(self.run_dir, enabled=self.is_main, quiet=quiet, resume_step=self.state.step)
@@ -121,8 +144,7 @@ class Trainer:
         from megapipe.parallel.parallelize import parallelize_model
 
         model = build_model(self.cfg.model, device=self.device, seed=self.cfg.train.seed)
-        model = self.recipe.prepare_model(self, model)
-        model.return_hidden = self.fused_loss
+        model = self.recipe.prepare_model(self.ctx, model)
         return parallelize_model(model, self.dims, self.cfg, device=self.device)
 
     def _load_checkpoint(self) -> dict:
@@ -132,18 +154,15 @@ class Trainer:
         from megapipe.checkpoint import load_checkpoint
 
         if self.resume_ckpt is None:  # --finetune: weights only, a new run
-            self.recipe.load_weights(self, self.parent_ckpt)
+            self.recipe.load_weights(self.ctx, self.model, self.parent_ckpt)
             return {}
         manifest = load_checkpoint(self.resume_ckpt, self.model, self.optimizer, load_optim=True, load_rng=True)
-        ts = dict(manifest.get("trainer_state") or {})
-        self.schedule.check_resumable(ts.pop("schedule", {}))
-        scaler_state = ts.pop("loss_scaler", None)
+        ts = manifest.get("trainer_state") or {}
+        self.schedule.check_resumable(ts.get("schedule", {}))
+        scaler_state = ts.get("loss_scaler")
         if self.scaler is not None and scaler_state is not None:
             self.scaler.load_state_dict(scaler_state)
-        known = TrainState.__dataclass_fields__
-        self.state = TrainState(**{k: v for k, v in ts.items() if k in known})
-        self.state.step = int(manifest.get("step", self.state.step))
-        self.state.tokens_seen = int(manifest.get("tokens_seen", self.state.tokens_seen))
+        self.state.load_state_dict(manifest)
         return dict(manifest.get("data_state") or {})
 
     # ------------------------------------------------------------------------------------------- one step
@@ -173,16 +192,14 @@ class Trainer:
                 "another tokenizer, or model.vocab_size is too small"
             )
 
-    def _autocast(self):
-        return autocast(self.cfg.train.precision, self.device.type)
-
     def train_step(self, microbatches: list[dict]) -> dict:
         """Accumulate gradients over the micro-batches, then one update unless the loss or gradients are non-finite."""
         from megapipe.parallel.step import clip_grad_norm_, train_step
 
         scale = self.scaler.scale_loss if self.scaler else None
-        result = train_step(self.model, microbatches, self.dims, self.loss, self._autocast, scale)
-        self.recipe.before_update(self)
+        result = train_step(self.model, microbatches, self.dims, self.loss, self.ctx.autocast, scale,
+                            fused=self.fused_loss)
+        self.recipe.before_update(self.ctx)
         loss_value = result.loss.item()
         out = {"loss": loss_value, "skipped": 0, "grad_norm": float("nan"), **result.metrics}
         if result.units == 0 and self.recipe.empty_batches:
@@ -321,7 +338,7 @@ class Trainer:
             "skipped": w["skipped"],
             "tokens_seen": self.state.tokens_seen,
             **w["metrics"],
-            **self.recipe.metrics(self),
+            **self.recipe.metrics(self.ctx),
         }
         if self.scaler is not None:
             record["loss_scale"] = self.scaler.scale
@@ -331,7 +348,7 @@ class Trainer:
     def evaluate(self, split: str = "valid", stop: Optional[StopRequest] = None) -> dict:
         """Token-weighted loss over train.eval_iters global batches from the start of the split (the same ones every
         time); a stop request cuts it short (nothing is recorded then)."""
-        it = self.recipe.eval_data(self, split)
+        it = self.recipe.eval_data(self.ctx, split)
         if it is None:
             return {}
         from megapipe.parallel.step import eval_step
@@ -340,7 +357,8 @@ class Trainer:
         for _ in range(self.cfg.train.eval_iters):
             if stop is not None and stop.requested():
                 return {}
-            r = eval_step(self.model, self.next_microbatches(it, split), self.dims, self.loss, self._autocast)
+            r = eval_step(self.model, self.next_microbatches(it, split), self.dims, self.loss, self.ctx.autocast,
+                          fused=self.fused_loss)
             if r.units:
                 total, units = total + r.loss.item() * r.units, units + r.units
         loss = total / units if units else float("nan")
@@ -355,28 +373,24 @@ class Trainer:
             return None
         from megapipe.checkpoint import save_checkpoint
 
-        st = self.state
-        trainer_state = {
-            "updates": st.updates, "skipped_steps": st.skipped_steps, "nan_in_row": st.nan_in_row,
-            "last_eval": st.last_eval, "schedule": self.schedule.state_dict(),
-            "loss_scaler": self.scaler.state_dict() if self.scaler else None,
-        }
+        state = self.state.state_dict()
+        state["trainer_state"].update(schedule=self.schedule.state_dict(),
+                                      loss_scaler=self.scaler.state_dict() if self.scaler else None)
         manifest = {
             "stage": self.recipe.stage,
             "model": self.cfg.model,
             "layout": {"world_size": self.dist.world_size, "parallel": self.dims.describe()},
             "parent": str(self.parent_ckpt) if self.parent_ckpt else None,
-            "tokens_seen": st.tokens_seen,
             "data_state": self.train_data.state_dict() if self.train_data is not None else {},
-            "trainer_state": trainer_state,
+            **state,
             "config": to_dict(self.cfg),
-            **self.recipe.manifest(self),
+            **self.recipe.manifest(self.ctx),
         }
         self.last_saved = save_checkpoint(
-            ckpt.save, st.step, self.model, self.optimizer, manifest=manifest,
-            tokenizer=self.recipe.tokenizer_files(self), keep_last=ckpt.keep_last,
+            ckpt.save, self.state.step, self.model, self.optimizer, manifest=manifest,
+            tokenizer=self.recipe.tokenizer_files(self.ctx), keep_last=ckpt.keep_last,
         )
-        self._saved_step = st.step
+        self._saved_step = self.state.step
         self.logger.print(f"saved checkpoint {self.last_saved}")
         return self.last_saved
 
@@ -392,7 +406,7 @@ class Trainer:
             "eval_ppl": st.last_eval.get("ppl"),
             "checkpoint": str(self.last_saved) if self.last_saved else None,
             "stopped_by": stopped_by or None,
-            **self.recipe.summary(self),
+            **self.recipe.summary(self.ctx),
         }
         if not self.logger.quiet:
             from rich.table import Table

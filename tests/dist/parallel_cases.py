@@ -190,9 +190,8 @@ def run_case(text: str) -> dict:
     ref = reference(cfg, masked)
     dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size(), cfg.train, cfg.model, SEQ)
     dims.build_mesh("cpu")
-    model = build(cfg)
-    model.return_hidden = opts.get("fused") == "1"  # the fused output + cross-entropy (vs the reference's logits)
-    model = parallelize_model(model, dims, cfg)
+    fused = opts.get("fused") == "1"  # the fused output + cross-entropy (vs the reference's logits)
+    model = parallelize_model(build(cfg), dims, cfg)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     per_rank = GLOBAL_BATCH // dims.dp_size
     lo = dims.dp_rank * per_rank
@@ -200,7 +199,7 @@ def run_case(text: str) -> dict:
     init = {n: full(p.detach()).clone() for n, p in model.named_parameters()}
     for i, batch in enumerate(batches(cfg, STEPS, masked)):
         opt.zero_grad()
-        result = train_step(model, micro(batch, lo, lo + per_rank, MICRO), dims)
+        result = train_step(model, micro(batch, lo, lo + per_rank, MICRO), dims, fused=fused)
         loss = result.item()
         res["loss_rel"] = max(res["loss_rel"], abs(loss - ref["losses"][i]) / abs(ref["losses"][i]))
         res["moe_rel"] = max(res["moe_rel"], moe_rel({k: v for k, v in result.metrics.items() if k.startswith("moe/")},
@@ -227,8 +226,8 @@ def run_case(text: str) -> dict:
     res["update_rel"] = max_rel(updates, {n: ref["params"][n] - ref["init"][n] for n in ref["params"]})
     # master weights and their gradients stay fp32 whatever the compute precision
     res["not_fp32"] = float(any(p.dtype != torch.float32 or p.grad.dtype != torch.float32 for p in model.parameters()))
-    res["eval_rel"] = abs(eval_step(model, micro(batches(cfg, 1, masked)[0], lo, lo + per_rank, MICRO), dims).item()
-                          - ref["eval"]) / ref["eval"]
+    last = micro(batches(cfg, 1, masked)[0], lo, lo + per_rank, MICRO)
+    res["eval_rel"] = abs(eval_step(model, last, dims, fused=fused).item() - ref["eval"]) / ref["eval"]
     res["n_params_checked"] = len(list(model.parameters()))
     return res
 

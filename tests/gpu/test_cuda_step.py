@@ -18,12 +18,11 @@ MODEL = ModelConfig(hidden_size=128, intermediate_size=256, num_layers=2, num_he
 
 def _step(device: str, fused: bool, precision: str | None = None):
     model = build_model(MODEL, device=device, seed=0)
-    model.return_hidden = fused
     g = torch.Generator().manual_seed(0)
     data = torch.randint(0, 1024, (4, 65), generator=g).to(device)
     batch = {"tokens": data[:, :-1], "labels": data[:, 1:]}
     ctx = (lambda: torch.autocast(device, dtype=torch.bfloat16)) if precision == "bf16" else None
-    loss = train_step(model, [batch], ParallelDims(), context=ctx).loss.item()
+    loss = train_step(model, [batch], ParallelDims(), context=ctx, fused=fused).loss.item()
     return loss, {n: p.grad.float().cpu() for n, p in model.named_parameters()}
 
 

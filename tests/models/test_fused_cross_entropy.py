@@ -40,8 +40,7 @@ def test_fused_loss_matches_logits_and_cross_entropy_through_the_model(tied):
     ref_grads = _grads(model)
     model.zero_grad(set_to_none=True)
 
-    model.return_hidden = True
-    hidden = model(tokens)
+    hidden = model(tokens, return_hidden=True)
     assert hidden.shape == (3, 20, 32)
     loss = fused_linear_cross_entropy(hidden, model.output_weight(), labels, chunk=16)  # 60 tokens: 16,16,16,12
     loss.backward()

@@ -27,11 +27,10 @@ def uneven_batch(rows: int = 8, seq: int = 12) -> dict:
 
 def grads_of(n_micro: int, fused: bool = False):
     model = build_model(MODEL, seed=1)
-    model.return_hidden = fused
     batch = uneven_batch()
     size = batch["tokens"].shape[0] // n_micro
     mbs = [{k: v[i:i + size] for k, v in batch.items()} for i in range(0, batch["tokens"].shape[0], size)]
-    result = train_step(model, mbs, ParallelDims())
+    result = train_step(model, mbs, ParallelDims(), fused=fused)
     return result, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 

@@ -78,7 +78,7 @@ def test_packed_sequences_are_refused_with_pipeline_and_context_parallelism(tiny
 class NamedRecipe(PretrainRecipe):
     stage = "unit-test-stage"
 
-    def manifest(self, trainer):
+    def manifest(self, ctx):
         return {"recipe_note": "from the recipe"}
 
 

@@ -247,20 +247,25 @@ class Reducer:
 
 
 class RolloutWorker:
-    """Makes the rollout batches of one rank: ``rollout(first_index)`` -> (micro-batches, metrics)."""
+    """Makes the rollout batches of one rank: ``rollout(first_index)`` -> (micro-batches, metrics).
 
-    def __init__(self, trainer, rl, task, rewards, renderer: PromptRenderer, engine, reference=None,
-                 on_policy: bool = False):
-        self.trainer, self.rl, self.task, self.rewards, self.renderer = trainer, rl, task, rewards, renderer
+    ``model``: the policy being trained (as parallelised; ``dims`` its layout), ``seed`` the run's; ``device`` and
+    ``autocast`` (a factory of the forward's precision context) are the trainer's."""
+
+    def __init__(self, model, dims, rl, seed: int, task, rewards, renderer: PromptRenderer, engine, reference=None,
+                 on_policy: bool = False, *, device, autocast):
+        self.model, self.dims, self.rl, self.seed = model, dims, rl, seed
+        self.task, self.rewards, self.renderer = task, rewards, renderer
         self.engine, self.reference = engine, reference
-        self.reduce = Reducer(trainer.dims)
-        self.pad_id = getattr(trainer.tokenizer, "pad_id", None) or 0
+        self.device, self.autocast = device, autocast
+        self.reduce = Reducer(dims)
+        self.pad_id = getattr(renderer.tokenizer, "pad_id", None) or 0
         self.sync = None  # set by the recipe: the weight-sync callable (state dict -> check result)
         # the training forward gives the old log-probs and measures the mismatch (the recipe's meter): no scoring pass
         self.on_policy = on_policy
 
     def prompts(self, first_index: int):
-        dims, p = self.trainer.dims, self.rl.prompts_per_step
+        dims, p = self.dims, self.rl.prompts_per_step
         per = p // dims.dp_size
         start = first_index + dims.dp_rank * per
         return [self.task.prompt(i) for i in range(start, start + per)]
@@ -275,13 +280,13 @@ class RolloutWorker:
     def rollout(self, first_index: int, num_microbatches: int) -> tuple[list[dict], dict]:
         from megapipe.posttrain.rl.engine_sync import full_state_dict
 
-        rl, trainer, G = self.rl, self.trainer, self.rl.group_size
+        rl, G = self.rl, self.rl.group_size
         prompts = self.prompts(first_index)
         prompt_ids = [self.renderer.encode(p.prompt, p.where) for p in prompts]
         t0 = time.perf_counter()
-        self.sync(full_state_dict(trainer.model))
+        self.sync(full_state_dict(self.model))
         t1 = time.perf_counter()
-        seeds = [prompt_seed(trainer.cfg.train.seed, p.index) for p in prompts]
+        seeds = [prompt_seed(self.seed, p.index) for p in prompts]
         groups = sample_groups(self.engine, prompt_ids, seeds, self.sampling_params())
         t2 = time.perf_counter()
 
@@ -320,16 +325,16 @@ class RolloutWorker:
     def score_microbatches(self, microbatches: list[dict], meter: MismatchMeter) -> None:
         """No-grad passes over the sampled tokens, into each micro-batch: the trainer's old log-probs (several
         updates per batch; the mismatch against the engine into ``meter``) and the reference's."""
-        trainer, rl = self.trainer, self.rl
+        rl = self.rl
         if self.on_policy and self.reference is None:
             return
         temps = (rl.temperature,) if rl.temperature == 1.0 else (rl.temperature, 1.0)
         for mb in microbatches:
             mask = mb["sampled_mask"]
-            dev = {k: v.to(trainer.device) for k, v in mb.items()}
-            with trainer._autocast():
+            dev = {k: v.to(self.device) for k, v in mb.items()}
+            with self.autocast():
                 if not self.on_policy:
-                    old, *raw = sequence_logprobs(trainer.model, dev, dev["sampled_mask"], temps, rl.logprob_chunk)
+                    old, *raw = sequence_logprobs(self.model, dev, dev["sampled_mask"], temps, rl.logprob_chunk)
                     mb["old_logprobs"] = torch.zeros(mask.shape).masked_scatter_(mask, old.float().cpu())
                     meter.add(mb["engine_logprobs"][mask], (raw[0] if raw else old).float())
                 if self.reference is not None:

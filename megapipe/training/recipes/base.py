@@ -15,13 +15,38 @@ clipping, evaluation, logging, checkpoints and signals; a recipe owns what diffe
   stop the run there, e.g. on a figure the forward measured);
 - ``tokenizer_files``: the tokenizer copied into each checkpoint (e.g. with the chat template SFT rendered with);
   ``summary``: extra rows of the end-of-run summary.
+
+The hooks the trainer calls once the layout is set (``prepare_model`` to ``summary``) get the run's ``RunContext``:
+what a recipe may read of the run, never the trainer; those that work on the model get it as an argument of its own.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
+import torch
+
+from megapipe.config import Config
+from megapipe.parallel.dims import ParallelDims
 from megapipe.models.objective import Loss, TokenCrossEntropy
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What the recipe hooks read of a run, built by the trainer once the layout is set."""
+
+    cfg: Config  # the resolved config (the model's vocabulary taken from the tokenizer)
+    dims: ParallelDims  # the layout: this rank's place in the mesh, its process groups
+    tokenizer: Any  # megapipe.data.tokenizer.Tokenizer, or None when the model's vocab_size is given
+    device: torch.device
+    autocast: Callable[[], ContextManager]  # a new context for a forward pass at the run's precision
+    resume: Optional[Path]  # checkpoint whose full state the run restores (None: a new run)
+    parent: Optional[Path]  # checkpoint the run descends from (the resumed one, or the --finetune weights)
+    is_main: bool  # global rank 0
+    train_iters: int
+    num_microbatches: int  # micro-batches per step on this rank
 
 
 class Recipe:
@@ -39,35 +64,36 @@ class Recipe:
     def packed_sequences(self, cfg) -> bool:
         return False
 
-    def prepare_model(self, trainer, model):
+    def prepare_model(self, ctx: RunContext, model):
         return model
 
-    def load_weights(self, trainer, ckpt) -> None:
-        """A new run from ``ckpt`` (--finetune): its weights into ``trainer.model``, no optimizer or RNG state."""
+    def load_weights(self, ctx: RunContext, model, ckpt) -> None:
+        """A new run from ``ckpt`` (--finetune): its weights into ``model``, no optimizer or RNG state."""
         from megapipe.checkpoint import load_checkpoint
 
-        load_checkpoint(ckpt, trainer.model, optimizer=None, load_optim=False, load_rng=False)
+        load_checkpoint(ckpt, model, optimizer=None, load_optim=False, load_rng=False)
 
-    def train_data(self, trainer, state: dict) -> Iterator[dict]:
+    def train_data(self, ctx: RunContext, model, state: dict) -> Iterator[dict]:
+        """``model``: the model being trained, as parallelised (RL samples from it)."""
         raise NotImplementedError
 
-    def eval_data(self, trainer, split: str) -> Optional[Iterator[dict]]:
+    def eval_data(self, ctx: RunContext, split: str) -> Optional[Iterator[dict]]:
         return None
 
-    def manifest(self, trainer) -> dict[str, Any]:
+    def manifest(self, ctx: RunContext) -> dict[str, Any]:
         return {}
 
-    def metrics(self, trainer) -> dict[str, float]:
+    def metrics(self, ctx: RunContext) -> dict[str, float]:
         """Extra values for the step's log record (called at each log interval)."""
         return {}
 
-    def before_update(self, trainer) -> None:
+    def before_update(self, ctx: RunContext) -> None:
         """After the step's backward, before its update (every rank)."""
 
-    def tokenizer_files(self, trainer):
+    def tokenizer_files(self, ctx: RunContext):
         """The tokenizer (directory or file) written into every checkpoint: the run's own by default."""
-        return trainer.tokenizer.path if trainer.tokenizer else None
+        return ctx.tokenizer.path if ctx.tokenizer else None
 
-    def summary(self, trainer) -> dict[str, Any]:
+    def summary(self, ctx: RunContext) -> dict[str, Any]:
         """Extra entries of the end-of-run summary."""
         return {}

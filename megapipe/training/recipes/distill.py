@@ -18,7 +18,7 @@ import torch
 from megapipe.errors import ConfigError
 from megapipe.models.objective import IGNORE_INDEX, LossResult, ModelOutput, loss_targets
 from megapipe.models.objective import Loss as LossBase
-from megapipe.training.recipes.base import Recipe
+from megapipe.training.recipes.base import Recipe, RunContext
 
 
 class DistillLoss(LossBase):
@@ -157,19 +157,19 @@ class DistillRecipe(Recipe):
     def loss(self) -> DistillLoss:
         return self._loss
 
-    def prepare_model(self, trainer, model):
+    def prepare_model(self, ctx: RunContext, model):
         """The student as it is; the teacher is loaded here (it needs the device and the mesh)."""
-        self._loss.teacher = self.build_teacher(trainer)
-        return self.data_recipe(trainer.cfg).prepare_model(trainer, model)
+        self._loss.teacher = self.build_teacher(ctx)
+        return self.data_recipe(ctx.cfg).prepare_model(ctx, model)
 
-    def build_teacher(self, trainer):
+    def build_teacher(self, ctx: RunContext):
         from megapipe.checkpoint import load_model_for_inference, resolve_checkpoint
 
-        kd = trainer.cfg.distill
+        kd = ctx.cfg.distill
         dtype = torch.bfloat16 if kd.teacher_precision == "bf16" else None
-        teacher, _, _ = load_model_for_inference(resolve_checkpoint(kd.teacher), device=trainer.device, dtype=dtype)
+        teacher, _, _ = load_model_for_inference(resolve_checkpoint(kd.teacher), device=ctx.device, dtype=dtype)
         teacher.requires_grad_(False)
-        dims = trainer.dims
+        dims = ctx.dims
         if kd.teacher_parallel == "fsdp" and dims.dp_shard * dims.cp > 1:
             from torch.distributed.fsdp import fully_shard
 
@@ -179,25 +179,25 @@ class DistillRecipe(Recipe):
             fully_shard(teacher, mesh=mesh)
         return teacher
 
-    def train_data(self, trainer, state: dict):
-        return self.data_recipe(trainer.cfg).train_data(trainer, state)
+    def train_data(self, ctx: RunContext, model, state: dict):
+        return self.data_recipe(ctx.cfg).train_data(ctx, model, state)
 
-    def eval_data(self, trainer, split: str):
-        return self.data_recipe(trainer.cfg).eval_data(trainer, split)
+    def eval_data(self, ctx: RunContext, split: str):
+        return self.data_recipe(ctx.cfg).eval_data(ctx, split)
 
-    def manifest(self, trainer) -> dict:
+    def manifest(self, ctx: RunContext) -> dict:
         from megapipe.checkpoint import resolve_checkpoint
         from megapipe.posttrain.start import START_KEY, start_of
 
-        kd = trainer.cfg.distill
-        data = self.data_recipe(trainer.cfg).manifest(trainer)
-        return {**data, START_KEY: start_of(trainer), "distill": {
+        kd = ctx.cfg.distill
+        data = self.data_recipe(ctx.cfg).manifest(ctx)
+        return {**data, START_KEY: start_of(ctx.resume, ctx.parent), "distill": {
             "teacher": str(resolve_checkpoint(kd.teacher).absolute()), "loss": kd.loss, "temperature": kd.temperature,
             "alpha": kd.alpha, "jsd_beta": kd.jsd_beta, "top_k": kd.top_k,
         }}
 
-    def summary(self, trainer) -> dict:
-        return self.data_recipe(trainer.cfg).summary(trainer)
+    def summary(self, ctx: RunContext) -> dict:
+        return self.data_recipe(ctx.cfg).summary(ctx)
 
-    def tokenizer_files(self, trainer):
-        return self.data_recipe(trainer.cfg).tokenizer_files(trainer)
+    def tokenizer_files(self, ctx: RunContext):
+        return self.data_recipe(ctx.cfg).tokenizer_files(ctx)

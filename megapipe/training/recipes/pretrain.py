@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from megapipe.errors import ConfigError
-from megapipe.training.recipes.base import Recipe
+from megapipe.training.recipes.base import Recipe, RunContext
 
 
 def split_at_eod(batch: dict, eod_id: int, reset_positions: bool, reset_attention: bool, mask_loss: bool) -> dict:
@@ -57,33 +57,32 @@ class PretrainRecipe(Recipe):
                 "give --tokenizer (one with an end-of-document token)"
             )
 
-    def datasets(self, trainer) -> dict:
+    def datasets(self, ctx: RunContext) -> dict:
         if self._datasets is None:
             from megapipe.data.gpt_dataset import build_gpt_datasets, parse_split
 
-            cfg = trainer.cfg
-            d, t = cfg.data, cfg.train
+            d, t = ctx.cfg.data, ctx.cfg.train
             gbs = t.global_batch_size
             has_valid = parse_split(d.split)[1] > 0
-            num_samples = {"train": trainer.train_iters * gbs, "valid": t.eval_iters * gbs if has_valid else 0}
+            num_samples = {"train": ctx.train_iters * gbs, "valid": t.eval_iters * gbs if has_valid else 0}
             self._datasets = build_gpt_datasets(d.data_path, d.split, d.seq_length, num_samples, t.seed, d.cache_dir)
         return self._datasets
 
-    def _loader(self, trainer, dataset, consumed: int = 0):
+    def _loader(self, ctx: RunContext, dataset, consumed: int = 0):
         from megapipe.data.loader import PretrainingLoader
 
-        t, d = trainer.cfg.train, trainer.cfg.data
-        loader = PretrainingLoader(dataset, t.micro_batch_size, t.global_batch_size, trainer.dims.dp_rank,
-                                   trainer.dims.dp_size, consumed)
+        t, d = ctx.cfg.train, ctx.cfg.data
+        loader = PretrainingLoader(dataset, t.micro_batch_size, t.global_batch_size, ctx.dims.dp_rank,
+                                   ctx.dims.dp_size, consumed)
         if d.reset_attention_mask or d.reset_position_ids or d.eod_mask_loss:
-            eod = trainer.tokenizer.eod_id
+            eod = ctx.tokenizer.eod_id
             loader.transform = lambda b: split_at_eod(b, eod, d.reset_position_ids, d.reset_attention_mask,
                                                       d.eod_mask_loss)
         return loader
 
-    def train_data(self, trainer, state: dict):
-        return self._loader(trainer, self.datasets(trainer)["train"], state.get("consumed_samples", 0))
+    def train_data(self, ctx: RunContext, model, state: dict):
+        return self._loader(ctx, self.datasets(ctx)["train"], state.get("consumed_samples", 0))
 
-    def eval_data(self, trainer, split: str):
-        ds = self.datasets(trainer).get(split)
-        return None if ds is None else self._loader(trainer, ds)
+    def eval_data(self, ctx: RunContext, split: str):
+        ds = self.datasets(ctx).get(split)
+        return None if ds is None else self._loader(ctx, ds)

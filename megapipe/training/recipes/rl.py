@@ -15,9 +15,10 @@ resumed samples the completions the uninterrupted run sampled. A checkpoint writ
 batch (--updates-per-batch > 1) also holds the rest of that batch (tokens, advantages, old log-probs; per rank, as
 compressed safetensors bytes in the manifest's data state), since the weights that sampled it are gone.
 
-Lineage: ``stage`` "rl", ``parent`` the checkpoint the run resumed or started from, ``rl.start`` the checkpoint the
-run started from (its reference model for --kl-coef, and what a relaunch must name), and the start's ``hf``
-generation settings (end-of-sequence ids), so serving the result stops where the base model stopped.
+Lineage: ``stage`` "rl", ``parent`` the checkpoint the run resumed or started from, ``posttrain_start`` the
+checkpoint the run started from (its reference model for --kl-coef, and what a relaunch must name; megapipe.posttrain.
+start), and the start's ``hf`` generation settings (end-of-sequence ids), so serving the result stops where the base
+model stopped.
 """
 
 from __future__ import annotations
@@ -31,46 +32,25 @@ from typing import Optional
 import torch
 
 from megapipe.errors import ConfigError
-from megapipe.training.recipes.base import Recipe
+from megapipe.posttrain.start import START_KEY, posttrain_checkpoints, start_of
+from megapipe.training.recipes.base import Recipe, RunContext
 
 STAGE = "rl"
 TRAIN_KEYS = ("tokens", "labels", "completion_mask", "old_logprobs", "ref_logprobs", "advantages", "document_ids",
               "prefix_ids", "position_ids", "sampled_mask", "engine_logprobs")
 
 
-def _resolved(path) -> str:
-    from megapipe.checkpoint import resolve_checkpoint
-
-    return str(resolve_checkpoint(Path(path).expanduser()).absolute())
-
-
 def rl_config(cfg):
     """The run's config: the global batch and sequence length the rl section implies, and which checkpoint to
     load: --save's newest checkpoint when it holds this RL run (exact resume), else --load's weights (a new run)."""
-    from megapipe.checkpoint import find_latest, read_manifest
-
-    r, c = cfg.rl, cfg.checkpoint
+    r = cfg.rl
     train = dataclasses.replace(cfg.train, global_batch_size=r.prompts_per_step * r.group_size)
     data = dataclasses.replace(cfg.data, seq_length=r.max_prompt_tokens + r.max_completion_tokens)
-    latest = find_latest(c.save) if c.save is not None and Path(c.save).is_dir() else None
-    if latest is None:
-        if c.load is None:
-            raise ConfigError("posttrain rl starts from a checkpoint: give --load CKPT (e.g. one made by "
-                              "`megapipe import hf` or `megapipe posttrain sft`)")
-        ckpt = dataclasses.replace(c, finetune=True)
-    else:
-        m = read_manifest(latest)
-        if m.get("stage") != STAGE:
-            raise ConfigError(f"--save {c.save} holds a {m.get('stage')} run ({latest}), not an rl run: pick another "
-                              "--save directory")
-        start = (m.get("rl") or {}).get("start")
-        if c.load is not None and start is not None:
-            wanted = _resolved(c.load)
-            if wanted not in (start, str(latest.absolute())) and Path(c.load).absolute() != Path(c.save).absolute():
-                raise ConfigError(f"--save {c.save} holds an rl run started from {start}, not from {wanted}: "
-                                  "relaunch it with that --load, or pick another --save directory")
-        ckpt = dataclasses.replace(c, load=c.save, finetune=False)
-    _check_length(cfg, latest if latest is not None else c.load)
+    ckpt = posttrain_checkpoints(cfg, cfg.checkpoint.load, STAGE).checkpoint
+    if ckpt.load is None:
+        raise ConfigError("posttrain rl starts from a checkpoint: give --load CKPT (e.g. one made by "
+                          "`megapipe import hf` or `megapipe posttrain sft`)")
+    _check_length(cfg, ckpt.load)
     return dataclasses.replace(cfg, train=train, data=data, checkpoint=ckpt)
 
 
@@ -126,7 +106,7 @@ class RLRecipe(Recipe):
     def packed_sequences(self, cfg) -> bool:
         return cfg.rl.shared_prompts
 
-    def before_update(self, trainer) -> None:
+    def before_update(self, ctx: RunContext) -> None:
         """On-policy batches: the mismatch the training forward measured, over every rank, into the batch's metrics;
         above --max-mismatch the run stops here, before the optimizer step."""
         if self.meter is None or self.stream is None:
@@ -169,40 +149,38 @@ class RLRecipe(Recipe):
             template = ChatTemplate(path.read_text(encoding="utf-8"))
         return task, rewards, PromptRenderer(tokenizer, template, r.system_prompt, r.max_prompt_tokens)
 
-    def start_checkpoint(self, trainer) -> str:
+    def start_checkpoint(self, ctx: RunContext) -> str:
         """The checkpoint this run started from (carried over in the resumed checkpoint's manifest), and the
         ``hf`` settings it came with."""
         from megapipe.checkpoint import read_manifest
 
         if self._start is None:
-            m = read_manifest(trainer.resume_ckpt if trainer.resume_ckpt is not None else trainer.parent_ckpt)
-            self._start = (m.get("rl") or {}).get("start") if trainer.resume_ckpt is not None else None
-            self._start = self._start or str(Path(trainer.parent_ckpt).absolute())
-            self._start_hf = m.get("hf")
+            self._start = start_of(ctx.resume, ctx.parent) or str(Path(ctx.parent).absolute())
+            self._start_hf = read_manifest(ctx.resume if ctx.resume is not None else ctx.parent).get("hf")
         return self._start
 
-    def train_data(self, trainer, state: dict):
-        check_world_size(trainer.cfg, trainer.dims.dp_size)
-        self.stream = RolloutStream(self, trainer, state)
+    def train_data(self, ctx: RunContext, model, state: dict):
+        check_world_size(ctx.cfg, ctx.dims.dp_size)
+        self.stream = RolloutStream(self, ctx, model, state)
         return self.stream
 
-    def manifest(self, trainer) -> dict:
+    def manifest(self, ctx: RunContext) -> dict:
         r = self.rl
-        out = {"rl": {"start": self.start_checkpoint(trainer), "task": r.task,
-                      "rewards": [x.name for x in self.stream.worker.rewards] if self.stream else list(r.reward)}}
+        out = {START_KEY: self.start_checkpoint(ctx), "rl": {
+            "task": r.task, "rewards": [x.name for x in self.stream.worker.rewards] if self.stream else list(r.reward)}}
         if self._start_hf:
             out["hf"] = self._start_hf
         return out
 
-    def metrics(self, trainer) -> dict:
+    def metrics(self, ctx: RunContext) -> dict:
         return self.stream.pop_metrics() if self.stream is not None else {}
 
 
-def _reference(trainer, start: str):
+def _reference(ctx: RunContext, start: str):
     from megapipe.checkpoint import load_checkpoint
     from megapipe.models import build_model
 
-    ref = build_model(trainer.cfg.model, device=trainer.device)
+    ref = build_model(ctx.cfg.model, device=ctx.device)
     load_checkpoint(start, ref, optimizer=None, load_optim=False, load_rng=False)
     ref.eval().requires_grad_(False)
     return ref
@@ -220,21 +198,21 @@ def _eos_ids(start_hf: Optional[dict], tokenizer) -> list[int]:
 class RolloutStream:
     """The recipe's train iterator: micro-batches of the current rollout batch, --updates-per-batch passes each."""
 
-    def __init__(self, recipe: RLRecipe, trainer, state: dict):
+    def __init__(self, recipe: RLRecipe, ctx: RunContext, model, state: dict):
         from megapipe.posttrain.rl.engine_sync import build_engine, full_state_dict, sync_engine
         from megapipe.posttrain.rl.rollout import RolloutWorker
 
-        rl, cfg = recipe.rl, trainer.cfg
-        self.rl, self.trainer = rl, trainer
-        task, rewards, renderer = recipe.parts(cfg, trainer.tokenizer, cfg.train.seed)
-        start = recipe.start_checkpoint(trainer)
-        reference = _reference(trainer, start) if rl.kl_coef > 0 else None
-        rows = rl.prompts_per_step // trainer.dims.dp_size * rl.group_size
-        engine = build_engine(cfg.model, trainer.tokenizer, _eos_ids(recipe._start_hf, trainer.tokenizer),
-                              _dtype(rl, cfg.train.precision), trainer.device, rows, cfg.data.seq_length,
-                              full_state_dict(trainer.model))
-        self.worker = RolloutWorker(trainer, rl, task, rewards, renderer, engine, reference,
-                                    on_policy=recipe.meter is not None)
+        rl, cfg, dims = recipe.rl, ctx.cfg, ctx.dims
+        self.rl, self.dims, self.num_microbatches = rl, dims, ctx.num_microbatches
+        task, rewards, renderer = recipe.parts(cfg, ctx.tokenizer, cfg.train.seed)
+        start = recipe.start_checkpoint(ctx)
+        reference = _reference(ctx, start) if rl.kl_coef > 0 else None
+        rows = rl.prompts_per_step // dims.dp_size * rl.group_size
+        engine = build_engine(cfg.model, ctx.tokenizer, _eos_ids(recipe._start_hf, ctx.tokenizer),
+                              _dtype(rl, cfg.train.precision), ctx.device, rows, cfg.data.seq_length,
+                              full_state_dict(model))
+        self.worker = RolloutWorker(model, dims, rl, cfg.train.seed, task, rewards, renderer, engine, reference,
+                                    on_policy=recipe.meter is not None, device=ctx.device, autocast=ctx.autocast)
         self.worker.sync = lambda sd: sync_engine(engine, sd, rl.check_weights)
         self.consumed = int(state.get("consumed_prompts", 0))
         self.batch: list[dict] = []
@@ -243,15 +221,15 @@ class RolloutStream:
         self._metrics: list[dict] = []
         pending = state.get("pending")
         if pending:
-            saved, dp = len(pending["buffers"]), trainer.dims.dp_size
+            saved, dp = len(pending["buffers"]), dims.dp_size
             if saved != dp:
                 from megapipe.errors import CheckpointError
 
                 raise CheckpointError(
-                    f"{trainer.resume_ckpt} was saved by {saved} data-parallel rank(s) in the middle of a rollout batch "
+                    f"{ctx.resume} was saved by {saved} data-parallel rank(s) in the middle of a rollout batch "
                     f"(--updates-per-batch {rl.updates_per_batch}), whose rows each rank holds: resume it with {saved} "
                     f"rank(s), not {dp}, or from a checkpoint at a rollout-batch boundary")
-            self.batch = decode_batch(pending["buffers"][trainer.dims.dp_rank])
+            self.batch = decode_batch(pending["buffers"][dims.dp_rank])
             self.passes_left = int(pending["passes_left"])
 
     def __iter__(self):
@@ -260,7 +238,7 @@ class RolloutStream:
     def __next__(self) -> dict:
         if not self.queue:
             if self.passes_left == 0:
-                self.batch, metrics = self.worker.rollout(self.consumed, self.trainer.num_microbatches)
+                self.batch, metrics = self.worker.rollout(self.consumed, self.num_microbatches)
                 self.consumed += self.rl.prompts_per_step
                 self.passes_left = self.rl.updates_per_batch
                 self._metrics.append(metrics)
@@ -294,11 +272,11 @@ class RolloutStream:
         if self.passes_left > 0:
             mine = encode_batch(self.batch)
             buffers = [mine]
-            if self.trainer.dims.dp_size > 1:
+            if self.dims.dp_size > 1:
                 import torch.distributed as dist
 
-                buffers = [None] * self.trainer.dims.dp_size
-                dist.all_gather_object(buffers, mine, group=self.trainer.dims.group("dp"))
+                buffers = [None] * self.dims.dp_size
+                dist.all_gather_object(buffers, mine, group=self.dims.group("dp"))
             state["pending"] = {"passes_left": self.passes_left, "buffers": buffers}
         return state
 

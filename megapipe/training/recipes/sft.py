@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from megapipe.errors import ConfigError
-from megapipe.training.recipes.base import Recipe
+from megapipe.training.recipes.base import Recipe, RunContext
 
 
 class SFTRecipe(Recipe):
@@ -60,38 +60,38 @@ class SFTRecipe(Recipe):
 
     # ------------------------------------------------------------------------------------------- model and data
 
-    def prepare_model(self, trainer, model):
+    def prepare_model(self, ctx: RunContext, model):
         from megapipe.posttrain.lora import apply_lora, lora_spec
 
-        spec = lora_spec(trainer.cfg)
-        return apply_lora(model, spec, seed=trainer.cfg.train.seed) if spec is not None else model
+        spec = lora_spec(ctx.cfg)
+        return apply_lora(model, spec, seed=ctx.cfg.train.seed) if spec is not None else model
 
-    def load_weights(self, trainer, ckpt) -> None:
+    def load_weights(self, ctx: RunContext, model, ckpt) -> None:
         from megapipe.posttrain.lora import load_base_weights, lora_spec
 
-        if lora_spec(trainer.cfg) is None:
-            return super().load_weights(trainer, ckpt)
-        load_base_weights(ckpt, trainer.model)
+        if lora_spec(ctx.cfg) is None:
+            return super().load_weights(ctx, model, ckpt)
+        load_base_weights(ckpt, model)
 
-    def datasets(self, trainer) -> dict:
+    def datasets(self, ctx: RunContext) -> dict:
         if self._datasets is None:
             from megapipe.data.gpt_dataset import parse_split
             from megapipe.data.sft_dataset import build_sft_datasets
 
-            cfg, t = trainer.cfg, trainer.cfg.train
+            cfg, t = ctx.cfg, ctx.cfg.train
             gbs = t.global_batch_size
             has_valid = parse_split(cfg.data.split)[1] > 0
-            wanted = {"train": trainer.train_iters * gbs, "valid": t.eval_iters * gbs if has_valid else 0}
-            index = self.index(cfg, trainer.tokenizer)
+            wanted = {"train": ctx.train_iters * gbs, "valid": t.eval_iters * gbs if has_valid else 0}
+            index = self.index(cfg, ctx.tokenizer)
             self._datasets = build_sft_datasets(index, cfg.data.split, cfg.data.seq_length, wanted, t.seed,
-                                                cfg.sft.packing, cfg.sft.overlong, trainer.tokenizer.pad_id)
-            if trainer.is_main and not self.quiet:
+                                                cfg.sft.packing, cfg.sft.overlong, ctx.tokenizer.pad_id)
+            if ctx.is_main and not self.quiet:
                 from rich.console import Console
 
-                Console().print(self.describe(trainer, index))
+                Console().print(self.describe(cfg.data.seq_length, index))
         return self._datasets
 
-    def describe(self, trainer, index) -> str:
+    def describe(self, seq_length: int, index) -> str:
         """One paragraph on the data: conversations, trained tokens, skipped records, rows and packing."""
         m, train, valid = index.meta, self._datasets["train"], self._datasets.get("valid")
         skipped = f", {m['bad_records']} bad record(s) skipped" if m["bad_records"] else ""
@@ -100,7 +100,7 @@ class SFTRecipe(Recipe):
             f"{f', {len(valid.conv_ids):,} valid' if valid else ''}), {m['trained_tokens']:,} of {m['tokens']:,} "
             f"tokens trained{skipped}; chat template {m['chat_template']}; "
             f"{'packed' if train.packing else 'one per row'}: {train.per_epoch:,} rows of "
-            f"{trainer.cfg.data.seq_length} tokens, {100 * train.efficiency:.1f}% not padding"
+            f"{seq_length} tokens, {100 * train.efficiency:.1f}% not padding"
             f"{f', {train.truncated} cut at --seq-length' if train.truncated else ''}"
             f"{f', {train.dropped} left out' if train.dropped else ''}"
             f"{' (index cached)' if index.cache_hit else ''}"
@@ -108,29 +108,29 @@ class SFTRecipe(Recipe):
         lines += [f"  [yellow]skipped[/] {line}" for line in m.get("bad_examples", [])]
         return "\n".join(lines)
 
-    def _loader(self, trainer, dataset, consumed: int = 0):
+    def _loader(self, ctx: RunContext, dataset, consumed: int = 0):
         from megapipe.data.sft_dataset import SFTLoader
 
-        t = trainer.cfg.train
-        return SFTLoader(dataset, t.micro_batch_size, t.global_batch_size, trainer.dims.dp_rank, trainer.dims.dp_size,
+        t = ctx.cfg.train
+        return SFTLoader(dataset, t.micro_batch_size, t.global_batch_size, ctx.dims.dp_rank, ctx.dims.dp_size,
                          consumed)
 
-    def train_data(self, trainer, state: dict):
-        return self._loader(trainer, self.datasets(trainer)["train"], state.get("consumed_samples", 0))
+    def train_data(self, ctx: RunContext, model, state: dict):
+        return self._loader(ctx, self.datasets(ctx)["train"], state.get("consumed_samples", 0))
 
-    def eval_data(self, trainer, split: str):
-        ds = self.datasets(trainer).get(split)
-        return None if ds is None else self._loader(trainer, ds)
+    def eval_data(self, ctx: RunContext, split: str):
+        ds = self.datasets(ctx).get(split)
+        return None if ds is None else self._loader(ctx, ds)
 
     # ------------------------------------------------------------------------------------------- outputs
 
-    def manifest(self, trainer) -> dict:
+    def manifest(self, ctx: RunContext) -> dict:
         from megapipe.posttrain.lora import lora_spec
         from megapipe.posttrain.start import START_KEY, start_of
 
-        cfg = trainer.cfg
-        train = self.datasets(trainer)["train"]
-        out = {START_KEY: start_of(trainer), "sft": {
+        cfg = ctx.cfg
+        train = self.datasets(ctx)["train"]
+        out = {START_KEY: start_of(ctx.resume, ctx.parent), "sft": {
             "data": list(cfg.sft.data), "chat_template": self._encoder.template_name,
             "train_on_prompt": cfg.sft.train_on_prompt, "packing": cfg.sft.packing,
             "packing_efficiency": train.efficiency, "index": str(self._index.path),
@@ -140,14 +140,14 @@ class SFTRecipe(Recipe):
             out["lora"] = spec.to_manifest()
         return out
 
-    def summary(self, trainer) -> dict:
-        return {"packing_efficiency": self.datasets(trainer)["train"].efficiency}
+    def summary(self, ctx: RunContext) -> dict:
+        return {"packing_efficiency": self.datasets(ctx)["train"].efficiency}
 
-    def tokenizer_files(self, trainer):
+    def tokenizer_files(self, ctx: RunContext):
         """The run's tokenizer with the chat template it was trained with (when the tokenizer did not ship it)."""
         from megapipe.data.sft import own_template
 
-        source = trainer.tokenizer.path
+        source = ctx.tokenizer.path
         enc = self._encoder
         if enc.template is None or own_template(source) == enc.template:
             return source

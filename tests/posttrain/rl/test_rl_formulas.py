@@ -186,10 +186,9 @@ def test_grpo_loss_through_the_loop_equals_the_direct_objective(aggregation, kl,
     want = direct_loss(ref_model, batch, s)
     want.backward()
     model = build_model(MODEL, seed=3)
-    model.return_hidden = fused
     mbs = [{k: v[i:i + 4] for k, v in batch.items()} for i in (0, 4)]
     loss = GRPOLoss(s)
-    result = train_step(model, mbs, ParallelDims(), loss)
+    result = train_step(model, mbs, ParallelDims(), loss, fused=fused)
     units = int(batch["completion_mask"].sum()) if aggregation == "token-mean" else 7  # one row has no tokens
     assert result.units == units
     assert result.loss.item() == pytest.approx(want.item(), rel=1e-5, abs=1e-7)
@@ -233,10 +232,9 @@ def test_shared_prompt_rows_train_like_one_row_per_completion(aggregation, fused
     results = {}
     for name, pack in (("rows", collate), ("shared", collate_shared)):
         model = build_model(MODEL, seed=3)
-        model.return_hidden = fused
         meter = MismatchMeter()
         mbs = [pack(chunk, 0) for chunk in split_rows(rows, 2)]
-        result = train_step(model, mbs, ParallelDims(), GRPOLoss(s, meter))
+        result = train_step(model, mbs, ParallelDims(), GRPOLoss(s, meter), fused=fused)
         results[name] = (result, {n: p.grad for n, p in model.named_parameters()}, meter.sums, mbs)
     (want, want_grads, want_mm, row_mbs), (got, got_grads, got_mm, shared_mbs) = results["rows"], results["shared"]
     assert sum(mb["tokens"].numel() for mb in shared_mbs) < sum(mb["tokens"].numel() for mb in row_mbs)

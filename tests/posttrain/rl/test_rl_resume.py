@@ -74,4 +74,4 @@ def test_kill9_then_resume_reproduces_the_uninterrupted_run(rl_base, tmp_path):
 
     final = json.loads((run_dir / "step_00000008" / "megapipe.json").read_text())
     assert final["parent"] == str(run_dir / "step_00000003")
-    assert final["rl"]["start"] == str(rl_base.absolute()) and final["data_state"] == {"consumed_prompts": 16}
+    assert final["posttrain_start"] == str(rl_base.absolute()) and final["data_state"] == {"consumed_prompts": 16}

@@ -49,7 +49,7 @@ def test_a_run_through_the_cli_logs_every_metric_and_its_lineage(rl_base, tmp_pa
     assert any((run / "tensorboard").iterdir())
 
     m = json.loads((run / "step_00000003" / "megapipe.json").read_text())
-    assert m["stage"] == "rl" and m["parent"] == str(rl_base) and m["rl"]["start"] == str(rl_base.absolute())
+    assert m["stage"] == "rl" and m["parent"] == str(rl_base) and m["posttrain_start"] == str(rl_base.absolute())
     assert m["rl"]["rewards"] == ["tests.helpers.rl:has_e", "format"] and m["data_state"] == {"consumed_prompts": 12}
     capsys.readouterr()
     assert main(["checkpoint", "inspect", str(run)]) == 0
