@@ -42,8 +42,8 @@ def posttrain_checkpoints(cfg: Config, parent: Optional[str], stage: str) -> Con
         return dataclasses.replace(cfg, checkpoint=dataclasses.replace(c, load=parent, finetune=parent is not None))
     m = read_manifest(latest)
     if m.get("stage") != stage:
-        raise ConfigError(f"--save {c.save} holds a {m.get('stage')} run ({latest}), not a {stage} run: pick "
-                          "another --save directory")
+        raise ConfigError(f"--save {c.save} holds a run of stage {m.get('stage')!r} ({latest}), not of stage "
+                          f"{stage!r}: pick another --save directory")
     started, wanted = recorded_start(m), _resolved(parent) if parent is not None else None
     if (wanted is not None and started is not None and wanted not in (started, str(latest.absolute()))
             and Path(parent).absolute() != Path(c.save).absolute()):
