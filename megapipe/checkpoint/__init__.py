@@ -2,7 +2,6 @@
 
 from megapipe.checkpoint.dcp import (
     load_checkpoint,
-    load_model_for_inference,
     prune,
     save_checkpoint,
     write_checkpoint,
@@ -26,7 +25,6 @@ __all__ = [
     "lineage",
     "list_checkpoints",
     "load_checkpoint",
-    "load_model_for_inference",
     "prune",
     "read_manifest",
     "resolve_checkpoint",

@@ -163,11 +163,12 @@ class DistillRecipe(Recipe):
         return self.data_recipe(trainer.cfg).prepare_model(trainer, model)
 
     def build_teacher(self, trainer):
-        from megapipe.checkpoint import load_model_for_inference, resolve_checkpoint
+        from megapipe.checkpoint import resolve_checkpoint
+        from megapipe.checkpoint.load import load_model
 
         kd = trainer.cfg.distill
         dtype = torch.bfloat16 if kd.teacher_precision == "bf16" else None
-        teacher, _, _ = load_model_for_inference(resolve_checkpoint(kd.teacher), device=trainer.device, dtype=dtype)
+        teacher = load_model(resolve_checkpoint(kd.teacher), device=trainer.device, dtype=dtype).model
         teacher.requires_grad_(False)
         dims = trainer.dims
         if kd.teacher_parallel == "fsdp" and dims.dp_shard * dims.cp > 1:

@@ -61,7 +61,8 @@ class SFTRecipe(Recipe):
     # ------------------------------------------------------------------------------------------- model and data
 
     def prepare_model(self, trainer, model):
-        from megapipe.posttrain.lora import apply_lora, lora_spec
+        from megapipe.models.lora import apply_lora
+        from megapipe.posttrain.lora import lora_spec
 
         spec = lora_spec(trainer.cfg)
         return apply_lora(model, spec, seed=trainer.cfg.train.seed) if spec is not None else model
