@@ -21,10 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from quant_twins import hf_twin, make_checkpoint, windows_of  # noqa: E402
 
-from megapipe.checkpoint import (
-    quant_state,  # noqa: E402
-    read_manifest,  # noqa: E402
-)
+from megapipe.checkpoint import quant_state, read_manifest  # noqa: E402
 from megapipe.checkpoint.load import load_model  # noqa: E402
 from megapipe.cli import main  # noqa: E402
 from megapipe.errors import MegapipeError  # noqa: E402
