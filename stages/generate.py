@@ -27,19 +27,18 @@ def generate(
 
     import torch
 
+    from megapipe.checkpoint.load import load_model
     from megapipe.data.tokenizer import load_tokenizer
+    from megapipe.dtypes import resolve_device, resolve_dtype
     from megapipe.errors import MegapipeError
     from megapipe.inference import generate as run_generate
-    from megapipe.inference import load_model, resolve_device
-    from megapipe.inference.engine import resolve_dtype
 
     device = resolve_device(device)
-    model, tok, _ = load_model(ckpt, device=device, dtype=torch.bfloat16 if bf16 else resolve_dtype(dtype))
-    if tokenizer is not None:
-        tok = load_tokenizer(tokenizer)
+    loaded = load_model(ckpt, device=device, dtype=torch.bfloat16 if bf16 else resolve_dtype(dtype))
+    tok = load_tokenizer(tokenizer) if tokenizer is not None else loaded.tokenizer
     if tok is None:
         raise MegapipeError(f"checkpoint {ckpt} holds no tokenizer/: give one with --tokenizer")
-    completions = run_generate(model, tok, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop)
+    completions = run_generate(loaded.model, tok, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop)
     if json_output:
         typer.echo(json.dumps([{"prompt": p, "completion": c} for p, c in zip(prompt, completions, strict=True)]))
         return

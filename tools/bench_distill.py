@@ -77,7 +77,8 @@ def main() -> int:
     args = ap.parse_args()
     import shutil
 
-    from megapipe.checkpoint import list_checkpoints, load_model_for_inference
+    from megapipe.checkpoint import list_checkpoints
+    from megapipe.checkpoint.load import load_model
     from megapipe.cli import main as megapipe
     from megapipe.posttrain.prune import loss_of, prune_batches
 
@@ -112,7 +113,7 @@ def main() -> int:
     _, valid = prune_batches(prefix, tok, args.seq, 1, args.valid_samples, 16, "969,30,1", 1234)
 
     def ce(ckpt) -> float:
-        model, _, _ = load_model_for_inference(ckpt)
+        model = load_model(ckpt).model
         return loss_of(model, valid)
 
     tokens_per_step = args.batch * args.seq

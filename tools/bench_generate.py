@@ -68,11 +68,12 @@ class Megapipe:
     name = "megapipe"
 
     def __init__(self, model_dir, dtype, max_batch, max_len):
-        from megapipe.inference import EngineConfig, LLMEngine, load_model
+        from megapipe.checkpoint.load import load_model
+        from megapipe.inference import EngineConfig, LLMEngine
 
-        model, tok, eos = load_model(model_dir, "cpu", dtype)
-        self.engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=max_batch, max_model_len=max_len,
-                                                         prefix_caching=False), eos)
+        loaded = load_model(model_dir, "cpu", dtype)
+        config = EngineConfig(max_num_seqs=max_batch, max_model_len=max_len, prefix_caching=False)
+        self.engine = LLMEngine(loaded.model, loaded.tokenizer, config, loaded.eos_ids)
 
     def run(self, prompts, n):
         from megapipe.inference import SamplingParams

@@ -27,7 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megapipe.checkpoint import load_model_for_inference  # noqa: E402
+from megapipe.checkpoint.load import load_model  # noqa: E402
 from megapipe.checkpoint.trt import export_trt  # noqa: E402
 from megapipe.errors import MegapipeError  # noqa: E402
 from megapipe.posttrain.quantize import calibrate, evaluate, quantize_checkpoint, token_stream, windows  # noqa: E402
@@ -102,7 +102,7 @@ def bench_model(name: str, ckpt: Path, data: Path, args, work: Path) -> list[dic
         row = {"model": name, "format": summary["format"], "ppl_base": summary["perplexity_before"],
                "ppl": summary["perplexity_after"], "change": summary["perplexity_change"],
                "calib_s": summary["calibration_seconds"]}
-        restored, _, _ = load_model_for_inference(out)
+        restored = load_model(out).model
         row["ppl_restored"] = evaluate(restored, evals, batch)["perplexity"]
         if args.hf:
             twin = hf_twin(ckpt, work / f"{slug}-hf")

@@ -9,7 +9,6 @@ parallel layout (dcp.py, read without unpickling code: safe_dcp.py), ``extra/`` 
 
 from megapipe.checkpoint.dcp import (
     load_checkpoint,
-    load_model_for_inference,
     prune,
     save_checkpoint,
     write_checkpoint,
@@ -33,7 +32,6 @@ __all__ = [
     "lineage",
     "list_checkpoints",
     "load_checkpoint",
-    "load_model_for_inference",
     "prune",
     "read_manifest",
     "resolve_checkpoint",

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from megapipe.checkpoint import integrity
+import megapipe.checkpoint.integrity as integrity  # the module alone: the package's __init__ imports this one
 from megapipe.checkpoint.manifest import (
     LATEST_NAME,
     MANIFEST_NAME,
@@ -377,11 +377,13 @@ def load_checkpoint(
     load_optim: bool = True,
     load_rng: bool = True,
     verify: bool = True,
+    skip: Optional[Callable[[str], bool]] = None,
 ) -> dict:
     """Load ``ckpt`` (a checkpoint or a run dir: its newest complete one) into ``model`` in its current layout.
 
     ``load_optim=False`` takes the weights only (``--finetune``). Every file read is first checked against the
-    checksum the manifest recorded (``verify=False`` skips that, for benchmarks). Returns the manifest. Collective.
+    checksum the manifest recorded (``verify=False`` skips that, for benchmarks). ``skip(name)`` marks model state
+    the checkpoint does not hold (a new run's LoRA adapters): it keeps its values. Returns the manifest. Collective.
     """
     ckpt = resolve_checkpoint(ckpt)
     manifest = read_manifest(ckpt)
@@ -391,10 +393,13 @@ def load_checkpoint(
         verify_checkpoint(ckpt, manifest, wanted)
 
     states = _model_states(parts)
+    if skip is not None:
+        states = [{k: v for k, v in sd.items() if not skip(k)} for sd in states]
     merged = _merge(states, "model")
     dcp_load(merged, ckpt / "model", "model")
+    options = StateDictOptions(strict=skip is None)
     for part, sd in zip(parts, states, strict=True):
-        set_model_state_dict(part, {k: merged[k] for k in sd})
+        set_model_state_dict(part, {k: merged[k] for k in sd}, options=options)
 
     if optims and load_optim:
         if not (ckpt / "optim" / ".metadata").is_file():
@@ -412,49 +417,6 @@ def load_checkpoint(
         if path.is_file():
             restore_rng(path)
     return manifest
-
-
-def load_model_for_inference(
-    ckpt: Union[str, Path],
-    device: Union[str, torch.device] = "cpu",
-    dtype: Optional[torch.dtype] = None,
-    builder: Optional[Callable[..., nn.Module]] = None,
-) -> tuple[nn.Module, dict, Optional[Path]]:
-    """Build the model the manifest describes, load its weights; returns (model in eval mode, manifest, tokenizer dir).
-
-    ``builder(cfg, device=...)`` defaults to ``megapipe.models.build_model``.
-    """
-    from megapipe.config import ModelConfig, from_dict
-
-    ckpt = resolve_checkpoint(ckpt)
-    manifest = read_manifest(ckpt)
-    if not isinstance(manifest.get("model"), dict):
-        raise CheckpointError(f"{ckpt / MANIFEST_NAME} has no model config ('model' is {manifest.get('model')!r})")
-    cfg = from_dict(ModelConfig, manifest["model"], "model.", f"{ckpt / MANIFEST_NAME}: ")
-    if builder is None:
-        from megapipe.models import build_model as builder
-    model = builder(cfg, device=device)
-    if dtype is not None:
-        model = model.to(dtype)
-    lora = manifest.get("lora")
-    if lora:  # LoRA adapters are extra tensors: load them, then fold them into the base weights
-        from megapipe.posttrain.lora import LoRASpec, apply_lora
-
-        apply_lora(model, LoRASpec.from_manifest(lora))
-    quantized = bool(manifest.get("quantization"))
-    if quantized:  # fake-quantized: put ModelOpt's quantizers back before loading their tensors
-        from megapipe.posttrain.quantize import restore_quantized
-
-        model = restore_quantized(model, manifest["quantization"], ckpt, str(ckpt / MANIFEST_NAME)).to(device)
-    load_checkpoint(ckpt, model, load_rng=False)
-    if lora:
-        from megapipe.posttrain.lora import merge_lora
-
-        merge_lora(model)
-    if quantized and dtype is not None:
-        model = model.to(dtype)  # the quantizer tensors (stored in float32) follow the weights
-    model.eval()
-    return model, manifest, checkpoint_tokenizer(ckpt, manifest)
 
 
 def checkpoint_tokenizer(ckpt: Path, manifest: Optional[dict] = None) -> Optional[Path]:

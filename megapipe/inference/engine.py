@@ -19,6 +19,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from megapipe.checkpoint.load import eos_ids_of, load_model
+from megapipe.dtypes import resolve_device, resolve_dtype
 from megapipe.errors import ConfigError, MegapipeError
 from megapipe.inference.block_manager import BlockManager
 from megapipe.inference.detokenize import Detokenizer, special_ids
@@ -96,46 +98,6 @@ class Request:
         return all(s.status == FINISHED for s in self.seqs)
 
 
-def resolve_dtype(name: Union[str, torch.dtype, None]) -> Optional[torch.dtype]:
-    if name is None or isinstance(name, torch.dtype):
-        return name
-    table = {"auto": None, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-             "half": torch.float16}
-    if name not in table:
-        raise ConfigError(f"--dtype {name!r} is not one of auto, float32, bfloat16, float16")
-    return table[name]
-
-
-def load_model(path: Union[str, Path], device="cpu", dtype=None):
-    """A megapipe checkpoint (or run dir) or a Hugging Face model directory -> (model, tokenizer, eos ids)."""
-    from megapipe.checkpoint import load_model_for_inference
-    from megapipe.data.tokenizer import load_tokenizer
-
-    p = Path(path).expanduser()
-    if (p / "config.json").is_file() and not (p / "megapipe.json").is_file():
-        from megapipe.checkpoint.hf.bridge import load_hf_model
-        from megapipe.checkpoint.hf.files import read_json
-
-        loaded = load_hf_model(p)
-        model = loaded.model.to(device=device, dtype=dtype) if dtype else loaded.model.to(device)
-        gen = read_json(p / "generation_config.json", "generation_config.json") \
-            if (p / "generation_config.json").is_file() else loaded.hf
-        return model.eval(), loaded.tokenizer, _eos_list(gen.get("eos_token_id"), loaded.tokenizer)
-    model, manifest, tok_dir = load_model_for_inference(p, device=device, dtype=dtype)
-    tok = load_tokenizer(tok_dir) if tok_dir is not None else None
-    gen = (manifest.get("hf") or {}).get("generation_config") or {}
-    return model, tok, _eos_list(gen.get("eos_token_id"), tok)
-
-
-def _eos_list(value, tokenizer) -> list[int]:
-    ids = [value] if isinstance(value, int) else list(value or [])
-    eod = getattr(tokenizer, "eod_id", None)
-    if eod is not None and eod not in ids:
-        ids.append(eod)
-    return ids
-
-
 class LLMEngine:
     def __init__(self, model, tokenizer=None, config: Optional[EngineConfig] = None,
                  eos_token_ids: Optional[Sequence[int]] = None):
@@ -144,7 +106,7 @@ class LLMEngine:
         cfg = model.cfg
         self.model_config = cfg
         self.tokenizer = tokenizer
-        self.eos_token_ids = list(eos_token_ids if eos_token_ids is not None else _eos_list(None, tokenizer))
+        self.eos_token_ids = list(eos_token_ids if eos_token_ids is not None else eos_ids_of(None, tokenizer))
         self.vocab_size = cfg.vocab_size
         self.special = special_ids(tokenizer) if tokenizer is not None else frozenset()
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
@@ -181,10 +143,8 @@ class LLMEngine:
 
     @classmethod
     def from_pretrained(cls, path: Union[str, Path], device=None, dtype=None, **config) -> "LLMEngine":
-        from megapipe.inference.generate import resolve_device
-
-        model, tok, eos = load_model(path, resolve_device(device), resolve_dtype(dtype))
-        return cls(model, tok, EngineConfig(**config), eos)
+        loaded = load_model(path, resolve_device(device), resolve_dtype(dtype))
+        return cls(loaded.model, loaded.tokenizer, EngineConfig(**config), loaded.eos_ids)
 
     # ----------------------------------------------------------------------------------------------- requests
 

@@ -9,28 +9,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-import torch
-
 from megapipe.errors import MegapipeError
-
-
-def resolve_device(name: Optional[str]) -> torch.device:
-    """``--device`` -> a torch.device that exists here (default: cuda when present, else cpu)."""
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if isinstance(name, torch.device):
-        return name
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise MegapipeError(f"--device {name!r} is not a device (use cpu, cuda or cuda:N)") from None
-    backend = getattr(torch, device.type, None)
-    if device.type != "cpu" and not (hasattr(backend, "is_available") and backend.is_available()):
-        raise MegapipeError(f"--device {name!r}: no {device.type} device is available on this machine")
-    count = backend.device_count() if device.type != "cpu" and hasattr(backend, "device_count") else None
-    if device.index is not None and count is not None and device.index >= count:
-        raise MegapipeError(f"--device {name!r}: this machine has {count} {device.type} device(s)")
-    return device
 
 
 def _engine_for(model, tokenizer, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_ids):

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import megapipe.inference.kernels as kernels  # the module alone: the package's __init__ imports the engine
 from megapipe.errors import ConfigError
-from megapipe.inference import kernels
 from megapipe.inference.host_memory import collapse_resident_memory, keep_freed_buffers
 from megapipe.inference.kv_cache import KVPool, PagedBatch
 

@@ -508,7 +508,8 @@ def prune_checkpoint(ckpt, output, targets: PruneTargets, calib_data: str, calib
     ``ckpt``); returns the summary: shapes, parameters and validation loss before and after."""
     from pathlib import Path
 
-    from megapipe.checkpoint import load_model_for_inference, resolve_checkpoint, write_checkpoint
+    from megapipe.checkpoint import resolve_checkpoint, write_checkpoint
+    from megapipe.checkpoint.load import load_model
     from megapipe.errors import CheckpointError
     from megapipe.fileio import refuse_overlap
 
@@ -523,7 +524,8 @@ def prune_checkpoint(ckpt, output, targets: PruneTargets, calib_data: str, calib
         raise ConfigError(f"--group-metric {group_metric!r} is not one of norm, loss")
     if importance not in ("activation", "random"):
         raise ConfigError(f"--importance {importance!r} is not one of activation, random")
-    model, manifest, tokenizer = load_model_for_inference(ckpt)
+    loaded = load_model(ckpt)
+    model, manifest, tokenizer = loaded.model, loaded.manifest, loaded.tokenizer_dir
     cfg = model.cfg
     if seq_length > cfg.max_position_embeddings:
         raise ConfigError(f"--seq-length {seq_length} is longer than the model's max_position_embeddings = "

@@ -6,7 +6,7 @@ documents in order, cut into windows of ``seq_length`` tokens; the first ``calib
 next ``eval_iters x batch_size`` windows (or those of ``eval_data``) measure the perplexity before and after
 (fake quantization). The result is a checkpoint in the shared format: the same weights (SmoothQuant/AWQ fold
 their scales into them) plus the quantizer tensors in the DCP shards, and the ModelOpt state as JSON under
-``quantization`` in the manifest (see quant_state). ``restore_quantized`` puts the quantizers back on load.
+``quantization`` in the manifest (megapipe.checkpoint.quant_state, which also puts the quantizers back on load).
 """
 
 from __future__ import annotations
@@ -20,12 +20,41 @@ import numpy as np
 import torch
 from torch import nn
 
+from megapipe.checkpoint import quant_state
 from megapipe.errors import DataError, MegapipeError
 from megapipe.fileio import refuse_overlap
-from megapipe.posttrain import quant_state
 
 Progress = Optional[Callable[[int, int], None]]
 JSON_SUFFIXES = (".jsonl", ".json")
+
+# --quant FORMAT -> the ModelOpt preset it applies (lm_head/`output.*` and embeddings are excluded by the presets)
+FORMATS = {
+    "fp8": "FP8_DEFAULT_CFG",
+    "int8_sq": "INT8_SMOOTHQUANT_CFG",
+    "int4_awq": "INT4_AWQ_CFG",
+    "w4a8_awq": "W4A8_AWQ_BETA_CFG",
+    "nvfp4": "NVFP4_DEFAULT_CFG",
+}
+KV_FORMATS = {"fp8": "FP8_KV_CFG"}
+CUDA_ONLY = {"nvfp4": "ModelOpt's NVFP4 calibration runs CUDA kernels only"}
+
+
+# --------------------------------------------------------------------------------------------------- config
+
+
+def quantize_config(fmt: str, kv_cache: Optional[str] = None) -> dict:
+    """The ModelOpt quantize config of ``--quant fmt [--kv-cache-quant kv]``: the preset, plus the KV entries."""
+    import copy
+
+    if fmt not in FORMATS:
+        raise MegapipeError(f"--quant {fmt!r} is not a supported format (supported: {', '.join(FORMATS)})")
+    if kv_cache is not None and kv_cache not in KV_FORMATS:
+        raise MegapipeError(f"--kv-cache-quant {kv_cache!r} is not supported (supported: {', '.join(KV_FORMATS)})")
+    module = quant_state.mtq()
+    config = copy.deepcopy(getattr(module, FORMATS[fmt]))
+    if kv_cache is not None:
+        config["quant_cfg"] = list(config["quant_cfg"]) + copy.deepcopy(getattr(module, KV_FORMATS[kv_cache])["quant_cfg"])
+    return config
 
 
 # --------------------------------------------------------------------------------------------------- data
@@ -101,7 +130,7 @@ def calibrate(model: nn.Module, fmt: str, kv_cache: Optional[str], batches: torc
               progress: Progress = None) -> nn.Module:
     """``mtq.quantize(model, CONFIG, forward_loop)`` over ``batches`` [N, S] (in place; returns the model)."""
     mtq = quant_state.mtq()
-    config = quant_state.quantize_config(fmt, kv_cache)
+    config = quantize_config(fmt, kv_cache)
     device = next(model.parameters()).device
     steps = math.ceil(len(batches) / batch_size)
     done = [0]
@@ -119,8 +148,8 @@ def calibrate(model: nn.Module, fmt: str, kv_cache: Optional[str], batches: torc
 
 
 def check_device(fmt: str, device: torch.device) -> None:
-    if fmt in quant_state.CUDA_ONLY and device.type != "cuda":
-        raise MegapipeError(f"--quant {fmt} needs a CUDA GPU ({quant_state.CUDA_ONLY[fmt]}); "
+    if fmt in CUDA_ONLY and device.type != "cuda":
+        raise MegapipeError(f"--quant {fmt} needs a CUDA GPU ({CUDA_ONLY[fmt]}); "
                             f"this run is on {device.type}: run it on a GPU machine or pick fp8, int8_sq, int4_awq or "
                             "w4a8_awq")
 
@@ -142,13 +171,13 @@ def quantize_checkpoint(
     progress: Progress = None,
 ) -> dict:
     """Quantize checkpoint ``ckpt`` into ``out``; returns a summary (perplexity before/after, times)."""
-    from megapipe.checkpoint import load_model_for_inference, read_manifest, resolve_checkpoint, write_checkpoint
-    from megapipe.data.tokenizer import load_tokenizer
-    from megapipe.inference import resolve_device
+    from megapipe.checkpoint import read_manifest, resolve_checkpoint, write_checkpoint
+    from megapipe.checkpoint.load import load_model
+    from megapipe.dtypes import resolve_device
 
     started = time.perf_counter()
     ckpt, out = Path(ckpt).expanduser(), Path(out).expanduser()
-    quant_state.quantize_config(fmt, kv_cache)  # bad names and a missing ModelOpt fail before any work
+    quantize_config(fmt, kv_cache)  # bad names and a missing ModelOpt fail before any work
     for name, value, low in (("--calib-samples", calib_samples, 1), ("--calib-seq-len", seq_length, 1),
                              ("--calib-batch-size", batch_size, 1), ("--eval-iters", eval_iters, 0)):
         if value < low:
@@ -173,8 +202,8 @@ def quantize_checkpoint(
         raise MegapipeError(f"--calib-seq-len {seq_length} exceeds the model's max_position_embeddings "
                             f"({model_cfg['max_position_embeddings']})")
 
-    model, manifest, tok_dir = load_model_for_inference(ckpt, device=device)
-    tokenizer = load_tokenizer(tok_dir) if tok_dir is not None else None
+    loaded = load_model(ckpt, device=device)
+    model, manifest, tok_dir, tokenizer = loaded.model, loaded.manifest, loaded.tokenizer_dir, loaded.tokenizer
     vocab = model.cfg.vocab_size
     n_eval = eval_iters * batch_size
     held_out = eval_data is None
@@ -226,20 +255,3 @@ def quantize_checkpoint(
                        perplexity_after=after["perplexity"], perplexity_change=change)
     summary["seconds"] = time.perf_counter() - started
     return summary
-
-
-# --------------------------------------------------------------------------------------------------- loading
-
-
-def restore_quantized(model: nn.Module, quantization: dict, ckpt: Path, where: str) -> nn.Module:
-    """Re-apply the quantizers a checkpoint's manifest describes (before its tensors are loaded)."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from megapipe.checkpoint.safe_dcp import read_metadata
-
-    if not isinstance(quantization, dict) or not isinstance(quantization.get("modelopt"), dict):
-        raise MegapipeError(f"{where}: 'quantization' lacks the ModelOpt quantizer state ('modelopt')")
-    shapes = {k: (tuple(m.size), m.properties.dtype)
-              for k, m in read_metadata(ckpt / "model").state_dict_metadata.items()
-              if isinstance(m, TensorStorageMetadata) and "_quantizer." in k}
-    return quant_state.restore(model, quantization["modelopt"], shapes, where)

@@ -17,10 +17,10 @@ from megapipe.checkpoint import (
     is_complete,
     lineage,
     load_checkpoint,
-    load_model_for_inference,
     read_manifest,
     save_checkpoint,
 )
+from megapipe.checkpoint.load import load_model
 from megapipe.errors import CheckpointError
 
 
@@ -269,7 +269,7 @@ def test_metadata_with_code_is_refused(tmp_path):
     assert not (tmp_path / "pwned").exists()
 
 
-def test_load_model_for_inference_builds_from_manifest(tmp_path):
+def test_load_model_builds_from_manifest(tmp_path):
     from megapipe.config import ModelConfig
 
     cfg = ModelConfig(vocab_size=11, hidden_size=6)
@@ -281,7 +281,8 @@ def test_load_model_for_inference_builds_from_manifest(tmp_path):
         seen["cfg"] = c
         return Tiny(vocab=c.vocab_size, hidden=c.hidden_size).to(device)
 
-    loaded, manifest, tok = load_model_for_inference(ckpt, dtype=torch.bfloat16, builder=builder)
+    ready = load_model(ckpt, dtype=torch.bfloat16, builder=builder)
+    loaded, manifest, tok = ready.model, ready.manifest, ready.tokenizer_dir
     assert seen["cfg"] == cfg
     assert manifest["model"]["hidden_size"] == 6
     assert tok == ckpt / "tokenizer" and (tok / "tokenizer.json").is_file()
@@ -298,14 +299,15 @@ def _tokenizer_dir(root: Path) -> Path:
     return tok
 
 
-def test_load_model_for_inference_with_the_real_transformer(tmp_path):
+def test_load_model_with_the_real_transformer(tmp_path):
     from megapipe.config import ModelConfig
     from megapipe.models import build_model
 
     cfg = ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
     model = build_model(cfg, seed=3)
     ckpt = save_checkpoint(tmp_path, 1, model, manifest={"model": cfg})
-    loaded, manifest, tok = load_model_for_inference(tmp_path)
+    ready = load_model(tmp_path)
+    loaded, manifest, tok = ready.model, ready.manifest, ready.tokenizer_dir
     assert tok is None and manifest["model"]["num_kv_heads"] == 1
     tokens = torch.randint(0, 64, (2, 7))
     with torch.no_grad():

@@ -14,8 +14,9 @@ import pytest
 import torch
 from test_checkpoint_dcp import Tiny, assert_same, trained
 
-from megapipe.checkpoint import load_checkpoint, load_model_for_inference, save_checkpoint
+from megapipe.checkpoint import load_checkpoint, save_checkpoint
 from megapipe.checkpoint.integrity import ALGORITHM, hash_file
+from megapipe.checkpoint.load import load_model
 from megapipe.cli import main
 from megapipe.config import ModelConfig
 from megapipe.errors import CheckpointError
@@ -70,19 +71,41 @@ def test_a_flipped_block_is_refused_naming_the_file(saved, rel):
                                                      strict=True))  # nothing was loaded
     if rel.startswith("model/"):
         with pytest.raises(CheckpointError, match=rf"{ckpt / rel} is damaged"):
-            load_model_for_inference(ckpt)
+            load_model(ckpt)
     else:  # weights-only loads (--finetune, inference) do not read the damaged file, and work
-        loaded, _, _ = load_model_for_inference(ckpt)
+        loaded = load_model(ckpt).model
         assert_same(model, loaded)
+
+
+def test_a_lora_run_verifies_the_base_weights_it_starts_from(saved):
+    """A LoRA run loads its base checkpoint without the new adapters, through the same checks as every load."""
+    from megapipe.models.lora import LoRASpec, apply_lora, lora_layers
+    from megapipe.posttrain.lora import load_base_weights
+
+    model, _, first, second = saved
+    spec = LoRASpec(rank=4, alpha=8.0, dropout=0.0, targets=("q", "v"))
+    fresh = apply_lora(build_model(CFG, seed=2), spec, seed=0)
+    adapters = {n: m.lora_A.weight.clone() for n, m in lora_layers(fresh)}
+    load_base_weights(first, fresh)
+    state = fresh.state_dict()
+    for name, value in model.state_dict().items():
+        assert torch.equal(state[name], value), name
+    assert all(torch.equal(m.lora_A.weight, adapters[n]) for n, m in lora_layers(fresh))  # new adapters kept
+
+    rel = "model/__0_0.distcp"
+    flip_block(second / rel)
+    with pytest.raises(CheckpointError, match=rf"{second / rel} is damaged \(its xxh3_128 checksum differs"):
+        load_base_weights(second, apply_lora(build_model(CFG, seed=2), spec))
 
 
 def test_a_damaged_tokenizer_is_named_and_a_removed_one_is_replaced_by_tokenizer(saved, tiny_tokenizer_dir, tmp_path):
     _, _, _, ckpt = saved
     flip_block(ckpt / "tokenizer" / "tokenizer.json", length=8)
     with pytest.raises(CheckpointError, match=r"tokenizer of checkpoint .* is damaged: .*tokenizer\.json is damaged"):
-        load_model_for_inference(ckpt)
+        load_model(ckpt)
     shutil.rmtree(ckpt / "tokenizer")  # a checkpoint without its tokenizer is still this checkpoint, not step 1
-    _, manifest, tok = load_model_for_inference(ckpt.parent)
+    ready = load_model(ckpt.parent)
+    manifest, tok = ready.manifest, ready.tokenizer_dir
     assert manifest["step"] == 2 and tok is None
     assert main(["export", "hf", str(ckpt.parent), str(tmp_path / "hf"), "--tokenizer", str(tiny_tokenizer_dir),
                  "-q"]) == 0

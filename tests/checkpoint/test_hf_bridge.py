@@ -17,7 +17,8 @@ transformers = pytest.importorskip("transformers")
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from megapipe.checkpoint import load_model_for_inference, read_manifest  # noqa: E402
+from megapipe.checkpoint import read_manifest  # noqa: E402
+from megapipe.checkpoint.load import load_model  # noqa: E402
 from megapipe.cli import main  # noqa: E402
 from megapipe.data.tokenizer import train_tokenizer  # noqa: E402
 
@@ -108,7 +109,7 @@ def test_roundtrip_parity(case, tmp_path, tokenizer_dir):
     assert cli("import", "hf", hf_dir, ckpt) == 0
     manifest = read_manifest(ckpt)
     assert manifest["stage"] == "import-hf" and manifest["parent"] == str(hf_dir.absolute())
-    model, _, tok_dir = load_model_for_inference(ckpt)
+    model = load_model(ckpt).model
     with torch.no_grad():
         got = model(ids)
     assert (got - want).abs().max().item() <= 1e-5
@@ -177,8 +178,8 @@ def test_sharded_import_and_export(tmp_path, tokenizer_dir):
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     # the sharded bf16 export imports again, to the same (bf16-rounded) weights
     assert cli("import", "hf", out, ckpt2) == 0
-    a, _, _ = load_model_for_inference(ckpt)
-    b, _, _ = load_model_for_inference(ckpt2)
+    a = load_model(ckpt).model
+    b = load_model(ckpt2).model
     for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
         assert torch.equal(x.to(torch.bfloat16).float(), y), name
 
@@ -196,7 +197,7 @@ def test_original_gpt2_naming_imports(tmp_path, tokenizer_dir):
     assert cli("export", "hf", ckpt, out, "--dtype", "fp32") == 0
     exported = tensors_of(out)
     assert exported.keys() == tensors.keys() and all(torch.equal(exported[k], v) for k, v in tensors.items())
-    model, _, _ = load_model_for_inference(ckpt)
+    model = load_model(ckpt).model
     with torch.no_grad():
         assert (model(tokens()) - hf_model(tokens()).logits).abs().max().item() <= 1e-5
 
@@ -259,7 +260,7 @@ def test_pretrain_finetune_from_an_import(tmp_path, tokenizer_dir):
     assert manifest["parent"] == str(ckpt.absolute())
     assert cli("export", "hf", run, tmp_path / "out", "--dtype", "fp32") == 0
     tuned = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    model, _, _ = load_model_for_inference(run)
+    model = load_model(run).model
     ids = tokens()
     with torch.no_grad():
         assert (tuned(ids).logits - model(ids)).abs().max().item() <= 1e-5

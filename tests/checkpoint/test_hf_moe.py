@@ -16,7 +16,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from megapipe.checkpoint import load_model_for_inference, read_manifest  # noqa: E402
+from megapipe.checkpoint import read_manifest  # noqa: E402
+from megapipe.checkpoint.load import load_model  # noqa: E402
 from tests.checkpoint.test_hf_bridge import (  # noqa: E402
     VOCAB,
     cli,
@@ -79,7 +80,7 @@ def test_moe_roundtrip_parity(case, tmp_path, tokenizer_dir):
     with torch.no_grad():
         want = hf_model(ids).logits
     assert cli("import", "hf", hf_dir, ckpt) == 0
-    model, _, _ = load_model_for_inference(ckpt)
+    model = load_model(ckpt).model
     kinds = [type(b).__name__ for b in model.layers.values()]
     assert kinds == {"mixtral": ["MoEBlock"] * 3, "qwen2_moe": ["MoEBlock", "TransformerBlock", "MoEBlock"],
                      "qwen3_moe": ["TransformerBlock", "MoEBlock", "TransformerBlock"]}[case]

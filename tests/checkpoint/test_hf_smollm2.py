@@ -16,8 +16,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from megapipe.checkpoint import load_model_for_inference  # noqa: E402
 from megapipe.checkpoint.hf import export_hf, import_hf  # noqa: E402
+from megapipe.checkpoint.load import load_model  # noqa: E402
 from megapipe.data.tokenizer import load_tokenizer  # noqa: E402
 from megapipe.inference import generate_ids  # noqa: E402
 
@@ -41,7 +41,8 @@ NEW_TOKENS = 20
 def imported(tmp_path_factory):
     ckpt = tmp_path_factory.mktemp("smollm2") / "ckpt"
     import_hf(MODEL_DIR, ckpt)
-    model, manifest, tok_dir = load_model_for_inference(ckpt)
+    loaded = load_model(ckpt)
+    model, tok_dir = loaded.model, loaded.tokenizer_dir
     return ckpt, model, tok_dir
 
 

@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from quant_twins import hf_twin, make_checkpoint, quantized_gpt2_twin, quantized_twin  # noqa: E402
 from test_trt_unified import assert_same_tensors  # noqa: E402
 
+from megapipe.checkpoint.quant_state import quiet  # noqa: E402
 from megapipe.checkpoint.trt import export_trt  # noqa: E402
 from megapipe.errors import MegapipeError  # noqa: E402
-from megapipe.posttrain.quant_state import quiet  # noqa: E402
 from megapipe.posttrain.quantize import quantize_checkpoint  # noqa: E402
 
 WIDE = dict(hidden_size=256, intermediate_size=512)  # INT4 blocks of 128 on each of 2 ranks
@@ -202,7 +202,7 @@ def test_gpt2_smoothed_qkv_dequantizes_to_the_fake_quant_weights(tiny_tokenizer_
     """GPT-2's HF twin fuses q/k/v into one Conv1D quantizer, so SmoothQuant/AWQ states (one smoothing vector per
     projection in megapipe) have no ModelOpt counterpart to compare with. Instead: the exported fused qkv, scaled back
     (INT values x weight scales x the shared pre_quant_scale), equals each projection's weight x its own scale."""
-    from megapipe.checkpoint import load_model_for_inference
+    from megapipe.checkpoint.load import load_model
 
     ckpt = _checkpoint(tmp_path, tiny_tokenizer_dir, pretrain_data[0], "gpt2", fmt, None, {})
     export_trt(ckpt, tmp_path / "out", "legacy", dtype="bf16")
@@ -217,7 +217,7 @@ def test_gpt2_smoothed_qkv_dequantizes_to_the_fake_quant_weights(tiny_tokenizer_
     else:
         scales = scales[:, None]
     smoothed = ints.float() * scales * rank[pre + "prequant_scaling_factor"].float()
-    model, _, _ = load_model_for_inference(ckpt)
+    model = load_model(ckpt).model
     attn = model.layers["0"].attention
     want = torch.cat([w.weight * w.input_quantizer._pre_quant_scale for w in (attn.wq, attn.wk, attn.wv)])
     step = (scales * rank[pre + "prequant_scaling_factor"].float()).expand_as(want)

@@ -30,9 +30,9 @@ from quant_twins import disabled_quantizers, hf_twin, make_checkpoint, per_exper
 from test_trt_legacy import _check_deviations, _rank  # noqa: E402
 from test_trt_unified import CONFIG_FIELDS, assert_same_tensors, tensors  # noqa: E402
 
+from megapipe.checkpoint.quant_state import quiet  # noqa: E402
 from megapipe.checkpoint.trt import export_trt  # noqa: E402
 from megapipe.errors import MegapipeError  # noqa: E402
-from megapipe.posttrain.quant_state import quiet  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 MOE_FIELDS = {"num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
@@ -117,11 +117,11 @@ def test_legacy_moe_equals_modelopt_export_tensorrt_llm_checkpoint(tiny_tokenize
 
 def test_legacy_mixtral_rank_files_hold_each_experts_slice(tiny_tokenizer_dir, tmp_path):
     """Independent of ModelOpt: rank r's fc is [w3 rows of r | w1 rows of r] of every expert, its proj w2's columns."""
-    from megapipe.checkpoint import load_model_for_inference
+    from megapipe.checkpoint.load import load_model
 
     ckpt = make_checkpoint(tmp_path / "ckpt", "mixtral", tiny_tokenizer_dir)
     export_trt(ckpt, tmp_path / "out", "legacy", dtype="bf16", tp=2)
-    experts = load_model_for_inference(ckpt, dtype=torch.bfloat16)[0].layers["1"].moe.experts
+    experts = load_model(ckpt, dtype=torch.bfloat16).model.layers["1"].moe.experts
     for r in range(2):
         rank = _rank(tmp_path / "out", r)
         rows = slice(32 * r, 32 * (r + 1))

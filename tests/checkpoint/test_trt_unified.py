@@ -23,10 +23,10 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "posttrain"))
 from quant_twins import make_checkpoint, quantized_twin, windows_of  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
-from megapipe.checkpoint import load_model_for_inference  # noqa: E402
+from megapipe.checkpoint.load import load_model  # noqa: E402
+from megapipe.checkpoint.quant_state import quiet  # noqa: E402
 from megapipe.checkpoint.trt import export_trt  # noqa: E402
 from megapipe.errors import MegapipeError  # noqa: E402
-from megapipe.posttrain.quant_state import quiet  # noqa: E402
 from megapipe.posttrain.quantize import evaluate, quantize_checkpoint  # noqa: E402
 
 CASES = [  # every format ModelOpt exports on CPU, on each Llama-shaped architecture (some with the KV cache, fp16)
@@ -124,7 +124,7 @@ def test_unquantized_unified_export_loads_in_transformers_with_megapipe_logits(t
     ckpt = make_checkpoint(tmp_path / "ckpt", arch, tiny_tokenizer_dir)
     export_trt(ckpt, tmp_path / "out", "unified", dtype="bf16")
     assert not (tmp_path / "out" / "hf_quant_config.json").exists()
-    model, _, _ = load_model_for_inference(ckpt, dtype=torch.bfloat16)  # the weights the export holds ...
+    model = load_model(ckpt, dtype=torch.bfloat16).model  # the weights the export holds ...
     model.float()  # ... computed in fp32 on both sides
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -176,7 +176,7 @@ def test_int4_needs_whole_blocks(tiny_tokenizer_dir, pretrain_data, tmp_path):
                            num_kv_heads=1)
     summary = quantize_checkpoint(base, tmp_path / "q", "int4_awq", pretrain_data[0], calib_samples=2,
                                   seq_length=32, eval_iters=1)  # fake quantization pads the last block ...
-    restored, _, _ = load_model_for_inference(tmp_path / "q")  # ... (its slices survive the JSON round trip) ...
+    restored = load_model(tmp_path / "q").model  # ... (its slices survive the JSON round trip) ...
     evals = windows_of(pretrain_data[0], 4, 32, first=2)  # 1 batch of the default 4 after the 2 calibration ones
     assert evaluate(restored, evals, 4)["perplexity"] == pytest.approx(summary["perplexity_after"], rel=1e-6)
     for fmt in ("unified", "legacy"):

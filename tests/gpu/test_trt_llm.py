@@ -34,11 +34,12 @@ def smollm2(tmp_path_factory):
 
 
 def _megapipe_greedy(ckpt: Path) -> list[list[int]]:
-    from megapipe.checkpoint import load_model_for_inference
+    from megapipe.checkpoint.load import load_model
     from megapipe.data.tokenizer import load_tokenizer
     from megapipe.inference import generate_ids
 
-    model, _, tok_dir = load_model_for_inference(ckpt, device="cuda", dtype=torch.bfloat16)
+    loaded = load_model(ckpt, device="cuda", dtype=torch.bfloat16)
+    model, tok_dir = loaded.model, loaded.tokenizer_dir
     tok = load_tokenizer(tok_dir)
     return [list(ids) for ids in generate_ids(model, [tok.encode(p) for p in PROMPTS], NEW_TOKENS)]
 

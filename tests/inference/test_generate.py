@@ -7,8 +7,9 @@ import torch
 import transformers
 
 from megapipe.config import ModelConfig
+from megapipe.dtypes import resolve_device
 from megapipe.errors import MegapipeError
-from megapipe.inference import generate, generate_ids, resolve_device
+from megapipe.inference import generate, generate_ids
 from megapipe.models import build_model
 from tests.helpers.hf_reference import copy_hf_weights
 

@@ -118,12 +118,12 @@ def test_every_step_ran_and_left_its_outputs(demo):
     # the HF export loads in transformers and computes what megapipe computes from it
     from transformers import AutoModelForCausalLM
 
-    from megapipe.inference import load_model
+    from megapipe.checkpoint.load import load_model
 
     hf_dir = run_dir / "hf/hf"
     ids = torch.tensor([[2, 40, 41, 300, 17, 3]])
     theirs = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()(ids).logits
-    ours, _, _ = load_model(hf_dir, dtype=torch.float32)
+    ours = load_model(hf_dir, dtype=torch.float32).model
     with torch.no_grad():
         torch.testing.assert_close(ours(ids).float(), theirs.detach(), rtol=1e-4, atol=1e-4)
 
@@ -149,7 +149,8 @@ def test_every_step_ran_and_left_its_outputs(demo):
     from megapipe.inference import generate
     from megapipe.inference.chat import ChatTemplate
 
-    model, tok, _ = load_model(hf_dir)
+    loaded = load_model(hf_dir)
+    model, tok = loaded.model, loaded.tokenizer
     chat = ChatTemplate.from_tokenizer_dir(hf_dir).render([{"role": "user", "content": "What is the capital of "
                                                                                       "France?"}])
     expected = generate(model, tok, ["My lord,", chat], 12, 0.0, 0, 1.0, None, ["<|im_end|>"])

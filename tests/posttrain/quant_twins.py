@@ -80,7 +80,7 @@ def disabled_quantizers(twin):
     takes a transformers >= 5 MoE model (it refuses the fused-expert modules it has not wrapped)."""
     import modelopt.torch.quantization as mtq
 
-    from megapipe.posttrain.quant_state import quiet
+    from megapipe.checkpoint.quant_state import quiet
 
     dummy = torch.randint(0, twin.config.vocab_size, (1, 8))
     with torch.no_grad(), quiet():
@@ -143,13 +143,14 @@ def quantized_twin(quantized_ckpt: Path, tmp: Path, dtype: torch.dtype):
     quantizers attached the HF way, holding exactly the checkpoint's quantizer tensors (fp32)."""
     import transformers
 
-    from megapipe.checkpoint import load_model_for_inference, read_manifest
+    from megapipe.checkpoint import quant_state, read_manifest
     from megapipe.checkpoint.hf import export_hf
-    from megapipe.posttrain import quant_state
+    from megapipe.checkpoint.load import load_model
+    from megapipe.posttrain.quantize import quantize_config
 
     manifest = read_manifest(quantized_ckpt)
     parent = Path(manifest["parent"])
-    ours, _, _ = load_model_for_inference(quantized_ckpt)
+    ours = load_model(quantized_ckpt).model
     state = ours.state_dict()
     names = hf_names(ours.cfg)
     base = tmp / f"hf-base-{quantized_ckpt.name}"
@@ -163,7 +164,7 @@ def quantized_twin(quantized_ckpt: Path, tmp: Path, dtype: torch.dtype):
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
 
     q = manifest["quantization"]
-    config = quant_state.quantize_config(q["format"], q["kv_cache"])
+    config = quantize_config(q["format"], q["kv_cache"])
     config["algorithm"] = "max"  # only to build the quantizers; every tensor is replaced below
     dummy = torch.randint(0, ours.cfg.vocab_size, (1, 8))
     with torch.no_grad(), quant_state.quiet():
@@ -193,9 +194,10 @@ def quantized_gpt2_twin(quantized_ckpt: Path, tmp: Path, dtype: torch.dtype):
     max of megapipe's three weight amaxes (the input amax is one value: q, k and v read the same input)."""
     import transformers
 
-    from megapipe.checkpoint import load_model_for_inference, read_manifest
+    from megapipe.checkpoint import quant_state, read_manifest
     from megapipe.checkpoint.hf import export_hf
-    from megapipe.posttrain import quant_state
+    from megapipe.checkpoint.load import load_model
+    from megapipe.posttrain.quantize import quantize_config
 
     manifest = read_manifest(quantized_ckpt)
     q = manifest["quantization"]
@@ -206,8 +208,8 @@ def quantized_gpt2_twin(quantized_ckpt: Path, tmp: Path, dtype: torch.dtype):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         twin = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=dtype).eval()
-    state = load_model_for_inference(quantized_ckpt)[0].state_dict()
-    config = quant_state.quantize_config(q["format"], q["kv_cache"])
+    state = load_model(quantized_ckpt).model.state_dict()
+    config = quantize_config(q["format"], q["kv_cache"])
     with torch.no_grad(), quant_state.quiet():
         quant_state.mtq().quantize(twin, config, lambda m: m(torch.randint(0, 100, (1, 8))))
 

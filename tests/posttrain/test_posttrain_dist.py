@@ -84,9 +84,9 @@ def test_prune_with_the_calibration_split_over_two_processes(base_ckpt, chat_dat
 
     import torch
 
-    from megapipe.checkpoint import load_model_for_inference
+    from megapipe.checkpoint.load import load_model
 
-    a, _, _ = load_model_for_inference(tmp_path / "one")
-    b, _, _ = load_model_for_inference(tmp_path / "two")
+    a = load_model(tmp_path / "one").model
+    b = load_model(tmp_path / "two").model
     for (name, p), q in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
         assert torch.equal(p, q), name  # the same units kept: the same weights

@@ -129,7 +129,8 @@ def test_the_command_writes_a_checkpoint_every_stage_loads_and_hf_export_matches
                                                                                capsys):
     from transformers import AutoModelForCausalLM
 
-    from megapipe.checkpoint import lineage, load_model_for_inference
+    from megapipe.checkpoint import lineage
+    from megapipe.checkpoint.load import load_model
 
     prefix, _ = pretrain_data
     out = tmp_path / "pruned"
@@ -146,7 +147,7 @@ def test_the_command_writes_a_checkpoint_every_stage_loads_and_hf_export_matches
     assert [c["stage"] for c in lineage(out)] == ["prune", "pretrain"]
 
     assert main(["export", "hf", str(out), str(tmp_path / "hf"), "--dtype", "fp32", "--quiet"]) == 0
-    model, _, _ = load_model_for_inference(out)
+    model = load_model(out).model
     tokens = batches(1)[0]["tokens"]
     with torch.no_grad():
         ours, theirs = model(tokens), AutoModelForCausalLM.from_pretrained(tmp_path / "hf")(tokens).logits

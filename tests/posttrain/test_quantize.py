@@ -21,10 +21,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from quant_twins import hf_twin, make_checkpoint, windows_of  # noqa: E402
 
-from megapipe.checkpoint import load_model_for_inference, read_manifest  # noqa: E402
+from megapipe.checkpoint import quant_state, read_manifest  # noqa: E402
+from megapipe.checkpoint.load import load_model  # noqa: E402
 from megapipe.cli import main  # noqa: E402
 from megapipe.errors import MegapipeError  # noqa: E402
-from megapipe.posttrain import quant_state  # noqa: E402
 from megapipe.posttrain.quantize import calibrate, evaluate, quantize_checkpoint  # noqa: E402
 
 SAMPLES, SEQ, BATCH, EVAL_ITERS = 8, 64, 4, 2
@@ -63,7 +63,7 @@ def test_perplexity_equals_hf_twin_quantized_by_modelopt(base, pretrain_data, tm
     calibrate(twin, fmt, kv, calib, BATCH)  # ModelOpt's HF flow: mtq.quantize(hf_model, CFG, forward_loop)
     reference = evaluate(lambda t: twin(t).logits, evals, BATCH)
 
-    ours, _, _ = load_model_for_inference(tmp_path / "q")  # what was stored, restored
+    ours = load_model(tmp_path / "q").model  # what was stored, restored
     mine = evaluate(ours, evals, BATCH)
     assert summary["perplexity_before"] == pytest.approx(reference_before["perplexity"], rel=1e-5)
     assert mine["perplexity"] == pytest.approx(reference["perplexity"], rel=1e-3)
@@ -78,9 +78,9 @@ def test_perplexity_equals_hf_twin_quantized_by_modelopt(base, pretrain_data, tm
 def test_stored_state_restores_the_identical_model(base, pretrain_data, tmp_path, fmt):
     prefix, _ = pretrain_data
     _quantize(base["llama"], tmp_path / "q", prefix, fmt, "fp8")
-    live, _, _ = load_model_for_inference(base["llama"])
+    live = load_model(base["llama"]).model
     calibrate(live, fmt, "fp8", windows_of(prefix, SAMPLES, SEQ)[:, :-1], BATCH)
-    restored, manifest, _ = load_model_for_inference(tmp_path / "q")
+    restored = load_model(tmp_path / "q").model
     tokens = windows_of(prefix, 2, SEQ, first=20)[:, :-1]
     with torch.no_grad():
         assert torch.equal(live(tokens), restored(tokens))
@@ -193,8 +193,8 @@ def test_quantizer_state_json_codec_round_trips():
 def test_quantized_checkpoint_runs_in_bf16(base, pretrain_data, tmp_path, capsys):
     prefix, _ = pretrain_data
     _quantize(base["llama"], tmp_path / "q", prefix, "int8_sq", "fp8")  # a pre_quant_scale multiplies activations
-    fp32, _, _ = load_model_for_inference(tmp_path / "q")
-    bf16, _, _ = load_model_for_inference(tmp_path / "q", dtype=torch.bfloat16)
+    fp32 = load_model(tmp_path / "q").model
+    bf16 = load_model(tmp_path / "q", dtype=torch.bfloat16).model
     tokens = windows_of(prefix, 1, SEQ, first=30)[:, :-1]
     with torch.no_grad():
         a, b = fp32(tokens), bf16(tokens)

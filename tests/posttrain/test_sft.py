@@ -80,7 +80,7 @@ def test_lora_trains_adapters_only_and_matches_peft_and_the_merged_export(lora_r
     from megapipe.checkpoint import load_checkpoint, read_manifest
     from megapipe.config import ModelConfig, from_dict
     from megapipe.models import build_model
-    from megapipe.posttrain.lora import LoRASpec, apply_lora, is_adapter, lora_layers
+    from megapipe.models.lora import LoRASpec, apply_lora, is_adapter, lora_layers
 
     manifest = read_manifest(lora_run)
     assert manifest["lora"] == {"rank": 4, "alpha": 8.0, "dropout": 0.0,
@@ -120,7 +120,7 @@ def test_lora_trains_adapters_only_and_matches_peft_and_the_merged_export(lora_r
 def test_lora_targets_are_parsed_and_checked():
     from megapipe.config import ModelConfig
     from megapipe.errors import ConfigError
-    from megapipe.posttrain.lora import parse_targets
+    from megapipe.models.lora import parse_targets
 
     llama, gpt2 = ModelConfig(), ModelConfig(arch="gpt2", activation="gelu_tanh")
     assert parse_targets("all-linear", llama) == ("q", "k", "v", "o", "gate", "up", "down")

@@ -46,9 +46,9 @@ def records(run: Path, kind: str = "train") -> dict[int, dict]:
 
 
 def bias(run: Path, step: int) -> torch.Tensor:
-    from megapipe.checkpoint import load_model_for_inference
+    from megapipe.checkpoint.load import load_model
 
-    model, _, _ = load_model_for_inference(run / f"step_{step:08d}")
+    model = load_model(run / f"step_{step:08d}").model
     assert type(model.layers["0"]).__name__ == "TransformerBlock"  # the layer pattern
     return model.layers["1"].moe.expert_bias.clone()
 

@@ -57,10 +57,10 @@ def test_blend_run_then_finetune_from_it(pretrain_data, tmp_path):
     assert m["step"] == 2 and m["parent"] == str((run / "step_00000025").absolute())
     assert m["trainer_state"]["updates"] == 2 and m["data_state"] == {"consumed_samples": 8}  # a new run
 
-    from megapipe.checkpoint import load_model_for_inference
+    from megapipe.checkpoint.load import load_model
 
-    a, _, _ = load_model_for_inference(run / "step_00000025")
-    b, _, _ = load_model_for_inference(ft / "step_00000002")
+    a = load_model(run / "step_00000025").model
+    b = load_model(ft / "step_00000002").model
     for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
         assert torch.equal(p, q), name
 

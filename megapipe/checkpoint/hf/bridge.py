@@ -32,6 +32,7 @@ from megapipe.checkpoint.hf.files import (
     shard_names,
     write_index,
 )
+from megapipe.checkpoint.hf.peft import write_peft_adapter
 from megapipe.checkpoint.manifest import make_tmp_dir, read_manifest, resolve_checkpoint
 from megapipe.checkpoint.safe_dcp import read_metadata
 from megapipe.config import ModelConfig, from_dict
@@ -39,6 +40,7 @@ from megapipe.data.readers import first_line
 from megapipe.errors import CheckpointError, MegapipeError
 from megapipe.fileio import refuse_overlap, replace_dir
 from megapipe.models import build_model
+from megapipe.models.lora import LoRASpec, adapter_names, is_adapter, merge_state_dict
 
 Progress = Optional[Callable[[int, int], None]]  # (done, total) after each tensor group
 TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -202,10 +204,8 @@ def export_hf(
     lora_adapter_only: bool = False,
 ) -> dict:
     """megapipe checkpoint (any layout) -> Hugging Face directory ``out_dir``; returns a summary. A LoRA checkpoint
-    is written merged, or with ``lora_adapter_only`` as a peft adapter directory (megapipe.posttrain.lora)."""
+    is written merged, or with ``lora_adapter_only`` as a peft adapter directory (megapipe.checkpoint.hf.peft)."""
     if lora_adapter_only:
-        from megapipe.posttrain.lora import write_peft_adapter
-
         return write_peft_adapter(ckpt, out_dir, overwrite, Path(tokenizer).expanduser() if tokenizer else None)
     started = time.perf_counter()
     out_dir = Path(out_dir).expanduser()
@@ -245,7 +245,7 @@ def export_hf(
     }
     lora = _lora_scale(manifest)
     conversions = adapter.conversions(cfg)
-    weights = {k for k in stored if lora is None or not _is_adapter(k)}
+    weights = {k for k in stored if lora is None or not is_adapter(k)}
     _check_names({m for c in conversions for m in c.mp}, weights, f"the model shards of {ckpt}", "model config")
     itemsize = torch.empty((), dtype=out_dtype).element_size()
     sizes = [sum(stored[m].size.numel() for m in c.mp) * itemsize for c in conversions]
@@ -297,15 +297,7 @@ def _lora_scale(manifest: dict) -> Optional[float]:
     """alpha / rank of a LoRA checkpoint's adapters (None: no LoRA)."""
     if not manifest.get("lora"):
         return None
-    from megapipe.posttrain.lora import LoRASpec
-
     return LoRASpec.from_manifest(manifest["lora"]).scale
-
-
-def _is_adapter(name: str) -> bool:
-    from megapipe.posttrain.lora import is_adapter
-
-    return is_adapter(name)
 
 
 def _read_group(group: list[Conversion], stored: dict, model_dir: Path, out_dtype,
@@ -314,14 +306,10 @@ def _read_group(group: list[Conversion], stored: dict, model_dir: Path, out_dtyp
     with ``lora`` (the adapters' scale) each weight's adapters are loaded too and merged into it."""
     names = [m for c in group for m in c.mp]
     if lora is not None:
-        from megapipe.posttrain.lora import adapter_names
-
         names += [a for m in list(names) for a in adapter_names(m) if a in stored]
     state = {m: torch.empty(tuple(stored[m].size), dtype=stored[m].properties.dtype) for m in names}
     dcp_load(state, model_dir, "model", strict=False)
     if lora is not None:
-        from megapipe.posttrain.lora import merge_state_dict
-
         state = merge_state_dict(state, lora)
     out: dict[str, torch.Tensor] = {}
     for conv in group:

@@ -23,8 +23,6 @@ import torch
 
 from megapipe.errors import MegapipeError
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 class WeightSyncError(MegapipeError):
     """The engine does not hold the trainer's weights."""

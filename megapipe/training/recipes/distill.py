@@ -163,11 +163,12 @@ class DistillRecipe(Recipe):
         return self.data_recipe(ctx.cfg).prepare_model(ctx, model)
 
     def build_teacher(self, ctx: RunContext):
-        from megapipe.checkpoint import load_model_for_inference, resolve_checkpoint
+        from megapipe.checkpoint import resolve_checkpoint
+        from megapipe.checkpoint.load import load_model
 
         kd = ctx.cfg.distill
         dtype = torch.bfloat16 if kd.teacher_precision == "bf16" else None
-        teacher, _, _ = load_model_for_inference(resolve_checkpoint(kd.teacher), device=ctx.device, dtype=dtype)
+        teacher = load_model(resolve_checkpoint(kd.teacher), device=ctx.device, dtype=dtype).model
         teacher.requires_grad_(False)
         dims = ctx.dims
         if kd.teacher_parallel == "fsdp" and dims.dp_shard * dims.cp > 1:

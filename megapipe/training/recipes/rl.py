@@ -77,9 +77,9 @@ def check_world_size(cfg, world_size: int) -> None:
 
 
 def _dtype(rl, precision: str) -> torch.dtype:
-    from megapipe.posttrain.rl.engine_sync import DTYPES
+    from megapipe.dtypes import PRECISION_DTYPES
 
-    return DTYPES[rl.rollout_dtype or precision]
+    return PRECISION_DTYPES[rl.rollout_dtype or precision]
 
 
 class RLRecipe(Recipe):
@@ -187,12 +187,10 @@ def _reference(ctx: RunContext, start: str):
 
 
 def _eos_ids(start_hf: Optional[dict], tokenizer) -> list[int]:
+    from megapipe.checkpoint.load import eos_ids_of
+
     gen = (start_hf or {}).get("generation_config") or {}
-    value = gen.get("eos_token_id")
-    ids = [value] if isinstance(value, int) else list(value or [])
-    if tokenizer.eod_id is not None and tokenizer.eod_id not in ids:
-        ids.append(tokenizer.eod_id)
-    return ids
+    return eos_ids_of(gen.get("eos_token_id"), tokenizer)
 
 
 class RolloutStream:

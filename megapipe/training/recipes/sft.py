@@ -61,7 +61,8 @@ class SFTRecipe(Recipe):
     # ------------------------------------------------------------------------------------------- model and data
 
     def prepare_model(self, ctx: RunContext, model):
-        from megapipe.posttrain.lora import apply_lora, lora_spec
+        from megapipe.models.lora import apply_lora
+        from megapipe.posttrain.lora import lora_spec
 
         spec = lora_spec(ctx.cfg)
         return apply_lora(model, spec, seed=ctx.cfg.train.seed) if spec is not None else model

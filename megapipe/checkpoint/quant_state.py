@@ -1,5 +1,9 @@
 """NVIDIA ModelOpt quantizers on the megapipe model, and their state as JSON + tensors (never a pickle).
 
+What a quantized checkpoint stores beside its weights, and how loading puts it back (``restore_quantized``); the
+quantization itself (formats, calibration) is megapipe.posttrain.quantize. ModelOpt is a heavy optional package:
+it is imported on first use only.
+
 ModelOpt's own save (``mto.save`` / ``modelopt_state``) goes through ``torch.save``. A megapipe checkpoint keeps
 the same information in two safe places instead: the quantizer tensors (``..._quantizer._amax``,
 ``..._quantizer._pre_quant_scale``) are buffers of the model, so they travel in the DCP shards with the weights;
@@ -21,26 +25,18 @@ import io
 import logging
 import re
 import warnings
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from megapipe.checkpoint.safe_dcp import read_metadata
 from megapipe.errors import MegapipeError
 
 INSTALL_HINT = "install it with `pip install 'megapipe[quant]'` (nvidia-modelopt)"
 STATE_VERSION = 1
-
-# --quant FORMAT -> the ModelOpt preset it applies (lm_head/`output.*` and embeddings are excluded by the presets)
-FORMATS = {
-    "fp8": "FP8_DEFAULT_CFG",
-    "int8_sq": "INT8_SMOOTHQUANT_CFG",
-    "int4_awq": "INT4_AWQ_CFG",
-    "w4a8_awq": "W4A8_AWQ_BETA_CFG",
-    "nvfp4": "NVFP4_DEFAULT_CFG",
-}
-KV_FORMATS = {"fp8": "FP8_KV_CFG"}
-CUDA_ONLY = {"nvfp4": "ModelOpt's NVFP4 calibration runs CUDA kernels only"}
 
 
 @contextlib.contextmanager
@@ -70,24 +66,6 @@ def mtq():
         import modelopt.torch.quantization as mtq_module
     register_attention()
     return mtq_module
-
-
-# --------------------------------------------------------------------------------------------------- config
-
-
-def quantize_config(fmt: str, kv_cache: Optional[str] = None) -> dict:
-    """The ModelOpt quantize config of ``--quant fmt [--kv-cache-quant kv]``: the preset, plus the KV entries."""
-    import copy
-
-    if fmt not in FORMATS:
-        raise MegapipeError(f"--quant {fmt!r} is not a supported format (supported: {', '.join(FORMATS)})")
-    if kv_cache is not None and kv_cache not in KV_FORMATS:
-        raise MegapipeError(f"--kv-cache-quant {kv_cache!r} is not supported (supported: {', '.join(KV_FORMATS)})")
-    module = mtq()
-    config = copy.deepcopy(getattr(module, FORMATS[fmt]))
-    if kv_cache is not None:
-        config["quant_cfg"] = list(config["quant_cfg"]) + copy.deepcopy(getattr(module, KV_FORMATS[kv_cache])["quant_cfg"])
-    return config
 
 
 # --------------------------------------------------------------------------------------------------- attention
@@ -226,6 +204,16 @@ def export_state(model: nn.Module) -> dict:
         modes.append({"mode": mode, "config": encode(entry["config"]), "metadata": encode(metadata),
                       "quantizers": _compact(quantizers, _num_layers(model))})
     return {"version": STATE_VERSION, "modelopt_version": state["modelopt_version"], "modes": modes, "kinds": kinds}
+
+
+def restore_quantized(model: nn.Module, quantization: dict, ckpt: Path, where: str) -> nn.Module:
+    """Re-apply the quantizers a checkpoint's manifest describes (before its tensors are loaded)."""
+    if not isinstance(quantization, dict) or not isinstance(quantization.get("modelopt"), dict):
+        raise MegapipeError(f"{where}: 'quantization' lacks the ModelOpt quantizer state ('modelopt')")
+    shapes = {k: (tuple(m.size), m.properties.dtype)
+              for k, m in read_metadata(ckpt / "model").state_dict_metadata.items()
+              if isinstance(m, TensorStorageMetadata) and "_quantizer." in k}
+    return restore(model, quantization["modelopt"], shapes, where)
 
 
 def restore(model: nn.Module, state: dict, tensor_shapes: dict[str, tuple[tuple, torch.dtype]],

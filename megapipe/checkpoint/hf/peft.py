@@ -1,0 +1,88 @@
+"""A LoRA checkpoint's adapters as a peft adapter directory (``export hf --lora-adapter-only``).
+
+``adapter_config.json`` + ``adapter_model.safetensors`` (fp32, peft's tensor names on the Hugging Face module names),
+plus the tokenizer: what ``peft.PeftModel.from_pretrained`` loads onto the exported base model.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import uuid
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from megapipe.checkpoint.dcp import dcp_load
+from megapipe.checkpoint.hf.base import adapter_for_arch
+from megapipe.checkpoint.manifest import make_tmp_dir, read_manifest, resolve_checkpoint
+from megapipe.checkpoint.safe_dcp import read_metadata
+from megapipe.config import ModelConfig, from_dict
+from megapipe.errors import MegapipeError
+from megapipe.models.lora import LoRASpec, adapter_names, is_adapter
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def write_peft_adapter(ckpt, out_dir, overwrite: bool = False, tokenizer_dir: Optional[Path] = None) -> dict:
+    """The adapters of LoRA checkpoint ``ckpt`` as a peft adapter directory (``adapter_config.json``,
+    ``adapter_model.safetensors`` in fp32, the tokenizer); returns a summary."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir).expanduser()
+    if out_dir.exists() and not overwrite:
+        raise MegapipeError(f"{out_dir} already exists: pick another output or pass --overwrite")
+    ckpt = resolve_checkpoint(Path(ckpt).expanduser())
+    manifest = read_manifest(ckpt)
+    if not manifest.get("lora"):
+        raise MegapipeError(f"{ckpt} holds no LoRA adapters (its manifest has no 'lora'): --lora-adapter-only "
+                            "needs a checkpoint of a --lora-rank run")
+    spec = LoRASpec.from_manifest(manifest["lora"])
+    cfg = from_dict(ModelConfig, manifest["model"], "model.", f"{ckpt / 'megapipe.json'}: ")
+    adapter = adapter_for_arch(cfg.arch)
+    stored = {k: m for k, m in read_metadata(ckpt / "model").state_dict_metadata.items()
+              if isinstance(m, TensorStorageMetadata) and is_adapter(k)}
+    names: dict[str, str] = {}  # megapipe adapter tensor -> peft key
+    modules = set()
+    for conv in adapter.conversions(cfg):
+        has = [m for m in conv.mp if adapter_names(m)[0] in stored]
+        if not has:
+            continue
+        if len(conv.mp) != 1 or len(conv.hf) != 1:
+            raise MegapipeError(
+                f"{ckpt}: the {adapter.architecture} layer {conv.hf[0]} fuses {len(conv.mp)} megapipe layers, so "
+                "its adapters have no peft equivalent; export the merged model instead (without --lora-adapter-only)")
+        hf_module = conv.hf[0].removesuffix(".weight")
+        modules.add(hf_module.rsplit(".", 1)[-1])
+        for mp_name, part in zip(adapter_names(conv.mp[0]), ("lora_A", "lora_B"), strict=True):
+            names[mp_name] = f"base_model.model.{hf_module}.{part}.weight"
+    state = {k: torch.empty(tuple(stored[k].size), dtype=stored[k].properties.dtype) for k in names}
+    dcp_load(state, ckpt / "model", "model", strict=False)
+    tensors = {names[k]: v.float().contiguous() for k, v in state.items()}
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.alpha,
+        "lora_dropout": spec.dropout, "target_modules": sorted(modules), "bias": "none", "fan_in_fan_out": False,
+        "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
+        "modules_to_save": None, "base_model_name_or_path": str(manifest.get("parent") or ""),
+    }
+    tmp = out_dir.with_name(f"{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}")
+    make_tmp_dir(tmp, out_dir)
+    try:
+        save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        tok = tokenizer_dir if tokenizer_dir is not None else ckpt / "tokenizer"
+        if Path(tok).is_dir():
+            from megapipe.data.tokenizer import load_tokenizer
+
+            load_tokenizer(tok).save(tmp)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"output": str(out_dir), "adapters": len(tensors) // 2, "rank": spec.rank, "alpha": spec.alpha,
+            "target_modules": ", ".join(sorted(modules))}
