@@ -111,8 +111,10 @@ class PackedQKV(nn.Module):
 
 def pack_linears(model: nn.Module, own: bool = False) -> int:
     """Replace every nn.Linear (and swiglu FeedForward) under ``model`` by its packed form (for megapipe's bf16
-    kernel with ``own``, else oneDNN's); returns matmuls packed."""
+    kernel with ``own``, else oneDNN's); returns matmuls packed. A module's ``plain_linears`` (names of its children,
+    e.g. an MoE router it reads in fp32) stay as they are."""
     count = 0
+    keep = set(getattr(model, "plain_linears", ()))
     if hasattr(model, "project_qkv") and all(isinstance(getattr(model, n, None), nn.Linear) for n in ("wq", "wk", "wv")):
         qkv = PackedQKV(model, own)
         model.add_module("fused_qkv", qkv)
@@ -122,7 +124,7 @@ def pack_linears(model: nn.Module, own: bool = False) -> int:
             setattr(model, n, None)
         count += 3
     for name, child in list(model.named_children()):
-        if child is None or name == "fused_qkv":
+        if child is None or name == "fused_qkv" or name in keep:
             continue
         if getattr(child, "swiglu", False) and isinstance(getattr(child, "w1", None), nn.Linear):
             setattr(model, name, PackedSwiGLU(child, own))
@@ -180,18 +182,24 @@ class DecoderLayer:
         self.norm1, self.norm2 = block.attention_norm, block.ffn_norm
         self.layer_id, self.head_dim = attn.layer_id, attn.head_dim
         self.qkv = attn.project_qkv
-        self.wo, self.ffn = attn.wo, block.feed_forward
+        self.wo = attn.wo
+        self.ffn = block.moe if hasattr(block, "moe") else block.feed_forward
         self.ops = ops
 
     @staticmethod
     def supports(block: nn.Module) -> bool:
+        """A dense block with a swiglu MLP, or an MoE block (its MoE layer takes the flattened batch as it is)."""
         from megapipe.models.dense import TransformerBlock
+        from megapipe.models.moe import MoEBlock
         from megapipe.models.norms import RMSNorm
 
         attn = getattr(block, "attention", None)
-        return (type(block) is TransformerBlock and isinstance(block.attention_norm, RMSNorm)
-                and isinstance(block.ffn_norm, RMSNorm) and attn.q_norm is None
-                and (isinstance(block.feed_forward, PackedSwiGLU) or block.feed_forward.swiglu))
+        if type(block) is TransformerBlock:
+            mlp_ok = isinstance(block.feed_forward, PackedSwiGLU) or block.feed_forward.swiglu
+        else:
+            mlp_ok = type(block) is MoEBlock
+        return (mlp_ok and isinstance(block.attention_norm, RMSNorm) and isinstance(block.ffn_norm, RMSNorm)
+                and attn.q_norm is None)
 
     def __call__(self, h: torch.Tensor, delta: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                  batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -206,6 +206,8 @@ class AuxLossBackward(torch.autograd.Function):
 
 
 class MoE(nn.Module):
+    plain_linears = ("gate",)  # the router is read as an fp32 weight: the engine's packing leaves it alone
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg

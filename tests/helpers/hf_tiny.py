@@ -30,10 +30,24 @@ def _hf_config(arch: str):
         return transformers.Qwen2Config(num_key_value_heads=2, **common)
     if arch == "mistral":
         return transformers.MistralConfig(num_key_value_heads=2, sliding_window=8, **common)
+    if arch == "qwen3":
+        return transformers.Qwen3Config(num_key_value_heads=2, head_dim=16, **common)
     if arch == "gpt2":
         return transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128,
                                        initializer_range=0.3, tie_word_embeddings=True, attn_implementation="eager")
+    moe = dict(common, num_key_value_heads=2, intermediate_size=96, num_experts_per_tok=2)
+    if arch == "mixtral":
+        return transformers.MixtralConfig(num_local_experts=4, sliding_window=8, **moe)
+    if arch == "qwen2_moe":  # a shared expert behind its gate; layer 1 dense
+        return transformers.Qwen2MoeConfig(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                           mlp_only_layers=[1], norm_topk_prob=False, **moe)
+    if arch == "qwen3_moe":  # qk-norm; every other layer MoE
+        return transformers.Qwen3MoeConfig(num_experts=8, moe_intermediate_size=32, head_dim=16,
+                                           norm_topk_prob=True, decoder_sparse_step=2, **moe)
     raise ValueError(arch)
+
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def make_hf_dir(root: Path, arch: str, seed: int = 0, dtype=torch.float32) -> tuple[Path, object]:
@@ -45,9 +59,7 @@ def make_hf_dir(root: Path, arch: str, seed: int = 0, dtype=torch.float32) -> tu
     root.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     cfg = _hf_config(arch)
-    cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
-           "mistral": transformers.MistralForCausalLM, "gpt2": transformers.GPT2LMHeadModel}[arch]
-    model = cls(cfg).eval()
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     if arch == "qwen2":  # random biases, so the bias path is exercised
         with torch.no_grad():
             for layer in model.model.layers:

@@ -1,0 +1,148 @@
+"""What each architecture supports, declared once: every stage asks here before it works on a model, and refuses
+what is not declared in one sentence naming the architecture and the stage. The README's support table is made
+from this table (``readme_table``; tests/models/test_capabilities.py keeps the two equal), and everything declared
+supported runs in the matrix test (tests/test_matrix.py) or, for parallel layouts, in the layout tests.
+
+A model's row is the meet of the rows of the block kinds it is built from (a dense layer among MoE layers limits
+the model to what both kinds support) and of its family's row (what its Hugging Face / TensorRT-LLM twin allows).
+A new block kind or family adds its row here; nothing else needs to know which architectures exist.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional
+
+from megapipe.errors import MegapipeError
+
+LAYOUTS = ("dp_replicate", "dp_shard", "tp", "sp", "pp", "cp", "ep")
+ENGINE = ("paged_kv", "prefix_caching", "chunked_prefill", "cpu_kernels")
+LORA = ("q", "k", "v", "o", "gate", "up", "down")
+QUANT = ("fp8", "int8_sq", "int4_awq", "w4a8_awq", "nvfp4")
+TRT = ("unified", "legacy")
+STAGES = ("pretrain", "sft", "distill", "prune", "rl", "eval", "generate", "serve", "quantize", "export_hf",
+          "export_trt")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    layouts: frozenset = frozenset(LAYOUTS)  # parallel dimensions
+    packing: bool = True  # packed sequences (document masks, reset positions)
+    engine: frozenset = frozenset(ENGINE)  # the decoding engine's features
+    lora: frozenset = frozenset(LORA)  # LoRA targets (--lora-targets short names)
+    quant: frozenset = frozenset(QUANT)  # posttrain quantize formats
+    trt: frozenset = frozenset(TRT)  # export trt formats
+    stages: frozenset = frozenset(STAGES)
+
+    def __and__(self, other: "Capabilities") -> "Capabilities":
+        meet = {}
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            meet[f.name] = (a and b) if isinstance(a, bool) else a & b
+        return Capabilities(**meet)
+
+
+def _without(**removed) -> Capabilities:
+    full = Capabilities()
+    return Capabilities(**{k: getattr(full, k) - frozenset(v) if not isinstance(v, bool) else v
+                           for k, v in removed.items()})
+
+
+ALL = Capabilities()
+
+# block kinds (megapipe.models.spec): what a layer of this kind can go through
+KINDS: dict[str, Capabilities] = {
+    "dense": _without(layouts={"ep"}),
+    # experts are 3-D weights: no width pruning rule for them, and ModelOpt's quantizers wrap nn.Linear layers
+    # only; LoRA adapts attention (the router and the experts never)
+    "moe": _without(stages={"prune", "quantize"}, quant=QUANT, lora={"gate", "up", "down"}),
+}
+
+# families (ModelConfig.arch): what the model's Hugging Face / TensorRT-LLM twin allows
+FAMILIES: dict[str, Capabilities] = {
+    # a GELU MLP has no up projection
+    "gpt2": _without(lora={"up"}),
+}
+
+LABELS = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "gpt2": "GPT-2",
+          "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE"}
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+
+
+def kinds_of(cfg) -> list[str]:
+    """The block kinds ``cfg`` builds, in layer order of first use."""
+    moe = set(cfg.moe_layers)
+    kinds = ["moe" if i in moe else "dense" for i in range(cfg.num_layers)]
+    return list(dict.fromkeys(kinds))
+
+
+def capabilities(cfg) -> Capabilities:
+    row = FAMILIES.get(cfg.arch, ALL)
+    for kind in kinds_of(cfg):
+        row = row & KINDS[kind]
+    return row
+
+
+def describe(cfg) -> str:
+    """'Mixtral (MoE)', 'Llama', 'Llama (dense + MoE)': how refusals name the architecture."""
+    kinds = kinds_of(cfg)
+    label = LABELS.get(cfg.arch, cfg.arch)
+    if kinds == ["dense"] or (kinds == ["moe"] and cfg.arch in MOE_FAMILIES):
+        return label
+    return f"{label} ({' + '.join('MoE' if k == 'moe' else k for k in kinds)})"
+
+
+def require(cfg, stage: str, where: str = "", **features: Optional[object]) -> None:
+    """Refuse (MegapipeError, one sentence) a stage, or a feature of it (``quant="fp8"``, ``trt="legacy"``,
+    ``layouts=["tp", "ep"]``, ``lora=["q", "gate"]``, ``packing=True``), that ``cfg``'s architecture does not
+    declare. ``where`` (a checkpoint path, a config key) starts the sentence."""
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}")
+    row = capabilities(cfg)
+    prefix = f"{where}: " if where else ""
+    name = describe(cfg)
+    if stage not in row.stages:
+        raise MegapipeError(f"{prefix}{stage.replace('_', ' ')} does not support {name} models "
+                            f"(megapipe/models/capabilities.py)")
+    for key, value in features.items():
+        if value is None or value is False:
+            continue
+        declared = getattr(row, key)
+        if isinstance(declared, bool):
+            if not declared:
+                raise MegapipeError(f"{prefix}{stage.replace('_', ' ')} of {name} models does not support {key}")
+            continue
+        wanted = [value] if isinstance(value, str) else list(value)
+        missing = [v for v in wanted if v not in declared]
+        if missing:
+            have = ", ".join(v for v in _ORDER[key] if v in declared) or "none"
+            raise MegapipeError(f"{prefix}{stage.replace('_', ' ')} of {name} models does not support {key} "
+                                f"{', '.join(map(str, missing))} (supported: {have})")
+
+
+_ORDER = {"layouts": LAYOUTS, "engine": ENGINE, "lora": LORA, "quant": QUANT, "trt": TRT, "stages": STAGES}
+
+
+def family_row(arch: str) -> Capabilities:
+    """The row of a Hugging Face family as the bridge imports it (the MoE families: every layer MoE)."""
+    return FAMILIES.get(arch, ALL) & KINDS["moe" if arch in MOE_FAMILIES else "dense"]
+
+
+def readme_table() -> str:
+    """The README's support table (markdown), one row per family the HF bridge knows."""
+    cols = [("stages", STAGES), ("layouts", LAYOUTS), ("quant", QUANT), ("trt", TRT), ("lora", LORA)]
+    head = ["architecture", "stages", "parallel layouts", "quantization", "TensorRT-LLM", "LoRA targets", "engine"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for arch, label in LABELS.items():
+        row = family_row(arch)
+        cells = [label]
+        for key, order in cols:
+            have = getattr(row, key)
+            missing = [v for v in order if v not in have]
+            if key == "stages":
+                cells.append("all" if not missing else "all but " + ", ".join(m.replace("_", " ") for m in missing))
+            else:
+                cells.append(", ".join(v for v in order if v in have) or "—")
+        cells.append(", ".join(v.replace("_", " ") for v in ENGINE if v in row.engine) or "—")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
