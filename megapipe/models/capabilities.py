@@ -54,14 +54,16 @@ ALL = Capabilities()
 KINDS: dict[str, Capabilities] = {
     "dense": _without(layouts={"ep"}),
     # experts are 3-D weights: no width pruning rule for them, and ModelOpt's quantizers wrap nn.Linear layers
-    # only; LoRA adapts attention (the router and the experts never)
-    "moe": _without(stages={"prune", "quantize"}, quant=QUANT, lora={"gate", "up", "down"}),
+    # only; LoRA's MLP targets are the shared expert's (the router and the routed experts are never adapted)
+    "moe": _without(stages={"prune", "quantize"}, quant=QUANT),
 }
 
 # families (ModelConfig.arch): what the model's Hugging Face / TensorRT-LLM twin allows
 FAMILIES: dict[str, Capabilities] = {
     # a GELU MLP has no up projection
     "gpt2": _without(lora={"up"}),
+    # no shared expert, every layer MoE: nothing but attention to adapt
+    "mixtral": _without(lora={"gate", "up", "down"}),
 }
 
 LABELS = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "gpt2": "GPT-2",

@@ -24,11 +24,15 @@ from torch import nn
 
 from megapipe.errors import ConfigError
 
-# --lora-targets short names -> the block's submodules (peft's names on the HF side: q_proj ... down_proj)
+# --lora-targets short names -> the block submodules they name, the first a block has (peft's names on the HF
+# side: q_proj ... down_proj). In an MoE block the MLP names are its shared expert's; the router and the routed
+# experts (3-D weights) are never adapted.
 TARGETS = {
-    "q": "attention.wq", "k": "attention.wk", "v": "attention.wv", "o": "attention.wo",
-    "gate": "feed_forward.w1", "up": "feed_forward.w3", "down": "feed_forward.w2",
+    "q": ("attention.wq",), "k": ("attention.wk",), "v": ("attention.wv",), "o": ("attention.wo",),
+    "gate": ("feed_forward.w1", "moe.shared_experts.w1"), "up": ("feed_forward.w3", "moe.shared_experts.w3"),
+    "down": ("feed_forward.w2", "moe.shared_experts.w2"),
 }
+MLP = ("gate", "up", "down")
 
 
 @dataclass(frozen=True)
@@ -50,10 +54,22 @@ class LoRASpec:
         return cls(int(d["rank"]), float(d["alpha"]), float(d.get("dropout", 0.0)), tuple(d["targets"]))
 
 
+def present_targets(model_cfg) -> list[str]:
+    """The targets a model of ``model_cfg`` has: those its architecture declares (megapipe.models.capabilities),
+    less the MLP ones where no layer has a dense MLP (an MoE without a shared expert) and ``up`` in a GELU MLP."""
+    from megapipe.models.capabilities import capabilities
+
+    declared = capabilities(model_cfg).lora
+    has_mlp = len(model_cfg.moe_layers) < model_cfg.num_layers or bool(model_cfg.moe_shared_expert_intermediate_size)
+    return [t for t in TARGETS if t in declared and (t not in MLP or has_mlp)
+            and (t != "up" or model_cfg.activation == "swiglu")]
+
+
 def parse_targets(text: str, model_cfg) -> tuple[str, ...]:
     """``all-linear`` (every projection the model has) or ``q,k,v,...``; unknown or absent names are errors."""
-    has_up = model_cfg.activation == "swiglu"
-    present = [t for t in TARGETS if t != "up" or has_up]
+    from megapipe.models.capabilities import describe
+
+    present = present_targets(model_cfg)
     if text.strip() == "all-linear":
         return tuple(present)
     names = [t.strip() for t in text.split(",") if t.strip()]
@@ -65,8 +81,8 @@ def parse_targets(text: str, model_cfg) -> tuple[str, ...]:
             raise ConfigError(f"lora.targets (--lora-targets) has unknown layer {n!r} (allowed: all-linear or "
                               f"{','.join(TARGETS)})")
         if n not in present:
-            raise ConfigError(f"lora.targets (--lora-targets) names {n!r}, which a {model_cfg.activation} MLP "
-                              "does not have")
+            raise ConfigError(f"lora.targets (--lora-targets) names {n!r}, which {describe(model_cfg)} models do not "
+                              f"have as a LoRA target (theirs: {','.join(present)})")
     return tuple(t for t in TARGETS if t in names)
 
 
@@ -106,8 +122,17 @@ def apply_lora(model: nn.Module, spec: LoRASpec, seed: Optional[int] = None) -> 
         generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for block in model.layers.values():
         for t in spec.targets:
-            _add(block.get_submodule(TARGETS[t]), spec, generator)
+            path = next((p for p in TARGETS[t] if _has(block, p)), None)
+            if path is not None:
+                _add(block.get_submodule(path), spec, generator)
     return model
+
+
+def _has(block: nn.Module, path: str) -> bool:
+    try:
+        return isinstance(block.get_submodule(path), nn.Linear)
+    except AttributeError:
+        return False
 
 
 @torch.no_grad()

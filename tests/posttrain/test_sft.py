@@ -128,8 +128,33 @@ def test_lora_targets_are_parsed_and_checked():
     assert parse_targets("v, q,down", llama) == ("q", "v", "down")
     with pytest.raises(ConfigError, match="unknown layer 'x'"):
         parse_targets("q,x", llama)
-    with pytest.raises(ConfigError, match="names 'up', which a gelu_tanh MLP does not have"):
+    with pytest.raises(ConfigError, match=r"names 'up', which GPT-2 models do not have as a LoRA target \(theirs: "
+                                          "q,k,v,o,gate,down\\)"):
         parse_targets("up", gpt2)
+    # MoE: attention and the shared expert (Qwen2-MoE); never the router or the routed experts
+    mixtral = ModelConfig(arch="mixtral", num_experts=4)
+    qwen2_moe = ModelConfig(arch="qwen2_moe", num_experts=4, moe_shared_expert_intermediate_size=32)
+    assert parse_targets("all-linear", mixtral) == ("q", "k", "v", "o")
+    assert parse_targets("all-linear", qwen2_moe) == ("q", "k", "v", "o", "gate", "up", "down")
+    with pytest.raises(ConfigError, match=r"names 'gate', which Mixtral models do not have as a LoRA target"):
+        parse_targets("q,gate", mixtral)
+
+
+def test_lora_on_moe_adapts_attention_and_the_shared_expert_never_the_router():
+    from megapipe.config import ModelConfig
+    from megapipe.models import build_model
+    from megapipe.models.lora import LoRASpec, apply_lora, lora_layers
+
+    cfg = ModelConfig(arch="qwen2_moe", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3,
+                      num_heads=4, num_experts=4, moe_ffn_hidden_size=16, moe_shared_expert_intermediate_size=16,
+                      moe_shared_expert_gate=True, moe_layer_freq=[1, 0, 1])
+    model = apply_lora(build_model(cfg, seed=0), LoRASpec(4, 8.0, 0.0, ("q", "gate", "down")))
+    names = sorted(n for n, _ in lora_layers(model))
+    assert names == ["layers.0.attention.wq", "layers.0.moe.shared_experts.w1", "layers.0.moe.shared_experts.w2",
+                     "layers.1.attention.wq", "layers.1.feed_forward.w1", "layers.1.feed_forward.w2",
+                     "layers.2.attention.wq", "layers.2.moe.shared_experts.w1", "layers.2.moe.shared_experts.w2"]
+    assert not any(".moe.gate" in n or "shared_gate" in n or "experts.w" in n.replace("shared_experts", "")
+                   for n in names)
 
 
 def test_resume_is_exact_with_lineage_and_the_chat_template_saved(base_ckpt, chat_data, tmp_path):
