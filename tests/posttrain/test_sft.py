@@ -133,7 +133,7 @@ def test_lora_targets_are_parsed_and_checked():
 
 
 def test_resume_is_exact_with_lineage_and_the_chat_template_saved(base_ckpt, chat_data, tmp_path):
-    from megapipe.data.sft import CHATML
+    from megapipe.data.chat_template import CHATML
 
     extra = ["--packing", "--lora-rank", "4", "--train-iters", "4", "--eval-interval", "2", "--save-interval", "2"]
     whole, cut = tmp_path / "whole", tmp_path / "cut"
