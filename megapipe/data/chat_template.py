@@ -104,13 +104,13 @@ def load_chat_template(tokenizer: str | Path, choice: Optional[str] = None) -> O
     """The template to render ``tokenizer``'s conversations with (the module docstring's rule); None when ``choice``
     is None and the tokenizer has no template."""
     file, config = tokenizer_files(tokenizer)
-    tokens = _special_tokens(config)
+    tokens = special_tokens(config)
     own = own_templates(file.parent, config)
     if choice is None:
         if not own:
             return None
         if "default" in own or len(own) == 1:
-            return ChatTemplate(own.get("default") or next(iter(own.values())), OWN, tokens)
+            return ChatTemplate(own["default"] if "default" in own else next(iter(own.values())), OWN, tokens)
         raise DataError(f"tokenizer {tokenizer} has several chat templates and none named 'default' "
                         f"({', '.join(sorted(own))}): choose one with --chat-template NAME, or name one 'default' in "
                         "its tokenizer_config.json")
@@ -154,9 +154,10 @@ def own_templates(directory: Path, config: dict) -> dict[str, str]:
     return {"default": value} if isinstance(value, str) and value else {}
 
 
-def _special_tokens(config: dict) -> dict[str, str]:
+def special_tokens(config: dict, names: tuple[str, ...] = SPECIAL_TOKEN_NAMES) -> dict[str, str]:
+    """tokenizer_config.json's special tokens among ``names``, as strings (a token may be written as an object)."""
     out = {}
-    for name in SPECIAL_TOKEN_NAMES:
+    for name in names:
         value = config.get(name)
         value = value.get("content") if isinstance(value, dict) else value
         if isinstance(value, str):

@@ -30,7 +30,7 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 
-from megapipe.data.chat_template import TEMPLATE_CHOICES, ChatTemplateError, load_chat_template
+from megapipe.data.chat_template import TEMPLATE_CHOICES, ChatTemplateError, load_chat_template, special_tokens
 from megapipe.data.readers import JSON_TYPES, JSONL_SUFFIXES, first_line
 from megapipe.data.tokenizer import load_tokenizer, tokenizer_files
 from megapipe.errors import DataError
@@ -262,12 +262,7 @@ class ChatEncoder:
         from transformers import PreTrainedTokenizerFast
 
         file, config = tokenizer_files(tokenizer_path)
-        specials = {}
-        for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
-            value = config.get(key)
-            value = value.get("content") if isinstance(value, dict) else value
-            if isinstance(value, str):
-                specials[key] = value
+        specials = special_tokens(config, ("bos_token", "eos_token", "unk_token", "pad_token"))
         self.hf = PreTrainedTokenizerFast(tokenizer_file=str(file), **specials)
         self.tokenizer_sha = hashlib.sha256(file.read_bytes()).hexdigest()
         self.tokenizer_path = Path(tokenizer_path)
