@@ -146,14 +146,14 @@ def held_out_accuracy(ckpt: Path, args) -> float:
     """Greedy accuracy of the checkpoint on --held-out additions rendered as the runs render theirs (the model's
     chat template), at the runs' completion limit, through megapipe's engine."""
     from megapipe.config import RLConfig
+    from megapipe.data.chat_template import load_chat_template
     from megapipe.inference import LLMEngine, SamplingParams
-    from megapipe.inference.chat import ChatTemplate
     from megapipe.posttrain.rl.rollout import PromptRenderer
     from megapipe.posttrain.rl.tasks import build_task
 
     engine = LLMEngine.from_pretrained(ckpt, device="cpu", dtype="fp32", max_num_seqs=args.held_out)
     task = build_task(RLConfig(task="arithmetic", arithmetic_max=args.arithmetic_max), HELD_OUT_SEED)
-    renderer = PromptRenderer(engine.tokenizer, ChatTemplate.from_tokenizer_dir(engine.tokenizer.path), None, 64)
+    renderer = PromptRenderer(engine.tokenizer, load_chat_template(engine.tokenizer.path), None, 64)
     prompts = [task.prompt(i) for i in range(args.held_out)]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_completion_tokens)
     outputs = engine.generate([renderer.encode(p.prompt, p.where) for p in prompts], params)

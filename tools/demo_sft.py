@@ -27,9 +27,10 @@ QUESTIONS = ["What is 17 plus 25?", "What is the capital of Egypt?", "Spell the 
 
 def chat_prompt(tokenizer_dir: Path, question: str) -> str:
     """The question rendered as the checkpoint's tokenizer renders a conversation for generation."""
-    from megapipe.data.sft import ChatEncoder
+    from megapipe.data.chat_template import load_chat_template
 
-    return ChatEncoder(tokenizer_dir).render([{"role": "user", "content": question}], add_generation_prompt=True)
+    messages = [{"role": "user", "content": question}]
+    return load_chat_template(tokenizer_dir).render(messages, add_generation_prompt=True)
 
 
 def generate(ckpt: Path, prompts: list[str], capture) -> list[str]:

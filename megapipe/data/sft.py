@@ -9,12 +9,13 @@ Records come from JSONL (also .gz), parquet or saved Hugging Face datasets, one 
   the completion) or two message lists (a conversation whose completion messages are trained on);
 - ``{"text": ...}``: every token is trained on, an end-of-document token appended.
 
-A conversation is rendered by a chat template (the tokenizer's own, or ``chatml``, ``llama3`` or a ``.jinja`` file)
-into one text, which is tokenized once. The tokens trained on are found from the rendered text itself: message i's
-span runs from the end of the conversation rendered up to message i with the generation prompt to the end of the
-conversation rendered up to and including message i (so the template's end-of-turn token is trained: the model
-learns to stop), and a token is trained when its character offsets overlap a span. Fragments are never tokenized
-apart, so the ids are exactly those the model sees when the conversation is rendered for inference.
+A conversation is rendered by a chat template (megapipe.data.chat_template: the tokenizer's own, ``chatml``,
+``llama3``, one of the tokenizer's named templates or a ``.jinja`` file) into one text, which is tokenized once.
+The tokens trained on are found from the rendered text itself: message i's span runs from the end of the
+conversation rendered up to message i with the generation prompt to the end of the conversation rendered up to and
+including message i (so the template's end-of-turn token is trained: the model learns to stop), and a token is
+trained when its character offsets overlap a span. Fragments are never tokenized apart, so the ids are exactly those
+the model sees when the conversation is rendered for inference.
 """
 
 from __future__ import annotations
@@ -29,120 +30,17 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 
-from megapipe.data.readers import JSONL_SUFFIXES, JSON_TYPES, first_line
+from megapipe.data.chat_template import TEMPLATE_CHOICES, ChatTemplateError, load_chat_template, special_tokens
+from megapipe.data.readers import JSON_TYPES, JSONL_SUFFIXES, first_line
+from megapipe.data.tokenizer import load_tokenizer, tokenizer_files
 from megapipe.errors import DataError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 TRAINED_ROLES = ("assistant",)
 
-# ----------------------------------------------------------------------------------------------- templates
-# Written for megapipe from the formats' published descriptions (ChatML; Meta's Llama 3 prompt format).
-CHATML = (
-    "{%- if tools %}{{ '<|im_start|>system\\n' }}{%- if messages and messages[0]['role'] == 'system' %}"
-    "{{ messages[0]['content'] + '\\n\\n' }}{%- endif %}{{ '# Tools\\n<tools>' }}{%- for tool in tools %}"
-    "{{ '\\n' + (tool | tojson) }}{%- endfor %}{{ '\\n</tools><|im_end|>\\n' }}{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if not (tools and loop.first and message['role'] == 'system') %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') }}"
-    "{%- for call in message.get('tool_calls') or [] %}"
-    "{{ '\\n<tool_call>\\n' + ((call.get('function') or call) | tojson) + '\\n</tool_call>' }}{%- endfor %}"
-    "{{ '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-LLAMA3 = (
-    "{{ '<|begin_of_text|>' }}"
-    "{%- if tools %}{{ '<|start_header_id|>system<|end_header_id|>\\n\\nYou can call these functions:\\n' }}"
-    "{%- for tool in tools %}{{ '\\n' + (tool | tojson) }}{%- endfor %}{{ '<|eot_id|>' }}{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- set role = 'ipython' if message['role'] == 'tool' else message['role'] %}"
-    "{{ '<|start_header_id|>' + role + '<|end_header_id|>\\n\\n' + ((message['content'] or '') | trim) }}"
-    "{%- for call in message.get('tool_calls') or [] %}{{ ((call.get('function') or call) | tojson) }}{%- endfor %}"
-    "{{ '<|eot_id|>' }}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
-)
-BUILTIN_TEMPLATES = {"chatml": CHATML, "llama3": LLAMA3}
-TEMPLATE_TOKENS = {
-    "chatml": ("<|im_start|>", "<|im_end|>"),
-    "llama3": ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
-}
-TEMPLATE_CHOICES = "chatml, llama3 or a FILE.jinja"
-
 
 class NoChatTemplate(DataError):
     """A conversation met a tokenizer without a chat template: a setup mistake, not a bad record to skip."""
-
-
-def tokenizer_files(path: str | Path) -> tuple[Path, dict]:
-    """(tokenizer.json, tokenizer_config.json contents) of a tokenizer directory or tokenizer.json file."""
-    p = Path(path).expanduser()
-    file = p / "tokenizer.json" if p.is_dir() else p
-    if not file.is_file():
-        raise DataError(f"tokenizer {path} has no tokenizer.json")
-    config_file = file.parent / "tokenizer_config.json"
-    config = {}
-    if config_file.is_file():
-        try:
-            config = json.loads(config_file.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            raise DataError(f"tokenizer config {config_file} is not valid JSON ({first_line(e)})") from None
-    return file, config if isinstance(config, dict) else {}
-
-
-def own_template(path: str | Path) -> Optional[str]:
-    """The chat template a tokenizer ships: tokenizer_config.json's ``chat_template`` (the default of a named
-    list), else chat_template.jinja, else chat_template.json; None when it has none."""
-    file, config = tokenizer_files(path)
-    value = config.get("chat_template")
-    if isinstance(value, list):
-        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
-        value = named.get("default") or next(iter(named.values()), None)
-    if isinstance(value, str) and value:
-        return value
-    jinja = file.parent / "chat_template.jinja"
-    if jinja.is_file():
-        return jinja.read_text(encoding="utf-8")
-    as_json = file.parent / "chat_template.json"
-    if as_json.is_file():
-        try:
-            value = json.loads(as_json.read_text(encoding="utf-8")).get("chat_template")
-        except (OSError, ValueError, AttributeError):
-            value = None
-        if isinstance(value, str) and value:
-            return value
-    return None
-
-
-def resolve_template(option: Optional[str], tokenizer_path: str | Path, vocab: dict[str, int]) -> tuple[Optional[str], str]:
-    """(template text or None, its name): --chat-template NAME|FILE.jinja, else the tokenizer's own."""
-    if option is None:
-        text = own_template(tokenizer_path)
-        return text, "tokenizer" if text is not None else "none"
-    if option in BUILTIN_TEMPLATES:
-        missing = [t for t in TEMPLATE_TOKENS[option] if t not in vocab]
-        if missing:
-            raise DataError(
-                f"--chat-template {option} needs the special token {missing[0]}, which tokenizer {tokenizer_path} "
-                "does not have; use the tokenizer's own template or a FILE.jinja written for its tokens"
-            )
-        return BUILTIN_TEMPLATES[option], option
-    path = Path(option).expanduser()
-    if not path.is_file():
-        raise DataError(f"--chat-template {option!r} is neither a known template nor a file (use {TEMPLATE_CHOICES})")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"--chat-template {option}: cannot read the file ({first_line(e)})") from None
-    _compile(text, str(path))
-    return text, str(path.absolute())
-
-
-def _compile(text: str, where: str) -> None:
-    import jinja2
-
-    try:
-        jinja2.Environment().parse(text)
-    except jinja2.TemplateSyntaxError as e:
-        raise DataError(f"{where}:{e.lineno}: the chat template is not valid Jinja ({e.message})") from None
 
 
 # ----------------------------------------------------------------------------------------------- records
@@ -364,39 +262,38 @@ class ChatEncoder:
         from transformers import PreTrainedTokenizerFast
 
         file, config = tokenizer_files(tokenizer_path)
-        specials = {}
-        for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
-            value = config.get(key)
-            value = value.get("content") if isinstance(value, dict) else value
-            if isinstance(value, str):
-                specials[key] = value
+        specials = special_tokens(config, ("bos_token", "eos_token", "unk_token", "pad_token"))
         self.hf = PreTrainedTokenizerFast(tokenizer_file=str(file), **specials)
         self.tokenizer_sha = hashlib.sha256(file.read_bytes()).hexdigest()
         self.tokenizer_path = Path(tokenizer_path)
         self.vocab = self.hf.get_vocab()
-        self.template, self.template_name = resolve_template(chat_template, tokenizer_path, self.vocab)
+        self.chat = load_chat_template(tokenizer_path, chat_template)
         self.template_option = chat_template
         self.train_on_prompt = train_on_prompt
-        from megapipe.data.tokenizer import load_tokenizer
-
         self.eod_id = load_tokenizer(tokenizer_path).eod_id
+
+    @property
+    def template(self) -> Optional[str]:
+        return self.chat.source if self.chat is not None else None
+
+    @property
+    def template_name(self) -> str:
+        return self.chat.name if self.chat is not None else "none"
 
     @property
     def template_sha(self) -> Optional[str]:
         return hashlib.sha256(self.template.encode()).hexdigest() if self.template is not None else None
 
     def render(self, messages: list[dict], tools=None, add_generation_prompt: bool = False, where: str = "") -> str:
-        if self.template is None:
+        if self.chat is None:
             raise NoChatTemplate(
                 f"{where + ': ' if where else ''}tokenizer {self.tokenizer_path} has no chat template: pass "
                 f"--chat-template {TEMPLATE_CHOICES}"
             )
         try:
-            return self.hf.apply_chat_template(messages, tools=tools, chat_template=self.template, tokenize=False,
-                                               add_generation_prompt=add_generation_prompt)
-        except Exception as e:  # jinja2 raises many types (undefined names, raise_exception() in templates)
-            raise DataError(f"{where}: the chat template {self.template_name} cannot render the conversation "
-                            f"({type(e).__name__}: {first_line(e)})") from None
+            return self.chat.render(messages, tools, add_generation_prompt=add_generation_prompt)
+        except ChatTemplateError as e:
+            raise DataError(f"{where}: {e}") from None
 
     def spans(self, ex: Example) -> tuple[str, list[tuple[int, int]]]:
         """The rendered conversation and the character spans of its trained messages."""

@@ -160,6 +160,22 @@ def _config_for(special_tokens_map: dict) -> dict:
     }
 
 
+def tokenizer_files(path: str | Path) -> tuple[Path, dict]:
+    """(tokenizer.json, tokenizer_config.json contents) of a tokenizer directory or tokenizer.json file."""
+    p = Path(path).expanduser()
+    file = p / TOKENIZER_FILE if p.is_dir() else p
+    if not file.is_file():
+        raise DataError(f"tokenizer {path} has no {TOKENIZER_FILE}")
+    config_file = file.parent / CONFIG_FILE
+    config = {}
+    if config_file.is_file():
+        try:
+            config = json.loads(config_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise DataError(f"tokenizer config {config_file} is not valid JSON ({first_line(e)})") from None
+    return file, config if isinstance(config, dict) else {}
+
+
 def load_tokenizer(path: str | Path) -> Tokenizer:
     """Load a local Hugging Face tokenizer directory (holding tokenizer.json) or a tokenizer.json file."""
     p = Path(path).expanduser()

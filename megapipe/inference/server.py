@@ -25,9 +25,9 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from megapipe import __version__
-from megapipe.errors import MegapipeError
+from megapipe.data.chat_template import ChatTemplateError, load_chat_template
+from megapipe.errors import DataError, MegapipeError
 from megapipe.inference.async_engine import AsyncEngine, EngineDead, QueueFull
-from megapipe.inference.chat import ChatTemplate
 from megapipe.inference.engine import RequestOutput
 from megapipe.inference.metrics import ServerMetrics
 from megapipe.inference.protocol import (
@@ -83,7 +83,7 @@ class OpenAIServer:
         self.engine, self.config, self.on_ready = engine, config, on_ready
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
-        self.chat_template = ChatTemplate.from_tokenizer_dir(getattr(self.tokenizer, "path", None))
+        self.chat_template, self.no_chat_template = self._load_chat_template()
         self.metrics = ServerMetrics(engine.stats, config.model_name)
         engine.on_output = self.metrics.observe
         self.created = int(time.time())
@@ -285,11 +285,25 @@ class OpenAIServer:
                            param="tokens")
         return {"prompt": tok.decode(body.tokens)}
 
+    def _load_chat_template(self):
+        """(the tokenizer's chat template, None) or (None, why chat requests are refused)."""
+        path = getattr(self.tokenizer, "path", None)
+        try:
+            template = load_chat_template(path) if path is not None else None
+        except DataError as e:  # several templates and no default, or an unreadable one: completions still work
+            return None, str(e)
+        if template is None:
+            return None, "this model's tokenizer has no chat template: use /v1/completions"
+        return template, None
+
     def _render(self, messages, add_generation_prompt: bool = True) -> str:
         if self.chat_template is None:
-            raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions", param="messages")
+            raise APIError(400, self.no_chat_template, param="messages")
         try:
-            return self.chat_template.render([m.as_template_input() for m in messages], add_generation_prompt)
+            return self.chat_template.render([m.as_template_input() for m in messages],
+                                             add_generation_prompt=add_generation_prompt)
+        except ChatTemplateError as e:
+            raise APIError(400, str(e), param="messages") from None
         except ParamError as e:
             raise APIError(400, str(e), param=e.param) from None
 

@@ -146,13 +146,13 @@ def test_every_step_ran_and_left_its_outputs(demo):
     assert smoke["chat"]["response"]["object"] == "chat.completion"
     assert (run_dir / "serve/smoke/sample.txt").read_text().startswith("# completion\nMy lord,")
     # what the server answered is the engine's greedy output on the exported model, chat template applied
+    from megapipe.data.chat_template import load_chat_template
     from megapipe.inference import generate
-    from megapipe.inference.chat import ChatTemplate
 
     loaded = load_model(hf_dir)
     model, tok = loaded.model, loaded.tokenizer
-    chat = ChatTemplate.from_tokenizer_dir(hf_dir).render([{"role": "user", "content": "What is the capital of "
-                                                                                      "France?"}])
+    chat = load_chat_template(hf_dir).render([{"role": "user", "content": "What is the capital of France?"}],
+                                             add_generation_prompt=True)
     expected = generate(model, tok, ["My lord,", chat], 12, 0.0, 0, 1.0, None, ["<|im_end|>"])
     assert [completion["choices"][0]["text"], smoke["chat"]["response"]["choices"][0]["message"]["content"]] == \
         expected

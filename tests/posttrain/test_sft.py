@@ -158,7 +158,7 @@ def test_lora_on_moe_adapts_attention_and_the_shared_expert_never_the_router():
 
 
 def test_resume_is_exact_with_lineage_and_the_chat_template_saved(base_ckpt, chat_data, tmp_path):
-    from megapipe.data.sft import CHATML
+    from megapipe.data.chat_template import CHATML
 
     extra = ["--packing", "--lora-rank", "4", "--train-iters", "4", "--eval-interval", "2", "--save-interval", "2"]
     whole, cut = tmp_path / "whole", tmp_path / "cut"

@@ -75,7 +75,7 @@ class DistillLoss(LossBase):
 def _vocab(path) -> dict:
     from tokenizers import Tokenizer
 
-    from megapipe.data.sft import tokenizer_files
+    from megapipe.data.tokenizer import tokenizer_files
 
     return Tokenizer.from_file(str(tokenizer_files(path)[0])).get_vocab(with_added_tokens=True)
 

@@ -130,7 +130,7 @@ class RLRecipe(Recipe):
 
     def parts(self, cfg, tokenizer, seed: int):
         """(task, rewards, renderer) of the run; each mistake in them is a ConfigError / DataError naming it."""
-        from megapipe.inference.chat import ChatTemplate
+        from megapipe.data.chat_template import load_chat_template
         from megapipe.posttrain.rl.rewards import build_rewards
         from megapipe.posttrain.rl.rollout import PromptRenderer
         from megapipe.posttrain.rl.tasks import build_task
@@ -138,15 +138,7 @@ class RLRecipe(Recipe):
         r = cfg.rl
         task = build_task(r, seed)
         rewards = build_rewards(r.reward, task, r.format_regex)
-        if r.chat_template is None:
-            template = ChatTemplate.from_tokenizer_dir(getattr(tokenizer, "path", None))
-        elif r.chat_template == "none":
-            template = None
-        else:
-            path = Path(r.chat_template)
-            if not path.is_file():
-                raise ConfigError(f"rl.chat_template (--chat-template) {path} is not a file (or 'none')")
-            template = ChatTemplate(path.read_text(encoding="utf-8"))
+        template = None if r.chat_template == "none" else load_chat_template(tokenizer.path, r.chat_template)
         return task, rewards, PromptRenderer(tokenizer, template, r.system_prompt, r.max_prompt_tokens)
 
     def start_checkpoint(self, ctx: RunContext) -> str:

@@ -145,12 +145,13 @@ class SFTRecipe(Recipe):
         return {"packing_efficiency": self.datasets(ctx)["train"].efficiency}
 
     def tokenizer_files(self, ctx: RunContext):
-        """The run's tokenizer with the chat template it was trained with (when the tokenizer did not ship it)."""
-        from megapipe.data.sft import own_template
+        """The run's tokenizer with the chat template it was trained with (when that is not the one the tokenizer
+        renders with by itself: a named, built-in or file template)."""
+        from megapipe.data.chat_template import OWN
 
         source = ctx.tokenizer.path
         enc = self._encoder
-        if enc.template is None or own_template(source) == enc.template:
+        if enc.chat is None or enc.chat.name == OWN:
             return source
         if self._tokenizer_dir is None:
             self._tokenizer_dir = tempfile.TemporaryDirectory(prefix="megapipe-sft-tokenizer-")

@@ -1,0 +1,186 @@
+"""Chat templates: which template renders a tokenizer's conversations, and the rendering itself. Every path that turns
+messages into text goes through here (SFT records and ``data inspect-sft``, the server's chat routes, RL prompts,
+the demos), so a model is served in the format it was trained on.
+
+Which template (one rule for every path):
+
+1. an explicit choice (``--chat-template``): ``chatml`` or ``llama3`` (megapipe's own), the name of one of the
+   tokenizer's named templates, or a ``FILE.jinja``;
+2. else the tokenizer's template named ``default`` (a plain template counts as ``default``);
+3. else its only template;
+4. several named templates and none called ``default``: refused, in a sentence naming the tokenizer and the names,
+   as transformers' ``apply_chat_template`` refuses them. Unlike transformers, a ``tool_use`` template is not
+   switched to for conversations with tools: one template renders all of a run's conversations (name it to use it).
+
+The tokenizer's templates are read as transformers reads them: ``chat_template.jinja`` (``default``) and
+``additional_chat_templates/NAME.jinja`` when present, else tokenizer_config.json's ``chat_template`` (a string, or a
+list of ``{"name", "template"}``); a legacy ``chat_template.json`` is the last resort.
+
+Rendering is transformers' own (its sandboxed Jinja environment, helpers and message handling), with the tokenizer's
+named special tokens as template variables and messages' None-valued keys dropped, as ``apply_chat_template`` does,
+so the text is exactly what ``tokenizer.apply_chat_template(..., tokenize=False)`` returns.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from megapipe.data.readers import first_line
+from megapipe.data.tokenizer import tokenizer_files
+from megapipe.errors import DataError
+
+# Written for megapipe from the formats' published descriptions (ChatML; Meta's Llama 3 prompt format).
+CHATML = (
+    "{%- if tools %}{{ '<|im_start|>system\\n' }}{%- if messages and messages[0]['role'] == 'system' %}"
+    "{{ messages[0]['content'] + '\\n\\n' }}{%- endif %}{{ '# Tools\\n<tools>' }}{%- for tool in tools %}"
+    "{{ '\\n' + (tool | tojson) }}{%- endfor %}{{ '\\n</tools><|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (tools and loop.first and message['role'] == 'system') %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') }}"
+    "{%- for call in message.get('tool_calls') or [] %}"
+    "{{ '\\n<tool_call>\\n' + ((call.get('function') or call) | tojson) + '\\n</tool_call>' }}{%- endfor %}"
+    "{{ '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+LLAMA3 = (
+    "{{ '<|begin_of_text|>' }}"
+    "{%- if tools %}{{ '<|start_header_id|>system<|end_header_id|>\\n\\nYou can call these functions:\\n' }}"
+    "{%- for tool in tools %}{{ '\\n' + (tool | tojson) }}{%- endfor %}{{ '<|eot_id|>' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- set role = 'ipython' if message['role'] == 'tool' else message['role'] %}"
+    "{{ '<|start_header_id|>' + role + '<|end_header_id|>\\n\\n' + ((message['content'] or '') | trim) }}"
+    "{%- for call in message.get('tool_calls') or [] %}{{ ((call.get('function') or call) | tojson) }}{%- endfor %}"
+    "{{ '<|eot_id|>' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+BUILTIN_TEMPLATES = {"chatml": CHATML, "llama3": LLAMA3}
+TEMPLATE_TOKENS = {
+    "chatml": ("<|im_start|>", "<|im_end|>"),
+    "llama3": ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+}
+TEMPLATE_CHOICES = "chatml, llama3 or a FILE.jinja"
+OWN = "tokenizer"  # the name of a tokenizer's own template chosen by the rule, not by name
+# The special tokens transformers gives a template as variables (its SPECIAL_TOKENS_ATTRIBUTES).
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+class ChatTemplateError(DataError):
+    """A template could not render a conversation, or refused it (its ``raise_exception``)."""
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A template's Jinja ``source``, the ``name`` it was chosen by (``tokenizer``, ``tokenizer:NAME``, ``chatml``,
+    ``llama3`` or the file's path) and the tokenizer's special tokens it may use."""
+
+    source: str
+    name: str
+    special_tokens: dict[str, str] = field(default_factory=dict)
+
+    def render(self, messages: list[dict], tools: Optional[list] = None, add_generation_prompt: bool = False,
+               continue_final_message: bool = False) -> str:
+        from jinja2 import TemplateError
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        if continue_final_message and add_generation_prompt:
+            raise ChatTemplateError("continue_final_message and add_generation_prompt exclude each other")
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        try:
+            texts, _ = render_jinja_template([messages], tools=tools, chat_template=self.source,
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message, **self.special_tokens)
+        except Exception as e:  # Jinja raises many types (undefined names, type errors); transformers ValueErrors
+            if type(e) is TemplateError:  # what the template's raise_exception() raises
+                raise ChatTemplateError(f"the chat template {self.name} refused the conversation: {e}") from None
+            raise ChatTemplateError(f"the chat template {self.name} cannot render the conversation "
+                                    f"({type(e).__name__}: {first_line(e)})") from None
+        return texts[0]
+
+
+def load_chat_template(tokenizer: str | Path, choice: Optional[str] = None) -> Optional[ChatTemplate]:
+    """The template to render ``tokenizer``'s conversations with (the module docstring's rule); None when ``choice``
+    is None and the tokenizer has no template."""
+    file, config = tokenizer_files(tokenizer)
+    tokens = special_tokens(config)
+    own = own_templates(file.parent, config)
+    if choice is None:
+        if not own:
+            return None
+        if "default" in own or len(own) == 1:
+            return ChatTemplate(own["default"] if "default" in own else next(iter(own.values())), OWN, tokens)
+        raise DataError(f"tokenizer {tokenizer} has several chat templates and none named 'default' "
+                        f"({', '.join(sorted(own))}): choose one with --chat-template NAME, or name one 'default' in "
+                        "its tokenizer_config.json")
+    if choice in BUILTIN_TEMPLATES:
+        _check_builtin_tokens(choice, file, tokenizer)
+        return ChatTemplate(BUILTIN_TEMPLATES[choice], choice, tokens)
+    if choice in own:
+        return ChatTemplate(own[choice], f"{OWN}:{choice}", tokens)
+    path = Path(choice).expanduser()
+    if not path.is_file():
+        names = f", or one of tokenizer {tokenizer}'s templates: {', '.join(sorted(own))}" if own else ""
+        raise DataError(f"--chat-template {choice!r} is neither a known template nor a file (use {TEMPLATE_CHOICES}"
+                        f"{names})")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"--chat-template {choice}: cannot read the file ({first_line(e)})") from None
+    _check_syntax(text, str(path))
+    return ChatTemplate(text, str(path.absolute()), tokens)
+
+
+def own_templates(directory: Path, config: dict) -> dict[str, str]:
+    """A tokenizer directory's chat templates by name (a single unnamed one is ``default``), read as transformers
+    reads them: the .jinja files replace tokenizer_config.json's entry when there are any."""
+    files = {}
+    if (directory / "chat_template.jinja").is_file():
+        files["default"] = (directory / "chat_template.jinja").read_text(encoding="utf-8")
+    for extra in sorted((directory / "additional_chat_templates").glob("*.jinja")):
+        files[extra.name.removesuffix(".jinja")] = extra.read_text(encoding="utf-8")
+    if files:
+        return files
+    value = config.get("chat_template")
+    if isinstance(value, list):
+        return {t["name"]: t["template"] for t in value
+                if isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)}
+    if not (isinstance(value, str) and value) and (directory / "chat_template.json").is_file():
+        try:
+            value = json.loads((directory / "chat_template.json").read_text(encoding="utf-8")).get("chat_template")
+        except (OSError, ValueError, AttributeError):
+            value = None
+    return {"default": value} if isinstance(value, str) and value else {}
+
+
+def special_tokens(config: dict, names: tuple[str, ...] = SPECIAL_TOKEN_NAMES) -> dict[str, str]:
+    """tokenizer_config.json's special tokens among ``names``, as strings (a token may be written as an object)."""
+    out = {}
+    for name in names:
+        value = config.get(name)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            out[name] = value
+    return out
+
+
+def _check_builtin_tokens(choice: str, file: Path, tokenizer) -> None:
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(file)).get_vocab(with_added_tokens=True)
+    missing = [t for t in TEMPLATE_TOKENS[choice] if t not in vocab]
+    if missing:
+        raise DataError(
+            f"--chat-template {choice} needs the special token {missing[0]}, which tokenizer {tokenizer} does not "
+            "have; use the tokenizer's own template or a FILE.jinja written for its tokens"
+        )
+
+
+def _check_syntax(text: str, where: str) -> None:
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise DataError(f"{where}:{e.lineno}: the chat template is not valid Jinja ({e.message})") from None
