@@ -21,6 +21,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
+from megapipe import torch_compat
 from megapipe.errors import CheckpointError
 
 _ALLOWED = {
@@ -146,9 +147,8 @@ class StrictLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         obj = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
-            from torch.distributed.checkpoint._traverse import set_element  # the helper DefaultLoadPlanner uses
 
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            torch_compat.set_state_dict_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
 

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import megapipe.inference.kernels as kernels  # the module alone: the package's __init__ imports the engine
+from megapipe import torch_compat
 from megapipe.errors import ConfigError
 from megapipe.inference.host_memory import collapse_resident_memory, keep_freed_buffers
 from megapipe.inference.kv_cache import KVPool, PagedBatch
@@ -32,7 +33,7 @@ def _pack(weight: torch.Tensor, own: bool) -> torch.Tensor:
     (tuned for batches of about 16 rows)."""
     if own:
         return kernels.pack_bf16_weight(weight)
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16)
+    return torch_compat.reorder_linear_weight(weight.detach(), 16)
 
 
 class PackedLinear(nn.Module):
@@ -50,13 +51,13 @@ class PackedLinear(nn.Module):
             if activation not in ("none", "swish"):
                 raise ValueError(f"megapipe's bf16 linear fuses no {activation!r} (only 'none' and 'swish')")
             return self._own(x, activation == "swish", None)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, activation, [], "")
+        return torch_compat.linear_pointwise(x, self.packed, self.bias, activation)
 
     def times(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """(x W^T + b) * other, the product taken on the matmul's result before rounding."""
         if self.own:
             return self._own(x, False, other)
-        return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, "mul")
+        return torch_compat.linear_pointwise_binary(x, other, self.packed, self.bias, "mul")
 
     def _own(self, x: torch.Tensor, swish: bool, other: Optional[torch.Tensor]) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megapipe import torch_compat
 from megapipe.config import ModelConfig
 from megapipe.models.attention import Attention, DocumentMask
 from megapipe.models.dense import FeedForward, attention_tp_plan
@@ -120,7 +121,7 @@ def grouped_mm_ok(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether torch._grouped_mm runs here: CPU (torch >= 2.9: a per-group fallback) for fp32/bf16/fp16, CUDA for
     bf16 on sm90+; every row stride a multiple of 16 bytes; at least one token (torch 2.13 on CPU: no tokens at all
     fails in backward, as does an expanded output gradient, hence _ContiguousGrad)."""
-    if not hasattr(torch, "_grouped_mm") or x.shape[0] == 0:
+    if not torch_compat.has_grouped_mm() or x.shape[0] == 0:
         return False
     if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
         return False  # its fake-tensor rule (torch 2.13) accepts bf16 only
@@ -162,7 +163,7 @@ class GroupedExperts(nn.Module):
             offs = torch.cumsum(counts, 0).to(torch.int32)
 
             def gmm(a, w):
-                return _ContiguousGrad.apply(torch._grouped_mm(a, w.transpose(-2, -1), offs=offs))
+                return _ContiguousGrad.apply(torch_compat.grouped_mm(a, w.transpose(-2, -1), offs))
 
             return gmm(F.silu(gmm(x, w1)) * gmm(x, w3), w2)
         return expert_loop(x, counts, w1, w2, w3)

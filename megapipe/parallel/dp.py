@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from megapipe import torch_compat
 from megapipe.dtypes import PRECISION_DTYPES
 
 
@@ -46,9 +47,7 @@ def apply_fsdp(model, mesh, precision: str = "fp32", reshard_after_forward: bool
 
 
 def apply_ddp(model, mesh) -> None:
-    from torch.distributed._composable.replicate import replicate
-
-    replicate(model, device_mesh=mesh, bucket_cap_mb=100)
+    torch_compat.replicate(model, device_mesh=mesh, bucket_cap_mb=100)
 
 
 def set_gradient_sync(model, enabled: bool) -> None:

@@ -11,6 +11,7 @@ import contextlib
 
 import torch
 
+from megapipe import torch_compat
 from megapipe.dtypes import PRECISION_DTYPES
 from megapipe.parallel.distributed import all_reduce_max_
 
@@ -52,7 +53,7 @@ class DynamicLossScaler:
         for g in grads:
             by_device.setdefault((g.device, g.dtype), []).append(_local(g))
         for group in by_device.values():
-            torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv)
+            torch_compat.unscale_and_check_(group, found_inf, inv)
         all_reduce_max_(found_inf)
         return bool(found_inf.item())
 
