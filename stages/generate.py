@@ -32,9 +32,11 @@ def generate(
     from megapipe.dtypes import resolve_device, resolve_dtype
     from megapipe.errors import MegapipeError
     from megapipe.inference import generate as run_generate
+    from megapipe.models.capabilities import require
 
     device = resolve_device(device)
     loaded = load_model(ckpt, device=device, dtype=torch.bfloat16 if bf16 else resolve_dtype(dtype))
+    require(loaded.model.cfg, "generate", str(ckpt))
     tok = load_tokenizer(tokenizer) if tokenizer is not None else loaded.tokenizer
     if tok is None:
         raise MegapipeError(f"checkpoint {ckpt} holds no tokenizer/: give one with --tokenizer")

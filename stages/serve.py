@@ -88,6 +88,7 @@ def serve(
     from megapipe.inference import LLMEngine
     from megapipe.inference.async_engine import AsyncEngine
     from megapipe.inference.server import ServerConfig, bind, run_server
+    from megapipe.models.capabilities import require
 
     if threads is not None:
         if threads < 1:
@@ -99,6 +100,7 @@ def serve(
             model, device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks, kv_cache_memory=memory,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             prefix_caching=not no_prefix_caching)
+        require(llm.model_config, "serve", str(model))
     except BaseException:
         sock.close()
         raise

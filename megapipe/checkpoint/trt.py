@@ -33,6 +33,7 @@ from megapipe.checkpoint.trt_source import AWQ, Source
 from megapipe.checkpoint.trt_unified import check_unified, write_unified
 from megapipe.errors import MegapipeError
 from megapipe.fileio import refuse_overlap, replace_dir
+from megapipe.models.capabilities import require
 
 Progress = Optional[Callable[[int, int], None]]
 FORMATS = ("unified", "legacy")
@@ -82,6 +83,7 @@ def export_trt(
                             "itself when it loads it (trtllm-serve --tp_size/--pp_size); --tp/--pp apply to "
                             "--format legacy")
     src = Source(Path(ckpt).expanduser())
+    require(src.cfg, "export_trt", src.where, trt=fmt)
     refuse_overlap([out_dir], [Path(ckpt).expanduser(), src.path])  # quantized or not, before --overwrite
     if out_dir.exists() and not overwrite and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise MegapipeError(f"{out_dir} already exists and is not empty: pick another output or pass --overwrite")

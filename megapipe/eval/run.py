@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 
 from megapipe.errors import DataError, MegapipeError
 from megapipe.eval.tasks import PERPLEXITY, quiet_lm_eval, select_tasks
+from megapipe.models.capabilities import require
 
 RESULTS_FILE = "results.json"
 log = logging.getLogger(__name__)
@@ -112,6 +113,7 @@ def run_eval(ckpt: str | Path, tasks: Sequence[str] | str, data_paths: Sequence[
 
     lm = MegapipeLM(pretrained=None if engine is not None else str(ckpt), engine=engine, batch_size=batch_size,
                     max_length=max_length, dtype=dtype, device=device)
+    require(lm.engine.model_config, "eval", str(ckpt))
     started = time.time()
     if selection.lm_eval:
         import lm_eval

@@ -62,6 +62,8 @@ KINDS: dict[str, Capabilities] = {
 FAMILIES: dict[str, Capabilities] = {
     # a GELU MLP has no up projection
     "gpt2": _without(lora={"up"}),
+    # a sliding window, which context parallelism's ring attention does not take
+    "mistral": _without(layouts={"cp"}),
     # no shared expert, every layer MoE: nothing but attention to adapt
     "mixtral": _without(lora={"gate", "up", "down"}),
 }
@@ -120,6 +122,14 @@ def require(cfg, stage: str, where: str = "", **features: Optional[object]) -> N
             have = ", ".join(v for v in _ORDER[key] if v in declared) or "none"
             raise MegapipeError(f"{prefix}{stage.replace('_', ' ')} of {name} models does not support {key} "
                                 f"{', '.join(map(str, missing))} (supported: {have})")
+
+
+def requested_layouts(parallel) -> list[str]:
+    """The parallel dimensions a ParallelConfig asks for beyond plain data parallelism (which every row has)."""
+    asked = [name for name in ("tp", "pp", "cp", "ep") if getattr(parallel, name) > 1]
+    if parallel.tp > 1 and parallel.sequence_parallel:
+        asked.append("sp")
+    return asked
 
 
 _ORDER = {"layouts": LAYOUTS, "engine": ENGINE, "lora": LORA, "quant": QUANT, "trt": TRT, "stages": STAGES}

@@ -35,6 +35,7 @@ from torch import nn
 
 from megapipe.config import ModelConfig
 from megapipe.errors import ConfigError
+from megapipe.models.capabilities import require
 
 SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "num_layers")
 FLAGS = {"hidden_size": "--hidden", "intermediate_size": "--ffn", "num_heads": "--heads", "num_kv_heads": "--kv-heads",
@@ -527,6 +528,7 @@ def prune_checkpoint(ckpt, output, targets: PruneTargets, calib_data: str, calib
     loaded = load_model(ckpt)
     model, manifest, tokenizer = loaded.model, loaded.manifest, loaded.tokenizer_dir
     cfg = model.cfg
+    require(cfg, "prune", str(ckpt))
     if seq_length > cfg.max_position_embeddings:
         raise ConfigError(f"--seq-length {seq_length} is longer than the model's max_position_embeddings = "
                           f"{cfg.max_position_embeddings}")

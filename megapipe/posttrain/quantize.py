@@ -21,8 +21,10 @@ import torch
 from torch import nn
 
 from megapipe.checkpoint import quant_state
+from megapipe.config import ModelConfig, from_dict
 from megapipe.errors import DataError, MegapipeError
 from megapipe.fileio import refuse_overlap
+from megapipe.models.capabilities import require
 
 Progress = Optional[Callable[[int, int], None]]
 JSON_SUFFIXES = (".jsonl", ".json")
@@ -193,11 +195,8 @@ def quantize_checkpoint(
         raise MegapipeError(f"{ckpt} is already quantized ({manifest['quantization'].get('format')}): quantize its "
                             f"unquantized parent instead ({manifest.get('parent')})")
     model_cfg = manifest.get("model") or {}
-    if int(model_cfg.get("num_experts") or 0) > 0:
-        raise MegapipeError(
-            f"{ckpt}: model.num_experts = {model_cfg['num_experts']}: posttrain quantize does not quantize MoE models "
-            "(ModelOpt's quantizers wrap nn.Linear layers and megapipe's experts are 3-D weights, so only attention "
-            "and the router would be quantized, the router being what ModelOpt keeps in high precision)")
+    require(from_dict(ModelConfig, model_cfg, "model.", f"{ckpt / 'megapipe.json'}: "), "quantize", str(ckpt),
+            quant=fmt)
     if seq_length > int(model_cfg.get("max_position_embeddings", seq_length)):
         raise MegapipeError(f"--calib-seq-len {seq_length} exceeds the model's max_position_embeddings "
                             f"({model_cfg['max_position_embeddings']})")

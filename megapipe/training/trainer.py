@@ -29,6 +29,7 @@ import torch
 from megapipe.config import Config, to_dict
 from megapipe.errors import DataError, MegapipeError
 from megapipe.models import build_model, count_params, flops_per_token
+from megapipe.models.capabilities import STAGES, requested_layouts, require
 from megapipe.training.cpu_memory import keep_freed_memory
 from megapipe.training.lr import LRSchedule
 from megapipe.training.metrics import MetricsLogger, Window, device_peak_flops, mfu
@@ -99,7 +100,11 @@ class Trainer:
         self.cfg, self.tokenizer, self.train_iters = self.run.cfg, self.run.tokenizer, self.run.train_iters
         self.resume_ckpt, self.parent_ckpt = self.run.resume, self.run.parent
         t = self.cfg.train
-        _, self.dims = setup_parallel(self.cfg, self.device.type, self.recipe.packed_sequences(self.cfg))
+        packed = self.recipe.packed_sequences(self.cfg)
+        if self.recipe.stage in STAGES:  # what the architecture declares (megapipe.models.capabilities)
+            require(self.cfg.model, self.recipe.stage, "", layouts=requested_layouts(self.cfg.parallel),
+                    packing=packed)
+        _, self.dims = setup_parallel(self.cfg, self.device.type, packed)
         self.num_microbatches = self.dims.num_microbatches(t)
         self.ctx = RunContext(
             cfg=self.cfg, dims=self.dims, tokenizer=self.tokenizer, device=self.device,

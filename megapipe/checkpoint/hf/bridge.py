@@ -40,6 +40,7 @@ from megapipe.data.readers import first_line
 from megapipe.errors import CheckpointError, MegapipeError
 from megapipe.fileio import refuse_overlap, replace_dir
 from megapipe.models import build_model
+from megapipe.models.capabilities import require
 from megapipe.models.lora import LoRASpec, adapter_names, is_adapter, merge_state_dict
 
 Progress = Optional[Callable[[int, int], None]]  # (done, total) after each tensor group
@@ -229,6 +230,7 @@ def export_hf(
             "`megapipe export trt CKPT OUT --format unified` for the quantized Hugging Face layout (hf_quant_config.json) "
             "that TensorRT-LLM, vLLM and SGLang load")
     cfg = from_dict(ModelConfig, manifest["model"], "model.", f"{where}: ")
+    require(cfg, "export_hf", where)
     adapter = adapter_for_arch(cfg.arch)
     hf_cfg = adapter.hf_config(cfg)
     hf_extra = manifest.get("hf") if isinstance(manifest.get("hf"), dict) else {}

@@ -29,8 +29,8 @@ from typing import Any, Callable, ContextManager, Iterator, Optional
 import torch
 
 from megapipe.config import Config
-from megapipe.parallel.dims import ParallelDims
 from megapipe.models.objective import Loss, TokenCrossEntropy
+from megapipe.parallel.dims import ParallelDims
 
 
 @dataclass(frozen=True)
