@@ -52,7 +52,7 @@ ALL = Capabilities()
 
 # block kinds (megapipe.models.spec): what a layer of this kind can go through
 KINDS: dict[str, Capabilities] = {
-    "dense": _without(layouts={"ep"}),
+    "dense": ALL,
     # experts are 3-D weights: no width pruning rule for them, and ModelOpt's quantizers wrap nn.Linear layers
     # only; LoRA's MLP targets are the shared expert's (the router and the routed experts are never adapted)
     "moe": _without(stages={"prune", "quantize"}, quant=QUANT),
@@ -81,9 +81,15 @@ def kinds_of(cfg) -> list[str]:
 
 
 def capabilities(cfg) -> Capabilities:
-    row = FAMILIES.get(cfg.arch, ALL)
-    for kind in kinds_of(cfg):
+    return _row(cfg.arch, kinds_of(cfg))
+
+
+def _row(arch: str, kinds: list[str]) -> Capabilities:
+    row = FAMILIES.get(arch, ALL)
+    for kind in kinds:
         row = row & KINDS[kind]
+    if "moe" not in kinds:  # expert parallelism splits MoE layers only
+        row = row & _without(layouts={"ep"})
     return row
 
 
@@ -136,8 +142,8 @@ _ORDER = {"layouts": LAYOUTS, "engine": ENGINE, "lora": LORA, "quant": QUANT, "t
 
 
 def family_row(arch: str) -> Capabilities:
-    """The row of a Hugging Face family as the bridge imports it (the MoE families: every layer MoE)."""
-    return FAMILIES.get(arch, ALL) & KINDS["moe" if arch in MOE_FAMILIES else "dense"]
+    """The row of a Hugging Face family as the bridge imports it (the MoE families: MoE layers)."""
+    return _row(arch, ["moe" if arch in MOE_FAMILIES else "dense"])
 
 
 def readme_table() -> str:

@@ -1,0 +1,52 @@
+"""The capability table (megapipe/models/capabilities.py): the README's table is generated from it, a model's row is
+the meet of its block kinds and its family, and refusals are one sentence naming the architecture and the stage."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from megapipe.config import ModelConfig
+from megapipe.errors import MegapipeError
+from megapipe.models.capabilities import capabilities, describe, family_row, readme_table, require
+
+README = Path(__file__).parents[2] / "README.md"
+MIXTRAL = ModelConfig(arch="mixtral", num_experts=4)
+
+
+def test_readme_table_is_the_capability_table():
+    text = README.read_text()
+    found = re.search(r"<!-- capabilities:begin -->\n(.*?)\n<!-- capabilities:end -->", text, re.S)
+    assert found, "README.md lost its capabilities markers"
+    assert found.group(1) == readme_table(), "README.md's support table is stale: regenerate it with readme_table()"
+
+
+def test_a_row_is_the_meet_of_kinds_and_family():
+    assert "ep" not in capabilities(ModelConfig()).layouts  # no MoE layer: nothing to split over experts
+    assert "ep" in capabilities(MIXTRAL).layouts
+    mixed = ModelConfig(num_experts=4, moe_first_k_dense_replace=1)  # DeepSeek-shaped: a dense layer, then MoE
+    assert describe(mixed) == "Llama (dense + MoE)" and describe(MIXTRAL) == "Mixtral"
+    assert "prune" not in capabilities(mixed).stages and "ep" in capabilities(mixed).layouts
+    assert "up" not in family_row("gpt2").lora and "cp" not in family_row("mistral").layouts
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda: require(MIXTRAL, "prune", "/ckpt"), "/ckpt: prune does not support Mixtral models"),
+    (lambda: require(ModelConfig(), "pretrain", layouts=["tp", "ep"]),
+     "pretrain of Llama models does not support layouts ep (supported: dp_replicate, dp_shard, tp, sp, pp, cp)"),
+    (lambda: require(ModelConfig(arch="mistral"), "sft", layouts=["cp"]), "sft of Mistral models does not support "
+     "layouts cp"),
+])
+def test_refusals_are_one_sentence_naming_architecture_and_stage(call, words):
+    with pytest.raises(MegapipeError) as e:
+        call()
+    assert str(e.value).startswith(words) and "\n" not in str(e.value)
+
+
+def test_declared_features_pass():
+    require(ModelConfig(), "export_trt", trt="legacy")
+    require(ModelConfig(arch="qwen2_moe", num_experts=4), "pretrain", layouts=["ep", "tp", "sp"], packing=True)
+    with pytest.raises(ValueError):
+        require(ModelConfig(), "no-such-stage")
