@@ -7,6 +7,7 @@ plus the tokenizer: what ``peft.PeftModel.from_pretrained`` loads onto the expor
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import uuid
 from pathlib import Path
@@ -21,7 +22,7 @@ from megapipe.checkpoint.manifest import make_tmp_dir, read_manifest, resolve_ch
 from megapipe.checkpoint.safe_dcp import read_metadata
 from megapipe.config import ModelConfig, from_dict
 from megapipe.errors import MegapipeError
-from megapipe.models.lora import LoRASpec, adapter_names, is_adapter
+from megapipe.models.lora import TARGETS, LoRASpec, adapter_names, is_adapter, present_targets
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -46,7 +47,7 @@ def write_peft_adapter(ckpt, out_dir, overwrite: bool = False, tokenizer_dir: Op
     stored = {k: m for k, m in read_metadata(ckpt / "model").state_dict_metadata.items()
               if isinstance(m, TensorStorageMetadata) and is_adapter(k)}
     names: dict[str, str] = {}  # megapipe adapter tensor -> peft key
-    modules = set()
+    modules = set()  # the HF modules adapted, by their full names
     for conv in adapter.conversions(cfg):
         has = [m for m in conv.mp if adapter_names(m)[0] in stored]
         if not has:
@@ -54,9 +55,10 @@ def write_peft_adapter(ckpt, out_dir, overwrite: bool = False, tokenizer_dir: Op
         if len(conv.mp) != 1 or len(conv.hf) != 1:
             raise MegapipeError(
                 f"{ckpt}: the {adapter.architecture} layer {conv.hf[0]} fuses {len(conv.mp)} megapipe layers, so "
-                "its adapters have no peft equivalent; export the merged model instead (without --lora-adapter-only)")
+                "its adapters have no peft equivalent; export the merged model instead (without --lora-adapter-only), "
+                f"or train only targets peft can hold ({','.join(peft_targets(cfg)) or 'none'})")
         hf_module = conv.hf[0].removesuffix(".weight")
-        modules.add(hf_module.rsplit(".", 1)[-1])
+        modules.add(hf_module)
         for mp_name, part in zip(adapter_names(conv.mp[0]), ("lora_A", "lora_B"), strict=True):
             names[mp_name] = f"base_model.model.{hf_module}.{part}.weight"
     state = {k: torch.empty(tuple(stored[k].size), dtype=stored[k].properties.dtype) for k in names}
@@ -64,7 +66,7 @@ def write_peft_adapter(ckpt, out_dir, overwrite: bool = False, tokenizer_dir: Op
     tensors = {names[k]: v.float().contiguous() for k, v in state.items()}
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.alpha,
-        "lora_dropout": spec.dropout, "target_modules": sorted(modules), "bias": "none", "fan_in_fan_out": False,
+        "lora_dropout": spec.dropout, "target_modules": exact_modules(modules), "bias": "none", "fan_in_fan_out": False,
         "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
         "modules_to_save": None, "base_model_name_or_path": str(manifest.get("parent") or ""),
     }
@@ -85,4 +87,22 @@ def write_peft_adapter(ckpt, out_dir, overwrite: bool = False, tokenizer_dir: Op
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return {"output": str(out_dir), "adapters": len(tensors) // 2, "rank": spec.rank, "alpha": spec.alpha,
-            "target_modules": ", ".join(sorted(modules))}
+            "target_modules": ", ".join(sorted({m.rsplit(".", 1)[-1] for m in modules}))}
+
+
+def exact_modules(modules: set[str]) -> str:
+    """peft's ``target_modules`` as a regular expression matching exactly the adapted modules (layer indices
+    generalised): a list of short names would also match same-named modules that carry no adapter here, such as the
+    fused experts transformers builds for an MoE layer, which peft then adapts from a random start."""
+    shapes = sorted({re.sub(r"\.layers\.\d+\.", ".layers.LAYER.", m) for m in modules})
+    return "^(" + "|".join(re.escape(m).replace("LAYER", r"\d+") for m in shapes) + ")$"
+
+
+def peft_targets(cfg) -> list[str]:
+    """The --lora-targets short names whose adapters a peft directory can hold for ``cfg``'s architecture (its HF
+    layer is the one megapipe layer, not several fused, e.g. GPT-2's c_attn holds q, k and v)."""
+    one_to_one = {conv.mp[0] for conv in adapter_for_arch(cfg.arch).conversions(cfg)
+                  if len(conv.mp) == 1 and len(conv.hf) == 1}
+    present = present_targets(cfg)
+    return [t for t in present if any(f"layers.{i}.{path}.weight" in one_to_one
+                                      for i in range(cfg.num_layers) for path in TARGETS[t])]
