@@ -4,13 +4,14 @@ from this table (``readme_table``; tests/models/test_capabilities.py keeps the t
 supported runs in the matrix test (tests/test_matrix.py) or, for parallel layouts, in the layout tests.
 
 A model's row is the meet of the rows of the block kinds it is built from (a dense layer among MoE layers limits
-the model to what both kinds support) and of its family's row (what its Hugging Face / TensorRT-LLM twin allows).
+the model to what both kinds support, but for the layouts one kind is enough for: ``ANY_KIND_LAYOUTS``) and of its
+family's row (what its Hugging Face / TensorRT-LLM twin allows).
 A new block kind or family adds its row here; nothing else needs to know which architectures exist.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Optional
 
 from megapipe.errors import MegapipeError
@@ -58,6 +59,10 @@ KINDS: dict[str, Capabilities] = {
     "moe": _without(stages={"prune", "quantize"}, quant=QUANT),
 }
 
+# layouts a model has when one of its block kinds has them: expert parallelism shards the experts of the MoE layers,
+# and a dense layer among them is data-parallel over the ep ranks (ep borrows its ranks from dp_shard)
+ANY_KIND_LAYOUTS = frozenset({"ep"})
+
 # families (ModelConfig.arch): what the model's Hugging Face / TensorRT-LLM twin allows
 FAMILIES: dict[str, Capabilities] = {
     # a GELU MLP has no up projection
@@ -81,10 +86,12 @@ def kinds_of(cfg) -> list[str]:
 
 
 def capabilities(cfg) -> Capabilities:
-    row = FAMILIES.get(cfg.arch, ALL)
+    family = FAMILIES.get(cfg.arch, ALL)
+    row = family
     for kind in kinds_of(cfg):
         row = row & KINDS[kind]
-    return row
+    some = {lay for kind in kinds_of(cfg) for lay in KINDS[kind].layouts} & ANY_KIND_LAYOUTS & family.layouts
+    return replace(row, layouts=row.layouts | some)
 
 
 def describe(cfg) -> str:

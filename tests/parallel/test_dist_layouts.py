@@ -22,6 +22,7 @@ import torch
 
 from megapipe.config import ModelConfig
 from megapipe.models import build_model
+from megapipe.models.capabilities import capabilities
 from tests.dist import parallel_cases as pc
 
 ROOT = Path(__file__).parents[2]
@@ -52,6 +53,13 @@ CASES_4 = [
     "ep4:model=moe_skew",
 ]
 CASES_8 = ["pp2,dp_shard2,tp2", "dp_shard2,cp2,tp2", "pp2,ep2,tp2:model=moe_bias"]
+
+
+def test_a_dense_layer_among_moe_layers_keeps_expert_parallelism():
+    """ep shards the MoE layers' experts; the first-layer-dense 'moe' model (Qwen2-MoE's mlp_only_layers,
+    DeepSeek's first_k_dense_replace) runs ep2 above, so it declares ep; a dense model does not."""
+    assert "ep" in capabilities(ModelConfig(**pc.MODELS["moe"])).layouts
+    assert "ep" not in capabilities(ModelConfig(**pc.MODELS["base"])).layouts
 
 
 def launch(nproc: int, cases: list[str], out_dir: Path) -> dict:
