@@ -4,7 +4,8 @@ from this table (``readme_table``; tests/models/test_capabilities.py keeps the t
 supported runs in the matrix test (tests/test_matrix.py) or, for parallel layouts, in the layout tests.
 
 A model's row is the meet of the rows of the block kinds it is built from (a dense layer among MoE layers limits
-the model to what both kinds support) and of its family's row (what its Hugging Face / TensorRT-LLM twin allows).
+the model to what both kinds support; expert parallelism needs one MoE layer, the dense ones stay data-parallel
+over its ranks) and of its family's row (what its Hugging Face / TensorRT-LLM twin allows).
 A new block kind or family adds its row here; nothing else needs to know which architectures exist.
 """
 

@@ -35,35 +35,58 @@ from megapipe.parallel.step import clip_grad_norm_, eval_step, train_step
 
 SEQ, GLOBAL_BATCH, MICRO, STEPS, LR, CLIP = 16, 8, 2, 3, 0.5, 0.8
 
+# Each model is labelled with the Hugging Face family (ModelConfig.arch) it is shaped like: every parallel layout an
+# architecture declares (megapipe.models.capabilities) runs on a model of that architecture in test_dist_layouts.py.
+# DeepSeek-V3-shaped routing (sigmoid scores, expert bias) has no family of its own: Llama, as the deepseek-v3-tiny
+# preset.
 MODELS = {
-    "base": dict(hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=128),
-    "tied": dict(hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=128,
-                 tie_embeddings=True),
+    "base": dict(arch="llama", hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
+                 vocab_size=128),
+    "tied": dict(arch="llama", hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
+                 vocab_size=128, tie_embeddings=True),
     "qk": dict(hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=128,
                arch="qwen3", qk_norm=True, qkv_bias=True),
+    # Qwen2: q/k/v biases, no qk norm
+    "qwen2": dict(arch="qwen2", hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
+                  vocab_size=128, qkv_bias=True),
+    # Mistral: a sliding window shorter than the 16-token sequence (so it masks)
+    "mistral": dict(arch="mistral", hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
+                    vocab_size=128, sliding_window=8),
     "gpt2": dict(arch="gpt2", hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, vocab_size=128,
                  norm_type="layernorm", activation="gelu_tanh", position_embedding="learned", qkv_bias=True,
                  attn_out_bias=True, mlp_bias=True, max_position_embeddings=64),
-    "deep": dict(hidden_size=32, intermediate_size=64, num_layers=8, num_heads=4, num_kv_heads=2, vocab_size=128),
-    # Mixtral/Qwen-shaped: softmax router, micro-batch aux loss + z-loss, a gated shared expert, first layer dense
-    "moe": dict(hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=128,
-                num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16, moe_aux_loss_coeff=0.05,
+    "deep": dict(arch="llama", hidden_size=32, intermediate_size=64, num_layers=8, num_heads=4, num_kv_heads=2,
+                 vocab_size=128),
+    # Qwen2-MoE-shaped: softmax router, micro-batch aux loss + z-loss, a gated shared expert, first layer dense
+    # (Qwen's mlp_only_layers)
+    "moe": dict(arch="qwen2_moe", hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
+                vocab_size=128, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16, moe_aux_loss_coeff=0.05,
                 moe_z_loss_coeff=0.01, moe_shared_expert_intermediate_size=16, moe_shared_expert_gate=True,
                 moe_first_k_dense_replace=1),
+    # Mixtral-shaped: softmax over the top-2 logits, no shared expert, every layer MoE
+    "mixtral": dict(arch="mixtral", hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
+                    vocab_size=128, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16, moe_aux_loss_coeff=0.05),
+    # Qwen3-MoE-shaped: qk norm, softmax over all experts then top-2 with the weights renormalised, every layer MoE
+    "qwen3_moe": dict(arch="qwen3_moe", hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4,
+                      num_kv_heads=2, vocab_size=128, qk_norm=True, num_experts=4, moe_router_topk=2,
+                      moe_ffn_hidden_size=16, moe_router_pre_softmax=True, moe_router_norm_topk_prob=True,
+                      moe_aux_loss_coeff=0.05),
     # DeepSeek-V3-shaped: sigmoid scores, group-limited top-k, scaling, expert bias (aux-loss-free) + sequence aux
-    "moe_bias": dict(hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=128,
-                     num_experts=8, moe_router_topk=4, moe_ffn_hidden_size=16, moe_router_score_function="sigmoid",
-                     moe_router_num_groups=4, moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5,
-                     moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.01,
-                     moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.05),
+    "moe_bias": dict(arch="llama", hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
+                     vocab_size=128, num_experts=8, moe_router_topk=4, moe_ffn_hidden_size=16,
+                     moe_router_score_function="sigmoid", moe_router_num_groups=4, moe_router_group_topk=2,
+                     moe_router_topk_scaling_factor=2.5, moe_router_enable_expert_bias=True,
+                     moe_router_bias_update_rate=0.01, moe_router_load_balancing_type="seq_aux_loss",
+                     moe_aux_loss_coeff=0.05),
     # every token routed to experts 0 and 1 (a fixed expert bias, see skewed()): other ep ranks receive no token
-    "moe_skew": dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=128,
-                     num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16, moe_router_score_function="sigmoid",
-                     moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0, moe_aux_loss_coeff=0.05),
-    # token dropping: capacity factor 1 by probability
-    "moe_drop": dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=128,
-                     num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16, moe_aux_loss_coeff=0.05,
-                     moe_expert_capacity_factor=1.0),
+    "moe_skew": dict(arch="llama", hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                     vocab_size=128, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16,
+                     moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                     moe_router_bias_update_rate=0.0, moe_aux_loss_coeff=0.05),
+    # token dropping: capacity factor 1 by probability (Mixtral-shaped otherwise)
+    "moe_drop": dict(arch="mixtral", hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                     vocab_size=128, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16,
+                     moe_aux_loss_coeff=0.05, moe_expert_capacity_factor=1.0),
 }
 
 

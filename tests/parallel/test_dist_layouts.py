@@ -1,6 +1,8 @@
 """Every parallelism alone and combined equals the single-process run (fp32, SGD, same seed and global batch),
 and checkpoints saved in one layout load in another (model + AdamW state, exactly). Three torchrun launches
 (2, 4 and 8 processes on gloo) run many cases each; see tests/dist/parallel_cases.py for what each case checks.
+Every parallel layout an architecture declares (megapipe.models.capabilities) runs in some case on a model of that
+architecture, and no case runs a layout its model does not declare (both checked without torchrun).
 
 Bounds: loss relative difference <= 1e-5 over 3 steps; gradients after step 1, clipped-gradient norm and weights
 after 3 steps within 1e-6 absolute (observed: ~1e-7 relative losses, ~1e-8 absolute tensors: the order of fp32
@@ -22,6 +24,7 @@ import torch
 
 from megapipe.config import ModelConfig
 from megapipe.models import build_model
+from megapipe.models.capabilities import LABELS, LAYOUTS, capabilities, family_row, requested_layouts
 from tests.dist import parallel_cases as pc
 
 ROOT = Path(__file__).parents[2]
@@ -38,6 +41,8 @@ CASES_2 = [
     "pp2:model=moe_bias:schedule=GPipe", "cp2:model=moe_bias",
     "dp_shard2:fused=1:mask=1", "ddp2:fused=1:model=tied", "dp_shard2:fused=1:model=moe:reshard=0",
     "ep2:model=moe_skew",
+    # every architecture's declared layouts (test_every_declared_layout_of_every_architecture_has_a_case)
+    "pp2:model=qk", "cp2:model=qwen2", "cp2:model=mixtral", "pp2:model=moe", "cp2:model=qwen3_moe",
 ]
 BF16 = [c for c in CASES_2 if "precision=bf16" in c]
 CASES_4 = [
@@ -50,8 +55,53 @@ CASES_4 = [
     "ep2,dp_shard4:model=moe:save=ckpt_ep2", "pp2,ep2:model=moe:load=ckpt_ep2",
     "dp_shard4:model=moe:save=ckpt_ep1", "ep4:model=moe:load=ckpt_ep1", "dp_replicate2,dp_shard2:fused=1:model=tied",
     "ep4:model=moe_skew",
+    # every architecture's declared layouts (test_every_declared_layout_of_every_architecture_has_a_case)
+    "dp_replicate2,dp_shard2:model=qk", "pp2,tp2:model=gpt2", "dp_replicate2,dp_shard2:model=gpt2",
+    "pp2,tp2:model=qwen2", "dp_replicate2,dp_shard2:model=qwen2", "pp2,tp2:model=mistral",
+    "dp_replicate2,dp_shard2:model=mistral", "pp2,tp2:model=mixtral", "ddp2,cp2:model=moe",
+    "pp2,tp2:model=qwen3_moe", "ep2,dp_replicate2:model=qwen3_moe",
 ]
 CASES_8 = ["pp2,dp_shard2,tp2", "dp_shard2,cp2,tp2", "pp2,ep2,tp2:model=moe_bias"]
+
+
+def case_layouts(case: str) -> tuple[ModelConfig, set[str]]:
+    """The model of a case and the capability-table layouts it runs, read from the ParallelConfig the case builds
+    (as the trainer reads it): "ddp2" is dp_replicate, "tp2" is tp and sp unless "sp=0", "ep2" alone also shards
+    the dense weights over its two ranks (dp_shard)."""
+    layout, opts = pc.parse_case(case)
+    cfg = pc.make_config(layout, opts)
+    p = cfg.parallel
+    return cfg.model, {*requested_layouts(p), *(d for d in ("dp_replicate", "dp_shard") if getattr(p, d) > 1)}
+
+
+def test_every_declared_layout_of_every_architecture_has_a_case():
+    """Issue 27: each (architecture, layout) the capability table declares is trained in some case above on a
+    model of that architecture and compared with one process (checkpoint save/load cases do not count)."""
+    covered = set()
+    for case in CASES_2 + CASES_4 + CASES_8:
+        if ":save=" not in case and ":load=" not in case:
+            model, layouts = case_layouts(case)
+            covered |= {(model.arch, lay) for lay in layouts}
+    declared = [(arch, lay) for arch in LABELS for lay in LAYOUTS if lay in family_row(arch).layouts]
+    missing = [f"{arch} {lay}" for arch, lay in declared if (arch, lay) not in covered]
+    assert not missing, f"declared layouts no case runs: {', '.join(missing)}"
+
+
+def test_no_case_asks_for_a_layout_its_model_does_not_declare():
+    """The converse: what the layout tests run, the trainer would accept for that model (its capability row: the
+    family's, met with its block kinds')."""
+    wrong = []
+    for case in CASES_2 + CASES_4 + CASES_8:
+        model, layouts = case_layouts(case)
+        wrong += [f"{case} ({lay})" for lay in sorted(layouts - capabilities(model).layouts)]
+    assert not wrong, f"cases asking for undeclared layouts: {', '.join(wrong)}"
+
+
+def test_a_dense_layer_among_moe_layers_keeps_expert_parallelism():
+    """ep shards the MoE layers' experts; the first-layer-dense 'moe' model (Qwen2-MoE's mlp_only_layers,
+    DeepSeek's first_k_dense_replace) runs ep2 above, so it declares ep; a dense model does not."""
+    assert "ep" in capabilities(ModelConfig(**pc.MODELS["moe"])).layouts
+    assert "ep" not in capabilities(ModelConfig(**pc.MODELS["base"])).layouts
 
 
 def launch(nproc: int, cases: list[str], out_dir: Path) -> dict:
