@@ -67,6 +67,9 @@ FAMILIES: dict[str, Capabilities] = {
     "mistral": _without(layouts={"cp"}),
     # no shared expert, every layer MoE: nothing but attention to adapt
     "mixtral": _without(lora={"gate", "up", "down"}),
+    # no shared expert; peft (0.21 with transformers 5) retargets gate/up/down of a Qwen3-MoE to its fused experts,
+    # so adapters on the dense layers' MLP would not reach a peft directory
+    "qwen3_moe": _without(lora={"gate", "up", "down"}),
 }
 
 LABELS = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "gpt2": "GPT-2",
