@@ -22,6 +22,7 @@ from typing import Any, Literal, Optional, Union
 import yaml
 
 from megapipe.errors import ConfigError, DataError
+from megapipe.presets import PRESETS
 
 # --------------------------------------------------------------------------------------------------- sections
 
@@ -528,8 +529,6 @@ def flag_fields(section: str) -> list[tuple[str, dataclasses.Field, Any]]:
 
 
 def resolve_preset(name: str, key: str = "model.preset") -> dict:
-    from megapipe.presets import PRESETS
-
     if name not in PRESETS:
         raise ConfigError(f"{key} = {name!r} is not a known model preset (allowed: {', '.join(PRESETS)})")
     return dict(PRESETS[name])

@@ -6,6 +6,8 @@ import os
 import uuid
 from pathlib import Path
 
+from megapipe.errors import MegapipeError
+
 
 def fsync_dir(path: Path) -> None:
     try:
@@ -67,8 +69,6 @@ def refuse_overlap(outputs, inputs, error=None) -> None:
     """Refuse to write any of ``outputs`` when it equals, contains or lies inside one of ``inputs`` (symlinks
     resolved), so no command can delete or overwrite what it reads. Paths that do not exist are compared by name.
     Raises ``error`` (default MegapipeError) with one sentence naming both paths."""
-    from megapipe.errors import MegapipeError
-
     error = error or MegapipeError
     for out in outputs:
         if out is None:

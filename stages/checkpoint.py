@@ -7,6 +7,9 @@ from typing import Optional
 
 import typer
 
+from megapipe.errors import CheckpointError, MegapipeError
+from stages.common import print_table
+
 
 def _human(n: float, unit: str = "B") -> str:
     for prefix in ("", "Ki", "Mi", "Gi", "Ti"):
@@ -40,13 +43,13 @@ def inspect(
     no_verify: bool = typer.Option(False, "--no-verify", help="Skip checking the files' checksums (faster)."),
 ) -> None:
     """Show a checkpoint's manifest, size, parameter count, layout and lineage (after checking its checksums)."""
+    # lazy: imports torch; megapipe --help stays fast
     from megapipe.checkpoint.convert import summary
 
     info = summary(ckpt, check=not no_verify)
     if as_json:
         typer.echo(json.dumps(info, indent=2))
         return
-    from stages.common import print_table
 
     model = info["model"] or {}
     rows = [
@@ -84,10 +87,9 @@ def convert(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast floating-point weights: fp32, bf16 or fp16."),
 ) -> None:
     """Consolidate a (sharded) checkpoint into full weights: OUT/model.safetensors + config.json."""
-    from megapipe.errors import MegapipeError
-
     if to != "safetensors":
         raise MegapipeError(f"--to {to!r} is not a supported format (allowed: safetensors)")
+    # lazy: imports torch; megapipe --help stays fast
     from megapipe.checkpoint.convert import to_safetensors
     from megapipe.dtypes import dtype_of
 
@@ -104,9 +106,9 @@ def verify(
     Exits non-zero naming each damaged or missing file."""
     from pathlib import Path
 
+    # lazy: imports torch; megapipe --help stays fast
     from megapipe.checkpoint.convert import verify as verify_one
     from megapipe.checkpoint.manifest import MANIFEST_NAME, list_checkpoints
-    from megapipe.errors import CheckpointError
 
     root = Path(path)
     if not root.exists():
@@ -119,8 +121,6 @@ def verify(
     if as_json:
         typer.echo(json.dumps(reports if not is_ckpt else reports[0], indent=2))
     else:
-        from stages.common import print_table
-
         rows = []
         for r in reports:
             state = "ok" if not r["problems"] else "DAMAGED"

@@ -10,14 +10,15 @@ from typing import Any, List, Optional
 import typer
 from typer.core import TyperCommand
 
+from megapipe.config import flag_fields, load_config, parse_override
+from megapipe.errors import ConfigError
+
 CONFIG_OPTION = typer.Option(None, "--config", "-c", help="YAML config file (same fields as the flags).")
 SET_OPTION = typer.Option(None, "--set", help="Dotted config override, repeatable: --set train.lr=3e-4.")
 
 
 def build_config(config: Optional[str], flags: dict, sets: Optional[list[str]]):
     """YAML file, then the flags the user gave (dotted key -> value, None = not given), then --set overrides."""
-    from megapipe.config import load_config, parse_override
-
     overrides = {k: v for k, v in flags.items() if v is not None}
     for item in sets or []:
         k, v = parse_override(item)
@@ -49,8 +50,6 @@ def _flag_option(key: str, f, tp) -> tuple[Any, Any]:
 def config_flags(*sections: str, skip: tuple[str, ...] = ()):
     """Decorator for a stage command: one option per flagged config field of ``sections`` (see megapipe.config.opt),
     handed to the command as ``flags`` (dotted key -> value, None = not given), ready for ``build_config``."""
-    from megapipe.config import flag_fields
-
     fields = [(k, f, tp) for s in sections for k, f, tp in flag_fields(s) if k not in skip]
 
     def decorate(fn):
@@ -89,8 +88,6 @@ def _flag_value(value, f):
         try:
             return meta["parse"](value)
         except ValueError as e:
-            from megapipe.errors import ConfigError
-
             raise ConfigError(f"{meta['flags'][0]} {value!r} {e}") from None
     if meta["scale"] is not None:
         return value * meta["scale"]

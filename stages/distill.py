@@ -9,6 +9,7 @@ from typing import List, Optional
 
 import typer
 
+from megapipe.errors import ConfigError
 from stages.common import CONFIG_OPTION, SET_OPTION, config_flags
 from stages.pretrain import TRAINING_SECTIONS, launch_training, training_config
 from stages.sft import BF16, FP16, NNODES, NODE_RANK, NPROC, QUIET, RDZV
@@ -34,8 +35,8 @@ def distill(
     loss by --kd-alpha."""
     from pathlib import Path
 
+    # lazy: imports torch; megapipe --help stays fast
     from megapipe.checkpoint import resolve_checkpoint
-    from megapipe.errors import ConfigError
     from megapipe.posttrain.start import posttrain_checkpoints
     from megapipe.training.recipes.distill import DistillRecipe
 

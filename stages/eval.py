@@ -38,6 +38,7 @@ def eval_command(
     """Evaluate a checkpoint with EleutherAI's lm-evaluation-harness, on megapipe's engine; writes OUTPUT/results.json."""
     import json
 
+    # lazy: imports torch; megapipe --help stays fast
     from megapipe.eval.run import format_tables, run_eval
 
     results, out_dir = run_eval(

@@ -6,6 +6,8 @@ from typing import Optional
 
 import typer
 
+from stages.hf import _progress, _summary
+
 
 def export_trt_command(
     ckpt: str = typer.Argument(..., help="megapipe checkpoint (quantized or not), or a run directory."),
@@ -21,8 +23,8 @@ def export_trt_command(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
 ) -> None:
     """Export a checkpoint for TensorRT-LLM: `trtllm-serve OUT` / `LLM(model=OUT)`, or `trtllm-build`."""
+    # lazy: imports torch; megapipe --help stays fast
     from megapipe.checkpoint.trt import export_trt
-    from stages.hf import _progress, _summary
 
     bar, progress = _progress("exporting", quiet)
     with bar:

@@ -6,6 +6,8 @@ from typing import List, Optional
 
 import typer
 
+from megapipe.errors import MegapipeError
+
 
 def generate(
     ckpt: str = typer.Argument(..., help="Checkpoint directory, run directory (its latest checkpoint) or HF model dir."),
@@ -27,10 +29,10 @@ def generate(
 
     import torch
 
+    # lazy: imports torch; megapipe --help stays fast
     from megapipe.checkpoint.load import load_model
     from megapipe.data.tokenizer import load_tokenizer
     from megapipe.dtypes import resolve_device, resolve_dtype
-    from megapipe.errors import MegapipeError
     from megapipe.inference import generate as run_generate
     from megapipe.models.capabilities import require
 

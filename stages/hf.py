@@ -7,6 +7,8 @@ from typing import Optional
 
 import typer
 
+from stages.common import print_table
+
 
 def _progress(description: str, quiet: bool):
     """A rich progress bar and the (done, total) callback that drives it."""
@@ -23,7 +25,6 @@ def _progress(description: str, quiet: bool):
 def _summary(title: str, summary: dict, quiet: bool) -> None:
     if quiet:
         return
-    from stages.common import print_table
 
     def show(key, value) -> str:
         return f"{value:.1f} s" if key == "seconds" else f"{value:,}" if isinstance(value, int) else str(value)
@@ -38,6 +39,7 @@ def import_hf_command(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
 ) -> None:
     """Import a Hugging Face model (Llama, Qwen2, Qwen3, Mistral, GPT-2) as a megapipe checkpoint."""
+    # lazy: imports torch; megapipe --help stays fast
     from megapipe.checkpoint.hf import import_hf
 
     bar, progress = _progress("importing tensors", quiet)
@@ -63,6 +65,7 @@ def export_hf_command(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
 ) -> None:
     """Export a checkpoint (any parallel layout) for transformers / vLLM: config, safetensors, tokenizer."""
+    # lazy: imports torch; megapipe --help stays fast
     from megapipe.checkpoint.hf import export_hf
 
     bar, progress = _progress("exporting tensors", quiet)

@@ -7,6 +7,8 @@ from typing import Optional
 
 import typer
 
+from megapipe.errors import DataError
+
 
 def inspect_sft(
     file: str = typer.Argument(..., help="SFT records: JSONL (.gz), parquet or a saved Hugging Face dataset."),
@@ -23,8 +25,8 @@ def inspect_sft(
     import json
     from pathlib import Path
 
+    # lazy: imports numpy; megapipe --help stays fast
     from megapipe.data.sft import ChatEncoder, iter_records, parse_record
-    from megapipe.errors import DataError
 
     if record < 1 or count < 1:
         raise DataError(f"--record {record} and --count {count} must be >= 1")

@@ -10,6 +10,8 @@ from typing import List, Optional
 
 import typer
 
+from megapipe.errors import ConfigError
+
 SET_HELP = "Override, repeatable: STEP.OPTION=VALUE, vars.NAME=VALUE, STEP.resources.KEY=VALUE."
 RUN_DIR_HELP = "Run directory (default: the file's run_dir, else runs/<name>)."
 
@@ -32,7 +34,7 @@ def run(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Do not echo the steps' output (it is in their log.txt)."),
 ) -> None:
     """Run the steps of FILE whose inputs changed since they last completed; reuse the others (cache hits)."""
-    from megapipe.errors import ConfigError
+    # lazy: not loaded by megapipe --help, which stays fast
     from megapipe.pipeline.plan import make_plan
     from megapipe.pipeline.runner import dry_run_lines, run_pipeline
     from megapipe.pipeline.spec import EXECUTORS, load_pipeline
@@ -62,6 +64,7 @@ def status(
     import dataclasses
     import json
 
+    # lazy: not loaded by megapipe --help, which stays fast
     from megapipe.pipeline.runner import status_rows
     from megapipe.pipeline.spec import load_pipeline
     from megapipe.pipeline.state import read_pipeline_record

@@ -37,6 +37,7 @@ def plan(
         "parallel.tp": tp, "parallel.pp": pp, "parallel.cp": cp, "parallel.ep": ep, "parallel.dp_shard": dp_shard,
         "parallel.dp_replicate": dp_replicate,
     }
+    # lazy: imports torch; megapipe --help stays fast
     from megapipe.parallel.plan import plan as make_plan
 
     cfg = build_config(config, flags, sets)

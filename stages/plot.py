@@ -6,6 +6,8 @@ from typing import List, Optional
 
 import typer
 
+from stages.common import print_table
+
 
 def plot(
     runs: List[str] = typer.Argument(..., help="Run directories (a training stage's --save), their metrics.jsonl, "
@@ -18,8 +20,8 @@ def plot(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No summary table."),
 ) -> None:
     """Plot loss / eval loss, learning rate, grad norm, tokens/s (and reward, KL, length for RL) per run."""
+    # lazy: not loaded by megapipe --help, which stays fast
     from megapipe.plot import plot_runs
-    from stages.common import print_table
 
     summary = plot_runs(runs, output, labels=label, smooth=smooth)
     if not quiet:

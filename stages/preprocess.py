@@ -31,6 +31,7 @@ def preprocess(
 ) -> None:
     """Tokenize text into Megatron .bin/.idx datasets (byte-compatible with megatron-core; uint16 tokens when the
     vocabulary has fewer than 65,500 ids, else int32). A failed or interrupted run leaves no output."""
+    # lazy: imports numpy; megapipe --help stays fast
     from megapipe.data.preprocess import preprocess as run
     from megapipe.data.preprocess import summary_rows
     from megapipe.data.tokenizer import load_tokenizer

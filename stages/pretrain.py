@@ -11,6 +11,7 @@ from typing import List, Optional
 
 import typer
 
+from megapipe.errors import ConfigError
 from stages.common import CONFIG_OPTION, SET_OPTION, build_config, config_flags, multi_value_command
 
 TRAINING_SECTIONS = ("model", "data", "train", "optim", "checkpoint", "parallel")
@@ -33,6 +34,7 @@ def pretrain(
     flags: dict = None,
 ) -> None:
     """Pretrain a model on tokenized .bin/.idx data (Megatron's flag names)."""
+    # lazy: imports torch; megapipe --help stays fast
     from megapipe.training.recipes import PretrainRecipe
 
     cfg = training_config(config, flags, sets, bf16, fp16)
@@ -41,8 +43,6 @@ def pretrain(
 
 def training_config(config: Optional[str], flags: dict, sets: Optional[list[str]], bf16: bool, fp16: bool):
     """The config of a training stage from its YAML, flags (--bf16/--fp16 included) and --set overrides."""
-    from megapipe.errors import ConfigError
-
     if bf16 and fp16:
         raise ConfigError("--bf16 and --fp16 are both given: choose one")
     if (bf16 or fp16) and flags.get("train.precision") is not None:
@@ -58,6 +58,7 @@ def training_config(config: Optional[str], flags: dict, sets: Optional[list[str]
 def launch_training(ctx: typer.Context, command: str, cfg, recipe, nproc_per_node, nnodes, node_rank, rdzv_endpoint,
                     quiet: bool) -> None:
     """Check the run and its layout before any process starts, re-run under torchrun when asked, then train."""
+    # lazy: not loaded by megapipe --help, which stays fast
     from megapipe.parallel.distributed import destroy_distributed
     from megapipe.parallel.launch import maybe_launch_torchrun, planned_world_size
 
@@ -72,6 +73,7 @@ def launch_training(ctx: typer.Context, command: str, cfg, recipe, nproc_per_nod
 
 def _default_virtual_stages(pcfg) -> None:
     """--pp-schedule without --pp-virtual-stages: the stages per rank that schedule runs (2 for Interleaved1F1B)."""
+    # lazy: not loaded by megapipe --help, which stays fast
     from megapipe.parallel.dims import SCHEDULE_STAGES_PER_RANK
 
     need = SCHEDULE_STAGES_PER_RANK[pcfg.pp_schedule]
@@ -82,6 +84,7 @@ def check_layout(cfg, world_size: int, recipe=None):
     """Refuse an impossible run or layout for ``world_size`` processes before any starts (one sentence naming the
     key and the limit): the run is resolved as the trainer resolves it (megapipe.training.run.resolve_run).
     Returns the validated ParallelDims (no mesh)."""
+    # lazy: imports torch; megapipe --help stays fast
     from megapipe.parallel.dims import ParallelDims
     from megapipe.training.recipes import PretrainRecipe
     from megapipe.training.run import resolve_run
@@ -96,6 +99,7 @@ def check_layout(cfg, world_size: int, recipe=None):
 
 def run(cfg, quiet: bool = False, recipe=None) -> dict:
     """Train with a built config (for launchers and tests that skip the flag parsing)."""
+    # lazy: imports torch; megapipe --help stays fast
     from megapipe.parallel.distributed import explain_collective_failure
     from megapipe.training.trainer import Trainer
 

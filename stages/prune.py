@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from stages.pretrain import ARGV_KEY
 from stages.sft import NNODES, NODE_RANK, NPROC, RDZV
 
 
@@ -46,10 +47,10 @@ def prune(
     """Prune a checkpoint's width (hidden, FFN, heads, KV groups) and depth by activation importance."""
     import json
 
+    # lazy: imports torch; megapipe --help stays fast
     from megapipe.parallel.distributed import destroy_distributed, init_distributed
     from megapipe.parallel.launch import maybe_launch_torchrun
     from megapipe.posttrain.prune import PruneTargets, ppl, prune_checkpoint
-    from stages.pretrain import ARGV_KEY
 
     rc = maybe_launch_torchrun(["posttrain", "prune", *ctx.meta.get(ARGV_KEY, [])], nproc_per_node, nnodes,
                                node_rank, rdzv_endpoint)

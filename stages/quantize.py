@@ -6,6 +6,9 @@ from typing import Optional
 
 import typer
 
+from stages.common import print_table
+from stages.hf import _progress
+
 
 def quantize(
     ckpt: str = typer.Argument(..., help="Checkpoint (or run directory: its newest checkpoint) to quantize."),
@@ -25,9 +28,8 @@ def quantize(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
 ) -> None:
     """Quantize a checkpoint with NVIDIA ModelOpt (fake-quant; export it with `megapipe export trt`)."""
+    # lazy: imports torch; megapipe --help stays fast
     from megapipe.posttrain.quantize import quantize_checkpoint
-    from stages.common import print_table
-    from stages.hf import _progress
 
     bar, progress = _progress("calibrating", quiet)
     with bar:

@@ -9,6 +9,7 @@ from typing import List, Optional
 
 import typer
 
+from megapipe.errors import ConfigError
 from stages.common import CONFIG_OPTION, SET_OPTION, config_flags
 from stages.pretrain import launch_training, training_config
 
@@ -34,6 +35,7 @@ def rl(
 ) -> None:
     """Reinforcement learning with verifiable rewards (GRPO): rollouts from the in-process engine, rewards from the
     task or your functions, measured train/inference agreement."""
+    # lazy: imports torch; megapipe --help stays fast
     from megapipe.parallel.launch import planned_world_size
     from megapipe.training.recipes.rl import RLRecipe, check_world_size, rl_config
 
@@ -46,8 +48,6 @@ def rl(
 def _config(config, flags, sets, bf16: bool, fp16: bool):
     """The training config with its global batch set to rl.prompts_per_step x rl.group_size before the checks
     that read it (a first pass reads the rl section)."""
-    from megapipe.errors import ConfigError
-
     probe = training_config(config, flags, [*(sets or []), "train.global_batch_size=1", "train.micro_batch_size=1"],
                             bf16, fp16)
     p, g = probe.rl.prompts_per_step, probe.rl.group_size

@@ -6,6 +6,8 @@ from typing import Optional
 
 import typer
 
+from megapipe.errors import MegapipeError
+
 
 def serve(
     model: str = typer.Argument(..., help="Checkpoint directory, run directory (its latest) or Hugging Face model dir."),
@@ -42,8 +44,8 @@ def serve(
     import sys
     from pathlib import Path
 
+    # lazy: imports torch; megapipe --help stays fast
     from megapipe.checkpoint.hf.files import parse_size
-    from megapipe.errors import MegapipeError
 
     if engine not in ("megapipe", "vllm"):
         raise MegapipeError(f"--engine {engine!r} is not one of megapipe, vllm")
@@ -65,6 +67,7 @@ def serve(
     if engine == "vllm":
         import os
 
+        # lazy: imports torch; megapipe --help stays fast
         from megapipe.inference.vllm_engine import hf_dir_for, run_vllm, vllm_command
         from megapipe.inference.vllm_engine import vllm_python as find_python
 
@@ -85,6 +88,7 @@ def serve(
 
     import torch
 
+    # lazy: imports fastapi and torch; megapipe --help stays fast
     from megapipe.inference import LLMEngine
     from megapipe.inference.async_engine import AsyncEngine
     from megapipe.inference.server import ServerConfig, bind, run_server

@@ -9,6 +9,7 @@ from typing import List, Optional
 
 import typer
 
+from megapipe.errors import ConfigError
 from stages.common import CONFIG_OPTION, SET_OPTION, config_flags
 from stages.pretrain import TRAINING_SECTIONS, launch_training, training_config
 
@@ -36,7 +37,7 @@ def sft(
     flags: dict = None,
 ) -> None:
     """Fine-tune on chat, prompt/completion or text records: loss on the assistant's tokens, packing, LoRA."""
-    from megapipe.errors import ConfigError
+    # lazy: imports torch; megapipe --help stays fast
     from megapipe.posttrain.start import posttrain_checkpoints
     from megapipe.training.recipes.sft import SFTRecipe
 

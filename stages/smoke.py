@@ -7,6 +7,8 @@ from typing import List, Optional
 
 import typer
 
+from stages.common import print_table
+
 
 def serve_smoke(
     model: str = typer.Argument(..., help="Checkpoint, run directory or Hugging Face model dir to serve."),
@@ -25,6 +27,7 @@ def serve_smoke(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing but errors."),
 ) -> None:
     """Smoke-test `megapipe serve` on MODEL through the OpenAI client: a completion, a chat completion, SIGTERM."""
+    # lazy: not loaded by megapipe --help, which stays fast
     from megapipe.pipeline.serve_smoke import serve_smoke as run
 
     args = []
@@ -36,7 +39,6 @@ def serve_smoke(
                  echo=None if quiet else typer.echo)
     if quiet:
         return
-    from stages.common import print_table
 
     rows = [("output", output), ("server ready", f"{record['ready_seconds']:.1f} s"),
             ("completion", record["completion"]["prompt"] + record["completion"]["response"]["choices"][0]["text"])]

@@ -6,6 +6,8 @@ from typing import List
 
 import typer
 
+from megapipe.errors import DataError
+from megapipe.fileio import refuse_overlap
 from stages.common import print_table
 
 
@@ -29,10 +31,9 @@ def train(
     import time
     from pathlib import Path
 
+    # lazy: imports numpy; megapipe --help stays fast
     from megapipe.data.readers import expand_inputs, iter_texts
     from megapipe.data.tokenizer import train_tokenizer
-    from megapipe.errors import DataError
-    from megapipe.fileio import refuse_overlap
 
     start = time.perf_counter()
     paths = expand_inputs(input)

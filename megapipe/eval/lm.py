@@ -22,6 +22,7 @@ from lm_eval.api.registry import register_model
 
 from megapipe.errors import MegapipeError
 from megapipe.eval.scoring import max_scored_len, score
+from megapipe.inference import LLMEngine, ParamError, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,6 @@ class MegapipeLM(TemplateLM):
         if engine is None:
             if pretrained is None:
                 raise MegapipeError("the megapipe lm-eval model needs pretrained=CKPT|HF_DIR")
-            from megapipe.inference import LLMEngine
 
             config = {"max_model_len": int(max_model_len)} if max_model_len else {}
             engine = LLMEngine.from_pretrained(pretrained, device=device, dtype=dtype, **config)
@@ -200,8 +200,6 @@ class MegapipeLM(TemplateLM):
 
     def _sampling(self, gen_kwargs: dict):
         from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
-
-        from megapipe.inference import ParamError, SamplingParams
 
         kwargs = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)
         until = handle_stop_sequences(kwargs.pop("until", None), eos=self.tokenizer.decode([self.eot_token_id]))

@@ -13,6 +13,8 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from megapipe.data.indexed import IndexedDataset
+from megapipe.data.sidecar import check_data_tokenizer
 from megapipe.errors import DataError, MegapipeError
 from megapipe.eval.scoring import max_scored_len, score
 
@@ -23,8 +25,6 @@ def window_count(num_tokens: int, seq_length: int) -> int:
 
 def read_windows(prefix: str, seq_length: int, limit: Optional[float], vocab_size: int) -> list[list[int]]:
     """The scoring windows of ``prefix`` (all, the first ``limit`` ones, or that fraction of them when < 1)."""
-    from megapipe.data.indexed import IndexedDataset
-
     data = IndexedDataset(prefix)
     total = window_count(data.num_tokens, seq_length)
     if total == 0:
@@ -59,8 +59,6 @@ def data_perplexity(engine, prefixes: Sequence[str], seq_length: Optional[int] =
         raise MegapipeError(f"--seq-length = {seq_length} must be within [1, {longest}] (the engine's max_model_len "
                             f"{engine.max_model_len} - 2)")
     if check_tokenizer and engine.tokenizer is not None:
-        from megapipe.data.sidecar import check_data_tokenizer
-
         check_data_tokenizer(prefixes, engine.tokenizer, hint="or evaluate the checkpoint the data was made for "
                              "(--allow-tokenizer-mismatch to score it anyway)")
     per_prefix = {}

@@ -15,8 +15,11 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from megapipe.data.paths import bin_path, idx_path
 from megapipe.errors import DataError, MegapipeError
+from megapipe.eval.perplexity import data_perplexity
 from megapipe.eval.tasks import PERPLEXITY, quiet_lm_eval, select_tasks
+from megapipe.fileio import write_text_atomic
 from megapipe.models.capabilities import require
 
 RESULTS_FILE = "results.json"
@@ -56,8 +59,6 @@ def _check_ckpt(ckpt: str | Path) -> None:
 
 
 def _check_prefixes(data_paths: Sequence[str], perplexity: bool) -> list[str]:
-    from megapipe.data.paths import bin_path, idx_path
-
     prefixes = [str(Path(p).expanduser()) for p in data_paths]
     if prefixes and not perplexity:
         raise MegapipeError(f"--data-path {data_paths[0]} is read only by the perplexity task: add perplexity to "
@@ -109,6 +110,7 @@ def run_eval(ckpt: str | Path, tasks: Sequence[str] | str, data_paths: Sequence[
         raise MegapipeError(f"--output {out_dir} exists and is not a directory")
     selection = select_tasks(names, include_paths)  # before the model loads: a bad task fails fast
 
+    # lazy: megapipe.eval.lm imports lm_eval at its top (slow); bad options and tasks fail before
     from megapipe.eval.lm import MegapipeLM
 
     lm = MegapipeLM(pretrained=None if engine is not None else str(ckpt), engine=engine, batch_size=batch_size,
@@ -127,8 +129,6 @@ def run_eval(ckpt: str | Path, tasks: Sequence[str] | str, data_paths: Sequence[
         results = {"results": {}, "versions": {}, "n-shot": {}, "higher_is_better": {}, "configs": {},
                    "n-samples": {}, "config": {}, "date": started}
     if selection.perplexity:
-        from megapipe.eval.perplexity import data_perplexity
-
         ppl = data_perplexity(lm.engine, prefixes, seq_length, limit, batch_size,
                               check_tokenizer=not allow_tokenizer_mismatch)
         _perplexity_results(results, ppl, prefixes, limit)
@@ -147,8 +147,6 @@ def _dumps(obj, indent: Optional[int] = 2) -> str:
 
 def _write(out_dir: Path, results: dict) -> None:
     """results.json (and samples_<task>.jsonl when samples were logged), each renamed into place whole."""
-    from megapipe.fileio import write_text_atomic
-
     samples = results.pop("samples", None) or {}
     texts = {RESULTS_FILE: _dumps(results)}
     for task, rows in samples.items():

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from megapipe.errors import MegapipeError
+from megapipe.inference import SamplingParams
 
 
 @dataclass
@@ -33,8 +34,6 @@ def score(engine, sequences: Sequence[Sequence[int]], num_scored: Sequence[int],
     Sequences go to the engine ``batch_size`` at a time (it batches them continuously); ``progress(n)`` is called
     after each group with the number just scored.
     """
-    from megapipe.inference import SamplingParams
-
     limit = max_scored_len(engine)
     for i, (seq, n) in enumerate(zip(sequences, num_scored, strict=True)):
         if not 1 <= n < len(seq):

@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from megapipe.errors import MegapipeError
+from megapipe.inference.engine import EngineConfig, LLMEngine
+from megapipe.inference.sampling import ParamError, SamplingParams
 
 
 def _engine_for(model, tokenizer, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_ids):
-    from megapipe.inference.engine import EngineConfig, LLMEngine
-
     limit = model.cfg.max_position_embeddings
     for i, p in enumerate(prompts):
         if len(p) == 0:
@@ -30,16 +30,12 @@ def _engine_for(model, tokenizer, prompts: Sequence[Sequence[int]], max_new_toke
 
 
 def _params(max_new_tokens: int, temperature: float, top_k: int, top_p: float, seed: Optional[int], stop=None):
-    from megapipe.inference.sampling import SamplingParams
-
     return SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                           stop=list(stop or []))
 
 
 def _run(engine, prompts, params):
     """engine.generate with the CLI's flag names in parameter errors."""
-    from megapipe.inference.sampling import ParamError
-
     try:
         return engine.generate(prompts, params)
     except ParamError as e:

@@ -15,6 +15,8 @@ import subprocess
 from pathlib import Path
 from typing import Optional
 
+from megapipe.checkpoint.hf import export_hf
+from megapipe.checkpoint.manifest import resolve_checkpoint
 from megapipe.errors import MegapipeError
 
 ENV_PYTHON = "MEGAPIPE_VLLM_PYTHON"
@@ -44,9 +46,6 @@ def vllm_python(given: Optional[str]) -> Path:
 
 def hf_dir_for(path: str, progress=None) -> Path:
     """A Hugging Face directory of ``path``: itself, or the checkpoint's export (cached by checkpoint content)."""
-    from megapipe.checkpoint.hf import export_hf
-    from megapipe.checkpoint.manifest import resolve_checkpoint
-
     p = Path(path).expanduser()
     if (p / "config.json").is_file() and not (p / "megapipe.json").is_file():
         return p

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from megapipe.errors import ConfigError
+from megapipe.models.capabilities import capabilities, describe
 
 # --lora-targets short names -> the block submodules they name, the first a block has (peft's names on the HF
 # side: q_proj ... down_proj). In an MoE block the MLP names are its shared expert's; the router and the routed
@@ -57,8 +58,6 @@ class LoRASpec:
 def present_targets(model_cfg) -> list[str]:
     """The targets a model of ``model_cfg`` has: those its architecture declares (megapipe.models.capabilities),
     less the MLP ones where no layer has a dense MLP (an MoE without a shared expert) and ``up`` in a GELU MLP."""
-    from megapipe.models.capabilities import capabilities
-
     declared = capabilities(model_cfg).lora
     has_mlp = len(model_cfg.moe_layers) < model_cfg.num_layers or bool(model_cfg.moe_shared_expert_intermediate_size)
     return [t for t in TARGETS if t in declared and (t not in MLP or has_mlp)
@@ -67,8 +66,6 @@ def present_targets(model_cfg) -> list[str]:
 
 def parse_targets(text: str, model_cfg) -> tuple[str, ...]:
     """``all-linear`` (every projection the model has) or ``q,k,v,...``; unknown or absent names are errors."""
-    from megapipe.models.capabilities import describe
-
     present = present_targets(model_cfg)
     if text.strip() == "all-linear":
         return tuple(present)

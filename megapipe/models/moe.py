@@ -39,7 +39,7 @@ from torch import nn
 from megapipe import torch_compat
 from megapipe.config import ModelConfig
 from megapipe.models.attention import Attention, DocumentMask
-from megapipe.models.dense import FeedForward, attention_tp_plan
+from megapipe.models.dense import DENSE, FeedForward, attention_tp_plan
 from megapipe.models.norms import build_norm
 from megapipe.models.spec import BlockSpec, register_block
 
@@ -368,8 +368,6 @@ _EXPERTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 def _hf_names(moe: dict[str, str]) -> dict[str, str]:
     """Attention as in the dense Llama-shaped block, plus the MoE layer's names; an ``experts.wN`` tensor [E, ...] is E
     HF tensors, ``{e}`` standing for the expert index (megapipe.checkpoint.hf.moe)."""
-    from megapipe.models.dense import DENSE
-
     attention = {k: v for k, v in DENSE.hf_names["llama"].items() if not k.startswith("feed_forward")}
     return {**attention, **moe}
 

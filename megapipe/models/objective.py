@@ -17,6 +17,8 @@ from typing import Callable, Optional
 
 import torch
 
+from megapipe.models.fused_cross_entropy import fused_linear_cross_entropy
+
 IGNORE_INDEX = -100
 
 
@@ -68,8 +70,6 @@ class TokenCrossEntropy(Loss):
     def __call__(self, out: ModelOutput, batch: dict) -> LossResult:
         targets = loss_targets(batch)
         if out.hidden is not None:
-            from megapipe.models.fused_cross_entropy import fused_linear_cross_entropy
-
             # the kernel's mean keeps its low-precision GEMM operands small; times the count it is the sum
             count = (targets != IGNORE_INDEX).sum()
             mean = fused_linear_cross_entropy(out.hidden, out.output_weight(), targets)

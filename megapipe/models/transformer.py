@@ -19,6 +19,7 @@ from megapipe.config import ModelConfig
 from megapipe.errors import ConfigError
 from megapipe.models.attention import DocumentMask, positions_from_documents
 from megapipe.models.blocks import block_spec
+from megapipe.models.moe import MoE
 from megapipe.models.norms import RMSNorm, build_norm, init_norm
 from megapipe.models.rope import inv_frequencies, rope_cos_sin
 
@@ -113,8 +114,6 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_weights(self) -> None:
         """normal(0, init_std); output projections std / sqrt(2 * num_layers); norms 1, biases 0."""
-        from megapipe.models.moe import MoE
-
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.num_layers)
         for name, module in self.named_modules():

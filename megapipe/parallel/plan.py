@@ -62,6 +62,10 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megapipe.errors import ConfigError
+from megapipe.models import build_model, flops_per_token
+from megapipe.models.spec import spec_for, tp_split_numel
+from megapipe.parallel.dims import ParallelDims
+from megapipe.parallel.pp import layer_split, stage_ids
 
 GB = 1e9
 
@@ -201,9 +205,6 @@ _PARAM_COUNTS: dict[str, ParamCounts] = {}
 
 
 def _count(m) -> ParamCounts:
-    from megapipe.models import build_model
-    from megapipe.models.spec import spec_for, tp_split_numel
-
     model = build_model(m, device="meta")
 
     def numel(module) -> int:
@@ -362,8 +363,6 @@ class RankMemory:
 
 def rank_memory(cfg, dims, seq_length: int, overhead: float = OVERHEAD_BYTES) -> list[RankMemory]:
     """Memory of one rank per pipeline position (ranks at the same pp position are alike)."""
-    from megapipe.parallel.pp import layer_split, stage_ids
-
     m, t = cfg.model, cfg.train
     pc = param_counts(m)
     tp, pp, v = dims.tp, dims.pp, dims.pp_virtual_stages if dims.pp > 1 else 1
@@ -463,8 +462,6 @@ def efficiency(dims, n_micro: int) -> dict:
 
 
 def step_flops(cfg, recompute: Optional[str] = None) -> dict:
-    from megapipe.models import flops_per_token
-
     t, s = cfg.train, cfg.data.seq_length
     tokens = t.global_batch_size * s
     model = flops_per_token(cfg.model, s) * tokens
@@ -530,8 +527,6 @@ def evaluate(cfg, dims, gpu: GpuSpec, mfu: float = DEFAULT_MFU, overhead: float 
 
 def resolve_dims(cfg, gpus: int):
     """The config's own layout for ``gpus`` ranks, validated (ConfigError with the reason when impossible)."""
-    from megapipe.parallel.dims import ParallelDims
-
     if gpus < 1:
         raise ConfigError(f"--gpus = {gpus} must be >= 1")
     if cfg.parallel.tp > GPUS_PER_NODE:
@@ -549,8 +544,6 @@ def _divisors(n: int) -> list[int]:
 def candidate_layouts(cfg, gpus: int):
     """Every valid (dp_replicate, dp_shard, cp, tp, pp, ep) for ``gpus`` ranks: tp <= 8, ParallelDims' rules; ep over
     the divisors of dp_shard (and of the expert count) for an MoE model."""
-    from megapipe.parallel.dims import ParallelDims
-
     p = cfg.parallel
     out = []
     for tp in [d for d in _divisors(gpus) if d <= GPUS_PER_NODE]:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from megapipe.models.moe import moe_layers
+from megapipe.models.objective import ModelOutput
 
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 
@@ -175,8 +176,6 @@ class PipelineModel(nn.Module):
         """The schedule's loss for one pipeline micro-batch: ``rows`` (its target) are the micro-batch's rows of the
         step's batch, so the loss sees every batch key. Keyed by the first row: torch may run the first micro-batch
         once more while it infers shapes, and that result then replaces itself instead of counting twice."""
-        from megapipe.models.objective import ModelOutput
-
         loss, batch, factor, scale_loss = self._step
         rows = rows.to(torch.long)
         mb = {k: v.index_select(0, rows.to(v.device)) for k, v in batch.items()}

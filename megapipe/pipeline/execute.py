@@ -22,10 +22,12 @@ import time
 from pathlib import Path
 from typing import IO, Optional
 
+from megapipe.parallel.distributed import first_slurm_host
 from megapipe.pipeline.plan import Decision
 from megapipe.pipeline.spec import Pipeline
-from megapipe.pipeline.stages import to_argv
+from megapipe.pipeline.stages import latest_checkpoint_step, to_argv
 from megapipe.pipeline.state import DONE, FAILED, LOG_NAME, RUNNING, new_generation, now, read_state, update_state
+from megapipe.plot import plot_runs
 
 GROUP_EXIT_WAIT_S = 120.0  # how long a stopped command's processes get to save and exit before SIGKILL
 
@@ -97,7 +99,6 @@ def _head_node() -> str:
             return out[0]
     except (OSError, subprocess.SubprocessError):
         pass
-    from megapipe.parallel.distributed import first_slurm_host
 
     return first_slurm_host(nodelist)
 
@@ -142,8 +143,6 @@ def run_step(job: dict, echo: Optional[IO[str]] = None) -> dict:
     if stopped_by is not None:
         error = f"interrupted by {stopped_by}"
         if job["training"]:
-            from megapipe.pipeline.stages import latest_checkpoint_step
-
             step = latest_checkpoint_step(Path(out["reference"]))
             error += f" (checkpoint at step {step}; the next run resumes from it)" if step is not None else ""
     else:
@@ -293,8 +292,6 @@ def _plot(metrics: Path, out_dir: Path, label: str, echo: Optional[IO[str]]) -> 
     if not metrics.is_file():
         return
     try:
-        from megapipe.plot import plot_runs
-
         plot_runs([metrics.parent], out_dir, labels=[label])
     except Exception as e:  # a plot must never turn a finished training step into a failed one
         if echo is not None:

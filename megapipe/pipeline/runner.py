@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import IO, Optional
 
 from megapipe.errors import MegapipeError
+from megapipe.pipeline import slurm
 from megapipe.pipeline.execute import command_line, job_spec, run_step
 from megapipe.pipeline.plan import CACHED, RUN, Decision, make_plan
 from megapipe.pipeline.spec import Pipeline
@@ -22,6 +23,7 @@ from megapipe.pipeline.state import (
     RunLock,
     now,
     read_pipeline_record,
+    read_state,
     write_pipeline_record,
 )
 
@@ -78,8 +80,6 @@ def run_pipeline(pipeline: Pipeline, executor: str, start: Optional[str] = None,
         result = RunResult(decisions)
         try:
             if executor == "slurm":
-                from megapipe.pipeline import slurm
-
                 result.job_ids = slurm.submit(pipeline, runs, lambda d: job_spec(pipeline, d, "slurm"), echo)
                 result.ran = list(result.job_ids)
                 if wait:
@@ -102,8 +102,6 @@ def run_pipeline(pipeline: Pipeline, executor: str, start: Optional[str] = None,
 
 
 def _raise_first_failure(pipeline: Pipeline, runs: list[Decision]) -> None:
-    from megapipe.pipeline.state import read_state
-
     for d in runs:
         rec = read_state(pipeline.step_dir(d.name)) or {}
         if rec.get("state") != DONE:
@@ -124,10 +122,8 @@ def active(rec: Optional[dict]) -> Optional[str]:
         return None
     job_id = rec.get("job_id")
     if job_id and shutil.which("squeue"):
-        from megapipe.pipeline.slurm import ACTIVE, job_states
-
-        state = job_states([job_id]).get(job_id, ("", ""))[0]
-        return f"{rec['state']} as Slurm job {job_id} ({state})" if state in ACTIVE else None
+        state = slurm.job_states([job_id]).get(job_id, ("", ""))[0]
+        return f"{rec['state']} as Slurm job {job_id} ({state})" if state in slurm.ACTIVE else None
     if rec.get("host") != socket.gethostname():
         return None
     for key in ("pid", "child_pid"):  # the pipeline process, and the command it started
@@ -164,9 +160,7 @@ def status_rows(pipeline: Pipeline) -> list[StatusRow]:
     job_ids = [d.record["job_id"] for d in decisions if d.record and d.record.get("job_id")
                and d.record.get("state") in (QUEUED, RUNNING)]
     if job_ids and shutil.which("squeue"):
-        from megapipe.pipeline.slurm import job_states as query
-
-        job_states = query(job_ids)
+        job_states = slurm.job_states(job_ids)
     rows = []
     for d in decisions:
         rec = d.record or {}
@@ -188,10 +182,8 @@ def _state_of(d: Decision, rec: dict, last: dict, job_states: dict) -> tuple[str
     if state in (QUEUED, RUNNING):
         job_id = rec.get("job_id")
         if job_id and job_id in job_states:
-            from megapipe.pipeline.slurm import ACTIVE
-
             js, reason = job_states[job_id]
-            if js in ACTIVE:
+            if js in slurm.ACTIVE:
                 return ("running" if js in ("RUNNING", "COMPLETING") else "queued"), (reason if reason != "None"
                                                                                      else "")
             return FAILED, f"Slurm job ended as {js}" + (f" ({reason})" if reason not in ("", "None") else "")

@@ -21,7 +21,7 @@ from typing import Optional
 
 from megapipe.errors import MegapipeError
 from megapipe.fileio import write_text_atomic
-from megapipe.pipeline.state import FAILED, QUEUED, now, update_state
+from megapipe.pipeline.state import DONE, FAILED, QUEUED, now, read_state, update_state
 
 ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING", "SIGNALING",
           "STAGE_OUT", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "STOPPED"}
@@ -152,7 +152,6 @@ def wait(pipeline, ids: dict[str, str], echo, poll_s: float = 2.0, timeout_s: Op
         if deadline is not None and time.monotonic() > deadline:
             raise MegapipeError(f"Slurm jobs still running after {timeout_s:.0f} s: {', '.join(ids.values())}")
         time.sleep(poll_s)
-    from megapipe.pipeline.state import DONE, read_state
 
     for name, job_id in ids.items():
         rec = read_state(pipeline.step_dir(name)) or {}

@@ -67,6 +67,7 @@ def output_complete(out: Output, reference: str) -> bool:
         return p.is_dir() and (p / out.complete).is_file() if out.complete else p.is_dir() and any(p.iterdir())
     if out.kind == "prefix":
         return Path(reference + ".bin").is_file() and Path(reference + ".idx").is_file()
+    # lazy: megapipe.checkpoint imports torch, and the CLI imports this module (megapipe --help stays fast)
     from megapipe.checkpoint import find_latest, is_complete
 
     if out.kind == "run":
@@ -76,6 +77,7 @@ def output_complete(out: Output, reference: str) -> bool:
 
 def latest_checkpoint_step(run_dir: Path) -> Optional[int]:
     """The step of the newest complete checkpoint in a run directory (None when there is none)."""
+    # lazy: megapipe.checkpoint imports torch, and the CLI imports this module (megapipe --help stays fast)
     from megapipe.checkpoint import find_latest, read_manifest
 
     if not run_dir.is_dir():

@@ -33,9 +33,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megapipe.checkpoint import resolve_checkpoint, write_checkpoint
+from megapipe.checkpoint.hf.base import adapter_for_arch
+from megapipe.checkpoint.load import load_model
 from megapipe.config import ModelConfig
-from megapipe.errors import ConfigError
+from megapipe.data.gpt_dataset import build_gpt_datasets
+from megapipe.data.indexed import exists
+from megapipe.data.sft import ChatEncoder
+from megapipe.data.sft_dataset import build_sft_datasets, prepare_sft_index
+from megapipe.data.tokenizer import load_tokenizer
+from megapipe.errors import CheckpointError, ConfigError, MegapipeError
+from megapipe.fileio import refuse_overlap
+from megapipe.models import build_model, count_params
 from megapipe.models.capabilities import require
+from megapipe.models.objective import IGNORE_INDEX, loss_targets
+from megapipe.parallel.step import model_kwargs
 
 SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "num_layers")
 FLAGS = {"hidden_size": "--hidden", "intermediate_size": "--ffn", "num_heads": "--heads", "num_kv_heads": "--kv-heads",
@@ -56,8 +68,6 @@ class PruneTargets:
 
 
 def param_count(cfg: ModelConfig) -> int:
-    from megapipe.models import build_model, count_params
-
     return count_params(build_model(cfg, device="meta"))
 
 
@@ -117,9 +127,6 @@ def _keep_head_dim(old: ModelConfig, new: ModelConfig) -> ModelConfig:
 
 def _check_expressible(old: ModelConfig, new: ModelConfig, t: PruneTargets) -> None:
     """The architecture's own head_dim rule (GPT-2: head_dim = hidden / heads) must still hold."""
-    from megapipe.checkpoint.hf.base import adapter_for_arch
-    from megapipe.errors import MegapipeError
-
     try:
         adapter = adapter_for_arch(new.arch)
     except MegapipeError:
@@ -238,8 +245,6 @@ class Importance:
 
 
 def _forward(model, batch):
-    from megapipe.parallel.step import model_kwargs
-
     return model(batch["tokens"], **model_kwargs(batch))
 
 
@@ -313,8 +318,6 @@ class _Skip(nn.Module):
 @torch.no_grad()
 def loss_of(model: nn.Module, batches: list[dict]) -> float:
     """Token-weighted next-token cross-entropy over ``batches`` (loss_mask honoured), summed over ranks."""
-    from megapipe.models.objective import IGNORE_INDEX, loss_targets
-
     sums = torch.zeros(2, dtype=torch.float64)
     for b in batches:
         logits = _forward(model, b).float()
@@ -380,8 +383,6 @@ def _rows(idx: torch.Tensor, size: int) -> torch.Tensor:
 @torch.no_grad()
 def slice_model(model: nn.Module, new_cfg: ModelConfig, keep: Keep) -> nn.Module:
     """A new model of ``new_cfg`` holding the kept slices of ``model``'s weights (same device and dtype)."""
-    from megapipe.models import build_model
-
     p = next(model.parameters())
     new = build_model(new_cfg, device="meta").to_empty(device=p.device).to(p.dtype)
     old_state, h, hd = model.state_dict(), keep.hidden, model.cfg.dim_per_head
@@ -453,15 +454,11 @@ def prune_batches(data: str, ckpt_tokenizer, seq_length: int, calib_samples: int
     splits of GPT samples) or SFT records (packed conversations; validation on their trained tokens)."""
     import numpy as np
 
-    from megapipe.data.indexed import exists
-
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     if calib_samples < 1 or valid_samples < 0:
         raise ConfigError(f"--calib-samples {calib_samples} must be >= 1 and --valid-samples {valid_samples} >= 0")
     wanted = {"train": calib_samples, "valid": valid_samples}
     if exists(data):
-        from megapipe.data.gpt_dataset import build_gpt_datasets
-
         ds = build_gpt_datasets([data], split, seq_length, wanted, seed, cache_dir)
 
         def sample(d, i):
@@ -471,9 +468,6 @@ def prune_batches(data: str, ckpt_tokenizer, seq_length: int, calib_samples: int
         if ckpt_tokenizer is None:
             raise ConfigError(f"--calib-data {data} is not a .bin/.idx prefix, and records need the checkpoint's "
                               "tokenizer, which it does not hold")
-        from megapipe.data.sft import ChatEncoder
-        from megapipe.data.sft_dataset import build_sft_datasets, prepare_sft_index
-        from megapipe.data.tokenizer import load_tokenizer
 
         encoder = ChatEncoder(ckpt_tokenizer, chat_template)
         index = prepare_sft_index([data], encoder, cache_dir=cache_dir)
@@ -508,11 +502,6 @@ def prune_checkpoint(ckpt, output, targets: PruneTargets, calib_data: str, calib
     """Prune checkpoint ``ckpt`` to ``targets`` and write the result at ``output`` (stage ``prune``, parent
     ``ckpt``); returns the summary: shapes, parameters and validation loss before and after."""
     from pathlib import Path
-
-    from megapipe.checkpoint import resolve_checkpoint, write_checkpoint
-    from megapipe.checkpoint.load import load_model
-    from megapipe.errors import CheckpointError
-    from megapipe.fileio import refuse_overlap
 
     given, output = Path(ckpt).expanduser(), Path(output).expanduser()
     ckpt = resolve_checkpoint(given)

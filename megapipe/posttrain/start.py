@@ -13,6 +13,7 @@ import dataclasses
 from pathlib import Path
 from typing import Optional
 
+from megapipe.checkpoint import find_latest, read_manifest, resolve_checkpoint
 from megapipe.config import Config
 from megapipe.errors import ConfigError
 
@@ -20,8 +21,6 @@ START_KEY = "posttrain_start"
 
 
 def _resolved(path) -> str:
-    from megapipe.checkpoint import resolve_checkpoint
-
     return str(resolve_checkpoint(Path(path).expanduser()).absolute())
 
 
@@ -34,8 +33,6 @@ def recorded_start(manifest: dict) -> Optional[str]:
 def posttrain_checkpoints(cfg: Config, parent: Optional[str], stage: str) -> Config:
     """``cfg`` with checkpoint.load / finetune set: resume ``--save`` when it holds a complete checkpoint of this
     stage started from ``parent``, else load ``parent``'s weights only (None: a model initialised from scratch)."""
-    from megapipe.checkpoint import find_latest, read_manifest
-
     c = cfg.checkpoint
     latest = find_latest(c.save) if c.save is not None and Path(c.save).is_dir() else None
     if latest is None:
@@ -54,8 +51,6 @@ def posttrain_checkpoints(cfg: Config, parent: Optional[str], stage: str) -> Con
 
 def start_of(resume: Optional[Path], parent: Optional[Path]) -> Optional[str]:
     """The checkpoint a run started from: the one its resumed checkpoint records, else its parent."""
-    from megapipe.checkpoint import read_manifest
-
     if resume is not None:
         return recorded_start(read_manifest(resume))
     return str(parent.absolute()) if parent is not None else None

@@ -13,7 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from megapipe.checkpoint import find_latest, read_manifest, resolve_checkpoint
+from megapipe.checkpoint.dcp import checkpoint_tokenizer
 from megapipe.config import CheckpointConfig, Config, ModelConfig, check_seq_length, from_dict
+from megapipe.data.tokenizer import load_tokenizer
 from megapipe.errors import ConfigError
 
 
@@ -66,7 +69,6 @@ def find_checkpoint(c: CheckpointConfig) -> tuple[Optional[Path], Optional[Path]
     """(checkpoint to resume from, checkpoint the run descends from); --finetune resumes nothing."""
     if c.load is None:
         return None, None
-    from megapipe.checkpoint import find_latest, resolve_checkpoint
 
     ckpt = find_latest(c.load) if Path(c.load).exists() else None
     if ckpt is None and c.save is not None and Path(c.load).absolute() == Path(c.save).absolute():
@@ -79,19 +81,14 @@ def base_model_config(m: ModelConfig, parent: Optional[Path]) -> ModelConfig:
     """Loading a checkpoint with no model given (no preset, defaults untouched): take its model config."""
     if parent is None or m != ModelConfig():
         return m
-    from megapipe.checkpoint import read_manifest
 
     return from_dict(ModelConfig, read_manifest(parent)["model"], "model.")
 
 
 def _tokenizer(cfg: Config, parent: Optional[Path], private_copy: bool):
     """--tokenizer, else the one inside the checkpoint the run descends from, else none."""
-    from megapipe.data.tokenizer import load_tokenizer
-
     path, keep = cfg.data.tokenizer, None
     if path is None and parent is not None:
-        from megapipe.checkpoint.dcp import checkpoint_tokenizer
-
         path = checkpoint_tokenizer(parent)  # None when it has none; a damaged file is named
     if path is not None and cfg.data.tokenizer is None:
         if private_copy:  # pruning old checkpoints (keep_last) may delete this one while the run copies from it

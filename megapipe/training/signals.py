@@ -8,6 +8,8 @@ from __future__ import annotations
 import signal
 import threading
 
+from megapipe.parallel.distributed import any_rank
+
 
 class StopRequest:
     def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
@@ -38,6 +40,4 @@ class StopRequest:
     def requested(self, local: bool = False) -> bool:
         """True on every rank when any rank got a signal or has ``local`` set (ranks must stop at the same step to
         save together)."""
-        from megapipe.parallel.distributed import any_rank
-
         return any_rank(self.received is not None or local)

@@ -26,15 +26,22 @@ from typing import Optional
 import numpy as np
 import torch
 
+from megapipe.checkpoint import load_checkpoint, save_checkpoint
 from megapipe.config import Config, to_dict
 from megapipe.errors import DataError, MegapipeError
 from megapipe.models import build_model, count_params, flops_per_token
 from megapipe.models.capabilities import STAGES, requested_layouts, require
+from megapipe.parallel.distributed import init_distributed
+from megapipe.parallel.ep import update_expert_biases
+from megapipe.parallel.parallelize import parallelize_model, setup_parallel
+from megapipe.parallel.step import clip_grad_norm_, eval_step, train_step
 from megapipe.training.cpu_memory import keep_freed_memory
 from megapipe.training.lr import LRSchedule
 from megapipe.training.metrics import MetricsLogger, Window, device_peak_flops, mfu
 from megapipe.training.optim import build_optimizer, set_lr
 from megapipe.training.precision import DynamicLossScaler, autocast
+from megapipe.training.recipes import PretrainRecipe, RunContext
+from megapipe.training.run import resolve_run
 from megapipe.training.signals import StopRequest
 
 
@@ -81,11 +88,6 @@ class Trainer:
 
     def __init__(self, cfg: Config, recipe=None, quiet: bool = False, with_data: bool = True):
         """``with_data=False`` builds model, optimizer and step only (benchmarks and tools feed their own batches)."""
-        from megapipe.parallel.distributed import init_distributed
-        from megapipe.parallel.parallelize import setup_parallel
-        from megapipe.training.recipes import PretrainRecipe, RunContext
-        from megapipe.training.run import resolve_run
-
         self.recipe = recipe if recipe is not None else PretrainRecipe()
         self.dist = init_distributed(cfg)
         self.device = torch.device(self.dist.device)
@@ -146,8 +148,6 @@ class Trainer:
         return self.loss.fusable and d.tp == d.pp == d.cp == 1
 
     def _build_model(self):
-        from megapipe.parallel.parallelize import parallelize_model
-
         model = build_model(self.cfg.model, device=self.device, seed=self.cfg.train.seed)
         model = self.recipe.prepare_model(self.ctx, model)
         return parallelize_model(model, self.dims, self.cfg, device=self.device)
@@ -156,7 +156,6 @@ class Trainer:
         """Restore from --load; returns the data state (empty for a new run or --finetune)."""
         if self.parent_ckpt is None:
             return {}
-        from megapipe.checkpoint import load_checkpoint
 
         if self.resume_ckpt is None:  # --finetune: weights only, a new run
             self.recipe.load_weights(self.ctx, self.model, self.parent_ckpt)
@@ -199,8 +198,6 @@ class Trainer:
 
     def train_step(self, microbatches: list[dict]) -> dict:
         """Accumulate gradients over the micro-batches, then one update unless the loss or gradients are non-finite."""
-        from megapipe.parallel.step import clip_grad_norm_, train_step
-
         scale = self.scaler.scale_loss if self.scaler else None
         result = train_step(self.model, microbatches, self.dims, self.loss, self.ctx.autocast, scale,
                             fused=self.fused_loss)
@@ -226,8 +223,6 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if result.expert_load:  # aux-loss-free MoE balancing: once per global batch, after the update
-            from megapipe.parallel.ep import update_expert_biases
-
             update_expert_biases(self.model, result.expert_load)
         self.state.updates += 1
         return out
@@ -356,7 +351,6 @@ class Trainer:
         it = self.recipe.eval_data(self.ctx, split)
         if it is None:
             return {}
-        from megapipe.parallel.step import eval_step
 
         total = units = 0.0
         for _ in range(self.cfg.train.eval_iters):
@@ -376,7 +370,6 @@ class Trainer:
         ckpt = self.cfg.checkpoint
         if ckpt.save is None:
             return None
-        from megapipe.checkpoint import save_checkpoint
 
         state = self.state.state_dict()
         state["trainer_state"].update(schedule=self.schedule.state_dict(),

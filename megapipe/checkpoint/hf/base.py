@@ -16,6 +16,7 @@ import torch
 
 from megapipe.config import ModelConfig
 from megapipe.errors import ConfigError, MegapipeError
+from megapipe.models import build_model
 
 Tensors = list[torch.Tensor]
 
@@ -187,8 +188,6 @@ def rope_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 def meta_state_keys(cfg: ModelConfig) -> list[str]:
     """The megapipe model's state-dict keys for ``cfg`` (built on the meta device: no memory)."""
-    from megapipe.models import build_model
-
     return list(build_model(cfg, device="meta").state_dict().keys())
 
 

@@ -37,6 +37,7 @@ from megapipe.checkpoint.manifest import make_tmp_dir, read_manifest, resolve_ch
 from megapipe.checkpoint.safe_dcp import read_metadata
 from megapipe.config import ModelConfig, from_dict
 from megapipe.data.readers import first_line
+from megapipe.data.tokenizer import load_tokenizer
 from megapipe.errors import CheckpointError, MegapipeError
 from megapipe.fileio import refuse_overlap, replace_dir
 from megapipe.models import build_model
@@ -78,8 +79,6 @@ def read_hf_config(hf_dir: Path) -> tuple[Adapter, ModelConfig, dict[str, Any]]:
 
 
 def _tokenizer(path: Path, cfg: ModelConfig, where: str):
-    from megapipe.data.tokenizer import load_tokenizer
-
     tok = load_tokenizer(path)
     if tok.vocab_size > cfg.vocab_size:
         raise MegapipeError(

@@ -21,6 +21,7 @@ from megapipe.checkpoint.hf.base import adapter_for_arch
 from megapipe.checkpoint.manifest import make_tmp_dir, read_manifest, resolve_checkpoint
 from megapipe.checkpoint.safe_dcp import read_metadata
 from megapipe.config import ModelConfig, from_dict
+from megapipe.data.tokenizer import load_tokenizer
 from megapipe.errors import MegapipeError
 from megapipe.models.lora import TARGETS, LoRASpec, adapter_names, is_adapter, present_targets
 
@@ -77,8 +78,6 @@ def write_peft_adapter(ckpt, out_dir, overwrite: bool = False, tokenizer_dir: Op
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         tok = tokenizer_dir if tokenizer_dir is not None else ckpt / "tokenizer"
         if Path(tok).is_dir():
-            from megapipe.data.tokenizer import load_tokenizer
-
             load_tokenizer(tok).save(tmp)
         if out_dir.exists():
             shutil.rmtree(out_dir)

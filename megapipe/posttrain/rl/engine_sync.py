@@ -22,6 +22,9 @@ from typing import Optional
 import torch
 
 from megapipe.errors import MegapipeError
+from megapipe.inference.engine import EngineConfig, LLMEngine
+from megapipe.inference.runner import packed_parts
+from megapipe.models import build_model
 
 
 class WeightSyncError(MegapipeError):
@@ -39,9 +42,6 @@ def full_state_dict(model) -> dict[str, torch.Tensor]:
 def build_engine(model_cfg, tokenizer, eos_token_ids, dtype: torch.dtype, device, max_num_seqs: int,
                  max_model_len: int, state: dict):
     """An LLMEngine for ``model_cfg`` holding ``state`` (through load_weights, as every later sync)."""
-    from megapipe.inference.engine import EngineConfig, LLMEngine
-    from megapipe.models import build_model
-
     model = build_model(model_cfg, device="meta").to_empty(device=device).to(dtype)
     model.load_state_dict({k: v.to(device, dtype) for k, v in state.items()}, strict=True)
     bs = 16
@@ -54,8 +54,6 @@ def build_engine(model_cfg, tokenizer, eos_token_ids, dtype: torch.dtype, device
 def engine_weights(engine):
     """What the engine computes with, one tensor at a time, under the model's state-dict names (``<head>`` for its
     output projection): (name, tensor) pairs; a packed matmul is read back (``to_dense``) only when reached."""
-    from megapipe.inference.runner import packed_parts
-
     runner = engine.runner
     yield from runner.model.state_dict().items()
     for linear, weights, biases, sizes in packed_parts(runner.model):

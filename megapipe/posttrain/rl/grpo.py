@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from megapipe.models.objective import Loss, LossResult, ModelOutput
+from megapipe.posttrain.rl.logprobs import logits_logprobs, token_logprobs
 
 EPS = 1e-4
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
@@ -200,8 +201,6 @@ def masked_logprobs(out: ModelOutput, labels: torch.Tensor, mask: torch.Tensor, 
                     chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """log softmax(z / T)[label] and the entropy at the positions where ``mask`` is set, from the model's hidden
     states (chunked through the output projection) or from its logits."""
-    from megapipe.posttrain.rl.logprobs import logits_logprobs, token_logprobs
-
     targets = labels[mask]
     if out.hidden is not None:
         return token_logprobs(out.hidden[mask], out.output_weight(), targets, temperature, chunk)

@@ -45,6 +45,10 @@ import torch
 import torch.distributed as dist
 
 from megapipe.errors import MegapipeError
+from megapipe.inference.sampling import SamplingParams
+from megapipe.models.objective import ModelOutput
+from megapipe.parallel.step import model_kwargs
+from megapipe.posttrain.rl.engine_sync import full_state_dict
 from megapipe.posttrain.rl.grpo import MismatchMeter, degenerate_groups, group_advantages, masked_logprobs
 from megapipe.posttrain.rl.rewards import score, weighted
 
@@ -216,9 +220,6 @@ def sequence_logprobs(model, mb: dict, mask, temperatures, chunk: int) -> list[t
     """The model's log-probs of the micro-batch's ``labels`` where ``mask`` is set, once per temperature; the output
     projection runs inside the model's forward (``head``: FSDP holds the whole output weight there), chunk by
     chunk. ``mb``: tensors on the model's device."""
-    from megapipe.models.objective import ModelOutput
-    from megapipe.parallel.step import model_kwargs
-
     def head(hidden, weight):
         out = ModelOutput(hidden=hidden, output_weight=lambda: weight)
         return [masked_logprobs(out, mb["labels"], mask, t, chunk)[0] for t in temperatures]
@@ -271,15 +272,11 @@ class RolloutWorker:
         return [self.task.prompt(i) for i in range(start, start + per)]
 
     def sampling_params(self):
-        from megapipe.inference.sampling import SamplingParams
-
         r = self.rl
         return SamplingParams(n=r.group_size, max_tokens=r.max_completion_tokens, min_tokens=r.min_completion_tokens,
                               temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, logprobs=0)
 
     def rollout(self, first_index: int, num_microbatches: int) -> tuple[list[dict], dict]:
-        from megapipe.posttrain.rl.engine_sync import full_state_dict
-
         rl, G = self.rl, self.rl.group_size
         prompts = self.prompts(first_index)
         prompt_ids = [self.renderer.encode(p.prompt, p.where) for p in prompts]

@@ -28,6 +28,7 @@ from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 
+from megapipe.checkpoint import load_checkpoint
 from megapipe.config import Config
 from megapipe.models.objective import Loss, TokenCrossEntropy
 from megapipe.parallel.dims import ParallelDims
@@ -69,8 +70,6 @@ class Recipe:
 
     def load_weights(self, ctx: RunContext, model, ckpt) -> None:
         """A new run from ``ckpt`` (--finetune): its weights into ``model``, no optimizer or RNG state."""
-        from megapipe.checkpoint import load_checkpoint
-
         load_checkpoint(ckpt, model, optimizer=None, load_optim=False, load_rng=False)
 
     def train_data(self, ctx: RunContext, model, state: dict) -> Iterator[dict]:

@@ -15,10 +15,18 @@ from typing import Optional
 
 import torch
 
+from megapipe.checkpoint import read_manifest, resolve_checkpoint
+from megapipe.checkpoint.load import load_model
+from megapipe.data.tokenizer import tokenizer_files
 from megapipe.errors import ConfigError
 from megapipe.models.objective import IGNORE_INDEX, LossResult, ModelOutput, loss_targets
 from megapipe.models.objective import Loss as LossBase
+from megapipe.parallel.step import model_kwargs
+from megapipe.posttrain.distill_losses import KDSpec, distill_fused, distill_logits
+from megapipe.posttrain.start import START_KEY, start_of
 from megapipe.training.recipes.base import Recipe, RunContext
+from megapipe.training.recipes.pretrain import PretrainRecipe
+from megapipe.training.recipes.sft import SFTRecipe
 
 
 class DistillLoss(LossBase):
@@ -37,8 +45,6 @@ class DistillLoss(LossBase):
     @torch.no_grad()
     def teacher_states(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The teacher's final hidden states [tokens, H_t] and its output weight [V, H_t] (gathered when sharded)."""
-        from megapipe.parallel.step import model_kwargs
-
         kwargs = model_kwargs(batch)
         tokens = batch["tokens"]
         dev = tokens.device.type
@@ -52,8 +58,6 @@ class DistillLoss(LossBase):
         return hidden.flatten(0, 1), weight
 
     def __call__(self, out: ModelOutput, batch: dict) -> LossResult:
-        from megapipe.posttrain.distill_losses import distill_fused, distill_logits
-
         targets = loss_targets(batch).flatten()
         weights = (targets != IGNORE_INDEX).float()
         labels = torch.where(targets == IGNORE_INDEX, 0, targets)
@@ -75,15 +79,11 @@ class DistillLoss(LossBase):
 def _vocab(path) -> dict:
     from tokenizers import Tokenizer
 
-    from megapipe.data.tokenizer import tokenizer_files
-
     return Tokenizer.from_file(str(tokenizer_files(path)[0])).get_vocab(with_added_tokens=True)
 
 
 def check_same_vocabulary(teacher_ckpt: Path, student_vocab_size: int, student_tokenizer) -> None:
     """A teacher with another vocabulary size or tokenizer than the student's is refused, naming both."""
-    from megapipe.checkpoint import read_manifest
-
     model = read_manifest(teacher_ckpt).get("model") or {}
     tv = model.get("vocab_size")
     if tv != student_vocab_size:
@@ -110,17 +110,12 @@ class DistillRecipe(Recipe):
     stage = "distill"
 
     def __init__(self, distill_cfg, quiet: bool = False):
-        from megapipe.posttrain.distill_losses import KDSpec
-
         self.quiet = quiet
         self._data: Optional[Recipe] = None
         self._loss = DistillLoss(KDSpec.from_config(distill_cfg))
 
     def data_recipe(self, cfg) -> Recipe:
         if self._data is None:
-            from megapipe.training.recipes.pretrain import PretrainRecipe
-            from megapipe.training.recipes.sft import SFTRecipe
-
             if cfg.data.data_path and cfg.sft.data:
                 raise ConfigError("give --data-path (pretraining data) or --data (SFT records), not both")
             self._data = SFTRecipe(self.quiet) if cfg.sft.data else PretrainRecipe()
@@ -130,8 +125,6 @@ class DistillRecipe(Recipe):
         return self.data_recipe(cfg).packed_sequences(cfg)
 
     def check(self, run) -> None:
-        from megapipe.checkpoint import resolve_checkpoint
-
         cfg = run.cfg
         kd = cfg.distill
         if kd.teacher is None:
@@ -146,8 +139,6 @@ class DistillRecipe(Recipe):
         teacher = resolve_checkpoint(kd.teacher)
         check_same_vocabulary(teacher, run.model.vocab_size, run.tokenizer)
         if run.resume is not None:
-            from megapipe.checkpoint import read_manifest
-
             before = (read_manifest(run.resume).get("distill") or {}).get("teacher")
             if before is not None and before != str(teacher.absolute()):
                 raise ConfigError(f"{run.resume} was distilled from teacher {before}, not {teacher}: resume with that "
@@ -163,9 +154,6 @@ class DistillRecipe(Recipe):
         return self.data_recipe(ctx.cfg).prepare_model(ctx, model)
 
     def build_teacher(self, ctx: RunContext):
-        from megapipe.checkpoint import resolve_checkpoint
-        from megapipe.checkpoint.load import load_model
-
         kd = ctx.cfg.distill
         dtype = torch.bfloat16 if kd.teacher_precision == "bf16" else None
         teacher = load_model(resolve_checkpoint(kd.teacher), device=ctx.device, dtype=dtype).model
@@ -187,9 +175,6 @@ class DistillRecipe(Recipe):
         return self.data_recipe(ctx.cfg).eval_data(ctx, split)
 
     def manifest(self, ctx: RunContext) -> dict:
-        from megapipe.checkpoint import resolve_checkpoint
-        from megapipe.posttrain.start import START_KEY, start_of
-
         kd = ctx.cfg.distill
         data = self.data_recipe(ctx.cfg).manifest(ctx)
         return {**data, START_KEY: start_of(ctx.resume, ctx.parent), "distill": {

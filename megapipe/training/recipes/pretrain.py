@@ -9,7 +9,12 @@ from typing import Optional
 
 import torch
 
+from megapipe.config import parse_data_path
+from megapipe.data.gpt_dataset import build_gpt_datasets, parse_split
+from megapipe.data.loader import PretrainingLoader
+from megapipe.data.sidecar import check_data_tokenizer
 from megapipe.errors import ConfigError
+from megapipe.models.attention import positions_from_documents
 from megapipe.training.recipes.base import Recipe, RunContext
 
 
@@ -23,8 +28,6 @@ def split_at_eod(batch: dict, eod_id: int, reset_positions: bool, reset_attentio
     if reset_attention:
         out["document_ids"] = doc
     if reset_positions:
-        from megapipe.models.attention import positions_from_documents
-
         out["position_ids"] = positions_from_documents(doc)
     if mask_loss:
         out["loss_mask"] = ~is_eod
@@ -45,9 +48,6 @@ class PretrainRecipe(Recipe):
         if not d.data_path:
             raise ConfigError("data.data_path (--data-path) is not set: give the PREFIX of a .bin/.idx pair")
         if run.tokenizer is not None and not d.allow_tokenizer_mismatch:
-            from megapipe.config import parse_data_path
-            from megapipe.data import check_data_tokenizer
-
             check_data_tokenizer(parse_data_path(d.data_path)[0], run.tokenizer)
         if (d.reset_attention_mask or d.reset_position_ids or d.eod_mask_loss) and (
             run.tokenizer is None or run.tokenizer.eod_id is None
@@ -59,8 +59,6 @@ class PretrainRecipe(Recipe):
 
     def datasets(self, ctx: RunContext) -> dict:
         if self._datasets is None:
-            from megapipe.data.gpt_dataset import build_gpt_datasets, parse_split
-
             d, t = ctx.cfg.data, ctx.cfg.train
             gbs = t.global_batch_size
             has_valid = parse_split(d.split)[1] > 0
@@ -69,8 +67,6 @@ class PretrainRecipe(Recipe):
         return self._datasets
 
     def _loader(self, ctx: RunContext, dataset, consumed: int = 0):
-        from megapipe.data.loader import PretrainingLoader
-
         t, d = ctx.cfg.train, ctx.cfg.data
         loader = PretrainingLoader(dataset, t.micro_batch_size, t.global_batch_size, ctx.dims.dp_rank,
                                    ctx.dims.dp_size, consumed)

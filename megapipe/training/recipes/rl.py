@@ -31,9 +31,20 @@ from typing import Optional
 
 import torch
 
-from megapipe.errors import ConfigError
+from megapipe.checkpoint import load_checkpoint, read_manifest, resolve_checkpoint
+from megapipe.checkpoint.load import eos_ids_of
+from megapipe.data.chat_template import load_chat_template
+from megapipe.dtypes import PRECISION_DTYPES
+from megapipe.errors import CheckpointError, ConfigError
+from megapipe.models import build_model
+from megapipe.posttrain.rl.engine_sync import build_engine, full_state_dict, sync_engine
+from megapipe.posttrain.rl.grpo import GRPOLoss, GRPOSettings, MismatchMeter
+from megapipe.posttrain.rl.rewards import build_rewards
+from megapipe.posttrain.rl.rollout import PromptRenderer, RolloutWorker
+from megapipe.posttrain.rl.tasks import build_task
 from megapipe.posttrain.start import START_KEY, posttrain_checkpoints, start_of
 from megapipe.training.recipes.base import Recipe, RunContext
+from megapipe.training.run import base_model_config
 
 STAGE = "rl"
 TRAIN_KEYS = ("tokens", "labels", "completion_mask", "old_logprobs", "ref_logprobs", "advantages", "document_ids",
@@ -56,9 +67,6 @@ def rl_config(cfg):
 
 def _check_length(cfg, ckpt) -> None:
     """Prompt + completion within the model's position limit, said in the rl section's terms."""
-    from megapipe.checkpoint import resolve_checkpoint
-    from megapipe.training.run import base_model_config
-
     r = cfg.rl
     model = base_model_config(cfg.model, resolve_checkpoint(Path(ckpt).expanduser()))
     limit = model.max_position_embeddings
@@ -77,8 +85,6 @@ def check_world_size(cfg, world_size: int) -> None:
 
 
 def _dtype(rl, precision: str) -> torch.dtype:
-    from megapipe.dtypes import PRECISION_DTYPES
-
     return PRECISION_DTYPES[rl.rollout_dtype or precision]
 
 
@@ -87,8 +93,6 @@ class RLRecipe(Recipe):
     empty_batches = True
 
     def __init__(self, rl):
-        from megapipe.posttrain.rl.grpo import MismatchMeter
-
         self.rl = rl
         self.stream: Optional[RolloutStream] = None
         # one update per batch: the loss measures the mismatch in the training forward, checked before the update
@@ -97,8 +101,6 @@ class RLRecipe(Recipe):
         self._start_hf: Optional[dict] = None
 
     def loss(self):
-        from megapipe.posttrain.rl.grpo import GRPOLoss, GRPOSettings
-
         r = self.rl
         return GRPOLoss(GRPOSettings(r.clip_low, r.clip_high, r.kl_coef, r.kl_estimator, r.loss_aggregation,
                                      r.temperature, r.logprob_chunk), self.meter)
@@ -130,11 +132,6 @@ class RLRecipe(Recipe):
 
     def parts(self, cfg, tokenizer, seed: int):
         """(task, rewards, renderer) of the run; each mistake in them is a ConfigError / DataError naming it."""
-        from megapipe.data.chat_template import load_chat_template
-        from megapipe.posttrain.rl.rewards import build_rewards
-        from megapipe.posttrain.rl.rollout import PromptRenderer
-        from megapipe.posttrain.rl.tasks import build_task
-
         r = cfg.rl
         task = build_task(r, seed)
         rewards = build_rewards(r.reward, task, r.format_regex)
@@ -144,8 +141,6 @@ class RLRecipe(Recipe):
     def start_checkpoint(self, ctx: RunContext) -> str:
         """The checkpoint this run started from (carried over in the resumed checkpoint's manifest), and the
         ``hf`` settings it came with."""
-        from megapipe.checkpoint import read_manifest
-
         if self._start is None:
             self._start = start_of(ctx.resume, ctx.parent) or str(Path(ctx.parent).absolute())
             self._start_hf = read_manifest(ctx.resume if ctx.resume is not None else ctx.parent).get("hf")
@@ -169,9 +164,6 @@ class RLRecipe(Recipe):
 
 
 def _reference(ctx: RunContext, start: str):
-    from megapipe.checkpoint import load_checkpoint
-    from megapipe.models import build_model
-
     ref = build_model(ctx.cfg.model, device=ctx.device)
     load_checkpoint(start, ref, optimizer=None, load_optim=False, load_rng=False)
     ref.eval().requires_grad_(False)
@@ -179,8 +171,6 @@ def _reference(ctx: RunContext, start: str):
 
 
 def _eos_ids(start_hf: Optional[dict], tokenizer) -> list[int]:
-    from megapipe.checkpoint.load import eos_ids_of
-
     gen = (start_hf or {}).get("generation_config") or {}
     return eos_ids_of(gen.get("eos_token_id"), tokenizer)
 
@@ -189,9 +179,6 @@ class RolloutStream:
     """The recipe's train iterator: micro-batches of the current rollout batch, --updates-per-batch passes each."""
 
     def __init__(self, recipe: RLRecipe, ctx: RunContext, model, state: dict):
-        from megapipe.posttrain.rl.engine_sync import build_engine, full_state_dict, sync_engine
-        from megapipe.posttrain.rl.rollout import RolloutWorker
-
         rl, cfg, dims = recipe.rl, ctx.cfg, ctx.dims
         self.rl, self.dims, self.num_microbatches = rl, dims, ctx.num_microbatches
         task, rewards, renderer = recipe.parts(cfg, ctx.tokenizer, cfg.train.seed)
@@ -213,8 +200,6 @@ class RolloutStream:
         if pending:
             saved, dp = len(pending["buffers"]), dims.dp_size
             if saved != dp:
-                from megapipe.errors import CheckpointError
-
                 raise CheckpointError(
                     f"{ctx.resume} was saved by {saved} data-parallel rank(s) in the middle of a rollout batch "
                     f"(--updates-per-batch {rl.updates_per_batch}), whose rows each rank holds: resume it with {saved} "

@@ -13,7 +13,15 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+from megapipe.data.chat_template import OWN
+from megapipe.data.gpt_dataset import parse_split
+from megapipe.data.sft import ChatEncoder
+from megapipe.data.sft_dataset import SFTLoader, build_sft_datasets, prepare_sft_index, progress_printer
+from megapipe.data.tokenizer import load_tokenizer
 from megapipe.errors import ConfigError
+from megapipe.models.lora import apply_lora
+from megapipe.posttrain.lora import check_lora_run, load_base_weights, lora_spec
+from megapipe.posttrain.start import START_KEY, start_of
 from megapipe.training.recipes.base import Recipe, RunContext
 
 
@@ -34,8 +42,6 @@ class SFTRecipe(Recipe):
 
     def check(self, run) -> None:
         """Refuse what cannot run, and tokenize the data now (cached): a bad record stops the run before launch."""
-        from megapipe.posttrain.lora import check_lora_run
-
         if run.tokenizer is None:
             raise ConfigError("posttrain sft needs a tokenizer: the --load checkpoint holds none, so give --tokenizer")
         check_lora_run(run.cfg, run.resume, run.parent)
@@ -43,15 +49,11 @@ class SFTRecipe(Recipe):
 
     def encoder(self, cfg, tokenizer):
         if self._encoder is None:
-            from megapipe.data.sft import ChatEncoder
-
             self._encoder = ChatEncoder(tokenizer.path, cfg.sft.chat_template, cfg.sft.train_on_prompt)
         return self._encoder
 
     def index(self, cfg, tokenizer):
         if self._index is None:
-            from megapipe.data.sft_dataset import prepare_sft_index, progress_printer
-
             encoder = self.encoder(cfg, tokenizer)
             with progress_printer(enabled=True) as progress:
                 self._index = prepare_sft_index(cfg.sft.data, encoder, cfg.sft.skip_bad_records, cfg.data.cache_dir,
@@ -61,24 +63,16 @@ class SFTRecipe(Recipe):
     # ------------------------------------------------------------------------------------------- model and data
 
     def prepare_model(self, ctx: RunContext, model):
-        from megapipe.models.lora import apply_lora
-        from megapipe.posttrain.lora import lora_spec
-
         spec = lora_spec(ctx.cfg)
         return apply_lora(model, spec, seed=ctx.cfg.train.seed) if spec is not None else model
 
     def load_weights(self, ctx: RunContext, model, ckpt) -> None:
-        from megapipe.posttrain.lora import load_base_weights, lora_spec
-
         if lora_spec(ctx.cfg) is None:
             return super().load_weights(ctx, model, ckpt)
         load_base_weights(ckpt, model)
 
     def datasets(self, ctx: RunContext) -> dict:
         if self._datasets is None:
-            from megapipe.data.gpt_dataset import parse_split
-            from megapipe.data.sft_dataset import build_sft_datasets
-
             cfg, t = ctx.cfg, ctx.cfg.train
             gbs = t.global_batch_size
             has_valid = parse_split(cfg.data.split)[1] > 0
@@ -110,8 +104,6 @@ class SFTRecipe(Recipe):
         return "\n".join(lines)
 
     def _loader(self, ctx: RunContext, dataset, consumed: int = 0):
-        from megapipe.data.sft_dataset import SFTLoader
-
         t = ctx.cfg.train
         return SFTLoader(dataset, t.micro_batch_size, t.global_batch_size, ctx.dims.dp_rank, ctx.dims.dp_size,
                          consumed)
@@ -126,9 +118,6 @@ class SFTRecipe(Recipe):
     # ------------------------------------------------------------------------------------------- outputs
 
     def manifest(self, ctx: RunContext) -> dict:
-        from megapipe.posttrain.lora import lora_spec
-        from megapipe.posttrain.start import START_KEY, start_of
-
         cfg = ctx.cfg
         train = self.datasets(ctx)["train"]
         out = {START_KEY: start_of(ctx.resume, ctx.parent), "sft": {
@@ -147,8 +136,6 @@ class SFTRecipe(Recipe):
     def tokenizer_files(self, ctx: RunContext):
         """The run's tokenizer with the chat template it was trained with (when that is not the one the tokenizer
         renders with by itself: a named, built-in or file template)."""
-        from megapipe.data.chat_template import OWN
-
         source = ctx.tokenizer.path
         enc = self._encoder
         if enc.chat is None or enc.chat.name == OWN:
@@ -162,8 +149,6 @@ class SFTRecipe(Recipe):
 def write_tokenizer_with_template(source, out: Path, template: str) -> Path:
     """Copy tokenizer ``source`` (directory or tokenizer.json) to ``out`` with ``template`` as its chat template
     (``chat_template.jinja``, read by transformers 5, and tokenizer_config.json's ``chat_template``, read by 4)."""
-    from megapipe.data.tokenizer import load_tokenizer
-
     load_tokenizer(source).save(out)
     for name in ("chat_template.json",):
         (out / name).unlink(missing_ok=True)
