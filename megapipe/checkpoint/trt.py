@@ -7,8 +7,8 @@
 - ``legacy``: config.json + ``rank{N}.safetensors`` per tp x pp rank for ``trtllm-build`` (TRT-LLM <= 1.2), the way
   ModelOpt's ``export_tensorrt_llm_checkpoint`` writes them (see trt_legacy).
 
-MoE checkpoints export unquantized (``posttrain quantize`` does not quantize their experts): unified as ``export hf``
-writes them, legacy for Mixtral, Qwen2-MoE and Qwen3-MoE.
+MoE checkpoints export unquantized (quantized experts are not exported yet): unified as ``export hf`` writes them,
+legacy for Mixtral, Qwen2-MoE and Qwen3-MoE.
 
 Both read the DCP shards of any parallel layout one group of tensors (a layer) at a time (trt_source.Source), so
 memory stays near one output shard, and write through trt_files. The writes go to a temporary sibling that is
@@ -87,7 +87,7 @@ def export_trt(
         raise MegapipeError(f"{out_dir} already exists and is not empty: pick another output or pass --overwrite")
     if src.cfg.is_moe and src.fmt is not None:
         raise MegapipeError(f"{src.where}: a quantized MoE checkpoint ({src.fmt}) has no TensorRT-LLM export in "
-                            "megapipe (its experts are not quantized): export its unquantized parent "
+                            "megapipe yet (it does not export quantized experts): export its unquantized parent "
                             f"({src.manifest.get('parent')}) instead")
     source_dtype = src.hf_extra.get("dtype")
     out_dtype = DTYPES[dtype or (source_dtype if source_dtype in EXPORT_DTYPES else "bf16")]

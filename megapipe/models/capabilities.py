@@ -53,9 +53,10 @@ ALL = Capabilities()
 # block kinds (megapipe.models.spec): what a layer of this kind can go through
 KINDS: dict[str, Capabilities] = {
     "dense": _without(layouts={"ep"}),
-    # experts are 3-D weights: no width pruning rule for them, and ModelOpt's quantizers wrap nn.Linear layers
-    # only; LoRA adapts attention (the router and the experts never)
-    "moe": _without(stages={"prune", "quantize"}, quant=QUANT, lora={"gate", "up", "down"}),
+    # experts are 3-D weights: no width pruning rule for them; ModelOpt quantizes them as transformers' fused experts
+    # (megapipe.models.fused_experts) in the formats its HF twin is checked in (w4a8_awq untested, nvfp4 needs CUDA);
+    # LoRA adapts attention (the router and the experts never)
+    "moe": _without(stages={"prune"}, quant={"w4a8_awq", "nvfp4"}, lora={"gate", "up", "down"}),
 }
 
 # families (ModelConfig.arch): what the model's Hugging Face / TensorRT-LLM twin allows

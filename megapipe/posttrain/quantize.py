@@ -52,8 +52,9 @@ def quantize_config(fmt: str, kv_cache: Optional[str] = None) -> dict:
         raise MegapipeError(f"--kv-cache-quant {kv_cache!r} is not supported (supported: {', '.join(KV_FORMATS)})")
     module = quant_state.mtq()
     config = copy.deepcopy(getattr(module, FORMATS[fmt]))
+    config["quant_cfg"] = list(config["quant_cfg"]) + copy.deepcopy(quant_state.UNQUANTIZED)
     if kv_cache is not None:
-        config["quant_cfg"] = list(config["quant_cfg"]) + copy.deepcopy(getattr(module, KV_FORMATS[kv_cache])["quant_cfg"])
+        config["quant_cfg"] += copy.deepcopy(getattr(module, KV_FORMATS[kv_cache])["quant_cfg"])
     return config
 
 
@@ -128,8 +129,10 @@ def evaluate(logits_fn: Callable[[torch.Tensor], torch.Tensor], samples: torch.T
 
 def calibrate(model: nn.Module, fmt: str, kv_cache: Optional[str], batches: torch.Tensor, batch_size: int,
               progress: Progress = None) -> nn.Module:
-    """``mtq.quantize(model, CONFIG, forward_loop)`` over ``batches`` [N, S] (in place; returns the model)."""
+    """``mtq.quantize(model, CONFIG, forward_loop)`` over ``batches`` [N, S] (in place; returns the model; a
+    megapipe model's MoE experts are first put in the layout ModelOpt quantizes: quant_state.prepare)."""
     mtq = quant_state.mtq()
+    quant_state.prepare(model)
     config = quantize_config(fmt, kv_cache)
     device = next(model.parameters()).device
     steps = math.ceil(len(batches) / batch_size)
@@ -173,7 +176,10 @@ def quantize_checkpoint(
     """Quantize checkpoint ``ckpt`` into ``out``; returns a summary (perplexity before/after, times)."""
     from megapipe.checkpoint import read_manifest, resolve_checkpoint, write_checkpoint
     from megapipe.checkpoint.load import load_model
+    from megapipe.checkpoint.manifest import MANIFEST_NAME
+    from megapipe.config import ModelConfig, from_dict
     from megapipe.dtypes import resolve_device
+    from megapipe.models.capabilities import require
 
     started = time.perf_counter()
     ckpt, out = Path(ckpt).expanduser(), Path(out).expanduser()
@@ -193,11 +199,7 @@ def quantize_checkpoint(
         raise MegapipeError(f"{ckpt} is already quantized ({manifest['quantization'].get('format')}): quantize its "
                             f"unquantized parent instead ({manifest.get('parent')})")
     model_cfg = manifest.get("model") or {}
-    if int(model_cfg.get("num_experts") or 0) > 0:
-        raise MegapipeError(
-            f"{ckpt}: model.num_experts = {model_cfg['num_experts']}: posttrain quantize does not quantize MoE models "
-            "(ModelOpt's quantizers wrap nn.Linear layers and megapipe's experts are 3-D weights, so only attention "
-            "and the router would be quantized, the router being what ModelOpt keeps in high precision)")
+    require(from_dict(ModelConfig, model_cfg, "model.", f"{ckpt / MANIFEST_NAME}: "), "quantize", str(ckpt), quant=fmt)
     if seq_length > int(model_cfg.get("max_position_embeddings", seq_length)):
         raise MegapipeError(f"--calib-seq-len {seq_length} exceeds the model's max_position_embeddings "
                             f"({model_cfg['max_position_embeddings']})")

@@ -181,7 +181,7 @@ def test_legacy_moe_refusals(tiny_tokenizer_dir, tmp_path):
 
 
 def test_quantized_moe_checkpoint_is_refused(tiny_tokenizer_dir, tmp_path):
-    """posttrain quantize refuses MoE models; a checkpoint claiming to be one anyway is not exported."""
+    """Export does not yet write quantized experts: a quantized MoE checkpoint is refused."""
     from megapipe.checkpoint.manifest import MANIFEST_NAME
 
     ckpt = make_checkpoint(tmp_path / "ckpt", "mixtral", tiny_tokenizer_dir)
@@ -195,25 +195,10 @@ def test_quantized_moe_checkpoint_is_refused(tiny_tokenizer_dir, tmp_path):
         assert "/somewhere/base" in message
 
 
-def test_posttrain_quantize_refuses_moe(tiny_tokenizer_dir, pretrain_data, tmp_path):
-    """Quantizing would reach attention and the router only (the experts are 3-D weights, not nn.Linear)."""
-    from megapipe.posttrain.quantize import quantize_checkpoint
-
-    ckpt = make_checkpoint(tmp_path / "ckpt", "mixtral", tiny_tokenizer_dir)
-    with pytest.raises(MegapipeError, match="model.num_experts = 4: posttrain quantize does not quantize MoE models"):
-        quantize_checkpoint(ckpt, tmp_path / "q", "fp8", pretrain_data[0], calib_samples=2, seq_length=32,
-                            eval_iters=0)
-    assert not (tmp_path / "q").exists()
-
-
-def test_cli_moe(tiny_tokenizer_dir, pretrain_data, tmp_path, capsys):
+def test_cli_moe(tiny_tokenizer_dir, tmp_path):
     from megapipe.cli import main
 
     ckpt = make_checkpoint(tmp_path / "ckpt", "mixtral", tiny_tokenizer_dir)
     assert main(["export", "trt", str(ckpt), str(tmp_path / "legacy"), "--format", "legacy", "--tp", "2"]) == 0
     assert sorted(p.name for p in (tmp_path / "legacy").iterdir()) == ["config.json", "quant_cfg.json",
                                                                         "rank0.safetensors", "rank1.safetensors"]
-    assert main(["posttrain", "quantize", str(ckpt), "--quant", "fp8", "--calib-data", str(pretrain_data[0]),
-                 "--output", str(tmp_path / "q")]) == 2
-    assert "posttrain quantize does not quantize MoE models" in capsys.readouterr().err
-    assert not (tmp_path / "q").exists()
