@@ -13,8 +13,13 @@ the quantize config and every quantizer's properties (``num_bits``, ``axis``, ``
 any weight.
 
 KV-cache quantization needs quantizers on the keys and values the attention consumes. ModelOpt adds them to
-Hugging Face attention classes; ``register_attention`` does the same for megapipe's ``Attention``: k and v are
+Hugging Face attention classes; ``register_modules`` does the same for megapipe's ``Attention``: k and v are
 quantized after RoPE, right before they reach the cache or SDPA, as ModelOpt's HF plugin does.
+
+MoE experts are 3-D weights, which ModelOpt's linear quantizers do not reach: ``prepare`` puts them in the layout of
+transformers 5's fused experts (megapipe.models.fused_experts), which ``register_modules`` hands to ModelOpt's own
+wrapper for those, before quantizing and before restoring. Routers and shared-expert gates stay unquantized
+(``UNQUANTIZED``, ModelOpt's convention for ``mlp.gate`` / ``shared_expert_gate``).
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ from megapipe.errors import MegapipeError
 
 INSTALL_HINT = "install it with `pip install 'megapipe[quant]'` (nvidia-modelopt)"
 STATE_VERSION = 1
+# quantize-config entries for megapipe's names of what ModelOpt's presets exclude under their HF names
+UNQUANTIZED = [{"quantizer_name": "*moe.gate.*", "enable": False},
+               {"quantizer_name": "*moe.shared_gate.*", "enable": False}]
 
 
 @contextlib.contextmanager
@@ -64,8 +72,16 @@ def mtq():
     modelopt_version()
     with quiet():
         import modelopt.torch.quantization as mtq_module
-    register_attention()
+    register_modules()
     return mtq_module
+
+
+def prepare(model: nn.Module) -> nn.Module:
+    """``model`` with its MoE experts in the layout ModelOpt quantizes (in place; a model without MoE is unchanged)."""
+    from megapipe.models.fused_experts import fuse_experts
+
+    fuse_experts(model)
+    return model
 
 
 # --------------------------------------------------------------------------------------------------- attention
@@ -95,16 +111,19 @@ class _QuantizedCache:
 _REGISTERED = False
 
 
-def register_attention() -> None:
-    """Teach ModelOpt megapipe's Attention: q/k/v_bmm_quantizer on the post-RoPE q, k, v (KV-cache quantization)."""
+def register_modules() -> None:
+    """Teach ModelOpt megapipe's Attention (q/k/v_bmm_quantizer on the post-RoPE q, k, v: KV-cache quantization) and
+    FusedExperts (ModelOpt's wrapper of transformers' fused experts)."""
     global _REGISTERED
     if _REGISTERED:
         return
     with quiet():
         from modelopt.torch.quantization.nn import QuantModuleRegistry, TensorQuantizer
         from modelopt.torch.quantization.nn.modules.quant_module import QuantModule
+        from modelopt.torch.quantization.plugins.huggingface import _QuantFusedExperts
 
     from megapipe.models.attention import Attention
+    from megapipe.models.fused_experts import FusedExperts
 
     class QuantAttention(QuantModule):
         def _setup(self):
@@ -125,6 +144,8 @@ def register_attention() -> None:
 
     if Attention not in QuantModuleRegistry:
         QuantModuleRegistry.register({Attention: "megapipe.Attention"})(QuantAttention)
+    if FusedExperts not in QuantModuleRegistry:
+        QuantModuleRegistry.register({FusedExperts: "megapipe.FusedExperts"})(_QuantFusedExperts)
     _REGISTERED = True
 
 
@@ -206,13 +227,21 @@ def export_state(model: nn.Module) -> dict:
     return {"version": STATE_VERSION, "modelopt_version": state["modelopt_version"], "modes": modes, "kinds": kinds}
 
 
+QUANTIZER_TENSOR = re.compile(r"_quantizers?\.")  # a linear's ``weight_quantizer.``, fused experts' ``_quantizers.3.``
+
+
+def is_quantizer_tensor(name: str) -> bool:
+    """Whether state-dict key ``name`` is a quantizer's tensor (``_amax``, ``_pre_quant_scale``), not a weight."""
+    return QUANTIZER_TENSOR.search(name) is not None
+
+
 def restore_quantized(model: nn.Module, quantization: dict, ckpt: Path, where: str) -> nn.Module:
     """Re-apply the quantizers a checkpoint's manifest describes (before its tensors are loaded)."""
     if not isinstance(quantization, dict) or not isinstance(quantization.get("modelopt"), dict):
         raise MegapipeError(f"{where}: 'quantization' lacks the ModelOpt quantizer state ('modelopt')")
     shapes = {k: (tuple(m.size), m.properties.dtype)
               for k, m in read_metadata(ckpt / "model").state_dict_metadata.items()
-              if isinstance(m, TensorStorageMetadata) and "_quantizer." in k}
+              if isinstance(m, TensorStorageMetadata) and is_quantizer_tensor(k)}
     return restore(model, quantization["modelopt"], shapes, where)
 
 
@@ -227,6 +256,7 @@ def restore(model: nn.Module, state: dict, tensor_shapes: dict[str, tuple[tuple,
         version = state.get("version") if isinstance(state, dict) else None
         raise MegapipeError(f"{where}: quantization.modelopt holds no state this megapipe reads (version {version!r})")
     mtq()
+    prepare(model)
     with quiet():
         import modelopt.torch.opt as mto
 

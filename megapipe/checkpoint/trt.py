@@ -7,8 +7,9 @@
 - ``legacy``: config.json + ``rank{N}.safetensors`` per tp x pp rank for ``trtllm-build`` (TRT-LLM <= 1.2), the way
   ModelOpt's ``export_tensorrt_llm_checkpoint`` writes them (see trt_legacy).
 
-MoE checkpoints export unquantized (``posttrain quantize`` does not quantize their experts): unified as ``export hf``
-writes them, legacy for Mixtral, Qwen2-MoE and Qwen3-MoE.
+MoE checkpoints (Mixtral, Qwen2-MoE, Qwen3-MoE): unquantized, unified as ``export hf`` writes them and legacy; fp8
+and int8_sq unified (per-expert HF names and scales), fp8 legacy (TensorRT-LLM's MoE plugin has no SmoothQuant mode).
+INT4 experts are refused: ModelOpt's own exporter, which every export here is checked against, cannot write them.
 
 Both read the DCP shards of any parallel layout one group of tensors (a layer) at a time (trt_source.Source), so
 memory stays near one output shard, and write through trt_files. The writes go to a temporary sibling that is
@@ -87,10 +88,11 @@ def export_trt(
     refuse_overlap([out_dir], [Path(ckpt).expanduser(), src.path])  # quantized or not, before --overwrite
     if out_dir.exists() and not overwrite and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise MegapipeError(f"{out_dir} already exists and is not empty: pick another output or pass --overwrite")
-    if src.cfg.is_moe and src.fmt is not None:
-        raise MegapipeError(f"{src.where}: a quantized MoE checkpoint ({src.fmt}) has no TensorRT-LLM export in "
-                            "megapipe (its experts are not quantized): export its unquantized parent "
-                            f"({src.manifest.get('parent')}) instead")
+    if src.cfg.is_moe and src.fmt in AWQ:
+        raise MegapipeError(f"{src.where}: an MoE checkpoint quantized with {src.fmt} has no TensorRT-LLM export in "
+                            "megapipe: NVIDIA ModelOpt's own exporter, the reference megapipe's exports are checked "
+                            "against, writes no INT4 experts for transformers' MoE models (quantize its parent "
+                            f"{src.manifest.get('parent')} with fp8 or int8_sq to export it)")
     source_dtype = src.hf_extra.get("dtype")
     out_dtype = DTYPES[dtype or (source_dtype if source_dtype in EXPORT_DTYPES else "bf16")]
 

@@ -26,6 +26,10 @@ TensorRT-LLM's Qwen model reads). Qwen2-MoE's shared expert is ``mlp.shared_expe
 and ``.proj``, split by TP like a dense MLP, and its sigmoid gate ``mlp.shared_expert_gate`` [1, H] whole on every
 rank, with ``moe_shared_expert_intermediate_size`` in the config. ModelOpt's config has no ``moe`` section for
 Qwen2-MoE (its config map knows only ``num_local_experts``): the fields are those of TensorRT-LLM's converter.
+
+Quantized MoE (fp8 only: TensorRT-LLM's MoE plugin has FP8 and weight-only modes, no SmoothQuant): ``mlp.fc`` /
+``mlp.proj`` in FP8 with one ``weights_scaling_factor`` per expert [E, 1] and one ``activation_scaling_factor`` [1]
+for all, the routers and shared-expert gates unquantized and listed in ``exclude_modules``.
 """
 
 from __future__ import annotations
@@ -134,6 +138,10 @@ def check_moe(src: Source) -> None:
     except ConfigError as e:
         raise MegapipeError(f"{where}: the routing cannot be expressed by TensorRT-LLM's {adapter.architecture} MoE: "
                             f"{e}") from None
+    if src.fmt not in (None, "fp8"):
+        raise MegapipeError(f"{where}: an MoE checkpoint quantized with {src.fmt} has no legacy TensorRT-LLM layout: "
+                            "the legacy MoE plugin quantizes experts in FP8 or weight-only modes, not "
+                            f"{QUANT_ALGO[src.fmt]}: use --format unified")
     dense = [i for i in range(cfg.num_layers) if i not in cfg.moe_layers]
     if dense:
         raise MegapipeError(f"{where}: layers {dense} are dense (model.moe_layer_freq = {cfg.moe_layer_freq!r}, "
@@ -153,12 +161,12 @@ def _layer(src: Source, i: int, dtype: torch.dtype) -> dict:
     parts = {"qkv": [Linear.of(q, True) for q in qkv], "dense": Linear.of(lin["attention.wo"], False)}
     if f"{pre}moe.gate.weight" in state:
         # the router as a model loaded in the export dtype holds it, computed in fp32 by TensorRT-LLM
-        parts["moe"] = {"router": state[f"{pre}moe.gate.weight"].to(dtype).float(),
-                        **{w: state[f"{pre}moe.experts.{w}"].to(dtype) for w in ("w1", "w2", "w3")}}
+        parts["moe"] = {"router": state[f"{pre}moe.gate.weight"].to(dtype).float(), **_experts(src, state, pre, dtype)}
         if f"{pre}moe.shared_experts.w1.weight" in state:
-            parts["moe"]["shared"] = {w: state[f"{pre}moe.shared_experts.{w}.weight"].to(dtype)
-                                      for w in ("w1", "w2", "w3")}
-            parts["moe"]["shared"]["gate"] = state[f"{pre}moe.shared_gate.weight"].to(dtype)
+            gate, up = ql.fuse_group([src.linear(state, f"{pre}moe.shared_experts.{w}", dtype) for w in ("w1", "w3")])
+            parts["moe"]["shared"] = {"up": Linear.of(up, True), "gate": Linear.of(gate, True),
+                                      "proj": Linear.of(src.linear(state, f"{pre}moe.shared_experts.w2", dtype), False),
+                                      "shared_gate": state[f"{pre}moe.shared_gate.weight"].to(dtype)}
     else:
         fc, gate = lin["feed_forward.w1"], lin["feed_forward.w3"]
         if gate is not None and src.fmt == "fp8":  # TensorRT-LLM may fuse gate and fc for FP8
@@ -178,6 +186,22 @@ def _layer(src: Source, i: int, dtype: torch.dtype) -> dict:
         parts.update({"attention.k_cache_scaling_factor": k, "attention.v_cache_scaling_factor": v,
                       "attention.kv_cache_scaling_factor": torch.maximum(v, k)})
     return parts
+
+
+def _experts(src: Source, state: dict, pre: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A layer's experts stacked: ``w1`` / ``w3`` [E, F, H], ``w2`` [E, H, F]; quantized (fp8), also the per-expert
+    ``{fc,proj}.weights_scaling_factor`` [E, 1] and the one ``activation_scaling_factor`` [1] TensorRT-LLM's MoE
+    plugin takes for all experts (ModelOpt's ``_build_stacked_linear``: the max over the experts)."""
+    if f"{pre}moe.experts.gate_up_proj" not in state:
+        return {w: state[f"{pre}moe.experts.{w}"].to(dtype) for w in ("w1", "w2", "w3")}
+    experts = src.experts(state, f"{pre}moe.experts", dtype)
+    out = {w: torch.stack([e[w].weight for e in experts]) for w in ("w1", "w2", "w3")}
+    for name, w in (("fc", "w1"), ("proj", "w2")):
+        linears = [Linear.of(e[w], True) for e in experts]
+        out[f"{name}.weights_scaling_factor"] = torch.stack([lin.weights_scaling_factor for lin in linears])
+        out[f"{name}.activation_scaling_factor"] = torch.stack(
+            [lin.activation_scaling_factor for lin in linears]).max().unsqueeze(0)
+    return out
 
 
 def _dup_kv(t: Optional[torch.Tensor], head_size: int, kv: int, tp: int) -> Optional[torch.Tensor]:
@@ -218,9 +242,9 @@ def _split(lin: Linear, tp: int, r: int) -> Linear:
     return lin.replace(q=q.replace(weight=weight), weights_scaling_factor=wsf, prequant_scaling_factor=pqs)
 
 
-def _merge_qkv(parts: list[Linear]) -> Linear:
-    """q, k, v of one rank -> the fused qkv linear."""
-    q, k, v = parts
+def _merge(parts: list[Linear]) -> Linear:
+    """Column linears of one rank that read one input (q, k, v; a shared expert's up and gate) -> the fused linear."""
+    q = parts[0]
 
     def cat(name):
         values = [getattr(p.q, name) for p in parts]
@@ -235,7 +259,7 @@ def _merge_qkv(parts: list[Linear]) -> Linear:
         wsf = torch.cat([p.weights_scaling_factor for p in parts]) if wsf.numel() != 1 else top("weights_scaling_factor")
     pqs = q.prequant_scaling_factor
     if pqs is not None and not all(torch.equal(pqs, p.prequant_scaling_factor) for p in parts):
-        raise MegapipeError("q, k and v do not share one pre_quant_scale after fusion")
+        raise MegapipeError("fused linears do not share one pre_quant_scale after fusion")
     return Linear(q.q.replace(weight=cat("weight"), bias=cat("bias")), True,
                   activation_scaling_factor=top("activation_scaling_factor"), weights_scaling_factor=wsf,
                   weights_scaling_factor_2=top("weights_scaling_factor_2"), prequant_scaling_factor=pqs)
@@ -269,28 +293,35 @@ def _rank_layer(parts: dict, cfg, tp: int, r: int, dtype: torch.dtype, prefix: s
                   weights_scaling_factor=_dup_kv(v.weights_scaling_factor, head, kv, tp)
                   if v.weights_scaling_factor is not None and v.weights_scaling_factor.numel() > 1
                   else v.weights_scaling_factor)
-    out = _tensors(f"{prefix}.attention.qkv", _merge_qkv([_split(x, tp, r) for x in (q, k, v)]), dtype)
+    out = _tensors(f"{prefix}.attention.qkv", _merge([_split(x, tp, r) for x in (q, k, v)]), dtype)
     out.update(_tensors(f"{prefix}.attention.dense", _split(parts["dense"], tp, r), dtype))
     for name in ("fc", "gate", "proj"):
         if name in parts:
             out.update(_tensors(f"{prefix}.mlp.{name}", _split(parts[name], tp, r), dtype))
     if "moe" in parts:
-        out.update(_rank_experts(parts["moe"], tp, r, f"{prefix}.mlp"))
+        out.update(_rank_experts(parts["moe"], tp, r, f"{prefix}.mlp", dtype))
     out.update({f"{prefix}.{k}": t for k, t in parts.items() if isinstance(t, torch.Tensor)})
     return out
 
 
-def _rank_experts(moe: dict, tp: int, r: int, prefix: str) -> dict[str, torch.Tensor]:
-    """Rank r's experts: every expert's F split (w3 and w1 each, so each rank holds [its w3 | its w1])."""
+def _rank_experts(moe: dict, tp: int, r: int, prefix: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Rank r's experts: every expert's F split (w3 and w1 each, so each rank holds [its w3 | its w1]); quantized,
+    each expert's weights by its own scale."""
     w1, w2, w3 = (moe[w].chunk(tp, dim=2 if w == "w2" else 1)[r] for w in ("w1", "w2", "w3"))
-    out = {f"{prefix}.router.weight": moe["router"], f"{prefix}.fc.weight": torch.cat([w3, w1], dim=1),
-           f"{prefix}.proj.weight": w2.contiguous()}
+    out = {f"{prefix}.router.weight": moe["router"]}
+    for name, weight in (("fc", torch.cat([w3, w1], dim=1)), ("proj", w2.contiguous())):
+        scale = moe.get(f"{name}.weights_scaling_factor")
+        if scale is not None:
+            weight = (weight / scale.view(-1, 1, 1)).to(torch.float8_e4m3fn)
+            out[f"{prefix}.{name}.weights_scaling_factor"] = scale
+            out[f"{prefix}.{name}.activation_scaling_factor"] = moe[f"{name}.activation_scaling_factor"]
+        out[f"{prefix}.{name}.weight"] = weight
     shared = moe.get("shared")
     if shared:
-        w1, w2, w3 = (shared[w].chunk(tp, dim=1 if w == "w2" else 0)[r] for w in ("w1", "w2", "w3"))
-        out.update({f"{prefix}.shared_expert.fc.weight": torch.cat([w3, w1]),
-                    f"{prefix}.shared_expert.proj.weight": w2.contiguous(),
-                    f"{prefix}.shared_expert_gate.weight": shared["gate"]})
+        fc = _merge([_split(shared["up"], tp, r), _split(shared["gate"], tp, r)])
+        out.update(_tensors(f"{prefix}.shared_expert.fc", fc, dtype))
+        out.update(_tensors(f"{prefix}.shared_expert.proj", _split(shared["proj"], tp, r), dtype))
+        out[f"{prefix}.shared_expert_gate.weight"] = shared["shared_gate"]
     return out
 
 
@@ -393,7 +424,7 @@ def trt_config(src: Source, dtype: torch.dtype, tp: int, pp: int, vocab: int) ->
         quant = {"quant_algo": QUANT_ALGO[src.fmt], "kv_cache_quant_algo": "FP8" if src.kv_cache == "fp8" else None}
         if src.fmt in AWQ:
             quant.update(group_size=src.block_size(), has_zero_point=False, pre_quant_scale=True)
-        quant["exclude_modules"] = ["lm_head"]
+        quant["exclude_modules"] = ["lm_head", *_unquantized_moe_modules(cfg, pp)]
         config["quantization"] = quant
     if cfg.is_moe:
         # megapipe.models.moe.route: a softmax over the k chosen logits, or the top-k of the softmax renormalised
@@ -405,6 +436,14 @@ def trt_config(src: Source, dtype: torch.dtype, tp: int, pp: int, vocab: int) ->
             if cfg.moe_shared_expert_intermediate_size:
                 config["moe_shared_expert_intermediate_size"] = cfg.moe_shared_expert_intermediate_size
     return config
+
+
+def _unquantized_moe_modules(cfg, pp: int) -> list[str]:
+    """The routers and shared-expert gates, named as ModelOpt lists them: those of one stage, numbered in it."""
+    if not cfg.is_moe:
+        return []
+    gates = ("router", "shared_expert_gate") if cfg.moe_shared_expert_gate else ("router",)
+    return [f"transformer.layers.{j}.mlp.{g}" for j in range(cfg.num_layers // pp) for g in gates]
 
 
 def _installed_modelopt() -> str:

@@ -61,6 +61,37 @@ class Source:
             return None
         return ql.from_state(state, prefix, self.fmt, self.enabled, dtype, self.block_size())
 
+    def experts(self, state: dict, prefix: str, dtype: torch.dtype) -> list[dict[str, ql.QLinear]]:
+        """Each expert's ``w1`` / ``w3`` / ``w2`` out of quantized fused experts ``prefix`` (``layers.0.moe.experts``),
+        as ModelOpt's ``_export_fused_experts`` splits them: gate and up rows of one expert's ``gate_up_proj`` and of
+        its weight amax (one per-tensor amax: both keep it), the input amax shared by all experts."""
+        gate_up, down = state[f"{prefix}.gate_up_proj"], state[f"{prefix}.down_proj"]
+        ffn = down.shape[-1]
+
+        def amax(quantizer: str) -> Optional[torch.Tensor]:
+            name = f"{prefix}.{quantizer}"
+            return state.get(f"{name}._amax") if self.enabled.get(name) else None
+
+        def rows(t: Optional[torch.Tensor], part: slice) -> Optional[torch.Tensor]:
+            return t if t is None or t.numel() == 1 else t.reshape(2 * ffn, -1)[part].reshape(-1, 1)
+
+        def linear(weight, weight_amax, input_amax) -> ql.QLinear:
+            if weight_amax is None:
+                return ql.QLinear(fmt=None, weight=weight.to(dtype))
+            return ql.QLinear(fmt=self.fmt, weight=weight.to(dtype), input_amax=input_amax, weight_amax=weight_amax,
+                              block_size=self.block_size())
+
+        out = []
+        for e in range(gate_up.shape[0]):
+            first = amax(f"gate_up_proj_weight_quantizers.{e}")
+            gate_rows, up_rows = slice(0, ffn), slice(ffn, 2 * ffn)
+            out.append({
+                "w1": linear(gate_up[e, gate_rows], rows(first, gate_rows), amax("gate_up_proj_input_quantizer")),
+                "w3": linear(gate_up[e, up_rows], rows(first, up_rows), amax("gate_up_proj_input_quantizer")),
+                "w2": linear(down[e], amax(f"down_proj_weight_quantizers.{e}"), amax("down_proj_input_quantizer")),
+            })
+        return out
+
     def kv_amax(self, state: dict, i: int) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         pre = f"layers.{i}.attention."
         return tuple(state.get(f"{pre}{q}_bmm_quantizer._amax") if self.enabled.get(f"{pre}{q}_bmm_quantizer") else None

@@ -5,6 +5,10 @@ sit ``weight_scale`` / ``input_scale`` / ``weight_scale_2`` / ``pre_quant_scale`
 ``self_attn.k_proj.k_scale`` / ``v_proj.v_scale`` (amax / 448), as ModelOpt's ``export_hf_checkpoint`` writes them.
 Layers that share an input are prepared for the runtime's fused GEMMs first (not for FP8, as ModelOpt does); with
 AWQ their common ``pre_quant_scale`` is folded into the RMSNorm in front of them.
+
+MoE layers: each expert's ``w1`` / ``w3`` / ``w2`` under the Hub's per-expert names with its own scales, split out of
+the fused experts as ModelOpt's ``_export_fused_experts`` splits them (Source.experts); the routers and the shared
+expert's gate unquantized and listed in ``exclude_modules``; the shared expert like a dense MLP.
 """
 
 from __future__ import annotations
@@ -18,13 +22,17 @@ from megapipe.checkpoint import quantized_linear as ql
 from megapipe.checkpoint.hf.base import adapter_for_arch
 from megapipe.checkpoint.hf.bridge import _token_ids, _tokenizer, _write_tokenizer
 from megapipe.checkpoint.hf.files import HF_DTYPE_NAMES
+from megapipe.checkpoint.quant_state import is_quantizer_tensor
 from megapipe.checkpoint.trt_files import ShardWriter, write_json
 from megapipe.checkpoint.trt_source import AWQ, LAYER_LINEARS, QUANT_ALGO, Source
 from megapipe.errors import CheckpointError, MegapipeError
 
 FUSED = (("attention_norm", ("attention.wq", "attention.wk", "attention.wv")),
-         ("ffn_norm", ("feed_forward.w1", "feed_forward.w3")))  # in the order the HF forward calls them
+         ("ffn_norm", ("feed_forward.w1", "feed_forward.w3")),
+         ("ffn_norm", ("moe.shared_experts.w1", "moe.shared_experts.w3")))  # in the order the HF forward calls them
+SHARED_EXPERT = ("moe.shared_experts.w1", "moe.shared_experts.w2", "moe.shared_experts.w3")
 EXCLUDED = {"output": "lm_head", "tok_embeddings": "model.embed_tokens"}
+ROUTERS = ("moe.gate", "moe.shared_gate")  # unquantized, listed per layer among the excluded modules
 
 
 def check_unified(src: Source) -> None:
@@ -37,9 +45,13 @@ def check_unified(src: Source) -> None:
 
 
 def _names(src: Source) -> dict[str, str]:
-    """megapipe tensor name -> HF name (the bridge's 1:1 renames for the Llama-shaped architectures)."""
+    """megapipe tensor name -> HF name (the bridge's 1:1 renames for the Llama-shaped architectures); an MoE
+    layer's ``moe.experts.w1`` is E HF tensors: ``moe.experts.w1.{e}`` -> expert e's."""
     out = {}
     for conv in adapter_for_arch(src.cfg.arch).conversions(src.cfg):
+        if len(conv.mp) == 1 and len(conv.hf) > 1 and ".moe.experts." in conv.mp[0]:
+            out.update({f"{conv.mp[0]}.{e}": hf for e, hf in enumerate(conv.hf)})
+            continue
         if len(conv.hf) != 1 or len(conv.mp) != 1:
             raise MegapipeError(f"{src.cfg.arch}: tensor {conv.mp} has no 1:1 Hugging Face name")
         out[conv.mp[0]] = conv.hf[0]
@@ -74,28 +86,34 @@ def linear_tensors(q: ql.QLinear) -> dict[str, torch.Tensor]:
 def layer_tensors(src: Source, i: int, dtype: torch.dtype, names: dict[str, str]) -> dict[str, torch.Tensor]:
     state = src.layer(i)
     pre = f"layers.{i}."
-    linears = {n: src.linear(state, pre + n, dtype) for n in LAYER_LINEARS}
+    linears = {n: src.linear(state, pre + n, dtype) for n in (*LAYER_LINEARS, *SHARED_EXPERT)}
     norms = {n: (state[f"{pre}{n}.weight"].to(dtype), _opt(state.get(f"{pre}{n}.bias"), dtype))
              for n, _ in FUSED}
     if src.fmt != "fp8":
         for norm, members in FUSED:
-            group = ql.fuse_group([linears[m] for m in members if linears[m] is not None])
+            present = [m for m in members if linears[m] is not None]
+            if not present:
+                continue
+            group = ql.fuse_group([linears[m] for m in present])
             if src.fmt in AWQ:
                 group, *norms[norm] = ql.fold_into_norm(group, *norms[norm])
-            linears.update(zip([m for m in members if linears[m] is not None], group, strict=True))
+            linears.update(zip(present, group, strict=True))
+    if f"{pre}moe.experts.gate_up_proj" in state:
+        for e, expert in enumerate(src.experts(state, f"{pre}moe.experts", dtype)):
+            linears.update({f"moe.experts.{w}.{e}": q for w, q in expert.items()})
     out = {}
     for name, q in linears.items():
         if q is None:
             continue
-        module = names[f"{pre}{name}.weight"].removesuffix(".weight")
-        out.update({f"{module}.{k}": v for k, v in linear_tensors(q).items()})
+        hf = names[f"{pre}{name}" if ".experts." in name else f"{pre}{name}.weight"]
+        out.update({f"{hf.removesuffix('.weight')}.{k}": v for k, v in linear_tensors(q).items()})
     for norm, (weight, bias) in norms.items():
         out[names[f"{pre}{norm}.weight"]] = weight
         if bias is not None:
             out[names[f"{pre}{norm}.bias"]] = bias
-    handled = tuple(f"{pre}{n}." for n in (*LAYER_LINEARS, *norms))
+    handled = tuple(f"{pre}{n}." for n in (*LAYER_LINEARS, *SHARED_EXPERT, *norms, "moe.experts"))
     for key, tensor in state.items():  # the rest: q_norm / k_norm
-        if "_quantizer." not in key and not key.startswith(handled):
+        if not is_quantizer_tensor(key) and not key.startswith(handled):
             out[names[key]] = tensor.to(dtype)
     k_amax, v_amax = src.kv_amax(state, i)
     if k_amax is not None:
@@ -108,9 +126,11 @@ def _opt(t: Optional[torch.Tensor], dtype) -> Optional[torch.Tensor]:
     return None if t is None else t.to(dtype)
 
 
-def quant_config(src: Source) -> tuple[dict, dict]:
+def quant_config(src: Source, names: dict[str, str]) -> tuple[dict, dict]:
     """(hf_quant_config.json, config.json's quantization_config), as ModelOpt writes them."""
-    exclude = sorted(EXCLUDED.values())
+    routers = [names[f"layers.{i}.{r}.weight"].removesuffix(".weight") for i in range(src.cfg.num_layers)
+               for r in ROUTERS if f"layers.{i}.{r}.weight" in src.stored]
+    exclude = sorted([*EXCLUDED.values(), *routers])
     details = {"quant_algo": QUANT_ALGO[src.fmt], "kv_cache_quant_algo": "FP8" if src.kv_cache == "fp8" else None}
     if src.fmt in AWQ:
         details.update(group_size=src.block_size(), has_zero_point=False, pre_quant_scale=True)
@@ -142,7 +162,7 @@ def write_unified(src: Source, out: Path, dtype: torch.dtype, max_shard_size="5G
     tok = _tokenizer(tok_dir, src.cfg, str(tok_dir))
 
     shards = ShardWriter(out, max_shard_size)
-    top = [n for n in src.stored if not n.startswith("layers.") and "_quantizer." not in n]
+    top = [n for n in src.stored if not n.startswith("layers.") and not is_quantizer_tensor(n)]
     first = src.read([n for n in top if n.startswith("tok_embeddings.")])  # in the order HF models list them
     shards.add({names[k]: v.to(dtype) for k, v in first.items()})
     count = len(first)
@@ -158,7 +178,7 @@ def write_unified(src: Source, out: Path, dtype: torch.dtype, max_shard_size="5G
     count += len(final)
     n_shards = shards.close()
 
-    hf_quant, quantization_config = quant_config(src)
+    hf_quant, quantization_config = quant_config(src, names)
     tokens = _write_tokenizer(tok, out)
     generation = {**tokens, **_token_ids(src.hf_extra.get("generation_config"))}
     config = {"architectures": [adapter.architecture], **hf_cfg, **generation, "dtype": HF_DTYPE_NAMES[dtype],

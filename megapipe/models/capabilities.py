@@ -54,9 +54,10 @@ ALL = Capabilities()
 # block kinds (megapipe.models.spec): what a layer of this kind can go through
 KINDS: dict[str, Capabilities] = {
     "dense": ALL,
-    # experts are 3-D weights: no width pruning rule for them, and ModelOpt's quantizers wrap nn.Linear layers
-    # only; LoRA's MLP targets are the shared expert's (the router and the routed experts are never adapted)
-    "moe": _without(stages={"prune", "quantize"}, quant=QUANT),
+    # experts are 3-D weights: no width pruning rule for them; ModelOpt quantizes them as transformers' fused experts
+    # (megapipe.models.fused_experts) in the formats its HF twin is checked in (w4a8_awq untested, nvfp4 needs CUDA);
+    # LoRA's MLP targets are the shared expert's (the router and the routed experts are never adapted)
+    "moe": _without(stages={"prune"}, quant={"w4a8_awq", "nvfp4"}),
 }
 
 # families (ModelConfig.arch): what the model's Hugging Face / TensorRT-LLM twin allows

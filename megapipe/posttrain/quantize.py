@@ -54,8 +54,9 @@ def quantize_config(fmt: str, kv_cache: Optional[str] = None) -> dict:
         raise MegapipeError(f"--kv-cache-quant {kv_cache!r} is not supported (supported: {', '.join(KV_FORMATS)})")
     module = quant_state.mtq()
     config = copy.deepcopy(getattr(module, FORMATS[fmt]))
+    config["quant_cfg"] = list(config["quant_cfg"]) + copy.deepcopy(quant_state.UNQUANTIZED)
     if kv_cache is not None:
-        config["quant_cfg"] = list(config["quant_cfg"]) + copy.deepcopy(getattr(module, KV_FORMATS[kv_cache])["quant_cfg"])
+        config["quant_cfg"] += copy.deepcopy(getattr(module, KV_FORMATS[kv_cache])["quant_cfg"])
     return config
 
 
@@ -130,8 +131,10 @@ def evaluate(logits_fn: Callable[[torch.Tensor], torch.Tensor], samples: torch.T
 
 def calibrate(model: nn.Module, fmt: str, kv_cache: Optional[str], batches: torch.Tensor, batch_size: int,
               progress: Progress = None) -> nn.Module:
-    """``mtq.quantize(model, CONFIG, forward_loop)`` over ``batches`` [N, S] (in place; returns the model)."""
+    """``mtq.quantize(model, CONFIG, forward_loop)`` over ``batches`` [N, S] (in place; returns the model; a
+    megapipe model's MoE experts are first put in the layout ModelOpt quantizes: quant_state.prepare)."""
     mtq = quant_state.mtq()
+    quant_state.prepare(model)
     config = quantize_config(fmt, kv_cache)
     device = next(model.parameters()).device
     steps = math.ceil(len(batches) / batch_size)
@@ -175,6 +178,7 @@ def quantize_checkpoint(
     """Quantize checkpoint ``ckpt`` into ``out``; returns a summary (perplexity before/after, times)."""
     from megapipe.checkpoint import read_manifest, resolve_checkpoint, write_checkpoint
     from megapipe.checkpoint.load import load_model
+    from megapipe.checkpoint.manifest import MANIFEST_NAME
     from megapipe.dtypes import resolve_device
 
     started = time.perf_counter()
@@ -195,8 +199,7 @@ def quantize_checkpoint(
         raise MegapipeError(f"{ckpt} is already quantized ({manifest['quantization'].get('format')}): quantize its "
                             f"unquantized parent instead ({manifest.get('parent')})")
     model_cfg = manifest.get("model") or {}
-    require(from_dict(ModelConfig, model_cfg, "model.", f"{ckpt / 'megapipe.json'}: "), "quantize", str(ckpt),
-            quant=fmt)
+    require(from_dict(ModelConfig, model_cfg, "model.", f"{ckpt / MANIFEST_NAME}: "), "quantize", str(ckpt), quant=fmt)
     if seq_length > int(model_cfg.get("max_position_embeddings", seq_length)):
         raise MegapipeError(f"--calib-seq-len {seq_length} exceeds the model's max_position_embeddings "
                             f"({model_cfg['max_position_embeddings']})")

@@ -1,14 +1,18 @@
-"""`export trt` of mixture-of-experts checkpoints against NVIDIA ModelOpt's own exporters of the HF twin.
+"""`export trt` of mixture-of-experts checkpoints, unquantized and quantized (fp8, int8_sq), against NVIDIA ModelOpt's
+own exporters of the HF twin.
 
-- unified: ModelOpt's ``export_hf_checkpoint`` of the transformers twin (quantizer wrappers attached, all off: ModelOpt
-  0.47 refuses transformers 5's fused experts otherwise) writes the Hub's per-expert names; ours must hold the same
-  tensors, bit for bit, and the same config fields.
+- unified: ModelOpt's ``export_hf_checkpoint`` of the transformers twin writes the Hub's per-expert names; ours must
+  hold the same tensors, bit for bit, the same config fields and hf_quant_config.json. Unquantized, the twin has
+  quantizer wrappers attached, all off (ModelOpt 0.47 refuses transformers 5's fused experts otherwise); quantized,
+  it holds the checkpoint's quantizer tensors in ModelOpt's wrapper of its fused experts (quant_twins.quantized_twin).
 - legacy: ModelOpt's ``export_tensorrt_llm_checkpoint`` of the twin rebuilt in the Hub's per-expert module layout
-  (the one its MoE code reads; transformers 5 fuses the experts when it loads); every rank file identical, the
-  config identical but for the fields TensorRT-LLM's own converter writes (test_trt_legacy's deviations, and
-  the Qwen MoE fields ModelOpt does not write).
+  (the one its MoE code reads; transformers 5 fuses the experts when it loads; quantized experts split as ModelOpt's
+  unified exporter splits them); every rank file identical, the config identical but for the fields TensorRT-LLM's
+  own converter writes (test_trt_legacy's deviations, and the Qwen MoE fields ModelOpt does not write). fp8 only:
+  TensorRT-LLM's legacy MoE plugin has no SmoothQuant mode.
 - what TensorRT-LLM cannot run from megapipe's MoE (routing it has no mode for, shared experts without legacy
-  names, quantized experts) is refused with the culprit named, and nothing is left behind.
+  names, int8_sq experts in the legacy plugin, INT4 experts ModelOpt cannot export) is refused with the culprit
+  named, and nothing is left behind.
 """
 
 from __future__ import annotations
@@ -26,8 +30,15 @@ pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parents[1] / "posttrain"))
 sys.path.insert(0, str(Path(__file__).parent))
 
-from quant_twins import disabled_quantizers, hf_twin, make_checkpoint, per_expert_layout  # noqa: E402
-from test_trt_legacy import _check_deviations, _rank  # noqa: E402
+from quant_twins import (  # noqa: E402
+    disabled_quantizers,
+    hf_twin,
+    make_checkpoint,
+    model_config,
+    per_expert_layout,
+    quantized_twin,
+)
+from test_trt_legacy import _check_deviations, _checkpoint, _rank  # noqa: E402
 from test_trt_unified import CONFIG_FIELDS, assert_same_tensors, tensors  # noqa: E402
 
 from megapipe.checkpoint.quant_state import quiet  # noqa: E402
@@ -45,19 +56,41 @@ def _one_thread(one_thread):
     """Tiny models run fastest on one thread (see tests/conftest.py)."""
 
 
-@pytest.mark.parametrize("arch,dtype", [("mixtral", "bf16"), ("qwen2_moe", "fp16"), ("qwen3_moe", "bf16")])
-def test_unified_moe_export_equals_modelopt_export_hf_checkpoint(tiny_tokenizer_dir, tmp_path, arch, dtype):
+def twin_of(ckpt: Path, tmp: Path, fmt, dtype: str):
+    if fmt is None:
+        return disabled_quantizers(hf_twin(ckpt, tmp, DTYPES[dtype]))
+    return quantized_twin(ckpt, tmp, DTYPES[dtype])
+
+
+UNIFIED = [("mixtral", None, None, "bf16"), ("qwen2_moe", None, None, "fp16"), ("qwen3_moe", None, None, "bf16"),
+           ("mixtral", "fp8", "fp8", "bf16"), ("mixtral", "int8_sq", None, "bf16"), ("qwen2_moe", "fp8", None, "bf16"),
+           ("qwen2_moe", "int8_sq", "fp8", "fp16"), ("qwen3_moe", "fp8", None, "fp16"),
+           ("qwen3_moe", "int8_sq", "fp8", "bf16")]
+
+
+@pytest.mark.parametrize("arch,fmt,kv,dtype", UNIFIED,
+                         ids=[f"{a}-{f or 'none'}{'-kv' if k else ''}-{d}" for a, f, k, d in UNIFIED])
+def test_unified_moe_export_equals_modelopt_export_hf_checkpoint(tiny_tokenizer_dir, pretrain_data, tmp_path, arch,
+                                                                 fmt, kv, dtype):
     from modelopt.torch.export import export_hf_checkpoint
 
-    ckpt = make_checkpoint(tmp_path / "ckpt", arch, tiny_tokenizer_dir)
+    ckpt = _checkpoint(tmp_path, tiny_tokenizer_dir, pretrain_data[0], arch, fmt, kv, {})
     summary = export_trt(ckpt, tmp_path / "ours", "unified", dtype=dtype)
-    twin = disabled_quantizers(hf_twin(ckpt, tmp_path, DTYPES[dtype]))
+    twin = twin_of(ckpt, tmp_path, fmt, dtype)
     with quiet():
         export_hf_checkpoint(twin, dtype=DTYPES[dtype], export_dir=tmp_path / "modelopt")
 
     ours, theirs = tensors(tmp_path / "ours"), tensors(tmp_path / "modelopt")
     assert any(".experts.3." in name for name in ours)  # the Hub's per-expert names
     assert_same_tensors(ours, theirs)
+    if fmt is not None:  # quantized experts, unquantized routers
+        router = "block_sparse_moe.gate" if arch == "mixtral" else "mlp.gate"
+        expert = next(n for n in ours if ".experts.3." in n and n.endswith(".weight"))
+        assert ours[expert].dtype == (torch.float8_e4m3fn if fmt == "fp8" else torch.int8)
+        assert ours[expert.removesuffix("weight") + "input_scale"].shape == ()
+        quant = json.loads((tmp_path / "ours" / "hf_quant_config.json").read_text())
+        assert quant == json.loads((tmp_path / "modelopt" / "hf_quant_config.json").read_text())
+        assert f"model.layers.{model_config(arch).moe_layers[0]}.{router}" in quant["quantization"]["exclude_modules"]
     ours_cfg = json.loads((tmp_path / "ours" / "config.json").read_text())
     theirs_cfg = json.loads((tmp_path / "modelopt" / "config.json").read_text())
     for cfg in (ours_cfg, theirs_cfg):  # transformers' Qwen2-MoE config reads "no window" as 0, megapipe writes None
@@ -68,24 +101,29 @@ def test_unified_moe_export_equals_modelopt_export_hf_checkpoint(tiny_tokenizer_
         theirs_cfg["num_experts"] = 4
     for field in (CONFIG_FIELDS | MOE_FIELDS) & (set(ours_cfg) | set(theirs_cfg)):
         assert ours_cfg.get(field) == theirs_cfg.get(field), field
-    assert summary["quantization"] == "none"
+    assert summary["quantization"] == (fmt or "none") + (f" + kv {kv}" if kv else "")
 
 
-# (arch, tp, pp, dtype): experts split by TP, with KV heads duplicated at tp 4; layers over two stages
-LEGACY = [("mixtral", 1, 1, "bf16"), ("mixtral", 2, 1, "fp16"), ("mixtral", 2, 2, "bf16"), ("mixtral", 4, 1, "bf16"),
-          ("qwen3_moe", 1, 1, "bf16"), ("qwen3_moe", 2, 2, "fp16"),
-          ("qwen2_moe", 1, 1, "bf16"), ("qwen2_moe", 2, 1, "fp16")]
+# (arch, format, kv, tp, pp, dtype): experts split by TP, with KV heads duplicated at tp 4; layers over two stages
+LEGACY = [("mixtral", None, None, 1, 1, "bf16"), ("mixtral", None, None, 2, 1, "fp16"),
+          ("mixtral", None, None, 2, 2, "bf16"), ("mixtral", None, None, 4, 1, "bf16"),
+          ("qwen3_moe", None, None, 1, 1, "bf16"), ("qwen3_moe", None, None, 2, 2, "fp16"),
+          ("qwen2_moe", None, None, 1, 1, "bf16"), ("qwen2_moe", None, None, 2, 1, "fp16"),
+          ("mixtral", "fp8", "fp8", 2, 1, "bf16"), ("mixtral", "fp8", None, 4, 1, "bf16"),
+          ("qwen3_moe", "fp8", None, 2, 2, "bf16"), ("qwen2_moe", "fp8", "fp8", 2, 1, "fp16")]
 DECODER = {"mixtral": "llama", "qwen2_moe": "qwen", "qwen3_moe": "qwen"}
 ALL_MOE = {"qwen2_moe": {"moe_layer_freq": 1}}  # TensorRT-LLM's legacy MoE models route every layer
 
 
-@pytest.mark.parametrize("arch,tp,pp,dtype", LEGACY, ids=[f"{a}-tp{t}-pp{p}-{d}" for a, t, p, d in LEGACY])
-def test_legacy_moe_equals_modelopt_export_tensorrt_llm_checkpoint(tiny_tokenizer_dir, tmp_path, arch, tp, pp, dtype):
+@pytest.mark.parametrize("arch,fmt,kv,tp,pp,dtype", LEGACY,
+                         ids=[f"{a}-{f or 'none'}{'-kv' if k else ''}-tp{t}-pp{p}-{d}" for a, f, k, t, p, d in LEGACY])
+def test_legacy_moe_equals_modelopt_export_tensorrt_llm_checkpoint(tiny_tokenizer_dir, pretrain_data, tmp_path, arch,
+                                                                   fmt, kv, tp, pp, dtype):
     from modelopt.torch.export import export_tensorrt_llm_checkpoint
 
-    ckpt = make_checkpoint(tmp_path / "ckpt", arch, tiny_tokenizer_dir, **ALL_MOE.get(arch, {}))
+    ckpt = _checkpoint(tmp_path, tiny_tokenizer_dir, pretrain_data[0], arch, fmt, kv, ALL_MOE.get(arch, {}))
     summary = export_trt(ckpt, tmp_path / "ours", "legacy", dtype=dtype, tp=tp, pp=pp)
-    twin = per_expert_layout(hf_twin(ckpt, tmp_path, DTYPES[dtype]))
+    twin = per_expert_layout(twin_of(ckpt, tmp_path, fmt, dtype) if fmt else hf_twin(ckpt, tmp_path, DTYPES[dtype]))
     with quiet(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         export_tensorrt_llm_checkpoint(twin, DECODER[arch], dtype=DTYPES[dtype], export_dir=tmp_path / "modelopt",
@@ -100,8 +138,15 @@ def test_legacy_moe_equals_modelopt_export_tensorrt_llm_checkpoint(tiny_tokenize
         fc = ours["transformer.layers.0.mlp.fc.weight"]
         assert fc.shape == (4, 2 * 64 // tp, 128)
         assert ours["transformer.layers.0.mlp.router.weight"].dtype == torch.float32
+        if fmt:  # one FP8 scale per expert, one activation scale for all (TensorRT-LLM's MoE plugin)
+            assert fc.dtype == torch.float8_e4m3fn
+            assert ours["transformer.layers.0.mlp.fc.weights_scaling_factor"].shape == (4, 1)
+            assert ours["transformer.layers.0.mlp.fc.activation_scaling_factor"].shape == (1,)
     ours_cfg = json.loads((ours_dir / "config.json").read_text())
     theirs_cfg = json.loads((theirs_dir / "config.json").read_text())
+    if fmt:  # the routers and gates ModelOpt excludes come from a set, in no particular order
+        theirs_cfg["quantization"]["exclude_modules"].sort()
+        assert "transformer.layers.0.mlp.router" in ours_cfg["quantization"]["exclude_modules"]
     _check_deviations(ours_cfg, theirs_cfg, arch, tp, pp)
     if arch != "mixtral":  # the expert width TensorRT-LLM's Qwen reads (its converter writes it; ModelOpt does not)
         assert ours_cfg.pop("moe_intermediate_size") == 64
@@ -180,40 +225,23 @@ def test_legacy_moe_refusals(tiny_tokenizer_dir, tmp_path):
     assert "sliding_window = 64 has no field in the legacy checkpoint" in _error(window, tmp_path / "c", "legacy")
 
 
-def test_quantized_moe_checkpoint_is_refused(tiny_tokenizer_dir, tmp_path):
-    """posttrain quantize refuses MoE models; a checkpoint claiming to be one anyway is not exported."""
-    from megapipe.checkpoint.manifest import MANIFEST_NAME
-
-    ckpt = make_checkpoint(tmp_path / "ckpt", "mixtral", tiny_tokenizer_dir)
-    manifest = json.loads((ckpt / MANIFEST_NAME).read_text())
-    manifest.update(parent="/somewhere/base", quantization={"format": "fp8", "kv_cache": None,
-                                                            "modelopt": {"modes": [{"quantizers": {}}], "kinds": {}}})
-    (ckpt / MANIFEST_NAME).write_text(json.dumps(manifest))
+def test_quantized_moe_without_a_layout_is_refused(tiny_tokenizer_dir, pretrain_data, tmp_path):
+    """int8_sq experts have no legacy MoE plugin mode; INT4 experts no export ModelOpt writes (its 0.47
+    export_hf_checkpoint fails on them), so none to check megapipe's against."""
+    sq = _checkpoint(tmp_path / "sq", tiny_tokenizer_dir, pretrain_data[0], "mixtral", "int8_sq", None, {})
+    message = _error(sq, tmp_path / "a", "legacy")
+    assert "an MoE checkpoint quantized with int8_sq has no legacy TensorRT-LLM layout" in message
+    awq = _checkpoint(tmp_path / "awq", tiny_tokenizer_dir, pretrain_data[0], "mixtral", "int4_awq", None, {})
     for fmt in ("unified", "legacy"):
-        message = _error(ckpt, tmp_path / fmt, fmt)
-        assert "a quantized MoE checkpoint (fp8) has no TensorRT-LLM export" in message
-        assert "/somewhere/base" in message
+        message = _error(awq, tmp_path / fmt, fmt)
+        assert "an MoE checkpoint quantized with int4_awq has no TensorRT-LLM export in megapipe" in message
+        assert f"quantize its parent {tmp_path / 'awq' / 'base'} with fp8 or int8_sq" in message
 
 
-def test_posttrain_quantize_refuses_moe(tiny_tokenizer_dir, pretrain_data, tmp_path):
-    """Quantizing would reach attention and the router only (the experts are 3-D weights, not nn.Linear)."""
-    from megapipe.posttrain.quantize import quantize_checkpoint
-
-    ckpt = make_checkpoint(tmp_path / "ckpt", "mixtral", tiny_tokenizer_dir)
-    with pytest.raises(MegapipeError, match="quantize does not support Mixtral models"):
-        quantize_checkpoint(ckpt, tmp_path / "q", "fp8", pretrain_data[0], calib_samples=2, seq_length=32,
-                            eval_iters=0)
-    assert not (tmp_path / "q").exists()
-
-
-def test_cli_moe(tiny_tokenizer_dir, pretrain_data, tmp_path, capsys):
+def test_cli_moe(tiny_tokenizer_dir, tmp_path):
     from megapipe.cli import main
 
     ckpt = make_checkpoint(tmp_path / "ckpt", "mixtral", tiny_tokenizer_dir)
     assert main(["export", "trt", str(ckpt), str(tmp_path / "legacy"), "--format", "legacy", "--tp", "2"]) == 0
     assert sorted(p.name for p in (tmp_path / "legacy").iterdir()) == ["config.json", "quant_cfg.json",
                                                                         "rank0.safetensors", "rank1.safetensors"]
-    assert main(["posttrain", "quantize", str(ckpt), "--quant", "fp8", "--calib-data", str(pretrain_data[0]),
-                 "--output", str(tmp_path / "q")]) == 2
-    assert "quantize does not support Mixtral models" in capsys.readouterr().err
-    assert not (tmp_path / "q").exists()

@@ -50,8 +50,9 @@ def _hf_config(arch: str):
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
-def make_hf_dir(root: Path, arch: str, seed: int = 0, dtype=torch.float32) -> tuple[Path, object]:
-    """A random HF model of ``arch`` + a trained byte-level BPE of VOCAB ids (0 = <|endoftext|>) in ``root``."""
+def make_hf_dir(root: Path, arch: str, seed: int = 0, dtype=torch.float32, **config) -> tuple[Path, object]:
+    """A random HF model of ``arch`` (``config``: fields of its HF config to change) + a trained byte-level BPE of
+    VOCAB ids (0 = <|endoftext|>) in ``root``."""
     import transformers
 
     from megapipe.data.tokenizer import train_tokenizer
@@ -59,6 +60,7 @@ def make_hf_dir(root: Path, arch: str, seed: int = 0, dtype=torch.float32) -> tu
     root.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     cfg = _hf_config(arch)
+    cfg.update(config)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     if arch == "qwen2":  # random biases, so the bias path is exercised
         with torch.no_grad():

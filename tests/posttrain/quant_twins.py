@@ -93,16 +93,29 @@ def per_expert_layout(twin):
     """``twin`` (a transformers >= 5 Mixtral or Qwen-MoE: fused 3-D experts behind a router module) rebuilt, in
     place and with the same tensors, in the module layout the Hub's files describe and ModelOpt's TensorRT-LLM
     exporter reads: an ``nn.Linear`` router ``gate`` and a ModuleList of experts with ``w1`` (gate) / ``w2`` (down) /
-    ``w3`` (up), Qwen's ``gate_proj`` / ``down_proj`` / ``up_proj``."""
+    ``w3`` (up), Qwen's ``gate_proj`` / ``down_proj`` / ``up_proj``.
+
+    Quantized fused experts (ModelOpt's wrapper) become quantized linears holding copies of their quantizers, as
+    ModelOpt's own ``_export_fused_experts`` splits them: gate and up each a copy of the expert's one weight quantizer
+    (per-tensor formats only: a per-channel amax would need its rows split), every expert the shared input quantizer.
+    """
+    import copy
+
+    from modelopt.torch.quantization.nn import QuantModuleRegistry
     from torch import nn
 
     mixtral = twin.config.model_type == "mixtral"
     gate, down, up = ("w1", "w2", "w3") if mixtral else ("gate_proj", "down_proj", "up_proj")
 
-    def linear(weight):
+    def linear(weight, weight_quantizer=None, input_quantizer=None):
         layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
         with torch.no_grad():
             layer.weight.copy_(weight)
+        if weight_quantizer is None:
+            return layer
+        assert weight_quantizer.amax.numel() == 1, "per-tensor weight scales only"
+        layer = QuantModuleRegistry.get(nn.Linear).convert(layer)
+        layer.weight_quantizer, layer.input_quantizer = copy.deepcopy(weight_quantizer), copy.deepcopy(input_quantizer)
         return layer
 
     for block in twin.model.layers:
@@ -110,12 +123,17 @@ def per_expert_layout(twin):
         if not hasattr(moe, "experts"):  # a dense layer
             continue
         experts, f = moe.experts, moe.experts.down_proj.shape[-1]
+        quantized = hasattr(experts, "gate_up_proj_weight_quantizers")
         per_expert = nn.ModuleList()
         for e in range(experts.num_experts):
+            first = second = ()
+            if quantized:
+                first = (experts.gate_up_proj_weight_quantizers[e], experts.gate_up_proj_input_quantizer)
+                second = (experts.down_proj_weight_quantizers[e], experts.down_proj_input_quantizer)
             expert = nn.Module()
-            setattr(expert, gate, linear(experts.gate_up_proj[e, :f]))
-            setattr(expert, up, linear(experts.gate_up_proj[e, f:]))
-            setattr(expert, down, linear(experts.down_proj[e]))
+            setattr(expert, gate, linear(experts.gate_up_proj[e, :f], *first))
+            setattr(expert, up, linear(experts.gate_up_proj[e, f:], *first))
+            setattr(expert, down, linear(experts.down_proj[e], *second))
             per_expert.append(expert)
         moe.experts, moe.gate = per_expert, linear(moe.gate.weight)
     return twin
@@ -128,7 +146,8 @@ def windows_of(prefix, count: int, seq_length: int, first: int = 0) -> torch.Ten
     return windows(stream, count, seq_length, first)
 
 
-QUANTIZER_KEY = re.compile(r"^(.*)\.((?:weight|input|output|[qkvp]_bmm)_quantizer(?:\.\d+)?)\.(_[a-z_]+)$")
+QUANTIZER_KEY = re.compile(r"^(.*)\.((?:weight|input|output|[qkvp]_bmm)_quantizer(?:\.\d+)?"
+                           r"|(?:gate_up|down)_proj_(?:weight_quantizers\.\d+|input_quantizer))\.(_[a-z_]+)$")
 
 
 def hf_names(cfg) -> dict[str, str]:
@@ -136,6 +155,17 @@ def hf_names(cfg) -> dict[str, str]:
     from megapipe.checkpoint.hf.base import adapter_for_arch
 
     return {c.mp[0]: c.hf[0] for c in adapter_for_arch(cfg.arch).conversions(cfg)}
+
+
+def twin_names(cfg) -> dict[str, str]:
+    """megapipe tensor name -> the transformers model's state-dict name: ``hf_names``, but transformers 5's module
+    paths for MoE (Mixtral's ``block_sparse_moe`` is ``mlp``; the experts are fused 3-D weights, as megapipe holds
+    them once quantized: megapipe.models.fused_experts)."""
+    names = {k: v.replace(".block_sparse_moe.", ".mlp.") for k, v in hf_names(cfg).items() if ".moe.experts." not in k}
+    for i in cfg.moe_layers:
+        names.update({f"layers.{i}.moe.experts.{w}": f"model.layers.{i}.mlp.experts.{w}"
+                      for w in ("gate_up_proj", "down_proj")})
+    return names
 
 
 def quantized_twin(quantized_ckpt: Path, tmp: Path, dtype: torch.dtype):
@@ -152,14 +182,14 @@ def quantized_twin(quantized_ckpt: Path, tmp: Path, dtype: torch.dtype):
     parent = Path(manifest["parent"])
     ours = load_model(quantized_ckpt).model
     state = ours.state_dict()
-    names = hf_names(ours.cfg)
+    names = twin_names(ours.cfg)
     base = tmp / f"hf-base-{quantized_ckpt.name}"
     if not base.exists():
         export_hf(parent, base, dtype="fp32")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         twin = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=dtype).eval()
-    weights = {names[k]: v.to(dtype) for k, v in state.items() if "_quantizer." not in k}
+    weights = {names[k]: v.to(dtype) for k, v in state.items() if not quant_state.is_quantizer_tensor(k)}
     missing, unexpected = twin.load_state_dict(weights, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
 
@@ -169,7 +199,7 @@ def quantized_twin(quantized_ckpt: Path, tmp: Path, dtype: torch.dtype):
     dummy = torch.randint(0, ours.cfg.vocab_size, (1, 8))
     with torch.no_grad(), quant_state.quiet():
         quant_state.mtq().quantize(twin, config, lambda m: m(dummy))
-    modules = {k.removesuffix(".weight"): v.removesuffix(".weight") for k, v in names.items() if k.endswith(".weight")}
+    modules = {k.rsplit(".", 1)[0]: v.rsplit(".", 1)[0] for k, v in names.items()}
     for key, tensor in state.items():
         m = QUANTIZER_KEY.match(key)
         if not m:
