@@ -282,12 +282,13 @@ def test_load_weights_replaces_the_model_and_empties_the_prefix_cache(dtype):
     assert again == fresh.generate(prompt, greedy)[0].outputs[0].token_ids != first
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decoder_layer_fast_path_equals_the_model_forward(arch, dtype, tmp_path_factory, one_thread):
     """Dense and MoE blocks run through the runner's DecoderLayer: the same tokens and logprobs, bit for bit, as the
     model's own forward, in mixed steps (staggered arrivals: decodes and prefill chunks together), with biases
-    (qwen2), a sliding window (mistral, mixtral) and a gated shared expert beside dense layers (qwen2_moe). Without megapipe's CPU kernels, whose RMSNorm sums in its own order
+    (qwen2), q/k norms (qwen3, qwen3_moe), a sliding window (mistral, mixtral) and a gated shared expert beside dense
+    layers (qwen2_moe). Without megapipe's CPU kernels, whose RMSNorm sums in its own order
     (tests/inference/test_kernels.py)."""
     path, _ = make_hf_dir(tmp_path_factory.mktemp(f"fast_{arch}"), arch)
     params = SamplingParams(max_tokens=12, logprobs=2, **GREEDY)
@@ -304,7 +305,7 @@ def test_decoder_layer_fast_path_equals_the_model_forward(arch, dtype, tmp_path_
 def test_the_fast_path_is_only_taken_by_plain_blocks(arch_dir):
     engine = LLMEngine.from_pretrained(arch_dir[0], device="cpu")
     cfg = engine.model_config
-    assert (engine.runner.layers is None) == (cfg.position_embedding != "rope" or cfg.qk_norm)
+    assert (engine.runner.layers is None) == (cfg.position_embedding != "rope")
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
