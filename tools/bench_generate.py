@@ -2,6 +2,15 @@
 
     .venv/bin/python tools/bench_generate.py [--model ~/.cache/megapipe/smollm2] [--vllm-python .venv-vllm/bin/python]
 
+``--model`` is any Hugging Face model directory the bridge imports, MoE ones included (Mixtral, Qwen2-MoE,
+Qwen3-MoE); tools/make_random_hf.py makes random-weight ones of realistic shape here, e.g.
+
+    .venv/bin/python tools/make_random_hf.py --arch qwen3_moe --output /tmp/qwen3moe
+    .venv/bin/python tools/bench_generate.py --model /tmp/qwen3moe --skip vllm --new-tokens 64
+
+The HF baseline is plain ``AutoModelForCausalLM.from_pretrained(dir, dtype=...)`` + ``generate`` with
+transformers' defaults (for MoE layers its default experts kernel: ``torch._grouped_mm`` on CPU with torch 2.13).
+
 Every engine gets the same prompts (random token ids, ``--prompt-len`` each, fresh ones for every repetition so no
 prefix cache helps), the same dtype and the same number of CPU threads, and generates exactly ``--new-tokens``
 tokens per prompt (EOS ignored). Output tokens/s = batch * new tokens / wall time of the whole batch; time to first
@@ -55,6 +64,18 @@ def main():
 if __name__ == "__main__":
     main()
 '''
+
+
+def describe(model_dir: str) -> str:
+    """The model's directory name, architecture and shape: 'smollm2 (Llama, h576 x 30 layers, vocab 49152)'."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    arch = (cfg.get("architectures") or [cfg.get("model_type", "?")])[0].removesuffix("ForCausalLM")
+    shape = f"h{cfg.get('hidden_size')} x {cfg.get('num_hidden_layers')} layers"
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+    if experts:
+        shape += (f", {experts} experts of FFN {cfg.get('moe_intermediate_size') or cfg.get('intermediate_size')}"
+                  f" top-{cfg.get('num_experts_per_tok')}")
+    return f"{Path(model_dir).name} ({arch}, {shape}, vocab {cfg.get('vocab_size')})"
 
 
 def prompts_for(batch: int, rep: int, length: int, vocab: int) -> list[list[int]]:
@@ -185,7 +206,7 @@ def main() -> None:
                 "cpu_tok_s": statistics.median(b * args.new_tokens / raw[name][k]["total_cpu"] for k in keys),
                 "cpu_ttft_ms": statistics.median(raw[name][k]["ttft_cpu"] * 1000 for k in keys),
             }
-    print(f"\nSmolLM2 greedy, {args.prompt_len}-token prompts, {args.new_tokens} new tokens, {args.dtype}, "
+    print(f"\n{describe(args.model)} greedy, {args.prompt_len}-token prompts, {args.new_tokens} new tokens, {args.dtype}, "
           f"{args.threads} threads, median of {args.reps}; load average at start {load_start:.1f}, at end "
           f"{os.getloadavg()[0]:.1f} ({os.cpu_count()} CPUs)")
     for label, tok, ttft in (("wall clock", "tok_s", "ttft_ms"), ("CPU seconds", "cpu_tok_s", "cpu_ttft_ms")):

@@ -8,8 +8,8 @@ only: in fp32 in the last bits (greedy parity with HF and logprobs within 1e-4 o
 tests/inference); in bf16 the fused SiLU and product are taken before rounding to bf16 rather than after. The
 model object is the engine's to modify.
 
-Plain dense blocks (Llama / Qwen2 / Mistral shapes) run through :class:`DecoderLayer`, the same arithmetic as the
-module's forward in a third of the operations: decoding a small model on CPU is otherwise dominated by the
+Plain dense and MoE blocks (Llama / Qwen2 / Qwen3 / Mistral, Mixtral / Qwen2-MoE / Qwen3-MoE shapes) run through
+:class:`DecoderLayer`, the same arithmetic as the module's forward in a third of the operations: decoding a small model on CPU is otherwise dominated by the
 per-operation overhead of ~70 small tensor operations per layer, not by the matmuls.
 """
 
@@ -110,10 +110,62 @@ class PackedQKV(nn.Module):
         return self.wqkv(x).split(self.sizes, dim=-1)
 
 
+class PackedExperts(nn.Module):
+    """An MoE layer's experts (megapipe.models.moe.GroupedExperts, same ``forward(x, counts)``) on megapipe's bf16
+    kernel: each 3-D weight [E, F, H] packed once as one [E*F, H] matmul, expert e's rows being a contiguous slice of
+    it (the kernel's 16-output lines; F and H multiples of 16). Every expert that got rows runs as PackedSwiGLU does
+    (SiLU and product fused, taken before rounding) on its slice of the sorted rows, writing its part of one output;
+    an expert that got none costs nothing. On CPU, torch._grouped_mm reorders each group's bf16 weight for a plain
+    GEMM on every call: at decode batch sizes (a few rows per expert) it takes 2-5x as long as this kernel, which
+    streams each weight once (tools/bench_generate.py on a Mixtral-like model: the decode step 4x faster)."""
+
+    def __init__(self, experts: nn.Module, own: bool = True):
+        super().__init__()
+        self.num_experts, self.ffn, self.hidden = experts.w1.shape
+        self.w1, self.w3, self.w2 = (PackedLinear(w.detach().reshape(-1, w.shape[-1]), None, own)
+                                     for w in (experts.w1, experts.w3, experts.w2))
+        self._views_of = None
+
+    @staticmethod
+    def fits(experts: nn.Module, own: bool) -> bool:
+        """The weights can take this form: megapipe's bf16 kernel (``own``) and widths in whole 16-output lines."""
+        w = experts.w1
+        return (own and kernels.bf16_linear_built() and w.dtype == torch.bfloat16 and type(w) is nn.Parameter
+                and w.shape[1] % 16 == 0 and w.shape[2] % 16 == 0)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if x.stride(-1) != 1 or x.dtype != torch.bfloat16:
+            x = x.contiguous().to(torch.bfloat16)
+        out = torch.empty(len(x), self.hidden, dtype=x.dtype, device=x.device)
+        gate = torch.empty(len(x), self.ffn, dtype=x.dtype, device=x.device)
+        hidden = torch.empty_like(gate)
+        sizes = counts.tolist()
+        w1, w3, w2 = self._experts()
+        matmul = torch.ops.megapipe.linear_bf16
+        parts = zip(sizes, x.split(sizes), gate.split(sizes), hidden.split(sizes), out.split(sizes), strict=True)
+        for e, (n, xe, ge, he, oe) in enumerate(parts):
+            if n:
+                matmul(xe, w1[e], self.ffn, None, True, None, ge)
+                matmul(xe, w3[e], self.ffn, None, False, ge, he)
+                matmul(he, w2[e], self.hidden, None, False, None, oe)
+        return out
+
+    def _experts(self) -> tuple:
+        """Each expert's slices of the three packed weights (views, made again when load_weights re-packed them)."""
+        packed = (self.w1.packed, self.w3.packed, self.w2.packed)
+        if self._views_of is None or any(a is not b for a, b in zip(self._views_of, packed, strict=True)):
+            self._views = tuple(w.chunk(self.num_experts) for w in packed)
+            self._views_of = packed
+        return self._views
+
+
 def pack_linears(model: nn.Module, own: bool = False) -> int:
     """Replace every nn.Linear (and swiglu FeedForward) under ``model`` by its packed form (for megapipe's bf16
     kernel with ``own``, else oneDNN's); returns matmuls packed. A module's ``plain_linears`` (names of its children,
-    e.g. an MoE router it reads in fp32) stay as they are."""
+    e.g. an MoE router it reads in fp32) stay as they are. MoE experts become PackedExperts where megapipe's bf16
+    kernel serves them (else they keep their grouped GEMM)."""
+    from megapipe.models.moe import GroupedExperts
+
     count = 0
     keep = set(getattr(model, "plain_linears", ()))
     if hasattr(model, "project_qkv") and all(isinstance(getattr(model, n, None), nn.Linear) for n in ("wq", "wk", "wv")):
@@ -130,6 +182,10 @@ def pack_linears(model: nn.Module, own: bool = False) -> int:
         if getattr(child, "swiglu", False) and isinstance(getattr(child, "w1", None), nn.Linear):
             setattr(model, name, PackedSwiGLU(child, own))
             count += 3
+        elif isinstance(child, GroupedExperts):
+            if PackedExperts.fits(child, own):
+                setattr(model, name, PackedExperts(child, own))
+                count += 3
         elif isinstance(child, nn.Linear):
             setattr(model, name, PackedLinear(child.weight, child.bias, own))
             count += 1
@@ -154,6 +210,11 @@ def packed_parts(model: nn.Module):
                 part = getattr(module, part_name)
                 yield part, [f"{prefix}{part_name}.weight"], [f"{prefix}{part_name}.bias"], [part.out_features]
                 fused.add(prefix + part_name)
+        elif isinstance(module, PackedExperts):  # one packed matmul per 3-D weight [E, rows, in], as [E * rows, in]
+            for part_name in ("w1", "w3", "w2"):
+                part = getattr(module, part_name)
+                yield part, [f"{prefix}{part_name}"], [f"{prefix}{part_name}.bias"], [part.out_features]
+                fused.add(prefix + part_name)
         elif isinstance(module, PackedLinear) and name not in fused:
             yield module, [f"{prefix}weight"], [f"{prefix}bias"], [module.out_features]
 
@@ -169,9 +230,9 @@ def repack(linear: PackedLinear, weight: torch.Tensor, bias: Optional[torch.Tens
 
 
 class DecoderLayer:
-    """One dense pre-norm block (RMSNorm, rotary attention, swiglu MLP) run on the flattened batch [T, H] with far
-    fewer operations than the module's forward: fused RMSNorm, rotary embedding in place on the fused q/k
-    projection, attention through ``PagedBatch.attend_flat``, residual adds in place, the MLP's residual add left to
+    """One pre-norm block (RMSNorm, rotary attention with optional per-head q/k RMSNorms as Qwen3's, a swiglu MLP or
+    an MoE layer) run on the flattened batch [T, H] with far fewer operations than the module's forward: fused
+    RMSNorm, q/k norms and rotary embedding in place on the fused q/k projection, attention through ``PagedBatch.attend_flat``, residual adds in place, the MLP's residual add left to
     the next layer's norm (``__call__`` takes and returns it as ``delta``). With ``ops`` (megapipe's CPU kernels,
     megapipe.inference.kernels) the residual add goes into that norm's pass, and the rotary embedding into storing
     k and v in the pool. Every rounding step is the module's own (same dtype, same order), so without ``ops`` the
@@ -183,13 +244,15 @@ class DecoderLayer:
         self.norm1, self.norm2 = block.attention_norm, block.ffn_norm
         self.layer_id, self.head_dim = attn.layer_id, attn.head_dim
         self.qkv = attn.project_qkv
+        self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
         self.wo = attn.wo
         self.ffn = block.moe if hasattr(block, "moe") else block.feed_forward
         self.ops = ops
 
     @staticmethod
     def supports(block: nn.Module) -> bool:
-        """A dense block with a swiglu MLP, or an MoE block (its MoE layer takes the flattened batch as it is)."""
+        """A dense block with a swiglu MLP, or an MoE block (its MoE layer takes the flattened batch as it is); RMSNorms
+        throughout (the q/k norms too, where there are any)."""
         from megapipe.models.dense import TransformerBlock
         from megapipe.models.moe import MoEBlock
         from megapipe.models.norms import RMSNorm
@@ -200,7 +263,7 @@ class DecoderLayer:
         else:
             mlp_ok = type(block) is MoEBlock
         return (mlp_ok and isinstance(block.attention_norm, RMSNorm) and isinstance(block.ffn_norm, RMSNorm)
-                and attn.q_norm is None)
+                and all(n is None or isinstance(n, RMSNorm) for n in (attn.q_norm, attn.k_norm)))
 
     def __call__(self, h: torch.Tensor, delta: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                  batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,6 +275,9 @@ class DecoderLayer:
             qkv = self.qkv.wqkv(x)
             nq, nk, _ = (n // d for n in self.qkv.sizes)
             q, k, v = (t.view(len(x), -1, d) for t in qkv.split(self.qkv.sizes, dim=-1))
+            if self.q_norm is not None:  # in place, before the rotary embedding (which the kernel applies in place)
+                q.copy_(rms_norm(q, self.q_norm))
+                k.copy_(rms_norm(k, self.k_norm))
             if self.ops is not None:
                 pool = batch.pool
                 self.ops.rope_and_cache(qkv, cos, sin, pool.k[self.layer_id], pool.v[self.layer_id], batch.slots,
@@ -222,6 +288,8 @@ class DecoderLayer:
                 attended = batch.attend_flat(self.layer_id, q, k, v)
         else:
             q, k, v = (t.view(len(x), -1, d) for t in self.qkv(x))
+            if self.q_norm is not None:
+                q, k = rms_norm(q, self.q_norm), rms_norm(k, self.k_norm)
             rope_(q, cos[:, None], sin[:, None])
             rope_(k, cos[:, None], sin[:, None])
             attended = batch.attend_flat(self.layer_id, q, k, v)
@@ -302,7 +370,7 @@ class ModelRunner:
         return collapse_resident_memory()
 
     def _build_fast_path(self) -> None:
-        """The layers as DecoderLayer when every block is a plain dense one (else the model's own forward)."""
+        """The layers as DecoderLayer when every block is one it runs (else the model's own forward)."""
         from megapipe.models.norms import RMSNorm
         from megapipe.models.rope import inv_frequencies
 
@@ -328,6 +396,7 @@ class ModelRunner:
         for linear, weights, biases, _ in parts:  # re-packed in place of the old values: no second model in memory
             w = [state[n].to(self.device, self.dtype) for n in weights]
             w = w[0] if len(w) == 1 else torch.cat(w)
+            w = w.reshape(-1, w.shape[-1])  # experts' 3-D weights as one matmul of their stacked rows
             b = torch.cat([state[n] for n in biases]) if linear.bias is not None else None
             repack(linear, w, b)
         self.head_weight = self.model.output_weight().detach()

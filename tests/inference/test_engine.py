@@ -282,12 +282,13 @@ def test_load_weights_replaces_the_model_and_empties_the_prefix_cache(dtype):
     assert again == fresh.generate(prompt, greedy)[0].outputs[0].token_ids != first
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decoder_layer_fast_path_equals_the_model_forward(arch, dtype, tmp_path_factory, one_thread):
     """Dense and MoE blocks run through the runner's DecoderLayer: the same tokens and logprobs, bit for bit, as the
     model's own forward, in mixed steps (staggered arrivals: decodes and prefill chunks together), with biases
-    (qwen2), a sliding window (mistral, mixtral) and a gated shared expert beside dense layers (qwen2_moe). Without megapipe's CPU kernels, whose RMSNorm sums in its own order
+    (qwen2), q/k norms (qwen3, qwen3_moe), a sliding window (mistral, mixtral) and a gated shared expert beside dense
+    layers (qwen2_moe). Without megapipe's CPU kernels, whose RMSNorm sums in its own order
     (tests/inference/test_kernels.py)."""
     path, _ = make_hf_dir(tmp_path_factory.mktemp(f"fast_{arch}"), arch)
     params = SamplingParams(max_tokens=12, logprobs=2, **GREEDY)
@@ -304,15 +305,16 @@ def test_decoder_layer_fast_path_equals_the_model_forward(arch, dtype, tmp_path_
 def test_the_fast_path_is_only_taken_by_plain_blocks(arch_dir):
     engine = LLMEngine.from_pretrained(arch_dir[0], device="cpu")
     cfg = engine.model_config
-    assert (engine.runner.layers is None) == (cfg.position_embedding != "rope" or cfg.qk_norm)
+    assert (engine.runner.layers is None) == (cfg.position_embedding != "rope")
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_moe_in_bf16_and_at_batch_32(arch, tmp_path_factory, one_thread):
     """MoE on the engine's default path: the router stays a plain fp32 linear beside the packed ones, the experts
-    run as one grouped GEMM per layer; 32 sequences decoding together give what each gives alone, and bf16 agrees
-    with fp32 within round-off: the same greedy tokens, their log-probs within 0.05 (median) and 0.1 (mean). Single
-    positions can differ by ~1 in bf16, plain modules' too: a routing decision flips between near-tied experts."""
+    run as one grouped GEMM per layer (in bf16 with megapipe's matmul kernel: PackedExperts); 32 sequences decoding
+    together give what each gives alone, and bf16 agrees with fp32 within round-off: the same greedy tokens, their
+    log-probs within 0.05 (median) and 0.1 (mean). Single positions can differ by ~1 in bf16, plain modules' too: a
+    routing decision flips between near-tied experts."""
     from megapipe.inference.runner import PackedLinear
     from megapipe.models.moe import MoE
 
@@ -334,3 +336,47 @@ def test_moe_in_bf16_and_at_batch_32(arch, tmp_path_factory, one_thread):
     got, want = (torch.tensor([lp for o in outs for lp, _ in o.outputs[0].logprobs]) for outs in (bf16, fp32))
     diff = (got - want).abs()
     assert diff.median() <= 0.05 and diff.mean() <= 0.1, diff
+
+
+def test_packed_experts_match_the_grouped_gemm_and_take_new_weights(one_thread):
+    """In bf16 with megapipe's matmul kernel the engine runs MoE experts as PackedExperts (each 3-D weight one packed
+    matmul, an expert a slice of it, only experts that got rows run): within bf16 round-off of the grouped GEMM
+    against the fp32 product, empty experts included; load_weights re-packs them from the model's 3-D tensors, and
+    the engine then decodes as a fresh one built on those weights."""
+    from megapipe.config import ModelConfig
+    from megapipe.inference import kernels
+    from megapipe.inference.engine import EngineConfig
+    from megapipe.inference.runner import PackedExperts, pack_linears
+    from megapipe.models import build_model
+    from megapipe.models.moe import GroupedExperts, expert_loop
+
+    if not kernels.bf16_linear_built():
+        pytest.skip("megapipe's bf16 matmul kernel is not built here (no AVX512-BF16)")
+    torch.manual_seed(0)
+    experts = GroupedExperts(4, 64, 96)
+    for w in (experts.w1, experts.w2, experts.w3):
+        torch.nn.init.normal_(w, 0.0, 0.1)
+    holder = torch.nn.Module()
+    holder.experts = experts.to(torch.bfloat16)
+    x = torch.randn(11, 64).bfloat16()
+    counts = torch.tensor([3, 0, 8, 0])
+    with torch.inference_mode():
+        exact = expert_loop(x.float(), counts, *(w.float() for w in (experts.w1, experts.w2, experts.w3)))
+        grouped = experts(x, counts).float()
+        assert pack_linears(holder, own=True) == 3 and isinstance(holder.experts, PackedExperts)
+        packed = holder.experts(x, counts).float()
+    assert not torch.equal(packed, grouped)  # the SiLU and product are taken before rounding
+    assert (packed - exact).abs().max() <= 1.5 * (grouped - exact).abs().max()
+    torch.testing.assert_close(packed, exact, atol=0.02, rtol=0.02)
+
+    cfg = ModelConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, max_position_embeddings=64, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32)
+    a, b = (build_model(cfg, seed=s).to(torch.bfloat16) for s in (1, 2))
+    greedy = SamplingParams(max_tokens=8, **GREEDY)
+    engine = LLMEngine(a, None, EngineConfig(num_blocks=32), eos_token_ids=[])
+    assert sum(isinstance(m, PackedExperts) for m in engine.runner.model.modules()) == 2
+    first = [o.outputs[0].token_ids for o in engine.generate(PROMPTS, greedy)]
+    engine.load_weights({k: v.float() for k, v in b.state_dict().items()})
+    again = [o.outputs[0].token_ids for o in engine.generate(PROMPTS, greedy)]
+    fresh = LLMEngine(build_model(cfg, seed=2).to(torch.bfloat16), None, EngineConfig(num_blocks=32), eos_token_ids=[])
+    assert again == [o.outputs[0].token_ids for o in fresh.generate(PROMPTS, greedy)] != first
