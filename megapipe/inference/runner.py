@@ -26,6 +26,10 @@ from megapipe import torch_compat
 from megapipe.errors import ConfigError
 from megapipe.inference.host_memory import collapse_resident_memory, keep_freed_buffers
 from megapipe.inference.kv_cache import KVPool, PagedBatch
+from megapipe.models.dense import TransformerBlock
+from megapipe.models.moe import GroupedExperts, MoEBlock
+from megapipe.models.norms import RMSNorm
+from megapipe.models.rope import inv_frequencies, rope_cos_sin
 
 
 def _pack(weight: torch.Tensor, own: bool) -> torch.Tensor:
@@ -164,7 +168,6 @@ def pack_linears(model: nn.Module, own: bool = False) -> int:
     kernel with ``own``, else oneDNN's); returns matmuls packed. A module's ``plain_linears`` (names of its children,
     e.g. an MoE router it reads in fp32) stay as they are. MoE experts become PackedExperts where megapipe's bf16
     kernel serves them (else they keep their grouped GEMM)."""
-    from megapipe.models.moe import GroupedExperts
 
     count = 0
     keep = set(getattr(model, "plain_linears", ()))
@@ -253,9 +256,6 @@ class DecoderLayer:
     def supports(block: nn.Module) -> bool:
         """A dense block with a swiglu MLP, or an MoE block (its MoE layer takes the flattened batch as it is); RMSNorms
         throughout (the q/k norms too, where there are any)."""
-        from megapipe.models.dense import TransformerBlock
-        from megapipe.models.moe import MoEBlock
-        from megapipe.models.norms import RMSNorm
 
         attn = getattr(block, "attention", None)
         if type(block) is TransformerBlock:
@@ -371,8 +371,6 @@ class ModelRunner:
 
     def _build_fast_path(self) -> None:
         """The layers as DecoderLayer when every block is one it runs (else the model's own forward)."""
-        from megapipe.models.norms import RMSNorm
-        from megapipe.models.rope import inv_frequencies
 
         m, cfg = self.model, self.model.cfg
         self.layers = None
@@ -418,7 +416,6 @@ class ModelRunner:
         if self.layers is None:
             hidden = self.model(tokens[None], positions, batch, return_hidden=True)[0]
             return self.logits(hidden if select is None else hidden[select])
-        from megapipe.models.rope import rope_cos_sin
 
         h = self.model.tok_embeddings(tokens)
         cos, sin = (t[0, 0] for t in rope_cos_sin(positions, self.inv_freq, h.dtype))
