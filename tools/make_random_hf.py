@@ -8,9 +8,9 @@ benchmarks such as tools/bench_generate.py, whose throughput with EOS ignored do
 Presets (every size can be overridden by its flag):
 
 - ``mixtral``: hidden 1024, 6 layers, 16 heads / 4 KV heads (head dim 64), 8 experts of FFN 2048, top-2;
-  ~0.75 GB in bf16 (a Mixtral-8x7B at a quarter of its width, a fifth of its depth).
+  383M parameters, 0.71 GiB in bf16 (a Mixtral-8x7B at a quarter of its width, a fifth of its depth).
 - ``qwen3_moe``: hidden 1024, 8 layers, 16 heads / 4 KV heads (head dim 64, q/k norms), 16 experts of FFN 512,
-  top-4, normalised top-k weights; ~0.65 GB (Qwen3-30B-A3B's shape scaled down).
+  top-4, normalised top-k weights; 288M parameters, 0.54 GiB (Qwen3-30B-A3B's shape scaled down).
 - ``qwen2_moe``: hidden 1024, 6 layers, 16 / 4 heads, 16 experts of FFN 512, top-4, a gated shared expert of 2048.
 - ``llama``: hidden 1024, 8 layers, 16 / 4 heads, FFN 2816 (dense, for comparison).
 
