@@ -57,7 +57,7 @@ def read_sidecar(prefix: str | Path) -> Optional[dict]:
     try:
         body = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise DataError(f"{path} is not valid JSON ({e}); delete it if the dataset was rewritten by another tool")
+        raise DataError(f"{path} is not valid JSON ({e}); delete it if the dataset was rewritten by another tool") from None
     if not isinstance(body, dict) or body.get("format") != FORMAT:
         raise DataError(f"{path} is not a megapipe dataset sidecar (no \"format\": \"{FORMAT}\")")
     sizes = (bin_path(prefix).stat().st_size if bin_path(prefix).is_file() else None,
