@@ -99,7 +99,8 @@ def _row(arch: str, kinds: list[str]) -> Capabilities:
 
 
 def describe(cfg) -> str:
-    """'Mixtral (MoE)', 'Llama', 'Llama (dense + MoE)': how refusals name the architecture."""
+    """'Mixtral', 'Llama', 'Llama (dense + MoE)': how refusals name the architecture (the kinds only where the
+    family name does not already say them)."""
     kinds = kinds_of(cfg)
     label = LABELS.get(cfg.arch, cfg.arch)
     if kinds == ["dense"] or (kinds == ["moe"] and cfg.arch in MOE_FAMILIES):
@@ -115,23 +116,22 @@ def require(cfg, stage: str, where: str = "", **features: Optional[object]) -> N
         raise ValueError(f"unknown stage {stage!r}")
     row = capabilities(cfg)
     prefix = f"{where}: " if where else ""
-    name = describe(cfg)
+    name, what = describe(cfg), stage.replace("_", " ")
     if stage not in row.stages:
-        raise MegapipeError(f"{prefix}{stage.replace('_', ' ')} does not support {name} models "
-                            f"(megapipe/models/capabilities.py)")
+        raise MegapipeError(f"{prefix}{what} does not support {name} models (megapipe/models/capabilities.py)")
     for key, value in features.items():
         if value is None or value is False:
             continue
         declared = getattr(row, key)
         if isinstance(declared, bool):
             if not declared:
-                raise MegapipeError(f"{prefix}{stage.replace('_', ' ')} of {name} models does not support {key}")
+                raise MegapipeError(f"{prefix}{what} of {name} models does not support {key}")
             continue
         wanted = [value] if isinstance(value, str) else list(value)
         missing = [v for v in wanted if v not in declared]
         if missing:
             have = ", ".join(v for v in _ORDER[key] if v in declared) or "none"
-            raise MegapipeError(f"{prefix}{stage.replace('_', ' ')} of {name} models does not support {key} "
+            raise MegapipeError(f"{prefix}{what} of {name} models does not support {key} "
                                 f"{', '.join(map(str, missing))} (supported: {have})")
 
 
