@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from megapipe.config import ModelConfig, validate_mtp
-from megapipe.errors import ConfigError
+from megapipe.errors import ConfigError, MegapipeError
+from megapipe.models.capabilities import require
 from megapipe.models import build_model
 from megapipe.models.attention import DocumentMask, positions_from_documents
 from megapipe.models.dense import TransformerBlock
@@ -157,3 +158,11 @@ def test_training_lowers_the_mtp_losses():
 def test_config_mistakes(kw, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         validate_mtp(ModelConfig(**kw))
+
+
+@pytest.mark.parametrize("layout", ["tp", "sp", "pp", "cp"])
+def test_layouts_mtp_does_not_support_are_refused(layout):
+    with pytest.raises(MegapipeError, match=f"pretrain of Llama with MTP models does not support layouts {layout} "):
+        require(DENSE, "pretrain", layouts=[layout])
+    require(DENSE, "pretrain", layouts=["dp_shard", "dp_replicate"])
+    require(moe_cfg(), "pretrain", layouts=["ep", "dp_shard"])
