@@ -9,9 +9,9 @@ import torch.nn.functional as F
 
 from megapipe.config import ModelConfig, validate_mtp
 from megapipe.errors import ConfigError, MegapipeError
-from megapipe.models.capabilities import require
 from megapipe.models import build_model
 from megapipe.models.attention import DocumentMask, positions_from_documents
+from megapipe.models.capabilities import require
 from megapipe.models.dense import TransformerBlock
 from megapipe.models.moe import MoEBlock, moe_layers
 from megapipe.models.objective import TokenCrossEntropy
