@@ -44,11 +44,13 @@ class MTPModule(nn.Module):
         self.norm = build_norm(cfg.norm_type, h, cfg.norm_eps)
 
     def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, rope: Optional[tuple], cache=None,
-                mask: Optional[DocumentMask] = None) -> torch.Tensor:
-        """hidden: the previous depth's [B, S, H]; embedded: the embeddings of the tokens k ahead -> this depth's
-        block output [B, S, H], before ``norm`` (the next depth's ``hidden``)."""
+                mask: Optional[DocumentMask] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: the previous depth's [B, S, H]; embedded: the embeddings of the tokens k ahead -> (this depth's
+        block output [B, S, H] before ``norm``: the next depth's ``hidden``; after ``norm``: for the output head).
+        The norm runs here, inside the module's forward, where FSDP holds its whole weight."""
         x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
-        return self.block(x, rope, cache, mask)
+        h = self.block(x, rope, cache, mask)
+        return h, self.norm(h)
 
 
 def shift_left(x: torch.Tensor, k: int, fill) -> torch.Tensor:

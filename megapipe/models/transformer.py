@@ -116,8 +116,8 @@ class Transformer(nn.Module):
             raise ValueError("multi-token prediction needs the token ids (it embeds the tokens ahead)")
         states = []
         for module in self.mtp:
-            h = module(h, self.tok_embeddings(shift_left(tokens, module.depth, 0)), rope, None, mask)
-            states.append(module.norm(h))
+            h, normed = module(h, self.tok_embeddings(shift_left(tokens, module.depth, 0)), rope, None, mask)
+            states.append(normed)
         return states
 
     def mtp_step(self, depth: int, hidden: torch.Tensor, next_token_ids: torch.Tensor, positions: torch.Tensor,
@@ -131,8 +131,8 @@ class Transformer(nn.Module):
         module = self.mtp[depth - 1]
         if cache is not None:
             cache.advance(positions)
-        h = module(hidden, self.tok_embeddings(next_token_ids), self._rope(positions, hidden), cache)
-        return self.logits(module.norm(h)), h
+        h, normed = module(hidden, self.tok_embeddings(next_token_ids), self._rope(positions, hidden), cache)
+        return self.logits(normed), h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final normed hidden states [..., H] -> logits [..., V] (fp32 unless autocast is on)."""
