@@ -58,8 +58,8 @@ class Transformer(nn.Module):
         tokens each token also sees (a shared prompt; DocumentMask), with explicit ``positions``.
 
         ``last_only``: logits of the last position only ([B, 1, V]), what a generation step needs.
-        ``return_hidden``: the final normed hidden states [B, S, H] instead of the logits; ``"last_layer"``: the last
-        layer's output before the final norm (what MTP depth 1 and ``mtp_step`` take).
+        ``return_hidden``: the final normed hidden states [B, S, H] instead of the logits (also what MTP depth 1 and
+        ``mtp_step`` take: the main model's output as the head sees it, as vLLM feeds DeepSeek's MTP weights).
         ``head``: ``head(hidden, output_weight)`` is what the forward returns, computed inside it (a loss that applies
         the output projection itself, e.g. the fused output + cross-entropy: whatever wraps this module, FSDP, holds
         the whole output weight during its forward only).
@@ -91,10 +91,8 @@ class Transformer(nn.Module):
             h = layer(h, rope, cache, mask)
         if self.norm is None:
             return h
-        if return_hidden == "last_layer":
-            return h[:, -1:] if last_only else h
+        h = self.norm(h[:, -1:] if last_only and not mtp else h)
         extra = (self._mtp_states(tokens, h, rope, mask),) if mtp else ()
-        h = self.norm(h[:, -1:] if last_only else h)
         if head is not None:
             return head(h, self.output_weight(), *extra)
         if not return_hidden:
@@ -109,7 +107,8 @@ class Transformer(nn.Module):
 
     def _mtp_states(self, tokens: torch.Tensor, h: torch.Tensor, rope, mask) -> list[torch.Tensor]:
         """Each MTP depth's final normed hidden states [B, S, H] (index t predicts token t + depth + 1) from the
-        token ids and the last layer's output ``h``."""
+        token ids and the main model's final normed hidden states ``h``; depth k > 1 takes depth k - 1's output
+        before its norm."""
         if self.mtp is None:
             raise ValueError("mtp=True needs a model with multi-token prediction modules (model.mtp_num_layers)")
         if tokens.is_floating_point():
@@ -123,7 +122,7 @@ class Transformer(nn.Module):
     def mtp_step(self, depth: int, hidden: torch.Tensor, next_token_ids: torch.Tensor, positions: torch.Tensor,
                  cache=None) -> tuple[torch.Tensor, torch.Tensor]:
         """One MTP depth on its own, for drafting: ``hidden`` [B, T, H] the previous depth's output at some
-        positions (depth 1: ``forward(..., return_hidden="last_layer")``; depth k: what step k - 1 returned),
+        positions (depth 1: ``forward(..., return_hidden=True)``; depth k: what step k - 1 returned),
         ``next_token_ids`` [B, T] the tokens ``depth`` positions after each, ``positions`` [T] or [B, T] the
         positions of ``hidden`` (not of the tokens). Returns (logits [B, T, V] of the token depth + 1 ahead, this
         depth's hidden [B, T, H] for depth + 1). ``cache``: a KV cache as the main layers take it, holding layer

@@ -46,7 +46,7 @@ def written_out(model, batch):
     positions = positions_from_documents(docs)
     rope = rope_cos_sin(positions, inv_frequencies(model.cfg.dim_per_head, model.cfg.rope_theta, None), torch.float32)
     doc_mask = DocumentMask(docs, positions)
-    h = model(tokens, document_ids=docs, return_hidden="last_layer")
+    h = model(tokens, document_ids=docs, return_hidden=True)
     sums = []
     for depth, m in enumerate(model.mtp, start=1):
         ahead = torch.zeros_like(tokens)
@@ -109,7 +109,7 @@ def test_mtp_step_with_a_kv_cache_equals_the_full_sequence():
     tokens = torch.randint(0, V, (1, 10), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         _, full = model(tokens, mtp=True)
-        hidden = model(tokens, return_hidden="last_layer")
+        hidden = model(tokens, return_hidden=True)
         cfg, depths = DENSE, DENSE.mtp_num_layers
         pool = KVPool(cfg.num_layers + depths, 4, 4, cfg.kv_heads, cfg.dim_per_head, torch.float32, "cpu")
         for depth in range(1, depths + 1):
