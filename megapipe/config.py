@@ -146,6 +146,11 @@ class ModelConfig:
         "probs", "--moe-token-drop-policy", help="Over capacity, drop the lowest-probability or the latest tokens.")
     moe_grouped_gemm: bool = opt(
         True, "--moe-grouped-gemm", help="One grouped GEMM for all experts where torch has it (else a loop).")
+    # Multi-token prediction (megapipe.models.mtp), Megatron's names; None or 0: off
+    mtp_num_layers: Optional[int] = opt(
+        None, "--mtp-num-layers", help="Multi-token prediction modules (DeepSeek-V3's MTP depth; 0 or unset: none).")
+    mtp_loss_scaling_factor: float = opt(
+        0.1, "--mtp-loss-scaling-factor", help="Weight of the MTP loss (the mean over depths) in the training loss.")
 
     @property
     def is_moe(self) -> bool:
@@ -159,6 +164,11 @@ class ModelConfig:
         freq = self.moe_layer_freq
         pattern = [int(i % freq == 0) for i in range(self.num_layers)] if isinstance(freq, int) else list(freq)
         return [i for i, on in enumerate(pattern) if on and i >= self.moe_first_k_dense_replace]
+
+    @property
+    def mtp_depth(self) -> int:
+        """Number of multi-token prediction modules (0: none)."""
+        return self.mtp_num_layers or 0
 
     @property
     def expert_ffn(self) -> int:
@@ -664,7 +674,19 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"parallel.dp_shard = {p.dp_shard} must be > 0, or -1 for the rest of the world size")
     positive("parallel", p, "ep")
     validate_moe(m)
+    validate_mtp(m)
     validate_posttrain(cfg)
+
+
+def validate_mtp(m: ModelConfig) -> None:
+    if m.mtp_num_layers is not None and m.mtp_num_layers < 0:
+        raise ConfigError(f"model.mtp_num_layers (--mtp-num-layers) = {m.mtp_num_layers} must be >= 0 (0: no MTP)")
+    if m.mtp_depth and m.position_embedding != "rope":
+        raise ConfigError(f"model.mtp_num_layers = {m.mtp_num_layers} needs rotary positions (model.position_embedding "
+                          f"= {m.position_embedding!r}): multi-token prediction is not defined for learned positions")
+    if m.mtp_loss_scaling_factor < 0:
+        raise ConfigError(
+            f"model.mtp_loss_scaling_factor (--mtp-loss-scaling-factor) = {m.mtp_loss_scaling_factor} must be >= 0")
 
 
 def validate_moe(m: ModelConfig) -> None:

@@ -84,6 +84,7 @@ def show(r: dict) -> None:
         f"[bold]{g['count']} x {g['name']}[/] ({_gb(g['memory_bytes'])} GB, {g['peak_flops'] / 1e12:.0f} TFLOP/s bf16)"
         f"   parameters {p['total'] / 1e9:.3f} B{moe} (embedding {p['embedding'] / 1e6:,.1f} M, "
         f"{layers}, head {p['head'] / 1e6:,.1f} M{', tied' if p['tied'] else ''})"
+        + (f" + MTP {p['mtp'] / 1e6:,.1f} M ({p['total_with_mtp'] / 1e9:.3f} B with MTP)" if p["mtp"] else "")
     )
     lay = r["layout"]
     t = Table(title=f"memory per rank, GB: layout {_layout(lay)} ({lay['dp_mode']}, "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -54,12 +55,14 @@ from megapipe.checkpoint.manifest import (
 from megapipe.checkpoint.rng import restore_rng, rng_file, save_rng
 from megapipe.checkpoint.safe_dcp import SafeReader, StrictLoadPlanner, check_shards, read_metadata, unwrap
 from megapipe.errors import CheckpointError
+from megapipe.models.mtp import is_mtp_key
 from megapipe.parallel.distributed import get_rank, get_world_size, is_distributed
 
 Modules = Union[nn.Module, Sequence[nn.Module]]
 Optimizers = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer], None]
 
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------------------------------- distributed
@@ -153,11 +156,13 @@ def _os_error(what: str, e: OSError) -> CheckpointError:
     return CheckpointError(f"{what} failed: {where} ({e.strerror or e}); nothing of this save was kept")
 
 
-def dcp_load(state: dict, path: Path, what: str, strict: bool = True) -> None:
+def dcp_load(state: dict, path: Path, what: str, strict: bool = True,
+             ignore: Optional[Callable[[str], bool]] = None) -> None:
     """Load DCP shards at ``path`` into ``state`` in place; every mismatch is a CheckpointError (see safe_dcp).
-    Checksums are checked by the callers (``verify_checkpoint``), once per checkpoint, before this."""
+    ``ignore(key)``: checkpoint keys left unread on purpose. Checksums are checked by the callers
+    (``verify_checkpoint``), once per checkpoint, before this."""
     check_shards(path, read_metadata(path))  # before DCP, which would bury these errors in its own
-    planner = StrictLoadPlanner(str(path), what, allow_unexpected=not strict)
+    planner = StrictLoadPlanner(str(path), what, allow_unexpected=not strict, ignore=ignore)
     try:
         with _quiet_single_process():
             dcp.load(state, storage_reader=SafeReader(path), planner=planner, no_dist=not is_distributed())
@@ -378,12 +383,15 @@ def load_checkpoint(
     load_rng: bool = True,
     verify: bool = True,
     skip: Optional[Callable[[str], bool]] = None,
+    new_mtp: bool = False,
 ) -> dict:
     """Load ``ckpt`` (a checkpoint or a run dir: its newest complete one) into ``model`` in its current layout.
 
     ``load_optim=False`` takes the weights only (``--finetune``). Every file read is first checked against the
     checksum the manifest recorded (``verify=False`` skips that, for benchmarks). ``skip(name)`` marks model state
-    the checkpoint does not hold (a new run's LoRA adapters): it keeps its values. Returns the manifest. Collective.
+    the checkpoint does not hold (a new run's LoRA adapters): it keeps its values. Multi-token prediction modules
+    follow ``mtp_rule``; ``new_mtp``: a new pretraining run, whose MTP modules may start fresh. Returns the
+    manifest. Collective.
     """
     ckpt = resolve_checkpoint(ckpt)
     manifest = read_manifest(ckpt)
@@ -393,10 +401,11 @@ def load_checkpoint(
         verify_checkpoint(ckpt, manifest, wanted)
 
     states = _model_states(parts)
+    skip = mtp_rule(ckpt, states, new_mtp, skip)
     if skip is not None:
         states = [{k: v for k, v in sd.items() if not skip(k)} for sd in states]
     merged = _merge(states, "model")
-    dcp_load(merged, ckpt / "model", "model")
+    dcp_load(merged, ckpt / "model", "model", ignore=is_mtp_key)
     options = StateDictOptions(strict=skip is None)
     for part, sd in zip(parts, states, strict=True):
         set_model_state_dict(part, {k: merged[k] for k in sd}, options=options)
@@ -408,7 +417,7 @@ def load_checkpoint(
             )
         states = _optim_states(parts, optims)
         merged = _merge(states, "optimizer")
-        dcp_load(merged, ckpt / "optim", "optimizer")
+        dcp_load(merged, ckpt / "optim", "optimizer", ignore=is_mtp_key)
         for part, opt, sd in zip(parts, optims, states, strict=True):
             set_optimizer_state_dict(part, opt, {k: merged[k] for k in sd}, options=_OPTIM_OPTIONS)
 
@@ -417,6 +426,26 @@ def load_checkpoint(
         if path.is_file():
             restore_rng(path)
     return manifest
+
+
+def mtp_rule(ckpt: Path, states: list[dict], new_mtp: bool,
+             skip: Optional[Callable[[str], bool]]) -> Optional[Callable[[str], bool]]:
+    """The one rule for multi-token prediction modules at load: a checkpoint's MTP tensors load into a model with
+    them, and are left unread (with a log line) by a model without; a model with MTP modules refuses a checkpoint
+    without them, unless ``new_mtp`` (a new pretraining run: they keep their fresh values). Returns ``skip``
+    widened to the MTP keys in that last case."""
+    ours = any(is_mtp_key(k) for sd in states for k in sd)
+    stored = any(is_mtp_key(k) for k in read_metadata(ckpt / "model").state_dict_metadata)
+    if stored and not ours:
+        log.info("%s: its multi-token prediction modules are not loaded (the model has no --mtp-num-layers)", ckpt)
+    if ours and not stored:
+        if not new_mtp:
+            raise CheckpointError(
+                f"{ckpt} holds no multi-token prediction modules but the model has them (--mtp-num-layers): drop the "
+                "flag, or start a new pretraining run from it (--finetune), whose MTP modules start fresh")
+        log.info("%s: no multi-token prediction modules; the model's start from their initial values", ckpt)
+        return is_mtp_key if skip is None else (lambda k: skip(k) or is_mtp_key(k))
+    return skip
 
 
 def checkpoint_tokenizer(ckpt: Path, manifest: Optional[dict] = None) -> Optional[Path]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import io
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -105,9 +105,11 @@ class StrictLoadPlanner(DefaultLoadPlanner):
     """DefaultLoadPlanner that refuses missing keys, unexpected keys and shape mismatches with a clear sentence,
     and reads non-tensor values with ``weights_only=True``."""
 
-    def __init__(self, where: str, what: str = "model", allow_unexpected: bool = False) -> None:
+    def __init__(self, where: str, what: str = "model", allow_unexpected: bool = False,
+                 ignore: Optional[Callable[[str], bool]] = None) -> None:
         super().__init__()
         self.where, self.what, self.allow_unexpected = where, what, allow_unexpected
+        self.ignore = ignore  # checkpoint keys the caller leaves unread on purpose
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
         super().set_up_planner(state_dict, metadata, is_coordinator)
@@ -136,6 +138,7 @@ class StrictLoadPlanner(DefaultLoadPlanner):
             k
             for k, m in self.metadata.state_dict_metadata.items()
             if k not in used and not (isinstance(m, TensorStorageMetadata) and _numel(m.size) == 0)
+            and not (self.ignore is not None and self.ignore(k))
         }
         if unexpected:
             raise CheckpointError(

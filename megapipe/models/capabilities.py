@@ -73,6 +73,11 @@ FAMILIES: dict[str, Capabilities] = {
     "qwen3_moe": _without(lora={"gate", "up", "down"}),
 }
 
+# multi-token prediction modules (megapipe.models.mtp): their shifted token stream and labels do not follow a
+# sequence split (cp, sp) yet, nor does the shared embedding reach the last pipeline stage, nor the TP plans the MTP
+# projection; the Hugging Face and TensorRT-LLM writers do not know their tensors yet
+MTP = _without(layouts={"tp", "sp", "pp", "cp"}, stages={"export_hf", "export_trt"})
+
 LABELS = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "gpt2": "GPT-2",
           "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE"}
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
@@ -86,7 +91,8 @@ def kinds_of(cfg) -> list[str]:
 
 
 def capabilities(cfg) -> Capabilities:
-    return _row(cfg.arch, kinds_of(cfg))
+    row = _row(cfg.arch, kinds_of(cfg))
+    return row & MTP if getattr(cfg, "mtp_depth", 0) else row
 
 
 def _row(arch: str, kinds: list[str]) -> Capabilities:
@@ -103,9 +109,10 @@ def describe(cfg) -> str:
     family name does not already say them)."""
     kinds = kinds_of(cfg)
     label = LABELS.get(cfg.arch, cfg.arch)
+    mtp = " with MTP" if getattr(cfg, "mtp_depth", 0) else ""
     if kinds == ["dense"] or (kinds == ["moe"] and cfg.arch in MOE_FAMILIES):
-        return label
-    return f"{label} ({' + '.join('MoE' if k == 'moe' else k for k in kinds)})"
+        return label + mtp
+    return f"{label} ({' + '.join('MoE' if k == 'moe' else k for k in kinds)}){mtp}"
 
 
 def require(cfg, stage: str, where: str = "", **features: Optional[object]) -> None:

@@ -342,9 +342,12 @@ class MoEBlock(nn.Module):
 
 
 def moe_layers(model: nn.Module) -> list[tuple[int, MoE]]:
-    """(global layer index, MoE layer) of every MoE block this model (or pipeline stage) holds."""
+    """(global layer index, MoE layer) of every MoE block this model (or pipeline stage) holds, the multi-token
+    prediction modules' blocks included (index num_layers + depth - 1)."""
     layers = getattr(model, "layers", None) or {}
-    return [(int(key), block.moe) for key, block in layers.items() if isinstance(getattr(block, "moe", None), MoE)]
+    blocks = [(int(key), block) for key, block in layers.items()]
+    blocks += [(m.layer_id, m.block) for m in getattr(model, "mtp", None) or []]
+    return [(i, block.moe) for i, block in blocks if isinstance(getattr(block, "moe", None), MoE)]
 
 
 def moe_tp_plan(block: MoEBlock, sp: bool) -> dict:

@@ -4,6 +4,8 @@ Plain PyTorch with torchtitan-like names; parallelism is applied from outside (m
 tolerates pipeline stages: without ``tok_embeddings`` (or given float input) it takes hidden states, and without
 ``norm`` it returns hidden states. ``return_hidden=True`` makes the last stage return the final normed hidden
 states instead of logits, for a loss that applies the output projection itself (``output_weight()``).
+``mtp`` (the optional multi-token prediction modules, megapipe.models.mtp) runs only when a forward asks for it
+(``mtp=True``, what a training loss does); generation never pays for it and can call ``mtp_step`` to draft.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from megapipe.errors import ConfigError
 from megapipe.models.attention import DocumentMask, positions_from_documents
 from megapipe.models.blocks import block_spec
 from megapipe.models.moe import MoE
+from megapipe.models.mtp import MTPModule, shift_left
 from megapipe.models.norms import RMSNorm, build_norm, init_norm
 from megapipe.models.rope import inv_frequencies, rope_cos_sin
 
@@ -39,13 +42,15 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): block_spec(cfg, i).module(cfg, i) for i in range(cfg.num_layers)})
         self.norm = build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        depths = range(1, cfg.mtp_depth + 1)
+        self.mtp = nn.ModuleList([MTPModule(cfg, k) for k in depths]) if cfg.mtp_depth else None
         if cfg.position_embedding == "rope":
             inv_frequencies(cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling)  # a bad rope_scaling fails here
 
     def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None, cache=None,
                 last_only: bool = False, return_hidden: bool = False,
                 document_ids: Optional[torch.Tensor] = None, head: Optional[Callable] = None,
-                prefix_ids: Optional[torch.Tensor] = None):
+                prefix_ids: Optional[torch.Tensor] = None, mtp: bool = False):
         """tokens [B, S] ids (or [B, S, H] hidden states on a later pipeline stage); positions [S] or [B, S].
 
         ``document_ids`` [B, S]: packed sequences; attention stays within each document (block-diagonal causal) and
@@ -53,10 +58,13 @@ class Transformer(nn.Module):
         tokens each token also sees (a shared prompt; DocumentMask), with explicit ``positions``.
 
         ``last_only``: logits of the last position only ([B, 1, V]), what a generation step needs.
-        ``return_hidden``: the final normed hidden states [B, S, H] instead of the logits.
+        ``return_hidden``: the final normed hidden states [B, S, H] instead of the logits (also what MTP depth 1 and
+        ``mtp_step`` take: the main model's output as the head sees it, as vLLM feeds DeepSeek's MTP weights).
         ``head``: ``head(hidden, output_weight)`` is what the forward returns, computed inside it (a loss that applies
         the output projection itself, e.g. the fused output + cross-entropy: whatever wraps this module, FSDP, holds
         the whole output weight during its forward only).
+        ``mtp``: also run the MTP modules; their outputs, one per depth, come as a second value (logits, or final
+        normed hidden states with ``return_hidden``) or as ``head``'s third argument.
         """
         if positions is None and document_ids is not None:
             positions = positions_from_documents(document_ids)
@@ -78,20 +86,52 @@ class Transformer(nn.Module):
             h = self.tok_embeddings(tokens)
             if self.pos_embeddings is not None:
                 h = h + self.pos_embeddings(positions)
-        rope = None
-        if self.cfg.position_embedding == "rope":
-            inv_freq = inv_frequencies(self.cfg.dim_per_head, self.cfg.rope_theta, self.cfg.rope_scaling, h.device)
-            rope = rope_cos_sin(positions, inv_freq, h.dtype)
+        rope = self._rope(positions, h)
         for layer in self.layers.values():
             h = layer(h, rope, cache, mask)
         if self.norm is None:
             return h
-        h = self.norm(h[:, -1:] if last_only else h)
+        h = self.norm(h[:, -1:] if last_only and not mtp else h)
+        extra = (self._mtp_states(tokens, h, rope, mask),) if mtp else ()
         if head is not None:
-            return head(h, self.output_weight())
-        if return_hidden:
-            return h
-        return self.logits(h)
+            return head(h, self.output_weight(), *extra)
+        if not return_hidden:
+            h, extra = self.logits(h), tuple([self.logits(s) for s in states] for states in extra)
+        return (h, *extra) if mtp else h
+
+    def _rope(self, positions: torch.Tensor, h: torch.Tensor) -> Optional[tuple]:
+        if self.cfg.position_embedding != "rope":
+            return None
+        inv_freq = inv_frequencies(self.cfg.dim_per_head, self.cfg.rope_theta, self.cfg.rope_scaling, h.device)
+        return rope_cos_sin(positions, inv_freq, h.dtype)
+
+    def _mtp_states(self, tokens: torch.Tensor, h: torch.Tensor, rope, mask) -> list[torch.Tensor]:
+        """Each MTP depth's final normed hidden states [B, S, H] (index t predicts token t + depth + 1) from the
+        token ids and the main model's final normed hidden states ``h``; depth k > 1 takes depth k - 1's output
+        before its norm."""
+        if self.mtp is None:
+            raise ValueError("mtp=True needs a model with multi-token prediction modules (model.mtp_num_layers)")
+        if tokens.is_floating_point():
+            raise ValueError("multi-token prediction needs the token ids (it embeds the tokens ahead)")
+        states = []
+        for module in self.mtp:
+            h, normed = module(h, self.tok_embeddings(shift_left(tokens, module.depth, 0)), rope, None, mask)
+            states.append(normed)
+        return states
+
+    def mtp_step(self, depth: int, hidden: torch.Tensor, next_token_ids: torch.Tensor, positions: torch.Tensor,
+                 cache=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One MTP depth on its own, for drafting: ``hidden`` [B, T, H] the previous depth's output at some
+        positions (depth 1: ``forward(..., return_hidden=True)``; depth k: what step k - 1 returned),
+        ``next_token_ids`` [B, T] the tokens ``depth`` positions after each, ``positions`` [T] or [B, T] the
+        positions of ``hidden`` (not of the tokens). Returns (logits [B, T, V] of the token depth + 1 ahead, this
+        depth's hidden [B, T, H] for depth + 1). ``cache``: a KV cache as the main layers take it, holding layer
+        ``num_layers + depth - 1`` (one ``advance`` per call); without it, T must cover every earlier position."""
+        module = self.mtp[depth - 1]
+        if cache is not None:
+            cache.advance(positions)
+        h, normed = module(hidden, self.tok_embeddings(next_token_ids), self._rope(positions, hidden), cache)
+        return self.logits(normed), h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final normed hidden states [..., H] -> logits [..., V] (fp32 unless autocast is on)."""

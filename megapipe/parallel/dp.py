@@ -21,6 +21,8 @@ from megapipe.dtypes import PRECISION_DTYPES
 def apply_fsdp(model, mesh, precision: str = "fp32", reshard_after_forward: bool = True, expert_mesh=None,
                dp_size: int = 1) -> None:
     """Shard each block, then the root (embeddings, final norm, output). ``mesh`` is 1-D (FSDP) or 2-D (HSDP).
+    Multi-token prediction modules come after the layers, as they run: their block one unit, the module
+    (norms, projection) around it another.
 
     ``expert_mesh``: expert-parallel MoE layers' experts (DTensors over the ep mesh) get their own FSDP unit over it,
     sharded along their second dimension (the first is the expert one ep already splits), and their gradients are
@@ -29,7 +31,8 @@ def apply_fsdp(model, mesh, precision: str = "fp32", reshard_after_forward: bool
     from torch.distributed.tensor import Shard
 
     mp = MixedPrecisionPolicy(param_dtype=PRECISION_DTYPES[precision], reduce_dtype=torch.float32)
-    blocks = list(model.layers.values())
+    mtp = list(getattr(model, "mtp", None) or [])
+    blocks = list(model.layers.values()) + [m.block for m in mtp]
     for i, block in enumerate(blocks):
         keep = reshard_after_forward and i < len(blocks) - 1
         moe = getattr(block, "moe", None)
@@ -43,6 +46,8 @@ def apply_fsdp(model, mesh, precision: str = "fp32", reshard_after_forward: bool
                 moe.experts.set_force_sum_reduction_for_comms(True)
         # the last block's parameters are needed first by backward: keep them gathered
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=keep)
+    for i, module in enumerate(mtp):
+        fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and i < len(mtp) - 1)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
 
 

@@ -136,6 +136,10 @@ class ParamCounts:
     head_rep: int  # final norm
     tied: bool
     active_fraction: float = 1.0  # of the routed experts, what one token uses (k / E)
+    # multi-token prediction modules (embedding and head shared, not counted again): apart from ``total`` and
+    # ``active``, which count the main model as published figures do (DeepSeek-V3: 671B / 37B without MTP)
+    mtp: int = 0
+    mtp_experts: int = 0
 
     @property
     def num_layers(self) -> int:
@@ -180,6 +184,10 @@ class ParamCounts:
         """Parameters one token uses: all but the routed experts it is not sent to."""
         return self.total - round(self.experts * (1 - self.active_fraction))
 
+    @property
+    def mtp_active(self) -> int:
+        return self.mtp - round(self.mtp_experts * (1 - self.active_fraction))
+
     def by_kind(self) -> dict[str, dict]:
         out: dict[str, dict] = {}
         for lc in self.layers:
@@ -215,7 +223,10 @@ def _count(m) -> ParamCounts:
         split, rest = tp_split_numel(block)
         experts = numel(block.moe.experts) if hasattr(block, "moe") else 0
         layers.append(LayerCounts(spec_for(block).name, split, rest - experts, experts))
+    mtp = list(model.mtp or [])
     return ParamCounts(
+        mtp=sum(numel(module) for module in mtp),
+        mtp_experts=sum(numel(module.block.moe.experts) for module in mtp if hasattr(module.block, "moe")),
         embedding_tp=numel(model.tok_embeddings), embedding_rep=numel(model.pos_embeddings), layers=layers,
         head_tp=numel(model.output), head_rep=numel(model.norm), tied=m.tie_embeddings,
         active_fraction=m.moe_router_topk / m.num_experts if m.is_moe else 1.0,
@@ -394,6 +405,7 @@ def rank_memory(cfg, dims, seq_length: int, overhead: float = OVERHEAD_BYTES) ->
             params += pc.embedding_tp / tp + pc.embedding_rep
         if last:
             params += pc.head_rep + (pc.head_tp if not pc.tied else (0 if first else pc.embedding_tp)) / tp
+            params += pc.mtp  # MTP is refused with tp, pp (megapipe.models.capabilities)
         dense_params = int(params)
         params = dense_params + expert_params
         shard = math.ceil(dense_params / fsdp) + math.ceil(expert_params / efsdp)
@@ -600,7 +612,8 @@ def plan(cfg, gpus: int, gpu_type: str = "h100", mfu: float = DEFAULT_MFU, top: 
         "params": {"total": pc.total, "active": pc.active, "experts": pc.experts, "embedding": pc.embedding,
                    "per_layer": {kind: d["params"] for kind, d in pc.by_kind().items()},
                    "layers_by_kind": {kind: d["layers"] for kind, d in pc.by_kind().items()},
-                   "head": pc.head, "layers": pc.num_layers, "tied": pc.tied},
+                   "head": pc.head, "layers": pc.num_layers, "tied": pc.tied,
+                   "mtp": pc.mtp, "total_with_mtp": pc.total + pc.mtp, "active_with_mtp": pc.active + pc.mtp_active},
         "layout": {**this.layout, "dp_mode": dims.dp_mode, "pp_schedule": dims.pp_schedule,
                    "microbatches": dims.num_microbatches(cfg.train) if dims.pp == 1
                    else dims.num_pp_microbatches(cfg.train)},

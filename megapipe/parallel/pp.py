@@ -181,9 +181,7 @@ class PipelineModel(nn.Module):
         mb = {k: v.index_select(0, rows.to(v.device)) for k, v in batch.items()}
         result = loss(ModelOutput(logits=output), mb)
         self._results[int(rows[0])] = result
-        objective = result.total * factor
-        if result.aux is not None:
-            objective = objective + result.aux
+        objective = result.objective(factor)
         return scale_loss(objective) if scale_loss is not None else objective
 
     def end_step(self) -> list:

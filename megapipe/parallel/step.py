@@ -104,15 +104,30 @@ def model_output(model, mb: dict) -> ModelOutput:
     return ModelOutput(logits=model(mb["tokens"], **model_kwargs(mb)))
 
 
+def mtp_weight(model, loss: Loss) -> Optional[float]:
+    """Each MTP depth's loss weight when ``loss`` takes MTP outputs and ``model`` has MTP modules; None: MTP off."""
+    if not loss.mtp or getattr(model, "mtp", None) is None:
+        return None
+    cfg = model.cfg
+    return cfg.mtp_loss_scaling_factor / cfg.mtp_depth
+
+
 def run_loss(model, loss: Loss, mb: dict, fused: bool = False):
     """The loss of one micro-batch. ``fused`` (the fused output + cross-entropy): the loss runs on the final hidden
-    states inside the model's own forward, where FSDP holds the whole output weight (outside it is a shard)."""
+    states inside the model's own forward, where FSDP holds the whole output weight (outside it is a shard). The
+    model's MTP modules run when the loss takes their outputs."""
+    weight = mtp_weight(model, loss)
+    mtp = {} if weight is None else {"mtp": True}
     if fused:
-        def head(hidden, weight):
-            return loss(ModelOutput(hidden=hidden, output_weight=lambda: weight), mb)
+        def head(hidden, output_weight, mtp_hidden=None):
+            return loss(ModelOutput(hidden=hidden, output_weight=lambda: output_weight, mtp=mtp_hidden,
+                                    mtp_weight=weight or 0.0), mb)
 
-        return model(mb["tokens"], **model_kwargs(mb), head=head)
-    return loss(model_output(model, mb), mb)
+        return model(mb["tokens"], **model_kwargs(mb), head=head, **mtp)
+    if weight is None:
+        return loss(model_output(model, mb), mb)
+    logits, mtp_logits = model(mb["tokens"], **model_kwargs(mb), mtp=True)
+    return loss(ModelOutput(logits=logits, mtp=mtp_logits, mtp_weight=weight), mb)
 
 
 class _Totals:
@@ -161,9 +176,7 @@ def train_step(model, microbatches: list[dict], dims: ParallelDims, loss: Option
         with loss_parallel_context(dims.loss_parallel):
             with context():
                 result = run_loss(model, loss, mb, fused)
-                objective = result.total * factor
-                if result.aux is not None:
-                    objective = objective + result.aux
+                objective = result.objective(factor)
             (scale_loss(objective) if scale_loss is not None else objective).backward()
         totals.add(result)
     return _with_moe(model, dims, totals.finish(dims, units, with_pp=False))

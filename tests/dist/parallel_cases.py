@@ -90,6 +90,10 @@ MODELS = {
 }
 
 
+MODELS["mtp"] = {**MODELS["base"], "mtp_num_layers": 2, "mtp_loss_scaling_factor": 0.5}  # multi-token prediction
+MODELS["mtp_moe"] = {**MODELS["moe_bias"], "mtp_num_layers": 1, "mtp_loss_scaling_factor": 0.5}
+
+
 def parse_case(text: str) -> tuple[dict, dict]:
     layout, *opts = text.split(":")
     options = dict(o.split("=", 1) for o in opts)

@@ -43,6 +43,8 @@ CASES_2 = [
     "ep2:model=moe_skew",
     # every architecture's declared layouts (test_every_declared_layout_of_every_architecture_has_a_case)
     "pp2:model=qk", "cp2:model=qwen2", "cp2:model=mixtral", "pp2:model=moe", "cp2:model=qwen3_moe",
+    # multi-token prediction: the MTP modules as FSDP / DDP units, its loss through the global normalisation
+    "dp_shard2:model=mtp:mask=1", "ddp2:model=mtp", "dp_shard2:fused=1:model=mtp", "ep2:model=mtp_moe",
 ]
 BF16 = [c for c in CASES_2 if "precision=bf16" in c]
 CASES_4 = [

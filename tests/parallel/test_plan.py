@@ -313,3 +313,19 @@ def test_moe_ranking_prefers_expert_parallelism_and_explains_the_time(capsys):
     assert main(["plan", "--model", "mixtral-8x7b", "--gpus", "16", "--ep", "3", "--micro-batch-size", "1",
                  "--global-batch-size", "64"]) != 0
     assert "parallel.ep = 3 must divide parallel.dp_shard = 16" in capsys.readouterr().err
+
+
+def test_mtp_parameters_are_counted_apart(capsys):
+    over = {"model.preset": "deepseek-v3-tiny", "model.vocab_size": 32000}
+    without = P.param_counts(load_config(None, over).model)
+    cfg = load_config(None, {**over, "model.mtp_num_layers": 2}).model
+    pc = P.param_counts(cfg)
+    model = build_model(cfg, device="meta")
+    assert (pc.total, pc.active) == (without.total, without.active)  # the main model, as published figures count it
+    assert pc.total + pc.mtp == count_params(model)
+    experts = sum(m.block.moe.experts.w1.numel() * 3 for m in model.mtp)
+    assert pc.mtp_active == pc.mtp - round(experts * (1 - cfg.moe_router_topk / cfg.num_experts))
+    assert main(["plan", "--model", "deepseek-v3-tiny", "--set", "model.vocab_size=32000", "--set", "model.mtp_num_layers=2",
+                 "--gpus", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)["params"]
+    assert out["total_with_mtp"] == count_params(model) and out["mtp"] == pc.mtp

@@ -55,6 +55,8 @@ class Recipe:
     # a global batch with no loss unit is a normal event (RL: every group dropped), skipped without an update;
     # elsewhere it is a non-finite loss (train.max_nan_skips)
     empty_batches: bool = False
+    # a new run (--finetune) may add multi-token prediction modules its parent lacks (they start fresh)
+    new_mtp: bool = False
 
     def loss(self) -> Loss:
         return TokenCrossEntropy()
@@ -70,7 +72,7 @@ class Recipe:
 
     def load_weights(self, ctx: RunContext, model, ckpt) -> None:
         """A new run from ``ckpt`` (--finetune): its weights into ``model``, no optimizer or RNG state."""
-        load_checkpoint(ckpt, model, optimizer=None, load_optim=False, load_rng=False)
+        load_checkpoint(ckpt, model, optimizer=None, load_optim=False, load_rng=False, new_mtp=self.new_mtp)
 
     def train_data(self, ctx: RunContext, model, state: dict) -> Iterator[dict]:
         """``model``: the model being trained, as parallelised (RL samples from it)."""

@@ -36,6 +36,7 @@ def split_at_eod(batch: dict, eod_id: int, reset_positions: bool, reset_attentio
 
 class PretrainRecipe(Recipe):
     stage = "pretrain"
+    new_mtp = True
 
     def __init__(self):
         self._datasets: Optional[dict] = None

@@ -1,0 +1,89 @@
+"""Multi-token prediction (MTP), as DeepSeek-V3 and Megatron-Core define it (``--mtp-num-layers N``).
+
+N sequential modules; depth k (1..N) at position t predicts token t + k + 1. Its input at t is the previous depth's
+hidden state at t (depth 1: the main model's last-layer output before the final norm; depth k > 1: depth k - 1's
+block output before its own final norm) and the embedding of token t + k (the main model's embedding table),
+each RMS-normed (``hnorm``, ``enorm``), concatenated [embedding; hidden], projected 2H -> H (``eh_proj``), then one
+transformer block of the kind the model's last layer has (built from its block spec: dense, MoE, ...), a final norm
+(``norm``) and the model's output head (shared, never copied).
+
+Positions: the block's rotary positions are the main stream's (index t keeps position t at every depth, as Megatron
+passes the decoder's rotary embedding to its MTP layers), and the main model's document mask applies unchanged:
+a token whose (t + k)-th successor lies in another document or beyond the row gets no label
+(megapipe.models.objective.mtp_targets), so no labelled index sees across a document either.
+
+Checkpoint names: DeepSeek publishes module k as decoder layer ``num_hidden_layers + k - 1``; ``hf_mtp_names`` is
+the table from megapipe names to those.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from megapipe.config import ModelConfig
+from megapipe.models.attention import DocumentMask
+from megapipe.models.blocks import block_spec
+from megapipe.models.norms import build_norm
+
+
+class MTPModule(nn.Module):
+    """One MTP depth. ``layer_id`` (num_layers + depth - 1) is its block's index for a KV cache and MoE statistics."""
+
+    def __init__(self, cfg: ModelConfig, depth: int):
+        super().__init__()
+        self.depth = depth
+        self.layer_id = cfg.num_layers + depth - 1
+        h = cfg.hidden_size
+        self.enorm = build_norm(cfg.norm_type, h, cfg.norm_eps)
+        self.hnorm = build_norm(cfg.norm_type, h, cfg.norm_eps)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.block = block_spec(cfg, cfg.num_layers - 1).module(cfg, self.layer_id)
+        self.norm = build_norm(cfg.norm_type, h, cfg.norm_eps)
+
+    def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, rope: Optional[tuple], cache=None,
+                mask: Optional[DocumentMask] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: the previous depth's [B, S, H]; embedded: the embeddings of the tokens k ahead -> (this depth's
+        block output [B, S, H] before ``norm``: the next depth's ``hidden``; after ``norm``: for the output head).
+        The norm runs here, inside the module's forward, where FSDP holds its whole weight."""
+        x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
+        h = self.block(x, rope, cache, mask)
+        return h, self.norm(h)
+
+
+def shift_left(x: torch.Tensor, k: int, fill) -> torch.Tensor:
+    """x [B, S, ...] -> x[:, k:] followed by k entries of ``fill`` (the value k positions ahead of each index)."""
+    if k == 0:
+        return x
+    pad = torch.full_like(x[:, :k], fill)
+    return torch.cat([x[:, k:], pad], dim=1)
+
+
+def hf_mtp_names(num_hidden_layers: int, depth: int, block_names: dict[str, str]) -> dict[str, str]:
+    """megapipe's names of MTP module ``depth`` (under ``mtp.{depth - 1}.``) -> DeepSeek-V3's checkpoint names.
+
+    ``block_names``: the block kind's own HF names (its BlockSpec.hf_names[family], submodule -> HF submodule in a
+    decoder layer). DeepSeek stores module k as ``model.layers.{num_hidden_layers + k - 1}`` with copies of the
+    embedding table (``embed_tokens``) and of the output head (``shared_head.head``); megapipe shares both with the
+    main model, so a bridge reads them from the main model's tensors on export and checks or drops the copies on
+    import. Keys are module names (append ``.weight`` / ``.bias``); the two shared entries map from the main model.
+    """
+    layer = f"model.layers.{num_hidden_layers + depth - 1}"
+    ours = f"mtp.{depth - 1}"
+    names = {
+        f"{ours}.enorm": f"{layer}.enorm",
+        f"{ours}.hnorm": f"{layer}.hnorm",
+        f"{ours}.eh_proj": f"{layer}.eh_proj",
+        f"{ours}.norm": f"{layer}.shared_head.norm",
+        "tok_embeddings": f"{layer}.embed_tokens",  # a copy of the main model's
+        "output": f"{layer}.shared_head.head",  # a copy of the main model's
+    }
+    names.update({f"{ours}.block.{k}": f"{layer}.{v}" for k, v in block_names.items()})
+    return names
+
+
+def is_mtp_key(key: str) -> bool:
+    """Whether a model or optimizer state-dict key belongs to the MTP modules (``mtp.*``, ``state.mtp.*``...)."""
+    return key.startswith("mtp.") or ".mtp." in key
