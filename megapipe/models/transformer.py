@@ -190,6 +190,17 @@ def attention_dims(cfg: ModelConfig) -> tuple[int, int]:
     return cfg.dim_per_head, cfg.dim_per_head
 
 
+def kv_cache_values_per_token(cfg: ModelConfig) -> tuple[int, int]:
+    """(values a KV cache stores per token over all layers, the same for the per-head keys and values attention
+    reads): equal for multi-head / grouped-query attention; with MLA a latent cache stores kv_lora_rank + rope dims
+    per layer, the decompressed form heads x (qk + v) dims (its GQA equivalent)."""
+    if cfg.multi_latent_attention:
+        qk, v = attention_dims(cfg)
+        return cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim), cfg.num_layers * cfg.num_heads * (qk + v)
+    per_token = cfg.num_layers * 2 * cfg.kv_heads * cfg.dim_per_head
+    return per_token, per_token
+
+
 def flops_per_token(cfg: ModelConfig, seq_length: int) -> float:
     """Training FLOPs per token (forward + backward), PaLM / Megatron convention, for MFU.
 

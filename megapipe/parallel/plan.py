@@ -63,6 +63,7 @@ from typing import Optional
 
 from megapipe.errors import ConfigError
 from megapipe.models import build_model, flops_per_token
+from megapipe.models.transformer import kv_cache_values_per_token
 from megapipe.models.spec import spec_for, tp_split_numel
 from megapipe.parallel.dims import ParallelDims
 from megapipe.parallel.pp import layer_split, stage_ids
@@ -620,7 +621,15 @@ def plan(cfg, gpus: int, gpu_type: str = "h100", mfu: float = DEFAULT_MFU, top: 
         ],
         "layouts_valid": n_valid,
         "layouts_fit": n_fit,
+        "kv_cache": kv_cache_bytes(cfg.model),
     }
+
+
+def kv_cache_bytes(m, bytes_per_value: int = 2) -> dict:
+    """KV cache bytes per token (bf16): what the model's cache stores, and the per-head keys and values of the same
+    attention (multi-latent attention's decompressed form, its GQA equivalent)."""
+    stored, per_head = kv_cache_values_per_token(m)
+    return {"bytes_per_token": stored * bytes_per_value, "gqa_equivalent_bytes_per_token": per_head * bytes_per_value}
 
 
 def _rank_dict(r: RankMemory) -> dict:
