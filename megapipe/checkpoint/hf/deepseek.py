@@ -99,7 +99,8 @@ class DeepseekV3Adapter(_MoEAdapter):
             num_experts=int(hf["n_routed_experts"]), moe_router_topk=k,
             moe_ffn_hidden_size=int(hf["moe_intermediate_size"]), moe_router_score_function="sigmoid",
             moe_router_pre_softmax=False, moe_router_norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-            moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
+            moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0) if hf.get(
+                "routed_scaling_factor", 1.0) != 1.0 else None,
             moe_router_num_groups=groups if groups > 1 else None, moe_router_group_topk=group_topk if groups > 1 else None,
             moe_router_enable_expert_bias=True,
             moe_shared_expert_intermediate_size=int(hf.get("n_shared_experts") or 0) * int(hf["moe_intermediate_size"])
