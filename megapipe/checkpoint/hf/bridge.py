@@ -21,7 +21,6 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megapipe.checkpoint.dcp import checkpoint_tokenizer, dcp_load, verify_checkpoint, write_checkpoint
 from megapipe.checkpoint.hf.base import Adapter, Conversion, adapter_for_arch, adapter_for_hf
-from megapipe.checkpoint.hf.fp8_blocks import DequantizingReader, block_fp8_config
 from megapipe.checkpoint.hf.files import (
     DTYPES,
     HF_DTYPE_NAMES,
@@ -33,6 +32,7 @@ from megapipe.checkpoint.hf.files import (
     shard_names,
     write_index,
 )
+from megapipe.checkpoint.hf.fp8_blocks import DequantizingReader, block_fp8_config
 from megapipe.checkpoint.hf.peft import write_peft_adapter
 from megapipe.checkpoint.manifest import make_tmp_dir, read_manifest, resolve_checkpoint
 from megapipe.checkpoint.safe_dcp import read_metadata
