@@ -79,7 +79,8 @@ class ModelConfig:
 
     # fields of a named preset are applied first, then the ones given here
     preset: Optional[str] = opt(None, "--model", help="Model preset (tiny, llama3-1b, ...); other fields: --set model.*=.")
-    arch: Literal["llama", "qwen2", "qwen3", "mistral", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe"] = "llama"
+    arch: Literal["llama", "qwen2", "qwen3", "mistral", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe",
+                  "deepseek_v3"] = "llama"
     vocab_size: Optional[int] = None  # None: the tokenizer's size, padded to make_vocab_size_divisible_by
     make_vocab_size_divisible_by: int = 128
     hidden_size: int = 256
@@ -103,6 +104,25 @@ class ModelConfig:
     tie_embeddings: bool = False
     sliding_window: Optional[int] = None
     init_std: float = 0.02
+    # Multi-latent attention (megapipe.models.mla), Megatron's names: queries through a q_lora_rank bottleneck (None
+    # or 0: one projection), keys/values from a kv_lora_rank latent; per head qk_head_dim (no rope) +
+    # qk_pos_emb_head_dim (rope, one key shared by all heads) for q/k, v_head_dim for v
+    multi_latent_attention: bool = opt(False, "--multi-latent-attention", help="Multi-latent attention (DeepSeek).")
+    q_lora_rank: Optional[int] = opt(None, "--q-lora-rank", help="MLA query bottleneck rank (none/0: a plain projection).")
+    kv_lora_rank: int = opt(32, "--kv-lora-rank", help="MLA key/value latent rank.")
+    qk_head_dim: int = opt(128, "--qk-head-dim", help="MLA per-head q/k dims without rope (qk_nope_head_dim).")
+    qk_pos_emb_head_dim: int = opt(64, "--qk-pos-emb-head-dim", help="MLA per-head q/k dims with rope.")
+    v_head_dim: int = opt(128, "--v-head-dim", help="MLA per-head value dims.")
+    rope_interleave: bool = False  # rotary pairs (x0, x1), (x2, x3)... as DeepSeek's weights lay them out
+    # YaRN (megapipe.models.rope), on when rotary_scaling_factor != 1; transformers' rope_type "yarn"
+    rotary_scaling_factor: float = opt(1.0, "--rotary-scaling-factor", help="YaRN context extension factor (1: off).")
+    original_max_position_embeddings: Optional[int] = opt(
+        None, "--original-max-position-embeddings", help="YaRN: the pretraining context (default: max positions).")
+    beta_fast: float = 32.0  # YaRN: the ramp's bounds, in rotations over the original context
+    beta_slow: float = 1.0
+    mscale: float = opt(1.0, "--mscale", help="YaRN: scale of log(factor) in the rope attention factor.")
+    mscale_all_dim: float = opt(
+        0.0, "--mscale-all-dim", help="YaRN: scale of log(factor) in the softmax scale (DeepSeek: 1).")
     # Mixture of experts (megapipe.models.moe), Megatron's names; num_experts = 0 is a dense model
     num_experts: int = opt(0, "--num-experts", help="Routed experts per MoE layer (0: a dense model).")
     moe_ffn_hidden_size: Optional[int] = opt(
@@ -181,6 +201,11 @@ class ModelConfig:
     @property
     def dim_per_head(self) -> int:
         return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """The dims RoPE rotates per head: MLA's decoupled rope part, else the whole head."""
+        return self.qk_pos_emb_head_dim if self.multi_latent_attention else self.dim_per_head
 
 
 @dataclass
@@ -675,6 +700,7 @@ def validate(cfg: Config) -> None:
     positive("parallel", p, "ep")
     validate_moe(m)
     validate_mtp(m)
+    validate_mla(m)
     validate_posttrain(cfg)
 
 
@@ -738,6 +764,38 @@ def validate_moe(m: ModelConfig) -> None:
             raise ConfigError(
                 f"model.moe_router_group_topk = {group_topk} groups of {e // groups} experts hold fewer than "
                 f"moe_router_topk = {k} experts")
+
+
+def validate_mla(m: ModelConfig) -> None:
+    """The multi-latent attention and YaRN fields of ``m``: each failure names the key and the value."""
+    if m.rotary_scaling_factor <= 0:
+        raise ConfigError(f"model.rotary_scaling_factor = {m.rotary_scaling_factor} must be > 0 (1: no YaRN)")
+    if m.rotary_scaling_factor != 1 and m.rope_scaling:
+        raise ConfigError("model.rope_scaling (Llama-3 scaling) and model.rotary_scaling_factor = "
+                          f"{m.rotary_scaling_factor} (YaRN) cannot be combined: pick one")
+    if m.original_max_position_embeddings is not None and m.original_max_position_embeddings <= 0:
+        raise ConfigError(f"model.original_max_position_embeddings = {m.original_max_position_embeddings} must be > 0")
+    if not m.multi_latent_attention:
+        if m.arch == "deepseek_v3":
+            raise ConfigError("model.arch = 'deepseek_v3' needs model.multi_latent_attention = true")
+        return
+    if m.q_lora_rank is not None and m.q_lora_rank < 0:
+        raise ConfigError(f"model.q_lora_rank = {m.q_lora_rank} must be >= 0 (0 or none: a plain query projection)")
+    for name in ("kv_lora_rank", "qk_head_dim", "v_head_dim"):
+        if getattr(m, name) <= 0:
+            raise ConfigError(f"model.{name} = {getattr(m, name)} must be > 0")
+    if m.qk_pos_emb_head_dim <= 0 or m.qk_pos_emb_head_dim % 2:
+        raise ConfigError(f"model.qk_pos_emb_head_dim = {m.qk_pos_emb_head_dim} must be a positive even number")
+    for name, value in (("position_embedding", m.position_embedding), ("norm_type", m.norm_type)):
+        if value != ("rope" if name == "position_embedding" else "rmsnorm"):
+            raise ConfigError(f"model.{name} = {value!r} does not go with model.multi_latent_attention "
+                              "(MLA uses rope and RMSNorm)")
+    for name in ("num_kv_heads", "head_dim", "sliding_window"):
+        if getattr(m, name) is not None and not (name == "num_kv_heads" and m.num_kv_heads == m.num_heads):
+            raise ConfigError(f"model.{name} = {getattr(m, name)} does not apply to multi-latent attention "
+                              "(its heads are set by qk_head_dim, qk_pos_emb_head_dim and v_head_dim): leave it unset")
+    if m.qk_norm:
+        raise ConfigError("model.qk_norm = true does not apply to multi-latent attention (its latents are normed)")
 
 
 # flags of `megapipe pretrain` for the keys whose checks below name them

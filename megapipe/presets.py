@@ -14,6 +14,20 @@ def _llama3_scaling(factor: float) -> dict:
     }
 
 
+# DeepSeek-V3's routing and its training-time balancing (the paper's sequence-wise alpha = 1e-4, bias speed 1e-3)
+_DEEPSEEK_MOE = dict(
+    moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_bias_update_rate=1e-3,
+    moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-4,
+)
+# DeepSeek-V3's and Kimi-K2's widths: MLA with a 1536 q rank and a 512 kv latent, 2048-wide experts with one shared
+_DEEPSEEK_MLA = dict(
+    arch="deepseek_v3", hidden_size=7168, intermediate_size=18432, num_layers=61, norm_eps=1e-6,
+    tie_embeddings=False, multi_latent_attention=True, q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128,
+    qk_pos_emb_head_dim=64, v_head_dim=128, rope_interleave=True, original_max_position_embeddings=4096, mscale=1.0,
+    mscale_all_dim=1.0, moe_ffn_hidden_size=2048, moe_shared_expert_intermediate_size=2048,
+)
+
+
 PRESETS: dict[str, dict] = {
     # Small enough to train a few hundred steps on 2 CPU cores in minutes; vocab comes from the tokenizer.
     "tiny": dict(
@@ -60,15 +74,29 @@ PRESETS: dict[str, dict] = {
         norm_eps=1e-6, tie_embeddings=False, num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768,
         moe_router_pre_softmax=True, moe_router_norm_topk_prob=True, moe_aux_loss_coeff=1e-3,
     ),
-    # DeepSeek-V3's MoE at test size (sigmoid routing over expert groups, routed scaling, aux-loss-free expert
-    # bias with a small sequence aux loss, a shared expert, the first layer dense) on Llama attention: megapipe has
-    # no multi-head latent attention, so this is DeepSeek-V3-shaped, not DeepSeek-V3
+    # DeepSeek-V3 at test size: multi-latent attention (a q bottleneck, a 64-wide kv latent, rope on interleaved
+    # pairs) and its MoE (sigmoid routing over expert groups, routed scaling, aux-loss-free expert bias with a small
+    # sequence aux loss, a shared expert, the first layer dense); YaRN stays off (--rotary-scaling-factor turns it on)
     "deepseek-v3-tiny": dict(
-        arch="llama", hidden_size=256, intermediate_size=704, num_layers=4, num_heads=8, num_kv_heads=8,
-        max_position_embeddings=2048, rope_theta=10000.0, norm_eps=1e-6, tie_embeddings=False, num_experts=16,
-        moe_router_topk=4, moe_ffn_hidden_size=128, moe_router_score_function="sigmoid", moe_router_num_groups=4,
-        moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5, moe_router_enable_expert_bias=True,
-        moe_router_bias_update_rate=1e-3, moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-4,
+        arch="deepseek_v3", hidden_size=256, intermediate_size=704, num_layers=4, num_heads=8,
+        max_position_embeddings=2048, rope_theta=10000.0, norm_eps=1e-6, tie_embeddings=False,
+        multi_latent_attention=True, q_lora_rank=96, kv_lora_rank=64, qk_head_dim=32, qk_pos_emb_head_dim=16,
+        v_head_dim=32, rope_interleave=True, **_DEEPSEEK_MOE, num_experts=16, moe_router_topk=4,
+        moe_ffn_hidden_size=128, moe_router_num_groups=4, moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5,
         moe_shared_expert_intermediate_size=128, moe_first_k_dense_replace=1,
+    ),
+    # deepseek-ai/DeepSeek-V3 (671 B parameters, 37 B active; its MTP layer is not part of megapipe's model)
+    "deepseek-v3": dict(
+        **_DEEPSEEK_MLA, vocab_size=129280, num_heads=128, max_position_embeddings=163840,
+        rope_theta=10000.0, rotary_scaling_factor=40.0, beta_fast=32.0, beta_slow=1.0, **_DEEPSEEK_MOE,
+        num_experts=256, moe_router_topk=8, moe_router_num_groups=8, moe_router_group_topk=4,
+        moe_router_topk_scaling_factor=2.5, moe_first_k_dense_replace=3,
+    ),
+    # moonshotai/Kimi-K2-Instruct (1.04 T parameters, 32 B active): DeepSeek-V3's architecture, half the heads, 384
+    # experts in one group, one dense layer
+    "kimi-k2": dict(
+        **_DEEPSEEK_MLA, vocab_size=163840, num_heads=64, max_position_embeddings=131072,
+        rope_theta=50000.0, rotary_scaling_factor=32.0, beta_fast=1.0, beta_slow=1.0, **_DEEPSEEK_MOE,
+        num_experts=384, moe_router_topk=8, moe_router_topk_scaling_factor=2.827, moe_first_k_dense_replace=1,
     ),
 }

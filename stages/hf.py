@@ -45,6 +45,10 @@ def import_hf_command(
     bar, progress = _progress("importing tensors", quiet)
     with bar:
         summary = import_hf(hf_dir, out_ckpt, overwrite=overwrite, progress=progress)
+    notes = summary.pop("notes")
+    if not quiet:
+        for note in notes:
+            typer.echo(f"note: {note[0].upper()}{note[1:]}.", err=True)
     _summary("import hf", summary, quiet)
 
 

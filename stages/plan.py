@@ -86,6 +86,11 @@ def show(r: dict) -> None:
         f"{layers}, head {p['head'] / 1e6:,.1f} M{', tied' if p['tied'] else ''})"
         + (f" + MTP {p['mtp'] / 1e6:,.1f} M ({p['total_with_mtp'] / 1e9:.3f} B with MTP)" if p["mtp"] else "")
     )
+    kv = r["kv_cache"]
+    ratio = kv["gqa_equivalent_bytes_per_token"] / kv["bytes_per_token"]
+    con.print(f"KV cache per token (bf16): {kv['bytes_per_token'] / 1024:,.1f} KiB"
+              + (f" (per-head keys and values, the GQA equivalent: {kv['gqa_equivalent_bytes_per_token'] / 1024:,.1f}"
+                 f" KiB, {ratio:.1f}x)" if ratio != 1 else ""))
     lay = r["layout"]
     t = Table(title=f"memory per rank, GB: layout {_layout(lay)} ({lay['dp_mode']}, "
                     f"{lay['microbatches']} micro-batches/step, recompute {r['recompute']})", title_justify="left")

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from megapipe.models.dense import DENSE
+from megapipe.models.mla import MLA, MLA_MOE
 from megapipe.models.moe import MOE
 from megapipe.models.spec import BlockSpec
 
 
 def block_spec(cfg, layer_id: int) -> BlockSpec:
     """The block kind of layer ``layer_id`` under ``cfg``: MoE on the layers ``cfg.moe_layers`` lists (every N-th
-    or a pattern, after the first K dense ones), dense elsewhere."""
-    return MOE if layer_id in cfg.moe_layers else DENSE
+    or a pattern, after the first K dense ones), dense elsewhere; with multi-latent attention their MLA twins."""
+    moe = layer_id in cfg.moe_layers
+    if cfg.multi_latent_attention:
+        return MLA_MOE if moe else MLA
+    return MOE if moe else DENSE

@@ -58,6 +58,13 @@ KINDS: dict[str, Capabilities] = {
     # (megapipe.models.fused_experts) in the formats its HF twin is checked in (w4a8_awq untested, nvfp4 needs CUDA);
     # LoRA's MLP targets are the shared expert's (the router and the routed experts are never adapted)
     "moe": _without(stages={"prune"}, quant={"w4a8_awq", "nvfp4"}),
+    # multi-latent attention (megapipe.models.mla), a kind of its own beside the MLP kind: the engine has no latent
+    # KV cache yet (so nothing that decodes: generate, serve, eval, rl), ModelOpt / TensorRT-LLM / peft paths and
+    # pruning know only q/k/v attention, distillation is untested, and context parallelism's ring attention takes
+    # equal q/k and v widths
+    "mla": Capabilities(layouts=frozenset(LAYOUTS) - {"cp"}, engine=frozenset(), lora=frozenset(),
+                        quant=frozenset(), trt=frozenset(),
+                        stages=frozenset({"pretrain", "sft", "export_hf"})),
 }
 
 # families (ModelConfig.arch): what the model's Hugging Face / TensorRT-LLM twin allows
@@ -79,15 +86,17 @@ FAMILIES: dict[str, Capabilities] = {
 MTP = _without(layouts={"tp", "sp", "pp", "cp"}, stages={"export_hf", "export_trt"})
 
 LABELS = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "gpt2": "GPT-2",
-          "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE"}
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+          "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "deepseek_v3": "DeepSeek-V3"}
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+MLA_FAMILIES = ("deepseek_v3",)
 
 
 def kinds_of(cfg) -> list[str]:
-    """The block kinds ``cfg`` builds, in layer order of first use."""
+    """The block kinds ``cfg`` builds, in layer order of first use (MLP kinds), then its attention kind when that
+    is not the default one ("mla")."""
     moe = set(cfg.moe_layers)
     kinds = ["moe" if i in moe else "dense" for i in range(cfg.num_layers)]
-    return list(dict.fromkeys(kinds))
+    return list(dict.fromkeys(kinds)) + (["mla"] if cfg.multi_latent_attention else [])
 
 
 def capabilities(cfg) -> Capabilities:
@@ -110,9 +119,10 @@ def describe(cfg) -> str:
     kinds = kinds_of(cfg)
     label = LABELS.get(cfg.arch, cfg.arch)
     mtp = " with MTP" if getattr(cfg, "mtp_depth", 0) else ""
+    kinds = [k for k in kinds if not (k == "mla" and cfg.arch in MLA_FAMILIES)]  # the family name says MLA
     if kinds == ["dense"] or (kinds == ["moe"] and cfg.arch in MOE_FAMILIES):
         return label + mtp
-    return f"{label} ({' + '.join('MoE' if k == 'moe' else k for k in kinds)}){mtp}"
+    return f"{label} ({' + '.join({'moe': 'MoE', 'mla': 'MLA'}.get(k, k) for k in kinds)}){mtp}"
 
 
 def require(cfg, stage: str, where: str = "", **features: Optional[object]) -> None:
@@ -154,8 +164,8 @@ _ORDER = {"layouts": LAYOUTS, "engine": ENGINE, "lora": LORA, "quant": QUANT, "t
 
 
 def family_row(arch: str) -> Capabilities:
-    """The row of a Hugging Face family as the bridge imports it (the MoE families: MoE layers)."""
-    return _row(arch, ["moe" if arch in MOE_FAMILIES else "dense"])
+    """The row of a Hugging Face family as the bridge imports it (the MoE families: MoE layers; the MLA ones: MLA)."""
+    return _row(arch, ["moe" if arch in MOE_FAMILIES else "dense"] + (["mla"] if arch in MLA_FAMILIES else []))
 
 
 def readme_table() -> str:

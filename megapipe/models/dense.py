@@ -32,10 +32,12 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
+    attention_class: type = Attention  # a block kind with other attention (megapipe.models.mla) sets its own
+
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.attention_norm = build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps)
-        self.attention = Attention(cfg, layer_id)
+        self.attention = self.attention_class(cfg, layer_id)
         self.ffn_norm = build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 

@@ -328,10 +328,12 @@ class MoE(nn.Module):
 
 
 class MoEBlock(nn.Module):
+    attention_class: type = Attention  # a block kind with other attention (megapipe.models.mla) sets its own
+
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.attention_norm = build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps)
-        self.attention = Attention(cfg, layer_id)
+        self.attention = self.attention_class(cfg, layer_id)
         self.ffn_norm = build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps)
         self.moe = MoE(cfg)
 

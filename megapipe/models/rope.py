@@ -1,4 +1,5 @@
-"""Rotary position embeddings (rotate-half layout, as in the Hugging Face Llama checkpoints), with Llama-3 scaling.
+"""Rotary position embeddings (rotate-half layout, as in the Hugging Face Llama checkpoints), with Llama-3 scaling or
+YaRN (transformers' rope_type "yarn", DeepSeek-V3's context extension), and DeepSeek's interleaved pair layout.
 
 Nothing is stored: cos/sin are computed from the positions of each forward, so context parallelism can pass the
 global positions of its chunks and a model built on the meta device needs no buffer re-initialisation.
@@ -36,16 +37,73 @@ def inv_frequencies(head_dim: int, theta: float, scaling: Optional[dict], device
     return torch.where(medium, smoothed, scaled)
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
-    """positions [S] or [B, S] -> cos, sin of shape [1 or B, 1, S, head_dim] (broadcast over heads)."""
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 * mscale * ln(factor) + 1 (1 when the context is not extended)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_inv_frequencies(dim: int, theta: float, factor: float, original_max_positions: int, beta_fast: float,
+                         beta_slow: float, device=None) -> torch.Tensor:
+    """YaRN (Peng et al. 2023): frequencies that turn fewer than ``beta_slow`` times over the original context are
+    divided by ``factor`` (interpolated), those turning more than ``beta_fast`` times kept (extrapolated), a linear
+    ramp over the dims between (its bounds floored / ceiled, as transformers' default ``truncate``)."""
+    pos_freqs = theta ** (torch.arange(0, dim, 2, device=device).float() / dim)
+    extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+
+    def dim_of(rotations: float) -> float:  # the dim whose frequency turns `rotations` times over the context
+        return dim * math.log(original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = max(math.floor(dim_of(beta_fast)), 0), min(math.ceil(dim_of(beta_slow)), dim - 1)
+    high = high + 0.001 if high == low else high
+    kept = 1 - ((torch.arange(dim // 2, device=device).float() - low) / (high - low)).clamp(0, 1)
+    return interpolated * (1 - kept) + extrapolated * kept
+
+
+def yarn_attention_factor(cfg) -> float:
+    """What YaRN multiplies cos and sin by (transformers' ``attention_factor``): mscale(factor, mscale) /
+    mscale(factor, mscale_all_dim) when both are set, else mscale(factor)."""
+    f = cfg.rotary_scaling_factor
+    if cfg.mscale and cfg.mscale_all_dim:
+        return yarn_mscale(f, cfg.mscale) / yarn_mscale(f, cfg.mscale_all_dim)
+    return yarn_mscale(f)
+
+
+def model_inv_frequencies(cfg, device=None) -> torch.Tensor:
+    """The model's rope frequencies over ``cfg.rope_dim`` dims: YaRN when ``rotary_scaling_factor`` != 1, else
+    plain or Llama-3 scaled (``rope_scaling``)."""
+    if cfg.rotary_scaling_factor == 1:
+        return inv_frequencies(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling, device)
+    original = cfg.original_max_position_embeddings or cfg.max_position_embeddings
+    return yarn_inv_frequencies(cfg.rope_dim, cfg.rope_theta, cfg.rotary_scaling_factor, original, cfg.beta_fast,
+                                cfg.beta_slow, device)
+
+
+def model_rope(cfg, positions: torch.Tensor, dtype: torch.dtype, device=None):
+    """cos, sin for ``positions`` as the model's layers take them (YaRN's attention factor folded in)."""
+    scale = 1.0 if cfg.rotary_scaling_factor == 1 else yarn_attention_factor(cfg)
+    return rope_cos_sin(positions, model_inv_frequencies(cfg, device), dtype, scale)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, scale: float = 1.0):
+    """positions [S] or [B, S] -> cos, sin of shape [1 or B, 1, S, head_dim] (broadcast over heads), times
+    ``scale``."""
     if positions.dim() == 1:
         positions = positions[None]
     freqs = positions[..., None].float() * inv_freq.to(positions.device)
     emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    if scale == 1.0:
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, heads, S, head_dim]; the result keeps x's dtype (cos/sin may be float32 under autocast)."""
     x1, x2 = x.chunk(2, dim=-1)
     return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on interleaved pairs (x0, x1), (x2, x3)... (DeepSeek's layout): the even dims then the odd ones, rotated
+    as ``apply_rope`` does. The result is in that de-interleaved order, for q and k alike, so their dot products are
+    the interleaved rotation's (transformers' ``apply_rotary_pos_emb_interleave`` returns the same)."""
+    return apply_rope(torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1), cos, sin)

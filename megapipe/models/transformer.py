@@ -24,7 +24,7 @@ from megapipe.models.blocks import block_spec
 from megapipe.models.moe import MoE
 from megapipe.models.mtp import MTPModule, shift_left
 from megapipe.models.norms import RMSNorm, build_norm, init_norm
-from megapipe.models.rope import inv_frequencies, rope_cos_sin
+from megapipe.models.rope import model_inv_frequencies, model_rope
 
 # initialised with std / sqrt(2 * num_layers) (the routed experts' w2 too, see MoE.init_weights)
 OUTPUT_PROJECTIONS = ("attention.wo", "feed_forward.w2", "shared_experts.w2")
@@ -45,7 +45,7 @@ class Transformer(nn.Module):
         depths = range(1, cfg.mtp_depth + 1)
         self.mtp = nn.ModuleList([MTPModule(cfg, k) for k in depths]) if cfg.mtp_depth else None
         if cfg.position_embedding == "rope":
-            inv_frequencies(cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling)  # a bad rope_scaling fails here
+            model_inv_frequencies(cfg)  # a bad rope_scaling fails here
 
     def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None, cache=None,
                 last_only: bool = False, return_hidden: bool = False,
@@ -102,8 +102,7 @@ class Transformer(nn.Module):
     def _rope(self, positions: torch.Tensor, h: torch.Tensor) -> Optional[tuple]:
         if self.cfg.position_embedding != "rope":
             return None
-        inv_freq = inv_frequencies(self.cfg.dim_per_head, self.cfg.rope_theta, self.cfg.rope_scaling, h.device)
-        return rope_cos_sin(positions, inv_freq, h.dtype)
+        return model_rope(self.cfg, positions, h.dtype, h.device)
 
     def _mtp_states(self, tokens: torch.Tensor, h: torch.Tensor, rope, mask) -> list[torch.Tensor]:
         """Each MTP depth's final normed hidden states [B, S, H] (index t predicts token t + depth + 1) from the
@@ -204,6 +203,8 @@ def matmul_params(cfg: ModelConfig) -> int:
     MoE layer the router, the shared experts and the k experts a token is routed to (the active parameters)."""
     hd, h = cfg.dim_per_head, cfg.hidden_size
     attn = h * (cfg.num_heads + 2 * cfg.kv_heads) * hd + cfg.num_heads * hd * h
+    if cfg.multi_latent_attention:
+        attn = mla_matmul_params(cfg)
     mlp = (3 if cfg.activation == "swiglu" else 2) * h * cfg.intermediate_size
     n_moe = len(cfg.moe_layers)
     moe = 0
@@ -214,14 +215,42 @@ def matmul_params(cfg: ModelConfig) -> int:
     return cfg.num_layers * attn + (cfg.num_layers - n_moe) * mlp + n_moe * moe + h * cfg.vocab_size
 
 
+def mla_matmul_params(cfg: ModelConfig) -> int:
+    """One multi-latent attention layer's matmul weights (the decompressed form training runs)."""
+    h, n, r = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank
+    qk = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim
+    q = (h + n * qk) * cfg.q_lora_rank if cfg.q_lora_rank else h * n * qk
+    return q + h * (r + cfg.qk_pos_emb_head_dim) + r * n * (cfg.qk_head_dim + cfg.v_head_dim) + n * cfg.v_head_dim * h
+
+
+def attention_dims(cfg: ModelConfig) -> tuple[int, int]:
+    """(q/k dims, v dims) per head of the attention matmuls."""
+    if cfg.multi_latent_attention:
+        return cfg.qk_head_dim + cfg.qk_pos_emb_head_dim, cfg.v_head_dim
+    return cfg.dim_per_head, cfg.dim_per_head
+
+
+def kv_cache_values_per_token(cfg: ModelConfig) -> tuple[int, int]:
+    """(values a KV cache stores per token over all layers, the same for the per-head keys and values attention
+    reads): equal for multi-head / grouped-query attention; with MLA a latent cache stores kv_lora_rank + rope dims
+    per layer, the decompressed form heads x (qk + v) dims (its GQA equivalent)."""
+    if cfg.multi_latent_attention:
+        qk, v = attention_dims(cfg)
+        return cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim), cfg.num_layers * cfg.num_heads * (qk + v)
+    per_token = cfg.num_layers * 2 * cfg.kv_heads * cfg.dim_per_head
+    return per_token, per_token
+
+
 def flops_per_token(cfg: ModelConfig, seq_length: int) -> float:
     """Training FLOPs per token (forward + backward), PaLM / Megatron convention, for MFU.
 
     6 * N for the weight matmuls (N = ``matmul_params``: embedding lookups excluded, the output head included)
-    plus 12 * L * (heads * head_dim) * S for the attention score and value matmuls (2 matmuls x 2 FLOPs x 3 for
-    forward + backward), counted over the full S x S square as PaLM does, i.e. causal masking is not discounted.
+    plus 6 * L * heads * (qk_dim + v_dim) * S for the attention score and value matmuls (2 FLOPs x 3 for forward +
+    backward; 12 * L * heads * head_dim * S when q/k and v heads are equally wide, MLA's differ), counted over the
+    full S x S square as PaLM does, i.e. causal masking is not discounted.
     """
     if cfg.vocab_size is None:
         raise ConfigError("model.vocab_size is not set: flops_per_token needs it")
-    attn = 12 * cfg.num_layers * cfg.num_heads * cfg.dim_per_head * seq_length
+    qk, v = attention_dims(cfg)
+    attn = 6 * cfg.num_layers * cfg.num_heads * (qk + v) * seq_length
     return float(6 * matmul_params(cfg) + attn)

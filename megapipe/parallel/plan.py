@@ -64,6 +64,7 @@ from typing import Optional
 from megapipe.errors import ConfigError
 from megapipe.models import build_model, flops_per_token
 from megapipe.models.spec import spec_for, tp_split_numel
+from megapipe.models.transformer import attention_dims, kv_cache_values_per_token
 from megapipe.parallel.dims import ParallelDims
 from megapipe.parallel.pp import layer_split, stage_ids
 
@@ -251,6 +252,9 @@ def layer_activation_bytes(m, precision: str, recompute: str, tp: int = 1, sp: b
         raise ConfigError(f"train.recompute = {recompute!r} is not valid (allowed: {', '.join(RECOMPUTE_MODES)})")
     h, hd, f = m.hidden_size, m.dim_per_head, m.intermediate_size
     q, kv, a = m.num_heads * hd, m.kv_heads * hd, m.num_heads
+    if m.multi_latent_attention:  # MLA: per head q/k qk wide, v v wide (its small latents are not modelled)
+        qk, v = attention_dims(m)
+        q, kv = m.num_heads * qk, m.num_heads * (qk + v) // 2
     e = DTYPE_BYTES[precision]
     t_sp = tp if (tp > 1 and sp) else 1
     swiglu = m.activation == "swiglu"
@@ -299,8 +303,11 @@ def moe_layer_activation_bytes(m, precision: str, recompute: str, tp: int = 1, s
     return attention_part + router + experts + shared
 
 
+MOE_KINDS = ("moe", "mla_moe")  # block kinds (megapipe.models.spec) with routed experts
+
+
 def block_activation_bytes(m, kind: str, precision: str, recompute: str, tp: int = 1, sp: bool = True) -> float:
-    if kind == "moe":
+    if kind in MOE_KINDS:
         return moe_layer_activation_bytes(m, precision, recompute, tp, sp)
     return layer_activation_bytes(m, precision, recompute, tp, sp)
 
@@ -437,7 +444,7 @@ def rank_memory(cfg, dims, seq_length: int, overhead: float = OVERHEAD_BYTES) ->
             copies = e * (cast if t.recompute == "none" else cast - (layers - 1) * biggest)
         else:
             copies = 0.0
-        n_moe = sum(lc.kind == "moe" for lc in mine)
+        n_moe = sum(lc.kind in MOE_KINDS for lc in mine)
         mb_per_step = n_micro if pp > 1 else dims.num_microbatches(t)
         a2a = 0.0
         if n_moe and ep > 1:  # dispatch + combine, forward + backward; activations fp32 unless FSDP casts to bf16
@@ -633,7 +640,15 @@ def plan(cfg, gpus: int, gpu_type: str = "h100", mfu: float = DEFAULT_MFU, top: 
         ],
         "layouts_valid": n_valid,
         "layouts_fit": n_fit,
+        "kv_cache": kv_cache_bytes(cfg.model),
     }
+
+
+def kv_cache_bytes(m, bytes_per_value: int = 2) -> dict:
+    """KV cache bytes per token (bf16): what the model's cache stores, and the per-head keys and values of the same
+    attention (multi-latent attention's decompressed form, its GQA equivalent)."""
+    stored, per_head = kv_cache_values_per_token(m)
+    return {"bytes_per_token": stored * bytes_per_value, "gqa_equivalent_bytes_per_token": per_head * bytes_per_value}
 
 
 def _rank_dict(r: RankMemory) -> dict:

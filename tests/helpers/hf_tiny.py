@@ -44,6 +44,14 @@ def _hf_config(arch: str):
     if arch == "qwen3_moe":  # qk-norm; every other layer MoE
         return transformers.Qwen3MoeConfig(num_experts=8, moe_intermediate_size=32, head_dim=16,
                                            norm_topk_prob=True, decoder_sparse_step=2, **moe)
+    if arch == "deepseek_v3":  # MLA (a q bottleneck, YaRN), layer 0 dense, sigmoid routing over 2 of 4 groups
+        yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+                "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+        return transformers.DeepseekV3Config(
+            **dict(moe, num_key_value_heads=4, num_experts_per_tok=4), n_routed_experts=8, n_shared_experts=1,
+            moe_intermediate_size=32, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8,
+            v_head_dim=10, n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+            rms_norm_eps=1e-6, rope_parameters=yarn, num_nextn_predict_layers=0)
     raise ValueError(arch)
 
 
@@ -67,6 +75,10 @@ def make_hf_dir(root: Path, arch: str, seed: int = 0, dtype=torch.float32, **con
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.3)
+    if arch == "deepseek_v3":  # a trained-looking score-correction bias, so it takes part in the routing
+        with torch.no_grad():
+            for layer in model.model.layers[cfg.first_k_dense_replace:]:
+                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.3)
     model.save_pretrained(root)
     train_tokenizer(TEXTS, vocab_size=VOCAB, output=root)
     config_file = root / "tokenizer_config.json"

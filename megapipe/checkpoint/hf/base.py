@@ -65,6 +65,10 @@ class Adapter:
         """HF tensors that are not weights megapipe needs (cached buffers, a tied head saved anyway)."""
         return name.endswith(".rotary_emb.inv_freq") or (cfg.tie_embeddings and name == "lm_head.weight")
 
+    def notes(self, names: set[str], cfg: ModelConfig) -> list[str]:
+        """Sentences for the import log about the checkpoint's tensors ``names`` (e.g. what ``ignored`` left out)."""
+        return []
+
     def aliases(self, names: set[str]) -> dict[str, str]:
         """Names as a checkpoint spells them -> the canonical names ``conversions`` uses (default: the same)."""
         return {n: n for n in names}

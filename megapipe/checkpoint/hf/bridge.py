@@ -32,6 +32,7 @@ from megapipe.checkpoint.hf.files import (
     shard_names,
     write_index,
 )
+from megapipe.checkpoint.hf.fp8_blocks import DequantizingReader, block_fp8_config
 from megapipe.checkpoint.hf.peft import write_peft_adapter
 from megapipe.checkpoint.manifest import make_tmp_dir, read_manifest, resolve_checkpoint
 from megapipe.checkpoint.safe_dcp import read_metadata
@@ -108,6 +109,7 @@ class HFModel(NamedTuple):
     tokenizer: Any
     model: torch.nn.Module
     reader: SafetensorsReader
+    notes: list[str]  # one sentence each: what the import did that a user should know (dequantized, left out)
 
 
 def load_hf_model(hf_dir: str | Path, progress: Progress = None) -> HFModel:
@@ -120,6 +122,13 @@ def load_hf_model(hf_dir: str | Path, progress: Progress = None) -> HFModel:
         raise MegapipeError(f"{hf_dir} has no tokenizer.json (megapipe needs a fast Hugging Face tokenizer)")
     tok = _tokenizer(hf_dir, cfg, str(hf_dir))
     reader = SafetensorsReader(hf_dir)
+    notes = []
+    block = block_fp8_config(hf, str(hf_dir / "config.json"))
+    if block is not None:
+        reader = DequantizingReader(reader, block)
+        notes.append(f"the FP8 weights (block-scaled {block[0]}x{block[1]}, weight_scale_inv) were dequantized to "
+                     "fp32 on import")
+    notes += adapter.notes(reader.names(), cfg)
     file_name = {canon: name for name, canon in adapter.aliases(reader.names()).items()}
     conversions = adapter.conversions(cfg)
     _check_names(
@@ -144,7 +153,7 @@ def load_hf_model(hf_dir: str | Path, progress: Progress = None) -> HFModel:
                 target.copy_(tensor)
             if progress:
                 progress(done, len(conversions))
-    return HFModel(adapter, cfg, hf, tok, model, reader)
+    return HFModel(adapter, cfg, hf, tok, model, reader, notes)
 
 
 def import_hf(hf_dir: str | Path, out_ckpt: str | Path, overwrite: bool = False, progress: Progress = None) -> dict:
@@ -156,7 +165,7 @@ def import_hf(hf_dir: str | Path, out_ckpt: str | Path, overwrite: bool = False,
     refuse_overlap([out_ckpt], [hf_dir])
     if out_ckpt.exists() and not overwrite:
         raise MegapipeError(f"{out_ckpt} already exists: pick another output or pass --overwrite")
-    adapter, cfg, hf, tok, model, reader = load_hf_model(hf_dir, progress)
+    adapter, cfg, hf, tok, model, reader, notes = load_hf_model(hf_dir, progress)
 
     generation = hf_dir / "generation_config.json"
     source_dtype = reader.dtype()
@@ -174,6 +183,7 @@ def import_hf(hf_dir: str | Path, out_ckpt: str | Path, overwrite: bool = False,
         "parameters": sum(p.numel() for p in model.parameters()),
         "source_dtype": str(source_dtype).replace("torch.", ""),
         "seconds": time.perf_counter() - started,
+        "notes": notes,
     }
 
 

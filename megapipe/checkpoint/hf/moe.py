@@ -30,7 +30,7 @@ def _split(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def moe_conversions(cfg: ModelConfig, family: str) -> list[Conversion]:
     """Conversions of every megapipe tensor: outside the blocks as Llama, in a block by its kind's ``hf_names``
-    (``family`` for MoE blocks, "llama" for dense ones)."""
+    (``family`` where the kind names it, else "llama"); a name there may be a whole tensor's (a buffer's)."""
     out = []
     for key in meta_state_keys(cfg):
         if not key.startswith("layers."):
@@ -39,11 +39,14 @@ def moe_conversions(cfg: ModelConfig, family: str) -> list[Conversion]:
             continue
         _, i, rest = key.split(".", 2)
         spec = block_spec(cfg, int(i))
-        names = spec.hf_names[family if spec.name == "moe" else "llama"]
+        names = spec.hf_names[family if family in spec.hf_names else "llama"]
         prefix = f"model.layers.{i}."
         if rest in names and "{e}" in names[rest]:
             hf = tuple(prefix + names[rest].format(e=e) for e in range(cfg.num_experts))
             out.append(Conversion(hf=hf, mp=(key,), to_mp=_stack, to_hf=_split))
+            continue
+        if rest in names:
+            out.append(Conversion(hf=(prefix + names[rest],), mp=(key,)))
             continue
         module, param = rest.rsplit(".", 1)
         if module not in names:

@@ -1,0 +1,149 @@
+"""DeepseekV3ForCausalLM (DeepSeek-V3, and Kimi-K2, whose config.json names this architecture with model_type
+"kimi_k2", read as a DeepSeek-V3 config; exported as DeepSeek-V3): multi-latent attention with
+YaRN rope on interleaved pairs, and the sigmoid, group-limited MoE with its score-correction bias (megapipe's
+expert bias), the first layers dense. Tensors are named by the MLA block kinds' spec (megapipe.models.mla).
+
+The Hub's checkpoints also hold the multi-token-prediction layers as extra layer indices (``model.layers.{L}.*``
+for L >= num_hidden_layers, ``mtp_layers``); megapipe ignores them for now, with a note in the import log, as
+transformers does (``MTP_TENSORS`` names what is there, for the MTP modules to map).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from megapipe.checkpoint.hf.base import refuse, register, rope_from_hf
+from megapipe.checkpoint.hf.moe import _MoEAdapter
+from megapipe.config import ModelConfig
+from megapipe.errors import MegapipeError
+from megapipe.models.rope import yarn_attention_factor
+
+# what one DeepSeek MTP layer (index L >= num_hidden_layers) holds besides a decoder layer's own tensors
+MTP_TENSORS = ("embed_tokens.weight", "enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+               "shared_head.head.weight")
+YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+
+
+def mtp_layer_of(name: str, cfg: ModelConfig) -> int | None:
+    """The MTP depth (0-based) a Hub tensor name belongs to, None for the main model's tensors."""
+    found = re.match(r"model\.layers\.(\d+)\.", name)
+    if found and int(found.group(1)) >= cfg.num_layers:
+        return int(found.group(1)) - cfg.num_layers
+    return None
+
+
+def yarn_from_hf(hf: dict[str, Any], where: str) -> dict[str, Any]:
+    """rope_parameters -> rope_theta and the YaRN fields (rope_type 'default' or 'yarn')."""
+    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return dict(rope_theta=rope_from_hf(hf, where)[0])
+    if kind != "yarn":
+        raise refuse(where, "rope_parameters.rope_type", kind, "supported for DeepSeek-V3: 'default', 'yarn'")
+    if params.get("truncate", True) is not True:
+        raise refuse(where, "rope_parameters.truncate", params["truncate"], "YaRN's range is truncated")
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    original = int(params.get("original_max_position_embeddings") or hf["max_position_embeddings"])
+    factor = params.get("factor")
+    fields = dict(rope_theta=theta, original_max_position_embeddings=original,
+                  rotary_scaling_factor=float(factor if factor is not None else hf["max_position_embeddings"] / original),
+                  beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+                  mscale=float(params.get("mscale") or 0.0), mscale_all_dim=float(params.get("mscale_all_dim") or 0.0))
+    given = params.get("attention_factor")
+    if given is not None and abs(float(given) - yarn_attention_factor(ModelConfig(**fields))) > 1e-12:
+        raise refuse(where, "rope_parameters.attention_factor", given, "it is derived from factor and the mscales")
+    return fields
+
+
+@register
+class DeepseekV3Adapter(_MoEAdapter):
+    architecture = "DeepseekV3ForCausalLM"
+    model_type = "deepseek_v3"
+    arch = "deepseek_v3"
+    family = "deepseek_v3"
+
+    def config_from_hf(self, hf: dict[str, Any], where: str) -> dict[str, Any]:
+        # Llama's fields, then MLA's: the heads' widths and the rope are MLA's own
+        rope_free = {k: v for k, v in hf.items() if k not in ("rope_scaling", "rope_parameters", "head_dim")}
+        fields = super().config_from_hf({**rope_free, "rope_theta": 10000.0}, where)
+        for name in ("num_kv_heads", "head_dim", "rope_scaling"):
+            fields.pop(name, None)
+        try:
+            q_rank = hf.get("q_lora_rank")
+            fields.update(
+                multi_latent_attention=True, q_lora_rank=int(q_rank) if q_rank else None,
+                kv_lora_rank=int(hf["kv_lora_rank"]), qk_head_dim=int(hf["qk_nope_head_dim"]),
+                qk_pos_emb_head_dim=int(hf["qk_rope_head_dim"]), v_head_dim=int(hf["v_head_dim"]),
+                rope_interleave=bool(hf.get("rope_interleave", True)), **yarn_from_hf(hf, where))
+        except KeyError as e:
+            raise MegapipeError(f"{where}: the field {e.args[0]!r} is missing") from None
+        return fields
+
+    def attention_from_hf(self, hf: dict[str, Any], where: str) -> dict[str, Any]:
+        bias = bool(hf.get("attention_bias", False))
+        return dict(qkv_bias=bias, attn_out_bias=bias, mlp_bias=False)
+
+    def attention_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
+        return dict(attention_bias=cfg.qkv_bias)
+
+    def moe_from_hf(self, hf: dict[str, Any], where: str) -> dict[str, Any]:
+        if hf.get("topk_method", "noaux_tc") != "noaux_tc" or hf.get("scoring_func", "sigmoid") != "sigmoid":
+            raise refuse(where, "topk_method / scoring_func", (hf.get("topk_method"), hf.get("scoring_func")),
+                         "DeepSeek-V3's sigmoid noaux_tc routing is supported")
+        groups, group_topk, k = int(hf["n_group"] or 1), int(hf["topk_group"] or 1), int(hf["num_experts_per_tok"])
+        if group_topk < groups and k // group_topk != 2:
+            raise refuse(where, "num_experts_per_tok / topk_group", k / group_topk,
+                         "transformers scores a group by its best 2 experts, megapipe by its best k / topk_group")
+        return dict(
+            num_experts=int(hf["n_routed_experts"]), moe_router_topk=k,
+            moe_ffn_hidden_size=int(hf["moe_intermediate_size"]), moe_router_score_function="sigmoid",
+            moe_router_pre_softmax=False, moe_router_norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+            moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0) if hf.get(
+                "routed_scaling_factor", 1.0) != 1.0 else None,
+            moe_router_num_groups=groups if groups > 1 else None, moe_router_group_topk=group_topk if groups > 1 else None,
+            moe_router_enable_expert_bias=True,
+            moe_shared_expert_intermediate_size=int(hf.get("n_shared_experts") or 0) * int(hf["moe_intermediate_size"])
+            or None,
+            moe_layer_freq=1, moe_first_k_dense_replace=int(hf.get("first_k_dense_replace") or 0))
+
+    def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
+        hf = super().config_to_hf(cfg)
+        hf.update(num_key_value_heads=cfg.num_heads, q_lora_rank=cfg.q_lora_rank or None,
+                  kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_head_dim,
+                  qk_rope_head_dim=cfg.qk_pos_emb_head_dim, v_head_dim=cfg.v_head_dim,
+                  rope_interleave=cfg.rope_interleave, num_nextn_predict_layers=0)
+        hf.pop("head_dim")
+        theta = float(cfg.rope_theta)
+        params: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+        if cfg.rotary_scaling_factor != 1:
+            params = {"rope_type": "yarn", "rope_theta": theta, "factor": cfg.rotary_scaling_factor,
+                      "original_max_position_embeddings": cfg.original_max_position_embeddings
+                      or cfg.max_position_embeddings, "beta_fast": cfg.beta_fast, "beta_slow": cfg.beta_slow,
+                      "mscale": cfg.mscale, "mscale_all_dim": cfg.mscale_all_dim}
+        hf.update(rope_parameters=params, rope_theta=theta,
+                  rope_scaling=None if params["rope_type"] == "default" else params)
+        return hf
+
+    def moe_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
+        shared, ffn = cfg.moe_shared_expert_intermediate_size or 0, cfg.expert_ffn
+        if shared % ffn:
+            raise MegapipeError(f"model.moe_shared_expert_intermediate_size = {shared} cannot be expressed in a "
+                                f"DeepseekV3 config: it must be a multiple of the expert width {ffn}")
+        return dict(n_routed_experts=cfg.num_experts, moe_intermediate_size=ffn, n_shared_experts=shared // ffn,
+                    routed_scaling_factor=cfg.moe_router_topk_scaling_factor or 1.0,
+                    n_group=cfg.moe_router_num_groups or 1, topk_group=cfg.moe_router_group_topk or 1,
+                    norm_topk_prob=cfg.moe_router_norm_topk_prob, first_k_dense_replace=cfg.moe_first_k_dense_replace,
+                    topk_method="noaux_tc", scoring_func="sigmoid")
+
+    def ignored(self, name: str, cfg: ModelConfig) -> bool:
+        return super().ignored(name, cfg) or mtp_layer_of(name, cfg) is not None
+
+    def notes(self, names: set[str], cfg: ModelConfig) -> list[str]:
+        depths = {mtp_layer_of(n, cfg) for n in names} - {None}
+        if not depths:
+            return []
+        return [f"the checkpoint's {len(depths)} multi-token-prediction layer(s) (model.layers.{cfg.num_layers}"
+                f"{'' if len(depths) == 1 else '-' + str(cfg.num_layers + len(depths) - 1)}.*) were not imported: "
+                "megapipe's DeepSeek-V3 has no MTP modules yet"]
+
