@@ -15,7 +15,7 @@ from megapipe.models.capabilities import require
 from megapipe.models.dense import TransformerBlock
 from megapipe.models.moe import MoEBlock, moe_layers
 from megapipe.models.objective import TokenCrossEntropy
-from megapipe.models.rope import inv_frequencies, rope_cos_sin
+from megapipe.models.rope import model_rope
 from megapipe.parallel.dims import ParallelDims
 from megapipe.parallel.step import run_loss, train_step
 from megapipe.presets import PRESETS
@@ -44,7 +44,7 @@ def written_out(model, batch):
     tokens, labels, mask, docs = batch["tokens"], batch["labels"], batch["loss_mask"], batch["document_ids"]
     b, s = tokens.shape
     positions = positions_from_documents(docs)
-    rope = rope_cos_sin(positions, inv_frequencies(model.cfg.dim_per_head, model.cfg.rope_theta, None), torch.float32)
+    rope = model_rope(model.cfg, positions, torch.float32)
     doc_mask = DocumentMask(docs, positions)
     h = model(tokens, document_ids=docs, return_hidden=True)
     sums = []
