@@ -1,5 +1,5 @@
-"""MoE training-step benchmark: megapipe's Trainer step vs Hugging Face Mixtral / Qwen3-MoE at the identical config,
-and megapipe's grouped GEMM vs its loop over experts.
+"""MoE training-step benchmark: megapipe's Trainer step vs Hugging Face Mixtral / Qwen3-MoE / DeepSeek-V3 at the
+identical config, and megapipe's grouped GEMM vs its loop over experts.
 
 Same shapes (default: h256 x 4 layers, 8 experts of FFN 512, top-2, vocab 8192, batch 8 x 256), same AdamW
 (torch's fused kernel on both sides), same precision, same random batch, same number of threads, no balancing loss
@@ -8,13 +8,17 @@ Every case runs in its own process (its peak RSS is its own); cases take turns f
 gives medians, so a slow spell of a shared machine hits all of them alike; the ratio of CPU seconds per step is
 the figure least moved by other processes.
 
-Implementations: ``hf`` = ``MixtralForCausalLM`` / ``Qwen3MoeForCausalLM`` with transformers' default experts
+``deepseek_v3`` is the ``deepseek-v3-tiny`` preset's block (multi-latent attention with YaRN, sigmoid group-limited
+routing, a shared expert, the first layer dense) at the shapes given; the expert bias is not updated on either side.
+
+Implementations: ``hf`` = ``MixtralForCausalLM`` / ``Qwen3MoeForCausalLM`` / ``DeepseekV3ForCausalLM`` with transformers' default experts
 kernel (``grouped_mm`` where torch has it, as on CPU with torch 2.13) + ``F.cross_entropy``; ``hf-eager`` = the
 same with ``experts_implementation="eager"`` (its loop over experts); ``megapipe`` = the Trainer's step (grouped
 GEMM, fused output + cross-entropy); ``megapipe-loop`` = the same with ``--no-moe-grouped-gemm``.
 
     .venv/bin/python tools/bench_moe.py                          # both families, fp32, 3 rounds
     .venv/bin/python tools/bench_moe.py --families mixtral --precision bf16 --rounds 2
+    .venv/bin/python tools/bench_moe.py --families deepseek_v3 --experts 16 --topk 4 --expert-ffn 128
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FAMILIES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+FAMILIES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+            "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
 def parse_args(argv=None):
@@ -42,6 +47,7 @@ def parse_args(argv=None):
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--topk", type=int, default=2)
     p.add_argument("--expert-ffn", type=int, default=512)
+    p.add_argument("--intermediate", type=int, default=704, help="dense layers' FFN (deepseek_v3's first layer)")
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
@@ -75,6 +81,17 @@ def model_fields(a, family: str) -> dict:
                   moe_ffn_hidden_size=a.expert_ffn)
     if family == "qwen3_moe":
         fields.update(qk_norm=True, moe_router_pre_softmax=True, moe_router_norm_topk_prob=True)
+    if family == "deepseek_v3":
+        from megapipe.presets import PRESETS
+
+        shape = ("hidden_size", "num_layers", "num_heads", "vocab_size", "max_position_embeddings", "num_experts",
+                 "moe_router_topk", "moe_ffn_hidden_size")
+        fields.pop("num_kv_heads")
+        fields = {**PRESETS["deepseek-v3-tiny"], **fields, "intermediate_size": a.intermediate,
+                  "moe_shared_expert_intermediate_size": a.expert_ffn,
+                  "moe_router_load_balancing_type": "none", "moe_aux_loss_coeff": 0.0,
+                  "moe_router_bias_update_rate": 0.0}
+        assert all(k in fields for k in shape)
     return fields
 
 
