@@ -154,6 +154,8 @@ def test_jsonl_task_reads_records_in_a_seeded_order_with_their_fields(tmp_path):
     ('{"prompt": "q"}', r"qa.jsonl:2: the record has no answer field 'answer'"),
     ('{"prompt": [{"text": "q"}], "answer": 1}', r"qa.jsonl:2: the prompt field 'prompt' holds a list that is not "
                                                  r"chat messages"),
+    ('{"prompt": ' + "[" * 100_000 + "]" * 100_000 + ', "answer": 1}', r"qa.jsonl:2: the record is nested too deeply"),
+    ('{"prompt": "q \\udc00", "answer": 1}', r"qa.jsonl:2: the record holds a lone UTF-16 surrogate escape"),
 ])
 def test_malformed_jsonl_is_named_by_file_and_line(tmp_path, line, message):
     path = tmp_path / "qa.jsonl"
