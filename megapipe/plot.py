@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -20,6 +21,7 @@ from megapipe.fileio import write_text_atomic
 
 METRICS = "metrics.jsonl"
 TRAIN, EVAL = ("train",), ("valid", "eval", "test")
+MAX_STEP = 2 ** 53  # every step below is exact in a float (and in matplotlib's axes)
 
 
 @dataclass(frozen=True)
@@ -78,16 +80,22 @@ def find_metrics(run: str | Path) -> Path:
 
 def read_metrics(path: Path) -> list[dict]:
     """The records of a metrics.jsonl; a line cut short by a crash is skipped; for a step logged twice (a resumed
-    run) the last record wins."""
+    run) the last record wins. A step that is no count of training steps (negative, fractional, beyond 2**53) is
+    an error naming the line."""
     records: dict[tuple, dict] = {}
     with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
+        for number, line in enumerate(f, 1):
             try:
                 rec = json.loads(line)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 continue
-            if isinstance(rec, dict) and isinstance(rec.get("step"), (int, float)):
-                records[(rec.get("kind", "train"), rec["step"])] = rec
+            step = rec.get("step") if isinstance(rec, dict) else None
+            if not isinstance(step, (int, float)) or isinstance(step, bool):
+                continue
+            if not (math.isfinite(step) and step == int(step) and 0 <= step <= MAX_STEP):
+                raise MegapipeError(f"{path}:{number}: step {step!r} is not a training step (a whole number from 0 "
+                                    f"to 2**53)")
+            records[(rec.get("kind", "train"), int(step))] = rec
     return sorted(records.values(), key=lambda r: (r["step"], str(r.get("kind"))))
 
 
@@ -148,10 +156,20 @@ def plot_runs(runs: Sequence[str | Path], output: str | Path, labels: Optional[S
     if not any(data):
         raise MegapipeError(f"no metrics records in {', '.join(str(p) for p in paths)}")
     out_dir = Path(output)
+    created = not out_dir.exists()
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise MegapipeError(f"cannot create the plot directory {out_dir}: {e.strerror}") from None
+    try:
+        return _draw(plt, MaxNLocator, labels, paths, data, out_dir, smooth)
+    except BaseException:
+        if created:  # a failed plot leaves no directory behind that it made
+            shutil.rmtree(out_dir, ignore_errors=True)
+        raise
+
+
+def _draw(plt, MaxNLocator, labels, paths, data, out_dir: Path, smooth: float) -> dict:
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     summary: dict = {"runs": [{"label": lab, "metrics": str(p)} for lab, p in zip(labels, paths, strict=True)],
                      "figures": {}}

@@ -100,6 +100,18 @@ def test_mistakes(tmp_path, runs, capsys):
     assert "error: run" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("step", ["1e300", "1e308", "-1", "2.5", "NaN"])
+def test_a_step_that_is_no_step_count_is_named_and_nothing_is_written(tmp_path, capsys, step):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 2.0}\n'
+                                       f'{{"kind": "train", "step": {step}, "loss": 1.0}}\n')
+    assert main(["plot", str(run), "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"metrics.jsonl:2: step {json.loads(step)!r} is not a training step" in err.replace("\n", "")
+    assert not (tmp_path / "out").exists()
+
+
 def test_labels_are_short_and_distinct(tmp_path):
     assert run_labels([tmp_path / "x" / "run", tmp_path / "y" / "run"]) == ["x/run", "y/run"]
     assert run_labels([tmp_path / "one", tmp_path / "two"]) == ["one", "two"]

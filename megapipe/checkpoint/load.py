@@ -72,9 +72,7 @@ def _from_hf(hf_dir: Path, device, dtype) -> LoadedModel:
 def _from_checkpoint(ckpt: Path, device, dtype, builder) -> LoadedModel:
     ckpt = resolve_checkpoint(ckpt)
     manifest = read_manifest(ckpt)
-    if not isinstance(manifest.get("model"), dict):
-        raise CheckpointError(f"{ckpt / MANIFEST_NAME} has no model config ('model' is {manifest.get('model')!r})")
-    cfg = from_dict(ModelConfig, manifest["model"], "model.", f"{ckpt / MANIFEST_NAME}: ")
+    cfg = manifest_model_config(ckpt, manifest)
     model = builder(cfg, device=device)
     if dtype is not None:
         model = model.to(dtype)
@@ -92,6 +90,15 @@ def _from_checkpoint(ckpt: Path, device, dtype, builder) -> LoadedModel:
     model.eval()
     gen = (manifest.get("hf") or {}).get("generation_config") or {}
     return LoadedModel(model, manifest, checkpoint_tokenizer(ckpt, manifest), gen)
+
+
+def manifest_model_config(ckpt: Path, manifest: Optional[dict] = None) -> ModelConfig:
+    """The model config a checkpoint's manifest records (read without loading any weight: stages ask
+    megapipe.models.capabilities with it before any work)."""
+    manifest = read_manifest(ckpt) if manifest is None else manifest
+    if not isinstance(manifest.get("model"), dict):
+        raise CheckpointError(f"{ckpt / MANIFEST_NAME} has no model config ('model' is {manifest.get('model')!r})")
+    return from_dict(ModelConfig, manifest["model"], "model.", f"{ckpt / MANIFEST_NAME}: ")
 
 
 def eos_ids_of(value, tokenizer) -> list[int]:

@@ -27,6 +27,28 @@ HF_SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 BLOCK_BYTES = 1 << 20
 TABLE_BATCH_ROWS = 4096
 HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+class JSONRecordError(ValueError):
+    """A line that is valid JSON but no record Python can read or text can hold (the reason is the message)."""
+
+
+def load_json_record(line: str, allow_surrogates: bool = False):
+    """``json.loads`` of one record, refusing (JSONRecordError) nesting too deep for Python's parser and, unless
+    ``allow_surrogates`` (the caller checks the texts it uses), lone UTF-16 surrogate escapes: legal JSON, but no
+    character, so no tokenizer or file can take them."""
+    try:
+        value = json.loads(line)
+    except RecursionError:
+        raise JSONRecordError("is nested too deeply to read (thousands of levels of [ or {)") from None
+    if not allow_surrogates and SURROGATE_ESCAPE.search(line):  # rare: only then look whether an escape is half of a pair
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise JSONRecordError("holds a lone UTF-16 surrogate escape (\\ud800-\\udfff without its pair), which is "
+                                  "no character") from None
+    return value
 
 
 @dataclass
@@ -298,13 +320,12 @@ def parse_block(block: Block, keys: list[str], skip_bad: bool) -> tuple[list[lis
         lines = text.split("\n")
     if lines and not lines[-1]:
         lines.pop()
-    loads = json.loads
     for i, line in enumerate(lines):
         if isinstance(line, UnicodeDecodeError):
             reject(block.first + i, f"is not valid UTF-8 ({utf8_problem(line.object, line)})")
             continue
         try:
-            record = loads(line)
+            record = load_json_record(line, allow_surrogates=True)  # preprocess names a bad text by its key
             values = [record[k] for k in keys]
         except UnicodeDecodeError as e:
             reject(block.first + i, f"is not valid UTF-8 ({utf8_problem(line, e)})")
@@ -335,7 +356,7 @@ def _parse_clean_lines(text: str, keys: list[str]) -> list[list[str]] | None:
         if len(records) != body.count("\n") + 1:  # a line held two values (and so another one none)
             return None
         columns = [[r[k] for r in records] for k in keys]
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         return None
     if all(type(v) is str for col in columns for v in col):
         return columns
@@ -362,6 +383,8 @@ def _not_a_string(key: str, value) -> str:
 
 
 def _json_problem(line, e: Exception, keys: list[str]) -> str:
+    if isinstance(e, JSONRecordError):
+        return str(e)
     if isinstance(e, json.JSONDecodeError):
         at = "" if e.msg.endswith(" at") else " at"  # "Unterminated string starting at" names its position
         return f"is not valid JSON ({e.msg}{at} column {e.colno})"

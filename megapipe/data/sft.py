@@ -31,7 +31,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 
 from megapipe.data.chat_template import TEMPLATE_CHOICES, ChatTemplateError, load_chat_template, special_tokens
-from megapipe.data.readers import JSON_TYPES, JSONL_SUFFIXES, first_line
+from megapipe.data.readers import JSON_TYPES, JSONL_SUFFIXES, JSONRecordError, first_line, load_json_record
 from megapipe.data.tokenizer import load_tokenizer, tokenizer_files
 from megapipe.errors import DataError
 
@@ -195,7 +195,9 @@ def _jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
                 if not raw.strip():
                     continue
                 try:
-                    yield where, json.loads(raw.decode("utf-8"))
+                    yield where, load_json_record(raw.decode("utf-8"))
+                except JSONRecordError as e:
+                    yield where, DataError(f"{where}: the record {e}")
                 except UnicodeDecodeError as e:
                     yield where, DataError(f"{where}: the record is not valid UTF-8 (byte 0x{raw[e.start]:02x} at "
                                            f"offset {e.start})")

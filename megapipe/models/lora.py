@@ -114,15 +114,37 @@ def apply_lora(model: nn.Module, spec: LoRASpec, seed: Optional[int] = None) -> 
     """Freeze ``model`` and add adapters to the targeted layers of every block (in place; returns the model)."""
     for p in model.parameters():
         p.requires_grad_(False)
+    layers = targeted_layers(model, spec.targets)
+    check_rank(layers, spec.rank)
     generator = None
     if seed is not None:
         generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    for block in model.layers.values():
-        for t in spec.targets:
+    for _, linear in layers:
+        _add(linear, spec, generator)
+    return model
+
+
+def targeted_layers(model: nn.Module, targets) -> list[tuple[str, nn.Linear]]:
+    """(name, linear) of every layer the short-named ``targets`` select, block by block."""
+    out = []
+    for key, block in model.layers.items():
+        for t in targets:
             path = next((p for p in TARGETS[t] if _has(block, p)), None)
             if path is not None:
-                _add(block.get_submodule(path), spec, generator)
-    return model
+                out.append((f"layers.{key}.{path}", block.get_submodule(path)))
+    return out
+
+
+def check_rank(layers: list[tuple[str, nn.Linear]], rank: int) -> None:
+    """B @ A has rank at most min(in, out) of its layer: a larger --lora-rank only adds memory (100000 on a
+    256-wide model exhausts the host's), so it is refused naming the narrowest layer."""
+    if not layers:
+        return
+    name, narrowest = min(layers, key=lambda nl: min(nl[1].in_features, nl[1].out_features))
+    width = min(narrowest.in_features, narrowest.out_features)
+    if rank > width:
+        raise ConfigError(f"lora.rank (--lora-rank) = {rank} is more than the width of {name} ({narrowest.in_features}"
+                          f" -> {narrowest.out_features}): an adapter's rank is at most {width} there")
 
 
 def _has(block: nn.Module, path: str) -> bool:

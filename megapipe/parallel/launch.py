@@ -35,10 +35,15 @@ def strip_launch_flags(argv: Sequence[str]) -> list[str]:
     return out
 
 
+def check_process_counts(nproc_per_node: Optional[int], nnodes: int) -> None:
+    for flag, value in (("--nproc-per-node", nproc_per_node), ("--nnodes", nnodes)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} = {value} must be >= 1 (processes per node and nodes)")
+
+
 def torchrun_command(argv: Sequence[str], nproc_per_node: int, nnodes: int = 1, node_rank: int = 0,
                      rdzv_endpoint: Optional[str] = None, module: str = "megapipe.cli") -> list[str]:
-    if nproc_per_node < 1 or nnodes < 1:
-        raise ConfigError(f"--nproc-per-node = {nproc_per_node} and --nnodes = {nnodes} must be >= 1")
+    check_process_counts(nproc_per_node, nnodes)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc_per_node)]
     if nnodes == 1 and rdzv_endpoint is None:
         cmd.append("--standalone")
@@ -55,6 +60,7 @@ def torchrun_command(argv: Sequence[str], nproc_per_node: int, nnodes: int = 1, 
 def planned_world_size(nproc_per_node: Optional[int], nnodes: int = 1) -> int:
     """The world size the job will have: torchrun's WORLD_SIZE when already under it, else
     --nproc-per-node x --nnodes when we launch, else the srun task count (1 for a plain process)."""
+    check_process_counts(nproc_per_node, nnodes)
     env = detect_env()
     if env.launcher == "torchrun":
         return env.world_size
@@ -67,6 +73,7 @@ def maybe_launch_torchrun(argv: Sequence[str], nproc_per_node: Optional[int], nn
                           rdzv_endpoint: Optional[str] = None) -> Optional[int]:
     """Run ``megapipe <argv>`` under torchrun and return its exit code; None when the caller should just go on
     (already under torchrun/srun, or a single process was asked for)."""
+    check_process_counts(nproc_per_node, nnodes)
     if detect_env().launcher == "torchrun" or ((nproc_per_node or 1) == 1 and nnodes == 1):
         return None  # a worker of torchrun, or one process (plain, or one srun task of many)
     cmd = torchrun_command(argv, nproc_per_node or 1, nnodes, node_rank, rdzv_endpoint)

@@ -111,21 +111,17 @@ def _run(openai, model, tmp: Path, prompt, chat, max_tokens, stop, serve_args, r
         models = [m.id for m in _ask(openai, "listing the models", client.models.list).data]
         completion = _ask(openai, "the completion", client.completions.create, model=name, prompt=prompt,
                           max_tokens=max_tokens, temperature=0.0, stop=stop or None, extra_body=extra)
-        text = completion.choices[0].text
-        if not text:
-            raise MegapipeError(f"the server answered the completion of {prompt!r} with no text (finish_reason "
-                                f"{completion.choices[0].finish_reason})")
         record = {"model": str(model), "url": url, "ready_seconds": round(ready_s, 2), "models": models,
                   "completion": {"prompt": prompt, "response": completion.model_dump()}}
+        answers = [("the completion of", repr(prompt), prompt, completion.choices[0].text)]
         if chat:
+            messages = [{"role": "user", "content": chat}]
             answer = _ask(openai, "the chat completion", client.chat.completions.create, model=name,
-                          messages=[{"role": "user", "content": chat}], max_tokens=max_tokens, temperature=0.0,
-                          stop=stop or None, extra_body=extra)
-            content = answer.choices[0].message.content or ""
-            if not content:
-                raise MegapipeError(f"the server answered the chat message {chat!r} with no text (finish_reason "
-                                    f"{answer.choices[0].finish_reason})")
-            record["chat"] = {"messages": [{"role": "user", "content": chat}], "response": answer.model_dump()}
+                          messages=messages, max_tokens=max_tokens, temperature=0.0, stop=stop or None,
+                          extra_body=extra)
+            rendered = _tokenize(url, key, {"model": name, "messages": messages}, request_timeout)
+            answers.append(("the chat message", repr(chat), rendered, answer.choices[0].message.content or ""))
+            record["chat"] = {"messages": messages, "response": answer.model_dump()}
         proc.send_signal(signal.SIGTERM)
         try:
             rc = proc.wait(timeout=120)
@@ -134,6 +130,12 @@ def _run(openai, model, tmp: Path, prompt, chat, max_tokens, stop, serve_args, r
         if rc != 0:
             raise MegapipeError(f"megapipe serve exited with status {rc} on SIGTERM (its log: {SERVER_LOG})")
         record["shutdown"] = {"signal": "SIGTERM", "exit_status": rc}
+        greedy = engine_greedy(model, [a[2] for a in answers], max_tokens, stop, serve_args)
+        for (what, shown, _, got), want in zip(answers, greedy, strict=True):
+            if got != want:
+                raise MegapipeError(f"the server answered {what} {shown} with {got!r}, but the engine's greedy "
+                                    f"output for it is {want!r}")
+        record["engine_greedy"] = greedy
         record["seconds"] = round(time.monotonic() - started, 2)
         (tmp / RESPONSES).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
         (tmp / SAMPLE).write_text(_sample(record), encoding="utf-8")
@@ -150,6 +152,33 @@ def _run(openai, model, tmp: Path, prompt, chat, max_tokens, stop, serve_args, r
             proc.wait()
         reader.join(timeout=10)
         log.close()
+
+
+def engine_greedy(model, prompts: list, max_tokens: int, stop: list[str], serve_args: list[str]) -> list[str]:
+    """What the engine itself decodes greedily for each prompt (text, or the token ids of a rendered chat), loaded
+    as the server loaded it (its --dtype / --device): the answers the server must give, empty ones included."""
+    from megapipe.inference.engine import LLMEngine
+    from megapipe.inference.sampling import SamplingParams
+
+    def arg(flag: str, default):
+        return serve_args[serve_args.index(flag) + 1] if flag in serve_args[:-1] else default
+
+    engine = LLMEngine.from_pretrained(model, device=arg("--device", None), dtype=arg("--dtype", "auto"),
+                                       max_num_seqs=len(prompts))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=stop, skip_special_tokens=not stop)
+    return [out.outputs[0].text for out in engine.generate(prompts, params)]
+
+
+def _tokenize(url: str, key: str, body: dict, timeout: float) -> list[int]:
+    """The server's own rendering of a chat into token ids (its /tokenize route, as vLLM's)."""
+    import httpx
+
+    try:
+        reply = httpx.post(f"{url}/tokenize", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=timeout)
+        reply.raise_for_status()
+        return reply.json()["tokens"]
+    except (httpx.HTTPError, ValueError, KeyError) as e:
+        raise MegapipeError(f"the server's /tokenize of the chat message failed: {e}") from None
 
 
 def _ask(openai, what: str, call, **kw):

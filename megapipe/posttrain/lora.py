@@ -11,7 +11,8 @@ from torch import nn
 
 from megapipe.checkpoint import load_checkpoint, read_manifest
 from megapipe.errors import ConfigError
-from megapipe.models.lora import LoRASpec, is_adapter, parse_targets
+from megapipe.models import build_model
+from megapipe.models.lora import LoRASpec, check_rank, is_adapter, parse_targets, targeted_layers
 
 
 def lora_spec(cfg) -> Optional[LoRASpec]:
@@ -26,6 +27,8 @@ def lora_spec(cfg) -> Optional[LoRASpec]:
 def check_lora_run(cfg, resume, parent) -> None:
     """Refusals before launch: layouts LoRA cannot run in yet, and parents whose adapters would be lost."""
     spec = lora_spec(cfg)
+    if spec is not None:
+        check_rank(targeted_layers(build_model(cfg.model, device="meta"), spec.targets), spec.rank)
     if spec is not None and cfg.parallel.tp > 1:
         raise ConfigError("LoRA (--lora-rank) with tensor parallelism (--tensor-model-parallel-size "
                           f"{cfg.parallel.tp}) is not supported yet: use data parallelism (FSDP or DDP) instead")

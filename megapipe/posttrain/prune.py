@@ -35,12 +35,13 @@ from torch import nn
 
 from megapipe.checkpoint import resolve_checkpoint, write_checkpoint
 from megapipe.checkpoint.hf.base import adapter_for_arch
-from megapipe.checkpoint.load import load_model
+from megapipe.checkpoint.load import load_model, manifest_model_config
 from megapipe.config import ModelConfig
 from megapipe.data.gpt_dataset import build_gpt_datasets
 from megapipe.data.indexed import exists
 from megapipe.data.sft import ChatEncoder
 from megapipe.data.sft_dataset import build_sft_datasets, prepare_sft_index
+from megapipe.data.sidecar import check_data_tokenizer
 from megapipe.data.tokenizer import load_tokenizer
 from megapipe.errors import CheckpointError, ConfigError, MegapipeError
 from megapipe.fileio import refuse_overlap
@@ -98,6 +99,10 @@ def plan_shape(cfg: ModelConfig, t: PruneTargets) -> ModelConfig:
             _check_range(flag, value, limit, what)
     new_heads = t.heads if t.heads is not None else heads
     new_kv = t.kv_heads if t.kv_heads is not None else min(kv, new_heads)
+    if t.kv_heads is None and kv < heads and new_heads % kv:  # without --kv-heads a GQA model's KV groups stay
+        raise ConfigError(f"--heads {new_heads} is not a multiple of the model's {kv} KV groups (num_kv_heads): query "
+                          "heads are pruned per KV group and every group keeps the same number; give --kv-heads to "
+                          "prune KV groups too")
     if new_heads % new_kv:
         raise ConfigError(f"--heads {new_heads} is not a multiple of --kv-heads {new_kv}: query heads are pruned per "
                           "KV group and every group keeps the same number")
@@ -455,10 +460,11 @@ def prune_batches(data: str, ckpt_tokenizer, seq_length: int, calib_samples: int
     import numpy as np
 
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    if calib_samples < 1 or valid_samples < 0:
-        raise ConfigError(f"--calib-samples {calib_samples} must be >= 1 and --valid-samples {valid_samples} >= 0")
     wanted = {"train": calib_samples, "valid": valid_samples}
     if exists(data):
+        if ckpt_tokenizer is not None:
+            check_data_tokenizer([data], load_tokenizer(ckpt_tokenizer),
+                                 hint="or give --calib-data made with the checkpoint's tokenizer")
         ds = build_gpt_datasets([data], split, seq_length, wanted, seed, cache_dir)
 
         def sample(d, i):
@@ -514,19 +520,23 @@ def prune_checkpoint(ckpt, output, targets: PruneTargets, calib_data: str, calib
         raise ConfigError(f"--group-metric {group_metric!r} is not one of norm, loss")
     if importance not in ("activation", "random"):
         raise ConfigError(f"--importance {importance!r} is not one of activation, random")
-    loaded = load_model(ckpt)
-    model, manifest, tokenizer = loaded.model, loaded.manifest, loaded.tokenizer_dir
-    cfg = model.cfg
-    require(cfg, "prune", str(ckpt))
+    for flag, value in (("--calib-samples", calib_samples), ("--valid-samples", valid_samples),
+                        ("--seq-length", seq_length), ("--micro-batch-size", micro_batch_size)):
+        if value < 1:  # the validation loss before and after is what prune reports
+            raise ConfigError(f"{flag} {value} must be >= 1")
+    cfg = manifest_model_config(ckpt)
+    require(cfg, "prune", str(ckpt))  # before any work: the architecture's row says whether it can be pruned
     if seq_length > cfg.max_position_embeddings:
         raise ConfigError(f"--seq-length {seq_length} is longer than the model's max_position_embeddings = "
                           f"{cfg.max_position_embeddings}")
     new_cfg = plan_shape(cfg, targets)
+    loaded = load_model(ckpt)
+    model, manifest, tokenizer = loaded.model, loaded.manifest, loaded.tokenizer_dir
     calib, valid = prune_batches(calib_data, tokenizer, seq_length, calib_samples, valid_samples, micro_batch_size,
                                  split, seed, cache_dir, chat_template)
-    before = loss_of(model, valid) if valid_samples else float("nan")
+    before = loss_of(model, valid)
     pruned, _, keep = prune_model(model, new_cfg, calib, depth_metric, importance, seed, group_metric)
-    after = loss_of(pruned, valid) if valid_samples else float("nan")
+    after = loss_of(pruned, valid)
     summary = {
         "input": str(ckpt), "output": str(output.absolute()),
         "shape_before": describe_shape(cfg), "shape_after": describe_shape(new_cfg),

@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from megapipe.checkpoint import quant_state
-from megapipe.config import ModelConfig, from_dict
 from megapipe.errors import DataError, MegapipeError
 from megapipe.fileio import refuse_overlap
 from megapipe.models.capabilities import require
@@ -66,10 +65,13 @@ def quantize_config(fmt: str, kv_cache: Optional[str] = None) -> dict:
 def token_stream(source: str | Path, tokenizer, need: int, json_key: str = "text", option: str = "--calib-data"):
     """The first ``need`` tokens (or all, if fewer) of ``source``: a ``.bin/.idx`` prefix, or JSONL text."""
     from megapipe.data import indexed
+    from megapipe.data.sidecar import check_data_tokenizer
 
     path = Path(source).expanduser()
     chunks, have = [], 0
     if indexed.exists(path):
+        if tokenizer is not None:
+            check_data_tokenizer([path], tokenizer, hint=f"or give {option} made with the checkpoint's tokenizer")
         data = indexed.IndexedDataset(path)
         for i in range(len(data)):
             chunks.append(np.asarray(data[i], dtype=np.int64))
@@ -177,8 +179,7 @@ def quantize_checkpoint(
 ) -> dict:
     """Quantize checkpoint ``ckpt`` into ``out``; returns a summary (perplexity before/after, times)."""
     from megapipe.checkpoint import read_manifest, resolve_checkpoint, write_checkpoint
-    from megapipe.checkpoint.load import load_model
-    from megapipe.checkpoint.manifest import MANIFEST_NAME
+    from megapipe.checkpoint.load import load_model, manifest_model_config
     from megapipe.dtypes import resolve_device
 
     started = time.perf_counter()
@@ -199,7 +200,7 @@ def quantize_checkpoint(
         raise MegapipeError(f"{ckpt} is already quantized ({manifest['quantization'].get('format')}): quantize its "
                             f"unquantized parent instead ({manifest.get('parent')})")
     model_cfg = manifest.get("model") or {}
-    require(from_dict(ModelConfig, model_cfg, "model.", f"{ckpt / MANIFEST_NAME}: "), "quantize", str(ckpt), quant=fmt)
+    require(manifest_model_config(ckpt, manifest), "quantize", str(ckpt), quant=fmt)
     if seq_length > int(model_cfg.get("max_position_embeddings", seq_length)):
         raise MegapipeError(f"--calib-seq-len {seq_length} exceeds the model's max_position_embeddings "
                             f"({model_cfg['max_position_embeddings']})")

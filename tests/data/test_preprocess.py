@@ -197,10 +197,13 @@ BAD_LINES = [
     (b'["text"]\n', r"in\.jsonl:2: the record is a JSON array, not an object"),
     (b'{"text": "caf\xe9"}\n', r"in\.jsonl:2: the record is not valid UTF-8 \(byte 0xe9"),
     (b'{"text": "lone \\ud800 surrogate"}\n', r"in\.jsonl:2: the record has text under 'text' that is not valid"),
+    (b'{"text": "x", "meta": ' + b"[" * 100_000 + b"]" * 100_000 + b'}\n',
+     r"in\.jsonl:2: the record is nested too deeply to read"),
 ]
 
 
-@pytest.mark.parametrize("bad,message", BAD_LINES, ids=["json", "key", "number", "null", "array", "utf8", "surrogate"])
+@pytest.mark.parametrize("bad,message", BAD_LINES,
+                         ids=["json", "key", "number", "null", "array", "utf8", "surrogate", "nesting"])
 def test_a_bad_record_is_one_clear_error_and_leaves_nothing(tmp_path, tiny_tokenizer_dir, capsys, bad, message):
     src = tmp_path / "in.jsonl"
     src.write_bytes(b'{"text": "Good morrow"}\n' + bad + b'{"text": "Good night"}\n')

@@ -115,6 +115,9 @@ BAD_RECORDS = [
     ('{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "weight": 2}]}',
      "data.jsonl:2: messages[1].weight = 2 must be 0 or 1"),
     ('{"text": 7}', "data.jsonl:2: 'text' is a number, not a string"),
+    ('{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}", "data.jsonl:2: the record is nested too deeply to read"),
+    ('{"messages": [{"role": "user", "content": "hi \\ud800"}, {"role": "assistant", "content": "ok"}]}',
+     "data.jsonl:2: the record holds a lone UTF-16 surrogate escape"),
 ]
 
 

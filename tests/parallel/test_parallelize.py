@@ -64,6 +64,18 @@ def test_launcher_flags_and_command():
         torchrun_command(argv, 8, nnodes=2, node_rank=2, rdzv_endpoint="h:1")
 
 
+@pytest.mark.parametrize("command", [["pretrain", "--model", "tiny", "--data-path", "d", "--save", "run"],
+                                     ["posttrain", "prune", "ckpt", "--calib-data", "d", "--output", "run"]])
+@pytest.mark.parametrize("flag", ["--nproc-per-node", "--nnodes"])
+def test_no_process_count_below_one(tmp_path, monkeypatch, capsys, command, flag):
+    from megapipe.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main([*command, flag, "0"]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {flag} = 0 must be >= 1 (processes per node and nodes)"
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_no_relaunch_for_one_process_or_inside_torchrun(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     assert maybe_launch_torchrun(["pretrain"], 1) is None

@@ -1,4 +1,5 @@
-"""serve-smoke's refusals before any server starts (the real server runs in test_pipeline_demo.py)."""
+"""serve-smoke: its refusals before any server starts, and its check that the server answers with the engine's own
+greedy output (an empty one included); the demo's server runs in test_pipeline_demo.py."""
 
 from __future__ import annotations
 
@@ -34,3 +35,27 @@ def test_a_server_that_cannot_start_is_named(tmp_path, capsys):
     err = " ".join(capsys.readouterr().err.split())
     assert "megapipe serve exited with status" in err and "before it was ready" in err
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob("out.tmp-*"))
+
+
+def test_an_empty_greedy_answer_passes_when_it_is_the_engines_own(tmp_path, tiny_tokenizer_dir):
+    """A model whose final norm is zero gives all-zero logits, so greedy decoding picks id 0, the tokenizer's
+    end-of-document: its right answer is the empty completion, which the smoke test must accept (the server's answer
+    equals the engine's greedy output), as the README's demo with --set sft.lr=1e-3 produces."""
+    import torch
+
+    from megapipe.checkpoint import write_checkpoint
+    from megapipe.config import ModelConfig
+    from megapipe.models import build_model
+    from megapipe.pipeline.serve_smoke import serve_smoke
+
+    cfg = ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, vocab_size=512,
+                      max_position_embeddings=64)
+    model = build_model(cfg, seed=0)
+    with torch.no_grad():
+        model.norm.weight.zero_()
+    ckpt = write_checkpoint(tmp_path / "ckpt", model, step=0, manifest={"model": cfg, "stage": "init"},
+                            tokenizer=tiny_tokenizer_dir)
+    record = serve_smoke(str(ckpt), str(tmp_path / "out"), "To be, or not", None, max_tokens=4,
+                         serve_args=["--threads", "1", "--num-blocks", "8"])
+    assert record["completion"]["response"]["choices"][0]["text"] == "" and record["engine_greedy"] == [""]
+    assert (tmp_path / "out" / "responses.json").is_file()

@@ -197,6 +197,7 @@ def test_the_teacher_must_share_the_students_vocabulary(pretrain_data, models, c
     ({"--kd-alpha": "1.5"}, "distill.alpha = 1.5 must be within [0, 1]"),
     ({"--kd-temperature": "0"}, "distill.temperature = 0.0 must be > 0"),
     ({"--kd-loss": "mse"}, "Invalid value for '--kd-loss'"),
+    ({"--kd-top-k": "513"}, "distill.top_k (--kd-top-k) = 513 is more than the vocabulary (512 tokens)"),
 ])
 def test_mistakes_are_one_clear_error(pretrain_data, models, tmp_path, capsys, change, message):
     args = distill_args(pretrain_data, *models, tmp_path / "run", "--train-iters", "1")
@@ -209,6 +210,20 @@ def test_mistakes_are_one_clear_error(pretrain_data, models, tmp_path, capsys, c
     assert main(args) != 0
     assert message in " ".join(capsys.readouterr().err.split())
     assert not (tmp_path / "run").exists()
+
+
+def test_kd_top_k_reaches_the_loss(pretrain_data, models, tmp_path):
+    """Over the teacher's single most likely token both renormalised distributions are [1], so by its definition
+    the top-1 divergence is 0 and the student does not move (the whole vocabulary's is not)."""
+    from megapipe.checkpoint.load import load_model
+
+    run = tmp_path / "run"
+    assert main(distill_args(pretrain_data, *models, run, "--train-iters", "1", "--kd-top-k", "1", "--eval-iters",
+                             "0")) == 0
+    step = next(r for r in records(run) if r["kind"] == "train")
+    assert step["kd_loss"] == 0.0 and step["loss"] == 0.0
+    before, after = load_model(models[1]).model.state_dict(), load_model(run).model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_a_fresh_student_gets_the_teachers_tokenizer(pretrain_data, models, tmp_path):

@@ -71,7 +71,8 @@ def test_gqa_selection_keeps_whole_groups_and_regular_query_counts():
     (PruneTargets(), "give a target"),
     (PruneTargets(heads=5), "--heads 5 is more than the model has (num_heads = 4)"),
     (PruneTargets(ffn=0), "--ffn 0 must be >= 1"),
-    (PruneTargets(heads=3), "--heads 3 is not a multiple of --kv-heads 2"),
+    (PruneTargets(heads=3, kv_heads=2), "--heads 3 is not a multiple of --kv-heads 2"),
+    (PruneTargets(heads=1), "--heads 1 is not a multiple of the model's 2 KV groups (num_kv_heads)"),
     (PruneTargets(heads=4, kv_heads=1), "needs 4 query heads per KV group, but each group has 2"),
     (PruneTargets(layers=9), "--layers 9 is more than the model has (num_layers = 4)"),
     (PruneTargets(target_params=1.5e9), "must be below the model's"),
@@ -156,5 +157,37 @@ def test_the_command_writes_a_checkpoint_every_stage_loads_and_hf_export_matches
     assert main([*args, "--heads", "3"]) == MegapipeError.exit_code  # an existing output is not overwritten...
     assert "already exists" in capsys.readouterr().err
     assert main([*args, "--heads", "3", "--overwrite"]) == MegapipeError.exit_code  # ...and 3 is no multiple of 2
-    assert "--heads 3 is not a multiple of --kv-heads 2" in capsys.readouterr().err
+    assert "--heads 3 is not a multiple of the model's 2 KV groups" in capsys.readouterr().err
     assert json.loads((out / "megapipe.json").read_text()) == m  # nothing half-written
+
+
+@pytest.mark.parametrize("case", ["moe", "micro-batch 0", "valid 0", "heads 1", "another tokenizer"])
+def test_mistakes_are_one_sentence_before_any_work(trained, pretrain_data, chat_tokenizer, tmp_path, capsys,
+                                                   monkeypatch, case):
+    """Each is refused with exit 2, one line naming the culprit, nothing written; the MoE refusal comes from the
+    capability table before any weight is read."""
+    from tests.posttrain.conftest import write_model
+
+    prefix, _ = pretrain_data
+    ckpt, extra, message = trained, [], None
+    if case == "moe":
+        ckpt = write_model(tmp_path / "moe", chat_tokenizer, vocab_size=512, num_experts=4, moe_ffn_hidden_size=32)
+        import megapipe.posttrain.prune as prune
+
+        monkeypatch.setattr(prune, "load_model", lambda *a, **k: pytest.fail("weights loaded before the refusal"))
+        message = "prune does not support Llama (MoE) models"
+    elif case == "another tokenizer":
+        ckpt = write_model(tmp_path / "other", chat_tokenizer, vocab_size=512)
+        message = f"data {prefix} was tokenized with tokenizer"
+    else:
+        extra, message = {"micro-batch 0": (["--micro-batch-size", "0"], "--micro-batch-size 0 must be >= 1"),
+                          "valid 0": (["--valid-samples", "0"], "--valid-samples 0 must be >= 1"),
+                          "heads 1": (["--heads", "1"], "--heads 1 is not a multiple of the model's 2 KV groups")}[case]
+    out = tmp_path / "pruned"
+    args = ["posttrain", "prune", str(ckpt), "--output", str(out), "--calib-data", prefix, "--calib-samples", "4",
+            "--valid-samples", "4", "--seq-length", "64", "--split", "90,10,0", "--data-cache-path",
+            str(tmp_path / "cache"), "--layers", "1", *extra]
+    assert main(args) == MegapipeError.exit_code
+    err = capsys.readouterr().err
+    assert message in " ".join(err.split()) and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()

@@ -139,7 +139,8 @@ def _error(fn) -> str:
     return str(e.value)
 
 
-def test_bad_inputs_are_clear_errors(base, pretrain_data, tmp_path, monkeypatch):
+def test_bad_inputs_are_clear_errors(base, pretrain_data, chat_tokenizer, shakespeare_excerpt, tmp_path,
+                                     monkeypatch):
     prefix, _ = pretrain_data
     ckpt = base["llama"]
     out = tmp_path / "q"
@@ -162,6 +163,11 @@ def test_bad_inputs_are_clear_errors(base, pretrain_data, tmp_path, monkeypatch)
     assert "already exists" in _error(run())
     assert not any(p.name.startswith("q.tmp-") for p in tmp_path.iterdir())
 
+    other = make_checkpoint(tmp_path / "other-tokenizer", "llama", chat_tokenizer)  # same vocabulary size
+    for option in ("calib_data", "eval_data"):
+        data = {"calib_data": shakespeare_excerpt, "eval_data": None, option: prefix}
+        assert f"data {prefix} was tokenized with tokenizer" in _error(lambda data=data: quantize_checkpoint(
+            other, tmp_path / "q6", "fp8", calib_samples=4, seq_length=32, eval_iters=1, **data))
     small = make_checkpoint(tmp_path / "small-vocab", "llama", None, vocab_size=256)
     assert "holds token id" in _error(lambda: quantize_checkpoint(small, tmp_path / "q2", "fp8", prefix,
                                                                   calib_samples=4, seq_length=32, eval_iters=1))

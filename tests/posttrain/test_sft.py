@@ -16,6 +16,7 @@ import torch
 
 from megapipe.cli import main
 from megapipe.errors import MegapipeError
+from tests.posttrain.conftest import SMALL
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOLLM2 = Path.home() / ".cache/megapipe/smollm2"
@@ -138,6 +139,52 @@ def test_lora_targets_are_parsed_and_checked():
     assert parse_targets("all-linear", qwen2_moe) == ("q", "k", "v", "o", "gate", "up", "down")
     with pytest.raises(ConfigError, match=r"names 'gate', which Mixtral models do not have as a LoRA target"):
         parse_targets("q,gate", mixtral)
+
+
+def test_lora_dropout_acts_as_peft_defines_it():
+    """peft's LoRA output: W x + B A dropout(x) * alpha / rank, the dropout only while training (here: in train
+    mode with gradients on); --lora-dropout reaches the layers through the run's config."""
+    import torch.nn.functional as F
+
+    from megapipe.config import load_config
+    from megapipe.models import build_model
+    from megapipe.models.lora import apply_lora
+    from megapipe.posttrain.lora import lora_spec
+
+    cfg = load_config(None, {**{f"model.{k}": v for k, v in SMALL.items()}, "lora.rank": 4, "lora.alpha": 8,
+                             "lora.dropout": 0.5, "lora.targets": "q"})
+    model = apply_lora(build_model(cfg.model, seed=0), lora_spec(cfg), seed=0)
+    wq = model.layers["0"].attention.wq
+    torch.nn.init.normal_(wq.lora_B.weight)
+    x = torch.randn(2, 5, SMALL["hidden_size"])
+
+    def formula(inp):
+        return x @ wq.weight.t() + inp @ wq.lora_A.weight.t() @ wq.lora_B.weight.t() * (8 / 4)
+
+    model.train()
+    torch.manual_seed(7)
+    got = wq(x)
+    torch.manual_seed(7)
+    want = formula(F.dropout(x, 0.5, training=True))
+    assert (got - want).abs().max() < 1e-5 and (got - formula(x)).abs().max() > 1e-2
+    with torch.no_grad():
+        assert (wq(x) - formula(x)).abs().max() < 1e-5
+    model.eval()
+    assert (wq(x) - formula(x)).abs().max() < 1e-5
+
+
+def test_a_lora_rank_beyond_the_layers_width_is_refused(base_ckpt, chat_data, tmp_path, capsys):
+    """The adapter B @ A of a 64 -> 32 layer (k: 2 KV heads of 16) has rank at most 32."""
+    run = tmp_path / "run"
+    args = ["posttrain", "sft", "--load", str(base_ckpt), "--data", str(chat_data), "--chat-template", "chatml",
+            "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "1",
+            "--lora-targets", "q,k", "--save", str(run), "--quiet"]
+    assert main([*args, "--lora-rank", "100000"]) == MegapipeError.exit_code
+    err = " ".join(capsys.readouterr().err.split())
+    assert ("lora.rank (--lora-rank) = 100000 is more than the width of layers.0.attention.wk (64 -> 32): an "
+            "adapter's rank is at most 32 there") in err
+    assert not run.exists()
+    assert main([*args, "--lora-rank", "32"]) == 0
 
 
 def test_lora_on_moe_adapts_attention_and_the_shared_expert_never_the_router():

@@ -37,9 +37,10 @@ EPS = 1e-4
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
 
-def group_advantages(rewards: torch.Tensor, scale: str, batch_std: float | None = None) -> torch.Tensor:
-    """rewards [groups, G] -> advantages [groups, G]; ``batch_std`` (the whole batch's, over every rank) for
-    scale = batch."""
+def group_advantages(rewards: torch.Tensor, scale: str, all_sum=None) -> torch.Tensor:
+    """rewards [groups, G] -> advantages [groups, G]. Scale ``batch`` divides by the unbiased std of the whole batch:
+    ``all_sum`` (a list of floats -> their sums over every data-parallel rank; None: this rank holds the batch)
+    gathers its count, sum and sum of squares."""
     r = rewards.double()
     centred = r - r.mean(dim=1, keepdim=True)
     if scale == "none":
@@ -47,8 +48,8 @@ def group_advantages(rewards: torch.Tensor, scale: str, batch_std: float | None 
     if scale == "group":
         return centred / (r.std(dim=1, keepdim=True) + EPS)
     if scale == "batch":
-        if batch_std is None:
-            batch_std = float(r.flatten().std())
+        n, s1, s2 = (all_sum or list)([float(r.numel()), float(r.sum()), float((r * r).sum())])
+        batch_std = max((s2 - s1 * s1 / n) / (n - 1), 0.0) ** 0.5 if n > 1 else 0.0
         return centred / (batch_std + EPS)
     raise ValueError(f"unknown reward scaling {scale!r}")
 

@@ -63,8 +63,8 @@ def load_function(name: str) -> Callable:
                           "package.module:function")
     try:
         mod = importlib.import_module(module)
-    except Exception as e:  # noqa: BLE001 - whatever the import raised, the user's module is at fault
-        raise ConfigError(f"--reward {name}: cannot import {module} ({type(e).__name__}: {e})") from None
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - whatever the import raised, the user's module is at fault
+        raise ConfigError(f"--reward {name}: cannot import {module} ({_failure(e)})") from None
     fn = getattr(mod, attr, None)
     if fn is None:
         raise ConfigError(f"--reward {name}: module {module} ({getattr(mod, '__file__', '?')}) has no function "
@@ -136,9 +136,8 @@ def score(rewards: list[Reward], prompts: list, completions: list[str], fields: 
     for r in rewards:
         try:
             out = r.fn(list(prompts), list(completions), **{k: list(v) for k, v in fields.items()})
-        except Exception as e:  # noqa: BLE001 - the user's function failed: name it
-            raise RewardError(f"reward function {r.name} raised {type(e).__name__}: {e} (called with {n} "
-                              "completions)") from None
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's function failed (or exited): name it
+            raise RewardError(f"reward function {r.name} {_failure(e)} (called with {n} completions)") from None
         if hasattr(out, "tolist") and not isinstance(out, (list, tuple)):  # numpy arrays, tensors
             out = out.tolist()
         if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__") or not hasattr(out, "__iter__"):
@@ -147,6 +146,14 @@ def score(rewards: list[Reward], prompts: list, completions: list[str], fields: 
             raise RewardError(f"reward function {r.name} returned {len(out)} values for {n} completions")
         columns.append([_value(r, v, i) for i, v in enumerate(out)])
     return [list(row) for row in zip(*columns, strict=True)] if columns else [[] for _ in range(n)]
+
+
+def _failure(e: BaseException) -> str:
+    """What user code did: 'raised ValueError: ...', or 'called sys.exit(0)' (an exit is a failure there too:
+    nothing else may end a run, least of all with status 0)."""
+    if isinstance(e, SystemExit):
+        return f"called sys.exit({e.code!r})"
+    return f"raised {type(e).__name__}: {e}"
 
 
 def weighted(rewards: list[Reward], rows: list[list[float]]) -> list[float]:

@@ -295,10 +295,7 @@ class RolloutWorker:
         total = torch.tensor(weighted(self.rewards, per_fn), dtype=torch.float64).view(len(prompts), G)
         accuracy = [self.task.accuracy(c, {k: fields[k][i] for k in keys}) for i, c in enumerate(completions)]
 
-        n_local = total.numel()
-        s1, s2, n = self.reduce.sum([float(total.sum()), float((total ** 2).sum()), float(n_local)])
-        batch_std = ((s2 - s1 * s1 / n) / (n - 1)) ** 0.5 if n > 1 else 0.0
-        adv = group_advantages(total, rl.scale_rewards, batch_std=max(batch_std, 0.0))
+        adv = group_advantages(total, rl.scale_rewards, self.reduce.sum)
         dropped = degenerate_groups(total) if rl.dynamic_sampling else torch.zeros(len(prompts), dtype=torch.bool)
 
         rows = []

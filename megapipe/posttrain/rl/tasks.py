@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from megapipe.data.readers import JSONRecordError, load_json_record
 from megapipe.errors import ConfigError, DataError
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
@@ -159,9 +160,11 @@ def read_records(path: Path, prompt_field: str, answer_field: str) -> list[tuple
             continue
         where = f"{path}:{n}"
         try:
-            rec = json.loads(line)
+            rec = load_json_record(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        except JSONRecordError as e:
+            raise DataError(f"{where}: the record {e}") from None
         if not isinstance(rec, dict):
             raise DataError(f"{where}: a record must be a JSON object, not {type(rec).__name__}")
         prompt = rec.get(prompt_field)

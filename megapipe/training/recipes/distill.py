@@ -138,6 +138,9 @@ class DistillRecipe(Recipe):
             raise ConfigError("posttrain distill needs data: --data-path PREFIX (pretraining) or --data FILE (SFT)")
         teacher = resolve_checkpoint(kd.teacher)
         check_same_vocabulary(teacher, run.model.vocab_size, run.tokenizer)
+        if kd.top_k > run.model.vocab_size:
+            raise ConfigError(f"distill.top_k (--kd-top-k) = {kd.top_k} is more than the vocabulary "
+                              f"({run.model.vocab_size} tokens): give at most that, or 0 for the whole vocabulary")
         if run.resume is not None:
             before = (read_manifest(run.resume).get("distill") or {}).get("teacher")
             if before is not None and before != str(teacher.absolute()):

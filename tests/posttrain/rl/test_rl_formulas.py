@@ -41,10 +41,14 @@ def test_advantages_of_each_scaling(scale):
     assert got[1].abs().max() == 0  # a group of equal rewards carries no signal, whatever the scaling
 
 
-def test_batch_scaling_takes_the_whole_batch_std_given():
-    """With data parallelism each rank passes the std of the global batch; the result is that std's scaling."""
-    got = group_advantages(torch.tensor(REWARDS[:1]), "batch", batch_std=2.0)
-    assert got[0].tolist() == pytest.approx([(r - 0.5) / (2.0 + EPS) for r in REWARDS[0]])
+def test_batch_scaling_takes_the_std_of_the_batch_over_every_rank():
+    """With data parallelism each rank holds some groups; the std is the whole batch's (centred, unbiased), its
+    sums gathered over the ranks (here: the other rank's groups added by hand)."""
+    mine, theirs = torch.tensor(REWARDS[:1], dtype=torch.float64) + 10, torch.tensor(REWARDS[1:], dtype=torch.float64)
+    other = [float(theirs.numel()), float(theirs.sum()), float((theirs * theirs).sum())]
+    got = group_advantages(mine, "batch", all_sum=lambda v: [a + b for a, b in zip(v, other, strict=True)])
+    std = statistics.stdev([r + 10 for r in REWARDS[0]] + [r for g in REWARDS[1:] for r in g])
+    assert got[0].tolist() == pytest.approx([(r - 0.5) / (std + EPS) for r in REWARDS[0]], abs=1e-12)
 
 
 def test_dynamic_sampling_finds_the_groups_with_equal_rewards():

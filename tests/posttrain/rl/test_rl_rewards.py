@@ -41,6 +41,10 @@ def nan(prompts, completions, **fields):
 def scalar(prompts, completions, **fields):
     return 1.0
 
+def exits(prompts, completions, **fields):
+    import sys
+    sys.exit(0)
+
 NOT_A_FUNCTION = 3
 '''
 
@@ -102,6 +106,7 @@ def test_builtin_and_user_rewards_with_weights(user_rewards):
     ("words", r"reward function my_rewards:words returned 'high' \(str\) for completion 0, not a number"),
     ("nan", r"reward function my_rewards:nan returned nan for completion 0: rewards must be finite numbers"),
     ("scalar", r"reward function my_rewards:scalar returned float, not a list of 2 numbers"),
+    ("exits", r"reward function my_rewards:exits called sys.exit\(0\) \(called with 2 completions\)"),
 ])
 def test_every_reward_error_names_the_function(user_rewards, spec, message):
     rewards = build_rewards([f"{user_rewards}:{spec}"], task(), "x")
@@ -110,7 +115,7 @@ def test_every_reward_error_names_the_function(user_rewards, spec, message):
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("nosuchmodule_xyz:f", r"--reward nosuchmodule_xyz:f: cannot import nosuchmodule_xyz \(ModuleNotFoundError"),
+    ("nosuchmodule_xyz:f", r"--reward nosuchmodule_xyz:f: cannot import nosuchmodule_xyz \(raised ModuleNotFoundError"),
     ("my_rewards:missing", r"--reward my_rewards:missing: module my_rewards \(.*my_rewards.py\) has no function "
                            r"'missing'"),
     ("my_rewards:NOT_A_FUNCTION", r"my_rewards.NOT_A_FUNCTION is a int, not a function"),
@@ -154,6 +159,8 @@ def test_jsonl_task_reads_records_in_a_seeded_order_with_their_fields(tmp_path):
     ('{"prompt": "q"}', r"qa.jsonl:2: the record has no answer field 'answer'"),
     ('{"prompt": [{"text": "q"}], "answer": 1}', r"qa.jsonl:2: the prompt field 'prompt' holds a list that is not "
                                                  r"chat messages"),
+    ('{"prompt": ' + "[" * 100_000 + "]" * 100_000 + ', "answer": 1}', r"qa.jsonl:2: the record is nested too deeply"),
+    ('{"prompt": "q \\udc00", "answer": 1}', r"qa.jsonl:2: the record holds a lone UTF-16 surrogate escape"),
 ])
 def test_malformed_jsonl_is_named_by_file_and_line(tmp_path, line, message):
     path = tmp_path / "qa.jsonl"
@@ -186,11 +193,12 @@ def test_the_command_refuses_a_bad_reward_before_anything_is_written(rl_base, tm
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "has no function 'missing'" in proc.stderr and "Traceback" not in proc.stderr
     assert not save.exists()
-    # and a reward that fails at its first call stops the run the same way, before any record or checkpoint
-    cmd[cmd.index("my_rewards:missing")] = "my_rewards:raises"
+    # and a reward that fails at its first call (here: calls sys.exit(0)) stops the run the same way, before any
+    # record or checkpoint
+    cmd[cmd.index("my_rewards:missing")] = "my_rewards:exits"
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "reward function my_rewards:raises raised ValueError: no scores today" in proc.stderr
+    assert "reward function my_rewards:exits called sys.exit(0)" in proc.stderr
     assert "Traceback" not in proc.stderr and not save.exists()
 
 
