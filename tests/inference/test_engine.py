@@ -210,6 +210,23 @@ def test_pool_accounting_abort_and_errors(tiny_engine_factory):
     assert not engine.has_unfinished()
 
 
+def test_a_step_that_can_schedule_nothing_with_work_waiting_raises(tiny_engine_factory):
+    """A scheduler bug that leaves a sequence with nothing to compute (the state a prefix hit covering the whole
+    prompt would leave) fails loudly instead of spinning forever."""
+    from megapipe.inference.engine import EngineStalled
+
+    engine = tiny_engine_factory()
+    assert engine.step() == []  # idle: nothing to do is not a stall
+    seq = engine.add_request("a", PROMPTS[1], SamplingParams(max_tokens=4)).seqs[0]
+    seq.num_computed = len(seq.tokens)
+    with pytest.raises(EngineStalled, match="no progress: 0 running and 1 waiting sequences"):
+        engine.step()
+    seq.num_computed = len(seq.tokens)  # (the failed admission reset it)
+    with pytest.raises(EngineStalled):
+        engine.run_to_completion([("b", PROMPTS[0], SamplingParams(max_tokens=4))])
+    assert "b" not in engine.requests  # aborted on the way out
+
+
 def test_bf16_packed_weights_give_the_same_tokens_and_logprobs(hf_llama, one_thread):
     """On CPU the engine swaps bf16 linears for oneDNN pre-packed ones, the MLP's SiLU and product fused into its
     matmuls (taken before rounding to bf16): the same tokens, log-probs within bf16 round-off of the plain ones."""
