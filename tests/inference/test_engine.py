@@ -38,37 +38,39 @@ def arch_dir(request, tmp_path_factory):
     return make_hf_dir(tmp_path_factory.mktemp(request.param), request.param)
 
 
-def test_greedy_equals_transformers_with_staggered_arrivals(arch_dir, one_thread):
+def test_greedy_equals_transformers_with_staggered_arrivals(arch_dir, cpu_kernels, one_thread):
+    """On both attention paths: mistral's and mixtral's sliding window (8) is shorter than most prompts."""
     path, hf = arch_dir
     want = {i: hf_greedy(hf, p, 12) for i, p in enumerate(PROMPTS)}
-    engine = LLMEngine.from_pretrained(path, device="cpu")
+    engine = LLMEngine.from_pretrained(path, device="cpu", cpu_kernels=cpu_kernels)
     assert run_staggered(engine, PROMPTS, SamplingParams(max_tokens=12, **GREEDY)) == want
     # all at once, in one batch, and chunked prefill (8 tokens a step): the same tokens
     outs = engine.generate(PROMPTS, SamplingParams(max_tokens=12, **GREEDY))
     assert [o.outputs[0].token_ids for o in outs] == [want[i] for i in range(len(PROMPTS))]
-    chunked = LLMEngine.from_pretrained(path, device="cpu", max_num_batched_tokens=8, prefix_caching=False)
+    chunked = LLMEngine.from_pretrained(path, device="cpu", max_num_batched_tokens=8, prefix_caching=False,
+                                        cpu_kernels=cpu_kernels)
     assert run_staggered(chunked, PROMPTS, SamplingParams(max_tokens=12, **GREEDY), every=1) == want
     assert engine.blocks.usage() == 0 and chunked.blocks.usage() == 0
 
 
-def test_forced_preemption_gives_identical_tokens(hf_llama, one_thread):
+def test_forced_preemption_gives_identical_tokens(hf_llama, cpu_kernels, one_thread):
     path, hf = hf_llama
     want = {i: hf_greedy(hf, p, 20) for i, p in enumerate(PROMPTS)}
     # 12 blocks of 4 tokens: one 57-token sequence fits, five together do not
     engine = LLMEngine.from_pretrained(path, device="cpu", block_size=4, num_blocks=16, max_model_len=64,
-                                       max_num_batched_tokens=16)
+                                       max_num_batched_tokens=16, cpu_kernels=cpu_kernels)
     got = run_staggered(engine, PROMPTS, SamplingParams(max_tokens=20, **GREEDY), every=1)
     assert engine.scheduler.num_preemptions > 0
     assert got == want
     assert engine.blocks.usage() == 0
 
 
-def test_prefix_cache_hits_give_identical_tokens(hf_llama, one_thread):
+def test_prefix_cache_hits_give_identical_tokens(hf_llama, cpu_kernels, one_thread):
     path, hf = hf_llama
     system = list(range(10, 58))  # 48 tokens: three full blocks of 16
     prompts = [system + [i, i + 1, i + 2] for i in (100, 120, 140)]
     want = [hf_greedy(hf, p, 10) for p in prompts]
-    engine = LLMEngine.from_pretrained(path, device="cpu")
+    engine = LLMEngine.from_pretrained(path, device="cpu", cpu_kernels=cpu_kernels)
     first = engine.generate(prompts[:1], SamplingParams(max_tokens=10, **GREEDY))
     assert first[0].num_cached_tokens == 0
     rest = engine.generate(prompts[1:], SamplingParams(max_tokens=10, **GREEDY))

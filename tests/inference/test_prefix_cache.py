@@ -17,9 +17,9 @@ def cacheable_tokens(prompt: list[int], block_size: int) -> int:
     return (len(prompt) - 1) // block_size * block_size
 
 
-def test_a_block_differing_only_in_its_last_token_is_not_reused(hf_llama, one_thread):
+def test_a_block_differing_only_in_its_last_token_is_not_reused(hf_llama, cpu_kernels, one_thread):
     path, hf = hf_llama
-    engine = LLMEngine.from_pretrained(path, device="cpu")
+    engine = LLMEngine.from_pretrained(path, device="cpu", cpu_kernels=cpu_kernels)
     first = list(range(10, 50))  # 40 tokens: two full blocks and 8 more
     engine.generate([first], GREEDY_8)
     for changed, cached in ((BS - 1, 0), (2 * BS - 1, BS)):  # the last token of block 0, then of block 1
@@ -30,9 +30,9 @@ def test_a_block_differing_only_in_its_last_token_is_not_reused(hf_llama, one_th
         assert out.outputs[0].token_ids == hf_greedy(hf, other, 8)
 
 
-def test_an_exactly_two_block_prompt_repeated(hf_llama, one_thread):
+def test_an_exactly_two_block_prompt_repeated(hf_llama, cpu_kernels, one_thread):
     path, hf = hf_llama
-    engine = LLMEngine.from_pretrained(path, device="cpu")
+    engine = LLMEngine.from_pretrained(path, device="cpu", cpu_kernels=cpu_kernels)
     prompt = list(range(100, 100 + 2 * BS))
     want = hf_greedy(hf, prompt, 8)
     cached = []
@@ -49,12 +49,12 @@ def test_an_exactly_two_block_prompt_repeated(hf_llama, one_thread):
     assert engine.blocks.usage() == 0
 
 
-def test_block_aligned_repeats_under_preemption(hf_llama, one_thread):
+def test_block_aligned_repeats_under_preemption(hf_llama, cpu_kernels, one_thread):
     path, hf = hf_llama
     bs = 4
     # 16 blocks of 4 tokens: the sequences below (8 prompt + 20 generated tokens each) cannot all hold their blocks
     engine = LLMEngine.from_pretrained(path, device="cpu", block_size=bs, num_blocks=16, max_model_len=64,
-                                       max_num_batched_tokens=16)
+                                       max_num_batched_tokens=16, cpu_kernels=cpu_kernels)
     aligned = list(range(200, 200 + 2 * bs))
     near = aligned[:-1] + [299]  # differs in the last token of the second block
     prompts = [aligned, aligned, near, aligned, list(range(30, 42)), aligned, near]
