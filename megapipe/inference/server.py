@@ -359,6 +359,10 @@ class OpenAIServer:
             prompts = list(p)
         if not prompts:
             raise APIError(400, "prompt is empty", param="prompt")
+        limit = self.config.max_queue
+        if limit is not None and len(prompts) > limit:
+            raise APIError(400, f"this request holds {len(prompts)} prompts; this server queues at most {limit} "
+                                f"requests (--max-queue): send fewer prompts per request", param="prompt")
         if any(isinstance(x, str) for x in prompts):
             self._need_tokenizer()
         return prompts
