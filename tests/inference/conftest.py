@@ -27,3 +27,13 @@ def tiny_engine_factory(hf_llama):
         return LLMEngine.from_pretrained(hf_llama[0], device="cpu", **config)
 
     return make
+
+
+@pytest.fixture(scope="module")
+def live(hf_llama):
+    """A live server (tests/inference/test_server.py's LiveServer) over the tiny Llama, one per test module."""
+    from tests.inference.test_server import LiveServer
+
+    server = LiveServer(hf_llama[0])
+    yield server
+    server.stop()

@@ -63,13 +63,6 @@ class LiveServer:
 
 
 @pytest.fixture(scope="module")
-def live(hf_llama):
-    server = LiveServer(hf_llama[0])
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
 def reference(hf_llama):
     """A second, synchronous engine on the same model: what the server must answer."""
     return LLMEngine.from_pretrained(hf_llama[0], device="cpu")

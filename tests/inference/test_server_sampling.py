@@ -9,16 +9,9 @@ import torch
 import transformers
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from tests.inference.test_server import NAME, LiveServer
+from tests.inference.test_server import NAME
 
 PROMPT = "The quick brown"
-
-
-@pytest.fixture(scope="module")
-def live(hf_llama):
-    server = LiveServer(hf_llama[0])
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")
