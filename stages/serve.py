@@ -47,6 +47,7 @@ def serve(
     # lazy: imports torch; megapipe --help stays fast
     from megapipe.checkpoint.hf.files import parse_size
 
+    _check_api_key(api_key)
     if engine not in ("megapipe", "vllm"):
         raise MegapipeError(f"--engine {engine!r} is not one of megapipe, vllm")
     for flag, value in (("--max-num-seqs", max_num_seqs), ("--block-size", block_size),
@@ -119,3 +120,15 @@ def serve(
               f"{llm.max_model_len}, {stats['num_blocks']} KV blocks of {block_size})", file=sys.stderr, flush=True)
 
     run_server(AsyncEngine(llm, config.max_queue), config, sock, log_level=log_level, on_ready=ready)
+
+
+def _check_api_key(api_key: Optional[str]) -> None:
+    """An empty key is a mistake, never "no authentication" (click reads an empty MEGAPIPE_API_KEY as unset)."""
+    import os
+
+    if api_key is None and os.environ.get("MEGAPIPE_API_KEY") is not None:
+        api_key = os.environ["MEGAPIPE_API_KEY"]
+    if api_key is not None and not api_key.strip():
+        source = "MEGAPIPE_API_KEY" if os.environ.get("MEGAPIPE_API_KEY") == api_key else "--api-key"
+        raise MegapipeError(f"{source} is empty: give a key, or unset MEGAPIPE_API_KEY and leave out --api-key to "
+                            f"serve without authentication")

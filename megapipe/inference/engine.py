@@ -33,6 +33,10 @@ from megapipe.inference.scheduler import Sequence as Seq
 GiB = 1 << 30
 
 
+class EngineStalled(RuntimeError):
+    """A step scheduled nothing while sequences wait (a scheduler bug): raised instead of spinning forever."""
+
+
 @dataclass
 class EngineConfig:
     block_size: int = 16
@@ -225,8 +229,11 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """One scheduling + model step; returns an output for every request that progressed (or finished)."""
+        preempted = self.scheduler.num_preemptions
         decodes, chunks = self.scheduler.schedule()
         if not decodes and not chunks:
+            if self.scheduler.num_preemptions == preempted and (self.scheduler.running or self.scheduler.waiting):
+                raise self._stalled()
             return []
         self.num_steps += 1
         rows, samplers, sample_at, prompt_rows = [], [], [], []
@@ -279,6 +286,14 @@ class LLMEngine:
                 self.requests.pop(req.request_id, None)
             outs.append(out)
         return outs
+
+    def _stalled(self) -> EngineStalled:
+        s = self.scheduler
+        first = (s.running or list(s.waiting))[0]
+        return EngineStalled(
+            f"the engine made no progress: {len(s.running)} running and {len(s.waiting)} waiting sequences but "
+            f"nothing scheduled (first: {len(first.tokens)} tokens, {first.num_computed} computed, "
+            f"{len(first.block_ids)} blocks; {self.blocks.num_free()} of {self.blocks.num_blocks} blocks free)")
 
     def _prompt_logprobs(self, seq: Seq, logits: torch.Tensor, start: int) -> None:
         if not seq.prompt_logprobs:

@@ -10,16 +10,21 @@
 They land in ``torch.ops.megapipe``. ``ops()`` returns that namespace, or None when the kernels cannot be built here
 (no C++ compiler, a torch without its headers, ``MEGAPIPE_CPU_KERNELS=0``): the engine then keeps its pure-torch
 path, which gives the same results up to round-off, and says so once in the log. The build goes through
-``torch.utils.cpp_extension`` into its cache (``TORCH_EXTENSIONS_DIR``, default ~/.cache/torch_extensions), one per
-source version and instruction set, so only the first engine on a machine pays the ~20 s compile.
+``torch.utils.cpp_extension`` into its cache (``TORCH_EXTENSIONS_DIR``, default ~/.cache/torch_extensions, folder
+megapipe/), one per source version and instruction set, so only the first engine on a machine pays the compile
+(20 s to two minutes), and it says so on stderr while it lasts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import os
+import sys
+import threading
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -49,11 +54,8 @@ def vector_width() -> int:
     return VEC_WIDTH.get(capability(), 8)
 
 
-@functools.lru_cache(maxsize=None)
-def ops():
-    """``torch.ops.megapipe`` once the kernels are built and loaded, else None (the reason is logged)."""
-    if os.environ.get("MEGAPIPE_CPU_KERNELS", "1") == "0":
-        return None
+def _build_spec() -> tuple[str, list[Path], list[str]]:
+    """(extension name, sources, compiler flags) for this CPU; the name changes with the sources and flags."""
     isa = capability()
     # -fopenmp: at::parallel_for is OpenMP inlined into the caller; -ffp-contract=off: no a * b + c fused into one
     # rounding where torch rounds twice
@@ -67,12 +69,64 @@ def ops():
     digest = hashlib.sha1(" ".join(flags).encode())
     for source in sources:
         digest.update(source.read_bytes())
+    return f"megapipe_cpu_{isa.lower()}_{digest.hexdigest()[:10]}", sources, flags
+
+
+def build_directory(name: str) -> Path:
+    """Where the extension ``name`` is built: under TORCH_EXTENSIONS_DIR (default: torch's cache folder)."""
+    from torch.utils import cpp_extension
+
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()) / "megapipe" / name
+
+
+def needs_build(name: Optional[str] = None) -> bool:
+    """Loading the kernels compiles them (no library built from these sources yet): what the notice is for."""
+    name = name or _build_spec()[0]
+    return not (build_directory(name) / f"{name}.so").is_file()
+
+
+@contextlib.contextmanager
+def build_notice(building: bool, every_s: float = 20.0):
+    """While ``building``: say so on stderr at the start, every ``every_s`` seconds, and at the end (a first engine
+    on a machine is otherwise silent for the minute or two the compiler takes)."""
+    if not building:
+        yield
+        return
+    start, done = time.monotonic(), threading.Event()
+
+    def heartbeat():
+        while not done.wait(every_s):
+            print(f"megapipe: still building CPU kernels ({time.monotonic() - start:.0f} s) ...", file=sys.stderr,
+                  flush=True)
+
+    print("megapipe: building CPU kernels (once for this CPU and version; a minute or two) ...", file=sys.stderr,
+          flush=True)
+    thread = threading.Thread(target=heartbeat, daemon=True)
+    thread.start()
+    outcome = "failed (the torch path serves instead)"
+    try:
+        yield
+        outcome = "built"
+    finally:
+        done.set()
+        thread.join()
+        print(f"megapipe: CPU kernels {outcome} in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+
+
+@functools.lru_cache(maxsize=None)
+def ops():
+    """``torch.ops.megapipe`` once the kernels are built and loaded, else None (the reason is logged)."""
+    if os.environ.get("MEGAPIPE_CPU_KERNELS", "1") == "0":
+        return None
+    name, sources, flags = _build_spec()
     try:
         from torch.utils import cpp_extension
 
-        cpp_extension.load(name=f"megapipe_cpu_{isa.lower()}_{digest.hexdigest()[:10]}",
-                           sources=[str(s) for s in sources], extra_cflags=flags, is_python_module=False,
-                           verbose=False)
+        build = build_directory(name)
+        with build_notice(needs_build(name)):
+            build.mkdir(parents=True, exist_ok=True)
+            cpp_extension.load(name=name, sources=[str(s) for s in sources], extra_cflags=flags,
+                               build_directory=str(build), is_python_module=False, verbose=False)
         return torch.ops.megapipe
     except Exception as exc:  # no compiler, no headers, a failed build: the torch path serves instead
         lines = str(exc).strip().splitlines()

@@ -74,6 +74,28 @@ def _param_from(e: ValidationError) -> tuple[Optional[str], str]:
     return param, f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid value')}"
 
 
+def _refusal(header: str, key: str) -> Optional[str]:
+    """Why an Authorization header does not carry ``key`` (None when it does); the scheme is case-insensitive
+    (RFC 7235)."""
+    if not header:
+        return "no API key was given"
+    scheme, _, given = header.strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return f"the Authorization scheme is {scheme[:20]!r}, not Bearer"
+    if not hmac.compare_digest(given.strip().encode(), key.encode()):
+        return "the API key is wrong"
+    return None
+
+
+def _check_text(data) -> None:
+    """Refuse a string that is not Unicode text: a lone UTF-16 surrogate such as "\\ud800" is legal JSON."""
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"the request body holds a lone UTF-16 surrogate (\\u{ord(e.object[e.start]):04x}): "
+                            f"strings must be Unicode text", code="invalid_json") from None
+
+
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -107,9 +129,8 @@ class OpenAIServer:
         @app.middleware("http")
         async def guard(request: Request, call_next):
             if cfg.api_key is not None and request.url.path != "/health":
-                given = request.headers.get("authorization", "")
-                if not hmac.compare_digest(given.encode(), f"Bearer {cfg.api_key}".encode()):
-                    why = "no API key was given" if not given else "the API key is wrong"
+                why = _refusal(request.headers.get("authorization", ""), cfg.api_key)
+                if why is not None:
                     return APIError(401, f"Unauthorized: {why} (send 'Authorization: Bearer KEY')",
                                     "invalid_request_error", None, "invalid_api_key").response()
             length = request.headers.get("content-length")
@@ -155,12 +176,20 @@ class OpenAIServer:
             if size > limit:
                 raise APIError(413, f"the request body exceeds the limit of {limit} bytes", code="request_too_large")
             chunks.append(chunk)
+        try:  # deep nesting exhausts the recursion of the parser, of the text check or of pydantic
+            return self._parse(b"".join(chunks), model_cls)
+        except RecursionError:
+            raise APIError(400, "the request body is nested too deeply", code="invalid_json") from None
+
+    @staticmethod
+    def _parse(raw: bytes, model_cls):
         try:
-            data = json.loads(b"".join(chunks) or b"null")
+            data = json.loads(raw or b"null")
         except (ValueError, UnicodeDecodeError) as e:
             raise APIError(400, f"the request body is not valid JSON ({e})", code="invalid_json") from None
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+        _check_text(data)
         try:
             return model_cls.model_validate(data)
         except ValidationError as e:
@@ -209,11 +238,13 @@ class OpenAIServer:
             while True:
                 done, pending = await asyncio.wait(tasks, timeout=self.config.disconnect_poll_s,
                                                    return_when=asyncio.FIRST_EXCEPTION)
-                if not pending or any(t.exception() for t in done if not t.cancelled()):
-                    break
+                failed = next((t for t in done if not t.cancelled() and t.exception() is not None), None)
+                if failed is not None:
+                    raise failed.exception()  # the others are cancelled below (their requests aborted)
+                if not pending:
+                    return [t.result() for t in tasks]
                 if await request.is_disconnected():
                     raise asyncio.CancelledError
-            return [t.result() for t in tasks]
         finally:
             for t in tasks:
                 if not t.done():
@@ -328,6 +359,10 @@ class OpenAIServer:
             prompts = list(p)
         if not prompts:
             raise APIError(400, "prompt is empty", param="prompt")
+        limit = self.config.max_queue
+        if limit is not None and len(prompts) > limit:
+            raise APIError(400, f"this request holds {len(prompts)} prompts; this server queues at most {limit} "
+                                f"requests (--max-queue): send fewer prompts per request", param="prompt")
         if any(isinstance(x, str) for x in prompts):
             self._need_tokenizer()
         return prompts

@@ -12,6 +12,12 @@ def hf_llama(tmp_path_factory):
     return make_hf_dir(tmp_path_factory.mktemp("hf_llama"), "llama")
 
 
+@pytest.fixture(params=[None, False], ids=["cpu_kernels", "torch_path"])
+def cpu_kernels(request):
+    """EngineConfig.cpu_kernels for parity tests: megapipe's C++ kernels where they build, and the torch path."""
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def tiny_engine_factory(hf_llama):
     """engine(**config) over the tiny Llama, fp32 on CPU."""
@@ -21,3 +27,13 @@ def tiny_engine_factory(hf_llama):
         return LLMEngine.from_pretrained(hf_llama[0], device="cpu", **config)
 
     return make
+
+
+@pytest.fixture(scope="module")
+def live(hf_llama):
+    """A live server (tests/inference/test_server.py's LiveServer) over the tiny Llama, one per test module."""
+    from tests.inference.test_server import LiveServer
+
+    server = LiveServer(hf_llama[0])
+    yield server
+    server.stop()

@@ -38,37 +38,39 @@ def arch_dir(request, tmp_path_factory):
     return make_hf_dir(tmp_path_factory.mktemp(request.param), request.param)
 
 
-def test_greedy_equals_transformers_with_staggered_arrivals(arch_dir, one_thread):
+def test_greedy_equals_transformers_with_staggered_arrivals(arch_dir, cpu_kernels, one_thread):
+    """On both attention paths: mistral's and mixtral's sliding window (8) is shorter than most prompts."""
     path, hf = arch_dir
     want = {i: hf_greedy(hf, p, 12) for i, p in enumerate(PROMPTS)}
-    engine = LLMEngine.from_pretrained(path, device="cpu")
+    engine = LLMEngine.from_pretrained(path, device="cpu", cpu_kernels=cpu_kernels)
     assert run_staggered(engine, PROMPTS, SamplingParams(max_tokens=12, **GREEDY)) == want
     # all at once, in one batch, and chunked prefill (8 tokens a step): the same tokens
     outs = engine.generate(PROMPTS, SamplingParams(max_tokens=12, **GREEDY))
     assert [o.outputs[0].token_ids for o in outs] == [want[i] for i in range(len(PROMPTS))]
-    chunked = LLMEngine.from_pretrained(path, device="cpu", max_num_batched_tokens=8, prefix_caching=False)
+    chunked = LLMEngine.from_pretrained(path, device="cpu", max_num_batched_tokens=8, prefix_caching=False,
+                                        cpu_kernels=cpu_kernels)
     assert run_staggered(chunked, PROMPTS, SamplingParams(max_tokens=12, **GREEDY), every=1) == want
     assert engine.blocks.usage() == 0 and chunked.blocks.usage() == 0
 
 
-def test_forced_preemption_gives_identical_tokens(hf_llama, one_thread):
+def test_forced_preemption_gives_identical_tokens(hf_llama, cpu_kernels, one_thread):
     path, hf = hf_llama
     want = {i: hf_greedy(hf, p, 20) for i, p in enumerate(PROMPTS)}
     # 12 blocks of 4 tokens: one 57-token sequence fits, five together do not
     engine = LLMEngine.from_pretrained(path, device="cpu", block_size=4, num_blocks=16, max_model_len=64,
-                                       max_num_batched_tokens=16)
+                                       max_num_batched_tokens=16, cpu_kernels=cpu_kernels)
     got = run_staggered(engine, PROMPTS, SamplingParams(max_tokens=20, **GREEDY), every=1)
     assert engine.scheduler.num_preemptions > 0
     assert got == want
     assert engine.blocks.usage() == 0
 
 
-def test_prefix_cache_hits_give_identical_tokens(hf_llama, one_thread):
+def test_prefix_cache_hits_give_identical_tokens(hf_llama, cpu_kernels, one_thread):
     path, hf = hf_llama
     system = list(range(10, 58))  # 48 tokens: three full blocks of 16
     prompts = [system + [i, i + 1, i + 2] for i in (100, 120, 140)]
     want = [hf_greedy(hf, p, 10) for p in prompts]
-    engine = LLMEngine.from_pretrained(path, device="cpu")
+    engine = LLMEngine.from_pretrained(path, device="cpu", cpu_kernels=cpu_kernels)
     first = engine.generate(prompts[:1], SamplingParams(max_tokens=10, **GREEDY))
     assert first[0].num_cached_tokens == 0
     rest = engine.generate(prompts[1:], SamplingParams(max_tokens=10, **GREEDY))
@@ -208,6 +210,23 @@ def test_pool_accounting_abort_and_errors(tiny_engine_factory):
     with pytest.raises(ConfigError, match="--max-num-seqs = 0"):
         tiny_engine_factory(max_num_seqs=0)
     assert not engine.has_unfinished()
+
+
+def test_a_step_that_can_schedule_nothing_with_work_waiting_raises(tiny_engine_factory):
+    """A scheduler bug that leaves a sequence with nothing to compute (the state a prefix hit covering the whole
+    prompt would leave) fails loudly instead of spinning forever."""
+    from megapipe.inference.engine import EngineStalled
+
+    engine = tiny_engine_factory()
+    assert engine.step() == []  # idle: nothing to do is not a stall
+    seq = engine.add_request("a", PROMPTS[1], SamplingParams(max_tokens=4)).seqs[0]
+    seq.num_computed = len(seq.tokens)
+    with pytest.raises(EngineStalled, match="no progress: 0 running and 1 waiting sequences"):
+        engine.step()
+    seq.num_computed = len(seq.tokens)  # (the failed admission reset it)
+    with pytest.raises(EngineStalled):
+        engine.run_to_completion([("b", PROMPTS[0], SamplingParams(max_tokens=4))])
+    assert "b" not in engine.requests  # aborted on the way out
 
 
 def test_bf16_packed_weights_give_the_same_tokens_and_logprobs(hf_llama, one_thread):

@@ -4,6 +4,7 @@ them, and falls back cleanly where they cannot be built."""
 
 import logging
 import random
+import time
 
 import pytest
 import torch
@@ -341,3 +342,22 @@ def test_unsupported_shapes_and_devices_take_the_torch_path(op):
 def test_cpu_kernels_setting_must_be_a_boolean_or_none(tiny_engine_factory):
     with pytest.raises(ConfigError, match=r"EngineConfig.cpu_kernels = 'on' must be True, False or None"):
         tiny_engine_factory(num_blocks=32, cpu_kernels="on")
+
+
+def test_a_build_is_announced_only_when_one_is_needed(ops, tmp_path, monkeypatch, capsys):
+    """The kernels loaded from the cache: no build needed for them there, one needed in an empty cache (a real
+    compile takes minutes on a busy machine, so the notice is shown around a short wait instead)."""
+    assert not kernels.needs_build()  # where ops() found or built them
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert kernels.needs_build()
+    with kernels.build_notice(False):
+        pass
+    assert capsys.readouterr().err == ""
+    with kernels.build_notice(True, every_s=0.05):
+        time.sleep(0.2)
+    err = capsys.readouterr().err
+    assert err.startswith("megapipe: building CPU kernels (once") and "still building CPU kernels" in err
+    assert err.rstrip().endswith("s") and "CPU kernels built in" in err
+    with pytest.raises(OSError), kernels.build_notice(True):
+        raise OSError("no compiler")
+    assert "CPU kernels failed (the torch path serves instead)" in capsys.readouterr().err

@@ -63,13 +63,6 @@ class LiveServer:
 
 
 @pytest.fixture(scope="module")
-def live(hf_llama):
-    server = LiveServer(hf_llama[0])
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
 def reference(hf_llama):
     """A second, synchronous engine on the same model: what the server must answer."""
     return LLMEngine.from_pretrained(hf_llama[0], device="cpu")
@@ -204,6 +197,11 @@ def test_api_key_guards_every_route_but_health(live):
             assert r.status_code == 401, (path, headers)
             assert r.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(live.url + "/health").status_code == 200
+    # the scheme is case-insensitive (RFC 7235); another scheme is refused for what it is
+    for scheme in ("bearer", "BEARER", "BeArEr"):
+        assert httpx.get(live.url + "/v1/models", headers={"Authorization": f"{scheme} {KEY}"}).status_code == 200
+    r = httpx.get(live.url + "/v1/models", headers={"Authorization": f"Basic {KEY}"})
+    assert r.status_code == 401 and "scheme is 'Basic', not Bearer" in r.json()["error"]["message"]
 
 
 def test_metrics_use_vllm_names_and_count(live):
@@ -342,3 +340,21 @@ def test_serve_cli_refusals_are_one_sentence(hf_llama, tmp_path, capsys):
             assert message in err and "Traceback" not in err, (args, err)
     finally:
         busy.close()
+
+
+@pytest.mark.parametrize("source", ["--api-key", "MEGAPIPE_API_KEY"])
+@pytest.mark.parametrize("key", ["", "  "])
+def test_an_empty_api_key_is_refused_at_startup(source, key, hf_llama, monkeypatch, capsys):
+    """Neither an empty MEGAPIPE_API_KEY (which click reads as unset: no authentication) nor an empty --api-key (no
+    one could authenticate) starts a server."""
+    from megapipe.cli import main
+
+    args = ["serve", str(hf_llama[0]), "--port", "-1"]  # past the key check, the port is refused: nothing starts
+    monkeypatch.delenv("MEGAPIPE_API_KEY", raising=False)
+    if source == "--api-key":
+        args += ["--api-key", key]
+    else:
+        monkeypatch.setenv("MEGAPIPE_API_KEY", key)
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"{source} is empty: give a key" in err and "Traceback" not in err
