@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
-from megapipe.checkpoint.dcp import checkpoint_tokenizer, load_checkpoint
+from megapipe.checkpoint.dcp import checkpoint_tokenizer, load_checkpoint, verify_checkpoint
 from megapipe.checkpoint.hf.bridge import load_hf_model
 from megapipe.checkpoint.hf.files import read_json
 from megapipe.checkpoint.manifest import MANIFEST_NAME, read_manifest, resolve_checkpoint
@@ -75,6 +75,7 @@ def _from_checkpoint(ckpt: Path, device, dtype, builder) -> LoadedModel:
     if not isinstance(manifest.get("model"), dict):
         raise CheckpointError(f"{ckpt / MANIFEST_NAME} has no model config ('model' is {manifest.get('model')!r})")
     cfg = from_dict(ModelConfig, manifest["model"], "model.", f"{ckpt / MANIFEST_NAME}: ")
+    verify_checkpoint(ckpt, manifest, ["model/"])  # before building anything
     model = builder(cfg, device=device)
     if dtype is not None:
         model = model.to(dtype)

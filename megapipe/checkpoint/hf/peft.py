@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from megapipe.checkpoint.dcp import dcp_load
+from megapipe.checkpoint.dcp import dcp_load, verify_checkpoint
 from megapipe.checkpoint.hf.base import adapter_for_arch
 from megapipe.checkpoint.manifest import make_tmp_dir, read_manifest, resolve_checkpoint
 from megapipe.checkpoint.safe_dcp import read_metadata
@@ -45,6 +45,7 @@ def write_peft_adapter(ckpt, out_dir, overwrite: bool = False, tokenizer_dir: Op
     spec = LoRASpec.from_manifest(manifest["lora"])
     cfg = from_dict(ModelConfig, manifest["model"], "model.", f"{ckpt / 'megapipe.json'}: ")
     adapter = adapter_for_arch(cfg.arch)
+    verify_checkpoint(ckpt, manifest, ["model/"])  # before its metadata is read
     stored = {k: m for k, m in read_metadata(ckpt / "model").state_dict_metadata.items()
               if isinstance(m, TensorStorageMetadata) and is_adapter(k)}
     names: dict[str, str] = {}  # megapipe adapter tensor -> peft key
