@@ -186,3 +186,60 @@ def test_prune_refuses_a_quantized_checkpoint(world, fp8, tmp_path, capsys, one_
     assert (f"{fp8} is quantized (fp8): pruning would drop its quantization; prune the checkpoint it was quantized "
             f"from ({world['good'].absolute()}), then quantize the pruned one" in err), err
     assert not out.exists()
+
+
+# --------------------------------------------------------------------------------------------------- writers
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def run_of(ckpt: Path, root: Path) -> Path:
+    """A run directory holding a copy of ``ckpt`` as its step 0, with a metrics file."""
+    shutil.copytree(ckpt, root / "step_00000000")
+    (root / "latest").write_text("step_00000000\n")
+    (root / "metrics.jsonl").write_text("".join(json.dumps({"kind": "train", "step": s, "loss": 5.0 - s}) + "\n"
+                                                for s in range(1, 4)))
+    return root
+
+
+WRITERS = {  # name -> argv given the run directory RUN (its checkpoint inside), the world W and a work dir T
+    "eval --output RUN": lambda run, w, t: ["eval", run / "step_00000000", "--tasks", "perplexity", "--data-path",
+                                            w["data"], "--limit", "1", "--seq-length", "16", "--output", run],
+    "eval RUN --output RUN": lambda run, w, t: ["eval", run, "--tasks", "perplexity", "--data-path", w["data"],
+                                                "--limit", "1", "--seq-length", "16", "--output", run],
+    "eval --output the data": lambda run, w, t: ["eval", run, "--tasks", "perplexity", "--data-path", w["data"],
+                                                 "--limit", "1", "--seq-length", "16", "--output",
+                                                 w["data"] + ".bin"],
+    "plot --output RUN": lambda run, w, t: ["plot", run, "--output", run],
+    "plot --output inside RUN": lambda run, w, t: ["plot", run, "--output", run / "plots"],
+    "export hf --lora-adapter-only --overwrite": lambda run, w, t: ["export", "hf", run, run, "--lora-adapter-only",
+                                                                    "--overwrite", "-q"],
+}
+
+
+@pytest.mark.parametrize("writer", list(WRITERS))
+def test_no_writer_changes_what_it_reads(writer, world, tmp_path, capsys, one_thread):
+    run = run_of(world["lora"], tmp_path / "run")
+    data = Path(world["data"]).parent
+    before, data_before = snapshot(run), snapshot(data)
+    capsys.readouterr()
+    assert main([str(a) for a in WRITERS[writer](run, world, tmp_path)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "write the output somewhere else" in err and "Traceback" not in err, err
+    assert snapshot(run) == before and snapshot(data) == data_before
+
+
+def test_a_pipeline_step_may_not_write_into_what_it_reads(world, tmp_path, capsys):
+    pipe_dir = tmp_path / "pipe"
+    base = run_of(world["good"], pipe_dir / "ev")  # the step's own directory: its output would land in the input
+    before = snapshot(pipe_dir)
+    file = tmp_path / "p.yaml"
+    file.write_text(f"name: p\nrun_dir: {pipe_dir}\nsteps:\n  ev:\n    stage: eval\n    options:\n"
+                    f"      ckpt: {base}\n      tasks: perplexity\n      data_path: {world['data']}\n")
+    capsys.readouterr()
+    assert main(["pipeline", "run", str(file)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"step 'ev' (eval): output {pipe_dir / 'ev' / 'eval'} lies inside the input {base}" in err, err
+    assert snapshot(pipe_dir) == before

@@ -23,6 +23,7 @@ from megapipe.checkpoint.safe_dcp import read_metadata
 from megapipe.config import ModelConfig, from_dict
 from megapipe.data.tokenizer import load_tokenizer
 from megapipe.errors import MegapipeError
+from megapipe.fileio import refuse_overlap
 from megapipe.models.lora import TARGETS, LoRASpec, adapter_names, is_adapter, present_targets
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -34,10 +35,12 @@ def write_peft_adapter(ckpt, out_dir, overwrite: bool = False, tokenizer_dir: Op
     ``adapter_model.safetensors`` in fp32, the tokenizer); returns a summary."""
     from safetensors.torch import save_file
 
-    out_dir = Path(out_dir).expanduser()
+    out_dir, given = Path(out_dir).expanduser(), Path(ckpt).expanduser()
+    refuse_overlap([out_dir], [given, tokenizer_dir])  # before --overwrite: the input may be a run directory
     if out_dir.exists() and not overwrite:
         raise MegapipeError(f"{out_dir} already exists: pick another output or pass --overwrite")
-    ckpt = resolve_checkpoint(Path(ckpt).expanduser())
+    ckpt = resolve_checkpoint(given)
+    refuse_overlap([out_dir], [ckpt])
     manifest = read_manifest(ckpt)
     if not manifest.get("lora"):
         raise MegapipeError(f"{ckpt} holds no LoRA adapters (its manifest has no 'lora'): --lora-adapter-only "
