@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from megapipe.errors import MegapipeError
-from megapipe.fileio import write_text_atomic
+from megapipe.fileio import refuse_overlap, write_text_atomic
 
 METRICS = "metrics.jsonl"
 TRAIN, EVAL = ("train",), ("valid", "eval", "test")
@@ -156,6 +156,7 @@ def plot_runs(runs: Sequence[str | Path], output: str | Path, labels: Optional[S
     if not any(data):
         raise MegapipeError(f"no metrics records in {', '.join(str(p) for p in paths)}")
     out_dir = Path(output)
+    refuse_overlap([out_dir], [*runs, *paths])  # a run directory (or its metrics) is read, never written
     created = not out_dir.exists()
     try:
         out_dir.mkdir(parents=True, exist_ok=True)

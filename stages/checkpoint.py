@@ -108,7 +108,7 @@ def verify(
 
     # lazy: imports torch; megapipe --help stays fast
     from megapipe.checkpoint.convert import verify as verify_one
-    from megapipe.checkpoint.manifest import MANIFEST_NAME, list_checkpoints
+    from megapipe.checkpoint.manifest import LATEST_NAME, MANIFEST_NAME, latest_problem, list_checkpoints
 
     root = Path(path)
     if not root.exists():
@@ -118,6 +118,10 @@ def verify(
     if not targets:
         raise CheckpointError(f"{path} is not a megapipe checkpoint: it has no {MANIFEST_NAME} and no step_* checkpoints")
     reports = [verify_one(t) for t in targets]
+    pointer = None if is_ckpt else latest_problem(root)
+    if pointer is not None:  # a run whose `latest` names no checkpoint is damaged too
+        reports.append({"path": str(root / LATEST_NAME), "step": None, "files": 0, "checked": 0, "algorithm": None,
+                        "problems": [pointer], "extra_files": []})
     if as_json:
         typer.echo(json.dumps(reports if not is_ckpt else reports[0], indent=2))
     else:

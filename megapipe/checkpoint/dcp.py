@@ -39,6 +39,7 @@ import megapipe.checkpoint.integrity as integrity  # the module alone: the packa
 from megapipe.checkpoint.manifest import (
     LATEST_NAME,
     MANIFEST_NAME,
+    SIZES_ONLY_VERSION,
     fsync_dir,
     is_complete,
     list_checkpoints,
@@ -156,11 +157,14 @@ def _os_error(what: str, e: OSError) -> CheckpointError:
     return CheckpointError(f"{what} failed: {where} ({e.strerror or e}); nothing of this save was kept")
 
 
-def dcp_load(state: dict, path: Path, what: str, strict: bool = True,
+def dcp_load(state: dict, path: Path, what: str, strict: bool = True, verify: bool = True,
              ignore: Optional[Callable[[str], bool]] = None) -> None:
-    """Load DCP shards at ``path`` into ``state`` in place; every mismatch is a CheckpointError (see safe_dcp).
-    ``ignore(key)``: checkpoint keys left unread on purpose. Checksums are checked by the callers
-    (``verify_checkpoint``), once per checkpoint, before this."""
+    """Load the DCP shards of checkpoint part ``path`` (``CKPT/model``, ``CKPT/optim``) into ``state`` in place: the
+    one reader of checkpoint tensors. Its files are verified against their checksums first (``verify_checkpoint``;
+    ``verify=False`` only for benchmarks); every mismatch is a CheckpointError (see safe_dcp). ``ignore(key)``:
+    checkpoint keys left unread on purpose. Collective."""
+    if verify:
+        verify_checkpoint(path.parent, read_manifest(path.parent), [f"{path.name}/"])
     check_shards(path, read_metadata(path))  # before DCP, which would bury these errors in its own
     planner = StrictLoadPlanner(str(path), what, allow_unexpected=not strict, ignore=ignore)
     try:
@@ -188,8 +192,11 @@ def _cause(e: BaseException) -> str:
 
 def verify_checkpoint(ckpt: Path, manifest: dict, prefixes: Sequence[str]) -> None:
     """Check the checksums of ``ckpt``'s files under ``prefixes`` (``model/``, ``optim/``, ``extra/``), every rank
-    a share of the files; every rank raises the same CheckpointError naming the first damaged file. Collective."""
+    a share of the files; every rank raises the same CheckpointError naming the first damaged file. Files verified
+    earlier in this process and unchanged since are not hashed again. Collective."""
     files = integrity.select(manifest, prefixes)
+    if _all_ok(not integrity.unverified(ckpt, files)):
+        return
     world = get_world_size()
     found = integrity.verify_files(ckpt, manifest, files, get_rank(), world)
     if is_distributed():
@@ -198,6 +205,7 @@ def verify_checkpoint(ckpt: Path, manifest: dict, prefixes: Sequence[str]) -> No
         found = [p for part in everyone for p in part]
     if found:
         raise integrity.damaged_error(ckpt, found)
+    integrity.remember(ckpt, files)
 
 
 # --------------------------------------------------------------------------------------------------- saving
@@ -283,7 +291,9 @@ def _commit(tmp: Path, final: Path, step: int, extra_state, fields, tokenizer, d
     manifest["created"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     manifest["complete"] = True
     manifest["files"] = list_files(tmp)
-    if digests is not None:
+    if digests is None:  # as before checksums existed: the version says so, and verifying checks sizes only
+        manifest["format_version"] = SIZES_ONLY_VERSION
+    else:
         manifest["checksum_algorithm"] = integrity.ALGORITHM
         manifest["checksums"] = integrity.digests_for(tmp, manifest["files"], digests)
     write_bytes_durable(tmp / MANIFEST_NAME, (json.dumps(manifest, indent=2) + "\n").encode())
@@ -405,7 +415,7 @@ def load_checkpoint(
     if skip is not None:
         states = [{k: v for k, v in sd.items() if not skip(k)} for sd in states]
     merged = _merge(states, "model")
-    dcp_load(merged, ckpt / "model", "model", ignore=is_mtp_key)
+    dcp_load(merged, ckpt / "model", "model", verify=verify, ignore=is_mtp_key)
     options = StateDictOptions(strict=skip is None)
     for part, sd in zip(parts, states, strict=True):
         set_model_state_dict(part, {k: merged[k] for k in sd}, options=options)
@@ -417,7 +427,7 @@ def load_checkpoint(
             )
         states = _optim_states(parts, optims)
         merged = _merge(states, "optimizer")
-        dcp_load(merged, ckpt / "optim", "optimizer", ignore=is_mtp_key)
+        dcp_load(merged, ckpt / "optim", "optimizer", verify=verify, ignore=is_mtp_key)
         for part, opt, sd in zip(parts, optims, states, strict=True):
             set_optimizer_state_dict(part, opt, {k: merged[k] for k in sd}, options=_OPTIM_OPTIONS)
 

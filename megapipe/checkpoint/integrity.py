@@ -18,9 +18,9 @@ from typing import Iterable, Optional
 import xxhash
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from megapipe.checkpoint.manifest import CHECKSUM_ALGORITHM as ALGORITHM
 from megapipe.errors import CheckpointError
 
-ALGORITHM = "xxh3_128"
 _CHUNK = 64 << 20
 
 
@@ -205,6 +205,37 @@ def problems(ckpt: Path, manifest: dict, files: Iterable[str]) -> list[str]:
 def verify_files(ckpt: Path, manifest: dict, files: list[str], rank: int = 0, world: int = 1) -> list[str]:
     """This rank's share of ``files`` checked (every ``world``-th one): the problems found."""
     return problems(ckpt, manifest, files[rank::world])
+
+
+# absolute path -> (size, mtime, inode) of each file whose checksum matched in this process: a file read again while
+# unchanged is not hashed again (a command loads one checkpoint in several pieces: convert, export, RL's two models)
+_verified: dict[str, tuple[int, int, int]] = {}
+
+
+def _stamp(path: Path) -> Optional[tuple[int, int, int]]:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns, st.st_ino
+
+
+def remember(ckpt: Path, files: Iterable[str]) -> None:
+    """``files`` of ``ckpt`` were just verified."""
+    for rel in files:
+        full = ckpt / rel
+        _verified[str(full.absolute())] = _stamp(full)
+
+
+def unverified(ckpt: Path, files: Iterable[str]) -> list[str]:
+    """Those of ``files`` not verified in this process, or changed since."""
+    out = []
+    for rel in files:
+        full = ckpt / rel
+        stamp = _verified.get(str(full.absolute()))
+        if stamp is None or stamp != _stamp(full):
+            out.append(rel)
+    return out
 
 
 def damaged_error(ckpt: Path, found: list[str]) -> CheckpointError:

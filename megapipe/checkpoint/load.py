@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
-from megapipe.checkpoint.dcp import checkpoint_tokenizer, load_checkpoint
+from megapipe.checkpoint.dcp import checkpoint_tokenizer, load_checkpoint, verify_checkpoint
 from megapipe.checkpoint.hf.bridge import load_hf_model
 from megapipe.checkpoint.hf.files import read_json
 from megapipe.checkpoint.manifest import MANIFEST_NAME, read_manifest, resolve_checkpoint
@@ -73,6 +73,7 @@ def _from_checkpoint(ckpt: Path, device, dtype, builder) -> LoadedModel:
     ckpt = resolve_checkpoint(ckpt)
     manifest = read_manifest(ckpt)
     cfg = manifest_model_config(ckpt, manifest)
+    verify_checkpoint(ckpt, manifest, ["model/"])  # before building anything
     model = builder(cfg, device=device)
     if dtype is not None:
         model = model.to(dtype)

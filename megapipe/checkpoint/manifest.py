@@ -13,7 +13,7 @@ import logging
 import os
 import re
 import uuid
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Optional
 
 from megapipe.errors import CheckpointError
@@ -21,7 +21,12 @@ from megapipe.fileio import fsync_dir, write_bytes_durable, write_text_atomic  #
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+# 2: every file has a checksum (integrity.py); 1: sizes only, as written before checksums existed (and by saves that
+# turn checksums off, for benchmarks). A version-2 manifest without its checksums is damaged, never a version 1.
+FORMAT_VERSION = 2
+SIZES_ONLY_VERSION = 1
+READABLE_VERSIONS = (SIZES_ONLY_VERSION, FORMAT_VERSION)
+CHECKSUM_ALGORITHM = "xxh3_128"  # XXH3-128 (integrity.py)
 MANIFEST_NAME = "megapipe.json"
 LATEST_NAME = "latest"
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -121,11 +126,41 @@ def read_manifest(ckpt: str | Path) -> dict:
     if not isinstance(manifest, dict):
         raise CheckpointError(f"{path}:1: corrupted manifest: expected a JSON object")
     version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS or isinstance(version, bool):
         raise CheckpointError(
-            f"{path}: format_version = {version!r} is not supported (this megapipe reads format_version {FORMAT_VERSION})"
+            f"{path}: format_version = {version!r} is not supported (this megapipe reads format_version "
+            f"{' and '.join(map(str, READABLE_VERSIONS))})"
         )
+    problem = _file_list_problem(manifest)
+    if problem is not None:
+        raise CheckpointError(f"{path}: corrupted manifest: {problem}")
     return manifest
+
+
+def _file_list_problem(manifest: dict) -> Optional[str]:
+    """What is wrong with the manifest's ``files`` (relative path -> size) and ``checksums`` (relative path ->
+    digest), or None: each is an object, every path stays inside the checkpoint, and a checksummed manifest
+    (format_version 2) has a checksum for every file."""
+    for key, kind, type_ in (("files", "size in bytes", int), ("checksums", "checksum", str)):
+        entries = manifest.get(key)
+        if entries is None:
+            continue
+        if not isinstance(entries, dict):
+            return f"'{key}' is a {type(entries).__name__}, not an object mapping each file to its {kind}"
+        for rel, value in entries.items():
+            parts = PurePosixPath(rel).parts
+            if not parts or rel.startswith("/") or ".." in parts:
+                return f"'{key}' names {rel!r}, a path outside the checkpoint"
+            if not isinstance(value, type_) or isinstance(value, bool) or (type_ is int and value < 0):
+                return f"'{key}' gives {rel!r} the {kind} {value!r}"
+    if manifest.get("format_version") == FORMAT_VERSION and manifest.get("files") is not None:
+        if manifest.get("checksum_algorithm") != CHECKSUM_ALGORITHM or not isinstance(manifest.get("checksums"), dict):
+            return (f"its checksums are missing (format_version {FORMAT_VERSION} records an {CHECKSUM_ALGORITHM} checksum for "
+                    "every file)")
+        missing = sorted(set(manifest["files"]) - set(manifest["checksums"]))
+        if missing:
+            return f"{missing[0]} has no checksum (format_version {FORMAT_VERSION} records one for every file)"
+    return None
 
 
 def incomplete_reason(ckpt: Path) -> Optional[str]:
@@ -180,6 +215,22 @@ def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
             if step is not None:
                 found[target] = step
     return sorted(((s, p) for p, s in found.items()), key=lambda sp: (sp[0], sp[1].name))
+
+
+def latest_problem(run_dir: str | Path) -> Optional[str]:
+    """What is wrong with run ``run_dir``'s ``latest`` pointer (it names no checkpoint there), or None (also when it
+    has none)."""
+    pointer = Path(run_dir) / LATEST_NAME
+    if not pointer.exists():
+        return None
+    try:
+        name = pointer.read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        return f"{pointer} cannot be read ({e})"
+    target = pointer.parent / name
+    if not name or "/" in name or not (target / MANIFEST_NAME).is_file():
+        return f"{pointer} names {name!r}, which is not a checkpoint in {pointer.parent}"
+    return None
 
 
 def find_latest(path: str | Path) -> Optional[Path]:

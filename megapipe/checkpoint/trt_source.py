@@ -10,7 +10,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megapipe.checkpoint import quantized_linear as ql
-from megapipe.checkpoint.dcp import dcp_load
+from megapipe.checkpoint.dcp import dcp_load, verify_checkpoint
 from megapipe.checkpoint.manifest import MANIFEST_NAME, read_manifest, resolve_checkpoint
 from megapipe.checkpoint.safe_dcp import read_metadata
 from megapipe.config import ModelConfig, from_dict
@@ -32,6 +32,7 @@ class Source:
         if not isinstance(self.manifest.get("model"), dict):
             raise CheckpointError(f"{self.where} has no model config")
         self.cfg: ModelConfig = from_dict(ModelConfig, self.manifest["model"], "model.", f"{self.where}: ")
+        verify_checkpoint(self.path, self.manifest, ["model/"])  # before its metadata is read
         self.stored = {k: m for k, m in read_metadata(self.path / "model").state_dict_metadata.items()
                        if isinstance(m, TensorStorageMetadata)}
         q = self.manifest.get("quantization") or None

@@ -19,7 +19,7 @@ from megapipe.data.paths import bin_path, idx_path
 from megapipe.errors import DataError, MegapipeError
 from megapipe.eval.perplexity import data_perplexity
 from megapipe.eval.tasks import PERPLEXITY, quiet_lm_eval, select_tasks
-from megapipe.fileio import write_text_atomic
+from megapipe.fileio import refuse_overlap, write_text_atomic
 from megapipe.models.capabilities import require
 
 RESULTS_FILE = "results.json"
@@ -106,6 +106,9 @@ def run_eval(ckpt: str | Path, tasks: Sequence[str] | str, data_paths: Sequence[
         _check_ckpt(ckpt)
     prefixes = _check_prefixes(list(data_paths), PERPLEXITY in names)
     out_dir = Path(output).expanduser() if output is not None else default_output(ckpt)
+    inputs = [ckpt if engine is None else None, *[f for p in prefixes for f in (bin_path(p), idx_path(p))],
+              *include_paths]
+    refuse_overlap([out_dir], inputs)  # e.g. the checkpoint's own run directory: eval never changes what it reads
     if out_dir.exists() and not out_dir.is_dir():
         raise MegapipeError(f"--output {out_dir} exists and is not a directory")
     selection = select_tasks(names, include_paths)  # before the model loads: a bad task fails fast

@@ -59,7 +59,7 @@ def input_identities(options: dict) -> dict[str, Any]:
     """Identity of each existing file, directory or PREFIX (.bin/.idx) named by an option value that does not
     come from another step."""
     found: dict[str, Any] = {}
-    for value in _strings(options):
+    for value in strings_in(options):
         if REF.search(value):
             continue
         ident = path_identity(value)
@@ -68,15 +68,16 @@ def input_identities(options: dict) -> dict[str, Any]:
     return found
 
 
-def _strings(value: Any):
+def strings_in(value: Any):
+    """Every string in an option value (in lists and dicts too)."""
     if isinstance(value, str):
         yield value
     elif isinstance(value, list):
         for v in value:
-            yield from _strings(v)
+            yield from strings_in(v)
     elif isinstance(value, dict):
         for v in value.values():
-            yield from _strings(v)
+            yield from strings_in(v)
 
 
 def path_identity(value: str) -> Any:

@@ -31,7 +31,9 @@ from typing import Any, Optional
 
 from megapipe.config import parse_override
 from megapipe.errors import ConfigError
-from megapipe.pipeline.refs import STEP_ATTRS, refs_in, substitute, unescape, vars_lookup
+from megapipe.fileio import refuse_overlap
+from megapipe.pipeline.keys import strings_in
+from megapipe.pipeline.refs import REF, STEP_ATTRS, refs_in, substitute, unescape, vars_lookup
 from megapipe.pipeline.stages import LAUNCH_OPTIONS, Command, Output, is_argument, to_argv
 from megapipe.pipeline.yamlpos import Loc, Located, load_located
 
@@ -215,6 +217,7 @@ def load_pipeline(path: str | Path, commands: dict[str, Command], sets: Optional
     pipeline = Pipeline(Path(path), pipeline_name, rd, executor, steps, order, list(sets or []))
     for name in order:
         _check_command_line(pipeline, name)
+        _check_output(pipeline, name)
     return pipeline
 
 
@@ -406,6 +409,27 @@ def _find_cycle(steps: dict[str, Step], among: set[str]) -> list[str]:
             seen.add(nxt)
             node = nxt
     raise AssertionError("no cycle found among blocked steps")
+
+
+def _check_output(pipeline: Pipeline, name: str) -> None:
+    """A step's output may not be, contain or lie inside a path its options read (nor the pipeline file): the
+    no-overlap rule of every writer (megapipe.fileio.refuse_overlap), before anything runs."""
+    step = pipeline.steps[name]
+    if step.output.option is None:
+        return
+    inputs = [pipeline.file, *(v for v in strings_in(step.options) if not REF.search(v) and _names_a_path(v))]
+
+    def error(sentence: str) -> ConfigError:
+        return ConfigError(f"{step.loc}: step '{name}' ({step.stage}): {sentence}")
+
+    refuse_overlap([pipeline.output_path(name)], inputs, error)
+
+
+def _names_a_path(value: str) -> bool:
+    """``value`` names an existing file, directory or .bin/.idx PREFIX."""
+    if not value or len(value) > 4096 or "\n" in value:
+        return False
+    return Path(value).exists() or Path(value + ".bin").is_file() or Path(value + ".idx").is_file()
 
 
 def _check_command_line(pipeline: Pipeline, name: str) -> None:

@@ -24,25 +24,22 @@ def lora_spec(cfg) -> Optional[LoRASpec]:
                     parse_targets(lo.targets, cfg.model))
 
 
-def check_lora_run(cfg, resume, parent) -> None:
-    """Refusals before launch: layouts LoRA cannot run in yet, and parents whose adapters would be lost."""
+def check_lora_run(cfg, resume) -> None:
+    """Refusals before launch: layouts LoRA cannot run in yet, and a resume with other LoRA flags (a new run from a
+    LoRA checkpoint is refused for every stage: posttrain.start.check_start)."""
     spec = lora_spec(cfg)
     if spec is not None:
         check_rank(targeted_layers(build_model(cfg.model, device="meta"), spec.targets), spec.rank)
     if spec is not None and cfg.parallel.tp > 1:
         raise ConfigError("LoRA (--lora-rank) with tensor parallelism (--tensor-model-parallel-size "
                           f"{cfg.parallel.tp}) is not supported yet: use data parallelism (FSDP or DDP) instead")
-    if parent is None:
+    if resume is None:
         return
-    had = read_manifest(parent).get("lora")
-    if resume is not None:
-        want = spec.to_manifest() if spec else None
-        if had != want:
-            raise ConfigError(f"{resume} was trained with LoRA {had} but this run asks for {want}: resume with the "
-                              "same --lora-* flags, or start a new --save directory")
-    elif had:
-        raise ConfigError(f"{parent} holds LoRA adapters: export it merged (megapipe export hf) and import that, "
-                          "or resume its run with the same --lora-* flags")
+    had = read_manifest(resume).get("lora")
+    want = spec.to_manifest() if spec else None
+    if had != want:
+        raise ConfigError(f"{resume} was trained with LoRA {had} but this run asks for {want}: resume with the "
+                          "same --lora-* flags, or start a new --save directory")
 
 
 def load_base_weights(ckpt, model: nn.Module) -> None:

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megapipe.checkpoint import resolve_checkpoint, write_checkpoint
+from megapipe.checkpoint import read_manifest, resolve_checkpoint, write_checkpoint
 from megapipe.checkpoint.hf.base import adapter_for_arch
 from megapipe.checkpoint.load import load_model, manifest_model_config
 from megapipe.config import ModelConfig
@@ -49,6 +49,7 @@ from megapipe.models import build_model, count_params
 from megapipe.models.capabilities import require
 from megapipe.models.objective import IGNORE_INDEX, loss_targets
 from megapipe.parallel.step import model_kwargs
+from megapipe.posttrain.start import quantized_from
 
 SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "num_layers")
 FLAGS = {"hidden_size": "--hidden", "intermediate_size": "--ffn", "num_heads": "--heads", "num_kv_heads": "--kv-heads",
@@ -512,6 +513,11 @@ def prune_checkpoint(ckpt, output, targets: PruneTargets, calib_data: str, calib
     given, output = Path(ckpt).expanduser(), Path(output).expanduser()
     ckpt = resolve_checkpoint(given)
     refuse_overlap([output], [given, ckpt], CheckpointError)
+    quantized = quantized_from(ckpt, read_manifest(ckpt))
+    if quantized is not None:  # the pruned weights would lose their quantizers: prune first, then quantize
+        fmt, origin = quantized
+        raise CheckpointError(f"{ckpt} is quantized ({fmt}): pruning would drop its quantization; prune {origin}, "
+                              "then quantize the pruned one")
     if output.exists() and not overwrite:
         raise CheckpointError(f"{output} already exists: pick another --output or pass --overwrite")
     if depth_metric not in ("bi", "loss"):

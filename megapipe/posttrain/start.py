@@ -49,6 +49,32 @@ def posttrain_checkpoints(cfg: Config, parent: Optional[str], stage: str) -> Con
     return dataclasses.replace(cfg, checkpoint=dataclasses.replace(c, load=c.save, finetune=False))
 
 
+def quantized_from(ckpt: Path, manifest: dict) -> Optional[tuple[str, str]]:
+    """(format, the checkpoint it was quantized from) of a quantized (ModelOpt fake-quantized) checkpoint; None for
+    plain weights."""
+    q = manifest.get("quantization")
+    if not q:
+        return None
+    fmt = str(q.get("format") if isinstance(q, dict) else q)
+    parent = manifest.get("parent")
+    return fmt, f"the checkpoint it was quantized from ({parent})" if parent else "its unquantized checkpoint"
+
+
+def check_start(ckpt: Path, manifest: dict, resume: bool) -> None:
+    """The one rule for where training starts (sft --load, distill --student, rl --load, pretrain --load): from plain
+    weights. A quantized checkpoint (quantizers with their amax beside the weights) is refused, and so is a LoRA one
+    (adapters beside the base weights) unless its own run is resumed (whose flags posttrain.lora checks)."""
+    quantized = quantized_from(ckpt, manifest)
+    if quantized is not None:
+        fmt, origin = quantized
+        raise ConfigError(f"{ckpt} is quantized ({fmt}): training starts from unquantized weights; load {origin} "
+                          "instead")
+    if manifest.get("lora") and not resume:
+        raise ConfigError(f"{ckpt} holds LoRA adapters: merge them into a plain checkpoint first (megapipe export hf "
+                          f"{ckpt} HF_DIR, then megapipe import hf HF_DIR CKPT) and load that, or resume its run "
+                          "with the same --lora-* flags")
+
+
 def start_of(resume: Optional[Path], parent: Optional[Path]) -> Optional[str]:
     """The checkpoint a run started from: the one its resumed checkpoint records, else its parent."""
     if resume is not None:

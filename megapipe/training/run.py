@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megapipe.checkpoint import find_latest, read_manifest, resolve_checkpoint
-from megapipe.checkpoint.dcp import checkpoint_tokenizer
+from megapipe.checkpoint.dcp import checkpoint_tokenizer, verify_checkpoint
 from megapipe.config import CheckpointConfig, Config, ModelConfig, check_seq_length, from_dict
 from megapipe.data.tokenizer import load_tokenizer
 from megapipe.errors import ConfigError
+from megapipe.posttrain.start import check_start
 
 
 @dataclass
@@ -74,6 +75,9 @@ def find_checkpoint(c: CheckpointConfig) -> tuple[Optional[Path], Optional[Path]
     if ckpt is None and c.save is not None and Path(c.load).absolute() == Path(c.save).absolute():
         return None, None  # --save X --load X on a fresh run dir: start, and resume on the next launch
     ckpt = resolve_checkpoint(c.load)  # raises a CheckpointError saying what is wrong
+    manifest = read_manifest(ckpt)
+    verify_checkpoint(ckpt, manifest, ["model/"])  # a damaged file is named before the run builds anything
+    check_start(ckpt, manifest, resume=not c.finetune)
     return (None if c.finetune else ckpt), ckpt
 
 

@@ -142,6 +142,7 @@ def test_checkpoints_without_checksums_still_load_and_damage_never_suggests_weig
     ckpt = save_checkpoint(tmp_path, 1, model, opt)
     manifest = json.loads((ckpt / "megapipe.json").read_text())
     del manifest["checksums"], manifest["checksum_algorithm"]  # as saved by an older megapipe
+    manifest["format_version"] = 1
     (ckpt / "megapipe.json").write_text(json.dumps(manifest))
     fresh = Tiny()
     load_checkpoint(ckpt, fresh)
@@ -160,3 +161,74 @@ def test_verify_false_skips_the_checksums(saved):
     fresh = build_model(CFG, seed=3)
     load_checkpoint(ckpt, fresh, load_rng=False, verify=False)
     assert_same(model, fresh)
+
+
+def edit_manifest(ckpt: Path, change) -> Path:
+    path = ckpt / "megapipe.json"
+    manifest = json.loads(path.read_text())
+    change(manifest)
+    path.write_text(json.dumps(manifest))
+    return path
+
+
+def test_a_checksummed_manifest_stripped_of_its_checksums_is_damaged(saved, capsys):
+    """The size-only fallback is for format_version 1 (written before checksums existed); a format_version 2
+    manifest without them has lost them, and a byte flipped after that must not pass."""
+    _, run, _, ckpt = saved
+    assert json.loads((ckpt / "megapipe.json").read_text())["format_version"] == 2
+    path = edit_manifest(ckpt, lambda m: (m.pop("checksums"), m.pop("checksum_algorithm")))
+    flip_block(ckpt / "model" / "__0_0.distcp", length=1)
+    assert main(["checkpoint", "verify", str(ckpt)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{path}: corrupted manifest: its checksums are missing" in err, err
+    with pytest.raises(CheckpointError, match="its checksums are missing"):
+        load_model(ckpt)
+
+    edit_manifest(ckpt, lambda m: m.update(format_version=1))  # as an older megapipe wrote it: sizes only
+    assert main(["checkpoint", "verify", str(ckpt)]) == 0
+    assert "by size only (no checksums recorded)" in capsys.readouterr().out
+
+
+def test_one_checksum_removed_is_damage(saved, capsys):
+    _, _, _, ckpt = saved
+    path = edit_manifest(ckpt, lambda m: m["checksums"].pop("model/__0_0.distcp"))
+    assert main(["checkpoint", "verify", str(ckpt)]) == 2
+    assert f"{path}: corrupted manifest: model/__0_0.distcp has no checksum" in capsys.readouterr().err
+
+
+def test_a_save_without_checksums_says_sizes_only(tmp_path, capsys):
+    model, opt = trained()
+    ckpt = save_checkpoint(tmp_path, 1, model, opt, checksums=False)
+    assert json.loads((ckpt / "megapipe.json").read_text())["format_version"] == 1
+    assert main(["checkpoint", "verify", str(ckpt)]) == 0
+    assert "by size only" in capsys.readouterr().out
+
+
+def test_a_run_whose_latest_names_a_missing_step_fails_verify(saved, capsys):
+    _, run, _, _ = saved
+    (run / "latest").write_text("step_00000009\n")
+    assert main(["checkpoint", "verify", str(run)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{run / 'latest'} names 'step_00000009', which is not a checkpoint in {run}" in err, err
+    (run / "latest").write_text("step_00000002\n")
+    assert main(["checkpoint", "verify", str(run)]) == 0
+
+
+@pytest.mark.parametrize("change, culprit", [
+    (lambda m: m.update(files="model/__0_0.distcp"), "'files' is a str, not an object mapping each file to its size"),
+    (lambda m: m["files"].update({"model/__0_0.distcp": "1234"}), "'files' gives 'model/__0_0.distcp' the size in "
+                                                                   "bytes '1234'"),
+    (lambda m: m["files"].update({"../../outside.bin": 3}), "'files' names '../../outside.bin', a path outside"),
+    (lambda m: m["checksums"].update({"/etc/hostname": "00"}), "'checksums' names '/etc/hostname', a path outside"),
+    (lambda m: m.update(checksums=["x"]), "'checksums' is a list, not an object"),
+])
+def test_a_malformed_file_list_is_one_sentence_naming_the_manifest(saved, tmp_path, capsys, change, culprit):
+    _, run, _, ckpt = saved
+    (tmp_path / "outside.bin").write_bytes(b"abc")  # what a ../ path would reach
+    path = edit_manifest(ckpt, change)
+    for argv in (["checkpoint", "verify", str(ckpt)], ["checkpoint", "inspect", str(ckpt)],
+                 ["export", "hf", str(ckpt), str(tmp_path / "hf")]):
+        assert main(argv) == 2, argv
+        err = " ".join(capsys.readouterr().err.split())
+        assert f"{path}: corrupted manifest: {culprit}" in err and "Traceback" not in err, err
+    assert not (tmp_path / "hf").exists()

@@ -16,13 +16,14 @@ from typing import Optional
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from megapipe.checkpoint.dcp import dcp_load
+from megapipe.checkpoint.dcp import dcp_load, verify_checkpoint
 from megapipe.checkpoint.hf.base import adapter_for_arch
 from megapipe.checkpoint.manifest import make_tmp_dir, read_manifest, resolve_checkpoint
 from megapipe.checkpoint.safe_dcp import read_metadata
 from megapipe.config import ModelConfig, from_dict
 from megapipe.data.tokenizer import load_tokenizer
 from megapipe.errors import MegapipeError
+from megapipe.fileio import refuse_overlap
 from megapipe.models.lora import TARGETS, LoRASpec, adapter_names, is_adapter, present_targets
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -34,10 +35,12 @@ def write_peft_adapter(ckpt, out_dir, overwrite: bool = False, tokenizer_dir: Op
     ``adapter_model.safetensors`` in fp32, the tokenizer); returns a summary."""
     from safetensors.torch import save_file
 
-    out_dir = Path(out_dir).expanduser()
+    out_dir, given = Path(out_dir).expanduser(), Path(ckpt).expanduser()
+    refuse_overlap([out_dir], [given, tokenizer_dir])  # before --overwrite: the input may be a run directory
     if out_dir.exists() and not overwrite:
         raise MegapipeError(f"{out_dir} already exists: pick another output or pass --overwrite")
-    ckpt = resolve_checkpoint(Path(ckpt).expanduser())
+    ckpt = resolve_checkpoint(given)
+    refuse_overlap([out_dir], [ckpt])
     manifest = read_manifest(ckpt)
     if not manifest.get("lora"):
         raise MegapipeError(f"{ckpt} holds no LoRA adapters (its manifest has no 'lora'): --lora-adapter-only "
@@ -45,6 +48,7 @@ def write_peft_adapter(ckpt, out_dir, overwrite: bool = False, tokenizer_dir: Op
     spec = LoRASpec.from_manifest(manifest["lora"])
     cfg = from_dict(ModelConfig, manifest["model"], "model.", f"{ckpt / 'megapipe.json'}: ")
     adapter = adapter_for_arch(cfg.arch)
+    verify_checkpoint(ckpt, manifest, ["model/"])  # before its metadata is read
     stored = {k: m for k, m in read_metadata(ckpt / "model").state_dict_metadata.items()
               if isinstance(m, TensorStorageMetadata) and is_adapter(k)}
     names: dict[str, str] = {}  # megapipe adapter tensor -> peft key

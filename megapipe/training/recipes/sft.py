@@ -44,7 +44,7 @@ class SFTRecipe(Recipe):
         """Refuse what cannot run, and tokenize the data now (cached): a bad record stops the run before launch."""
         if run.tokenizer is None:
             raise ConfigError("posttrain sft needs a tokenizer: the --load checkpoint holds none, so give --tokenizer")
-        check_lora_run(run.cfg, run.resume, run.parent)
+        check_lora_run(run.cfg, run.resume)
         self.index(run.cfg, run.tokenizer)
 
     def encoder(self, cfg, tokenizer):
