@@ -61,6 +61,25 @@ def shift_left(x: torch.Tensor, k: int, fill) -> torch.Tensor:
     return torch.cat([x[:, k:], pad], dim=1)
 
 
+def tokens_ahead(tokens: torch.Tensor, depths: int) -> torch.Tensor:
+    """tokens [B, S] -> [B, S, depths]: at index t, depth k's input token (t + k), 0 beyond the row. Computed on the
+    whole sequence before a layout splits it (context-parallel chunks, pipeline stages that get hidden states)."""
+    return torch.stack([shift_left(tokens, k, 0) for k in range(1, depths + 1)], dim=-1)
+
+
+def mtp_tp_plan(sp: bool) -> dict:
+    """An MTP module's tensor-parallel plan besides its block's (the block kind's own): the norms and ``eh_proj``
+    replicated. With sequence parallelism they run on this rank's sequence shard (their weight gradients summed over
+    the TP ranks) and hand the block its input as the layers get theirs (a local sequence shard); without it every
+    rank computes them on the whole sequence."""
+    if not sp:
+        return {}
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    return {"enorm": SequenceParallel(), "hnorm": SequenceParallel(), "norm": SequenceParallel(),
+            "eh_proj": SequenceParallel(use_local_output=True)}
+
+
 def hf_mtp_names(num_hidden_layers: int, depth: int, block_names: dict[str, str]) -> dict[str, str]:
     """megapipe's names of MTP module ``depth`` (under ``mtp.{depth - 1}.``) -> DeepSeek-V3's checkpoint names.
 

@@ -223,7 +223,8 @@ class RingSDPA:
 
 
 def apply_cp(model, mesh) -> None:
-    """Replace every block's attention kernel by ring attention over the CP mesh (1-D)."""
+    """Replace every block's attention kernel (the MTP modules' blocks too) by ring attention over the CP mesh
+    (1-D)."""
     group = mesh.get_group()
-    for block in model.layers.values():
+    for block in [*model.layers.values(), *(m.block for m in getattr(model, "mtp", None) or [])]:
         block.attention.sdpa = RingSDPA(group)
