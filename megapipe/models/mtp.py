@@ -27,6 +27,7 @@ from megapipe.config import ModelConfig
 from megapipe.models.attention import DocumentMask
 from megapipe.models.blocks import block_spec
 from megapipe.models.norms import build_norm
+from megapipe.models.spec import replicated_style
 
 
 class MTPModule(nn.Module):
@@ -72,10 +73,10 @@ def mtp_tp_plan(sp: bool) -> dict:
     replicated. With sequence parallelism they run on this rank's sequence shard (their weight gradients summed over
     the TP ranks) and hand the block its input as the layers get theirs (a local sequence shard); without it every
     rank computes them on the whole sequence."""
-    if not sp:
-        return {}
     from torch.distributed.tensor.parallel import SequenceParallel
 
+    if not sp:
+        return {name: replicated_style() for name in ("enorm", "hnorm", "eh_proj", "norm")}
     return {"enorm": SequenceParallel(), "hnorm": SequenceParallel(), "norm": SequenceParallel(),
             "eh_proj": SequenceParallel(use_local_output=True)}
 

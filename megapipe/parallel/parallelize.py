@@ -17,14 +17,7 @@ from megapipe.parallel.dims import ParallelDims
 from megapipe.parallel.distributed import DistInfo, init_distributed
 from megapipe.parallel.dp import apply_ddp, apply_fsdp
 from megapipe.parallel.ep import apply_moe
-from megapipe.parallel.pp import (
-    V_SCHEDULES,
-    PipelineModel,
-    build_schedule,
-    needs_embedding_replica,
-    split_model,
-    tied_groups,
-)
+from megapipe.parallel.pp import PipelineModel, build_schedule, needs_embedding_replica, split_model, tied_groups
 from megapipe.parallel.recompute import apply_compile, apply_recompute
 from megapipe.parallel.tp import apply_tp
 
@@ -85,10 +78,6 @@ def parallelize_model(model: torch.nn.Module, dims: ParallelDims, cfg: Config, d
         raise ConfigError("parallelize_model needs dims.build_mesh() first (or use setup_parallel)")
     if dims.pp == 1:
         return _parallelize_part(model, dims, cfg)
-    if cfg.model.mtp_depth and dims.pp_schedule in V_SCHEDULES:
-        raise ConfigError(f"parallel.pp_schedule {dims.pp_schedule} puts the first and last pipeline stages on one "
-                          "rank, where the MTP modules would need a second copy of the embedding table: use GPipe, "
-                          "1F1B or Interleaved1F1B with model.mtp_num_layers")
     if device is None:
         device = next(model.parameters()).device
     parts, ids, num_stages = split_model(model, dims)

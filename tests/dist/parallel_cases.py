@@ -100,6 +100,7 @@ MODELS["mla"] = {**MODELS["moe_bias"], "arch": "deepseek_v3", "multi_latent_atte
                  "max_position_embeddings": 64, "moe_shared_expert_intermediate_size": 16,
                  "moe_first_k_dense_replace": 1}
 MODELS["mla_mtp"] = {**MODELS["mla"], "mtp_num_layers": 2, "mtp_loss_scaling_factor": 0.5}
+MODELS["mtp_tied"] = {**MODELS["tied"], "mtp_num_layers": 1, "mtp_loss_scaling_factor": 0.5}
 
 
 def parse_case(text: str) -> tuple[dict, dict]:
