@@ -48,8 +48,8 @@ CASES_2 = [
     "dp_shard2:model=mtp:mask=1", "ddp2:model=mtp", "dp_shard2:fused=1:model=mtp", "ep2:model=mtp_moe",
     "tp2:model=mtp:mask=1", "pp2:model=mtp:mask=1:schedule=GPipe", "cp2:model=mtp:mask=1",
     # DeepSeek-V3-shaped: MLA + MoE (+ MTP) in every layout (cp: k and v heads of different widths on the ring)
-    "dp_shard2:model=mla_mtp", "ddp2:model=mla", "tp2:model=mla_mtp:mask=1", "tp2:sp=0:model=mla_mtp",
-    "ep2:model=mla_mtp", "pp2:model=mla_mtp:schedule=Interleaved1F1B", "cp2:model=mla", "cp2:model=mla_mtp:mask=1",
+    "ddp2:model=mla", "tp2:model=mla_mtp:mask=1", "tp2:sp=0:model=mla_mtp", "ep2:model=mla_mtp",
+    "pp2:model=mla_mtp:schedule=Interleaved1F1B", "cp2:model=mla_mtp:mask=1",
 ]
 BF16 = [c for c in CASES_2 if "precision=bf16" in c]
 CASES_4 = [
