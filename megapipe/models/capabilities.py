@@ -60,9 +60,9 @@ KINDS: dict[str, Capabilities] = {
     "moe": _without(stages={"prune"}, quant={"w4a8_awq", "nvfp4"}),
     # multi-latent attention (megapipe.models.mla), a kind of its own beside the MLP kind: the engine has no latent
     # KV cache yet (so nothing that decodes: generate, serve, eval, rl), ModelOpt / TensorRT-LLM / peft paths and
-    # pruning know only q/k/v attention, distillation is untested, and context parallelism's ring attention takes
-    # equal q/k and v widths
-    "mla": Capabilities(layouts=frozenset(LAYOUTS) - {"cp"}, engine=frozenset(), lora=frozenset(),
+    # pruning know only q/k/v attention, distillation is untested; every parallel layout (tests/parallel/
+    # test_dist_layouts.py: the ring attention of cp carries its narrower values beside its keys)
+    "mla": Capabilities(engine=frozenset(), lora=frozenset(),
                         quant=frozenset(), trt=frozenset(),
                         stages=frozenset({"pretrain", "sft", "export_hf"})),
 }
@@ -80,10 +80,11 @@ FAMILIES: dict[str, Capabilities] = {
     "qwen3_moe": _without(lora={"gate", "up", "down"}),
 }
 
-# multi-token prediction modules (megapipe.models.mtp): their shifted token stream and labels do not follow a
-# sequence split (cp, sp) yet, nor does the shared embedding reach the last pipeline stage, nor the TP plans the MTP
-# projection; the Hugging Face and TensorRT-LLM writers do not know their tensors yet
-MTP = _without(layouts={"tp", "sp", "pp", "cp"}, stages={"export_hf", "export_trt"})
+# multi-token prediction modules (megapipe.models.mtp): every parallel layout (on the last pipeline stage, with a
+# replica of the embedding table; their shifted tokens and labels cut from whole rows under cp; V pipeline schedules,
+# which put the first and last stages on one rank, are refused in megapipe.parallel.dims); the Hugging Face and
+# TensorRT-LLM writers do not know their tensors yet
+MTP = _without(stages={"export_hf", "export_trt"})
 
 LABELS = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "gpt2": "GPT-2",
           "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "deepseek_v3": "DeepSeek-V3"}

@@ -26,7 +26,7 @@ from megapipe.models.dense import DENSE, TransformerBlock, dense_tp_plan
 from megapipe.models.moe import MoEBlock, moe_tp_plan
 from megapipe.models.norms import RMSNorm
 from megapipe.models.rope import apply_rope, apply_rope_interleaved, yarn_mscale
-from megapipe.models.spec import BlockSpec, register_block
+from megapipe.models.spec import BlockSpec, register_block, replicated_style
 
 LATENT_NORM_EPS = 1e-6  # DeepSeek's and transformers' q/kv latent norms keep this default, whatever rms_norm_eps is
 
@@ -124,7 +124,7 @@ def mla_attention_tp_plan(block: nn.Module, sp: bool) -> dict:
     attention's input is the whole sequence as a plain tensor, so the replicated layers compute the same on every
     rank; the gradients reaching the latents from the head shards are summed over TP ranks (by ``wq_b``'s and
     ``wkv_b``'s column-parallel input, and for the rope key by ``shared_rope_key``), so those layers' gradients are
-    whole on every rank."""
+    whole on every rank (``replicated_style``)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -144,9 +144,11 @@ def mla_attention_tp_plan(block: nn.Module, sp: bool) -> dict:
         "attention.shared_rope_key": _sum_gradient_style(),
         "attention.wo": RowwiseParallel(output_layouts=act),
     }
-    if sp:
-        plan["attention_norm"] = SequenceParallel()
-        plan["ffn_norm"] = SequenceParallel()
+    replicated = ["attention.wkv_a", "attention.kv_norm"] + (["attention.wq_a", "attention.q_norm"] if attn.wq is None
+                                                             else [])
+    plan.update({name: replicated_style() for name in replicated})
+    for norm in ("attention_norm", "ffn_norm"):
+        plan[norm] = SequenceParallel() if sp else replicated_style()
     return plan
 
 

@@ -27,6 +27,7 @@ from megapipe.config import ModelConfig
 from megapipe.models.attention import DocumentMask
 from megapipe.models.blocks import block_spec
 from megapipe.models.norms import build_norm
+from megapipe.models.spec import replicated_style
 
 
 class MTPModule(nn.Module):
@@ -59,6 +60,25 @@ def shift_left(x: torch.Tensor, k: int, fill) -> torch.Tensor:
         return x
     pad = torch.full_like(x[:, :k], fill)
     return torch.cat([x[:, k:], pad], dim=1)
+
+
+def tokens_ahead(tokens: torch.Tensor, depths: int) -> torch.Tensor:
+    """tokens [B, S] -> [B, S, depths]: at index t, depth k's input token (t + k), 0 beyond the row. Computed on the
+    whole sequence before a layout splits it (context-parallel chunks, pipeline stages that get hidden states)."""
+    return torch.stack([shift_left(tokens, k, 0) for k in range(1, depths + 1)], dim=-1)
+
+
+def mtp_tp_plan(sp: bool) -> dict:
+    """An MTP module's tensor-parallel plan besides its block's (the block kind's own): the norms and ``eh_proj``
+    replicated. With sequence parallelism they run on this rank's sequence shard (their weight gradients summed over
+    the TP ranks) and hand the block its input as the layers get theirs (a local sequence shard); without it every
+    rank computes them on the whole sequence."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    if not sp:
+        return {name: replicated_style() for name in ("enorm", "hnorm", "eh_proj", "norm")}
+    return {"enorm": SequenceParallel(), "hnorm": SequenceParallel(), "norm": SequenceParallel(),
+            "eh_proj": SequenceParallel(use_local_output=True)}
 
 
 def hf_mtp_names(num_hidden_layers: int, depth: int, block_names: dict[str, str]) -> dict[str, str]:

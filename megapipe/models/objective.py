@@ -26,7 +26,7 @@ from typing import Callable, Optional
 import torch
 
 from megapipe.models.fused_cross_entropy import fused_linear_cross_entropy
-from megapipe.models.mtp import shift_left
+from megapipe.models.mtp import shift_left, tokens_ahead
 
 IGNORE_INDEX = -100
 
@@ -79,12 +79,27 @@ def loss_targets(batch: dict) -> torch.Tensor:
 
 def mtp_targets(batch: dict, depth: int) -> torch.Tensor:
     """MTP depth ``depth``'s labels: index t gets ``loss_targets`` of index t + depth (the label, and the loss mask,
-    shifted with it); IGNORE_INDEX where t + depth is beyond the row or in another document (``document_ids``)."""
+    shifted with it); IGNORE_INDEX where t + depth is beyond the row or in another document (``document_ids``).
+    A batch that carries ``mtp_labels`` (``with_mtp_streams``) has them already."""
+    if "mtp_labels" in batch:
+        return batch["mtp_labels"][..., depth - 1]
     targets = shift_left(loss_targets(batch), depth, IGNORE_INDEX)
     docs = batch.get("document_ids")
     if docs is not None:
         targets = targets.masked_fill(shift_left(docs, depth, 0) != docs, IGNORE_INDEX)
     return targets
+
+
+def mtp_metric(depth: int) -> str:
+    return f"mtp/loss_{depth}"
+
+
+def with_mtp_streams(batch: dict, depths: int) -> dict:
+    """The batch plus what MTP depths 1..``depths`` read k tokens ahead, computed on the whole rows: ``mtp_tokens``
+    (the tokens they embed) and ``mtp_labels`` (their labels), both [B, S, depths]; a layout may then split the
+    sequence (context parallelism) or hand a stage hidden states instead of tokens (pipeline parallelism)."""
+    labels = torch.stack([mtp_targets(batch, k) for k in range(1, depths + 1)], dim=-1)
+    return {**batch, "mtp_tokens": tokens_ahead(batch["tokens"], depths), "mtp_labels": labels}
 
 
 def _cross_entropy_sum(out: ModelOutput, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -115,7 +130,7 @@ class TokenCrossEntropy(Loss):
         result = LossResult(total=_cross_entropy_sum(out, main, loss_targets(batch)))
         for depth, x in enumerate(out.mtp or [], start=1):
             depth_sum = _cross_entropy_sum(out, x, mtp_targets(batch, depth))
-            result.metrics[f"mtp/loss_{depth}"] = depth_sum
+            result.metrics[mtp_metric(depth)] = depth_sum
             weighted = depth_sum * out.mtp_weight
             result.backprop = weighted if result.backprop is None else result.backprop + weighted
         return result

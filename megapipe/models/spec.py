@@ -40,6 +40,20 @@ def spec_for(block: nn.Module) -> BlockSpec:
     raise TypeError(f"{type(block).__name__} has no registered BlockSpec")
 
 
+def replicated_style():
+    """A tensor-parallel style for a layer every TP rank computes whole on the whole input (MLA's latent down
+    projections and norms, MTP's projection without sequence parallelism): its parameters become replicated DTensors
+    like the sharded layers' (one optimizer and clipping group; the optimizer's foreach path takes no mix of plain
+    tensors and DTensors), its input and output stay local tensors. Its gradient reaches it whole on every rank,
+    so nothing is reduced."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    style = SequenceParallel(use_local_output=True)
+    style.sequence_sharding = (Replicate(),)  # the layouts its input is taken in and its output given back in
+    return style
+
+
 def tp_split_numel(block: nn.Module, sequence_parallel: bool = True) -> tuple[int, int]:
     """(parameters split over TP ranks, parameters replicated on every TP rank) of one block, by its tp_plan:
     column-parallel layers split weight and bias, row-parallel ones split the weight and replicate the bias."""

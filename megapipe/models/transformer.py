@@ -22,7 +22,7 @@ from megapipe.errors import ConfigError
 from megapipe.models.attention import DocumentMask, positions_from_documents
 from megapipe.models.blocks import block_spec
 from megapipe.models.moe import MoE
-from megapipe.models.mtp import MTPModule, shift_left
+from megapipe.models.mtp import MTPModule, tokens_ahead
 from megapipe.models.norms import RMSNorm, build_norm, init_norm
 from megapipe.models.rope import model_inv_frequencies, model_rope
 
@@ -50,7 +50,8 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None, cache=None,
                 last_only: bool = False, return_hidden: bool = False,
                 document_ids: Optional[torch.Tensor] = None, head: Optional[Callable] = None,
-                prefix_ids: Optional[torch.Tensor] = None, mtp: bool = False):
+                prefix_ids: Optional[torch.Tensor] = None, mtp: bool = False,
+                mtp_tokens: Optional[torch.Tensor] = None):
         """tokens [B, S] ids (or [B, S, H] hidden states on a later pipeline stage); positions [S] or [B, S].
 
         ``document_ids`` [B, S]: packed sequences; attention stays within each document (block-diagonal causal) and
@@ -64,7 +65,9 @@ class Transformer(nn.Module):
         the output projection itself, e.g. the fused output + cross-entropy: whatever wraps this module, FSDP, holds
         the whole output weight during its forward only).
         ``mtp``: also run the MTP modules; their outputs, one per depth, come as a second value (logits, or final
-        normed hidden states with ``return_hidden``) or as ``head``'s third argument.
+        normed hidden states with ``return_hidden``) or as ``head``'s third argument. ``mtp_tokens`` [B, S, N]: the
+        tokens each depth embeds (``tokens_ahead``), where the forward cannot shift ``tokens`` itself (a pipeline
+        stage that gets hidden states, a context-parallel chunk of the sequence).
         """
         if positions is None and document_ids is not None:
             positions = positions_from_documents(document_ids)
@@ -92,7 +95,7 @@ class Transformer(nn.Module):
         if self.norm is None:
             return h
         h = self.norm(h[:, -1:] if last_only and not mtp else h)
-        extra = (self._mtp_states(tokens, h, rope, mask),) if mtp else ()
+        extra = (self._mtp_states(tokens, h, rope, mask, mtp_tokens),) if mtp else ()
         if head is not None:
             return head(h, self.output_weight(), *extra)
         if not return_hidden:
@@ -104,17 +107,20 @@ class Transformer(nn.Module):
             return None
         return model_rope(self.cfg, positions, h.dtype, h.device)
 
-    def _mtp_states(self, tokens: torch.Tensor, h: torch.Tensor, rope, mask) -> list[torch.Tensor]:
+    def _mtp_states(self, tokens: torch.Tensor, h: torch.Tensor, rope, mask,
+                    ahead: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
         """Each MTP depth's final normed hidden states [B, S, H] (index t predicts token t + depth + 1) from the
         token ids and the main model's final normed hidden states ``h``; depth k > 1 takes depth k - 1's output
         before its norm."""
         if self.mtp is None:
             raise ValueError("mtp=True needs a model with multi-token prediction modules (model.mtp_num_layers)")
-        if tokens.is_floating_point():
-            raise ValueError("multi-token prediction needs the token ids (it embeds the tokens ahead)")
+        if ahead is None:
+            if tokens.is_floating_point():
+                raise ValueError("multi-token prediction on hidden states needs mtp_tokens (it embeds the tokens ahead)")
+            ahead = tokens_ahead(tokens, len(self.mtp))
         states = []
         for module in self.mtp:
-            h, normed = module(h, self.tok_embeddings(shift_left(tokens, module.depth, 0)), rope, None, mask)
+            h, normed = module(h, self.tok_embeddings(ahead[..., module.depth - 1]), rope, None, mask)
             states.append(normed)
         return states
 

@@ -151,14 +151,14 @@ class RingAttention(torch.autograd.Function):
         dtype, work = q.dtype, _work_dtype(q.dtype)
         groups = q.shape[1] // k.shape[1]
         qf = q.to(work)
-        kv = torch.stack([k.to(work), v.to(work)])
+        widths = [k.shape[-1], v.shape[-1]]  # MLA's values are narrower than its keys: one buffer, split by width
+        kv = torch.cat([k.to(work), v.to(work)], dim=-1)
         out = lse = None
         for i in range(ring.size):
             handle = ring.start(kv) if i < ring.size - 1 else None
             src = (ring.rank - i) % ring.size
             qs, ks, causal = _pairs(ring.rank, src)
-            kk = _expand_kv(_half(kv[0], ks), groups)
-            vv = _expand_kv(_half(kv[1], ks), groups)
+            kk, vv = (_expand_kv(t, groups) for t in _half(kv, ks).split(widths, dim=-1))
             bo, bl = _block_forward(_half(qf, qs), kk, vv, scale, causal)
             if qs == "all":
                 out, lse = _merge(out, lse, bo, bl)
@@ -183,28 +183,32 @@ class RingAttention(torch.autograd.Function):
         qf, dof = q.to(work), dout.to(work)
         delta = (dof * out).sum(-1)
         dq = torch.zeros_like(qf)
-        # travelling buffer: K, V and the gradients of the K/V it carries
-        buf = torch.stack([k.to(work), v.to(work), torch.zeros_like(k, dtype=work), torch.zeros_like(v, dtype=work)])
+        # travelling buffer: K, V and the gradients of the K/V it carries, side by side in the last dimension
+        widths = [k.shape[-1], v.shape[-1]] * 2
+        buf = torch.cat([k.to(work), v.to(work), torch.zeros_like(k, dtype=work), torch.zeros_like(v, dtype=work)],
+                        dim=-1)
         n = qf.shape[-2] // 2
         for i in range(ring.size):
             src = (ring.rank - i) % ring.size
             qs, ks, causal = _pairs(ring.rank, src)
-            kk = _expand_kv(_half(buf[0], ks), groups)
-            vv = _expand_kv(_half(buf[1], ks), groups)
+            kk, vv, _, _ = (_expand_kv(t, groups) for t in _half(buf, ks).split(widths, dim=-1))
             sl = slice(None) if qs == "all" else slice(n, None)
             gq, gk, gv = _block_backward(
                 qf[..., sl, :], kk, vv, dof[..., sl, :], lse[..., sl], delta[..., sl], scale, causal
             )
             dq[..., sl, :] += gq
             ksl = slice(None) if ks == "all" else slice(None, n)
-            buf[2][..., ksl, :] += _reduce_kv(gk, groups)
-            buf[3][..., ksl, :] += _reduce_kv(gv, groups)
+            _, _, dk, dv = buf.split(widths, dim=-1)  # views: adding to them adds to buf
+            dk[..., ksl, :] += _reduce_kv(gk, groups)
+            dv[..., ksl, :] += _reduce_kv(gv, groups)
             buf = _Ring.wait(ring.start(buf))  # after cp hops the K/V gradients are back home
-        return dq.to(q.dtype), buf[2].to(k.dtype), buf[3].to(v.dtype), None, None
+        _, _, dk, dv = buf.split(widths, dim=-1)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 def ring_attention(q, k, v, group) -> torch.Tensor:
-    """Causal attention of this rank's zig-zag chunks; q/k/v are [B, heads, S_local, head_dim] (GQA allowed)."""
+    """Causal attention of this rank's zig-zag chunks; q/k/v are [B, heads, S_local, head_dim] (GQA allowed; v's
+    head_dim may differ from q/k's, as in MLA)."""
     return RingAttention.apply(q, k, v, group, 1.0 / math.sqrt(q.shape[-1]))
 
 
@@ -219,7 +223,8 @@ class RingSDPA:
 
 
 def apply_cp(model, mesh) -> None:
-    """Replace every block's attention kernel by ring attention over the CP mesh (1-D)."""
+    """Replace every block's attention kernel (the MTP modules' blocks too) by ring attention over the CP mesh
+    (1-D)."""
     group = mesh.get_group()
-    for block in model.layers.values():
+    for block in [*model.layers.values(), *(m.block for m in getattr(model, "mtp", None) or [])]:
         block.attention.sdpa = RingSDPA(group)

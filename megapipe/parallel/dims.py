@@ -177,11 +177,15 @@ class ParallelDims:
                         f"parallel.pp_layer_split[{i}] = {n}: every middle stage needs >= 1 layer "
                         "(first/last may have 0: they hold the embedding/output)"
                     )
-        if self.pp > 1 and m.tie_embeddings and self.pp_schedule in ("ZBVZeroBubble", "DualPipeV"):
-            raise ConfigError(
-                f"model.tie_embeddings = true is not supported with parallel.pp_schedule = {self.pp_schedule!r} "
-                "(its first and last stages share a rank); use '1F1B' or 'Interleaved1F1B'"
-            )
+        if self.pp > 1 and self.pp_schedule in ("ZBVZeroBubble", "DualPipeV"):
+            # the last stage's replica of the embedding table (see megapipe.parallel.pp) would sit beside the table
+            what = ("model.tie_embeddings = true" if m.tie_embeddings else
+                    f"model.mtp_num_layers = {m.mtp_depth}" if m.mtp_depth else None)
+            if what:
+                raise ConfigError(
+                    f"{what} is not supported with parallel.pp_schedule = {self.pp_schedule!r} "
+                    "(its first and last stages share a rank); use '1F1B' or 'Interleaved1F1B'"
+                )
         if split is None and self.pp > 1 and m.num_layers < n_stages:
             raise ConfigError(
                 f"model.num_layers = {m.num_layers} is smaller than pp*pp_virtual_stages = {n_stages} stages"

@@ -17,7 +17,7 @@ from megapipe.parallel.dims import ParallelDims
 from megapipe.parallel.distributed import DistInfo, init_distributed
 from megapipe.parallel.dp import apply_ddp, apply_fsdp
 from megapipe.parallel.ep import apply_moe
-from megapipe.parallel.pp import PipelineModel, build_schedule, split_model, tied_groups
+from megapipe.parallel.pp import PipelineModel, build_schedule, needs_embedding_replica, split_model, tied_groups
 from megapipe.parallel.recompute import apply_compile, apply_recompute
 from megapipe.parallel.tp import apply_tp
 
@@ -83,7 +83,7 @@ def parallelize_model(model: torch.nn.Module, dims: ParallelDims, cfg: Config, d
     parts, ids, num_stages = split_model(model, dims)
     parts = [_parallelize_part(p, dims, cfg) for p in parts]
     pipe = PipelineModel(parts, ids, num_stages, tied=cfg.model.tie_embeddings)
-    if cfg.model.tie_embeddings:
+    if needs_embedding_replica(cfg.model):
         pipe.tied_group = tied_groups(dims)
     n_mb = dims.num_pp_microbatches(cfg.train)
     pipe.n_microbatches = n_mb

@@ -141,6 +141,7 @@ class ParamCounts:
     # ``active``, which count the main model as published figures do (DeepSeek-V3: 671B / 37B without MTP)
     mtp: int = 0
     mtp_experts: int = 0
+    mtp_tp: int = 0  # of ``mtp``, what the blocks' TP plans split
 
     @property
     def num_layers(self) -> int:
@@ -226,6 +227,7 @@ def _count(m) -> ParamCounts:
         layers.append(LayerCounts(spec_for(block).name, split, rest - experts, experts))
     mtp = list(model.mtp or [])
     return ParamCounts(
+        mtp_tp=sum(tp_split_numel(module.block)[0] for module in mtp),
         mtp=sum(numel(module) for module in mtp),
         mtp_experts=sum(numel(module.block.moe.experts) for module in mtp if hasattr(module.block, "moe")),
         embedding_tp=numel(model.tok_embeddings), embedding_rep=numel(model.pos_embeddings), layers=layers,
@@ -412,7 +414,10 @@ def rank_memory(cfg, dims, seq_length: int, overhead: float = OVERHEAD_BYTES) ->
             params += pc.embedding_tp / tp + pc.embedding_rep
         if last:
             params += pc.head_rep + (pc.head_tp if not pc.tied else (0 if first else pc.embedding_tp)) / tp
-            params += pc.mtp  # MTP is refused with tp, pp (megapipe.models.capabilities)
+            # the MTP modules (their blocks split as layers are) and, off the first stage, their embedding replica
+            params += pc.mtp - pc.mtp_experts - pc.mtp_tp + pc.mtp_tp / tp
+            expert_params += int(pc.mtp_experts / ep)
+            params += pc.embedding_tp / tp if pc.mtp and not first and not pc.tied else 0
         dense_params = int(params)
         params = dense_params + expert_params
         shard = math.ceil(dense_params / fsdp) + math.ceil(expert_params / efsdp)

@@ -2,7 +2,9 @@
 
 A stage is the model itself with the layers of other stages deleted (layer keys keep their global numbers, so
 checkpoints stay layout-free), ``tok_embeddings``/``pos_embeddings`` only on the first stage and ``norm``/``output``
-only on the last (the model's forward accepts hidden states and returns them when those are None).
+only on the last (the model's forward accepts hidden states and returns them when those are None). Multi-token
+prediction modules run on the last stage, after the output head as Megatron places them; they embed the tokens
+ahead, so that stage keeps a replica of the embedding table, summed with the first stage's like a tied output's.
 Stage placement: one stage per rank for GPipe/1F1B; "loop" (stages r, r+P, ...) for Interleaved1F1B; "V" (stages r
 and 2P-1-r) for ZBVZeroBubble and DualPipeV. ``PipelineModel`` gathers this rank's stages under the model's own
 attribute names, so ``model.parameters()``/``state_dict()`` look like a (partial) Transformer to the optimizer and
@@ -49,7 +51,8 @@ def split_stage(model: nn.Module, stage: int, counts: list[int]) -> nn.Module:
     for key in list(model.layers.keys()):
         if key not in keep:
             del model.layers[key]
-    if last and not first and model.output is None:
+    mtp = getattr(model, "mtp", None) is not None
+    if last and not first and model.output is None and not mtp:
         # tied output on a stage without the embedding: a replica of the embedding table, kept equal to it by
         # summing the two gradients after each backward (Megatron's embedding group; see sync_tied_grads)
         weight = model.tok_embeddings.weight
@@ -58,13 +61,23 @@ def split_stage(model: nn.Module, stage: int, counts: list[int]) -> nn.Module:
         with torch.no_grad():
             model.output.weight.copy_(weight)
     if not first:
-        model.tok_embeddings = None
+        if not (last and mtp):  # the MTP modules' (and a tied output's) replica of the embedding stays
+            model.tok_embeddings = None
         if getattr(model, "pos_embeddings", None) is not None:
             model.pos_embeddings = None
     if not last:
         model.norm = None
         model.output = None
+        if mtp:
+            model.mtp = None
+    elif mtp:  # a stage's outputs are tensors: (logits, [depth 1, ...]) becomes (logits, depth 1, ...)
+        model.register_forward_hook(lambda _m, _args, out: (out[0], *out[1]) if isinstance(out, tuple) else out)
     return model
+
+
+def needs_embedding_replica(cfg) -> bool:
+    """Whether the last pipeline stage holds a replica of the embedding table (a tied output, MTP modules)."""
+    return cfg.tie_embeddings or bool(cfg.mtp_depth)
 
 
 class _WeightHolder(nn.Module):
@@ -143,10 +156,10 @@ class PipelineModel(nn.Module):
 
     def __init__(self, parts: list[nn.Module], stage_indices: list[int], num_stages: int, tied: bool = False):
         super().__init__()
-        self.tok_embeddings = self.pos_embeddings = self.norm = self.output = None
+        self.tok_embeddings = self.pos_embeddings = self.norm = self.output = self.mtp = None
         self.layers = nn.ModuleDict()
         for part in parts:
-            for name in ("tok_embeddings", "pos_embeddings", "norm", "output"):
+            for name in ("tok_embeddings", "pos_embeddings", "norm", "output", "mtp"):
                 if getattr(part, name, None) is not None:
                     setattr(self, name, getattr(part, name))
             for key, block in part.layers.items():
@@ -156,6 +169,8 @@ class PipelineModel(nn.Module):
             # counts once in the global norm
             self.output.weight.tied_replica = True
             self.tok_embeddings, self.output = _WeightHolder(self.output.weight), None
+        if self.tok_embeddings is not None and 0 not in stage_indices:  # the MTP modules' replica
+            self.tok_embeddings.weight.tied_replica = True
         self.layers = nn.ModuleDict(dict(sorted(self.layers.items(), key=lambda kv: int(kv[0]))))
         object.__setattr__(self, "parts", parts)
         self.stage_indices = stage_indices
@@ -163,12 +178,13 @@ class PipelineModel(nn.Module):
         self.schedule = None
         self.n_microbatches = 1  # what the schedule cuts a step's batch into (set with the schedule)
         self.cfg = getattr(parts[0], "cfg", None)
-        self._step = None  # (loss, batch, factor, scale_loss) of the step being run, see begin_step
+        self._step = None  # (loss, batch, factor, scale_loss, mtp_weight) of the step being run, see begin_step
         self._moe = [_MoEStatsGuard(part) for part in parts if moe_layers(part)]
 
-    def begin_step(self, loss, batch: dict, factor: float, scale_loss=None) -> None:
-        """Before a schedule step: the recipe's loss, the step's whole (local) batch, the normalising factor."""
-        self._step, self._results = (loss, batch, factor, scale_loss), {}
+    def begin_step(self, loss, batch: dict, factor: float, scale_loss=None, mtp_weight=None) -> None:
+        """Before a schedule step: the recipe's loss, the step's whole (local) batch, the normalising factor, each
+        MTP depth's loss weight when the last stage runs the MTP modules."""
+        self._step, self._results = (loss, batch, factor, scale_loss, mtp_weight), {}
         for guard in self._moe:
             guard.begin()
 
@@ -176,10 +192,13 @@ class PipelineModel(nn.Module):
         """The schedule's loss for one pipeline micro-batch: ``rows`` (its target) are the micro-batch's rows of the
         step's batch, so the loss sees every batch key. Keyed by the first row: torch may run the first micro-batch
         once more while it infers shapes, and that result then replaces itself instead of counting twice."""
-        loss, batch, factor, scale_loss = self._step
+        loss, batch, factor, scale_loss, mtp_weight = self._step
         rows = rows.to(torch.long)
         mb = {k: v.index_select(0, rows.to(v.device)) for k, v in batch.items()}
-        result = loss(ModelOutput(logits=output), mb)
+        if mtp_weight is None:
+            result = loss(ModelOutput(logits=output), mb)
+        else:  # (logits, each MTP depth's logits)
+            result = loss(ModelOutput(logits=output[0], mtp=list(output[1:]), mtp_weight=mtp_weight), mb)
         self._results[int(rows[0])] = result
         objective = result.objective(factor)
         return scale_loss(objective) if scale_loss is not None else objective

@@ -31,7 +31,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megapipe.models.objective import Loss, ModelOutput, TokenCrossEntropy
+from megapipe.models.objective import Loss, ModelOutput, TokenCrossEntropy, mtp_metric, with_mtp_streams
 from megapipe.parallel.cp import shard_sequence
 from megapipe.parallel.dims import ParallelDims
 from megapipe.parallel.dp import set_gradient_sync
@@ -71,6 +71,15 @@ def local_batch(mb: dict, dims: ParallelDims) -> dict:
         return mb
     seq, r = mb["tokens"].shape[1], dims.local_rank("cp")
     return {k: shard_sequence(v, dims.cp, r) if v.dim() > 1 and v.shape[1] == seq else v for k, v in mb.items()}
+
+
+def local_batches(model, loss: Loss, microbatches: list[dict], dims: ParallelDims) -> list[dict]:
+    """This rank's part of each micro-batch (``local_batch``); when the model's MTP modules run and the layout splits
+    the sequence (cp) or the stages (pp: the last stage gets hidden states), their shifted token and label streams
+    are made first, from the whole rows (``with_mtp_streams``)."""
+    if mtp_weight(model, loss) is not None and (dims.cp > 1 or isinstance(model, PipelineModel)):
+        microbatches = [with_mtp_streams(mb, model.cfg.mtp_depth) for mb in microbatches]
+    return [local_batch(mb, dims) for mb in microbatches]
 
 
 def _dp_cp_sum(value: torch.Tensor, dims: ParallelDims, with_pp: bool = False) -> torch.Tensor:
@@ -117,7 +126,7 @@ def run_loss(model, loss: Loss, mb: dict, fused: bool = False):
     states inside the model's own forward, where FSDP holds the whole output weight (outside it is a shard). The
     model's MTP modules run when the loss takes their outputs."""
     weight = mtp_weight(model, loss)
-    mtp = {} if weight is None else {"mtp": True}
+    mtp = {} if weight is None else {"mtp": True, **{k: mb[k] for k in ("mtp_tokens",) if k in mb}}
     if fused:
         def head(hidden, output_weight, mtp_hidden=None):
             return loss(ModelOutput(hidden=hidden, output_weight=lambda: output_weight, mtp=mtp_hidden,
@@ -126,7 +135,7 @@ def run_loss(model, loss: Loss, mb: dict, fused: bool = False):
         return model(mb["tokens"], **model_kwargs(mb), head=head, **mtp)
     if weight is None:
         return loss(model_output(model, mb), mb)
-    logits, mtp_logits = model(mb["tokens"], **model_kwargs(mb), mtp=True)
+    logits, mtp_logits = model(mb["tokens"], **model_kwargs(mb), **mtp)
     return loss(ModelOutput(logits=logits, mtp=mtp_logits, mtp_weight=weight), mb)
 
 
@@ -156,7 +165,7 @@ def train_step(model, microbatches: list[dict], dims: ParallelDims, loss: Option
     loss = loss or TokenCrossEntropy()
     context = context or _null
     device = _device(model)
-    microbatches = [local_batch(mb, dims) for mb in microbatches]
+    microbatches = local_batches(model, loss, microbatches, dims)
     units = count_units(loss, microbatches, dims, device)
     # what each micro-batch backpropagates is its sum times this: the reduction over dp_cp ranks then averages
     factor = dims.dp_size * dims.cp / units if units else 0.0
@@ -194,7 +203,10 @@ def _pipeline_step(model: PipelineModel, microbatches, dims, loss, factor, units
     batch = {k: torch.cat([mb[k] for mb in microbatches]) for k in microbatches[0]}
     rows = torch.arange(batch["tokens"].shape[0], device=batch["tokens"].device)
     totals = _Totals(_device(model))
-    model.begin_step(loss, batch, factor, scale_loss)
+    if loss.mtp and getattr(model.cfg, "mtp_depth", 0):  # every stage reduces the last stage's MTP metrics with it
+        totals.metrics = {mtp_metric(k): torch.zeros((), device=totals.loss.device)
+                          for k in range(1, model.cfg.mtp_depth + 1)}
+    model.begin_step(loss, batch, factor, scale_loss, mtp_weight(model, loss))
     run = model.schedule.eval if eval_only else model.schedule.step
     saved_grads = None
     if eval_only and dims.pp_schedule in V_SCHEDULES:
@@ -202,8 +214,10 @@ def _pipeline_step(model: PipelineModel, microbatches, dims, loss, factor, units
         run, saved_grads = model.schedule.step, [(p, p.grad) for p in model.parameters()]
     with loss_parallel_context(dims.loss_parallel), context(), torch.enable_grad() if saved_grads else _null():
         args = (batch["tokens"],) if model.has_first_stage else ()
+        # the MTP modules (last stage) embed the tokens ahead: the schedule cuts them into its micro-batches
+        mtp = {"mtp": True, "mtp_tokens": batch["mtp_tokens"]} if "mtp_tokens" in batch else {}
         # return_outputs=False: the last stage does not keep every micro-batch's logits until the step ends
-        run(*args, target=rows if model.has_last_stage else None, losses=[], return_outputs=False)
+        run(*args, target=rows if model.has_last_stage else None, losses=[], return_outputs=False, **mtp)
     for p, g in saved_grads or []:
         p.grad = g
     if not eval_only:
@@ -220,7 +234,7 @@ def eval_step(model, microbatches: list[dict], dims: ParallelDims, loss: Optiona
     loss = loss or TokenCrossEntropy()
     context = context or _null
     device = _device(model)
-    microbatches = [local_batch(mb, dims) for mb in microbatches]
+    microbatches = local_batches(model, loss, microbatches, dims)
     units = count_units(loss, microbatches, dims, device)
     if isinstance(model, PipelineModel):
         result = _pipeline_step(model, microbatches, dims, loss, 0.0, units, context, None, eval_only=True)

@@ -17,6 +17,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from megapipe.models.mtp import mtp_tp_plan
 from megapipe.models.spec import spec_for
 
 
@@ -60,6 +61,11 @@ def apply_tp(model, mesh, sequence_parallel: bool = True) -> None:
         )
     for block in model.layers.values():
         parallelize_module(block, mesh, spec_for(block).tp_plan(block, sp))
+    for module in getattr(model, "mtp", None) or []:  # multi-token prediction: its block as the layers are
+        parallelize_module(module.block, mesh, spec_for(module.block).tp_plan(module.block, sp))
+        parallelize_module(module, mesh, mtp_tp_plan(sp))
+        if model.output is None:
+            module.norm.register_forward_hook(_gather_for_tied_output(mesh, sp))
 
 
 def loss_parallel_context(enabled: bool):

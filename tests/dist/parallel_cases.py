@@ -92,6 +92,15 @@ MODELS = {
 
 MODELS["mtp"] = {**MODELS["base"], "mtp_num_layers": 2, "mtp_loss_scaling_factor": 0.5}  # multi-token prediction
 MODELS["mtp_moe"] = {**MODELS["moe_bias"], "mtp_num_layers": 1, "mtp_loss_scaling_factor": 0.5}
+# DeepSeek-V3-shaped (deepseek-v3-tiny in small): multi-latent attention (q rank, kv rank, a shared rope key, v heads
+# narrower than q/k heads, YaRN with mscale, interleaved rope) on the "moe_bias" MoE with a first dense layer
+MODELS["mla"] = {**MODELS["moe_bias"], "arch": "deepseek_v3", "multi_latent_attention": True, "q_lora_rank": 16,
+                 "kv_lora_rank": 12, "qk_head_dim": 8, "qk_pos_emb_head_dim": 4, "v_head_dim": 6,
+                 "rope_interleave": True, "rotary_scaling_factor": 2.0, "mscale_all_dim": 1.0,
+                 "max_position_embeddings": 64, "moe_shared_expert_intermediate_size": 16,
+                 "moe_first_k_dense_replace": 1}
+MODELS["mla_mtp"] = {**MODELS["mla"], "mtp_num_layers": 2, "mtp_loss_scaling_factor": 0.5}
+MODELS["mtp_tied"] = {**MODELS["tied"], "mtp_num_layers": 1, "mtp_loss_scaling_factor": 0.5}
 
 
 def parse_case(text: str) -> tuple[dict, dict]:

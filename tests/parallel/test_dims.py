@@ -48,6 +48,8 @@ def test_dp_shard_fills_the_rest_and_sizes():
         (1, dict(pp_virtual_stages=2), MODEL, 32, "needs parallel.pp > 1"),
         (2, dict(tp=2, dp_mode="ddp"), MODEL, 32, "combines with data and context parallelism only"),
         (4, dict(pp=2, pp_schedule="ZBVZeroBubble", pp_virtual_stages=2), MODEL, 32, "loses the last stage"),
+        (2, dict(pp=2, pp_schedule="DualPipeV", pp_virtual_stages=2), ModelConfig(**{**MODEL.__dict__,
+         "mtp_num_layers": 1}), 32, "model.mtp_num_layers = 1 is not supported with parallel.pp_schedule = 'DualPipeV'"),
     ],
 )
 def test_impossible_layouts_are_refused_with_the_reason(world, kw, model, seq, message):

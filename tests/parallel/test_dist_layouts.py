@@ -43,8 +43,13 @@ CASES_2 = [
     "ep2:model=moe_skew",
     # every architecture's declared layouts (test_every_declared_layout_of_every_architecture_has_a_case)
     "pp2:model=qk", "cp2:model=qwen2", "cp2:model=mixtral", "pp2:model=moe", "cp2:model=qwen3_moe",
-    # multi-token prediction: the MTP modules as FSDP / DDP units, its loss through the global normalisation
+    # multi-token prediction: the MTP modules as FSDP / DDP units, its loss through the global normalisation; under
+    # tp / sp (the block's own plan), pp (on the last stage), cp (the tokens ahead cut from whole rows)
     "dp_shard2:model=mtp:mask=1", "ddp2:model=mtp", "dp_shard2:fused=1:model=mtp", "ep2:model=mtp_moe",
+    "tp2:model=mtp:mask=1", "pp2:model=mtp:mask=1:schedule=GPipe", "cp2:model=mtp:mask=1",
+    # DeepSeek-V3-shaped: MLA + MoE (+ MTP) in every layout (cp: k and v heads of different widths on the ring)
+    "ddp2:model=mla", "tp2:model=mla_mtp:mask=1", "tp2:sp=0:model=mla_mtp", "ep2:model=mla_mtp",
+    "pp2:model=mla_mtp:schedule=Interleaved1F1B", "cp2:model=mla_mtp:mask=1",
 ]
 BF16 = [c for c in CASES_2 if "precision=bf16" in c]
 CASES_4 = [
@@ -62,6 +67,11 @@ CASES_4 = [
     "pp2,tp2:model=qwen2", "dp_replicate2,dp_shard2:model=qwen2", "pp2,tp2:model=mistral",
     "dp_replicate2,dp_shard2:model=mistral", "pp2,tp2:model=mixtral", "ddp2,cp2:model=moe",
     "pp2,tp2:model=qwen3_moe", "ep2,dp_replicate2:model=qwen3_moe",
+    # MLA + MTP combined, and saved in one layout, resumed exactly in another; a tied output beside MTP on pp x tp
+    "pp2,tp2:model=mla_mtp", "ep2,cp2:model=mla_mtp", "dp_replicate2,dp_shard2:model=mla_mtp",
+    "pp2,tp2:model=mtp_tied:schedule=Interleaved1F1B",
+    "pp2,ep2:model=mla_mtp:save=ckpt_mla", "tp2,dp_shard2:model=mla_mtp:load=ckpt_mla",
+    "ep2,cp2:model=mla_mtp:load=ckpt_mla",
 ]
 CASES_8 = ["pp2,dp_shard2,tp2", "dp_shard2,cp2,tp2", "pp2,ep2,tp2:model=moe_bias"]
 
@@ -145,8 +155,9 @@ def check_equivalence(res: dict, world: int, layout: str) -> None:
     # every rank compared its parameters: TP/DP/CP replicas hold one copy each, PP stages split them
     pp = 2 if "pp2" in layout else 1
     name = next((o.split("=")[1] for o in layout.split(":") if o.startswith("model=")), "base")
-    n = len(list(build_model(ModelConfig(**pc.MODELS[name]), device="meta").parameters()))
-    n += 1 if name == "tied" and pp > 1 else 0  # the last stage holds a replica of the tied embedding
+    cfg = ModelConfig(**pc.MODELS[name])
+    n = len(list(build_model(cfg, device="meta").parameters()))
+    n += 1 if (cfg.tie_embeddings or cfg.mtp_depth) and pp > 1 else 0  # the last stage's replica of the embedding
     assert res["n_params_checked"] == n * world // pp, res
 
 

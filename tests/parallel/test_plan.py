@@ -329,3 +329,10 @@ def test_mtp_parameters_are_counted_apart(capsys):
                  "--gpus", "1", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)["params"]
     assert out["total_with_mtp"] == count_params(model) and out["mtp"] == pc.mtp
+    # pp2 x tp2: the last stage holds the MTP modules (blocks split by TP) and a replica of the embedding table
+    full = load_config(None, {**over, "model.mtp_num_layers": 2, "parallel.pp": 2, "parallel.tp": 2})
+    stages = P.rank_memory(full, ParallelDims.from_config(full.parallel, 4, full.train, full.model, 64), 64)
+    plain = load_config(None, {**over, "parallel.pp": 2, "parallel.tp": 2})
+    base = P.rank_memory(plain, ParallelDims.from_config(plain.parallel, 4, plain.train, plain.model, 64), 64)
+    assert stages[0].params == base[0].params
+    assert stages[1].params - base[1].params == (pc.mtp - pc.mtp_tp) + pc.mtp_tp // 2 + pc.embedding_tp // 2
