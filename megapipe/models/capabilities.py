@@ -82,8 +82,9 @@ FAMILIES: dict[str, Capabilities] = {
 
 # multi-token prediction modules (megapipe.models.mtp): their shifted token stream and labels do not follow a
 # sequence split (cp, sp) yet, nor does the shared embedding reach the last pipeline stage, nor the TP plans the MTP
-# projection; the Hugging Face and TensorRT-LLM writers do not know their tensors yet
-MTP = _without(layouts={"tp", "sp", "pp", "cp"}, stages={"export_hf", "export_trt"})
+# projection; the TensorRT-LLM writers do not know their tensors yet (the Hugging Face bridge writes them where
+# DeepSeek-V3 keeps them)
+MTP = _without(layouts={"tp", "sp", "pp", "cp"}, stages={"export_trt"})
 
 LABELS = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "gpt2": "GPT-2",
           "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "deepseek_v3": "DeepSeek-V3"}
