@@ -18,7 +18,8 @@ from megapipe.errors import MegapipeError
 
 LAYOUTS = ("dp_replicate", "dp_shard", "tp", "sp", "pp", "cp", "ep")
 ENGINE = ("paged_kv", "prefix_caching", "chunked_prefill", "cpu_kernels")
-LORA = ("q", "k", "v", "o", "gate", "up", "down")
+LORA = ("q", "k", "v", "o", "gate", "up", "down", "q_a", "kv_a", "kv_b")
+MLA_LORA = ("q_a", "kv_a", "kv_b")  # multi-latent attention's down / up projections (megapipe.models.lora.TARGETS)
 QUANT = ("fp8", "int8_sq", "int4_awq", "w4a8_awq", "nvfp4")
 TRT = ("unified", "legacy")
 STAGES = ("pretrain", "sft", "distill", "prune", "rl", "eval", "generate", "serve", "quantize", "export_hf",
@@ -59,10 +60,11 @@ KINDS: dict[str, Capabilities] = {
     # LoRA's MLP targets are the shared expert's (the router and the routed experts are never adapted)
     "moe": _without(stages={"prune"}, quant={"w4a8_awq", "nvfp4"}),
     # multi-latent attention (megapipe.models.mla), a kind of its own beside the MLP kind: the engine has no latent
-    # KV cache yet (so nothing that decodes: generate, serve, eval, rl), ModelOpt / TensorRT-LLM / peft paths and
+    # KV cache yet (so nothing that decodes: generate, serve, eval, rl), ModelOpt / TensorRT-LLM paths and
     # pruning know only q/k/v attention, distillation is untested, and context parallelism's ring attention takes
-    # equal q/k and v widths
-    "mla": Capabilities(layouts=frozenset(LAYOUTS) - {"cp"}, engine=frozenset(), lora=frozenset(),
+    # equal q/k and v widths; LoRA adapts the query (q: wq or wq_b), its down projection (q_a), the latent's down
+    # (kv_a) and up (kv_b) projections and the output (o), under peft's names on DeepseekV3ForCausalLM
+    "mla": Capabilities(layouts=frozenset(LAYOUTS) - {"cp"}, engine=frozenset(), lora=frozenset(LORA) - {"k", "v"},
                         quant=frozenset(), trt=frozenset(),
                         stages=frozenset({"pretrain", "sft", "export_hf"})),
 }
@@ -78,6 +80,9 @@ FAMILIES: dict[str, Capabilities] = {
     # no shared expert; peft (0.21 with transformers 5) retargets gate/up/down of a Qwen3-MoE to its fused experts,
     # so adapters on the dense layers' MLP would not reach a peft directory
     "qwen3_moe": _without(lora={"gate", "up", "down"}),
+    # the same peft retargeting for DeepSeek-V3: its dense layers' and shared experts' MLP adapters would not reach a
+    # peft directory
+    "deepseek_v3": _without(lora={"gate", "up", "down"}),
 }
 
 # multi-token prediction modules (megapipe.models.mtp): their shifted token stream and labels do not follow a
@@ -111,6 +116,8 @@ def _row(arch: str, kinds: list[str]) -> Capabilities:
         row = row & KINDS[kind]
     if "moe" not in kinds:  # expert parallelism splits MoE layers only
         row = row & _without(layouts={"ep"})
+    if "mla" not in kinds:
+        row = row & _without(lora=MLA_LORA)
     return row
 
 
