@@ -60,13 +60,15 @@ KINDS: dict[str, Capabilities] = {
     # LoRA's MLP targets are the shared expert's (the router and the routed experts are never adapted)
     "moe": _without(stages={"prune"}, quant={"w4a8_awq", "nvfp4"}),
     # multi-latent attention (megapipe.models.mla), a kind of its own beside the MLP kind: the engine has no latent
-    # KV cache yet (so nothing that decodes: generate, serve, eval, rl), ModelOpt / TensorRT-LLM paths and
-    # pruning know only q/k/v attention, distillation is untested, and context parallelism's ring attention takes
+    # KV cache yet (so nothing that decodes: generate, serve, eval, rl); ModelOpt quantizes its projections in fp8 and
+    # the unified TensorRT-LLM export writes them as ModelOpt's exporter of DeepseekV3ForCausalLM does (the formats
+    # that fuse or smooth projections sharing an input, and the legacy writer, know only q/k/v attention); pruning
+    # has no width rule for MLA heads, distillation is untested, and context parallelism's ring attention takes
     # equal q/k and v widths; LoRA adapts the query (q: wq or wq_b), its down projection (q_a), the latent's down
     # (kv_a) and up (kv_b) projections and the output (o), under peft's names on DeepseekV3ForCausalLM
     "mla": Capabilities(layouts=frozenset(LAYOUTS) - {"cp"}, engine=frozenset(), lora=frozenset(LORA) - {"k", "v"},
-                        quant=frozenset(), trt=frozenset(),
-                        stages=frozenset({"pretrain", "sft", "export_hf"})),
+                        quant=frozenset({"fp8"}), trt=frozenset({"unified"}),
+                        stages=frozenset({"pretrain", "sft", "quantize", "export_hf", "export_trt"})),
 }
 
 # families (ModelConfig.arch): what the model's Hugging Face / TensorRT-LLM twin allows

@@ -49,6 +49,9 @@ class Adapter:
     architecture: ClassVar[str]  # config.json "architectures"[0], e.g. "LlamaForCausalLM"
     model_type: ClassVar[str]  # config.json "model_type", e.g. "llama"
     arch: ClassVar[str]  # ModelConfig.arch
+    # block tensors (names within a block) transformers keeps in fp32 whatever the model's dtype, so the quantized
+    # exports, checked against ModelOpt's of the transformers twin, write them in fp32 too
+    fp32_tensors: ClassVar[tuple[str, ...]] = ()
 
     def config_from_hf(self, hf: dict[str, Any], where: str) -> dict[str, Any]:
         """Normalised HF config -> ModelConfig fields; a MegapipeError names any field megapipe cannot represent."""

@@ -69,6 +69,7 @@ class DeepseekV3Adapter(_MoEAdapter):
     model_type = "deepseek_v3"
     arch = "deepseek_v3"
     family = "deepseek_v3"
+    fp32_tensors = ("moe.gate.weight", "moe.expert_bias")  # the router (transformers' _keep_in_fp32_modules_strict)
 
     def config_from_hf(self, hf: dict[str, Any], where: str) -> dict[str, Any]:
         # Llama's fields, then MLA's: the heads' widths and the rope are MLA's own
