@@ -63,12 +63,12 @@ KINDS: dict[str, Capabilities] = {
     # KV cache yet (so nothing that decodes: generate, serve, eval, rl); ModelOpt quantizes its projections in fp8 and
     # the unified TensorRT-LLM export writes them as ModelOpt's exporter of DeepseekV3ForCausalLM does (the formats
     # that fuse or smooth projections sharing an input, and the legacy writer, know only q/k/v attention); pruning
-    # has no width rule for MLA heads, distillation is untested, and context parallelism's ring attention takes
+    # has no width rule for MLA heads, and context parallelism's ring attention takes
     # equal q/k and v widths; LoRA adapts the query (q: wq or wq_b), its down projection (q_a), the latent's down
     # (kv_a) and up (kv_b) projections and the output (o), under peft's names on DeepseekV3ForCausalLM
     "mla": Capabilities(layouts=frozenset(LAYOUTS) - {"cp"}, engine=frozenset(), lora=frozenset(LORA) - {"k", "v"},
                         quant=frozenset({"fp8"}), trt=frozenset({"unified"}),
-                        stages=frozenset({"pretrain", "sft", "quantize", "export_hf", "export_trt"})),
+                        stages=frozenset({"pretrain", "sft", "distill", "quantize", "export_hf", "export_trt"})),
 }
 
 # families (ModelConfig.arch): what the model's Hugging Face / TensorRT-LLM twin allows

@@ -1,7 +1,7 @@
-"""`posttrain sft` on DeepSeek-V3 (multi-latent attention + MoE) through the CLI, as imported from Hugging Face:
-full fine-tuning of a model with its MTP layer (the MTP loss logged beside the LM loss, the MTP layer exported back),
-and LoRA on every MLA projection peft can hold, whose adapters peft loads onto transformers' DeepseekV3ForCausalLM
-with our logits (fp32)."""
+"""`posttrain sft` and `distill` on DeepSeek-V3 (multi-latent attention + MoE) through the CLI, as imported from
+Hugging Face: full fine-tuning of a model with its MTP layer (the MTP loss logged beside the LM loss, the MTP layer
+exported back), LoRA on every MLA projection peft can hold, whose adapters peft loads onto transformers'
+DeepseekV3ForCausalLM with our logits (fp32), and distillation from an MLA teacher into an MLA student."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from megapipe.errors import ConfigError
 from tests.helpers.hf_mtp import MTP, make_mtp_dir
 from tests.helpers.hf_tiny import make_hf_dir
 
-CHAT = Path(__file__).parents[1] / "fixtures" / "chat_answer_format.jsonl"
+FIXTURES = Path(__file__).parents[1] / "fixtures"
+CHAT = FIXTURES / "chat_answer_format.jsonl"
 TOKENS = torch.tensor([[5, 17, 9, 33, 2, 71, 8, 19, 44, 3]])
 
 
@@ -97,3 +98,20 @@ def test_mla_lora_target_names_are_checked():
             parse_targets(f"q,{wrong}", mla)
     with pytest.raises(ConfigError, match=r"names 'kv_b', which Llama models do not have"):
         parse_targets("kv_b", ModelConfig(arch="llama"))
+
+
+def test_distill_an_mla_teacher_into_an_mla_student(tmp_path):
+    teacher_hf, _ = make_hf_dir(tmp_path / "teacher_hf", "deepseek_v3")
+    student_hf, _ = make_hf_dir(tmp_path / "student_hf", "deepseek_v3", seed=1, q_lora_rank=None, hidden_size=32)
+    teacher, student, run, data = (tmp_path / n for n in ("teacher", "student", "run", "data"))
+    assert cli("import", "hf", teacher_hf, teacher, "--quiet") == 0
+    assert cli("import", "hf", student_hf, student, "--quiet") == 0
+    assert cli("preprocess", "--input", FIXTURES / "shakespeare_excerpt.jsonl", "--output-prefix", data, "--tokenizer",
+               teacher_hf, "--append-eod", "--quiet") == 0
+    assert cli("posttrain", "distill", "--teacher", teacher, "--student", student, "--data-path",
+               f"{data}_text_document", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "2",
+               "--split", "90,10,0", "--train-iters", "2", "--lr", "1e-2", "--eval-iters", "1", "--log-interval", "1",
+               "--save", run, "--precision", "fp32", "--quiet") == 0
+    train = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in train if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2] and all(math.isfinite(r["kd_loss"]) for r in train)
