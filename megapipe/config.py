@@ -414,7 +414,8 @@ class LoRAConfig:
                                                             "(default: alpha = rank).")
     dropout: float = opt(0.0, "--lora-dropout", help="Dropout on the LoRA input.")
     targets: str = opt("all-linear", "--lora-targets",
-                       help="all-linear, or a comma-separated subset of q,k,v,o,gate,up,down.")
+                       help="all-linear, or a comma-separated subset of q,k,v,o,gate,up,down (multi-latent "
+                            "attention: q,q_a,kv_a,kv_b,o).")
 
 
 @dataclass

@@ -36,6 +36,9 @@ def import_hf_command(
     hf_dir: str = typer.Argument(..., help="Hugging Face model directory: config.json, *.safetensors, tokenizer.json."),
     out_ckpt: str = typer.Argument(..., help="Checkpoint directory to write."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT_CKPT if it exists."),
+    mtp_num_layers: Optional[int] = typer.Option(
+        None, "--mtp-num-layers", help="Multi-token-prediction layers to import (DeepSeek-V3; default: all that "
+                                       "config.json declares, 0: none)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
 ) -> None:
     """Import a Hugging Face model (Llama, Qwen2, Qwen3, Mistral, GPT-2) as a megapipe checkpoint."""
@@ -44,7 +47,7 @@ def import_hf_command(
 
     bar, progress = _progress("importing tensors", quiet)
     with bar:
-        summary = import_hf(hf_dir, out_ckpt, overwrite=overwrite, progress=progress)
+        summary = import_hf(hf_dir, out_ckpt, overwrite=overwrite, progress=progress, mtp_num_layers=mtp_num_layers)
     notes = summary.pop("notes")
     if not quiet:
         for note in notes:

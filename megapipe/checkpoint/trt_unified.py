@@ -31,6 +31,7 @@ FUSED = (("attention_norm", ("attention.wq", "attention.wk", "attention.wv")),
          ("ffn_norm", ("feed_forward.w1", "feed_forward.w3")),
          ("ffn_norm", ("moe.shared_experts.w1", "moe.shared_experts.w3")))  # in the order the HF forward calls them
 SHARED_EXPERT = ("moe.shared_experts.w1", "moe.shared_experts.w2", "moe.shared_experts.w3")
+MLA = ("attention.wq_a", "attention.wq_b", "attention.wkv_a", "attention.wkv_b")  # multi-latent attention (fp8 only)
 EXCLUDED = {"output": "lm_head", "tok_embeddings": "model.embed_tokens"}
 ROUTERS = ("moe.gate", "moe.shared_gate")  # unquantized, listed per layer among the excluded modules
 
@@ -86,7 +87,7 @@ def linear_tensors(q: ql.QLinear) -> dict[str, torch.Tensor]:
 def layer_tensors(src: Source, i: int, dtype: torch.dtype, names: dict[str, str]) -> dict[str, torch.Tensor]:
     state = src.layer(i)
     pre = f"layers.{i}."
-    linears = {n: src.linear(state, pre + n, dtype) for n in (*LAYER_LINEARS, *SHARED_EXPERT)}
+    linears = {n: src.linear(state, pre + n, dtype) for n in (*LAYER_LINEARS, *SHARED_EXPERT, *MLA)}
     norms = {n: (state[f"{pre}{n}.weight"].to(dtype), _opt(state.get(f"{pre}{n}.bias"), dtype))
              for n, _ in FUSED}
     if src.fmt != "fp8":
@@ -111,10 +112,11 @@ def layer_tensors(src: Source, i: int, dtype: torch.dtype, names: dict[str, str]
         out[names[f"{pre}{norm}.weight"]] = weight
         if bias is not None:
             out[names[f"{pre}{norm}.bias"]] = bias
-    handled = tuple(f"{pre}{n}." for n in (*LAYER_LINEARS, *SHARED_EXPERT, *norms, "moe.experts"))
-    for key, tensor in state.items():  # the rest: q_norm / k_norm
+    handled = tuple(f"{pre}{n}." for n in (*LAYER_LINEARS, *SHARED_EXPERT, *MLA, *norms, "moe.experts"))
+    fp32 = tuple(pre + n for n in adapter_for_arch(src.cfg.arch).fp32_tensors)
+    for key, tensor in state.items():  # the rest: q_norm / k_norm, MLA's latent norms, routers, the expert bias
         if not is_quantizer_tensor(key) and not key.startswith(handled):
-            out[names[key]] = tensor.to(dtype)
+            out[names[key]] = tensor.to(torch.float32 if key in fp32 else dtype)
     k_amax, v_amax = src.kv_amax(state, i)
     if k_amax is not None:
         out[names[f"{pre}attention.wk.weight"].removesuffix("weight") + "k_scale"] = ql.kv_scale_unified(k_amax)

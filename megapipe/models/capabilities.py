@@ -18,7 +18,8 @@ from megapipe.errors import MegapipeError
 
 LAYOUTS = ("dp_replicate", "dp_shard", "tp", "sp", "pp", "cp", "ep")
 ENGINE = ("paged_kv", "prefix_caching", "chunked_prefill", "cpu_kernels")
-LORA = ("q", "k", "v", "o", "gate", "up", "down")
+LORA = ("q", "k", "v", "o", "gate", "up", "down", "q_a", "kv_a", "kv_b")
+MLA_LORA = ("q_a", "kv_a", "kv_b")  # multi-latent attention's down / up projections (megapipe.models.lora.TARGETS)
 QUANT = ("fp8", "int8_sq", "int4_awq", "w4a8_awq", "nvfp4")
 TRT = ("unified", "legacy")
 STAGES = ("pretrain", "sft", "distill", "prune", "rl", "eval", "generate", "serve", "quantize", "export_hf",
@@ -59,12 +60,16 @@ KINDS: dict[str, Capabilities] = {
     # LoRA's MLP targets are the shared expert's (the router and the routed experts are never adapted)
     "moe": _without(stages={"prune"}, quant={"w4a8_awq", "nvfp4"}),
     # multi-latent attention (megapipe.models.mla), a kind of its own beside the MLP kind: the engine has no latent
-    # KV cache yet (so nothing that decodes: generate, serve, eval, rl), ModelOpt / TensorRT-LLM / peft paths and
-    # pruning know only q/k/v attention, distillation is untested; every parallel layout (tests/parallel/
-    # test_dist_layouts.py: the ring attention of cp carries its narrower values beside its keys)
-    "mla": Capabilities(engine=frozenset(), lora=frozenset(),
-                        quant=frozenset(), trt=frozenset(),
-                        stages=frozenset({"pretrain", "sft", "export_hf"})),
+    # KV cache yet (so nothing that decodes: generate, serve, eval, rl); ModelOpt quantizes its projections in fp8 and
+    # the unified TensorRT-LLM export writes them as ModelOpt's exporter of DeepseekV3ForCausalLM does (the formats
+    # that fuse or smooth projections sharing an input, and the legacy writer, know only q/k/v attention); pruning
+    # has no width rule for MLA heads; every parallel layout (tests/parallel/test_dist_layouts.py: the ring attention
+    # of cp carries its narrower values beside its keys); LoRA adapts the query (q: wq or wq_b), its down projection
+    # (q_a), the latent's down (kv_a) and up (kv_b) projections and the output (o), under peft's names on
+    # DeepseekV3ForCausalLM
+    "mla": Capabilities(engine=frozenset(), lora=frozenset(LORA) - {"k", "v"},
+                        quant=frozenset({"fp8"}), trt=frozenset({"unified"}),
+                        stages=frozenset({"pretrain", "sft", "distill", "quantize", "export_hf", "export_trt"})),
 }
 
 # families (ModelConfig.arch): what the model's Hugging Face / TensorRT-LLM twin allows
@@ -78,13 +83,16 @@ FAMILIES: dict[str, Capabilities] = {
     # no shared expert; peft (0.21 with transformers 5) retargets gate/up/down of a Qwen3-MoE to its fused experts,
     # so adapters on the dense layers' MLP would not reach a peft directory
     "qwen3_moe": _without(lora={"gate", "up", "down"}),
+    # the same peft retargeting for DeepSeek-V3: its dense layers' and shared experts' MLP adapters would not reach a
+    # peft directory
+    "deepseek_v3": _without(lora={"gate", "up", "down"}),
 }
 
 # multi-token prediction modules (megapipe.models.mtp): every parallel layout (on the last pipeline stage, with a
 # replica of the embedding table; their shifted tokens and labels cut from whole rows under cp; V pipeline schedules,
-# which put the first and last stages on one rank, are refused in megapipe.parallel.dims); the Hugging Face and
-# TensorRT-LLM writers do not know their tensors yet
-MTP = _without(stages={"export_hf", "export_trt"})
+# which put the first and last stages on one rank, are refused in megapipe.parallel.dims); the TensorRT-LLM writers
+# do not know their tensors yet (the Hugging Face bridge writes them where DeepSeek-V3 keeps them)
+MTP = _without(stages={"export_trt"})
 
 LABELS = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "gpt2": "GPT-2",
           "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "deepseek_v3": "DeepSeek-V3"}
@@ -111,6 +119,8 @@ def _row(arch: str, kinds: list[str]) -> Capabilities:
         row = row & KINDS[kind]
     if "moe" not in kinds:  # expert parallelism splits MoE layers only
         row = row & _without(layouts={"ep"})
+    if "mla" not in kinds:
+        row = row & _without(lora=MLA_LORA)
     return row
 
 

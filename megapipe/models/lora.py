@@ -27,11 +27,15 @@ from megapipe.models.capabilities import capabilities, describe
 
 # --lora-targets short names -> the block submodules they name, the first a block has (peft's names on the HF
 # side: q_proj ... down_proj). In an MoE block the MLP names are its shared expert's; the router and the routed
-# experts (3-D weights) are never adapted.
+# experts (3-D weights) are never adapted. Multi-latent attention (megapipe.models.mla) has no k / v: its "q" is the
+# query projection or, under a q bottleneck, its up projection wq_b (DeepSeek's q_b_proj), "q_a" that bottleneck's
+# down projection wq_a (q_a_proj), "kv_a" the latent's down projection wkv_a (kv_a_proj_with_mqa, the shared rope key
+# included) and "kv_b" its up projection to the heads' keys and values wkv_b (kv_b_proj).
 TARGETS = {
-    "q": ("attention.wq",), "k": ("attention.wk",), "v": ("attention.wv",), "o": ("attention.wo",),
+    "q": ("attention.wq", "attention.wq_b"), "k": ("attention.wk",), "v": ("attention.wv",), "o": ("attention.wo",),
     "gate": ("feed_forward.w1", "moe.shared_experts.w1"), "up": ("feed_forward.w3", "moe.shared_experts.w3"),
     "down": ("feed_forward.w2", "moe.shared_experts.w2"),
+    "q_a": ("attention.wq_a",), "kv_a": ("attention.wkv_a",), "kv_b": ("attention.wkv_b",),
 }
 MLP = ("gate", "up", "down")
 
@@ -57,11 +61,12 @@ class LoRASpec:
 
 def present_targets(model_cfg) -> list[str]:
     """The targets a model of ``model_cfg`` has: those its architecture declares (megapipe.models.capabilities),
-    less the MLP ones where no layer has a dense MLP (an MoE without a shared expert) and ``up`` in a GELU MLP."""
+    less the MLP ones where no layer has a dense MLP (an MoE without a shared expert), ``up`` in a GELU MLP and
+    ``q_a`` in multi-latent attention without a q bottleneck."""
     declared = capabilities(model_cfg).lora
     has_mlp = len(model_cfg.moe_layers) < model_cfg.num_layers or bool(model_cfg.moe_shared_expert_intermediate_size)
     return [t for t in TARGETS if t in declared and (t not in MLP or has_mlp)
-            and (t != "up" or model_cfg.activation == "swiglu")]
+            and (t != "up" or model_cfg.activation == "swiglu") and (t != "q_a" or model_cfg.q_lora_rank)]
 
 
 def parse_targets(text: str, model_cfg) -> tuple[str, ...]:

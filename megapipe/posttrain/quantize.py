@@ -23,7 +23,7 @@ from torch import nn
 from megapipe.checkpoint import quant_state
 from megapipe.errors import DataError, MegapipeError
 from megapipe.fileio import refuse_overlap
-from megapipe.models.capabilities import require
+from megapipe.models.capabilities import describe, require
 
 Progress = Optional[Callable[[int, int], None]]
 JSON_SUFFIXES = (".jsonl", ".json")
@@ -200,7 +200,12 @@ def quantize_checkpoint(
         raise MegapipeError(f"{ckpt} is already quantized ({manifest['quantization'].get('format')}): quantize its "
                             f"unquantized parent instead ({manifest.get('parent')})")
     model_cfg = manifest.get("model") or {}
-    require(manifest_model_config(ckpt, manifest), "quantize", str(ckpt), quant=fmt)
+    cfg = manifest_model_config(ckpt, manifest)
+    require(cfg, "quantize", str(ckpt), quant=fmt)
+    if kv_cache is not None and cfg.multi_latent_attention:
+        raise MegapipeError(f"{ckpt}: --kv-cache-quant {kv_cache}: {describe(cfg)} models cache multi-latent "
+                            "attention's compressed latent, which the KV cache quantizers (on each head's keys and "
+                            "values) do not reach: quantize without --kv-cache-quant")
     if seq_length > int(model_cfg.get("max_position_embeddings", seq_length)):
         raise MegapipeError(f"--calib-seq-len {seq_length} exceeds the model's max_position_embeddings "
                             f"({model_cfg['max_position_embeddings']})")

@@ -189,7 +189,8 @@ def quantized_twin(quantized_ckpt: Path, tmp: Path, dtype: torch.dtype):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         twin = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=dtype).eval()
-    weights = {names[k]: v.to(dtype) for k, v in state.items() if not quant_state.is_quantizer_tensor(k)}
+    # loading casts each to its parameter's dtype: the model's, or fp32 where transformers keeps it (a router)
+    weights = {names[k]: v for k, v in state.items() if not quant_state.is_quantizer_tensor(k)}
     missing, unexpected = twin.load_state_dict(weights, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
 

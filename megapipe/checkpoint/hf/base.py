@@ -40,7 +40,7 @@ class Conversion:
 UNMAPPED_FIELDS = ("preset", "arch", "make_vocab_size_divisible_by", "init_std",
                    "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
                    "moe_router_bias_update_rate", "moe_expert_capacity_factor", "moe_token_drop_policy",
-                   "moe_grouped_gemm")
+                   "moe_grouped_gemm", "mtp_loss_scaling_factor")
 
 
 class Adapter:
@@ -49,6 +49,9 @@ class Adapter:
     architecture: ClassVar[str]  # config.json "architectures"[0], e.g. "LlamaForCausalLM"
     model_type: ClassVar[str]  # config.json "model_type", e.g. "llama"
     arch: ClassVar[str]  # ModelConfig.arch
+    # block tensors (names within a block) transformers keeps in fp32 whatever the model's dtype, so the quantized
+    # exports, checked against ModelOpt's of the transformers twin, write them in fp32 too
+    fp32_tensors: ClassVar[tuple[str, ...]] = ()
 
     def config_from_hf(self, hf: dict[str, Any], where: str) -> dict[str, Any]:
         """Normalised HF config -> ModelConfig fields; a MegapipeError names any field megapipe cannot represent."""
@@ -65,9 +68,15 @@ class Adapter:
         """HF tensors that are not weights megapipe needs (cached buffers, a tied head saved anyway)."""
         return name.endswith(".rotary_emb.inv_freq") or (cfg.tie_embeddings and name == "lm_head.weight")
 
-    def notes(self, names: set[str], cfg: ModelConfig) -> list[str]:
-        """Sentences for the import log about the checkpoint's tensors ``names`` (e.g. what ``ignored`` left out)."""
-        return []
+    def fit(self, cfg: ModelConfig, names: set[str], mtp_num_layers: Optional[int], where: str
+            ) -> tuple[ModelConfig, list[str]]:
+        """The config to import the checkpoint's tensors ``names`` into (``mtp_num_layers``: how many of its
+        multi-token-prediction layers the user keeps, None: what config.json declares), and sentences for the import
+        log about what was left out."""
+        if mtp_num_layers:
+            raise MegapipeError(f"{where}: --mtp-num-layers {mtp_num_layers}: {self.architecture} checkpoints hold no "
+                                "multi-token-prediction layers")
+        return cfg, []
 
     def aliases(self, names: set[str]) -> dict[str, str]:
         """Names as a checkpoint spells them -> the canonical names ``conversions`` uses (default: the same)."""
@@ -106,6 +115,8 @@ def canonical(name: str, value: Any, cfg: ModelConfig) -> Any:
         return float(value)
     if name == "sliding_window" and value is not None and value >= cfg.max_position_embeddings:
         return None  # a window as long as the context is no window
+    if name == "mtp_num_layers":
+        return cfg.mtp_depth
     if name == "moe_layer_freq":
         return tuple(cfg.moe_layers)  # every-N-th, a pattern and first-K-dense are one list of MoE layers
     if name == "moe_first_k_dense_replace":

@@ -112,8 +112,10 @@ class HFModel(NamedTuple):
     notes: list[str]  # one sentence each: what the import did that a user should know (dequantized, left out)
 
 
-def load_hf_model(hf_dir: str | Path, progress: Progress = None) -> HFModel:
-    """A Hugging Face model directory -> megapipe model (fp32, on CPU) in memory, with its config and tokenizer."""
+def load_hf_model(hf_dir: str | Path, progress: Progress = None, mtp_num_layers: Optional[int] = None) -> HFModel:
+    """A Hugging Face model directory -> megapipe model (fp32, on CPU) in memory, with its config and tokenizer.
+    ``mtp_num_layers``: how many of the checkpoint's multi-token-prediction layers to import (None: all that
+    config.json declares; 0: none)."""
     hf_dir = Path(hf_dir).expanduser()
     if not hf_dir.is_dir():
         raise MegapipeError(f"Hugging Face model directory {hf_dir} does not exist")
@@ -128,7 +130,8 @@ def load_hf_model(hf_dir: str | Path, progress: Progress = None) -> HFModel:
         reader = DequantizingReader(reader, block)
         notes.append(f"the FP8 weights (block-scaled {block[0]}x{block[1]}, weight_scale_inv) were dequantized to "
                      "fp32 on import")
-    notes += adapter.notes(reader.names(), cfg)
+    cfg, left_out = adapter.fit(cfg, reader.names(), mtp_num_layers, str(hf_dir))
+    notes += left_out
     file_name = {canon: name for name, canon in adapter.aliases(reader.names()).items()}
     conversions = adapter.conversions(cfg)
     _check_names(
@@ -156,8 +159,10 @@ def load_hf_model(hf_dir: str | Path, progress: Progress = None) -> HFModel:
     return HFModel(adapter, cfg, hf, tok, model, reader, notes)
 
 
-def import_hf(hf_dir: str | Path, out_ckpt: str | Path, overwrite: bool = False, progress: Progress = None) -> dict:
-    """Hugging Face model directory -> megapipe checkpoint at ``out_ckpt``; returns a summary."""
+def import_hf(hf_dir: str | Path, out_ckpt: str | Path, overwrite: bool = False, progress: Progress = None,
+              mtp_num_layers: Optional[int] = None) -> dict:
+    """Hugging Face model directory -> megapipe checkpoint at ``out_ckpt``; returns a summary (``mtp_num_layers``:
+    as in ``load_hf_model``)."""
     started = time.perf_counter()
     hf_dir, out_ckpt = Path(hf_dir).expanduser(), Path(out_ckpt).expanduser()
     if not hf_dir.is_dir():
@@ -165,7 +170,9 @@ def import_hf(hf_dir: str | Path, out_ckpt: str | Path, overwrite: bool = False,
     refuse_overlap([out_ckpt], [hf_dir])
     if out_ckpt.exists() and not overwrite:
         raise MegapipeError(f"{out_ckpt} already exists: pick another output or pass --overwrite")
-    adapter, cfg, hf, tok, model, reader, notes = load_hf_model(hf_dir, progress)
+    if mtp_num_layers is not None and mtp_num_layers < 0:
+        raise MegapipeError(f"--mtp-num-layers {mtp_num_layers} must be >= 0 (0: leave the MTP layers out)")
+    adapter, cfg, hf, tok, model, reader, notes = load_hf_model(hf_dir, progress, mtp_num_layers)
 
     generation = hf_dir / "generation_config.json"
     source_dtype = reader.dtype()

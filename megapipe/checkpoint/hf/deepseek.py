@@ -3,20 +3,27 @@
 YaRN rope on interleaved pairs, and the sigmoid, group-limited MoE with its score-correction bias (megapipe's
 expert bias), the first layers dense. Tensors are named by the MLA block kinds' spec (megapipe.models.mla).
 
-The Hub's checkpoints also hold the multi-token-prediction layers as extra layer indices (``model.layers.{L}.*``
-for L >= num_hidden_layers, ``mtp_layers``); megapipe ignores them for now, with a note in the import log, as
-transformers does (``MTP_TENSORS`` names what is there, for the MTP modules to map).
+The Hub's checkpoints also hold the multi-token-prediction layers (``num_nextn_predict_layers``, transformers'
+``num_mtp_layers``) as extra layer indices (``model.layers.{L}.*`` for L >= num_hidden_layers: a decoder layer plus
+``MTP_TENSORS``); they import into megapipe's MTP modules (``model.mtp``, megapipe.models.mtp) and export back where
+they were. DeepSeek's copies of the embedding table and the output head in each of them must equal the main model's
+(megapipe shares those) and are written back from them. transformers leaves these tensors out when it loads.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from typing import Any
+from typing import Any, Optional
 
-from megapipe.checkpoint.hf.base import refuse, register, rope_from_hf
-from megapipe.checkpoint.hf.moe import _MoEAdapter
+import torch
+
+from megapipe.checkpoint.hf.base import Conversion, meta_state_keys, refuse, register, rope_from_hf
+from megapipe.checkpoint.hf.moe import _MoEAdapter, renamed
 from megapipe.config import ModelConfig
 from megapipe.errors import MegapipeError
+from megapipe.models.blocks import block_spec
+from megapipe.models.mtp import hf_mtp_names
 from megapipe.models.rope import yarn_attention_factor
 
 # what one DeepSeek MTP layer (index L >= num_hidden_layers) holds besides a decoder layer's own tensors
@@ -62,6 +69,7 @@ class DeepseekV3Adapter(_MoEAdapter):
     model_type = "deepseek_v3"
     arch = "deepseek_v3"
     family = "deepseek_v3"
+    fp32_tensors = ("moe.gate.weight", "moe.expert_bias")  # the router (transformers' _keep_in_fp32_modules_strict)
 
     def config_from_hf(self, hf: dict[str, Any], where: str) -> dict[str, Any]:
         # Llama's fields, then MLA's: the heads' widths and the rope are MLA's own
@@ -75,7 +83,8 @@ class DeepseekV3Adapter(_MoEAdapter):
                 multi_latent_attention=True, q_lora_rank=int(q_rank) if q_rank else None,
                 kv_lora_rank=int(hf["kv_lora_rank"]), qk_head_dim=int(hf["qk_nope_head_dim"]),
                 qk_pos_emb_head_dim=int(hf["qk_rope_head_dim"]), v_head_dim=int(hf["v_head_dim"]),
-                rope_interleave=bool(hf.get("rope_interleave", True)), **yarn_from_hf(hf, where))
+                rope_interleave=bool(hf.get("rope_interleave", True)),
+                mtp_num_layers=int(hf.get("num_nextn_predict_layers") or 0) or None, **yarn_from_hf(hf, where))
         except KeyError as e:
             raise MegapipeError(f"{where}: the field {e.args[0]!r} is missing") from None
         return fields
@@ -112,7 +121,7 @@ class DeepseekV3Adapter(_MoEAdapter):
         hf.update(num_key_value_heads=cfg.num_heads, q_lora_rank=cfg.q_lora_rank or None,
                   kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_head_dim,
                   qk_rope_head_dim=cfg.qk_pos_emb_head_dim, v_head_dim=cfg.v_head_dim,
-                  rope_interleave=cfg.rope_interleave, num_nextn_predict_layers=0)
+                  rope_interleave=cfg.rope_interleave, num_nextn_predict_layers=cfg.mtp_depth)
         hf.pop("head_dim")
         theta = float(cfg.rope_theta)
         params: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
@@ -136,14 +145,64 @@ class DeepseekV3Adapter(_MoEAdapter):
                     norm_topk_prob=cfg.moe_router_norm_topk_prob, first_k_dense_replace=cfg.moe_first_k_dense_replace,
                     topk_method="noaux_tc", scoring_func="sigmoid")
 
+    def conversions(self, cfg: ModelConfig) -> list[Conversion]:
+        """The main model's, then each MTP module's by hf_mtp_names; the main embedding table's and output head's
+        conversions also carry DeepSeek's copies of them in the MTP layers."""
+        out = super().conversions(dataclasses.replace(cfg, mtp_num_layers=None))
+        block = block_spec(cfg, cfg.num_layers - 1).hf_names[self.family]
+        keys = meta_state_keys(cfg)
+        copies: dict[str, list[str]] = {}  # main table (megapipe name) -> DeepSeek's copies of it
+        for depth in range(1, cfg.mtp_depth + 1):
+            names = hf_mtp_names(cfg.num_layers, depth, block)
+            for shared in ("tok_embeddings", "output"):
+                table = "tok_embeddings" if shared == "output" and cfg.tie_embeddings else shared
+                copies.setdefault(f"{table}.weight", []).append(names.pop(shared) + ".weight")
+            out += [renamed(k, names, cfg) for k in keys if k.startswith(f"mtp.{depth - 1}.")]
+        return [_with_copies(c, copies[c.mp[0]]) if c.mp[0] in copies else c for c in out]
+
     def ignored(self, name: str, cfg: ModelConfig) -> bool:
-        return super().ignored(name, cfg) or mtp_layer_of(name, cfg) is not None
+        depth = mtp_layer_of(name, cfg)
+        return super().ignored(name, cfg) or (depth is not None and depth >= cfg.mtp_depth)
 
-    def notes(self, names: set[str], cfg: ModelConfig) -> list[str]:
-        depths = {mtp_layer_of(n, cfg) for n in names} - {None}
-        if not depths:
-            return []
-        return [f"the checkpoint's {len(depths)} multi-token-prediction layer(s) (model.layers.{cfg.num_layers}"
-                f"{'' if len(depths) == 1 else '-' + str(cfg.num_layers + len(depths) - 1)}.*) were not imported: "
-                "megapipe's DeepSeek-V3 has no MTP modules yet"]
+    def fit(self, cfg: ModelConfig, names: set[str], mtp_num_layers: Optional[int], where: str
+            ) -> tuple[ModelConfig, list[str]]:
+        have = len({mtp_layer_of(n, cfg) for n in names} - {None})
+        if mtp_num_layers is not None and mtp_num_layers > have:
+            raise MegapipeError(f"{where}: --mtp-num-layers {mtp_num_layers} asks for more multi-token-prediction "
+                                f"layers than the checkpoint holds ({have})")
+        notes = []
+        if mtp_num_layers is not None:
+            keep, why = mtp_num_layers, f"--mtp-num-layers {mtp_num_layers}"
+        elif have:
+            keep, why = cfg.mtp_depth, f"config.json's num_nextn_predict_layers is {cfg.mtp_depth}"
+        else:
+            keep = 0
+            if cfg.mtp_depth:
+                notes.append(f"config.json's num_nextn_predict_layers is {cfg.mtp_depth} but the safetensors hold no "
+                             "multi-token-prediction layer: the model was imported without MTP modules")
+        if keep < have:
+            first, last = cfg.num_layers + keep, cfg.num_layers + have - 1
+            span = str(first) if first == last else f"{first}-{last}"
+            notes.append(f"the checkpoint's {have - keep} multi-token-prediction layer(s) (model.layers.{span}.*) "
+                         f"were not imported ({why})")
+        return dataclasses.replace(cfg, mtp_num_layers=keep or None), notes
 
+
+def _with_copies(conv: Conversion, copies: list[str]) -> Conversion:
+    """``conv`` (a main table: one HF tensor, one megapipe tensor) with DeepSeek's copies of it: on import each must
+    equal the main tensor, on export each is written as a copy of it."""
+
+    def to_mp(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        for name, copy in zip(copies, tensors[1:], strict=True):
+            if not torch.equal(copy, tensors[0]):
+                raise MegapipeError(
+                    f"{name} differs from {conv.hf[0]}: megapipe's MTP modules share the main model's embedding "
+                    "table and output head, of which DeepSeek-V3's MTP layers hold copies (import with "
+                    "--mtp-num-layers 0 to leave the MTP layers out)")
+        return conv.to_mp(tensors[:1])
+
+    def to_hf(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        main = conv.to_hf(tensors)
+        return main + [main[0].clone() for _ in copies]
+
+    return Conversion(hf=conv.hf + tuple(copies), mp=conv.mp, to_mp=to_mp, to_hf=to_hf)

@@ -30,29 +30,34 @@ def _split(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def moe_conversions(cfg: ModelConfig, family: str) -> list[Conversion]:
     """Conversions of every megapipe tensor: outside the blocks as Llama, in a block by its kind's ``hf_names``
-    (``family`` where the kind names it, else "llama"); a name there may be a whole tensor's (a buffer's)."""
-    out = []
+    (``family`` where the kind names it, else "llama")."""
+    out, layer_names = [], {}
     for key in meta_state_keys(cfg):
         if not key.startswith("layers."):
             module, param = key.rsplit(".", 1)
             out.append(Conversion(hf=(f"{TOP[module]}.{param}",), mp=(key,)))
             continue
-        _, i, rest = key.split(".", 2)
-        spec = block_spec(cfg, int(i))
-        names = spec.hf_names[family if family in spec.hf_names else "llama"]
-        prefix = f"model.layers.{i}."
-        if rest in names and "{e}" in names[rest]:
-            hf = tuple(prefix + names[rest].format(e=e) for e in range(cfg.num_experts))
-            out.append(Conversion(hf=hf, mp=(key,), to_mp=_stack, to_hf=_split))
-            continue
-        if rest in names:
-            out.append(Conversion(hf=(prefix + names[rest],), mp=(key,)))
-            continue
-        module, param = rest.rsplit(".", 1)
-        if module not in names:
-            raise MegapipeError(f"model.arch = {cfg.arch!r}: megapipe tensor {key} has no Hugging Face name")
-        out.append(Conversion(hf=(f"{prefix}{names[module]}.{param}",), mp=(key,)))
+        i = int(key.split(".", 2)[1])
+        if i not in layer_names:
+            spec = block_spec(cfg, i)
+            names = spec.hf_names[family if family in spec.hf_names else "llama"]
+            layer_names[i] = {f"layers.{i}.{k}": f"model.layers.{i}.{v}" for k, v in names.items()}
+        out.append(renamed(key, layer_names[i], cfg))
     return out
+
+
+def renamed(key: str, names: dict[str, str], cfg: ModelConfig) -> Conversion:
+    """The conversion of megapipe tensor ``key`` by ``names`` (megapipe module -> HF module, or a whole tensor's
+    name -> HF tensor, e.g. a buffer's; an ``{e}`` in the HF name: E tensors, one per expert, stacked into ``key``)."""
+    if key in names and "{e}" in names[key]:
+        hf = tuple(names[key].format(e=e) for e in range(cfg.num_experts))
+        return Conversion(hf=hf, mp=(key,), to_mp=_stack, to_hf=_split)
+    if key in names:
+        return Conversion(hf=(names[key],), mp=(key,))
+    module, param = key.rsplit(".", 1)
+    if module not in names:
+        raise MegapipeError(f"model.arch = {cfg.arch!r}: megapipe tensor {key} has no Hugging Face name")
+    return Conversion(hf=(f"{names[module]}.{param}",), mp=(key,))
 
 
 def _pattern_from_hf(hf: dict[str, Any]) -> int | list[int]:
