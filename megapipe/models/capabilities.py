@@ -91,8 +91,10 @@ FAMILIES: dict[str, Capabilities] = {
 # multi-token prediction modules (megapipe.models.mtp): every parallel layout (on the last pipeline stage, with a
 # replica of the embedding table; their shifted tokens and labels cut from whole rows under cp; V pipeline schedules,
 # which put the first and last stages on one rank, are refused in megapipe.parallel.dims); the TensorRT-LLM writers
-# do not know their tensors yet (the Hugging Face bridge writes them where DeepSeek-V3 keeps them)
+# do not know their tensors yet; the Hugging Face bridge writes them where DeepSeek-V3 keeps them, and only there
+# (the other families' HF twins have no MTP layers)
 MTP = _without(stages={"export_trt"})
+MTP_HF_FAMILIES = ("deepseek_v3",)
 
 LABELS = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "gpt2": "GPT-2",
           "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "deepseek_v3": "DeepSeek-V3"}
@@ -110,7 +112,9 @@ def kinds_of(cfg) -> list[str]:
 
 def capabilities(cfg) -> Capabilities:
     row = _row(cfg.arch, kinds_of(cfg))
-    return row & MTP if getattr(cfg, "mtp_depth", 0) else row
+    if not getattr(cfg, "mtp_depth", 0):
+        return row
+    return row & (MTP if cfg.arch in MTP_HF_FAMILIES else MTP & _without(stages={"export_hf"}))
 
 
 def _row(arch: str, kinds: list[str]) -> Capabilities:
