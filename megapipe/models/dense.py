@@ -12,7 +12,7 @@ from torch import nn
 from megapipe.config import ModelConfig
 from megapipe.models.attention import Attention, DocumentMask
 from megapipe.models.norms import build_norm
-from megapipe.models.spec import BlockSpec, register_block
+from megapipe.models.spec import BlockSpec, register_block, replicated_style
 
 
 class FeedForward(nn.Module):
@@ -47,6 +47,13 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+def norms_tp_plan(sp: bool) -> dict:
+    """A block's two norms: split along the sequence with sequence parallelism, else replicated like the stream."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    return {norm: SequenceParallel() if sp else replicated_style() for norm in ("attention_norm", "ffn_norm")}
+
+
 def attention_tp_plan(block: nn.Module, sp: bool) -> dict:
     """wq/wk/wv split by output features (heads), wo by input features: one reduction. With sequence parallelism the
     norms (and the residual stream between them) are split along the sequence: all-gather before attention and the
@@ -69,9 +76,7 @@ def attention_tp_plan(block: nn.Module, sp: bool) -> dict:
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=act),
     }
-    if sp:
-        plan["attention_norm"] = SequenceParallel()
-        plan["ffn_norm"] = SequenceParallel()
+    plan.update(norms_tp_plan(sp))
     if block.attention.q_norm is not None:
         # q/k are [B, S, local heads, head_dim] here: treat the head dim as the sharded one so the (replicated)
         # norm weights get their gradients summed over TP ranks

@@ -22,7 +22,7 @@ from torch import nn
 
 from megapipe.config import ModelConfig
 from megapipe.models.attention import CausalSDPA, DocumentMask
-from megapipe.models.dense import DENSE, TransformerBlock, dense_tp_plan
+from megapipe.models.dense import DENSE, TransformerBlock, dense_tp_plan, norms_tp_plan
 from megapipe.models.moe import MoEBlock, moe_tp_plan
 from megapipe.models.norms import RMSNorm
 from megapipe.models.rope import apply_rope, apply_rope_interleaved, yarn_mscale
@@ -130,7 +130,6 @@ def mla_attention_tp_plan(block: nn.Module, sp: bool) -> dict:
         ColwiseParallel,
         PrepareModuleInput,
         RowwiseParallel,
-        SequenceParallel,
     )
 
     act = Shard(1) if sp else Replicate()
@@ -147,8 +146,7 @@ def mla_attention_tp_plan(block: nn.Module, sp: bool) -> dict:
     replicated = ["attention.wkv_a", "attention.kv_norm"] + (["attention.wq_a", "attention.q_norm"] if attn.wq is None
                                                              else [])
     plan.update({name: replicated_style() for name in replicated})
-    for norm in ("attention_norm", "ffn_norm"):
-        plan[norm] = SequenceParallel() if sp else replicated_style()
+    plan.update(norms_tp_plan(sp))
     return plan
 
 

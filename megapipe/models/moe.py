@@ -41,7 +41,7 @@ from megapipe.config import ModelConfig
 from megapipe.models.attention import Attention, DocumentMask
 from megapipe.models.dense import DENSE, FeedForward, attention_tp_plan
 from megapipe.models.norms import build_norm
-from megapipe.models.spec import BlockSpec, register_block
+from megapipe.models.spec import BlockSpec, register_block, replicated_style
 
 STATS = ("aux", "z", "dropped", "assigned", "calls")  # MoE.stats entries
 
@@ -138,7 +138,7 @@ def grouped_mm_ok(x: torch.Tensor, *weights: torch.Tensor) -> bool:
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """A weight's local part (expert parallelism shards the expert dimension; the module computes with what this rank
-    holds, the tokens having been dispatched to it)."""
+    holds, the tokens having been dispatched to it; tensor parallelism replicates the router and experts whole)."""
     return t.to_local() if hasattr(t, "to_local") else t
 
 
@@ -238,7 +238,7 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(x.float(), self.gate.weight.float())
+            logits = F.linear(x.float(), local(self.gate.weight).float())
         bias = None if self.expert_bias is None else self.expert_bias.detach()
         idx, weights, aux_scores = route(logits, cfg, bias)
         t, k = idx.shape
@@ -354,7 +354,9 @@ def moe_layers(model: nn.Module) -> list[tuple[int, MoE]]:
 
 def moe_tp_plan(block: MoEBlock, sp: bool) -> dict:
     """Attention as in the dense block; the MoE layer is not split by TP (expert tensor parallelism is 1): it runs
-    on the TP group's whole (all-gathered) sequence on every TP rank, and each keeps its part of the output."""
+    on the TP group's whole (all-gathered) sequence on every TP rank, and each keeps its part of the output. Its
+    parameters are replicated DTensors (``replicated_style``): the router and experts compute with their local
+    tensors, the shared experts on the local input; their gradients come out whole on every TP rank."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
@@ -364,6 +366,11 @@ def moe_tp_plan(block: MoEBlock, sp: bool) -> dict:
         input_layouts=(act,), desired_input_layouts=(Replicate(),), use_local_input=True,
         output_layouts=(Replicate(),), desired_output_layouts=(act,), use_local_output=True,
     )
+    plan["moe.gate"] = replicated_style(hooks=False)
+    plan["moe.experts"] = replicated_style(hooks=False)
+    for name in ("shared_experts", "shared_gate"):
+        if getattr(block.moe, name) is not None:
+            plan[f"moe.{name}"] = replicated_style()
     return plan
 
 

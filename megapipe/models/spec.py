@@ -40,16 +40,28 @@ def spec_for(block: nn.Module) -> BlockSpec:
     raise TypeError(f"{type(block).__name__} has no registered BlockSpec")
 
 
-def replicated_style():
+def replicated_style(hooks: bool = True):
     """A tensor-parallel style for a layer every TP rank computes whole on the whole input (MLA's latent down
-    projections and norms, MTP's projection without sequence parallelism): its parameters become replicated DTensors
-    like the sharded layers' (one optimizer and clipping group; the optimizer's foreach path takes no mix of plain
-    tensors and DTensors), its input and output stay local tensors. Its gradient reaches it whole on every rank,
-    so nothing is reduced."""
-    from torch.distributed.tensor import Replicate
+    projections and norms, MTP's projection, norms without sequence parallelism, MoE layers): its parameters (those
+    of its submodules too) become replicated DTensors like the sharded layers' (one optimizer and clipping group; the
+    optimizer's foreach path takes no mix of plain tensors and DTensors), its input and output stay local tensors.
+    Its gradient reaches it whole on every rank, so nothing is reduced. ``hooks=False``: the parameters only, for a
+    module whose forward computes with their local tensors (the MoE router and experts)."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
     from torch.distributed.tensor.parallel import SequenceParallel
 
-    style = SequenceParallel(use_local_output=True)
+    class Replicated(SequenceParallel):
+        def _replicate_module_fn(self, name, module, device_mesh):  # called for every submodule: its own parameters
+            for p_name, param in module.named_parameters(recurse=False):
+                dt = DTensor.from_local(param, device_mesh, [Replicate()], run_check=False)
+                module.register_parameter(p_name, nn.Parameter(dt, requires_grad=param.requires_grad))
+
+        def _apply(self, module, device_mesh):
+            if hooks:
+                return super()._apply(module, device_mesh)
+            return distribute_module(module, device_mesh, self._replicate_module_fn)
+
+    style = Replicated(use_local_output=True)
     style.sequence_sharding = (Replicate(),)  # the layouts its input is taken in and its output given back in
     return style
 

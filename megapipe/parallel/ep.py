@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megapipe.models.moe import STATS, moe_layers
+from megapipe.models.moe import STATS, local, moe_layers
 
 
 class _AllToAll(torch.autograd.Function):
@@ -93,8 +93,9 @@ def apply_moe(model: nn.Module, dims) -> None:
             experts = moe.experts
             for name in ("w1", "w2", "w3"):
                 full = getattr(experts, name)
-                # every rank built the same weights: each keeps its experts' slice (src_data_rank=None: no scatter)
-                shard = distribute_tensor(full.detach(), mesh, [Shard(0)], src_data_rank=None)
+                # every rank built the same weights: each keeps its experts' slice (src_data_rank=None: no scatter);
+                # under TP they are replicated DTensors over the TP ranks, whose local tensor is the whole weight
+                shard = distribute_tensor(local(full.detach()), mesh, [Shard(0)], src_data_rank=None)
                 setattr(experts, name, nn.Parameter(shard, requires_grad=full.requires_grad))
             moe.dispatcher = AllToAllDispatch(mesh.get_group(), dims.ep, moe.cfg.num_experts)
 

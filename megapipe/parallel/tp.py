@@ -18,7 +18,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from megapipe.models.mtp import mtp_tp_plan
-from megapipe.models.spec import spec_for
+from megapipe.models.spec import replicated_style, spec_for
 
 
 def _gather_for_tied_output(mesh, sp: bool):
@@ -43,9 +43,10 @@ def apply_tp(model, mesh, sequence_parallel: bool = True) -> None:
         # learned positions are added to the full sequence, then the residual stream is split (first block)
         emb_out = Replicate() if learned_pos else act
         top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=emb_out)
+    if learned_pos:
+        top["pos_embeddings"] = replicated_style()
     if model.norm is not None:
-        if sp:
-            top["norm"] = SequenceParallel()
+        top["norm"] = SequenceParallel() if sp else replicated_style()
         if model.output is not None:
             top["output"] = ColwiseParallel(input_layouts=act, output_layouts=Shard(-1), use_local_output=False)
     parallelize_module(model, mesh, top)

@@ -27,11 +27,12 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from megapipe.config import Config, ModelConfig, ParallelConfig, TrainConfig
+from megapipe.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from megapipe.models import build_model
 from megapipe.parallel.dims import ParallelDims, apply_layout, parse_layout
 from megapipe.parallel.ep import update_expert_biases
 from megapipe.parallel.step import clip_grad_norm_, eval_step, train_step
+from megapipe.training.optim import build_optimizer
 
 SEQ, GLOBAL_BATCH, MICRO, STEPS, LR, CLIP = 16, 8, 2, 3, 0.5, 0.8
 
@@ -151,6 +152,12 @@ def micro(batch: dict, lo: int, hi: int, size: int) -> list[dict]:
     return [{k: v[i:i + size] for k, v in batch.items()} for i in range(lo, hi, size)]
 
 
+def sgd(model) -> torch.optim.Optimizer:
+    """Plain SGD as the trainer builds it: fused on plain tensors, foreach once any parameter is a DTensor (which
+    takes no mix of plain tensors and DTensors, so every layout must leave none)."""
+    return build_optimizer(model, OptimConfig(optimizer="sgd", weight_decay=0.0), LR)
+
+
 _REFERENCE: dict = {}
 
 
@@ -161,7 +168,7 @@ def reference(cfg: Config, masked: bool = False) -> dict:
     if key in _REFERENCE:
         return _REFERENCE[key]
     model = build(cfg)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    opt = sgd(model)
     trivial = ParallelDims()
     out = {"losses": [], "biases": [], "moe": [], "init": {n: p.detach().clone() for n, p in model.named_parameters()}}
     for i, batch in enumerate(batches(cfg, STEPS, masked)):
@@ -228,7 +235,7 @@ def run_case(text: str) -> dict:
     dims.build_mesh("cpu")
     fused = opts.get("fused") == "1"  # the fused output + cross-entropy (vs the reference's logits)
     model = parallelize_model(build(cfg), dims, cfg)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    opt = sgd(model)
     per_rank = GLOBAL_BATCH // dims.dp_size
     lo = dims.dp_rank * per_rank
     res = {"loss_rel": 0.0, "bias_abs": 0.0, "moe_rel": 0.0}

@@ -4,11 +4,13 @@ and checkpoints saved in one layout load in another (model + AdamW state, exactl
 Every parallel layout an architecture declares (megapipe.models.capabilities) runs in some case on a model of that
 architecture, and no case runs a layout its model does not declare (both checked without torchrun).
 
-Bounds: loss relative difference <= 1e-5 over 3 steps; gradients after step 1, clipped-gradient norm and weights
-after 3 steps within 1e-6 absolute (observed: ~1e-7 relative losses, ~1e-8 absolute tensors: the order of fp32
-summations differs between layouts, nothing else). MoE models (expert parallelism "epN" alone and with dp / tp /
-pp / cp, and MoE under the other layouts) also match on their expert biases after every step (aux-loss-free
-balancing: exactly) and on their MoE metrics (balancing losses, expert load, dropped fraction: 1e-5 relative).
+SGD as the trainer builds it (megapipe.training.optim: foreach once any parameter is a DTensor, which fails on a mix
+of plain tensors and DTensors). Bounds: loss relative difference <= 1e-5 over 3 steps; gradients after step 1,
+clipped-gradient norm and weights after 3 steps within 1e-6 absolute (observed: ~1e-7 relative losses, ~1e-8
+absolute tensors: the order of fp32 summations differs between layouts, nothing else). MoE models (expert
+parallelism "epN" alone and with dp / tp / pp / cp, and MoE under the other layouts) also match on their expert
+biases after every step (aux-loss-free balancing: exactly) and on their MoE metrics (balancing losses, expert load,
+dropped fraction: 1e-5 relative).
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ CASES_2 = [
     # DeepSeek-V3-shaped: MLA + MoE (+ MTP) in every layout (cp: k and v heads of different widths on the ring)
     "ddp2:model=mla", "tp2:model=mla_mtp:mask=1", "tp2:sp=0:model=mla_mtp", "ep2:model=mla_mtp",
     "pp2:model=mla_mtp:schedule=Interleaved1F1B", "cp2:model=mla_mtp:mask=1",
+    # TP without FSDP: replicated parameters (norms without SP, learned positions, MoE layers) are replicated DTensors
+    # beside the sharded ones, as the trainer's foreach optimizer needs ("tp2:sp=0:model=gpt2" above too)
+    "tp2:sp=0:model=moe",
 ]
 BF16 = [c for c in CASES_2 if "precision=bf16" in c]
 CASES_4 = [
@@ -72,6 +77,8 @@ CASES_4 = [
     "pp2,tp2:model=mtp_tied:schedule=Interleaved1F1B",
     "pp2,ep2:model=mla_mtp:save=ckpt_mla", "tp2,dp_shard2:model=mla_mtp:load=ckpt_mla",
     "ep2,cp2:model=mla_mtp:load=ckpt_mla",
+    # TP without FSDP (see CASES_2): a dense model with biases, and the ep-sharded MoE checkpoint resumed on pp x tp
+    "pp2,tp2:sp=0:model=qk", "pp2,tp2:sp=0:model=moe:load=ckpt_ep2",
 ]
 CASES_8 = ["pp2,dp_shard2,tp2", "dp_shard2,cp2,tp2", "pp2,ep2,tp2:model=moe_bias"]
 
