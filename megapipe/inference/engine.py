@@ -24,7 +24,7 @@ from megapipe.dtypes import resolve_device, resolve_dtype
 from megapipe.errors import ConfigError, MegapipeError
 from megapipe.inference.block_manager import BlockManager
 from megapipe.inference.detokenize import Detokenizer, special_ids
-from megapipe.inference.kv_cache import KVPool
+from megapipe.inference.kv_cache import KVPool, kv_layout
 from megapipe.inference.runner import ModelRunner
 from megapipe.inference.sampling import ParamError, SampleRow, SamplingParams, sample, top_logprobs
 from megapipe.inference.scheduler import FINISHED, Scheduler, now
@@ -116,7 +116,7 @@ class LLMEngine:
         model.eval()
         p = next(model.parameters())
         bs = config.block_size
-        per_block = KVPool.bytes_per_block(cfg.num_layers, bs, cfg.kv_heads, cfg.dim_per_head, p.dtype)
+        per_block = KVPool.bytes_per_block(cfg.num_layers, bs, dtype=p.dtype, **kv_layout(cfg))
         num_blocks = config.num_blocks
         if num_blocks is None:
             memory = config.kv_cache_memory
@@ -129,7 +129,7 @@ class LLMEngine:
                 f"the KV cache holds {num_blocks} blocks of {bs} tokens ({num_blocks * bs} tokens) but one sequence of"
                 f" --max-model-len {self.max_model_len} needs {-(-self.max_model_len // bs)}: give more "
                 f"--kv-cache-memory / --num-blocks or a smaller --max-model-len")
-        self.pool = KVPool(cfg.num_layers, num_blocks, bs, cfg.kv_heads, cfg.dim_per_head, p.dtype, p.device)
+        self.pool = KVPool(cfg.num_layers, num_blocks, bs, dtype=p.dtype, device=p.device, **kv_layout(cfg))
         self.blocks = BlockManager(num_blocks, bs, config.prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.pool, config.pack_weights, config.huge_pages,

@@ -346,7 +346,7 @@ class ModelRunner:
                                   f"({self.device.type}, {self.dtype}, {kernels.capability()}; see the log)")
         self.attention_kernel = None
         if self.ops is not None:
-            self.attention_kernel = kernels.attention_kernel_for(model.cfg.dim_per_head, self.dtype, self.device)
+            self.attention_kernel = kernels.attention_kernel_for(pool.head_dim, self.dtype, self.device)
         # bf16 matmuls on megapipe's own kernel where the CPU has AVX512-BF16, else oneDNN's
         self.own_linears = (self.packed and self.ops is not None and self.dtype == torch.bfloat16
                             and kernels.bf16_linear_built())
