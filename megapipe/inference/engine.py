@@ -29,6 +29,7 @@ from megapipe.inference.runner import ModelRunner
 from megapipe.inference.sampling import ParamError, SampleRow, SamplingParams, sample, top_logprobs
 from megapipe.inference.scheduler import FINISHED, Scheduler, now
 from megapipe.inference.scheduler import Sequence as Seq
+from megapipe.models.transformer import kv_cache_values_per_token
 
 GiB = 1 << 30
 
@@ -391,6 +392,15 @@ class LLMEngine:
         with the new weights for the tokens not yet computed."""
         self.runner.load_weights(state)
         self.blocks.reset_prefix_cache()
+
+    def kv_cache_line(self) -> str:
+        """The pool for the startup line: its blocks, and the bytes a token takes in it next to the per-head keys and
+        values of the same attention (its GQA equivalent: a latent cache's decompressed form)."""
+        pool, cfg = self.pool, self.model_config
+        stored = pool.bytes_per_token()
+        line = f"{pool.num_blocks} KV blocks of {pool.block_size}, {stored} KV bytes/token"
+        equivalent = kv_cache_values_per_token(cfg)[1] * pool.num_layers // cfg.num_layers * pool.element_size
+        return line if equivalent == stored else f"{line} (GQA equivalent {equivalent}, {equivalent / stored:.1f}x)"
 
     def stats(self) -> dict:
         return {"running": self.num_running(), "waiting": self.num_waiting(), "kv_cache_usage": self.blocks.usage(),

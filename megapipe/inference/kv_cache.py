@@ -57,6 +57,11 @@ class KVPool:
         # zeros, not empty: a padded (masked) key must still be finite, or 0 * inf poisons the softmax
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = self.k if latent else [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_layers, self.element_size = num_layers, self.k[0].element_size() if num_layers else 0
+
+    def bytes_per_token(self) -> int:
+        """Bytes the pool holds per token over all its layers."""
+        return self.bytes_per_block(self.num_layers, 1, self.kv_heads, self.head_dim, self.dtype, self.latent)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,

@@ -58,13 +58,12 @@ KINDS: dict[str, Capabilities] = {
     # (megapipe.models.fused_experts) in the formats its HF twin is checked in (w4a8_awq untested, nvfp4 needs CUDA);
     # LoRA's MLP targets are the shared expert's (the router and the routed experts are never adapted)
     "moe": _without(stages={"prune"}, quant={"w4a8_awq", "nvfp4"}),
-    # multi-latent attention (megapipe.models.mla), a kind of its own beside the MLP kind: the engine has no latent
-    # KV cache yet (so nothing that decodes: generate, serve, eval, rl), ModelOpt / TensorRT-LLM / peft paths and
-    # pruning know only q/k/v attention, distillation is untested, and context parallelism's ring attention takes
-    # equal q/k and v widths
-    "mla": Capabilities(layouts=frozenset(LAYOUTS) - {"cp"}, engine=frozenset(), lora=frozenset(),
-                        quant=frozenset(), trt=frozenset(),
-                        stages=frozenset({"pretrain", "sft", "export_hf"})),
+    # multi-latent attention (megapipe.models.mla), a kind of its own beside the MLP kind: the engine decodes it from
+    # its latent KV cache (tests/inference/test_mla_engine.py); ModelOpt / TensorRT-LLM / peft paths and pruning know
+    # only q/k/v attention, distillation is untested, and context parallelism's ring attention takes equal q/k and
+    # v widths
+    "mla": Capabilities(layouts=frozenset(LAYOUTS) - {"cp"}, lora=frozenset(), quant=frozenset(), trt=frozenset(),
+                        stages=frozenset({"pretrain", "sft", "export_hf", "generate", "serve", "eval", "rl"})),
 }
 
 # families (ModelConfig.arch): what the model's Hugging Face / TensorRT-LLM twin allows
