@@ -399,6 +399,7 @@ class LLMEngine:
         pool, cfg = self.pool, self.model_config
         stored = pool.bytes_per_token()
         line = f"{pool.num_blocks} KV blocks of {pool.block_size}, {stored} KV bytes/token"
+        # per pool layer, so a pool with more layers than the model's (MTP modules' blocks) compares alike
         equivalent = kv_cache_values_per_token(cfg)[1] * pool.num_layers // cfg.num_layers * pool.element_size
         return line if equivalent == stored else f"{line} (GQA equivalent {equivalent}, {equivalent / stored:.1f}x)"
 

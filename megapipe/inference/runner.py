@@ -10,7 +10,8 @@ model object is the engine's to modify.
 
 Plain dense and MoE blocks (Llama / Qwen2 / Qwen3 / Mistral, Mixtral / Qwen2-MoE / Qwen3-MoE shapes) run through
 :class:`DecoderLayer`, the same arithmetic as the module's forward in a third of the operations: decoding a small model on CPU is otherwise dominated by the
-per-operation overhead of ~70 small tensor operations per layer, not by the matmuls.
+per-operation overhead of ~70 small tensor operations per layer, not by the matmuls. Other blocks (multi-latent
+attention's, whose cache is the latent pool of megapipe.inference.kv_cache) run through the model's own forward.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ and on megapipe's CPU attention kernel."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -169,3 +171,14 @@ def test_attend_latent_needs_a_latent_pool(deepseek):
 def test_the_capability_row_opens_the_engine_stages(deepseek, stage):
     cfg = LLMEngine.from_pretrained(deepseek[0], device="cpu", num_blocks=16).model_config
     require(cfg, stage, engine=["paged_kv", "prefix_caching", "chunked_prefill", "cpu_kernels"])
+
+
+def test_generate_stage_on_a_deepseek_directory(deepseek, capsys):
+    """The generate stage passes the capability check and prints the engine's completion."""
+    from megapipe.cli import main
+
+    path, _ = deepseek
+    want = LLMEngine.from_pretrained(path, device="cpu").generate(
+        ["The quick"], SamplingParams(max_tokens=5, temperature=0))[0].outputs[0].text
+    assert main(["generate", str(path), "--prompt", "The quick", "--max-new-tokens", "5", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == [{"prompt": "The quick", "completion": want}]
