@@ -115,9 +115,8 @@ def serve(
                           shutdown_timeout=shutdown_timeout)
 
     def ready():
-        stats = llm.stats()
         print(f"megapipe serve: ready on http://{bound_host}:{bound_port} (model {name}, max_model_len "
-              f"{llm.max_model_len}, {stats['num_blocks']} KV blocks of {block_size})", file=sys.stderr, flush=True)
+              f"{llm.max_model_len}, {llm.kv_cache_line()})", file=sys.stderr, flush=True)
 
     run_server(AsyncEngine(llm, config.max_queue), config, sock, log_level=log_level, on_ready=ready)
 

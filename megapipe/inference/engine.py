@@ -24,11 +24,12 @@ from megapipe.dtypes import resolve_device, resolve_dtype
 from megapipe.errors import ConfigError, MegapipeError
 from megapipe.inference.block_manager import BlockManager
 from megapipe.inference.detokenize import Detokenizer, special_ids
-from megapipe.inference.kv_cache import KVPool
+from megapipe.inference.kv_cache import KVPool, kv_layout
 from megapipe.inference.runner import ModelRunner
 from megapipe.inference.sampling import ParamError, SampleRow, SamplingParams, sample, top_logprobs
 from megapipe.inference.scheduler import FINISHED, Scheduler, now
 from megapipe.inference.scheduler import Sequence as Seq
+from megapipe.models.transformer import kv_cache_values_per_token
 
 GiB = 1 << 30
 
@@ -120,7 +121,7 @@ class LLMEngine:
         model.eval()
         p = next(model.parameters())
         bs = config.block_size
-        per_block = KVPool.bytes_per_block(cfg.num_layers, bs, cfg.kv_heads, cfg.dim_per_head, p.dtype)
+        per_block = KVPool.bytes_per_block(cfg.num_layers, bs, dtype=p.dtype, **kv_layout(cfg))
         num_blocks = config.num_blocks
         if num_blocks is None:
             memory = config.kv_cache_memory
@@ -133,7 +134,7 @@ class LLMEngine:
                 f"the KV cache holds {num_blocks} blocks of {bs} tokens ({num_blocks * bs} tokens) but one sequence of"
                 f" --max-model-len {self.max_model_len} needs {-(-self.max_model_len // bs)}: give more "
                 f"--kv-cache-memory / --num-blocks or a smaller --max-model-len")
-        self.pool = KVPool(cfg.num_layers, num_blocks, bs, cfg.kv_heads, cfg.dim_per_head, p.dtype, p.device)
+        self.pool = KVPool(cfg.num_layers, num_blocks, bs, dtype=p.dtype, device=p.device, **kv_layout(cfg))
         self.blocks = BlockManager(num_blocks, bs, config.prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.pool, config.pack_weights, config.huge_pages,
@@ -406,6 +407,16 @@ class LLMEngine:
         with the new weights for the tokens not yet computed."""
         self.runner.load_weights(state)
         self.blocks.reset_prefix_cache()
+
+    def kv_cache_line(self) -> str:
+        """The pool for the startup line: its blocks, and the bytes a token takes in it next to the per-head keys and
+        values of the same attention (its GQA equivalent: a latent cache's decompressed form)."""
+        pool, cfg = self.pool, self.model_config
+        stored = pool.bytes_per_token()
+        line = f"{pool.num_blocks} KV blocks of {pool.block_size}, {stored} KV bytes/token"
+        # per pool layer, so a pool with more layers than the model's (MTP modules' blocks) compares alike
+        equivalent = kv_cache_values_per_token(cfg)[1] * pool.num_layers // cfg.num_layers * pool.element_size
+        return line if equivalent == stored else f"{line} (GQA equivalent {equivalent}, {equivalent / stored:.1f}x)"
 
     def stats(self) -> dict:
         return {"running": self.num_running(), "waiting": self.num_waiting(), "kv_cache_usage": self.blocks.usage(),

@@ -18,6 +18,12 @@ values into their slots and computes attention per sequence:
   (a batch of equal prompts) in one call, each other chunk on its own.
 
 Tokens are ordered decodes first, then the chunks, so each group is a contiguous slice of the batch.
+
+Multi-latent attention (megapipe.models.mla) has a *latent* pool (``kv_layout``): per layer one tensor
+[1, slots, kv_lora_rank + rope dims] of each token's ``c_kv`` and shared rope key, read as both keys and values (no
+second copy). Its layers call ``attend_latent``: decodes attend to the latents directly as multi-query attention, the
+key up-projection absorbed into the query and the value up-projection applied to the output (vLLM's MLA decode);
+prefill chunks expand their latents (and the cached ones before them) to per-head keys and values for SDPA.
 """
 
 from __future__ import annotations
@@ -32,19 +38,36 @@ import torch.nn.functional as F
 KEY_BUCKET = 16
 
 
+def kv_layout(cfg) -> dict:
+    """What a pool stores per token and layer for this model (ModelConfig): kv_heads x head_dim keys and as many
+    values, or with multi-latent attention one latent row of kv_lora_rank + rope dims, its keys and values alike."""
+    if cfg.multi_latent_attention:
+        return dict(kv_heads=1, head_dim=cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim, latent=True)
+    return dict(kv_heads=cfg.kv_heads, head_dim=cfg.dim_per_head, latent=False)
+
+
 class KVPool:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device):
-        self.num_blocks, self.block_size = num_blocks, block_size
+                 dtype: torch.dtype, device, latent: bool = False):
+        if latent and kv_heads != 1:
+            raise ValueError(f"a latent KV pool has one row per token and layer, not {kv_heads} kv heads")
+        self.num_blocks, self.block_size, self.latent = num_blocks, block_size, latent
         self.kv_heads, self.head_dim, self.dtype, self.device = kv_heads, head_dim, dtype, torch.device(device)
         shape = (kv_heads, num_blocks * block_size, head_dim)
         # zeros, not empty: a padded (masked) key must still be finite, or 0 * inf poisons the softmax
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = self.k if latent else [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_layers, self.element_size = num_layers, self.k[0].element_size() if num_layers else 0
+
+    def bytes_per_token(self) -> int:
+        """Bytes the pool holds per token over all its layers."""
+        return self.bytes_per_block(self.num_layers, 1, self.kv_heads, self.head_dim, self.dtype, self.latent)
 
     @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * block_size * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+    def bytes_per_block(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                        latent: bool = False) -> int:
+        tensors = 1 if latent else 2
+        return tensors * num_layers * block_size * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
 
 
 @dataclass
@@ -89,48 +112,19 @@ class PagedBatch:
         """decodes: (block ids, position) of each one-token query; chunks: (block ids, start, n). Returns the
         positions [1, T] of the flattened batch in that order."""
         bs, dev = self.pool.block_size, self.pool.device
-        slots, positions = [], []
-        for blocks, pos in decodes:
-            slots.append(blocks[pos // bs] * bs + pos % bs)
-            positions.append(pos)
+        slots = [blocks[pos // bs] * bs + pos % bs for blocks, pos in decodes]
+        positions = [pos for _, pos in decodes]
         self.num_decodes = len(decodes)
-        if self.kernel is not None:
-            return self._plan_kernel(decodes, chunks, slots, positions)
-        if decodes:
-            # keys padded to a multiple of 16 (masked): oneDNN builds a kernel per matmul shape (~1 ms in bf16), so a
-            # length that grew by one every step would build two new ones every step; 16 keeps the padding small
-            length = -(-(max(pos for _, pos in decodes) + 1) // KEY_BUCKET) * KEY_BUCKET
-            nb = (length + bs - 1) // bs
-            table = torch.tensor([list(b[:nb]) + [0] * (nb - len(b[:nb])) for b, _ in decodes], dtype=torch.long)
-            key_slots = (table[:, :, None] * bs + torch.arange(bs)).view(len(decodes), -1)[:, :length]
-            ctx = torch.tensor([pos for _, pos in decodes])
-            keys = torch.arange(length)
-            allowed = keys[None] <= ctx[:, None]
-            if self.window is not None:
-                allowed &= ctx[:, None] - keys[None] < self.window
-            mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
-            self.decode_mask = mask[:, None, None].to(dev)
-            self.decode_len = length
-            # the pool viewed as rows [kv_heads * slots, D]: row h * slots + s holds kv head h of slot s, so one
-            # index_select over dim 0 (a parallel copy of whole rows, unlike one over dim 1) gathers every decode's
-            # keys straight into the [Bd, kv_heads, L, D] the matmuls read
-            heads = torch.arange(self.pool.kv_heads)[None, :, None] * (self.pool.num_blocks * bs)
-            self.decode_index = (heads + key_slots[:, None, :]).reshape(-1).to(dev)
+        # the kernel attends to every row at once, except a latent pool's chunks: those are expanded for SDPA
+        plan_chunks = self.kernel is None or self.pool.latent
         self.chunks = []
         offset = len(decodes)
         for blocks, start, n in chunks:
-            slots.extend(_slots(blocks, bs, start + n)[start:])
+            seq_slots = _slots(blocks, bs, start + n)
+            slots.extend(seq_slots[start:])
             positions.extend(range(start, start + n))
-            key_slots = None if start == 0 else torch.tensor(_slots(blocks, bs, start + n), device=dev)
-            mask = None
-            if start > 0 or (self.window is not None and n > self.window):
-                q_pos = torch.arange(start, start + n)[:, None]
-                k_pos = torch.arange(start + n)[None] if start > 0 else torch.arange(n)[None]
-                allowed = k_pos <= q_pos
-                if self.window is not None:
-                    allowed &= q_pos - k_pos < self.window
-                mask = torch.zeros(allowed.shape, dtype=self.pool.dtype).masked_fill_(~allowed, float("-inf")).to(dev)
-            self.chunks.append(Chunk(offset, start, n, key_slots, mask))
+            if plan_chunks:
+                self.chunks.append(self._chunk(offset, start, n, seq_slots))
             offset += n
         for i, c in enumerate(self.chunks):
             first, count, n = self.runs[-1] if self.runs else (0, 0, 0)
@@ -138,25 +132,59 @@ class PagedBatch:
                 self.runs[-1] = (first, count + 1, n)
             else:
                 self.runs.append((i, 1, c.n))
+        if self.kernel is not None:
+            self._plan_kernel(decodes, chunks)
+        elif decodes:
+            self._plan_decodes(decodes)
         self.slots = torch.tensor(slots, dtype=torch.long, device=dev)
         return torch.tensor([positions], dtype=torch.long, device=dev)
 
-    def _plan_kernel(self, decodes, chunks, slots: list, positions: list) -> torch.Tensor:
-        bs = self.pool.block_size
+    def _chunk(self, offset: int, start: int, n: int, seq_slots: list[int]) -> Chunk:
+        dev = self.pool.device
+        key_slots = None if start == 0 else torch.tensor(seq_slots, device=dev)
+        mask = None
+        if start > 0 or (self.window is not None and n > self.window):
+            q_pos = torch.arange(start, start + n)[:, None]
+            k_pos = torch.arange(start + n)[None] if start > 0 else torch.arange(n)[None]
+            allowed = k_pos <= q_pos
+            if self.window is not None:
+                allowed &= q_pos - k_pos < self.window
+            mask = torch.zeros(allowed.shape, dtype=self.pool.dtype).masked_fill_(~allowed, float("-inf")).to(dev)
+        return Chunk(offset, start, n, key_slots, mask)
+
+    def _plan_decodes(self, decodes) -> None:
+        bs, dev = self.pool.block_size, self.pool.device
+        # keys padded to a multiple of 16 (masked): oneDNN builds a kernel per matmul shape (~1 ms in bf16), so a
+        # length that grew by one every step would build two new ones every step; 16 keeps the padding small
+        length = -(-(max(pos for _, pos in decodes) + 1) // KEY_BUCKET) * KEY_BUCKET
+        nb = (length + bs - 1) // bs
+        table = torch.tensor([list(b[:nb]) + [0] * (nb - len(b[:nb])) for b, _ in decodes], dtype=torch.long)
+        key_slots = (table[:, :, None] * bs + torch.arange(bs)).view(len(decodes), -1)[:, :length]
+        ctx = torch.tensor([pos for _, pos in decodes])
+        keys = torch.arange(length)
+        allowed = keys[None] <= ctx[:, None]
+        if self.window is not None:
+            allowed &= ctx[:, None] - keys[None] < self.window
+        mask = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+        self.decode_mask = mask[:, None, None].to(dev)
+        self.decode_len = length
+        # the pool viewed as rows [kv_heads * slots, D]: row h * slots + s holds kv head h of slot s, so one
+        # index_select over dim 0 (a parallel copy of whole rows, unlike one over dim 1) gathers every decode's
+        # keys straight into the [Bd, kv_heads, L, D] the matmuls read
+        heads = torch.arange(self.pool.kv_heads)[None, :, None] * (self.pool.num_blocks * bs)
+        self.decode_index = (heads + key_slots[:, None, :]).reshape(-1).to(dev)
+
+    def _plan_kernel(self, decodes, chunks) -> None:
         tables = [blocks for blocks, _ in decodes] + [blocks for blocks, _, _ in chunks]
         width = max(len(b) for b in tables)
         self.block_table = torch.tensor([list(b) + [0] * (width - len(b)) for b in tables], dtype=torch.int32)
         rows = list(range(len(decodes)))
         lens = [pos + 1 for _, pos in decodes]
-        for i, (blocks, start, n) in enumerate(chunks, start=len(decodes)):
-            slots.extend(_slots(blocks, bs, start + n)[start:])
-            positions.extend(range(start, start + n))
+        for i, (_, start, n) in enumerate(chunks, start=len(decodes)):
             rows.extend([i] * n)
             lens.extend(range(start + 1, start + n + 1))
         self.seq_of_row = torch.tensor(rows, dtype=torch.int32)
         self.context_lens = torch.tensor(lens, dtype=torch.int32)
-        self.slots = torch.tensor(slots, dtype=torch.long)
-        return torch.tensor([positions], dtype=torch.long)
 
     def advance(self, positions: torch.Tensor) -> None:
         """Called by the model once per forward; the step was planned already."""
@@ -185,22 +213,70 @@ class PagedBatch:
         if self.num_decodes:
             bd = self.num_decodes
             keys_t, values = self._gather(pk).transpose(-1, -2), self._gather(pv)
-            self._decode(q[:bd], keys_t, values, out[:bd].view(bd, pk.shape[0], -1, dim))
+            self._decode(q[:bd], keys_t, values, out[:bd].view(bd, pk.shape[0], -1, dim), dim ** -0.5)
+
+        def keys_values(c: Chunk, rows: slice, count: int):
+            if c.key_slots is None:
+                return _as_batch(k[rows], count), _as_batch(v[rows], count)
+            return pk.index_select(1, c.key_slots)[None], pv.index_select(1, c.key_slots)[None]
+
+        self._attend_chunks(q, out.view(total, heads, dim), keys_values)
+        return out
+
+    def attend_latent(self, attention, q: torch.Tensor, c_kv: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:
+        """Multi-latent attention over a latent pool for ``attention`` (the layer's MLAttention): q [1, heads, T, qk]
+        (roped, the softmax scale folded in), c_kv [1, T, rank], k_rope [1, 1, T, rope] -> [1, heads, T, v]. Stores
+        each token's [c_kv, k_rope] row; see the module docstring for how decodes and chunks attend."""
+        if not self.pool.latent:
+            raise ValueError("attend_latent needs a latent KV pool (kv_layout of a multi-latent attention model)")
+        layer = self.pool.k[attention.layer_id]
+        rank = c_kv.shape[-1]
+        latents = torch.cat((c_kv[0], k_rope[0, 0]), dim=-1)  # [T, rank + rope]
+        layer.index_copy_(1, self.slots, latents[None].to(layer.dtype))
+        q = q[0].transpose(0, 1)  # [T, heads, qk]
+        total, heads, qk = q.shape
+        scale = qk ** -0.5  # SDPA's default for the model's q/k width, as the model's forward assumes
+        w_uk, w_uv = attention.kv_up_weights()
+        out = torch.empty(total, heads, w_uv.shape[1], dtype=q.dtype, device=q.device)
+        bd = self.num_decodes
+        if bd:
+            q_nope, q_rope = q[:bd].split([w_uk.shape[1], qk - w_uk.shape[1]], dim=-1)
+            absorbed = torch.cat((torch.matmul(q_nope.transpose(0, 1), w_uk).transpose(0, 1), q_rope), dim=-1)
+            attended = torch.empty(bd, heads, rank if self.kernel is None else latents.shape[-1], dtype=q.dtype,
+                                   device=q.device)
+            if self.kernel is not None:  # one kv head whose values are its keys: the output's first rank columns
+                self.kernel(absorbed, layer, layer, self.block_table, self.seq_of_row[:bd], self.context_lens[:bd],
+                            self.pool.block_size, 0, scale, attended.view(bd, -1))
+            else:
+                rows = self._gather(layer)  # [Bd, 1, L, rank + rope]
+                self._decode(absorbed, rows.transpose(-1, -2), rows[..., :rank], attended[:, None], scale)
+            out[:bd] = torch.matmul(attended[..., :rank].transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+        def keys_values(c: Chunk, rows: slice, count: int):
+            if c.key_slots is None:
+                cached = latents[rows].view(count, c.n, -1)
+            else:
+                cached = layer[0].index_select(0, c.key_slots)[None].to(q.dtype)
+            return attention.expand(cached[..., :rank], cached[:, None, :, rank:])
+
+        self._attend_chunks(q, out, keys_values)
+        return out.transpose(0, 1)[None]
+
+    def _attend_chunks(self, q: torch.Tensor, out: torch.Tensor, keys_values: Callable) -> None:
+        """The chunks' rows of q [T, heads, D] with SDPA into out [T, heads, Dv]; ``keys_values(chunk, rows, count)``
+        gives a run's keys and values [count (or 1 for a continuation), kv_heads, S, D / Dv]."""
+        heads = q.shape[1]
         for first, count, n in self.runs:
             c = self.chunks[first]
             rows = slice(c.offset, c.offset + count * n)
             qc = _as_batch(q[rows], count)
-            if c.key_slots is None:
-                kc, vc = _as_batch(k[rows], count), _as_batch(v[rows], count)
-            else:
-                kc, vc = pk.index_select(1, c.key_slots)[None], pv.index_select(1, c.key_slots)[None]
+            kc, vc = keys_values(c, rows, count)
             gqa = kc.shape[1] != heads
             if c.mask is None:
                 o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=gqa)
             else:
                 o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=c.mask.to(qc.dtype), enable_gqa=gqa)
-            out[rows].view(count, n, heads, dim).copy_(o.transpose(1, 2))
-        return out
+            out[rows].view(count, n, heads, -1).copy_(o.transpose(1, 2))
 
     @staticmethod
     def _plain(c: Chunk) -> bool:
@@ -211,15 +287,15 @@ class PagedBatch:
         rows = pool_layer.view(-1, dim).index_select(0, self.decode_index)
         return rows.view(self.num_decodes, kvh, self.decode_len, dim)
 
-    def _decode(self, q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, out: torch.Tensor) -> None:
+    def _decode(self, q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, out: torch.Tensor,
+                scale: float) -> None:
         """q [Bd, heads, D] one token per sequence, keys_t [Bd, kv_heads, D, L] (transposed), values [Bd, kv_heads,
-        L, D] -> out [Bd, kv_heads, group, D]; the matmuls in the model's dtype, the softmax in fp32 (as HF's eager
+        L, Dv] -> out [Bd, kv_heads, group, Dv]; the matmuls in the model's dtype, the softmax in fp32 (as HF's eager
         attention does)."""
         bd, heads, dim = q.shape
         kvh = keys_t.shape[1]
         group = heads // kvh
         qg = q.reshape(bd, kvh, group, dim)  # head h reads kv head h // group, as SDPA's GQA
-        scale = dim ** -0.5
         if math.frexp(scale)[0] == 0.5:
             # a power of two: scaling q first is exact, and a 0 / -inf mask added in q's dtype is too, so this is
             # the same as scaling and masking the scores in fp32, with fewer passes over them

@@ -10,7 +10,8 @@ model object is the engine's to modify.
 
 Plain dense and MoE blocks (Llama / Qwen2 / Qwen3 / Mistral, Mixtral / Qwen2-MoE / Qwen3-MoE shapes) run through
 :class:`DecoderLayer`, the same arithmetic as the module's forward in a third of the operations: decoding a small model on CPU is otherwise dominated by the
-per-operation overhead of ~70 small tensor operations per layer, not by the matmuls.
+per-operation overhead of ~70 small tensor operations per layer, not by the matmuls. Other blocks (multi-latent
+attention's, whose cache is the latent pool of megapipe.inference.kv_cache) run through the model's own forward.
 """
 
 from __future__ import annotations
@@ -346,7 +347,7 @@ class ModelRunner:
                                   f"({self.device.type}, {self.dtype}, {kernels.capability()}; see the log)")
         self.attention_kernel = None
         if self.ops is not None:
-            self.attention_kernel = kernels.attention_kernel_for(model.cfg.dim_per_head, self.dtype, self.device)
+            self.attention_kernel = kernels.attention_kernel_for(pool.head_dim, self.dtype, self.device)
         # bf16 matmuls on megapipe's own kernel where the CPU has AVX512-BF16, else oneDNN's
         self.own_linears = (self.packed and self.ops is not None and self.dtype == torch.bfloat16
                             and kernels.bf16_linear_built())

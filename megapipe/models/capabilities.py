@@ -59,17 +59,16 @@ KINDS: dict[str, Capabilities] = {
     # (megapipe.models.fused_experts) in the formats its HF twin is checked in (w4a8_awq untested, nvfp4 needs CUDA);
     # LoRA's MLP targets are the shared expert's (the router and the routed experts are never adapted)
     "moe": _without(stages={"prune"}, quant={"w4a8_awq", "nvfp4"}),
-    # multi-latent attention (megapipe.models.mla), a kind of its own beside the MLP kind: the engine has no latent
-    # KV cache yet (so nothing that decodes: generate, serve, eval, rl); ModelOpt quantizes its projections in fp8 and
-    # the unified TensorRT-LLM export writes them as ModelOpt's exporter of DeepseekV3ForCausalLM does (the formats
-    # that fuse or smooth projections sharing an input, and the legacy writer, know only q/k/v attention); pruning
-    # has no width rule for MLA heads; every parallel layout (tests/parallel/test_dist_layouts.py: the ring attention
-    # of cp carries its narrower values beside its keys); LoRA adapts the query (q: wq or wq_b), its down projection
-    # (q_a), the latent's down (kv_a) and up (kv_b) projections and the output (o), under peft's names on
+    # multi-latent attention (megapipe.models.mla), a kind of its own beside the MLP kind: the engine decodes it from
+    # its latent KV cache (tests/inference/test_mla_engine.py); ModelOpt quantizes its projections in fp8 and the
+    # unified TensorRT-LLM export writes them as ModelOpt's exporter of DeepseekV3ForCausalLM does (the formats that
+    # fuse or smooth projections sharing an input, and the legacy writer, know only q/k/v attention); pruning has no
+    # width rule for MLA heads; every parallel layout (tests/parallel/test_dist_layouts.py: the ring attention of cp
+    # carries its narrower values beside its keys); LoRA adapts the query (q: wq or wq_b), its down projection (q_a),
+    # the latent's down (kv_a) and up (kv_b) projections and the output (o), under peft's names on
     # DeepseekV3ForCausalLM
-    "mla": Capabilities(engine=frozenset(), lora=frozenset(LORA) - {"k", "v"},
-                        quant=frozenset({"fp8"}), trt=frozenset({"unified"}),
-                        stages=frozenset({"pretrain", "sft", "distill", "quantize", "export_hf", "export_trt"})),
+    "mla": Capabilities(lora=frozenset(LORA) - {"k", "v"}, quant=frozenset({"fp8"}), trt=frozenset({"unified"}),
+                        stages=frozenset(STAGES) - {"prune"}),
 }
 
 # families (ModelConfig.arch): what the model's Hugging Face / TensorRT-LLM twin allows

@@ -7,9 +7,10 @@ Queries: ``wq`` (one projection) or ``wq_a`` -> ``q_norm`` -> ``wq_b`` (a q_lora
 into the query, so SDPA (and any ``sdpa`` or cache that replaces it) keeps its default scale.
 
 Head counts are read from the projected tensors, so a tensor-parallel plan that splits ``wq``/``wq_b``, ``wkv_b`` and
-``wo`` by heads works unchanged. A KV cache is used through ``cache.attend(layer_id, q, k, v)`` with the
-decompressed k [B, H, S, qk] and v [B, H, S, v]; a latent cache stores ``latent(x, rope)`` instead (kv_lora_rank +
-rope dims per token) and absorbs the up-projections (``kv_up_weights``) into the query and the output.
+``wo`` by heads works unchanged. A KV cache is used through ``cache.attend_latent(attention, q, c_kv, k_rope)``: the
+engine's latent cache (megapipe.inference.kv_cache) stores ``latent(x, rope)`` (kv_lora_rank + rope dims per token),
+absorbs the up-projections (``kv_up_weights``) into the query and the output where it decodes, and ``expand``s the
+latents where it prefills.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ def softmax_scale(cfg: ModelConfig) -> float:
 
 
 class MLAttention(nn.Module):
+    plain_linears = ("wkv_b",)  # an engine that repacks linears keeps this one: a latent cache reads its weight
+
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.layer_id = layer_id
@@ -95,11 +98,10 @@ class MLAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple, cache=None, mask: Optional[DocumentMask] = None) -> torch.Tensor:
         bsz, seqlen = x.shape[0], x.shape[1]
         q = self.queries(x, rope)
-        k, v = self.expand(*self.latent(x, rope))
         if cache is not None:
-            out = cache.attend(self.layer_id, q, k, v)
+            out = cache.attend_latent(self, q, *self.latent(x, rope))
         else:
-            out = self.sdpa(q, k, v, mask=mask)
+            out = self.sdpa(q, *self.expand(*self.latent(x, rope)), mask=mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
