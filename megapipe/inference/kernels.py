@@ -41,7 +41,9 @@ ISA_FLAGS = {
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
 }
 VEC_WIDTH = {"AVX512": 16, "AVX2": 8}  # floats per vector; the attention kernel needs head_dim a multiple of it
-SUPPORTED_VECTORS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)  # head_dim / vector_width() the attention is instantiated for
+# head_dim / vector_width() the attention is instantiated for; 36 (AVX512) and 72 (AVX2): multi-latent attention's
+# latent row of DeepSeek's widths (kv_lora_rank 512 + rope 64 = 576 values per token)
+SUPPORTED_VECTORS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 36, 72)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

@@ -66,7 +66,7 @@ def attend_decodes(pool, decodes, q, window, kernel):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("dim,heads,kv_heads,window", [(16, 4, 2, None), (64, 9, 3, None), (128, 8, 8, None),
-                                                       (64, 6, 2, 7)])
+                                                       (64, 6, 2, 7), (576, 4, 1, None)])
 def test_paged_attention_is_exact_attention_over_scattered_blocks(op, dtype, dim, heads, kv_heads, window):
     """Keys in blocks spread over the pool, lengths from 1 to several blocks (one ending exactly on a block edge),
     q a strided view of a fused projection as the engine passes it: within one rounding of the fp64 result; in

@@ -233,7 +233,7 @@ void dispatch_dim(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
   switch (q.size(2) / Vec::size()) {
     MEGAPIPE_DIM_CASE(1) MEGAPIPE_DIM_CASE(2) MEGAPIPE_DIM_CASE(3) MEGAPIPE_DIM_CASE(4) MEGAPIPE_DIM_CASE(5)
     MEGAPIPE_DIM_CASE(6) MEGAPIPE_DIM_CASE(8) MEGAPIPE_DIM_CASE(10) MEGAPIPE_DIM_CASE(12)
-    MEGAPIPE_DIM_CASE(16)
+    MEGAPIPE_DIM_CASE(16) MEGAPIPE_DIM_CASE(36) MEGAPIPE_DIM_CASE(72)  // 36 / 72: MLA's latent row, 512 + 64
     default:
       TORCH_CHECK(false, "paged_attention: head dim ", q.size(2), " is not supported");
   }
