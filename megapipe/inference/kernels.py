@@ -155,6 +155,11 @@ def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
+def unpack_bf16_weight(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """pack_bf16_weight's inverse: the [n, K] weight it was packed from."""
+    return packed.permute(0, 2, 1, 3).reshape(-1, packed.shape[1] * 2)[:n]
+
+
 def paged_attention() -> Optional[Callable]:
     found = ops()
     return None if found is None else found.paged_attention

@@ -51,6 +51,12 @@ class PackedLinear(nn.Module):
         self.packed = _pack(weight, self.own)
         self.bias = None if bias is None else bias.detach()
 
+    def dense(self) -> torch.Tensor:
+        """The weight [out_features, in_features] read back from its packed layout."""
+        if self.own:
+            return kernels.unpack_bf16_weight(self.packed, self.out_features)
+        return self.packed.to_dense()
+
     def forward(self, x: torch.Tensor, activation: str = "none") -> torch.Tensor:
         if self.own:
             if activation not in ("none", "swish"):

@@ -108,13 +108,13 @@ def test_bf16_decodes_within_round_off_of_fp32(deepseek, cpu_kernels, one_thread
     assert diff.median() <= 0.05 and diff.mean() <= 0.1, diff
 
 
+@pytest.mark.parametrize("cpu_kernels", KERNELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rl_weight_sync_reaches_every_tensor_the_engine_computes_with(deepseek, dtype):
-    """load_weights on an MLA engine (wkv_b kept plain for the absorbed decode, the rest packed): the weight check
-    passes and the engine decodes as a fresh one built on the new weights. Without megapipe's CPU kernels: the weight
-    check reads packed weights back through oneDNN's to_dense, which does not know the bf16 kernel's own layout
-    (for every architecture)."""
-    first = LLMEngine.from_pretrained(deepseek[0], device="cpu", dtype=dtype, num_blocks=16, cpu_kernels=False)
+def test_rl_weight_sync_reaches_every_tensor_the_engine_computes_with(deepseek, dtype, cpu_kernels):
+    """load_weights on an MLA engine (wkv_b kept plain for the absorbed decode, the rest packed, in bf16 for
+    megapipe's own kernel where the CPU has AVX512-BF16): the weight check passes and the engine decodes as a fresh
+    one built on the new weights."""
+    first = LLMEngine.from_pretrained(deepseek[0], device="cpu", dtype=dtype, num_blocks=16, cpu_kernels=cpu_kernels)
     other = build_model(first.model_config, seed=7).to(dtype)
     state = {k: v.float() for k, v in other.state_dict().items()}
     first.load_weights(state)

@@ -53,14 +53,15 @@ def build_engine(model_cfg, tokenizer, eos_token_ids, dtype: torch.dtype, device
 
 def engine_weights(engine):
     """What the engine computes with, one tensor at a time, under the model's state-dict names (``<head>`` for its
-    output projection): (name, tensor) pairs; a packed matmul is read back (``to_dense``) only when reached."""
+    output projection): (name, tensor) pairs; a packed matmul is read back (``dense``) only when reached, an MoE
+    layer's experts as the one [E * rows, in] matrix they are packed as."""
     runner = engine.runner
     yield from runner.model.state_dict().items()
     for linear, weights, biases, sizes in packed_parts(runner.model):
-        yield from zip(weights, linear.packed.to_dense().split(sizes, dim=0), strict=True)
+        yield from zip(weights, linear.dense().split(sizes, dim=0), strict=True)
         if linear.bias is not None:
             yield from zip(biases, linear.bias.split(sizes), strict=True)
-    yield "<head>", (runner.head.packed.to_dense() if runner.head is not None else runner.head_weight)
+    yield "<head>", (runner.head.dense() if runner.head is not None else runner.head_weight)
 
 
 @dataclass
@@ -83,6 +84,8 @@ def check_engine_weights(engine, state: dict[str, torch.Tensor]) -> WeightCheck:
             continue
         seen.add(name)
         want = ref.to(engine.device, dtype)
+        if mine.dim() == 2 and want.dim() == 3 and mine.shape == (want.shape[0] * want.shape[1], want.shape[2]):
+            want = want.flatten(0, 1)  # experts [E, rows, in], packed as one matrix
         if mine.shape != want.shape:
             bad.append(f"{name} (shape {tuple(mine.shape)} vs {tuple(want.shape)})")
         elif not torch.equal(mine, want):
