@@ -17,7 +17,7 @@ from typing import Optional
 from megapipe.errors import MegapipeError
 
 LAYOUTS = ("dp_replicate", "dp_shard", "tp", "sp", "pp", "cp", "ep")
-ENGINE = ("paged_kv", "prefix_caching", "chunked_prefill", "cpu_kernels")
+ENGINE = ("paged_kv", "prefix_caching", "chunked_prefill", "cpu_kernels", "speculative")
 LORA = ("q", "k", "v", "o", "gate", "up", "down")
 QUANT = ("fp8", "int8_sq", "int4_awq", "w4a8_awq", "nvfp4")
 TRT = ("unified", "legacy")
@@ -84,6 +84,8 @@ FAMILIES: dict[str, Capabilities] = {
 # sequence split (cp, sp) yet, nor does the shared embedding reach the last pipeline stage, nor the TP plans the MTP
 # projection; the Hugging Face and TensorRT-LLM writers do not know their tensors yet
 MTP = _without(layouts={"tp", "sp", "pp", "cp"}, stages={"export_hf", "export_trt"})
+# speculative decoding drafts with the MTP modules (megapipe.inference.speculative): a model without them has none
+NO_MTP = _without(engine={"speculative"})
 
 LABELS = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "gpt2": "GPT-2",
           "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "deepseek_v3": "DeepSeek-V3"}
@@ -101,7 +103,7 @@ def kinds_of(cfg) -> list[str]:
 
 def capabilities(cfg) -> Capabilities:
     row = _row(cfg.arch, kinds_of(cfg))
-    return row & MTP if getattr(cfg, "mtp_depth", 0) else row
+    return row & (MTP if getattr(cfg, "mtp_depth", 0) else NO_MTP)
 
 
 def _row(arch: str, kinds: list[str]) -> Capabilities:
@@ -183,6 +185,9 @@ def readme_table() -> str:
                 cells.append("all" if not missing else "all but " + ", ".join(m.replace("_", " ") for m in missing))
             else:
                 cells.append(", ".join(v for v in order if v in have) or "—")
-        cells.append(", ".join(v.replace("_", " ") for v in ENGINE if v in row.engine) or "—")
+        engine = [v.replace("_", " ") for v in ENGINE if v in row.engine and v != "speculative"]
+        if "speculative" in (row & MTP).engine and engine:
+            engine.append("speculative (MTP models)")
+        cells.append(", ".join(engine) or "—")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
