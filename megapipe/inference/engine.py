@@ -353,7 +353,7 @@ class LLMEngine:
 
     def _lookahead(self, seq: Seq) -> int:
         """Drafts worth verifying for ``seq`` this step: no more than its max_tokens and the context can take."""
-        room = min(seq.params.max_tokens - len(seq.output_ids), self.max_model_len - len(seq.tokens)) - 1
+        room = min(seq.params.max_tokens + seq.prompt_len, self.max_model_len) - len(seq.tokens) - 1
         return max(0, min(self.config.speculative_tokens, room))
 
     def _sample(self, seqs: list[Seq], logits: torch.Tensor) -> None:

@@ -69,8 +69,8 @@ KINDS: dict[str, Capabilities] = {
 
 # families (ModelConfig.arch): what the model's Hugging Face / TensorRT-LLM twin allows
 FAMILIES: dict[str, Capabilities] = {
-    # a GELU MLP has no up projection
-    "gpt2": _without(lora={"up"}),
+    # a GELU MLP has no up projection; learned positions: no MTP modules (they take rotary ones), nothing to draft with
+    "gpt2": _without(lora={"up"}, engine={"speculative"}),
     # a sliding window, which context parallelism's ring attention does not take
     "mistral": _without(layouts={"cp"}),
     # no shared expert, every layer MoE: nothing but attention to adapt
