@@ -147,8 +147,7 @@ class LLMEngine:
                                   config.cpu_kernels)
         self.speculator = None
         if config.speculative_tokens:
-            self.speculator = Speculator(model, self.pool, config.speculative_tokens, self.sample_row,
-                                         self.runner.attention_kernel)
+            self.speculator = Speculator(self.runner, config.speculative_tokens, self.sample_row)
         self.device = p.device
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()

@@ -37,7 +37,9 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from megapipe.inference.kv_cache import PagedBatch
+from megapipe.inference.runner import DecoderLayer, pack_linears, rms_norm
 from megapipe.inference.sampling import SampleRow, distribution, draw, penalised, uniforms
+from megapipe.models.rope import rope_cos_sin
 
 
 @dataclass
@@ -91,10 +93,17 @@ class Speculator:
     acceptance counts (``stats``). ``sample_row(seq, ahead)`` is the engine's SampleRow of a sequence as if the ids
     ``ahead`` were already output."""
 
-    def __init__(self, model, pool, tokens: int, sample_row: Callable[..., SampleRow], kernel=None):
-        self.model, self.pool, self.k, self.sample_row = model, pool, tokens, sample_row
+    def __init__(self, runner, tokens: int, sample_row: Callable[..., SampleRow]):
+        model = runner.model
+        self.model, self.runner, self.pool, self.k, self.sample_row = model, runner, runner.pool, tokens, sample_row
         self.depth = model.cfg.mtp_depth
-        self.window, self.kernel = model.cfg.sliding_window, kernel  # kernel: the runner's paged attention
+        self.window, self.kernel = model.cfg.sliding_window, runner.attention_kernel
+        if runner.packed:  # the MTP modules' matmuls packed as the main layers' are
+            pack_linears(model.mtp, runner.own_linears)
+        # the runner's fast layer path for the MTP blocks too, where it runs the main layers
+        self.layers = None
+        if runner.layers is not None and all(DecoderLayer.supports(m.block) for m in model.mtp):
+            self.layers = [DecoderLayer(m.block, runner.ops) for m in model.mtp]
         self.num_drafts = 0  # verification steps with at least one draft
         self.drafted = [0] * tokens  # drafts proposed at each position 1..K
         self.accepted = [0] * tokens  # of which accepted
@@ -125,13 +134,13 @@ class Speculator:
         batch = PagedBatch(self.pool, self.window, self.kernel)
         positions = batch.plan([], [(s.block_ids, start, n) for s, (start, n) in zip(ready, spans, strict=True)])
         last = torch.tensor(list(_cumsum(n for _, n in spans)), device=positions.device) - 1
-        hidden = torch.cat([s.spec.hidden for s in ready])[None]
+        hidden = torch.cat([s.spec.hidden for s in ready])
         for depth in range(1, self.depth + 1):
             ids = [t for s, (start, n) in zip(ready, spans, strict=True) for t in _ahead(s, start, n, depth)]
-            logits, hidden = self.model.mtp_step(depth, hidden, _ids(ids, positions), positions, batch)
-            self._take(ready, logits[0, last])
+            logits, hidden = self._mtp(depth, hidden, ids, positions, batch, last)
+            self._take(ready, logits)
         # beyond the last module: it again, one position further each time, on its own output (one row per sequence)
-        tail = hidden[0, last]
+        tail = hidden[last]
         for j in range(self.depth + 1, self.k + 1):
             going = [i for i, s in enumerate(ready) if s.num_lookahead >= j]
             if not going:
@@ -139,12 +148,29 @@ class Speculator:
             seqs_j = [ready[i] for i in going]
             batch = PagedBatch(self.pool, self.window, self.kernel)
             pos = batch.plan([(s.block_ids, len(s.tokens) - 2 + j - self.depth) for s in seqs_j], [])
-            ids = _ids([s.draft.tokens[j - 2] for s in seqs_j], pos)
-            logits, h = self.model.mtp_step(self.depth, tail[going][None], ids, pos, batch)
-            tail[going] = h[0]
-            self._take(seqs_j, logits[0])
+            ids = [s.draft.tokens[j - 2] for s in seqs_j]
+            logits, h = self._mtp(self.depth, tail[going], ids, pos, batch, None)
+            tail[going] = h
+            self._take(seqs_j, logits)
         for s in ready:
             del s.draft.tokens[s.num_lookahead:], s.draft.probs[s.num_lookahead:]
+
+    def _mtp(self, depth: int, hidden: torch.Tensor, ids: list[int], positions: torch.Tensor, batch: PagedBatch,
+             rows: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """MTP depth ``depth`` on the flattened rows: hidden [T, H], the ids ``depth`` ahead -> (fp32 logits of
+        ``rows`` (all when None), this depth's hidden [T, H]). ``Transformer.mtp_step``, or its arithmetic through
+        the runner's fast layer and packed output head where the runner has them."""
+        tokens = torch.tensor(ids, dtype=torch.long, device=hidden.device)
+        if self.layers is None:
+            logits, h = self.model.mtp_step(depth, hidden[None], tokens[None], positions, batch)
+            return (logits[0] if rows is None else logits[0, rows]), h[0]
+        module, layer = self.model.mtp[depth - 1], self.layers[depth - 1]
+        embedded = self.model.tok_embeddings(tokens)
+        x = module.eh_proj(torch.cat([rms_norm(embedded, module.enorm), rms_norm(hidden, module.hnorm)], dim=-1))
+        cos, sin = (t[0, 0] for t in rope_cos_sin(positions, self.runner.inv_freq, x.dtype))
+        h, delta = layer(x, None, cos, sin, batch)
+        h = h.add_(delta)
+        return self.runner.logits(layer.norm(h if rows is None else h[rows], None, module.norm)), h
 
     def _take(self, seqs: Sequence, logits: torch.Tensor) -> None:
         """The next draft of each sequence from its MTP logits [len(seqs), V]: greedy or drawn from q, processed as
@@ -215,6 +241,4 @@ def _ahead(seq, start: int, n: int, depth: int) -> list[int]:
     return (known + seq.draft.tokens[max(0, first - len(seq.tokens)):])[:n]
 
 
-def _ids(ids: list[int], positions: torch.Tensor) -> torch.Tensor:
-    return torch.tensor([ids], dtype=torch.long, device=positions.device)
 
