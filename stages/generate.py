@@ -23,6 +23,8 @@ def generate(
     bf16: bool = typer.Option(False, "--bf16", help="Run the model in bfloat16 (= --dtype bfloat16)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (as stored), float32, bfloat16 or float16."),
     json_output: bool = typer.Option(False, "--json", help="Print a JSON list of {prompt, completion}."),
+    speculative_tokens: int = typer.Option(0, "--speculative-tokens",
+                                           help="Draft tokens per step from the model's MTP modules (0 = off)."),
 ) -> None:
     """Complete each --prompt with the model of CKPT and print the completions."""
     import json
@@ -38,11 +40,14 @@ def generate(
 
     device = resolve_device(device)
     loaded = load_model(ckpt, device=device, dtype=torch.bfloat16 if bf16 else resolve_dtype(dtype))
-    require(loaded.model.cfg, "generate", str(ckpt))
+    if speculative_tokens < 0:
+        raise MegapipeError(f"--speculative-tokens = {speculative_tokens} must be >= 0 (0: off)")
+    require(loaded.model.cfg, "generate", str(ckpt), engine=["speculative"] if speculative_tokens else None)
     tok = load_tokenizer(tokenizer) if tokenizer is not None else loaded.tokenizer
     if tok is None:
         raise MegapipeError(f"checkpoint {ckpt} holds no tokenizer/: give one with --tokenizer")
-    completions = run_generate(loaded.model, tok, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop)
+    completions = run_generate(loaded.model, tok, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop,
+                               speculative_tokens)
     if json_output:
         typer.echo(json.dumps([{"prompt": p, "completion": c} for p, c in zip(prompt, completions, strict=True)]))
         return

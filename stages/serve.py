@@ -36,6 +36,8 @@ def serve(
     max_num_batched_tokens: int = typer.Option(2048, "--max-num-batched-tokens",
                                                help="Token budget of one engine step (prefill is chunked to it)."),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Do not reuse cached prompt blocks."),
+    speculative_tokens: int = typer.Option(0, "--speculative-tokens",
+                                           help="Draft tokens per step from the model's MTP modules (0 = off)."),
     max_body_size: str = typer.Option("8MiB", "--max-body-size", help="Largest request body; larger get 413."),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: torch's choice)."),
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level."),
@@ -54,6 +56,8 @@ def serve(
                         ("--max-num-batched-tokens", max_num_batched_tokens)):
         if value < 1:
             raise MegapipeError(f"{flag} = {value} must be >= 1")
+    if speculative_tokens < 0:
+        raise MegapipeError(f"--speculative-tokens = {speculative_tokens} must be >= 0 (0: off)")
     if max_queue < 0:
         raise MegapipeError(f"--max-queue = {max_queue} must be >= 0 (0: no limit)")
     if not 0 <= shutdown_timeout < float("inf"):
@@ -90,8 +94,11 @@ def serve(
     import torch
 
     # lazy: imports fastapi and torch; megapipe --help stays fast
+    from megapipe.checkpoint.load import load_model
+    from megapipe.dtypes import resolve_device, resolve_dtype
     from megapipe.inference import LLMEngine
     from megapipe.inference.async_engine import AsyncEngine
+    from megapipe.inference.engine import EngineConfig
     from megapipe.inference.server import ServerConfig, bind, run_server
     from megapipe.models.capabilities import require
 
@@ -101,11 +108,12 @@ def serve(
         torch.set_num_threads(threads)
     sock = bind(host, port)  # before loading: a busy port fails in a second, not after the model loads
     try:
-        llm = LLMEngine.from_pretrained(
-            model, device=device, dtype=dtype, block_size=block_size, num_blocks=num_blocks, kv_cache_memory=memory,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            prefix_caching=not no_prefix_caching)
-        require(llm.model_config, "serve", str(model))
+        loaded = load_model(model, resolve_device(device), resolve_dtype(dtype))
+        require(loaded.model.cfg, "serve", str(model), engine=["speculative"] if speculative_tokens else None)
+        llm = LLMEngine(loaded.model, loaded.tokenizer, EngineConfig(
+            block_size=block_size, num_blocks=num_blocks, kv_cache_memory=memory, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+            prefix_caching=not no_prefix_caching, speculative_tokens=speculative_tokens), loaded.eos_ids)
     except BaseException:
         sock.close()
         raise

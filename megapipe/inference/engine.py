@@ -29,6 +29,8 @@ from megapipe.inference.runner import ModelRunner
 from megapipe.inference.sampling import ParamError, SampleRow, SamplingParams, sample, top_logprobs
 from megapipe.inference.scheduler import FINISHED, Scheduler, now
 from megapipe.inference.scheduler import Sequence as Seq
+from megapipe.inference.speculative import Speculator
+from megapipe.models.capabilities import capabilities, describe
 from megapipe.models.transformer import kv_cache_values_per_token
 
 GiB = 1 << 30
@@ -51,12 +53,15 @@ class EngineConfig:
     huge_pages: Optional[bool] = None  # CPU: weights and KV pool on transparent huge pages (default: >= 64 MiB)
     cpu_kernels: Optional[bool] = None  # CPU: megapipe's C++ kernels (kernels.py; default: where they build)
     max_n: int = 128
+    speculative_tokens: int = 0  # drafts per decode step from the model's MTP modules (megapipe.inference.speculative)
 
     def check(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} = {value!r} must be an integer >= 1")
+        if not isinstance(self.speculative_tokens, int) or self.speculative_tokens < 0:
+            raise ConfigError(f"--speculative-tokens = {self.speculative_tokens!r} must be an integer >= 0 (0: off)")
         for name in ("num_blocks", "kv_cache_memory", "max_model_len"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -118,10 +123,15 @@ class LLMEngine:
         if self.max_model_len > cfg.max_position_embeddings:
             raise ConfigError(f"--max-model-len = {self.max_model_len} exceeds the model's max_position_embeddings"
                               f" = {cfg.max_position_embeddings}")
+        if config.speculative_tokens and "speculative" not in capabilities(cfg).engine:
+            raise ConfigError(f"--speculative-tokens {config.speculative_tokens} drafts with the model's multi-token "
+                              f"prediction modules, and this {describe(cfg)} model has none (model.mtp_num_layers)")
         model.eval()
         p = next(model.parameters())
         bs = config.block_size
-        per_block = KVPool.bytes_per_block(cfg.num_layers, bs, dtype=p.dtype, **kv_layout(cfg))
+        # speculative decoding: the MTP blocks' keys and values too (pool layers num_layers + depth - 1)
+        kv_layers = cfg.num_layers + (cfg.mtp_depth if config.speculative_tokens else 0)
+        per_block = KVPool.bytes_per_block(kv_layers, bs, dtype=p.dtype, **kv_layout(cfg))
         num_blocks = config.num_blocks
         if num_blocks is None:
             memory = config.kv_cache_memory
@@ -134,11 +144,15 @@ class LLMEngine:
                 f"the KV cache holds {num_blocks} blocks of {bs} tokens ({num_blocks * bs} tokens) but one sequence of"
                 f" --max-model-len {self.max_model_len} needs {-(-self.max_model_len // bs)}: give more "
                 f"--kv-cache-memory / --num-blocks or a smaller --max-model-len")
-        self.pool = KVPool(cfg.num_layers, num_blocks, bs, dtype=p.dtype, device=p.device, **kv_layout(cfg))
+        self.pool = KVPool(kv_layers, num_blocks, bs, dtype=p.dtype, device=p.device, **kv_layout(cfg))
         self.blocks = BlockManager(num_blocks, bs, config.prefix_caching)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self._lookahead if config.speculative_tokens else None)
         self.runner = ModelRunner(model, self.pool, config.pack_weights, config.huge_pages,
                                   config.cpu_kernels)
+        self.speculator = None
+        if config.speculative_tokens:
+            self.speculator = Speculator(self.runner, config.speculative_tokens, self.sample_row)
         self.device = p.device
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -237,14 +251,26 @@ class LLMEngine:
                 raise self._stalled()
             return []
         self.num_steps += 1
-        rows, samplers, sample_at, prompt_rows = [], [], [], []
+        verify = []  # decodes with drafts: tokens[num_computed] and the drafts, as one chunk
+        if self.speculator is not None:
+            verify = [s for s in decodes if s.num_lookahead]
+            decodes = [s for s in decodes if not s.num_lookahead]
+            self.speculator.propose(verify)
+        rows, samplers, sample_at, prompt_rows, verify_at = [], [], [], [], []
         for i, seq in enumerate(decodes):
             sample_at.append(len(rows))
             rows.append(i)
             samplers.append(seq)
         offset = len(decodes)
+        work = [(seq, seq.tokens[seq.num_computed:] + seq.draft.tokens) for seq in verify]
+        for _, toks in work:
+            verify_at.append((len(rows), offset))
+            rows.extend(range(offset, offset + len(toks)))
+            offset += len(toks)
+        chunk_at = []
         for seq, n in chunks:
             start = seq.num_computed
+            chunk_at.append(offset)
             if seq.params.prompt_logprobs is not None:
                 # position p predicts prompt token p + 1, whose entry is prompt_logprobs[p + 1]; a sequence
                 # recomputed after a preemption has some of them already
@@ -258,15 +284,20 @@ class LLMEngine:
                 rows.append(offset + n - 1)
                 samplers.append(seq)
             offset += n
-        logits = self.runner.run(
-            [(s.block_ids, s.num_computed, s.tokens[s.num_computed]) for s in decodes],
-            [(s.block_ids, s.num_computed, s.tokens[s.num_computed:s.num_computed + n]) for s, n in chunks],
-            rows,
-        )
-        for seq in decodes:
+        work += [(s, s.tokens[s.num_computed:s.num_computed + n]) for s, n in chunks]
+        logits = self.runner.run([(s.block_ids, s.num_computed, s.tokens[s.num_computed]) for s in decodes],
+                                 [(s.block_ids, s.num_computed, toks) for s, toks in work], rows,
+                                 hidden=self.speculator is not None)
+        if self.speculator is not None:
+            logits, hidden = logits
+        for i, seq in enumerate(decodes):
+            if self.speculator is not None:  # a decode without drafts (budget, last token) keeps the chain going
+                self.speculator.record(seq, seq.num_computed, hidden[i:i + 1])
             seq.num_computed += 1
             self.scheduler.register_computed(seq)
-        for seq, n in chunks:
+        for (seq, n), at in zip(chunks, chunk_at, strict=True):
+            if self.speculator is not None:
+                self.speculator.record(seq, seq.num_computed, hidden[at:at + n])
             if seq.num_computed < seq.prompt_len:
                 self.num_prompt_tokens += min(n, seq.prompt_len - seq.num_computed)
             seq.num_computed += n
@@ -274,6 +305,9 @@ class LLMEngine:
         for seq, start, last, at in prompt_rows:
             self._prompt_logprobs(seq, logits[at:at + last - start], start)
         touched = {}
+        for seq, (at, offset) in zip(verify, verify_at, strict=True):
+            self._accept(seq, logits[at:at + 1 + len(seq.draft.tokens)], hidden[offset:], now())
+            touched[seq.request.request_id] = seq.request
         if samplers:
             self._sample(samplers, logits if len(sample_at) == len(rows) else logits[sample_at])
             for seq in samplers:
@@ -296,6 +330,26 @@ class LLMEngine:
             f"nothing scheduled (first: {len(first.tokens)} tokens, {first.num_computed} computed, "
             f"{len(first.block_ids)} blocks; {self.blocks.num_free()} of {self.blocks.num_blocks} blocks free)")
 
+    def _accept(self, seq: Seq, logits: torch.Tensor, hidden: torch.Tensor, t: float) -> None:
+        """Verify ``seq``'s drafts (logits [1 + drafts, V] of its chunk), then emit the accepted tokens and the one
+        after them (stopping where the sequence finishes), rolling the sequence back to what was accepted."""
+        emitted = self.speculator.verify(seq, logits)
+        start = seq.num_computed
+        seq.num_computed += len(emitted)  # tokens[start] and the accepted drafts
+        self.speculator.keep(seq, start, hidden[:len(emitted)])
+        if seq.params.logprobs is not None:
+            raw = logits[:len(emitted)].log_softmax(dim=-1)
+            picked, tops = top_logprobs(raw, torch.tensor(emitted, device=raw.device), seq.params.logprobs)
+        for i, token in enumerate(emitted):
+            if i == len(emitted) - 1:  # the accepted drafts are tokens now: their full blocks can be cached
+                self.scheduler.register_computed(seq)
+                self.scheduler.rollback(seq)
+            if seq.params.logprobs is not None:
+                seq.logprobs.append((picked[i], tops[i]))
+            self._append(seq, token, t)
+            if seq.status == FINISHED:
+                break
+
     def _prompt_logprobs(self, seq: Seq, logits: torch.Tensor, start: int) -> None:
         if not seq.prompt_logprobs:
             seq.prompt_logprobs.append(None)  # the first prompt token has no context
@@ -303,14 +357,22 @@ class LLMEngine:
         picked, tops = top_logprobs(logits.log_softmax(dim=-1), targets, seq.params.prompt_logprobs)
         seq.prompt_logprobs.extend(zip(picked, tops, strict=True))
 
+    def sample_row(self, seq: Seq, ahead: Sequence[int] = ()) -> SampleRow:
+        """What the sampler needs of ``seq`` for its next token, as if the ids ``ahead`` (drafts) were output."""
+        p = seq.params
+        output = seq.output_ids + list(ahead) if ahead else seq.output_ids
+        suppressed = ()
+        if len(output) < p.min_tokens:
+            suppressed = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+        return SampleRow(p, seq.generator, seq.tokens[:seq.prompt_len], output, suppressed)
+
+    def _lookahead(self, seq: Seq) -> int:
+        """Drafts worth verifying for ``seq`` this step: no more than its max_tokens and the context can take."""
+        room = min(seq.params.max_tokens + seq.prompt_len, self.max_model_len) - len(seq.tokens) - 1
+        return max(0, min(self.config.speculative_tokens, room))
+
     def _sample(self, seqs: list[Seq], logits: torch.Tensor) -> None:
-        sample_rows = []
-        for seq in seqs:
-            p = seq.params
-            suppressed = ()
-            if len(seq.output_ids) < p.min_tokens:
-                suppressed = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
-            sample_rows.append(SampleRow(p, seq.generator, seq.tokens[:seq.prompt_len], seq.output_ids, suppressed))
+        sample_rows = [self.sample_row(seq) for seq in seqs]
         want_logprobs = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         raw = logits[want_logprobs].log_softmax(dim=-1) if want_logprobs else None
         chosen = sample(logits, sample_rows)
@@ -423,4 +485,5 @@ class LLMEngine:
                 "prefix_cache_queries": self.blocks.query_tokens, "prefix_cache_hits": self.blocks.hit_tokens,
                 "prefix_cache_hit_rate": self.blocks.hit_rate(), "num_blocks": self.blocks.num_blocks,
                 "preemptions": self.scheduler.num_preemptions, "prompt_tokens": self.num_prompt_tokens,
-                "generation_tokens": self.num_generation_tokens}
+                "generation_tokens": self.num_generation_tokens,
+                **(self.speculator.stats() if self.speculator is not None else {})}

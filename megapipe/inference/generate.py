@@ -14,7 +14,8 @@ from megapipe.inference.engine import EngineConfig, LLMEngine
 from megapipe.inference.sampling import ParamError, SamplingParams
 
 
-def _engine_for(model, tokenizer, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_ids):
+def _engine_for(model, tokenizer, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_ids,
+                speculative_tokens: int = 0):
     limit = model.cfg.max_position_embeddings
     for i, p in enumerate(prompts):
         if len(p) == 0:
@@ -25,7 +26,8 @@ def _engine_for(model, tokenizer, prompts: Sequence[Sequence[int]], max_new_toke
     bs = 16
     need = sum(-(-(len(p) + max_new_tokens) // bs) for p in prompts)
     config = EngineConfig(block_size=bs, num_blocks=max(need, -(-limit // bs)), max_num_seqs=max(1, len(prompts)),
-                          max_num_batched_tokens=max(2048, max(len(p) for p in prompts)))
+                          max_num_batched_tokens=max(2048, max(len(p) for p in prompts)),
+                          speculative_tokens=speculative_tokens)
     return LLMEngine(model, tokenizer, config, eos_token_ids=list(eos_ids))
 
 
@@ -58,15 +60,16 @@ def generate_ids(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, t
 
 def generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None,
-             stop: Optional[Sequence[str]] = None) -> list[str]:
-    """Completions of ``prompts`` (without the prompt), ending at EOS, a stop string (excluded) or the limit."""
+             stop: Optional[Sequence[str]] = None, speculative_tokens: int = 0) -> list[str]:
+    """Completions of ``prompts`` (without the prompt), ending at EOS, a stop string (excluded) or the limit;
+    ``speculative_tokens``: drafts per step from the model's MTP modules (megapipe.inference.speculative)."""
     if isinstance(stop, str):
         stop = [stop]
     if max_new_tokens < 0:
         raise MegapipeError(f"--max-new-tokens = {max_new_tokens} must be >= 0")
     ids = [list(tokenizer.encode(p)) for p in prompts]
     eos = [tokenizer.eod_id] if getattr(tokenizer, "eod_id", None) is not None else []
-    engine = _engine_for(model, tokenizer, ids, max_new_tokens, eos)
+    engine = _engine_for(model, tokenizer, ids, max_new_tokens, eos, speculative_tokens)
     if max_new_tokens == 0:
         return ["" for _ in prompts]
     outs = _run(engine, ids, _params(max_new_tokens, temperature, top_k, top_p, seed, stop))

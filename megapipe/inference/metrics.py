@@ -42,6 +42,31 @@ class _EngineCollector:
             c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric([self.model_name], float(s[key]))
             yield c
+        if "spec_decode_num_drafts" in s:
+            yield from self._speculative(s)
+
+    def _speculative(self, s: dict):
+        """Speculative decoding (megapipe.inference.speculative), vLLM's counters and its acceptance-rate gauge."""
+        for name, doc, key in (
+                ("vllm:spec_decode_num_drafts", "Verification steps with drafts.", "spec_decode_num_drafts"),
+                ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", "spec_decode_num_draft_tokens"),
+                ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", "spec_decode_num_accepted_tokens")):
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric([self.model_name], float(s[key]))
+            yield c
+        c = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                "Draft tokens accepted at each draft position (1 = the first draft).",
+                                labels=["model_name", "position"])
+        for pos, n in enumerate(s["spec_decode_num_accepted_tokens_per_pos"], start=1):
+            c.add_metric([self.model_name, str(pos)], float(n))
+        yield c
+        g = GaugeMetricFamily("vllm:spec_decode_draft_acceptance_rate",
+                              "Accepted / proposed draft tokens, overall and per draft position (label position).",
+                              labels=["model_name", "position"])
+        g.add_metric([self.model_name, "all"], float(s["spec_decode_acceptance_rate"]))
+        for pos, rate in enumerate(s["spec_decode_acceptance_rate_per_pos"], start=1):
+            g.add_metric([self.model_name, str(pos)], float(rate))
+        yield g
 
 
 class ServerMetrics:

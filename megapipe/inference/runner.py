@@ -410,9 +410,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, decodes: Sequence[tuple[Sequence[int], int, int]],
-            chunks: Sequence[tuple[Sequence[int], int, Sequence[int]]], rows: Sequence[int]) -> torch.Tensor:
+            chunks: Sequence[tuple[Sequence[int], int, Sequence[int]]], rows: Sequence[int],
+            hidden: bool = False):
         """decodes: (block ids, position, token); chunks: (block ids, start, tokens). Returns fp32 logits of the
-        batch rows ``rows`` (indices into the flattened batch: decodes first, then the chunks in order)."""
+        batch rows ``rows`` (indices into the flattened batch: decodes first, then the chunks in order); with
+        ``hidden``, also the final normed hidden states of every row (what MTP drafting starts from)."""
         batch = PagedBatch(self.pool, self.window, self.attention_kernel)
         positions = batch.plan([(b, pos) for b, pos, _ in decodes], [(b, s, len(t)) for b, s, t in chunks])
         ids = [t for _, _, t in decodes]
@@ -421,16 +423,19 @@ class ModelRunner:
         tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
         select = None if len(rows) == len(ids) else torch.tensor(rows, dtype=torch.long, device=self.device)
         if self.layers is None:
-            hidden = self.model(tokens[None], positions, batch, return_hidden=True)[0]
-            return self.logits(hidden if select is None else hidden[select])
-
-        h = self.model.tok_embeddings(tokens)
-        cos, sin = (t[0, 0] for t in rope_cos_sin(positions, self.inv_freq, h.dtype))
-        delta = None
-        for layer in self.layers:
-            h, delta = layer(h, delta, cos, sin, batch)
-        h = h.add_(delta)
-        return self.logits(self.layers[-1].norm(h if select is None else h[select], None, self.model.norm))
+            normed = self.model(tokens[None], positions, batch, return_hidden=True)[0]
+        else:
+            h = self.model.tok_embeddings(tokens)
+            cos, sin = (t[0, 0] for t in rope_cos_sin(positions, self.inv_freq, h.dtype))
+            delta = None
+            for layer in self.layers:
+                h, delta = layer(h, delta, cos, sin, batch)
+            h = h.add_(delta)
+            if not hidden and select is not None:  # the norm of the rows asked for only (rows are independent)
+                h, select = h[select], None
+            normed = self.layers[-1].norm(h, None, self.model.norm)
+        logits = self.logits(normed if select is None else normed[select])
+        return (logits, normed) if hidden else logits
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         if self.head is not None:

@@ -166,13 +166,50 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_
     return logits
 
 
-def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
-    """fp32 logits [R, V] -> next token ids [R] (a list of python ints is built by the caller)."""
+def penalised(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """fp32 logits [R, V] with penalties applied and suppressed ids at -inf (a copy where anything changes)."""
     if any(r.params.penalised or r.suppressed for r in rows):
         logits = apply_penalties(logits.clone(), rows)
     for i, row in enumerate(rows):
         if row.suppressed:
             logits[i, list(row.suppressed)] = float("-inf")
+    return logits
+
+
+def distribution(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """Penalised logits [R, V] of sampled (not greedy) rows -> the probabilities [R, V] sampling draws from:
+    tempered, then top-k / top-p / min-p truncated."""
+    temps = torch.tensor([r.params.temperature for r in rows], device=logits.device, dtype=logits.dtype)
+    x = logits / temps[:, None]
+    if not all(r.params.top_k == 0 and r.params.top_p == 1.0 and r.params.min_p == 0.0 for r in rows):
+        x = torch.stack([filter_logits(x[j], r.params.top_k, r.params.top_p, r.params.min_p)
+                         for j, r in enumerate(rows)])
+    return x.softmax(dim=-1)
+
+
+def uniforms(generators: Sequence[Optional[torch.Generator]], device) -> torch.Tensor:
+    """One float64 uniform per row, from the row's own generator where it has one."""
+    u = torch.empty(len(generators), dtype=torch.float64, device=device)
+    unseeded = [j for j, g in enumerate(generators) if g is None]
+    if unseeded:
+        u[unseeded] = torch.rand(len(unseeded), dtype=torch.float64, device=device)
+    for j, g in enumerate(generators):
+        if g is not None:
+            u[j] = torch.rand((), dtype=torch.float64, generator=g, device=device)
+    return u
+
+
+def draw(probs: torch.Tensor, generators: Sequence[Optional[torch.Generator]]) -> torch.Tensor:
+    """One id per row of probs [R, V] (unnormalised is fine): the first id whose cumulative mass exceeds u * total,
+    id k with probability p_k (none with p_k = 0)."""
+    cdf = probs.double().cumsum_(dim=-1)
+    target = (uniforms(generators, cdf.device) * cdf[:, -1])[:, None]
+    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=cdf.shape[-1] - 1)
+
+
+def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """fp32 logits [R, V] -> next token ids [R] (a list of python ints is built by the caller)."""
+    logits = penalised(logits, rows)
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     if len(greedy) == len(rows):
         return logits.argmax(dim=-1)
@@ -182,24 +219,8 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
         out[idx] = logits[idx].argmax(dim=-1)
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     idx = torch.tensor(sampled, device=logits.device)
-    temps = torch.tensor([rows[i].params.temperature for i in sampled], device=logits.device, dtype=logits.dtype)
-    x = logits[idx] / temps[:, None]
-    plain = all(rows[i].params.top_k == 0 and rows[i].params.top_p == 1.0 and rows[i].params.min_p == 0.0
-                for i in sampled)
-    if not plain:
-        x = torch.stack([filter_logits(x[j], rows[i].params.top_k, rows[i].params.top_p, rows[i].params.min_p)
-                         for j, i in enumerate(sampled)])
-    cdf = x.softmax(dim=-1).double().cumsum_(dim=-1)
-    u = torch.empty(len(sampled), dtype=torch.float64, device=cdf.device)
-    unseeded = [j for j, i in enumerate(sampled) if rows[i].generator is None]
-    if unseeded:
-        u[unseeded] = torch.rand(len(unseeded), dtype=torch.float64, device=cdf.device)
-    for j, i in enumerate(sampled):
-        if rows[i].generator is not None:
-            u[j] = torch.rand((), dtype=torch.float64, generator=rows[i].generator, device=cdf.device)
-    # the first token whose cumulative mass exceeds u * total: token k with probability p_k (none with p_k = 0)
-    target = (u * cdf[:, -1])[:, None]
-    out[idx] = torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=cdf.shape[-1] - 1)
+    chosen = [rows[i] for i in sampled]
+    out[idx] = draw(distribution(logits[idx], chosen), [r.generator for r in chosen])
     return out
 
 

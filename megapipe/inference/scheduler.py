@@ -2,7 +2,8 @@
 
 Every step is planned afresh under a token budget (``max_num_batched_tokens``):
 
-1. running sequences that decode (one token each) first, so a long prompt never stalls them; when the pool has no
+1. running sequences that decode (one token each, plus ``lookahead(seq)`` draft tokens under speculative decoding)
+   first, so a long prompt never stalls them; when the pool has no
    slot for one, the most recently admitted other sequence is preempted (its blocks freed, its tokens recomputed
    later: it goes back to the front of the queue with what it generated so far);
 2. then running sequences whose prompt is still being prefilled, a chunk each of what budget and free blocks allow;
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -49,6 +50,7 @@ class Sequence:
         self.first_token_time: Optional[float] = None
         self.last_token_time: Optional[float] = None
         self.preemptions = 0
+        self.num_lookahead = 0  # draft tokens the current step verifies after its last token (speculative decoding)
 
     @property
     def output_ids(self) -> list[int]:
@@ -67,8 +69,9 @@ class Sequence:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
-        self.blocks = blocks
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 lookahead: Optional[Callable[[Sequence], int]] = None):
+        self.blocks, self.lookahead = blocks, lookahead
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -120,7 +123,8 @@ class Scheduler:
         return True
 
     def schedule(self) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
-        """-> (decodes: one token each, chunks: (seq, n tokens)); blocks for them are allocated."""
+        """-> (decodes: one token each + ``seq.num_lookahead`` drafts, chunks: (seq, n tokens)); blocks for them are
+        allocated."""
         budget = self.max_num_batched_tokens
         decodes: list[Sequence] = []
         chunks: list[tuple[Sequence, int]] = []
@@ -131,11 +135,13 @@ class Scheduler:
                 break
             if seq.status != RUNNING or seq.remaining != 1:
                 continue
-            if self._make_room(seq, 1, scheduled):
-                self._grow(seq, 1)
+            width = min(budget, 1 + (self.lookahead(seq) if self.lookahead else 0))
+            if self._make_room(seq, width, scheduled):
+                self._grow(seq, width)
+                seq.num_lookahead = width - 1
                 decodes.append(seq)
                 scheduled.add(seq.seq_id)
-                budget -= 1
+                budget -= width
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -188,6 +194,13 @@ class Scheduler:
         if seq.preemptions == 0:
             seq.num_cached = seq.num_computed
         return hits
+
+    def rollback(self, seq: Sequence) -> None:
+        """Return the blocks past the sequence's computed tokens (allocated for drafts that were rejected)."""
+        keep = -(-seq.num_computed // self.blocks.block_size)
+        if len(seq.block_ids) > keep:
+            self.blocks.release(seq.block_ids[keep:])
+            del seq.block_ids[keep:]
 
     def register_computed(self, seq: Sequence) -> None:
         """Offer the sequence's newly completed full blocks to the prefix cache."""

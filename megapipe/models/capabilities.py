@@ -17,7 +17,7 @@ from typing import Optional
 from megapipe.errors import MegapipeError
 
 LAYOUTS = ("dp_replicate", "dp_shard", "tp", "sp", "pp", "cp", "ep")
-ENGINE = ("paged_kv", "prefix_caching", "chunked_prefill", "cpu_kernels")
+ENGINE = ("paged_kv", "prefix_caching", "chunked_prefill", "cpu_kernels", "speculative")
 LORA = ("q", "k", "v", "o", "gate", "up", "down", "q_a", "kv_a", "kv_b")
 MLA_LORA = ("q_a", "kv_a", "kv_b")  # multi-latent attention's down / up projections (megapipe.models.lora.TARGETS)
 QUANT = ("fp8", "int8_sq", "int4_awq", "w4a8_awq", "nvfp4")
@@ -73,8 +73,8 @@ KINDS: dict[str, Capabilities] = {
 
 # families (ModelConfig.arch): what the model's Hugging Face / TensorRT-LLM twin allows
 FAMILIES: dict[str, Capabilities] = {
-    # a GELU MLP has no up projection
-    "gpt2": _without(lora={"up"}),
+    # a GELU MLP has no up projection; learned positions: no MTP modules (they take rotary ones), nothing to draft with
+    "gpt2": _without(lora={"up"}, engine={"speculative"}),
     # a sliding window, which context parallelism's ring attention does not take
     "mistral": _without(layouts={"cp"}),
     # no shared expert, every layer MoE: nothing but attention to adapt
@@ -94,6 +94,8 @@ FAMILIES: dict[str, Capabilities] = {
 # (the other families' HF twins have no MTP layers)
 MTP = _without(stages={"export_trt"})
 MTP_HF_FAMILIES = ("deepseek_v3",)
+# speculative decoding drafts with the MTP modules (megapipe.inference.speculative): a model without them has none
+NO_MTP = _without(engine={"speculative"})
 
 LABELS = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "gpt2": "GPT-2",
           "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "deepseek_v3": "DeepSeek-V3"}
@@ -112,7 +114,7 @@ def kinds_of(cfg) -> list[str]:
 def capabilities(cfg) -> Capabilities:
     row = _row(cfg.arch, kinds_of(cfg))
     if not getattr(cfg, "mtp_depth", 0):
-        return row
+        return row & NO_MTP
     return row & (MTP if cfg.arch in MTP_HF_FAMILIES else MTP & _without(stages={"export_hf"}))
 
 
@@ -197,6 +199,9 @@ def readme_table() -> str:
                 cells.append("all" if not missing else "all but " + ", ".join(m.replace("_", " ") for m in missing))
             else:
                 cells.append(", ".join(v for v in order if v in have) or "—")
-        cells.append(", ".join(v.replace("_", " ") for v in ENGINE if v in row.engine) or "—")
+        engine = [v.replace("_", " ") for v in ENGINE if v in row.engine and v != "speculative"]
+        if "speculative" in (row & MTP).engine and engine:
+            engine.append("speculative (MTP models)")
+        cells.append(", ".join(engine) or "—")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

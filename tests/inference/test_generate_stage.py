@@ -58,3 +58,23 @@ def test_generate_stage_on_a_hugging_face_directory(hf_llama, capsys):
     assert json.loads(capsys.readouterr().out) == [{"prompt": "The quick", "completion": want}]
     assert main(["generate", str(path), "--prompt", "x", "--dtype", "int3"]) != 0
     assert "--dtype 'int3' is not one of" in capsys.readouterr().err
+
+
+def test_generate_stage_speculative_tokens(run_dir, tmp_path, capsys):
+    """--speculative-tokens drafts with the model's MTP modules: the greedy text is the one without drafts; a model
+    without them is refused by the capability table."""
+    from megapipe.checkpoint import save_checkpoint
+
+    run, _, tok = run_dir
+    assert main(["generate", str(run), "--prompt", "x", "--speculative-tokens", "2"]) != 0
+    assert "generate of Llama models does not support engine speculative" in capsys.readouterr().err
+    cfg = ModelConfig(vocab_size=280, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, init_std=0.3, tie_embeddings=True, mtp_num_layers=1)
+    save_checkpoint(tmp_path / "mtp", 1, build_model(cfg, seed=0), manifest={"model": cfg, "stage": "pretrain"},
+                    tokenizer=run.parent / "tok")
+    texts = []
+    for k in ("0", "3"):
+        assert main(["generate", str(tmp_path / "mtp"), "--prompt", "The quick", "--prompt", "A lazy dog",
+                     "--max-new-tokens", "12", "--speculative-tokens", k, "--json"]) == 0
+        texts.append(json.loads(capsys.readouterr().out))
+    assert texts[0] == texts[1]

