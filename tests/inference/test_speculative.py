@@ -27,6 +27,18 @@ def random_model():
 
 
 @pytest.fixture(scope="module")
+def mla_model():
+    """DeepSeek-V3-shaped: multi-latent attention (its latent KV cache, the MTP blocks' too) and MoE, 2 MTP modules."""
+    from megapipe.presets import PRESETS
+
+    shape = {**PRESETS["deepseek-v3-tiny"], "hidden_size": 32, "intermediate_size": 64, "num_layers": 2,
+             "num_heads": 4, "moe_ffn_hidden_size": 16, "moe_shared_expert_intermediate_size": 16,
+             "q_lora_rank": 24, "kv_lora_rank": 16, "qk_head_dim": 8, "qk_pos_emb_head_dim": 8, "v_head_dim": 8}
+    return build_model(ModelConfig(**{**shape, "vocab_size": V, "init_std": 0.3, "mtp_num_layers": 2,
+                                      "max_position_embeddings": 256}), seed=0).eval()
+
+
+@pytest.fixture(scope="module")
 def trained_model():
     """Trained a few dozen steps on one periodic sequence: main model and MTP modules predict it, so most drafts are
     accepted (the paths where a whole draft and its bonus token are emitted)."""
@@ -79,7 +91,7 @@ def test_acceptance_rule_keeps_the_target_distribution():
 PROMPTS = [PERIOD * 2, PERIOD[:3], [5, 6, 7, 8, 9, 10, 11, 2, 3], [2], PERIOD * 2 + [1, 1, 2]]
 
 
-@pytest.mark.parametrize("model_name", ["random_model", "trained_model"])
+@pytest.mark.parametrize("model_name", ["random_model", "trained_model", "mla_model"])
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_greedy_output_is_token_identical(model_name, k, request):
     """A continuous batch of mixed prompt lengths (two sharing a cached prefix, staggered by max_num_seqs), with
