@@ -6,7 +6,8 @@ the quantized weight and the scales TensorRT-LLM's kernels read. The numerics fo
 (``modelopt.torch.export``) exactly, so the files are bit-identical to theirs (checked by the oracle tests):
 
 - scale = amax / maxbound, maxbound 448 (FP8 E4M3), 127 (INT8), 7 (INT4); zero amax -> maxbound, then clamped to
-  the dtype's positive range; per-tensor scales are ``[1]``, per-channel ``[out]``, INT4 blocks ``[out, in/128]``.
+  the dtype's positive range (ModelOpt's export_amax; applied to every scale, also to the two its unified exporter
+  divides raw: the FP8 weight scale and the KV cache scales, where it writes 0 and NaN weights for a dead tensor); per-tensor scales are ``[1]``, per-channel ``[out]``, INT4 blocks ``[out, in/128]``.
 - FP8 weight = E4M3(W / s); INT8 = clamp(round(W / s), -128, 127); INT4 = clamp(round(W / s_block), -8, 7) with two
   consecutive output rows packed per byte (row 2j in the low nibble), stored ``[out/2, in]``.
 - Layers that read the same input are fused by the runtime (q/k/v; gate/up), so before export they share one
@@ -82,7 +83,7 @@ def _export_amax(amax: torch.Tensor, kind: str, shape: str, out_features: int = 
     """ModelOpt's TensorQuantizer.export_amax: zeros -> maxbound, clamp, then the layout TensorRT-LLM reads."""
     if shape == "block":
         amax = amax.reshape(out_features, -1)
-    amax = torch.where(amax == 0, torch.full_like(amax, MAXBOUND[kind]), amax).nan_to_num(nan=MAXBOUND[kind])
+    amax = positive_amax(amax, kind)
     info = torch.finfo(amax.dtype)
     amax = amax.clamp(min=info.tiny, max=info.max)
     if shape == "tensor":
@@ -90,6 +91,13 @@ def _export_amax(amax: torch.Tensor, kind: str, shape: str, out_features: int = 
     if shape == "channel":
         return amax.squeeze()
     return amax
+
+
+def positive_amax(amax: torch.Tensor, kind: str) -> torch.Tensor:
+    """ModelOpt's rule for a dead tensor: a zero (or NaN) amax, which calibration finds where the tensor never held a
+    non-zero value, becomes the max bound, so every exported scale is positive (a zero scale would make the
+    quantized weight 0 / 0)."""
+    return torch.where(amax == 0, torch.full_like(amax, MAXBOUND[kind]), amax).nan_to_num(nan=MAXBOUND[kind])
 
 
 def scale(amax: torch.Tensor, kind: str, shape: str, out_features: int = 0) -> torch.Tensor:
@@ -113,8 +121,9 @@ def input_scale(q: QLinear) -> Optional[torch.Tensor]:
 
 
 def kv_scale_unified(amax: torch.Tensor) -> torch.Tensor:
-    """The unified checkpoint's ``k_scale`` / ``v_scale``: amax / 448 as stored (no clamping)."""
-    return amax.float() / MAXBOUND["fp8"]
+    """The unified checkpoint's ``k_scale`` / ``v_scale``: amax / 448 as stored (no clamping); a zero amax by the
+    rule of ``positive_amax`` (ModelOpt's unified exporter divides the raw amax there, writing a zero scale)."""
+    return positive_amax(amax.float(), "fp8") / MAXBOUND["fp8"]
 
 
 def kv_scale_legacy(amax: torch.Tensor) -> torch.Tensor:

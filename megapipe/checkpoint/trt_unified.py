@@ -66,7 +66,8 @@ def linear_tensors(q: ql.QLinear) -> dict[str, torch.Tensor]:
         out["weight"] = q.weight
     else:
         if q.fmt == "fp8":
-            scale = q.weight_amax.float() / ql.MAXBOUND["fp8"]  # a 0-d scale: the division runs in the weight dtype
+            # a 0-d scale: the division runs in the weight dtype
+            scale = ql.positive_amax(q.weight_amax.float(), "fp8") / ql.MAXBOUND["fp8"]
         else:
             scale = ql.weight_scale(q)
         out["weight"] = ql.quantize_weight(q, scale)

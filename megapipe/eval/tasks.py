@@ -37,10 +37,53 @@ class TaskSelection:
     manager: object = None  # the TaskManager that built them (lm-eval's simple_evaluate would index its registry)
 
 
+def _git_hash():
+    """lm-eval's get_git_commit_hash (recorded in the results) without git's "fatal: not a git repository" on
+    stderr when the working directory is not in one."""
+    import subprocess
+
+    from lm_eval.loggers.utils import get_commit_from_path
+
+    try:
+        return subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, check=True,
+                              timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return get_commit_from_path(os.getcwd())
+
+
+@contextlib.contextmanager
+def _patched(owner, name: str, value):
+    old = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, old)
+
+
+@contextlib.contextmanager
+def _bars_on_a_terminal_only():
+    """tqdm bars (lm-eval's, megapipe's request bars) only when stderr is a terminal: in a log file (a pipeline
+    step's) every bar would leave a line of carriage returns."""
+    if sys.stderr.isatty():
+        yield
+        return
+    from tqdm import std
+
+    init = std.tqdm.__init__
+
+    def without_bar(self, *args, **kwargs):
+        init(self, *args, **{**kwargs, "disable": True})
+
+    with _patched(std.tqdm, "__init__", without_bar):
+        yield
+
+
 @contextlib.contextmanager
 def quiet_lm_eval():
     """lm-eval and datasets log every step at INFO/WARNING (and datasets draws a bar per split it reads); keep their
-    errors only. lm-eval's own request bars stay: they are the progress of the evaluation."""
+    errors only. lm-eval's own request bars stay on a terminal: they are the progress of the evaluation."""
+    import lm_eval.evaluator
     from datasets.utils import logging as datasets_logging
 
     names = ("lm-eval", "lm_eval", "datasets", "evaluate", "absl")
@@ -54,7 +97,8 @@ def quiet_lm_eval():
                 h.setStream(sys.stderr)
     datasets_logging.disable_progress_bar()
     try:
-        yield
+        with _patched(lm_eval.evaluator, "get_git_commit_hash", _git_hash), _bars_on_a_terminal_only():
+            yield
     finally:
         for lg, level in zip(loggers, levels, strict=True):
             lg.setLevel(level)

@@ -3,7 +3,7 @@
 A step is a cache hit when its last attempt completed, its key is unchanged, the upstream outputs it consumed are
 still the current ones (no upstream step reran since), and its output is still on disk. Anything else reruns it,
 and a rerun step makes all of its downstream rerun. An interrupted or failed training step with an unchanged key
-resumes from its newest checkpoint instead of starting over.
+resumes from its newest checkpoint instead of starting over; one whose key changed starts over.
 """
 
 from __future__ import annotations
@@ -70,11 +70,14 @@ def make_plan(pipeline: Pipeline, start: Optional[str] = None, until: Optional[s
             d.action, d.reason = SKIP, "not selected" + (f" ({why})" if not valid else "")
         elif name in force:
             d.action, d.reason = RUN, "--from" if name == start else "--force"
-        if d.action == RUN and name not in force and step.output.resume and rec and rec.get("key") == key \
+        if d.action == RUN and name not in force and step.output.resume and rec \
                 and rec.get("state") in (FAILED, RUNNING, QUEUED):
-            d.resume_from = latest_checkpoint_step(pipeline.output_path(name))
-            if d.resume_from is not None:
-                d.reason += f"; resumes from its checkpoint at step {d.resume_from}"
+            last = latest_checkpoint_step(pipeline.output_path(name))
+            if last is not None and rec.get("key") == key:
+                d.resume_from = last
+                d.reason += f"; resumes from its checkpoint at step {last}"
+            elif last is not None:  # another run now: its checkpoints are removed before it starts
+                d.reason += f"; {describe_change(rec.get('material') or {}, material)}, so it starts over"
         decisions[name] = d
     for d in decisions.values():  # a step that runs needs every upstream step done or running before it
         if d.action != RUN:

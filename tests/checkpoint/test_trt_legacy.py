@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "posttrain"))
 sys.path.insert(0, str(Path(__file__).parent))
 
 from quant_twins import hf_twin, make_checkpoint, quantized_gpt2_twin, quantized_twin  # noqa: E402
-from test_trt_unified import assert_same_tensors  # noqa: E402
+from test_trt_unified import DEAD, assert_same_tensors  # noqa: E402
 
 from megapipe.checkpoint.quant_state import quiet  # noqa: E402
 from megapipe.checkpoint.trt import export_trt  # noqa: E402
@@ -59,6 +59,8 @@ CASES = [
     ("mistral", "w4a8_awq", None, 2, 2, WIDE),
     ("gpt2", None, None, 2, 1, {}),
     ("gpt2", "fp8", "fp8", 2, 1, {}),
+    ("llama", "fp8", "fp8", 1, 1, {"dead": DEAD}),  # zero amaxes (see DEAD)
+    ("llama", "int8_sq", "fp8", 2, 1, {"dead": DEAD}),
 ]
 
 

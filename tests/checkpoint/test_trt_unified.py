@@ -119,6 +119,40 @@ def test_unified_export_equals_modelopt_export_hf_checkpoint(quantized, tmp_path
     assert summary["quantization"].startswith(fmt)
 
 
+# layer 0's value projection is all zero: its weight amax, the value cache's amax and the output projection's input
+# amax calibrate to 0; one output row of layer 1's gate projection is zero: a zero per-channel / per-block weight amax
+DEAD = ("layers.0.attention.wv.weight", "layers.1.feed_forward.w1.weight:5")
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8_sq", "int4_awq", "w4a8_awq"])
+def test_a_zero_amax_follows_modelopts_export_rule(tiny_tokenizer_dir, pretrain_data, tmp_path, fmt):
+    """A dead weight or activation (a zero amax) gets ModelOpt's rule (export_amax: zero -> max bound, a scale of
+    1) in every exported scale, so the file equals ModelOpt's bit for bit except where ModelOpt's unified exporter
+    divides the raw amax instead: the FP8 weight scale and the KV cache scales, 0 there (and FP8 weights 0 / 0, NaN)."""
+    from modelopt.torch.export import export_hf_checkpoint
+
+    base = make_checkpoint(tmp_path / "base", "llama", tiny_tokenizer_dir, dead=DEAD)
+    quantize_checkpoint(base, tmp_path / "q", fmt, pretrain_data[0], kv_cache="fp8", calib_samples=4,
+                        seq_length=64, batch_size=2, eval_iters=0)
+    export_trt(tmp_path / "q", tmp_path / "ours", "unified", dtype="bf16")
+    twin = quantized_twin(tmp_path / "q", tmp_path, torch.bfloat16)
+    with quiet(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        export_hf_checkpoint(twin, dtype=torch.bfloat16, export_dir=tmp_path / "modelopt")
+    ours, theirs = tensors(tmp_path / "ours"), tensors(tmp_path / "modelopt")
+    v, o, gate = (f"model.layers.{i}.{m}." for i, m in ((0, "self_attn.v_proj"), (0, "self_attn.o_proj"),
+                                                          (1, "mlp.gate_proj")))
+    raw = [v + "v_scale", *([v + "weight_scale", v + "weight"] if fmt == "fp8" else [])]
+    for name in raw:  # ModelOpt's: 0 (and NaN weights); the rule's: a scale of 1 (and zero weights)
+        assert torch.all(theirs.pop(name).float().nan_to_num(0.0) == 0), name
+        assert torch.all(ours.pop(name).float() == (0.0 if name.endswith("weight") else 1.0)), name
+    assert_same_tensors(ours, theirs)
+    if fmt in ("fp8", "int8_sq", "w4a8_awq"):  # the output projection reads the dead values: input amax 0
+        assert ours[o + "input_scale"].item() == 1.0
+    if fmt != "fp8":  # a dead output row: its per-channel / per-block scales
+        assert torch.all(ours[gate + "weight_scale"][5] == 1.0)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe"])
 def test_unquantized_unified_export_loads_in_transformers_with_megapipe_logits(tiny_tokenizer_dir, tmp_path, arch):
     ckpt = make_checkpoint(tmp_path / "ckpt", arch, tiny_tokenizer_dir)

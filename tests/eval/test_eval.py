@@ -43,14 +43,18 @@ def direct_perplexity(hf_dir: Path, prefix: str, seq_length: int, count: int) ->
     return total / tokens, tokens
 
 
-def test_cli_writes_results_and_perplexity_matches_transformers(tiny_llama, pretrain_data, tmp_path, capsys,
-                                                                one_thread):
+def test_cli_writes_results_and_perplexity_matches_transformers(tiny_llama, pretrain_data, tmp_path, capfd,
+                                                                monkeypatch, one_thread):
+    """Outside a git repository, with stderr not a terminal (captured here, a log file in a pipeline step): no
+    git message (lm-eval records the commit it runs in) and no progress bars."""
     hf_dir, ckpt = tiny_llama
     prefix, _ = pretrain_data
     out = tmp_path / "eval"
+    monkeypatch.chdir(tmp_path)
     code, stdout, err = run_cli(["eval", ckpt, "--tasks", "megapipe_mc,megapipe_gen,perplexity", "--data-path", prefix,
-                                 "--limit", 4, "--seq-length", 64, "--output", out, "--log-samples"], capsys)
+                                 "--limit", 4, "--seq-length", 64, "--output", out, "--log-samples"], capfd)
     assert code == 0, err
+    assert "fatal" not in err and "it/s" not in err and "%|" not in err, err
     results = json.loads((out / "results.json").read_text())
     assert set(results["results"]) == {"megapipe_mc", "megapipe_gen", "perplexity"}
     ppl = results["results"]["perplexity"]
@@ -64,6 +68,20 @@ def test_cli_writes_results_and_perplexity_matches_transformers(tiny_llama, pret
     assert "|megapipe_mc" in stdout and "|perplexity" in stdout and "acc_norm" in stdout and "ppl" in stdout
     rows = [json.loads(line) for line in (out / "samples_megapipe_mc.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and {"doc", "resps", "acc"} <= set(rows[0])
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_progress_bars_show_on_a_terminal_only(monkeypatch, terminal):
+    import io
+
+    from tqdm.auto import tqdm
+
+    from megapipe.eval.tasks import quiet_lm_eval
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal)
+    with quiet_lm_eval():
+        bar = tqdm(total=1, disable=False, file=io.StringIO())
+    assert bar.disable is not terminal
 
 
 def test_perplexity_of_every_window_and_several_prefixes(tiny_llama, pretrain_data, tmp_path, one_thread):

@@ -114,6 +114,23 @@ def test_changed_input_file_reruns_its_readers(copy):
     assert json.loads((run_dir / "inspect" / "stdout.txt").read_text())["documents"] == 190
 
 
+def test_a_directory_input_changed_in_place_reruns_its_readers(copy, tmp_path):
+    """A directory's identity covers every file in it: one file rewritten in place (same name, same size, new
+    content) changes the key of the step that reads the directory."""
+    run_dir, corpus = copy
+    tokenizer = tmp_path / "tokenizer"
+    shutil.copytree(run_dir / "tok" / "tokenizer", tokenizer)
+    notes = tokenizer / "notes.txt"
+    notes.write_text("v1\n")
+    sets = (f"data.tokenizer={tokenizer}",)
+    assert run(run_dir, corpus, *sets).ran == ["data", "inspect"]
+    assert run(run_dir, corpus, *sets).ran == []
+    notes.write_text("v2\n")
+    result = run(run_dir, corpus, *sets)
+    assert result.ran == ["data", "inspect"]
+    assert {d.name: d.reason for d in result.decisions}["data"] == f"input {tokenizer} changed"
+
+
 def test_force_from_until(copy):
     run_dir, corpus = copy
     assert run(run_dir, corpus, force=["tok"]).ran == ["tok", "data", "inspect"]

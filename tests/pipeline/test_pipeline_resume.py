@@ -84,3 +84,29 @@ def test_interrupted_pretrain_resumes_from_its_checkpoint(tmp_path, shakespeare_
     run_pipeline(load_pipeline(TRAIN, step_commands(), sets, str(reference)), "local", until="pretrain")
     assert train_losses(reference) == losses
     assert run_pipeline(pipeline, "local").ran == []  # and now it is all cached
+
+
+def test_a_failed_step_whose_options_changed_starts_over(tmp_path, shakespeare_excerpt):
+    """A training step that failed after saving checkpoints resumes from them only while its key is unchanged;
+    with another option it is another run: its old checkpoints are removed and it trains from step 1."""
+    from megapipe.pipeline.plan import make_plan
+    from megapipe.pipeline.state import update_state
+
+    run_dir = tmp_path / "run"
+    sets = [f"vars.corpus={shakespeare_excerpt}", "vars.iters=4"]
+    pipeline = load_pipeline(TRAIN, step_commands(), sets, str(run_dir))
+    run_pipeline(pipeline, "local", until="pretrain")
+    update_state(run_dir / "pretrain", state="failed", error="interrupted by SIGTERM")  # checkpoints at 2 and 4
+    plan = {d.name: d for d in make_plan(pipeline, until="pretrain")}
+    assert plan["pretrain"].resume_from == 4  # unchanged: it would resume
+
+    changed = load_pipeline(TRAIN, step_commands(), [*sets, "pretrain.lr=1e-3"], str(run_dir))
+    result = run_pipeline(changed, "local", until="pretrain")
+    pretrain = {d.name: d for d in result.decisions}["pretrain"]
+    assert result.ran == ["pretrain"] and pretrain.resume_from is None
+    assert pretrain.reason == "interrupted by SIGTERM; option lr changed: '3e-3' -> '1e-3', so it starts over"
+    rec = read_state(run_dir / "pretrain")
+    assert rec["state"] == "done" and rec["resumed_from"] is None and "--lr 1e-3" in rec["command"]
+    second_attempt = (run_dir / "pretrain" / "log.txt").read_text().split("===== ")[-1]
+    assert "resuming from" not in second_attempt and "step 1 |" in second_attempt
+    assert sorted(train_losses(run_dir)) == [1, 2, 3, 4]

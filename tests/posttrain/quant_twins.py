@@ -41,8 +41,10 @@ def model_config(arch: str, **overrides):
     return ModelConfig(**{**ARCHS[arch], **overrides})
 
 
-def make_checkpoint(path: Path, arch: str, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
-    """A random megapipe checkpoint of ``arch`` (weights N(0, 0.05), norms around 1, biases around 0)."""
+def make_checkpoint(path: Path, arch: str, tokenizer_dir: Path, seed: int = 0, dead: tuple[str, ...] = (),
+                    **overrides) -> Path:
+    """A random megapipe checkpoint of ``arch`` (weights N(0, 0.05), norms around 1, biases around 0). ``dead``:
+    parameters set to zero, ``NAME`` whole or ``NAME:ROW`` one output row (calibration finds a zero amax there)."""
     from megapipe.checkpoint import write_checkpoint
     from megapipe.models import build_model
 
@@ -57,6 +59,10 @@ def make_checkpoint(path: Path, arch: str, tokenizer_dir: Path, seed: int = 0, *
                 p.copy_(0.05 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(0.05 * torch.randn(p.shape, generator=g))
+        params = dict(model.named_parameters())
+        for spec in dead:
+            name, _, row = spec.partition(":")
+            (params[name][int(row)] if row else params[name]).zero_()
     return write_checkpoint(path, model, manifest={"model": cfg, "stage": "pretrain"}, tokenizer=tokenizer_dir)
 
 

@@ -19,7 +19,7 @@ from megapipe.errors import MegapipeError
 from tests.posttrain.conftest import SMALL
 
 ROOT = Path(__file__).resolve().parents[2]
-SMOLLM2 = Path.home() / ".cache/megapipe/smollm2"
+SMOLLM2 = Path(os.environ.get("MEGAPIPE_SMOLLM2_DIR", Path.home() / ".cache/megapipe/smollm2")).expanduser()
 ANSWER = re.compile(r"^ANSWER: \S[^\n]*$")
 HELD_OUT = ["What is 12 plus 30?", "What is the capital of Norway?", "Spell the word garden backwards.",
             "How many letters are in the word rocket?", "What is the opposite of fast?", "Add 7 and 13."]
@@ -292,6 +292,28 @@ def test_sft_makes_generate_answer_in_the_trained_format(base_ckpt, sft_model):
     before, after = generate(base_ckpt, prompts), generate(sft_model, prompts)
     assert not any(ANSWER.match(b) for b in before), before
     assert all(ANSWER.match(a) for a in after), after
+
+
+@pytest.mark.skipif(not (SMOLLM2 / "config.json").is_file(),
+                    reason=f"SmolLM2 not prepared at {SMOLLM2} (`make test` prepares it; or tools/prepare_smollm2.py)")
+def test_a_short_sft_of_smollm2_answers_in_the_trained_format(chat_data, tmp_path):
+    """The demonstration below, short enough for every run: SmolLM2-135M-Instruct imported, 3 LoRA steps on the
+    chat set, then held-out questions through the engine with the checkpoint's chat template: the fine-tuned model
+    answers each in the set's format, ``ANSWER: ...`` (the instruct model on its own answers in sentences)."""
+    from megapipe.checkpoint.hf import import_hf
+    from megapipe.checkpoint.load import load_model
+    from megapipe.data.tokenizer import load_tokenizer
+    from megapipe.inference import generate
+
+    base, run = tmp_path / "base", tmp_path / "sft"
+    import_hf(SMOLLM2, base)
+    assert main(["posttrain", "sft", "--load", str(base), "--data", str(chat_data), "--seq-length", "64",
+                 "--packing", "--micro-batch-size", "4", "--global-batch-size", "4", "--train-iters", "3",
+                 "--lr", "5e-3", "--lr-warmup-iters", "1", "--split", "95,5,0", "--eval-iters", "1",
+                 "--lora-rank", "8", "--lora-alpha", "16", "--save", str(run), "--quiet"]) == 0
+    loaded = load_model(run)
+    answers = generate(loaded.model, load_tokenizer(loaded.tokenizer_dir), chat_prompts(loaded.tokenizer_dir)[:3], 12)
+    assert all(ANSWER.match(a) for a in answers), answers
 
 
 @pytest.mark.skipif(os.environ.get("MEGAPIPE_TEST_SMOLLM2") != "1" or not (SMOLLM2 / "config.json").is_file(),

@@ -185,3 +185,56 @@ def test_the_on_policy_fast_path_trains_like_the_plain_one(rl_base, tmp_path, ot
         assert a["mismatch_max"] < 1e-5 and b["mismatch_max"] < 1e-5
         assert a["mismatch_mean"] == pytest.approx(b["mismatch_mean"], abs=1e-6)
     assert slow_recs[0]["logprob_s"] > 0 if other == "a separate scoring pass" else True
+
+
+def _groups_and_greedy(rl_base, save, **rl):
+    """The first rollout batch's completions sampled with the run's own sampling parameters, and the greedy
+    (argmax) completion of each prompt by the same engine holding the same policy."""
+    from dataclasses import replace
+
+    from megapipe.posttrain.rl.engine_sync import full_state_dict
+    from megapipe.posttrain.rl.rollout import prompt_seed, sample_groups
+    from megapipe.training.recipes.rl import RLRecipe
+    from megapipe.training.trainer import Trainer
+
+    cfg = make_config(rl_base, save, **HAS_E, **rl)
+    worker = Trainer(cfg, RLRecipe(cfg.rl), quiet=True).train_data.worker
+    worker.sync(full_state_dict(worker.model))
+    prompts = worker.prompts(0)
+    ids = [worker.renderer.encode(p.prompt, p.where) for p in prompts]
+    seeds = [prompt_seed(worker.seed, p.index) for p in prompts]
+    params = worker.sampling_params()
+    sampled = [[s.ids for s in g] for g in sample_groups(worker.engine, ids, seeds, params)]
+    greedy = [g[0].ids for g in sample_groups(worker.engine, ids, seeds, replace(params, n=1, temperature=0.0))]
+    return sampled, greedy
+
+
+def test_top_p_restricts_sampling_to_the_nucleus(rl_base, tmp_path):
+    """--top-p keeps the smallest set of most likely tokens whose mass reaches p (at least one token): with a tiny
+    p only the argmax remains, so every completion of every group is the greedy decoding of the same policy; with
+    p = 1 at the same temperature the completions of a group differ."""
+    sampled, greedy = _groups_and_greedy(rl_base, tmp_path / "nucleus", temperature=1.5, top_p=1e-6)
+    assert sampled == [[g] * 4 for g in greedy]
+    sampled, greedy = _groups_and_greedy(rl_base, tmp_path / "full", temperature=1.5, top_p=1.0)
+    assert all(len({tuple(c) for c in group}) > 1 for group in sampled)
+
+
+@pytest.mark.parametrize("mask", [True, False])
+def test_mask_truncated_takes_no_loss_on_completions_cut_at_the_limit(rl_base, tmp_path, mask):
+    """With --min-completion-tokens = --max-completion-tokens no completion can end before the limit: all are
+    truncated. Under --mask-truncated nothing is trained on (the step is skipped, the weights stay the base's);
+    without it the same batch updates the weights."""
+    from megapipe.checkpoint import load_checkpoint
+    from megapipe.models import build_model
+
+    cfg = make_config(rl_base, tmp_path / "run", mask_truncated=mask, min_completion_tokens=8,
+                      **{**HAS_E, "train.train_iters": 1, "train.max_nan_skips": 1})
+    _, trainer = train(cfg)
+    rec, = records(tmp_path / "run")
+    assert rec["truncated"] == 1.0 and rec["completion_len"] == 8
+    base = build_model(trainer.cfg.model)
+    load_checkpoint(rl_base, base, optimizer=None, load_optim=False, load_rng=False)
+    same = [torch.equal(p, q) for p, q in zip(trainer.model.state_dict().values(), base.state_dict().values(),
+                                               strict=True)]
+    assert all(same) if mask else not any(same)
+    assert rec["skipped"] == (1 if mask else 0)
