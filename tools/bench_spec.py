@@ -1,6 +1,7 @@
 """Speculative decoding with the model's own MTP modules: acceptance rate and decode speed at batch 1, one run.
 
-A ``tiny`` model with MTP modules (``--mtp-num-layers``) is pretrained briefly on the Shakespeare corpus (the data
+A small model (``--model``: the ``deepseek-v3-tiny`` preset, multi-latent attention + MoE, by default; ``tiny`` for
+Llama) with MTP modules (``--mtp-num-layers``) is pretrained briefly on the Shakespeare corpus (the data
 of tools/bench_distill.py: ``megapipe data fetch shakespeare``, a byte-level BPE, cached under --work), then the
 engine decodes the same prompts (openings of the corpus subset's last long paragraphs) greedily at batch 1 without drafts and with
 ``--speculative-tokens`` K for each K given, taking turns per repetition. Prints the MTP acceptance rate per draft
@@ -37,6 +38,7 @@ def main() -> int:
     ap.add_argument("--work", default=str(Path.home() / ".cache/megapipe/bench_spec"))
     ap.add_argument("--max-docs", type=int, default=30000)
     ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--model", default="deepseek-v3-tiny", help="a preset")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--mtp-num-layers", type=int, default=1)
     ap.add_argument("--seq", type=int, default=128)
@@ -63,12 +65,12 @@ def main() -> int:
     work = Path(args.work).expanduser()
     work.mkdir(parents=True, exist_ok=True)
     prefix, tok_dir = prepare_data(work, args.max_docs, args.vocab)
-    run = work / f"run_mtp{args.mtp_num_layers}_{args.steps}"
+    run = work / f"run_{args.model}_mtp{args.mtp_num_layers}_{args.steps}"
     if args.fresh:
         shutil.rmtree(run, ignore_errors=True)
     t0 = time.perf_counter()
     if not list_checkpoints(run):
-        assert megapipe(["pretrain", "--model", "tiny", "--mtp-num-layers", str(args.mtp_num_layers),
+        assert megapipe(["pretrain", "--model", args.model, "--mtp-num-layers", str(args.mtp_num_layers),
                          "--data-path", prefix, "--tokenizer", str(tok_dir), "--seq-length", str(args.seq),
                          "--micro-batch-size", str(args.batch), "--global-batch-size", str(args.batch),
                          "--train-iters", str(args.steps), "--lr", "2e-3", "--lr-warmup-iters", "20",
@@ -102,7 +104,7 @@ def main() -> int:
             times[k].append(seconds)
     tokens = len(prompts) * args.new_tokens
     speed = {k: tokens / statistics.median(times[k]) for k in ks}
-    print(f"tiny + {args.mtp_num_layers} MTP module(s), {args.steps} pretraining steps ({train_s:.0f} s); "
+    print(f"{args.model} + {args.mtp_num_layers} MTP module(s), {args.steps} pretraining steps ({train_s:.0f} s); "
           f"{len(prompts)} prompts x {args.new_tokens} new tokens, batch 1, {args.threads} thread(s)")
     print(f"  no drafts: {speed[0]:.1f} tokens/s")
     for k in ks[1:]:
