@@ -94,7 +94,7 @@ def quiet_lm_eval():
         lg.setLevel(logging.ERROR)
         for h in lg.handlers:  # datasets binds sys.stderr once, at its first log; that stream may be closed since
             if isinstance(h, logging.StreamHandler) and getattr(h.stream, "closed", False):
-                h.setStream(sys.stderr)
+                h.stream = sys.stderr  # not setStream: it flushes the closed stream first, which raises
     datasets_logging.disable_progress_bar()
     try:
         with _patched(lm_eval.evaluator, "get_git_commit_hash", _git_hash), _bars_on_a_terminal_only():
