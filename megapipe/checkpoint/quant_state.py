@@ -72,7 +72,7 @@ def announce_modelopt_import() -> None:
     """One stderr line before ModelOpt's first import in a process: it takes up to a minute on a small CPU machine
     (the fp8 sample of ``make demo`` was silent that long)."""
     if "modelopt.torch.quantization" not in sys.modules:
-        print("megapipe: loading NVIDIA ModelOpt for the quantized model (up to a minute, once) ...", file=sys.stderr,
+        print("megapipe: loading NVIDIA ModelOpt (up to a minute, once) ...", file=sys.stderr,
               flush=True)
 
 
