@@ -29,6 +29,7 @@ import importlib.metadata
 import io
 import logging
 import re
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -67,9 +68,18 @@ def modelopt_version() -> str:
         raise MegapipeError(f"quantization needs NVIDIA ModelOpt, which is not installed: {INSTALL_HINT}") from None
 
 
+def announce_modelopt_import() -> None:
+    """One stderr line before ModelOpt's first import in a process: it takes up to a minute on a small CPU machine
+    (the fp8 sample of ``make demo`` was silent that long)."""
+    if "modelopt.torch.quantization" not in sys.modules:
+        print("megapipe: loading NVIDIA ModelOpt (up to a minute, once) ...", file=sys.stderr,
+              flush=True)
+
+
 def mtq():
     """``modelopt.torch.quantization`` (imported on first use; a clear error when it is missing)."""
     modelopt_version()
+    announce_modelopt_import()
     with quiet():
         import modelopt.torch.quantization as mtq_module
     register_modules()

@@ -15,6 +15,7 @@ from megapipe.checkpoint.manifest import MANIFEST_NAME, read_manifest, resolve_c
 from megapipe.checkpoint.safe_dcp import read_metadata
 from megapipe.config import ModelConfig, from_dict
 from megapipe.errors import CheckpointError
+from megapipe.models.lora import LoRASpec, adapter_names, is_adapter, merge_state_dict
 
 QUANT_ALGO = {"fp8": "FP8", "int8_sq": "W8A8_SQ_PER_CHANNEL", "int4_awq": "W4A16_AWQ", "w4a8_awq": "W4A8_AWQ"}
 AWQ = ("int4_awq", "w4a8_awq")
@@ -42,17 +43,22 @@ class Source:
         self.enabled = _enabled_quantizers(q, self.cfg.num_layers) if q else {}
         hf = self.manifest.get("hf")
         self.hf_extra = hf if isinstance(hf, dict) else {}
+        lora = self.manifest.get("lora")
+        self.lora_scale: Optional[float] = LoRASpec.from_manifest(lora).scale if lora else None
 
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """The stored tensors ``names`` as plain tensors (whatever layout saved them)."""
+        """The stored tensors ``names`` as plain tensors (whatever layout saved them); a LoRA checkpoint's adapters
+        are read with their weights and merged into them, as ``export hf`` merges them."""
+        if self.lora_scale is not None:
+            names = list(names) + [a for n in names for a in adapter_names(n) if a in self.stored]
         state = {n: torch.empty(tuple(self.stored[n].size), dtype=self.stored[n].properties.dtype) for n in names}
         if state:
             dcp_load(state, self.path / "model", "model", strict=False)
-        return state
+        return state if self.lora_scale is None else merge_state_dict(state, self.lora_scale)
 
     def layer(self, i: int) -> dict[str, torch.Tensor]:
         prefix = f"layers.{i}."
-        return self.read([n for n in self.stored if n.startswith(prefix)])
+        return self.read([n for n in self.stored if n.startswith(prefix) and not is_adapter(n)])
 
     def block_size(self) -> int:
         return 128 if self.fmt in AWQ else 0

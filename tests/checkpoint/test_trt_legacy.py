@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).parents[1] / "posttrain"))
 sys.path.insert(0, str(Path(__file__).parent))
 
-from quant_twins import hf_twin, make_checkpoint, quantized_gpt2_twin, quantized_twin  # noqa: E402
+from quant_twins import hf_twin, make_checkpoint, model_config, quantized_gpt2_twin, quantized_twin  # noqa: E402
 from test_trt_unified import DEAD, assert_same_tensors  # noqa: E402
 
 from megapipe.checkpoint.quant_state import quiet  # noqa: E402
@@ -118,6 +118,39 @@ def test_legacy_export_equals_modelopt_export_tensorrt_llm_checkpoint(tiny_token
             (theirs_dir / "quant_cfg.json").read_text())
 
 
+def test_legacy_export_merges_lora_adapters_as_the_hf_export_does(tiny_tokenizer_dir, tmp_path):
+    """A LoRA checkpoint's legacy rank files hold the merged weights: ModelOpt's export of the merged ``export hf``
+    twin, bit for bit, and not the base model's."""
+    from modelopt.torch.export import export_tensorrt_llm_checkpoint
+
+    from megapipe.checkpoint import write_checkpoint
+    from megapipe.checkpoint.load import load_model
+    from megapipe.models.lora import LoRASpec, apply_lora, lora_layers
+
+    base = make_checkpoint(tmp_path / "base", "llama", tiny_tokenizer_dir)
+    spec = LoRASpec(rank=2, alpha=4.0, dropout=0.0, targets=("q", "k", "v", "o", "gate", "up", "down"))
+    model = apply_lora(load_model(base).model, spec, seed=0)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for _, m in lora_layers(model):  # fresh adapters are zero: make them count
+            m.lora_B.weight.copy_(0.05 * torch.randn(m.lora_B.weight.shape, generator=g))
+    lora = write_checkpoint(tmp_path / "lora", model, manifest={"model": model_config("llama"), "stage": "sft",
+                                                                "lora": spec.to_manifest()}, tokenizer=tiny_tokenizer_dir)
+    export_trt(lora, tmp_path / "ours", "legacy", dtype="bf16", tp=2)
+    export_trt(base, tmp_path / "base-trt", "legacy", dtype="bf16", tp=2)
+    with quiet(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        export_tensorrt_llm_checkpoint(hf_twin(lora, tmp_path, torch.bfloat16), "llama", dtype=torch.bfloat16,
+                                       export_dir=tmp_path / "modelopt", inference_tensor_parallel=2)
+    for rank in range(2):
+        ours = _rank(tmp_path / "ours", rank)
+        assert_same_tensors(ours, _rank(tmp_path / "modelopt", rank))
+        plain = _rank(tmp_path / "base-trt", rank)
+        for name in ("attention.qkv", "attention.dense", "mlp.fc", "mlp.gate", "mlp.proj"):
+            key = f"transformer.layers.0.{name}.weight"
+            assert not torch.equal(ours[key], plain[key]), key
+
+
 def _rank(directory: Path, rank: int) -> dict:
     from safetensors import safe_open
 
@@ -127,7 +160,6 @@ def _rank(directory: Path, rank: int) -> dict:
 
 def _check_deviations(ours: dict, theirs: dict, arch: str, tp: int, pp: int) -> None:
     """The fields where megapipe writes what TensorRT-LLM's converter writes; afterwards both configs are equal."""
-    from quant_twins import model_config
 
     cfg = model_config(arch)
     if cfg.position_embedding == "rope":

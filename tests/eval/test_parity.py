@@ -134,3 +134,45 @@ def test_parity_with_a_tokenizer_that_adds_bos(tiny_llama, tmp_path, one_thread)
     without = evaluate(megapipe_lm(tmp_path / "ckpt", add_bos_token="false"), ["megapipe_text"], 6)
     assert without["results"]["megapipe_text"]["word_perplexity,none"] != pytest.approx(
         theirs["results"]["megapipe_text"]["word_perplexity,none"], rel=1e-3)  # the BOS really changes the scores
+
+
+def test_is_greedy_marks_exactly_the_argmax_continuations(tiny_llama, one_thread):
+    """Continuations built from transformers' own argmax (so some are greedy and some are not, at their first, a
+    middle or their last token): megapipe's is_greedy and log-likelihoods are transformers' on each."""
+    import torch
+    import transformers
+
+    hf_dir, ckpt = tiny_llama
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+
+    def logprobs(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+
+    def runner_up(ids: list[int]) -> int:
+        return int(logprobs(ids)[-1].topk(2).indices[1])
+
+    def greedy_from(ids: list[int], n: int) -> list[int]:
+        out = []
+        for _ in range(n):
+            out.append(int(logprobs(ids + out)[-1].argmax()))
+        return out
+
+    context = [5, 77, 300, 12, 41, 9]
+    greedy = greedy_from(context, 4)
+    first_off = [runner_up(context)]
+    first_off += greedy_from(context + first_off, 3)
+    middle_off = greedy[:2] + [runner_up(context + greedy[:2])]
+    middle_off += greedy_from(context + middle_off, 1)
+    requests = [(context, greedy), (context, greedy[:1]), (context, greedy[:3] + [runner_up(context + greedy[:3])]),
+                (context, first_off), (context, middle_off), (context[:2], greedy_from(context[:2], 2))]
+
+    ours = megapipe_lm(ckpt)._loglikelihood_tokens([(None, c, x) for c, x in requests])
+    want = []
+    for c, x in requests:
+        lp = logprobs(c + x)[len(c) - 1:-1]
+        picked = lp.gather(1, torch.tensor(x)[:, None])[:, 0]
+        want.append((float(picked.sum()), bool((lp.argmax(-1) == torch.tensor(x)).all())))
+    assert [g for _, g in want] == [True, True, False, False, False, True]  # the cases are what they claim to be
+    assert [g for _, g in ours] == [g for _, g in want]
+    assert [lp for lp, _ in ours] == pytest.approx([lp for lp, _ in want], rel=1e-5, abs=1e-5)

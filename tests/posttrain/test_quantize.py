@@ -206,3 +206,16 @@ def test_quantized_checkpoint_runs_in_bf16(base, pretrain_data, tmp_path, capsys
         a, b = fp32(tokens), bf16(tokens)
     assert torch.isfinite(b).all() and (a - b).abs().max() < 0.1 * a.abs().max()
     assert main(["generate", str(tmp_path / "q"), "--prompt", "To be", "--max-new-tokens", "3", "--bf16"]) == 0
+
+
+def test_first_modelopt_import_says_so_on_stderr(capsys, monkeypatch):
+    """ModelOpt's first import is the silent minute of a quantized model's load (the demo's fp8 sample): one stderr
+    line before it, none once it is loaded."""
+    quant_state.mtq()
+    capsys.readouterr()
+    quant_state.announce_modelopt_import()
+    assert capsys.readouterr() == ("", "")
+    monkeypatch.delitem(sys.modules, "modelopt.torch.quantization")  # as in a fresh process (restored afterwards)
+    quant_state.announce_modelopt_import()
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "loading NVIDIA ModelOpt" in err
