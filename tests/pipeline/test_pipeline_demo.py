@@ -247,3 +247,13 @@ def test_an_interrupted_sft_step_resumes_from_its_checkpoint(demo):
     last_attempt = (run_dir / "sft/log.txt").read_text().split("===== ")[-1]
     assert "resuming from" in last_attempt and "step 8 |" in last_attempt and "step 2 |" not in last_attempt
     assert (run_dir / "sft/run/step_00000012/megapipe.json").is_file()
+
+
+def test_the_readme_example_reruns_from_sft_and_its_smoke_step_passes(demo):
+    """README: `make demo DEMO_ARGS="--set sft.lr=1e-3"`. Every step from sft on runs again and the serve smoke step
+    passes whatever the new model answers (its check is the engine's own greedy output, empty or not)."""
+    file, run_dir, first, sets = demo
+    steps = [d.name for d in first.decisions]
+    rerun = run_pipeline(load_pipeline(file, step_commands(), [*sets, "sft.lr=1e-3"], str(run_dir)), "local")
+    assert "pretrain" not in rerun.ran and rerun.ran[0] == "sft"
+    assert [s for s in ("serve", "sample") if s in steps] == [s for s in ("serve", "sample") if s in rerun.ran]
