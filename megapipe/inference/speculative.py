@@ -32,6 +32,7 @@ sequence that wrote it, which changes drafts only, never what the engine outputs
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -133,7 +134,7 @@ class Speculator:
         spans = [(s.spec.start, len(s.spec.hidden)) for s in ready]
         batch = PagedBatch(self.pool, self.window, self.kernel)
         positions = batch.plan([], [(s.block_ids, start, n) for s, (start, n) in zip(ready, spans, strict=True)])
-        last = torch.tensor(list(_cumsum(n for _, n in spans)), device=positions.device) - 1
+        last = torch.tensor(list(accumulate(n for _, n in spans)), device=positions.device) - 1
         hidden = torch.cat([s.spec.hidden for s in ready])
         for depth in range(1, self.depth + 1):
             ids = [t for s, (start, n) in zip(ready, spans, strict=True) for t in _ahead(s, start, n, depth)]
@@ -225,13 +226,6 @@ class Speculator:
                 "spec_decode_num_accepted_tokens_per_pos": list(self.accepted),
                 "spec_decode_acceptance_rate_per_pos": [a / d if d else 0.0
                                                         for a, d in zip(self.accepted, self.drafted, strict=True)]}
-
-
-def _cumsum(values):
-    total = 0
-    for v in values:
-        total += v
-        yield total
 
 
 def _ahead(seq, start: int, n: int, depth: int) -> list[int]:

@@ -5,7 +5,7 @@ expert bias), the first layers dense. Tensors are named by the MLA block kinds' 
 
 The Hub's checkpoints also hold the multi-token-prediction layers (``num_nextn_predict_layers``, transformers'
 ``num_mtp_layers``) as extra layer indices (``model.layers.{L}.*`` for L >= num_hidden_layers: a decoder layer plus
-``MTP_TENSORS``); they import into megapipe's MTP modules (``model.mtp``, megapipe.models.mtp) and export back where
+the MTP module's own tensors, named by ``megapipe.models.mtp.hf_mtp_names``); they import into megapipe's MTP modules (``model.mtp``, megapipe.models.mtp) and export back where
 they were. DeepSeek's copies of the embedding table and the output head in each of them must equal the main model's
 (megapipe shares those) and are written back from them. transformers leaves these tensors out when it loads.
 """
@@ -26,9 +26,6 @@ from megapipe.models.blocks import block_spec
 from megapipe.models.mtp import hf_mtp_names
 from megapipe.models.rope import yarn_attention_factor
 
-# what one DeepSeek MTP layer (index L >= num_hidden_layers) holds besides a decoder layer's own tensors
-MTP_TENSORS = ("embed_tokens.weight", "enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
-               "shared_head.head.weight")
 YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 
