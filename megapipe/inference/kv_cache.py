@@ -23,7 +23,9 @@ Multi-latent attention (megapipe.models.mla) has a *latent* pool (``kv_layout``)
 [1, slots, kv_lora_rank + rope dims] of each token's ``c_kv`` and shared rope key, read as both keys and values (no
 second copy). Its layers call ``attend_latent``: decodes attend to the latents directly as multi-query attention, the
 key up-projection absorbed into the query and the value up-projection applied to the output (vLLM's MLA decode);
-prefill chunks expand their latents (and the cached ones before them) to per-head keys and values for SDPA.
+prefill chunks expand their latents (and the cached ones before them) to per-head keys and values for SDPA; a step
+whose chunks are all short (``ABSORB_ROWS``: a speculative verification, MTP drafting) attends them row by row as
+decodes at their positions, all new latents being stored before any row attends.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ import torch
 import torch.nn.functional as F
 
 KEY_BUCKET = 16
+# a latent pool's chunks of at most this many rows attend as decodes do (absorbed up-projections)
+ABSORB_ROWS = 8
 
 
 def kv_layout(cfg) -> dict:
@@ -112,6 +116,11 @@ class PagedBatch:
         """decodes: (block ids, position) of each one-token query; chunks: (block ids, start, n). Returns the
         positions [1, T] of the flattened batch in that order."""
         bs, dev = self.pool.block_size, self.pool.device
+        if self.pool.latent and chunks and all(n <= ABSORB_ROWS for _, _, n in chunks):
+            # short chunks (speculative verification, MTP drafting): each row attends to the latents like a decode
+            # at its position, cheaper than expanding every earlier latent to per-head keys and values
+            decodes = list(decodes) + [(blocks, p) for blocks, start, n in chunks for p in range(start, start + n)]
+            chunks = []
         slots = [blocks[pos // bs] * bs + pos % bs for blocks, pos in decodes]
         positions = [pos for _, pos in decodes]
         self.num_decodes = len(decodes)

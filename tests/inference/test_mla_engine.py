@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megapipe.inference import LLMEngine, SamplingParams, kernels
-from megapipe.inference.kv_cache import KVPool, PagedBatch
+from megapipe.inference.kv_cache import ABSORB_ROWS, KVPool, PagedBatch
 from megapipe.inference.runner import DecoderLayer
 from megapipe.models import build_model
 from megapipe.models.capabilities import require
@@ -126,15 +126,17 @@ def test_rl_weight_sync_reaches_every_tensor_the_engine_computes_with(deepseek, 
 
 
 @pytest.mark.parametrize("cpu_kernels", KERNELS)
-def test_attend_latent_equals_attention_over_the_expanded_keys(deepseek, cpu_kernels):
+@pytest.mark.parametrize("prompt", [7, ABSORB_ROWS + 1], ids=["short-chunks-absorbed", "chunks-expanded"])
+def test_attend_latent_equals_attention_over_the_expanded_keys(deepseek, cpu_kernels, prompt):
     """One mixed step straight on the cache: two decodes over scattered cached latents, a continuation chunk and a
-    new prompt give SDPA's output over the decompressed per-head keys and values (MLA's scale folded into q)."""
+    new prompt give SDPA's output over the decompressed per-head keys and values (MLA's scale folded into q), both
+    when the chunks attend row by row as decodes (all at most ABSORB_ROWS long) and when they are expanded."""
     engine = engine_on(deepseek[0], cpu_kernels, num_blocks=16)
     attention = next(m for m in engine.runner.model.modules() if isinstance(m, MLAttention))
     pool = KVPool(attention.layer_id + 1, 16, 4, 1, KV_RANK + ROPE, torch.float32, "cpu", latent=True)
     g = torch.Generator().manual_seed(0)
     pool.k[attention.layer_id].normal_(generator=g)
-    decodes, chunks = [([3, 9, 1], 9), ([5, 2], 5)], [([7, 8, 4], 6, 5), ([0, 6], 0, 7)]
+    decodes, chunks = [([3, 9, 1], 9), ([5, 2], 5)], [([7, 8, 4], 6, 5), ([0, 6, 10], 0, prompt)]
     total = len(decodes) + sum(n for _, _, n in chunks)
     q = torch.randn(1, HEADS, total, QK, generator=g)
     c_kv, k_rope = torch.randn(1, total, KV_RANK, generator=g), torch.randn(1, 1, total, ROPE, generator=g)
