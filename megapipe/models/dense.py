@@ -16,10 +16,11 @@ from megapipe.models.spec import BlockSpec, register_block, replicated_style
 
 
 class FeedForward(nn.Module):
-    """swiglu: w2(silu(w1 x) * w3 x); gelu_tanh: w2(gelu(w1 x)), w3 is None."""
+    """swiglu: w2(silu(w1 x) * w3 x); gelu_tanh: w2(gelu(w1 x)); relu2: w2(relu(w1 x)^2) (w3 is None for both)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.activation = cfg.activation
         self.swiglu = cfg.activation == "swiglu"
         self.w1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
@@ -28,6 +29,8 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
             return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        if self.activation == "relu2":
+            return self.w2(torch.square(F.relu(self.w1(x))))
         return self.w2(F.gelu(self.w1(x), approximate="tanh"))
 
 
