@@ -895,6 +895,9 @@ def validate_hybrid(m: ModelConfig) -> None:
     if not m.is_hybrid:
         return
     pattern = m.hybrid_override_pattern
+    if pattern is not None and (m.hybrid_attention_ratio or m.hybrid_mlp_ratio):
+        raise ConfigError(f"model.hybrid_override_pattern = {pattern!r} and the hybrid ratios (attention "
+                          f"{m.hybrid_attention_ratio}, MLP {m.hybrid_mlp_ratio}) cannot be combined: pick one")
     if pattern is not None:
         for i, symbol in enumerate(pattern):
             if symbol not in HYBRID_SYMBOLS:
