@@ -73,6 +73,38 @@ def _layer_pattern(text: str) -> int | list[int]:
 
 
 
+
+HYBRID_SYMBOLS = {"M": "Mamba", "*": "attention", "-": "MLP", "E": "MoE"}
+
+
+def allocate_hybrid_layers(num_layers: int, attention_ratio: float, mlp_ratio: float) -> str:
+    """Megatron's hybrid layer allocation: round(L * attention_ratio) attention layers spread evenly between Mamba
+    sections (never first), then round(L * mlp_ratio) of the remaining Mamba layers turned into MLP layers, spread
+    evenly the same way."""
+    kinds = ["M"] * num_layers
+    attention = round(num_layers * attention_ratio)
+    mamba = num_layers - attention
+    section = mamba / (attention + 1)
+    x = section
+    for i in range(num_layers):
+        if x < 0.5:
+            kinds[i] = "*"
+            x += section
+        else:
+            x -= 1
+    mlp = round(num_layers * mlp_ratio)
+    if mlp > 0:
+        per_mlp = (mamba - mlp) / mlp
+        x = per_mlp
+        for i in range(num_layers):
+            if kinds[i] == "M":
+                if x < 0.5:
+                    kinds[i] = "-"
+                    x += per_mlp
+                else:
+                    x -= 1
+    return "".join(kinds)
+
 @dataclass
 class ModelConfig:
     """One decoder-only family; Llama / Qwen2 / Qwen3 / Mistral / GPT-2 are shapes of it."""
@@ -80,7 +112,7 @@ class ModelConfig:
     # fields of a named preset are applied first, then the ones given here
     preset: Optional[str] = opt(None, "--model", help="Model preset (tiny, llama3-1b, ...); other fields: --set model.*=.")
     arch: Literal["llama", "qwen2", "qwen3", "mistral", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe",
-                  "deepseek_v3"] = "llama"
+                  "deepseek_v3", "nemotron_h"] = "llama"
     vocab_size: Optional[int] = None  # None: the tokenizer's size, padded to make_vocab_size_divisible_by
     make_vocab_size_divisible_by: int = 128
     hidden_size: int = 256
@@ -92,8 +124,9 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     norm_type: Literal["rmsnorm", "layernorm"] = "rmsnorm"
     norm_eps: float = 1e-5
-    activation: Literal["swiglu", "gelu_tanh"] = "swiglu"
-    position_embedding: Literal["rope", "learned"] = "rope"
+    # relu2: squared ReLU (Megatron's --squared-relu; Nemotron-H), up and down projections only, like gelu_tanh
+    activation: Literal["swiglu", "gelu_tanh", "relu2"] = "swiglu"
+    position_embedding: Literal["rope", "learned", "none"] = "rope"  # none: no positions (Nemotron-H's attention)
     rope_theta: float = 10000.0
     # Llama-3 frequency scaling: {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
     rope_scaling: Optional[dict] = None
@@ -172,6 +205,28 @@ class ModelConfig:
     mtp_loss_scaling_factor: float = opt(
         0.1, "--mtp-loss-scaling-factor", help="Weight of the MTP loss (the mean over depths) in the training loss.")
 
+    # Hybrid Transformer-Mamba (megapipe.models.hybrid, megapipe.models.mamba), Megatron's names: one symbol per
+    # layer (M Mamba-2, * attention, - MLP, E MoE), given or allocated from the two ratios (the rest Mamba)
+    hybrid_override_pattern: Optional[str] = opt(
+        None, "--hybrid-override-pattern", help="Layer kinds, one symbol per layer: M Mamba, * attention, - MLP, E MoE.")
+    hybrid_attention_ratio: float = opt(
+        0.0, "--hybrid-attention-ratio", help="Share of attention layers in an allocated hybrid pattern.")
+    hybrid_mlp_ratio: float = opt(0.0, "--hybrid-mlp-ratio", help="Share of MLP layers in an allocated hybrid pattern.")
+    mamba_state_dim: int = opt(128, "--mamba-state-dim", help="Mamba-2 SSM state size per group (d_state).")
+    mamba_head_dim: int = opt(64, "--mamba-head-dim", help="Mamba-2 head dim.")
+    mamba_num_groups: int = opt(8, "--mamba-num-groups", help="Mamba-2 B/C groups (n_groups).")
+    mamba_num_heads: Optional[int] = opt(
+        None, "--mamba-num-heads", help="Mamba-2 heads (default: 2 * hidden_size / mamba_head_dim).")
+    mamba_chunk_size: int = opt(128, "--mamba-chunk-size", help="Chunk length of the Mamba-2 SSD scan.")
+    mamba_conv_kernel: int = 4  # the causal depthwise conv's width (d_conv)
+    mamba_proj_bias: bool = False  # biases of the in/out projections
+    mamba_conv_bias: bool = True
+    mamba_dt_min: float = 0.001  # dt_bias init: softplus^-1 of dt ~ log-uniform [dt_min, dt_max], >= dt_init_floor
+    mamba_dt_max: float = 0.1
+    mamba_dt_init_floor: float = 1e-4
+    mamba_dt_limit_min: float = 0.0  # dt clamped to [min, max] after softplus (max None: no upper limit)
+    mamba_dt_limit_max: Optional[float] = None
+
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
@@ -184,6 +239,35 @@ class ModelConfig:
         freq = self.moe_layer_freq
         pattern = [int(i % freq == 0) for i in range(self.num_layers)] if isinstance(freq, int) else list(freq)
         return [i for i, on in enumerate(pattern) if on and i >= self.moe_first_k_dense_replace]
+
+    @property
+    def is_hybrid(self) -> bool:
+        """A hybrid Transformer-Mamba model: each layer one mixer (``layer_kinds``), not attention + MLP."""
+        return (self.arch == "nemotron_h" or self.hybrid_override_pattern is not None
+                or self.hybrid_attention_ratio > 0 or self.hybrid_mlp_ratio > 0)
+
+    @property
+    def layer_kinds(self) -> Optional[str]:
+        """One symbol per layer of a hybrid model (M Mamba-2, * attention, - MLP, E MoE): the override pattern, else
+        the allocation from the ratios (``allocate_hybrid_layers``); None for a model that is not hybrid."""
+        if not self.is_hybrid:
+            return None
+        if self.hybrid_override_pattern is not None:
+            return self.hybrid_override_pattern
+        return allocate_hybrid_layers(self.num_layers, self.hybrid_attention_ratio, self.hybrid_mlp_ratio)
+
+    @property
+    def mamba_heads(self) -> int:
+        return self.mamba_num_heads or 2 * self.hidden_size // self.mamba_head_dim
+
+    @property
+    def mamba_inner(self) -> int:
+        """Width of the Mamba-2 mixer's x and z (d_inner = heads * head_dim)."""
+        return self.mamba_heads * self.mamba_head_dim
+
+    @property
+    def mamba_dt_limit(self) -> tuple[float, float]:
+        return self.mamba_dt_limit_min, math.inf if self.mamba_dt_limit_max is None else self.mamba_dt_limit_max
 
     @property
     def mtp_depth(self) -> int:
@@ -702,6 +786,7 @@ def validate(cfg: Config) -> None:
     validate_moe(m)
     validate_mtp(m)
     validate_mla(m)
+    validate_hybrid(m)
     validate_posttrain(cfg)
 
 
@@ -797,6 +882,63 @@ def validate_mla(m: ModelConfig) -> None:
                               "(its heads are set by qk_head_dim, qk_pos_emb_head_dim and v_head_dim): leave it unset")
     if m.qk_norm:
         raise ConfigError("model.qk_norm = true does not apply to multi-latent attention (its latents are normed)")
+
+
+def validate_hybrid(m: ModelConfig) -> None:
+    """The hybrid Transformer-Mamba fields of ``m``: each failure names the key, the value and the limit."""
+    for name in ("hybrid_attention_ratio", "hybrid_mlp_ratio"):
+        if not 0 <= getattr(m, name) <= 1:
+            raise ConfigError(f"model.{name} (--{name.replace('_', '-')}) = {getattr(m, name)} must be within [0, 1]")
+    if m.hybrid_attention_ratio + m.hybrid_mlp_ratio > 1:
+        raise ConfigError(f"model.hybrid_attention_ratio + model.hybrid_mlp_ratio = "
+                          f"{m.hybrid_attention_ratio + m.hybrid_mlp_ratio} must be <= 1 (the rest are Mamba layers)")
+    if not m.is_hybrid:
+        return
+    pattern = m.hybrid_override_pattern
+    if pattern is not None and (m.hybrid_attention_ratio or m.hybrid_mlp_ratio):
+        raise ConfigError(f"model.hybrid_override_pattern = {pattern!r} and the hybrid ratios (attention "
+                          f"{m.hybrid_attention_ratio}, MLP {m.hybrid_mlp_ratio}) cannot be combined: pick one")
+    if pattern is not None:
+        for i, symbol in enumerate(pattern):
+            if symbol not in HYBRID_SYMBOLS:
+                raise ConfigError(f"model.hybrid_override_pattern = {pattern!r}: symbol {symbol!r} at position {i} is "
+                                  f"not a layer kind (M Mamba, * attention, - MLP, E MoE)")
+        if len(pattern) != m.num_layers:
+            raise ConfigError(f"model.hybrid_override_pattern = {pattern!r} has {len(pattern)} layers but "
+                              f"model.num_layers = {m.num_layers}: make them equal")
+    kinds = m.layer_kinds
+    if "E" in kinds and not m.is_moe:
+        raise ConfigError(f"model.hybrid_override_pattern = {kinds!r} has MoE layers (E) but model.num_experts = 0")
+    if m.is_moe and "E" not in kinds:
+        raise ConfigError(f"model.num_experts = {m.num_experts} but the hybrid pattern {kinds!r} has no MoE layer (E)")
+    if m.multi_latent_attention:
+        raise ConfigError("model.multi_latent_attention = true does not go with a hybrid pattern (its attention "
+                          "layers are multi-head / grouped-query)")
+    if m.mtp_depth:
+        raise ConfigError(f"model.mtp_num_layers = {m.mtp_num_layers}: multi-token prediction is not defined for "
+                          "hybrid Transformer-Mamba models")
+    if "M" not in kinds:
+        return
+    for name in ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_chunk_size", "mamba_conv_kernel"):
+        if getattr(m, name) < 1:
+            raise ConfigError(f"model.{name} = {getattr(m, name)} must be >= 1")
+    if m.mamba_num_heads is not None and m.mamba_num_heads < 1:
+        raise ConfigError(f"model.mamba_num_heads = {m.mamba_num_heads} must be >= 1 (or unset: 2 * hidden / head_dim)")
+    if m.mamba_num_heads is None and (2 * m.hidden_size) % m.mamba_head_dim:
+        raise ConfigError(f"model.mamba_head_dim = {m.mamba_head_dim} does not divide 2 * model.hidden_size = "
+                          f"{2 * m.hidden_size}: set model.mamba_num_heads")
+    if m.mamba_heads % m.mamba_num_groups:
+        raise ConfigError(f"model.mamba_num_heads = {m.mamba_heads} is not divisible by model.mamba_num_groups = "
+                          f"{m.mamba_num_groups}")
+    if not 0 < m.mamba_dt_min <= m.mamba_dt_max:
+        raise ConfigError(f"model.mamba_dt_min = {m.mamba_dt_min} must be within (0, model.mamba_dt_max = "
+                          f"{m.mamba_dt_max}]")
+    if m.mamba_dt_init_floor < 0:
+        raise ConfigError(f"model.mamba_dt_init_floor = {m.mamba_dt_init_floor} must be >= 0")
+    lo, hi = m.mamba_dt_limit
+    if lo < 0 or hi <= lo:
+        raise ConfigError(f"model.mamba_dt_limit_min = {lo} and model.mamba_dt_limit_max = {m.mamba_dt_limit_max} "
+                          "must satisfy 0 <= min < max")
 
 
 # flags of `megapipe pretrain` for the keys whose checks below name them

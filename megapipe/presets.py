@@ -92,6 +92,22 @@ PRESETS: dict[str, dict] = {
         num_experts=256, moe_router_topk=8, moe_router_num_groups=8, moe_router_group_topk=4,
         moe_router_topk_scaling_factor=2.5, moe_first_k_dense_replace=3,
     ),
+    # Hybrid Transformer-Mamba (megapipe.models.hybrid) at CPU size: 4 Mamba-2, 2 attention, 2 squared-ReLU MLP
+    # layers; 2 Mamba groups (and 4 KV heads) so that TP = 2 splits them
+    "nemotron-h-tiny": dict(
+        arch="nemotron_h", hidden_size=256, intermediate_size=512, num_layers=8, num_heads=8, num_kv_heads=4,
+        head_dim=32, max_position_embeddings=2048, norm_eps=1e-5, tie_embeddings=False, activation="relu2",
+        position_embedding="none", hybrid_override_pattern="M*-M-M*M", mamba_state_dim=32, mamba_head_dim=32,
+        mamba_num_groups=2, mamba_num_heads=16, mamba_chunk_size=16,
+    ),
+    # nvidia/Nemotron-H-8B-Base-8K: 52 layers (24 Mamba-2, 4 attention, 24 squared-ReLU MLP), no positions
+    "nemotron-h-8b": dict(
+        arch="nemotron_h", vocab_size=131072, hidden_size=4096, intermediate_size=21504, num_layers=52,
+        num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=8192, norm_eps=1e-5,
+        tie_embeddings=False, activation="relu2", position_embedding="none",
+        hybrid_override_pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+        mamba_state_dim=128, mamba_head_dim=64, mamba_num_groups=8, mamba_num_heads=128, mamba_chunk_size=128,
+    ),
     # moonshotai/Kimi-K2-Instruct (1.04 T parameters, 32 B active): DeepSeek-V3's architecture, half the heads, 384
     # experts in one group, one dense layer
     "kimi-k2": dict(

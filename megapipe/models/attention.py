@@ -43,6 +43,7 @@ class DocumentMask:
 
     def __init__(self, document_ids: torch.Tensor, positions: Optional[torch.Tensor] = None,
                  sliding_window: Optional[int] = None, prefix_ids: Optional[torch.Tensor] = None):
+        self.document_ids, self.prefix_ids = document_ids, prefix_ids  # what a recurrent layer (Mamba) resets on
         s = document_ids.shape[-1]
         causal = torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril()
         same = document_ids[:, :, None] == document_ids[:, None, :]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from megapipe.models.dense import DENSE
+from megapipe.models.hybrid import HYBRID_BLOCKS
 from megapipe.models.mla import MLA, MLA_MOE
 from megapipe.models.moe import MOE
 from megapipe.models.spec import BlockSpec
@@ -10,7 +11,11 @@ from megapipe.models.spec import BlockSpec
 
 def block_spec(cfg, layer_id: int) -> BlockSpec:
     """The block kind of layer ``layer_id`` under ``cfg``: MoE on the layers ``cfg.moe_layers`` lists (every N-th
-    or a pattern, after the first K dense ones), dense elsewhere; with multi-latent attention their MLA twins."""
+    or a pattern, after the first K dense ones), dense elsewhere; with multi-latent attention their MLA twins. A
+    hybrid model's layers are single mixers, by their symbol in ``cfg.layer_kinds`` (megapipe.models.hybrid)."""
+    kinds = cfg.layer_kinds
+    if kinds is not None:
+        return HYBRID_BLOCKS[kinds[layer_id]]
     moe = layer_id in cfg.moe_layers
     if cfg.multi_latent_attention:
         return MLA_MOE if moe else MLA

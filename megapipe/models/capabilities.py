@@ -69,6 +69,12 @@ KINDS: dict[str, Capabilities] = {
     # DeepseekV3ForCausalLM
     "mla": Capabilities(lora=frozenset(LORA) - {"k", "v"}, quant=frozenset({"fp8"}), trt=frozenset({"unified"}),
                         stages=frozenset(STAGES) - {"prune"}),
+    # Mamba-2 layers of a hybrid model (megapipe.models.mamba): packed documents reset the conv window and the SSM
+    # state (megapipe.models.ssd); no context parallelism (the state would have to pass between ranks); the engine
+    # keeps a recurrent state per sequence, so no prefix caching (no state snapshots) and no MTP drafting; no
+    # pruning rule for Mamba heads; no quantization or TensorRT-LLM format checked for them yet
+    "mamba": Capabilities(layouts=frozenset(LAYOUTS) - {"cp"}, engine=frozenset(ENGINE) - {"prefix_caching",
+                          "speculative"}, quant=frozenset(), trt=frozenset(), stages=frozenset(STAGES) - {"prune"}),
 }
 
 # families (ModelConfig.arch): what the model's Hugging Face / TensorRT-LLM twin allows
@@ -85,6 +91,8 @@ FAMILIES: dict[str, Capabilities] = {
     # the same peft retargeting for DeepSeek-V3: its dense layers' and shared experts' MLP adapters would not reach a
     # peft directory
     "deepseek_v3": _without(lora={"gate", "up", "down"}),
+    # squared-ReLU MLP: no up projection (w1 is the "gate" target, as GPT-2's); no MTP modules to draft with
+    "nemotron_h": _without(lora={"up"}, engine={"speculative"}),
 }
 
 # multi-token prediction modules (megapipe.models.mtp): every parallel layout (on the last pipeline stage, with a
@@ -104,10 +112,12 @@ MLA_FAMILIES = ("deepseek_v3",)
 
 
 def kinds_of(cfg) -> list[str]:
-    """The block kinds ``cfg`` builds, in layer order of first use (MLP kinds), then its attention kind when that
-    is not the default one ("mla")."""
+    """The block kinds ``cfg`` builds, in layer order of first use (MLP kinds; a hybrid model's "mamba"), then its
+    attention kind when that is not the default one ("mla")."""
     moe = set(cfg.moe_layers)
     kinds = ["moe" if i in moe else "dense" for i in range(cfg.num_layers)]
+    if cfg.layer_kinds is not None:  # a hybrid model: attention and MLP layers are what a dense block is made of
+        kinds = [{"M": "mamba", "E": "moe"}.get(symbol, "dense") for symbol in cfg.layer_kinds]
     return list(dict.fromkeys(kinds)) + (["mla"] if cfg.multi_latent_attention else [])
 
 
@@ -138,7 +148,7 @@ def describe(cfg) -> str:
     kinds = [k for k in kinds if not (k == "mla" and cfg.arch in MLA_FAMILIES)]  # the family name says MLA
     if kinds == ["dense"] or (kinds == ["moe"] and cfg.arch in MOE_FAMILIES):
         return label + mtp
-    return f"{label} ({' + '.join({'moe': 'MoE', 'mla': 'MLA'}.get(k, k) for k in kinds)}){mtp}"
+    return f"{label} ({' + '.join({'moe': 'MoE', 'mla': 'MLA', 'mamba': 'Mamba'}.get(k, k) for k in kinds)}){mtp}"
 
 
 def require(cfg, stage: str, where: str = "", **features: Optional[object]) -> None:

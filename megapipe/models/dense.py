@@ -16,10 +16,11 @@ from megapipe.models.spec import BlockSpec, register_block, replicated_style
 
 
 class FeedForward(nn.Module):
-    """swiglu: w2(silu(w1 x) * w3 x); gelu_tanh: w2(gelu(w1 x)), w3 is None."""
+    """swiglu: w2(silu(w1 x) * w3 x); gelu_tanh: w2(gelu(w1 x)); relu2: w2(relu(w1 x)^2) (w3 is None for both)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.activation = cfg.activation
         self.swiglu = cfg.activation == "swiglu"
         self.w1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
@@ -28,6 +29,8 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
             return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        if self.activation == "relu2":
+            return self.w2(torch.square(F.relu(self.w1(x))))
         return self.w2(F.gelu(self.w1(x), approximate="tanh"))
 
 
@@ -47,17 +50,22 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-def norms_tp_plan(sp: bool) -> dict:
-    """A block's two norms: split along the sequence with sequence parallelism, else replicated like the stream."""
+def norms_tp_plan(sp: bool, norms: tuple = ("attention_norm", "ffn_norm")) -> dict:
+    """A block's norms: split along the sequence with sequence parallelism, else replicated like the stream."""
     from torch.distributed.tensor.parallel import SequenceParallel
 
-    return {norm: SequenceParallel() if sp else replicated_style() for norm in ("attention_norm", "ffn_norm")}
+    return {norm: SequenceParallel() if sp else replicated_style() for norm in norms}
 
 
 def attention_tp_plan(block: nn.Module, sp: bool) -> dict:
     """wq/wk/wv split by output features (heads), wo by input features: one reduction. With sequence parallelism the
     norms (and the residual stream between them) are split along the sequence: all-gather before attention and the
     FFN, reduce-scatter after. Shared by every block kind with this attention."""
+    return {**attention_layer_tp_plan(block, sp), **norms_tp_plan(sp)}
+
+
+def attention_layer_tp_plan(block: nn.Module, sp: bool) -> dict:
+    """``attention_tp_plan`` without the norms: the attention layer's own entries."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -76,7 +84,6 @@ def attention_tp_plan(block: nn.Module, sp: bool) -> dict:
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=act),
     }
-    plan.update(norms_tp_plan(sp))
     if block.attention.q_norm is not None:
         # q/k are [B, S, local heads, head_dim] here: treat the head dim as the sharded one so the (replicated)
         # norm weights get their gradients summed over TP ranks
@@ -86,13 +93,17 @@ def attention_tp_plan(block: nn.Module, sp: bool) -> dict:
 
 
 def dense_tp_plan(block: TransformerBlock, sp: bool) -> dict:
-    """Attention as ``attention_tp_plan``; w1/w3 split by output features (FFN columns), w2 by input features."""
+    """Attention as ``attention_tp_plan``, the MLP as ``feed_forward_tp_plan``."""
+    return {**attention_tp_plan(block, sp), **feed_forward_tp_plan(block, sp)}
+
+
+def feed_forward_tp_plan(block: nn.Module, sp: bool) -> dict:
+    """w1/w3 split by output features (FFN columns), w2 by input features (no norms)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
     act = Shard(1) if sp else Replicate()
     plan = {
-        **attention_tp_plan(block, sp),
         "feed_forward": PrepareModuleInput(input_layouts=(act,), desired_input_layouts=(Replicate(),)),
         "feed_forward.w1": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=act),

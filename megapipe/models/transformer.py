@@ -21,13 +21,14 @@ from megapipe.config import ModelConfig
 from megapipe.errors import ConfigError
 from megapipe.models.attention import DocumentMask, positions_from_documents
 from megapipe.models.blocks import block_spec
+from megapipe.models.mamba import Mamba2Mixer
 from megapipe.models.moe import MoE
 from megapipe.models.mtp import MTPModule, tokens_ahead
 from megapipe.models.norms import RMSNorm, build_norm, init_norm
 from megapipe.models.rope import model_inv_frequencies, model_rope
 
 # initialised with std / sqrt(2 * num_layers) (the routed experts' w2 too, see MoE.init_weights)
-OUTPUT_PROJECTIONS = ("attention.wo", "feed_forward.w2", "shared_experts.w2")
+OUTPUT_PROJECTIONS = ("attention.wo", "feed_forward.w2", "shared_experts.w2", "mixer.out_proj")
 
 
 class Transformer(nn.Module):
@@ -158,12 +159,15 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """normal(0, init_std); output projections std / sqrt(2 * num_layers); norms 1, biases 0."""
+        """normal(0, init_std); output projections std / sqrt(2 * num_layers); norms 1, biases 0; a Mamba mixer's
+    convs, A, D and dt as Mamba2Mixer.init_weights."""
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.num_layers)
         for name, module in self.named_modules():
             if isinstance(module, MoE):
                 module.init_weights(std, out_std)
+            if isinstance(module, Mamba2Mixer):
+                module.init_weights()
             if isinstance(module, nn.Linear):
                 scaled = name.endswith(OUTPUT_PROJECTIONS)
                 nn.init.normal_(module.weight, 0.0, out_std if scaled else std)
@@ -218,7 +222,22 @@ def matmul_params(cfg: ModelConfig) -> int:
         shared = cfg.moe_shared_expert_intermediate_size or 0
         moe = h * cfg.num_experts + 3 * h * (cfg.moe_router_topk * cfg.expert_ffn + shared)
         moe += h if (shared and cfg.moe_shared_expert_gate) else 0
+    if cfg.layer_kinds is not None:  # hybrid: one mixer per layer
+        per_kind = {"M": mamba_matmul_params(cfg), "*": attn, "-": mlp, "E": moe}
+        return sum(per_kind[k] for k in cfg.layer_kinds) + h * cfg.vocab_size
     return cfg.num_layers * attn + (cfg.num_layers - n_moe) * mlp + n_moe * moe + h * cfg.vocab_size
+
+
+def mamba_matmul_params(cfg: ModelConfig) -> int:
+    """One Mamba-2 mixer's projection weights (in: z, x, B, C, dt; out)."""
+    h, inner = cfg.hidden_size, cfg.mamba_inner
+    return h * (2 * inner + 2 * cfg.mamba_num_groups * cfg.mamba_state_dim + cfg.mamba_heads) + inner * h
+
+
+def attention_layers(cfg: ModelConfig) -> int:
+    """Layers with attention (all of them, but a hybrid model's '*' layers only)."""
+    kinds = cfg.layer_kinds
+    return cfg.num_layers if kinds is None else kinds.count("*")
 
 
 def mla_matmul_params(cfg: ModelConfig) -> int:
@@ -243,7 +262,7 @@ def kv_cache_values_per_token(cfg: ModelConfig) -> tuple[int, int]:
     if cfg.multi_latent_attention:
         qk, v = attention_dims(cfg)
         return cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim), cfg.num_layers * cfg.num_heads * (qk + v)
-    per_token = cfg.num_layers * 2 * cfg.kv_heads * cfg.dim_per_head
+    per_token = attention_layers(cfg) * 2 * cfg.kv_heads * cfg.dim_per_head
     return per_token, per_token
 
 
@@ -253,10 +272,11 @@ def flops_per_token(cfg: ModelConfig, seq_length: int) -> float:
     6 * N for the weight matmuls (N = ``matmul_params``: embedding lookups excluded, the output head included)
     plus 6 * L * heads * (qk_dim + v_dim) * S for the attention score and value matmuls (2 FLOPs x 3 for forward +
     backward; 12 * L * heads * head_dim * S when q/k and v heads are equally wide, MLA's differ), counted over the
-    full S x S square as PaLM does, i.e. causal masking is not discounted.
+    full S x S square as PaLM does, i.e. causal masking is not discounted. A hybrid model counts its attention
+    layers only; the Mamba layers' scan (linear in S) is not counted, their projections are.
     """
     if cfg.vocab_size is None:
         raise ConfigError("model.vocab_size is not set: flops_per_token needs it")
     qk, v = attention_dims(cfg)
-    attn = 6 * cfg.num_layers * cfg.num_heads * (qk + v) * seq_length
+    attn = 6 * attention_layers(cfg) * cfg.num_heads * (qk + v) * seq_length
     return float(6 * matmul_params(cfg) + attn)
