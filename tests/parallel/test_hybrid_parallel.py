@@ -11,7 +11,7 @@ import pytest
 from megapipe.config import ModelConfig, ParallelConfig
 from megapipe.errors import ConfigError, MegapipeError
 from megapipe.models import build_model
-from megapipe.models.capabilities import requested_layouts, require
+from megapipe.models.capabilities import family_row, requested_layouts, require
 from megapipe.models.spec import tp_split_numel
 from megapipe.models.transformer import layer_flops_per_token
 from megapipe.parallel.dims import ParallelDims
@@ -89,3 +89,4 @@ def test_context_parallelism_is_refused_for_mamba_layers():
     with pytest.raises(MegapipeError, match=r"^pretrain of .*Mamba.* models does not support layouts cp "):
         require(cfg, "pretrain", layouts=requested_layouts(ParallelConfig(cp=2)))
     require(cfg, "pretrain", layouts=requested_layouts(ParallelConfig(tp=2, pp=2)))
+    assert "cp" not in family_row("nemotron_h").layouts  # the support table's row, as the bridge imports it
