@@ -309,7 +309,7 @@ class ParallelConfig:
         "1F1B", "--pp-schedule", help="Pipeline schedule.")
     pp_virtual_stages: int = opt(
         1, "--pp-virtual-stages", help="Stages per pipeline rank (Interleaved1F1B; default: what the schedule needs).")
-    # layers per (virtual) stage, e.g. [3, 5]; None: as even as possible
+    # layers per (virtual) stage, e.g. [3, 5]; None: balanced by the layers' FLOPs (as even as possible when they cost alike)
     pp_layer_split: Optional[list[int]] = opt(
         None, "--pp-layer-split", help="Layers per pipeline stage, comma-separated, e.g. 3,5.", parse=_int_list,
         flag_type=str)

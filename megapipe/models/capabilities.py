@@ -109,6 +109,7 @@ LABELS = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mist
           "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "deepseek_v3": "DeepSeek-V3"}
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 MLA_FAMILIES = ("deepseek_v3",)
+HYBRID_FAMILIES = ("nemotron_h",)  # Mamba layers beside attention / MLP ones
 
 
 def kinds_of(cfg) -> list[str]:
@@ -190,8 +191,10 @@ _ORDER = {"layouts": LAYOUTS, "engine": ENGINE, "lora": LORA, "quant": QUANT, "t
 
 
 def family_row(arch: str) -> Capabilities:
-    """The row of a Hugging Face family as the bridge imports it (the MoE families: MoE layers; the MLA ones: MLA)."""
-    return _row(arch, ["moe" if arch in MOE_FAMILIES else "dense"] + (["mla"] if arch in MLA_FAMILIES else []))
+    """The row of a Hugging Face family as the bridge imports it (the MoE families: MoE layers; the MLA ones: MLA;
+    the hybrid ones: Mamba layers)."""
+    return _row(arch, ["moe" if arch in MOE_FAMILIES else "dense"] + (["mla"] if arch in MLA_FAMILIES else [])
+                + (["mamba"] if arch in HYBRID_FAMILIES else []))
 
 
 def readme_table() -> str:

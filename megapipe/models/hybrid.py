@@ -1,7 +1,6 @@
 """The layers of a hybrid Transformer-Mamba model (Nemotron-H, Megatron's MambaModel): one mixer per layer, chosen
 by the layer's symbol in ``cfg.layer_kinds`` (M Mamba-2, * attention, - MLP, E MoE), each ``x + mixer(norm(x))``.
-Their specs: tensor-parallel plans (the Mamba mixer's per-head parameters, convs and gated norm are not in its plan
-yet: megapipe.parallel owns that part) and Hugging Face names (NemotronHForCausalLM: ``norm`` and ``mixer.*``; the
+Their specs: tensor-parallel plans (a Mamba layer split by heads and groups as Megatron does) and Hugging Face names (NemotronHForCausalLM: ``norm`` and ``mixer.*``; the
 fused in_proj / conv1d of a Mamba layer are split by the bridge).
 """
 
@@ -18,7 +17,7 @@ from megapipe.models.dense import FeedForward, attention_layer_tp_plan, feed_for
 from megapipe.models.mamba import Mamba2Mixer
 from megapipe.models.moe import MoE, moe_layer_tp_plan
 from megapipe.models.norms import build_norm
-from megapipe.models.spec import BlockSpec, register_block
+from megapipe.models.spec import BlockSpec, register_block, sharded_style
 
 
 class MambaBlock(nn.Module):
@@ -68,17 +67,21 @@ class MoEMLPBlock(nn.Module):
 
 
 def mamba_tp_plan(block: MambaBlock, sp: bool) -> dict:
-    """The projections only: in_* split by output features (heads, groups), out_proj by input features. The convs,
-    A_log / D / dt_bias and the gated norm must be sharded to match (by channel / head / group) by
-    megapipe.parallel before this block runs under TP."""
+    """Megatron's MambaMixer split: heads and groups over TP ranks (each rank's groups are those of its heads, so the
+    gated norm, per group, stays local). in_z / in_x / in_B / in_C / in_dt by output features, the convs' channels,
+    A_log, D, dt_bias and the norm's weight along dim 0 (``sharded_style``), out_proj by input features: one
+    reduction. The mixer's input is the whole sequence; with sequence parallelism the block's norm is split along
+    the sequence as the dense blocks' norms are."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
     act = Shard(1) if sp else Replicate()
+    prepare = PrepareModuleInput(input_layouts=(act, None, None), desired_input_layouts=(Replicate(), None, None))
     return {
         **norms_tp_plan(sp, ("norm",)),
-        "mixer": PrepareModuleInput(input_layouts=(act, None, None), desired_input_layouts=(Replicate(), None, None)),
+        "mixer": sharded_style(prepare),
         **{f"mixer.in_{p}": ColwiseParallel() for p in ("z", "x", "B", "C", "dt")},
+        **{f"mixer.{m}": sharded_style() for m in ("conv_x", "conv_B", "conv_C", "norm")},
         "mixer.out_proj": RowwiseParallel(output_layouts=act),
     }
 

@@ -66,16 +66,40 @@ def replicated_style(hooks: bool = True):
     return style
 
 
+def sharded_style(prepare=None):
+    """A tensor-parallel style for a module that computes with the local parts of its own parameters (not those of
+    its submodules): each becomes a DTensor sharded along dim 0 over the TP ranks (a Mamba mixer's per-head A_log /
+    D / dt_bias, its convs' channels, its gated norm's groups). Its input comes already split the same way (by the
+    column-parallel projections before it), so every rank's gradient is whole for its shard and nothing is reduced.
+    ``prepare``: a style applied to the module too (a PrepareModuleInput for its input)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class Sharded(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+            for name, param in module.named_parameters(recurse=False):
+                dt = distribute_tensor(param.detach(), device_mesh, [Shard(0)])
+                module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
+            return module if prepare is None else prepare._apply(module, device_mesh)
+
+    style = Sharded()
+    style.shards_parameters = True  # for tp_split_numel
+    return style
+
+
 def tp_split_numel(block: nn.Module, sequence_parallel: bool = True) -> tuple[int, int]:
     """(parameters split over TP ranks, parameters replicated on every TP rank) of one block, by its tp_plan:
-    column-parallel layers split weight and bias, row-parallel ones split the weight and replicate the bias."""
+    column-parallel layers split weight and bias, row-parallel ones split the weight and replicate the bias,
+    ``sharded_style`` splits the module's own parameters."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     split = set()
     for name, style in spec_for(block).tp_plan(block, sequence_parallel).items():
+        module = block.get_submodule(name)
+        if getattr(style, "shards_parameters", False):
+            split.update(id(p) for p in module.parameters(recurse=False))
         if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
             continue
-        module = block.get_submodule(name)
         split.add(id(module.weight))
         if isinstance(style, ColwiseParallel) and getattr(module, "bias", None) is not None:
             split.add(id(module.bias))

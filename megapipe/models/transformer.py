@@ -211,21 +211,39 @@ def count_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
 def matmul_params(cfg: ModelConfig) -> int:
     """Weights that take part in a matmul per token: all linear layers incl. the output head (tied or not); in an
     MoE layer the router, the shared experts and the k experts a token is routed to (the active parameters)."""
+    return sum(layer_matmul_params(cfg)) + cfg.hidden_size * cfg.vocab_size
+
+
+def layer_matmul_params(cfg: ModelConfig) -> list[int]:
+    """``matmul_params`` of each layer (the output head apart)."""
     hd, h = cfg.dim_per_head, cfg.hidden_size
     attn = h * (cfg.num_heads + 2 * cfg.kv_heads) * hd + cfg.num_heads * hd * h
     if cfg.multi_latent_attention:
         attn = mla_matmul_params(cfg)
     mlp = (3 if cfg.activation == "swiglu" else 2) * h * cfg.intermediate_size
-    n_moe = len(cfg.moe_layers)
     moe = 0
-    if n_moe:
+    if cfg.is_moe:
         shared = cfg.moe_shared_expert_intermediate_size or 0
         moe = h * cfg.num_experts + 3 * h * (cfg.moe_router_topk * cfg.expert_ffn + shared)
         moe += h if (shared and cfg.moe_shared_expert_gate) else 0
     if cfg.layer_kinds is not None:  # hybrid: one mixer per layer
         per_kind = {"M": mamba_matmul_params(cfg), "*": attn, "-": mlp, "E": moe}
-        return sum(per_kind[k] for k in cfg.layer_kinds) + h * cfg.vocab_size
-    return cfg.num_layers * attn + (cfg.num_layers - n_moe) * mlp + n_moe * moe + h * cfg.vocab_size
+        return [per_kind[k] for k in cfg.layer_kinds]
+    moe_layers = set(cfg.moe_layers)
+    return [attn + (moe if i in moe_layers else mlp) for i in range(cfg.num_layers)]
+
+
+def layer_flops_per_token(cfg: ModelConfig, seq_length: int) -> list[int]:
+    """Training FLOPs per token of each layer, what the pipeline split balances: ``flops_per_token``'s terms of the
+    layer (its matmuls; the attention scores and values of a layer with attention) plus a Mamba layer's SSD scan
+    (per head and token: the chunk's C.B and its weighting of x, the state's update and read-out; 6 FLOPs a
+    multiply-add forward and backward), which MFU does not count."""
+    kinds = cfg.layer_kinds or "*" * cfg.num_layers
+    q = min(cfg.mamba_chunk_size, seq_length)
+    n, p = cfg.mamba_state_dim, cfg.mamba_head_dim
+    extra = {"*": attention_flops_per_token(cfg, seq_length),
+             "M": 6 * cfg.mamba_heads * (q * (n + p) + 2 * n * p) if "M" in kinds else 0}
+    return [6 * w + extra.get(k, 0) for w, k in zip(layer_matmul_params(cfg), kinds, strict=True)]
 
 
 def mamba_matmul_params(cfg: ModelConfig) -> int:
@@ -277,6 +295,10 @@ def flops_per_token(cfg: ModelConfig, seq_length: int) -> float:
     """
     if cfg.vocab_size is None:
         raise ConfigError("model.vocab_size is not set: flops_per_token needs it")
+    return float(6 * matmul_params(cfg) + attention_layers(cfg) * attention_flops_per_token(cfg, seq_length))
+
+
+def attention_flops_per_token(cfg: ModelConfig, seq_length: int) -> int:
+    """One attention layer's score and value matmuls per token, forward + backward, over the full S x S square."""
     qk, v = attention_dims(cfg)
-    attn = 6 * attention_layers(cfg) * cfg.num_heads * (qk + v) * seq_length
-    return float(6 * matmul_params(cfg) + attn)
+    return 6 * cfg.num_heads * (qk + v) * seq_length

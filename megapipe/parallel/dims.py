@@ -143,11 +143,15 @@ class ParallelDims:
     def _validate_model(self, m) -> None:
         tp = self.tp
         if tp > 1:
-            for key, value in (
-                ("num_heads", m.num_heads), ("num_kv_heads", m.kv_heads), ("intermediate_size", m.intermediate_size),
-            ):
+            kinds = m.layer_kinds or "*-"  # a hybrid model: only what its layers split (MoE layers stay whole)
+            split = ([("num_heads", m.num_heads), ("num_kv_heads", m.kv_heads)] if "*" in kinds else []) + (
+                [("intermediate_size", m.intermediate_size)] if "-" in kinds else []) + (
+                [("mamba_num_heads", m.mamba_heads), ("mamba_num_groups", m.mamba_num_groups)] if "M" in kinds else [])
+            for key, value in split:
                 if value % tp:
-                    raise ConfigError(f"model.{key} = {value} is not divisible by parallel.tp = {tp}")
+                    raise ConfigError(f"model.{key} = {value} is not divisible by parallel.tp = {tp}"
+                                      + (" (Mamba layers split their heads and groups over TP ranks)"
+                                         if key.startswith("mamba") else ""))
             if m.vocab_size is not None and m.vocab_size % tp:
                 raise ConfigError(
                     f"model.vocab_size = {m.vocab_size} is not divisible by parallel.tp = {tp} "

@@ -12,6 +12,7 @@ import torch
 
 from megapipe.config import Config
 from megapipe.errors import ConfigError
+from megapipe.models.transformer import layer_flops_per_token
 from megapipe.parallel.cp import apply_cp, zigzag_indices
 from megapipe.parallel.dims import ParallelDims
 from megapipe.parallel.distributed import DistInfo, init_distributed
@@ -80,7 +81,7 @@ def parallelize_model(model: torch.nn.Module, dims: ParallelDims, cfg: Config, d
         return _parallelize_part(model, dims, cfg)
     if device is None:
         device = next(model.parameters()).device
-    parts, ids, num_stages = split_model(model, dims)
+    parts, ids, num_stages = split_model(model, dims, layer_flops_per_token(cfg.model, cfg.data.seq_length))
     parts = [_parallelize_part(p, dims, cfg) for p in parts]
     pipe = PipelineModel(parts, ids, num_stages, tied=cfg.model.tie_embeddings)
     if needs_embedding_replica(cfg.model):

@@ -64,7 +64,7 @@ from typing import Optional
 from megapipe.errors import ConfigError
 from megapipe.models import build_model, flops_per_token
 from megapipe.models.spec import spec_for, tp_split_numel
-from megapipe.models.transformer import attention_dims, kv_cache_values_per_token
+from megapipe.models.transformer import attention_dims, kv_cache_values_per_token, layer_flops_per_token
 from megapipe.parallel.dims import ParallelDims
 from megapipe.parallel.pp import layer_split, stage_ids
 
@@ -389,7 +389,7 @@ def rank_memory(cfg, dims, seq_length: int, overhead: float = OVERHEAD_BYTES) ->
     if dims.pp > 1 and dims.pp_schedule in ("ZBVZeroBubble", "DualPipeV"):
         v = 2
     n_stages = pp * v
-    counts = layer_split(m.num_layers, n_stages, dims.pp_layer_split)
+    counts = layer_split(m.num_layers, n_stages, dims.pp_layer_split, layer_flops_per_token(m, seq_length))
     starts = [sum(counts[:i]) for i in range(n_stages)]
     fsdp = dims.dp_shard * dims.cp if dims.dp_mode == "fsdp" else 1
     ep = getattr(dims, "ep", 1)

@@ -24,17 +24,59 @@ from megapipe.models.objective import ModelOutput
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 
 
-def layer_split(num_layers: int, num_stages: int, split: list[int] | None = None) -> list[int]:
-    """Layers per stage: the given split, or as even as possible with the extra layers on middle stages first
-    (the first and last stages also carry the embedding and the output head)."""
+def layer_split(num_layers: int, num_stages: int, split: list[int] | None = None,
+                costs: list[int] | None = None) -> list[int]:
+    """Layers per stage: the given split; else, when the layers cost the same (or ``costs`` is None), as even as
+    possible with the extra layers on middle stages first (the first and last stages also carry the embedding and
+    the output head); else, layers of different ``costs`` (a hybrid model's Mamba, attention and MLP layers, dense
+    layers among MoE ones), the contiguous split whose costliest stage costs least, of those the one that leaves the
+    first and last stages the least (each stage gets at least one layer)."""
     if split is not None:
         return list(split)
+    if costs is not None and len(set(costs)) > 1:
+        return _balanced_split(costs, num_stages)
     base, rest = divmod(num_layers, num_stages)
     counts = [base] * num_stages
     order = list(range(1, num_stages - 1)) + [0, num_stages - 1] if num_stages > 2 else list(range(num_stages))
     for i in order[:rest]:
         counts[i] += 1
     return counts
+
+
+def _balanced_split(costs: list[int], num_stages: int) -> list[int]:
+    n, k = len(costs), num_stages
+    if n < k:
+        raise ValueError(f"{n} layers cannot fill {k} pipeline stages")
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def cost(i: int, j: int) -> int:  # layers i..j-1
+        return prefix[j] - prefix[i]
+
+    # best[s][j]: the least costliest-stage cost of layers 0..j-1 in s stages
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(k + 1)]
+    best[0][0] = 0
+    for s in range(1, k + 1):
+        for j in range(s, n - (k - s) + 1):
+            best[s][j] = min(max(best[s - 1][i], cost(i, j)) for i in range(s - 1, j))
+    bound = best[k][n]
+    # of the splits whose stages all cost <= bound: the least first + last stage cost
+    first = [[None] * (n + 1) for _ in range(k + 1)]  # s stages over layers 0..j-1 within bound: least first stage
+    for j in range(1, n + 1):
+        if cost(0, j) <= bound:
+            first[1][j] = (cost(0, j), [j])
+    for s in range(2, k):
+        for j in range(s, n + 1):
+            options = [(first[s - 1][i][0], first[s - 1][i][1] + [j - i]) for i in range(s - 1, j)
+                       if first[s - 1][i] is not None and cost(i, j) <= bound]
+            first[s][j] = min(options) if options else None
+    if k == 1:
+        return [n]
+    ends = [(first[k - 1][i][0] + cost(i, n), -first[k - 1][i][1][0], first[k - 1][i][1] + [n - i])
+            for i in range(k - 1, n) if first[k - 1][i] is not None and cost(i, n) <= bound]
+    return min(ends)[2]
 
 
 def stage_ids(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
@@ -223,10 +265,11 @@ class PipelineModel(nn.Module):
         raise RuntimeError("a pipeline-parallel model runs through its schedule: use megapipe.parallel.step")
 
 
-def split_model(model: nn.Module, dims) -> tuple[list[nn.Module], list[int], int]:
-    """This rank's stage modules, their stage indices and the total number of stages."""
+def split_model(model: nn.Module, dims, costs: list[int] | None = None) -> tuple[list[nn.Module], list[int], int]:
+    """This rank's stage modules, their stage indices and the total number of stages; ``costs``: each layer's (see
+    ``layer_split``)."""
     num_stages = dims.pp * dims.pp_virtual_stages
-    counts = layer_split(len(model.layers), num_stages, dims.pp_layer_split)
+    counts = layer_split(len(model.layers), num_stages, dims.pp_layer_split, costs)
     ids = stage_ids(dims.local_rank("pp"), dims.pp, dims.pp_virtual_stages, dims.pp_schedule)
     parts = [split_stage(model if i == len(ids) - 1 else copy.deepcopy(model), s, counts) for i, s in enumerate(ids)]
     return parts, ids, num_stages

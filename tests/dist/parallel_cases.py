@@ -102,6 +102,13 @@ MODELS["mla"] = {**MODELS["moe_bias"], "arch": "deepseek_v3", "multi_latent_atte
                  "moe_first_k_dense_replace": 1}
 MODELS["mla_mtp"] = {**MODELS["mla"], "mtp_num_layers": 2, "mtp_loss_scaling_factor": 0.5}
 MODELS["mtp_tied"] = {**MODELS["tied"], "mtp_num_layers": 1, "mtp_loss_scaling_factor": 0.5}
+# Nemotron-H-shaped hybrid (nemotron-h-tiny in small): one mixer per layer, Mamba-2 (4 heads in 2 groups, two SSD
+# chunks per sequence), attention, squared-ReLU MLP and an MoE layer; its pipeline split follows the layers' costs
+MODELS["hybrid"] = dict(arch="nemotron_h", hidden_size=32, intermediate_size=64, num_layers=5, num_heads=4,
+                        num_kv_heads=2, vocab_size=128, activation="relu2", position_embedding="none",
+                        hybrid_override_pattern="M*-ME", mamba_state_dim=8, mamba_head_dim=8, mamba_num_groups=2,
+                        mamba_num_heads=4, mamba_chunk_size=8, num_experts=4, moe_router_topk=2,
+                        moe_ffn_hidden_size=16, moe_aux_loss_coeff=0.05)
 
 
 def parse_case(text: str) -> tuple[dict, dict]:

@@ -55,6 +55,10 @@ CASES_2 = [
     # TP without FSDP: replicated parameters (norms without SP, learned positions, MoE layers) are replicated DTensors
     # beside the sharded ones, as the trainer's foreach optimizer needs ("tp2:sp=0:model=gpt2" above too)
     "tp2:sp=0:model=moe",
+    # Nemotron-H-shaped hybrid (Mamba, attention, MLP, MoE layers): Mamba heads and groups split by tp (with and
+    # without sp), stages split by the layers' costs, FSDP, DDP, the MoE layer's experts over ep
+    "tp2:model=hybrid", "tp2:sp=0:model=hybrid", "pp2:model=hybrid", "dp_shard2:model=hybrid", "ddp2:model=hybrid",
+    "ep2:model=hybrid",
 ]
 BF16 = [c for c in CASES_2 if "precision=bf16" in c]
 CASES_4 = [
@@ -79,6 +83,8 @@ CASES_4 = [
     "ep2,cp2:model=mla_mtp:load=ckpt_mla",
     # TP without FSDP (see CASES_2): a dense model with biases, and the ep-sharded MoE checkpoint resumed on pp x tp
     "pp2,tp2:sp=0:model=qk", "pp2,tp2:sp=0:model=moe:load=ckpt_ep2",
+    # the hybrid on FSDP x TP, and saved on pp x tp, resumed exactly on FSDP x TP
+    "dp_shard2,tp2:model=hybrid", "pp2,tp2:model=hybrid:save=ckpt_hybrid", "dp_shard2,tp2:model=hybrid:load=ckpt_hybrid",
 ]
 CASES_8 = ["pp2,dp_shard2,tp2", "dp_shard2,cp2,tp2", "pp2,ep2,tp2:model=moe_bias"]
 
