@@ -8,6 +8,8 @@ One engine serves ``megapipe generate``, ``megapipe serve``, RL rollouts and eva
 or step by step (``add_request`` / ``step`` / ``abort``), which is what :class:`AsyncEngine` does in its thread.
 Each step schedules (megapipe.inference.scheduler), runs the model once on every scheduled token
 (megapipe.inference.runner), samples (megapipe.inference.sampling) and detokenizes (megapipe.inference.detokenize).
+A hybrid Transformer-Mamba model keeps KV blocks for its attention layers only and a recurrent-state slot per
+running sequence for its Mamba layers (megapipe.inference.state_cache); prefix caching is off for it.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ from megapipe.inference.scheduler import FINISHED, Scheduler, now
 from megapipe.inference.scheduler import Sequence as Seq
 from megapipe.inference.speculative import Speculator
 from megapipe.inference.state_cache import StatePool
-from megapipe.models.capabilities import capabilities, describe
 from megapipe.models.attention import Attention
+from megapipe.models.capabilities import capabilities, describe
 from megapipe.models.mla import MLAttention
 from megapipe.models.transformer import attention_layers, kv_cache_values_per_token
 

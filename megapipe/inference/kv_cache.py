@@ -1,6 +1,6 @@
 """The paged KV cache: one pool of fixed-size blocks allocated at start, and the per-step attention over it.
 
-Storage: per layer one key and one value tensor [kv_heads, num_blocks * block_size, head_dim]; a token's *slot* is
+Storage: per attending layer one key and one value tensor [kv_heads, num_blocks * block_size, head_dim]; a token's *slot* is
 ``block_id * block_size + offset``. A sequence owns a list of block ids (its block table), so its keys need not be
 contiguous and blocks can be shared (prefix caching) or returned at any time.
 

@@ -134,3 +134,13 @@ def test_no_prefix_cache_hits_and_no_kv_for_a_model_without_attention(hybrid, on
     assert engine.pool.num_layers == 0 and engine.pool.bytes_per_token() == 0
     assert [o.outputs[0].token_ids for o in engine.generate(prompts, greedy)] == [
         full_greedy(no_attention, p, 6) for p in prompts]
+
+
+def test_load_weights_reaches_the_packed_mixers(hybrid, one_thread):
+    """New weights (an RL update) replace the Mamba mixers' packed projections and their conv / SSM parameters."""
+    model, _ = hybrid
+    other = build_model(ModelConfig(**TINY), seed=3).eval()
+    engine = engine_on(model)
+    engine.load_weights(other.state_dict())
+    greedy = SamplingParams(max_tokens=8, **GREEDY)
+    assert engine.generate([PROMPTS[0]], greedy)[0].outputs[0].token_ids == full_greedy(other, PROMPTS[0], 8)
