@@ -70,7 +70,7 @@ def test_state_slots_beside_kv_blocks_of_the_attention_layers_only(hybrid):
 
 
 def test_bf16_keeps_the_conv_window_in_the_model_dtype_and_the_ssm_state_in_fp32(hybrid):
-    engine = LLMEngine(copy.deepcopy(hybrid[0]).to(torch.bfloat16), config=EngineConfig(max_num_seqs=2),
+    engine = LLMEngine(copy.deepcopy(hybrid[0]).to(torch.bfloat16), config=EngineConfig(max_num_seqs=2, cpu_kernels=False),
                        eos_token_ids=[])
     assert engine.states.conv[0].dtype == torch.bfloat16 and engine.states.ssm[0].dtype == torch.float32
     out = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=4, **GREEDY))[0].outputs[0].token_ids
@@ -144,3 +144,21 @@ def test_load_weights_reaches_the_packed_mixers(hybrid, one_thread):
     engine.load_weights(other.state_dict())
     greedy = SamplingParams(max_tokens=8, **GREEDY)
     assert engine.generate([PROMPTS[0]], greedy)[0].outputs[0].token_ids == full_greedy(other, PROMPTS[0], 8)
+
+
+def test_greedy_equals_transformers_nemotron_h(tmp_path, one_thread):
+    """A tiny random NemotronHForCausalLM through the Hugging Face bridge: the engine's greedy tokens are
+    transformers' generate's, at batch 1 and in a continuous batch with chunked prefill."""
+    from tests.helpers import hf_tiny
+
+    try:
+        hf_tiny._hf_config("nemotron_h")
+    except ValueError:
+        pytest.skip("tests/helpers/hf_tiny.py makes no tiny NemotronHForCausalLM yet (the Nemotron-H bridge)")
+    path, hf = hf_tiny.make_hf_dir(tmp_path, "nemotron_h")
+    want = {i: hf_tiny.hf_greedy(hf, p, 10) for i, p in enumerate(PROMPTS)}
+    greedy = SamplingParams(max_tokens=10, **GREEDY)
+    engine = LLMEngine.from_pretrained(path, device="cpu")
+    assert engine.generate([PROMPTS[3]], greedy)[0].outputs[0].token_ids == want[3]
+    chunked = LLMEngine.from_pretrained(path, device="cpu", max_num_batched_tokens=8)
+    assert run_staggered(chunked, PROMPTS, greedy, every=1) == want
