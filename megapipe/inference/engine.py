@@ -8,6 +8,8 @@ One engine serves ``megapipe generate``, ``megapipe serve``, RL rollouts and eva
 or step by step (``add_request`` / ``step`` / ``abort``), which is what :class:`AsyncEngine` does in its thread.
 Each step schedules (megapipe.inference.scheduler), runs the model once on every scheduled token
 (megapipe.inference.runner), samples (megapipe.inference.sampling) and detokenizes (megapipe.inference.detokenize).
+A hybrid Transformer-Mamba model keeps KV blocks for its attention layers only and a recurrent-state slot per
+running sequence for its Mamba layers (megapipe.inference.state_cache); prefix caching is off for it.
 """
 
 from __future__ import annotations
@@ -30,8 +32,11 @@ from megapipe.inference.sampling import ParamError, SampleRow, SamplingParams, s
 from megapipe.inference.scheduler import FINISHED, Scheduler, now
 from megapipe.inference.scheduler import Sequence as Seq
 from megapipe.inference.speculative import Speculator
+from megapipe.inference.state_cache import StatePool
+from megapipe.models.attention import Attention
 from megapipe.models.capabilities import capabilities, describe
-from megapipe.models.transformer import kv_cache_values_per_token
+from megapipe.models.mla import MLAttention
+from megapipe.models.transformer import attention_layers, kv_cache_values_per_token
 
 GiB = 1 << 30
 
@@ -129,27 +134,39 @@ class LLMEngine:
         model.eval()
         p = next(model.parameters())
         bs = config.block_size
-        # speculative decoding: the MTP blocks' keys and values too (pool layers num_layers + depth - 1)
-        kv_layers = cfg.num_layers + (cfg.mtp_depth if config.speculative_tokens else 0)
-        per_block = KVPool.bytes_per_block(kv_layers, bs, dtype=p.dtype, **kv_layout(cfg))
+        # the Mamba layers' recurrent state of max_num_seqs sequences (hybrid models; empty otherwise)
+        self.states = StatePool(model, config.max_num_seqs, p.dtype, p.device)
+        state_bytes = self.states.bytes_per_sequence() * config.max_num_seqs
+        # keys and values of the layers that attend (a hybrid model's Mamba and MLP layers have none); speculative
+        # decoding: the MTP blocks' too (pool layers num_layers + depth - 1)
+        kv_layers = sorted({m.layer_id for m in model.layers.modules() if isinstance(m, (Attention, MLAttention))})
+        if config.speculative_tokens:
+            kv_layers += range(cfg.num_layers, cfg.num_layers + cfg.mtp_depth)
+        per_block = KVPool.bytes_per_block(len(kv_layers), bs, dtype=p.dtype, **kv_layout(cfg))
         num_blocks = config.num_blocks
         if num_blocks is None:
+            want = config.max_num_seqs * ((self.max_model_len + bs - 1) // bs)
             memory = config.kv_cache_memory
             if memory is None:
-                want = config.max_num_seqs * ((self.max_model_len + bs - 1) // bs)
-                memory = min(want * per_block, GiB)
-            num_blocks = memory // per_block
+                memory = min(want * per_block, GiB) + state_bytes
+            elif memory < state_bytes:
+                raise ConfigError(f"--kv-cache-memory = {memory} bytes does not hold the recurrent state of "
+                                  f"--max-num-seqs {config.max_num_seqs} sequences ({state_bytes} bytes): give more "
+                                  f"memory or fewer sequences")
+            num_blocks = (memory - state_bytes) // per_block if per_block else want
         if num_blocks * bs < self.max_model_len:
             raise ConfigError(
                 f"the KV cache holds {num_blocks} blocks of {bs} tokens ({num_blocks * bs} tokens) but one sequence of"
                 f" --max-model-len {self.max_model_len} needs {-(-self.max_model_len // bs)}: give more "
                 f"--kv-cache-memory / --num-blocks or a smaller --max-model-len")
         self.pool = KVPool(kv_layers, num_blocks, bs, dtype=p.dtype, device=p.device, **kv_layout(cfg))
-        self.blocks = BlockManager(num_blocks, bs, config.prefix_caching)
+        # off where the capability table says so (a recurrent state is not cut at block boundaries: state_cache)
+        self.prefix_caching = config.prefix_caching and "prefix_caching" in capabilities(cfg).engine
+        self.blocks = BlockManager(num_blocks, bs, self.prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self._lookahead if config.speculative_tokens else None)
+                                   self._lookahead if config.speculative_tokens else None, self.states)
         self.runner = ModelRunner(model, self.pool, config.pack_weights, config.huge_pages,
-                                  config.cpu_kernels)
+                                  config.cpu_kernels, self.states)
         self.speculator = None
         if config.speculative_tokens:
             self.speculator = Speculator(self.runner, config.speculative_tokens, self.sample_row)
@@ -285,9 +302,10 @@ class LLMEngine:
                 samplers.append(seq)
             offset += n
         work += [(s, s.tokens[s.num_computed:s.num_computed + n]) for s, n in chunks]
+        state_slots = [s.state_slot for s in decodes] + [s.state_slot for s, _ in work] if self.states else None
         logits = self.runner.run([(s.block_ids, s.num_computed, s.tokens[s.num_computed]) for s in decodes],
                                  [(s.block_ids, s.num_computed, toks) for s, toks in work], rows,
-                                 hidden=self.speculator is not None)
+                                 hidden=self.speculator is not None, state_slots=state_slots)
         if self.speculator is not None:
             logits, hidden = logits
         for i, seq in enumerate(decodes):
@@ -472,13 +490,20 @@ class LLMEngine:
 
     def kv_cache_line(self) -> str:
         """The pool for the startup line: its blocks, and the bytes a token takes in it next to the per-head keys and
-        values of the same attention (its GQA equivalent: a latent cache's decompressed form)."""
+        values of the same attention (its GQA equivalent: a latent cache's decompressed form); a hybrid model's
+        recurrent state bytes per sequence (Mamba layers' conv windows and SSM states) and its slots."""
         pool, cfg = self.pool, self.model_config
         stored = pool.bytes_per_token()
         line = f"{pool.num_blocks} KV blocks of {pool.block_size}, {stored} KV bytes/token"
         # per pool layer, so a pool with more layers than the model's (MTP modules' blocks) compares alike
-        equivalent = kv_cache_values_per_token(cfg)[1] * pool.num_layers // cfg.num_layers * pool.element_size
-        return line if equivalent == stored else f"{line} (GQA equivalent {equivalent}, {equivalent / stored:.1f}x)"
+        attending = attention_layers(cfg)
+        equivalent = (kv_cache_values_per_token(cfg)[1] * pool.num_layers // attending * pool.element_size
+                      if attending else 0)
+        if equivalent != stored:
+            line = f"{line} (GQA equivalent {equivalent}, {equivalent / stored:.1f}x)"
+        if self.states:
+            line += f", {self.states.bytes_per_sequence()} state bytes/sequence x {self.states.num_slots} sequences"
+        return line
 
     def stats(self) -> dict:
         return {"running": self.num_running(), "waiting": self.num_waiting(), "kv_cache_usage": self.blocks.usage(),

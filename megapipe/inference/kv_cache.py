@@ -1,6 +1,6 @@
 """The paged KV cache: one pool of fixed-size blocks allocated at start, and the per-step attention over it.
 
-Storage: per layer one key and one value tensor [kv_heads, num_blocks * block_size, head_dim]; a token's *slot* is
+Storage: per attending layer one key and one value tensor [kv_heads, num_blocks * block_size, head_dim]; a token's *slot* is
 ``block_id * block_size + offset``. A sequence owns a list of block ids (its block table), so its keys need not be
 contiguous and blocks can be shared (prefix caching) or returned at any time.
 
@@ -19,6 +19,11 @@ values into their slots and computes attention per sequence:
 
 Tokens are ordered decodes first, then the chunks, so each group is a contiguous slice of the batch.
 
+A hybrid model's Mamba layers call ``ssm(layer_id, mixer, xbc, dt)`` instead: each sequence's conv window and SSM
+state live in a slot of the engine's StatePool (megapipe.inference.state_cache); the decodes take one step of the
+recurrence together from their gathered states, each chunk runs the scan from its sequence's state (from zeros
+when it starts at position 0; neighbouring new prompts of one length as one batch), and the states are written back.
+
 Multi-latent attention (megapipe.models.mla) has a *latent* pool (``kv_layout``): per layer one tensor
 [1, slots, kv_lora_rank + rope dims] of each token's ``c_kv`` and shared rope key, read as both keys and values (no
 second copy). Its layers call ``attend_latent``: decodes attend to the latents directly as multi-query attention, the
@@ -32,10 +37,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
+
+from megapipe.inference.state_cache import StatePool
 
 KEY_BUCKET = 16
 # a latent pool's chunks of at most this many rows attend as decodes do (absorbed up-projections)
@@ -51,17 +58,22 @@ def kv_layout(cfg) -> dict:
 
 
 class KVPool:
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device, latent: bool = False):
+    """``layers``: how many layers (ids 0..n-1), or the ids of the layers that attend (a hybrid model's attention
+    layers: its Mamba and MLP layers get no KV memory); ``k[layer_id]`` / ``v[layer_id]`` either way."""
+
+    def __init__(self, layers: Union[int, Sequence[int]], num_blocks: int, block_size: int, kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device, latent: bool = False):
         if latent and kv_heads != 1:
             raise ValueError(f"a latent KV pool has one row per token and layer, not {kv_heads} kv heads")
         self.num_blocks, self.block_size, self.latent = num_blocks, block_size, latent
         self.kv_heads, self.head_dim, self.dtype, self.device = kv_heads, head_dim, dtype, torch.device(device)
+        ids = range(layers) if isinstance(layers, int) else list(layers)
         shape = (kv_heads, num_blocks * block_size, head_dim)
         # zeros, not empty: a padded (masked) key must still be finite, or 0 * inf poisons the softmax
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = self.k if latent else [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.num_layers, self.element_size = num_layers, self.k[0].element_size() if num_layers else 0
+        self.k = {i: torch.zeros(shape, dtype=dtype, device=device) for i in ids}
+        self.v = self.k if latent else {i: torch.zeros(shape, dtype=dtype, device=device) for i in ids}
+        self.num_layers = len(ids)
+        self.element_size = torch.empty(0, dtype=dtype).element_size() if ids else 0
 
     def bytes_per_token(self) -> int:
         """Bytes the pool holds per token over all its layers."""
@@ -97,8 +109,11 @@ def _slots(block_ids: Sequence[int], block_size: int, length: int) -> list[int]:
 class PagedBatch:
     """The ``cache`` object of one engine step (see the module docstring)."""
 
-    def __init__(self, pool: KVPool, sliding_window: Optional[int] = None, kernel: Optional[Callable] = None):
-        self.pool, self.window, self.kernel = pool, sliding_window, kernel
+    def __init__(self, pool: KVPool, sliding_window: Optional[int] = None, kernel: Optional[Callable] = None,
+                 states: Optional[StatePool] = None):
+        self.pool, self.window, self.kernel, self.states = pool, sliding_window, kernel, states
+        # (first row, sequences, tokens each, from their states?, their state slots): scanned together by ``ssm``
+        self.state_runs: list[tuple[int, int, int, bool, torch.Tensor]] = []
         self.slots: Optional[torch.Tensor] = None  # [T] where each token's k/v go
         self.num_decodes = 0
         # kernel: int32 block tables [sequences, blocks], and per row its sequence and the positions it attends to
@@ -112,9 +127,11 @@ class PagedBatch:
         self.chunks: list[Chunk] = []
         self.runs: list[tuple[int, int, int]] = []  # (index of first chunk, chunks, n): plain chunks attended at once
 
-    def plan(self, decodes: Sequence[tuple[Sequence[int], int]], chunks: Sequence[tuple[Sequence[int], int, int]]):
-        """decodes: (block ids, position) of each one-token query; chunks: (block ids, start, n). Returns the
-        positions [1, T] of the flattened batch in that order."""
+    def plan(self, decodes: Sequence[tuple[Sequence[int], int]], chunks: Sequence[tuple[Sequence[int], int, int]],
+             state_slots: Optional[Sequence[int]] = None):
+        """decodes: (block ids, position) of each one-token query; chunks: (block ids, start, n); state_slots: each
+        one's slot in the state pool (decodes, then chunks; hybrid models). Returns the positions [1, T] of the
+        flattened batch in that order."""
         bs, dev = self.pool.block_size, self.pool.device
         if self.pool.latent and chunks and all(n <= ABSORB_ROWS for _, _, n in chunks):
             # short chunks (speculative verification, MTP drafting): each row attends to the latents like a decode
@@ -145,8 +162,23 @@ class PagedBatch:
             self._plan_kernel(decodes, chunks)
         elif decodes:
             self._plan_decodes(decodes)
+        if state_slots is not None:
+            self._plan_states(len(decodes), [(start, n) for _, start, n in chunks], state_slots)
         self.slots = torch.tensor(slots, dtype=torch.long, device=dev)
         return torch.tensor([positions], dtype=torch.long, device=dev)
+
+    def _plan_states(self, num_decodes: int, chunks: Sequence[tuple[int, int]], state_slots: Sequence[int]) -> None:
+        runs = [(0, num_decodes, 1, True, list(state_slots[:num_decodes]))] if num_decodes else []
+        offset = num_decodes
+        for (start, n), slot in zip(chunks, state_slots[num_decodes:], strict=True):
+            last = runs[-1] if runs else None
+            if start == 0 and last is not None and not last[3] and last[2] == n:
+                runs[-1] = (last[0], last[1] + 1, n, False, last[4] + [slot])
+            else:
+                runs.append((offset, 1, n, start > 0, [slot]))
+            offset += n
+        dev = self.pool.device
+        self.state_runs = [(*run[:4], torch.tensor(run[4], dtype=torch.long, device=dev)) for run in runs]
 
     def _chunk(self, offset: int, start: int, n: int, seq_slots: list[int]) -> Chunk:
         dev = self.pool.device
@@ -231,6 +263,22 @@ class PagedBatch:
 
         self._attend_chunks(q, out.view(total, heads, dim), keys_values)
         return out
+
+    def ssm(self, layer_id: int, mixer, xbc: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
+        """A Mamba layer (``mixer``, megapipe.models.mamba) on the batch: xbc [1, T, C] and raw dt [1, T, heads]
+        from its in-projections -> the SSM output [1, T, heads, head_dim]; each sequence continues from its state
+        in the pool, which is updated."""
+        conv, ssm = self.states.conv[layer_id], self.states.ssm[layer_id]
+        parts = []
+        for offset, count, n, resume, slots in self.state_runs:
+            rows = slice(offset, offset + count * n)
+            start = (conv.index_select(0, slots), ssm.index_select(0, slots)) if resume else (None, None)
+            y, conv_state, ssm_state = mixer.ssm(xbc[0, rows].reshape(count, n, -1), dt[0, rows].reshape(count, n, -1),
+                                                 *start)
+            conv.index_copy_(0, slots, conv_state.to(conv.dtype))
+            ssm.index_copy_(0, slots, ssm_state)
+            parts.append(y.reshape(1, count * n, *y.shape[2:]))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def attend_latent(self, attention, q: torch.Tensor, c_kv: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:
         """Multi-latent attention over a latent pool for ``attention`` (the layer's MLAttention): q [1, heads, T, qk]

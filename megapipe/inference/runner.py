@@ -11,7 +11,9 @@ model object is the engine's to modify.
 Plain dense and MoE blocks (Llama / Qwen2 / Qwen3 / Mistral, Mixtral / Qwen2-MoE / Qwen3-MoE shapes) run through
 :class:`DecoderLayer`, the same arithmetic as the module's forward in a third of the operations: decoding a small model on CPU is otherwise dominated by the
 per-operation overhead of ~70 small tensor operations per layer, not by the matmuls. Other blocks (multi-latent
-attention's, whose cache is the latent pool of megapipe.inference.kv_cache) run through the model's own forward.
+attention's, whose cache is the latent pool of megapipe.inference.kv_cache; a hybrid model's Mamba, attention and
+MLP layers, whose Mamba mixers keep their state in megapipe.inference.state_cache) run through the model's own
+forward, their linears packed all the same (the Mamba mixer calls its projections as modules).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from megapipe import torch_compat
 from megapipe.errors import ConfigError
 from megapipe.inference.host_memory import collapse_resident_memory, keep_freed_buffers
 from megapipe.inference.kv_cache import KVPool, PagedBatch
+from megapipe.inference.state_cache import StatePool
 from megapipe.models.dense import TransformerBlock
 from megapipe.models.moe import GroupedExperts, MoEBlock
 from megapipe.models.norms import RMSNorm
@@ -332,8 +335,8 @@ HUGE_PAGES_MIN_WEIGHTS = 64 << 20  # below this the weights stay in the CPU's ca
 
 class ModelRunner:
     def __init__(self, model, pool: KVPool, pack: Optional[bool] = None, huge_pages: Optional[bool] = None,
-                 cpu_kernels: Optional[bool] = None):
-        self.model, self.pool = model, pool
+                 cpu_kernels: Optional[bool] = None, states: Optional[StatePool] = None):
+        self.model, self.pool, self.states = model, pool, states
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
@@ -411,12 +414,14 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, decodes: Sequence[tuple[Sequence[int], int, int]],
             chunks: Sequence[tuple[Sequence[int], int, Sequence[int]]], rows: Sequence[int],
-            hidden: bool = False):
-        """decodes: (block ids, position, token); chunks: (block ids, start, tokens). Returns fp32 logits of the
-        batch rows ``rows`` (indices into the flattened batch: decodes first, then the chunks in order); with
-        ``hidden``, also the final normed hidden states of every row (what MTP drafting starts from)."""
-        batch = PagedBatch(self.pool, self.window, self.attention_kernel)
-        positions = batch.plan([(b, pos) for b, pos, _ in decodes], [(b, s, len(t)) for b, s, t in chunks])
+            hidden: bool = False, state_slots: Optional[Sequence[int]] = None):
+        """decodes: (block ids, position, token); chunks: (block ids, start, tokens); state_slots: each one's slot
+        in the state pool (a hybrid model's). Returns fp32 logits of the batch rows ``rows`` (indices into the
+        flattened batch: decodes first, then the chunks in order); with ``hidden``, also the final normed hidden
+        states of every row (what MTP drafting starts from)."""
+        batch = PagedBatch(self.pool, self.window, self.attention_kernel, self.states)
+        positions = batch.plan([(b, pos) for b, pos, _ in decodes], [(b, s, len(t)) for b, s, t in chunks],
+                               state_slots)
         ids = [t for _, _, t in decodes]
         for _, _, toks in chunks:
             ids.extend(toks)

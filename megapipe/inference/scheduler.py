@@ -11,7 +11,8 @@ Every step is planned afresh under a token budget (``max_num_batched_tokens``):
    (full blocks) is taken from the prefix cache, the rest is prefilled in chunks.
 
 A sequence's state is its tokens (prompt + generated) and ``num_computed``, how many of them have keys/values in its
-blocks; the step computes ``tokens[num_computed : num_computed + n]``.
+blocks; the step computes ``tokens[num_computed : num_computed + n]``. A hybrid model's sequences also hold a slot
+of recurrent state (``states``, megapipe.inference.state_cache) from admission to finish or preemption.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 from megapipe.inference.block_manager import BlockManager, block_hash
 from megapipe.inference.sampling import SamplingParams
+from megapipe.inference.state_cache import StatePool
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
@@ -51,6 +53,7 @@ class Sequence:
         self.last_token_time: Optional[float] = None
         self.preemptions = 0
         self.num_lookahead = 0  # draft tokens the current step verifies after its last token (speculative decoding)
+        self.state_slot: Optional[int] = None  # its slot in the Mamba layers' state pool (hybrid models)
 
     @property
     def output_ids(self) -> list[int]:
@@ -70,8 +73,9 @@ class Sequence:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 lookahead: Optional[Callable[[Sequence], int]] = None):
+                 lookahead: Optional[Callable[[Sequence], int]] = None, states: Optional[StatePool] = None):
         self.blocks, self.lookahead = blocks, lookahead
+        self.states = states if states else None  # an empty pool (no Mamba layers): no slots to hand out
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -86,18 +90,24 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status == WAITING and seq in self.waiting:
             self.waiting.remove(seq)
-        self.blocks.release(seq.block_ids)
-        seq.block_ids = []
+        self._release(seq)
         seq.status, seq.finish_reason = FINISHED, reason
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.blocks.release(seq.block_ids)
-        seq.block_ids, seq.num_computed, seq.num_registered = [], 0, 0
+        self._release(seq)  # its recurrent state too: recomputed from its tokens with its keys and values
+        seq.num_computed, seq.num_registered = 0, 0
         seq.status = WAITING
         seq.preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.blocks.release(seq.block_ids)
+        seq.block_ids = []
+        if self.states is not None:
+            self.states.release(seq.state_slot)
+            seq.state_slot = None
 
     def _blocks_for(self, seq: Sequence, n: int) -> int:
         bs = self.blocks.block_size
@@ -176,6 +186,8 @@ class Scheduler:
                 self.blocks.query_tokens += seq.prompt_len
                 self.blocks.hit_tokens += seq.num_cached
             self._grow(seq, n)
+            if self.states is not None:
+                seq.state_slot = self.states.allocate()
             seq.status = RUNNING
             self.running.append(seq)
             chunks.append((seq, n))
