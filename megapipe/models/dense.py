@@ -50,17 +50,22 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-def norms_tp_plan(sp: bool) -> dict:
-    """A block's two norms: split along the sequence with sequence parallelism, else replicated like the stream."""
+def norms_tp_plan(sp: bool, norms: tuple = ("attention_norm", "ffn_norm")) -> dict:
+    """A block's norms: split along the sequence with sequence parallelism, else replicated like the stream."""
     from torch.distributed.tensor.parallel import SequenceParallel
 
-    return {norm: SequenceParallel() if sp else replicated_style() for norm in ("attention_norm", "ffn_norm")}
+    return {norm: SequenceParallel() if sp else replicated_style() for norm in norms}
 
 
 def attention_tp_plan(block: nn.Module, sp: bool) -> dict:
     """wq/wk/wv split by output features (heads), wo by input features: one reduction. With sequence parallelism the
     norms (and the residual stream between them) are split along the sequence: all-gather before attention and the
     FFN, reduce-scatter after. Shared by every block kind with this attention."""
+    return {**attention_layer_tp_plan(block, sp), **norms_tp_plan(sp)}
+
+
+def attention_layer_tp_plan(block: nn.Module, sp: bool) -> dict:
+    """``attention_tp_plan`` without the norms: the attention layer's own entries."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -79,7 +84,6 @@ def attention_tp_plan(block: nn.Module, sp: bool) -> dict:
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=act),
     }
-    plan.update(norms_tp_plan(sp))
     if block.attention.q_norm is not None:
         # q/k are [B, S, local heads, head_dim] here: treat the head dim as the sharded one so the (replicated)
         # norm weights get their gradients summed over TP ranks
@@ -89,13 +93,17 @@ def attention_tp_plan(block: nn.Module, sp: bool) -> dict:
 
 
 def dense_tp_plan(block: TransformerBlock, sp: bool) -> dict:
-    """Attention as ``attention_tp_plan``; w1/w3 split by output features (FFN columns), w2 by input features."""
+    """Attention as ``attention_tp_plan``, the MLP as ``feed_forward_tp_plan``."""
+    return {**attention_tp_plan(block, sp), **feed_forward_tp_plan(block, sp)}
+
+
+def feed_forward_tp_plan(block: nn.Module, sp: bool) -> dict:
+    """w1/w3 split by output features (FFN columns), w2 by input features (no norms)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
     act = Shard(1) if sp else Replicate()
     plan = {
-        **attention_tp_plan(block, sp),
         "feed_forward": PrepareModuleInput(input_layouts=(act,), desired_input_layouts=(Replicate(),)),
         "feed_forward.w1": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=act),

@@ -14,11 +14,11 @@ from torch import nn
 
 from megapipe.config import ModelConfig
 from megapipe.models.attention import Attention, DocumentMask
-from megapipe.models.dense import FeedForward
+from megapipe.models.dense import FeedForward, attention_layer_tp_plan, feed_forward_tp_plan, norms_tp_plan
 from megapipe.models.mamba import Mamba2Mixer
-from megapipe.models.moe import MoE
+from megapipe.models.moe import MoE, moe_layer_tp_plan
 from megapipe.models.norms import build_norm
-from megapipe.models.spec import BlockSpec, register_block, replicated_style
+from megapipe.models.spec import BlockSpec, register_block
 
 
 class MambaBlock(nn.Module):
@@ -67,85 +67,33 @@ class MoEMLPBlock(nn.Module):
         return x + self.moe(self.ffn_norm(x))
 
 
-def _act(sp: bool):
-    from torch.distributed.tensor import Replicate, Shard
-
-    return Shard(1) if sp else Replicate()
-
-
-def _norm_style(sp: bool):
-    from torch.distributed.tensor.parallel import SequenceParallel
-
-    return SequenceParallel() if sp else replicated_style()
-
-
 def mamba_tp_plan(block: MambaBlock, sp: bool) -> dict:
     """The projections only: in_* split by output features (heads, groups), out_proj by input features. The convs,
     A_log / D / dt_bias and the gated norm must be sharded to match (by channel / head / group) by
     megapipe.parallel before this block runs under TP."""
-    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
-    act = _act(sp)
-    plan = {
-        "norm": _norm_style(sp),
+    act = Shard(1) if sp else Replicate()
+    return {
+        **norms_tp_plan(sp, ("norm",)),
         "mixer": PrepareModuleInput(input_layouts=(act, None, None), desired_input_layouts=(Replicate(), None, None)),
         **{f"mixer.in_{p}": ColwiseParallel() for p in ("z", "x", "B", "C", "dt")},
         "mixer.out_proj": RowwiseParallel(output_layouts=act),
     }
-    return plan
 
 
 def attention_only_tp_plan(block: AttentionBlock, sp: bool) -> dict:
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
-
-    act = _act(sp)
-    return {
-        "attention_norm": _norm_style(sp),
-        "attention": PrepareModuleInput(
-            input_layouts=(act, None, None, None), desired_input_layouts=(Replicate(), None, None, None)),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=act),
-    }
+    return {**attention_layer_tp_plan(block, sp), **norms_tp_plan(sp, ("attention_norm",))}
 
 
 def mlp_only_tp_plan(block: MLPBlock, sp: bool) -> dict:
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
-
-    act = _act(sp)
-    plan = {
-        "ffn_norm": _norm_style(sp),
-        "feed_forward": PrepareModuleInput(input_layouts=(act,), desired_input_layouts=(Replicate(),)),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=act),
-    }
-    if block.feed_forward.w3 is not None:
-        plan["feed_forward.w3"] = ColwiseParallel()
-    return plan
+    return {**feed_forward_tp_plan(block, sp), **norms_tp_plan(sp, ("ffn_norm",))}
 
 
 def moe_only_tp_plan(block: MoEMLPBlock, sp: bool) -> dict:
-    """As the MoE part of megapipe.models.moe.moe_tp_plan: the MoE layer whole on every TP rank."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
-
-    act = _act(sp)
-    plan = {
-        "ffn_norm": _norm_style(sp),
-        "moe": PrepareModuleInputOutput(
-            input_layouts=(act,), desired_input_layouts=(Replicate(),), use_local_input=True,
-            output_layouts=(Replicate(),), desired_output_layouts=(act,), use_local_output=True),
-        "moe.gate": replicated_style(hooks=False),
-        "moe.experts": replicated_style(hooks=False),
-    }
-    for name in ("shared_experts", "shared_gate"):
-        if getattr(block.moe, name) is not None:
-            plan[f"moe.{name}"] = replicated_style()
-    return plan
+    """The MoE layer whole on every TP rank, as in an MoE block (megapipe.models.moe.moe_tp_plan)."""
+    return {**moe_layer_tp_plan(block, sp), **norms_tp_plan(sp, ("ffn_norm",))}
 
 
 MAMBA = register_block(BlockSpec(

@@ -357,10 +357,15 @@ def moe_tp_plan(block: MoEBlock, sp: bool) -> dict:
     on the TP group's whole (all-gathered) sequence on every TP rank, and each keeps its part of the output. Its
     parameters are replicated DTensors (``replicated_style``): the router and experts compute with their local
     tensors, the shared experts on the local input; their gradients come out whole on every TP rank."""
+    return {**attention_tp_plan(block, sp), **moe_layer_tp_plan(block, sp)}
+
+
+def moe_layer_tp_plan(block: nn.Module, sp: bool) -> dict:
+    """``moe_tp_plan``'s entries for the block's ``moe`` layer (no norms)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
-    plan = attention_tp_plan(block, sp)
+    plan = {}
     act = Shard(1) if sp else Replicate()
     plan["moe"] = PrepareModuleInputOutput(
         input_layouts=(act,), desired_input_layouts=(Replicate(),), use_local_input=True,
