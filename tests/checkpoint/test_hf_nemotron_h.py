@@ -6,6 +6,7 @@ chunk size 8) -> export -> the same tensors bit for bit and a config.json transf
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from tests.helpers.hf_tiny import make_hf_dir
 
 transformers = pytest.importorskip("transformers")
 
+FIXTURES = Path(__file__).parents[1] / "fixtures"
 TOKENS = torch.randint(0, 320, (2, 21), generator=torch.Generator().manual_seed(0))
 # time_step_min 0.5: softplus(dt + dt_bias) falls below it for about a third of the heads, so the clamp matters
 CLAMPED = dict(time_step_min=0.5, time_step_max=1.0, use_bias=True, mlp_bias=True)
@@ -154,3 +156,33 @@ def test_export_refuses_what_transformers_cannot_express(tmp_path, capsys, field
     (ckpt / "megapipe.json").write_text(json.dumps(manifest))
     assert words in refused(capsys, "export", "hf", ckpt, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_lora_adapters_load_into_peft_on_transformers(tmp_path):
+    """LoRA on the attention and MLP layers (w1 is the "gate" target, as GPT-2's: the MLP's first projection) ->
+    a peft directory under transformers' module names (``model.``) -> peft on the exported model gives our logits."""
+    from peft import PeftModel
+
+    from megapipe.checkpoint.hf.peft import peft_targets
+
+    hf_dir, _ = make_hf_dir(tmp_path / "hf", "nemotron_h")
+    ckpt, run, base_hf, adapter = tmp_path / "ckpt", tmp_path / "run", tmp_path / "base_hf", tmp_path / "adapter"
+    assert cli("import", "hf", hf_dir, ckpt, "--quiet") == 0
+    targets = peft_targets(load_model(ckpt).model.cfg)
+    assert targets == ["q", "k", "v", "o", "gate", "down"]
+    data = tmp_path / "chat.jsonl"  # a copy: the tokenized cache is written beside it
+    data.write_text((FIXTURES / "chat_answer_format.jsonl").read_text())
+    assert cli("posttrain", "sft", "--load", ckpt, "--data", data, "--seq-length",
+               "64", "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2", "--lr", "1e-2",
+               "--lr-warmup-iters", "0", "--eval-iters", "0", "--save", run, "--precision", "fp32", "--quiet",
+               "--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", ",".join(targets)) == 0
+    step = run / "step_00000002"
+    assert cli("export", "hf", ckpt, base_hf, "--dtype", "fp32", "--quiet") == 0
+    assert cli("export", "hf", step, adapter, "--lora-adapter-only", "--quiet") == 0
+    modules = json.loads((adapter / "adapter_config.json").read_text())["target_modules"]
+    assert r"^(model\.layers\.\d+\.mixer\.down_proj|" in modules and "backbone" not in modules
+    peft_model = PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(base_hf, attn_implementation="eager"), adapter).eval()
+    got = _logits(load_model(step).model.eval())  # the adapters folded into the weights
+    assert not torch.allclose(got, _logits(load_model(ckpt).model.eval()), atol=1e-3)  # they moved the logits
+    torch.testing.assert_close(got, _logits(peft_model.merge_and_unload()), atol=1e-5, rtol=0)

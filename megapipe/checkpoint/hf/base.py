@@ -79,6 +79,10 @@ class Adapter:
                                 "multi-token-prediction layers")
         return cfg, []
 
+    def module_name(self, tensor: str) -> str:
+        """The transformers module holding HF tensor ``tensor``, by its name in memory (peft's adapters use it)."""
+        return tensor.rsplit(".", 1)[0]
+
     def aliases(self, names: set[str]) -> dict[str, str]:
         """Names as a checkpoint spells them -> the canonical names ``conversions`` uses (default: the same)."""
         return {n: n for n in names}

@@ -197,6 +197,11 @@ class NemotronHAdapter(Adapter):
                 out.append(renamed(key, names[i], cfg))
         return out
 
+    def module_name(self, tensor: str) -> str:
+        """transformers renames the files' ``backbone.`` to ``model.`` in memory."""
+        module = super().module_name(tensor)
+        return "model." + module[len("backbone."):] if module.startswith("backbone.") else module
+
     def aliases(self, names: set[str]) -> dict[str, str]:
         """transformers' ``model.`` prefix (its model in memory) is the files' ``backbone.``."""
         return {n: "backbone." + n[len("model."):] if n.startswith("model.") else n for n in names}
