@@ -186,3 +186,29 @@ def test_lora_adapters_load_into_peft_on_transformers(tmp_path):
     got = _logits(load_model(step).model.eval())  # the adapters folded into the weights
     assert not torch.allclose(got, _logits(load_model(ckpt).model.eval()), atol=1e-3)  # they moved the logits
     torch.testing.assert_close(got, _logits(peft_model.merge_and_unload()), atol=1e-5, rtol=0)
+
+
+def test_published_8b_config_reads_as_the_preset(tmp_path):
+    """nvidia/Nemotron-H-8B-Base-8K's config.json (its legacy keys) is the nemotron-h-8b preset, but for the dt
+    clamp transformers applies (time_step_min)."""
+    from megapipe.checkpoint.hf.bridge import read_hf_config
+    from megapipe.config import ModelConfig, resolve_preset
+
+    pattern = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        architectures=["NemotronHForCausalLM"], model_type="nemotron_h", hidden_size=4096, num_hidden_layers=52,
+        hybrid_override_pattern=pattern, num_attention_heads=32, num_key_value_heads=8, attention_head_dim=128,
+        attention_bias=False, intermediate_size=21504, mlp_hidden_act="relu2", hidden_act="relu2", mlp_bias=False,
+        mamba_num_heads=128, mamba_head_dim=64, ssm_state_size=128, n_groups=8, conv_kernel=4, chunk_size=128,
+        use_conv_bias=True, mamba_proj_bias=False, mamba_hidden_act="silu", expand=2, vocab_size=131072,
+        tie_word_embeddings=False, layer_norm_epsilon=1e-5, rms_norm_eps=1e-5, use_bias=False,
+        residual_in_fp32=False, rescale_prenorm_residual=True, max_position_embeddings=8192, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, initializer_range=0.02, torch_dtype="bfloat16", num_logits_to_keep=1)))
+    _, cfg, _ = read_hf_config(tmp_path)
+    preset = ModelConfig(**resolve_preset("nemotron-h-8b"))
+    assert cfg.mamba_dt_limit == (0.001, float("inf")) and preset.mamba_dt_limit == (0.0, float("inf"))
+    for name in ("arch", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                 "head_dim", "norm_eps", "tie_embeddings", "activation", "position_embedding", "layer_kinds",
+                 "mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_heads", "mamba_chunk_size",
+                 "mamba_conv_kernel", "mamba_conv_bias", "mamba_proj_bias", "qkv_bias", "mlp_bias"):
+        assert getattr(cfg, name) == getattr(preset, name), name
