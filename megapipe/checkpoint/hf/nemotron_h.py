@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from megapipe.checkpoint.hf.base import Adapter, Conversion, meta_state_keys, refuse, register
-from megapipe.checkpoint.hf.moe import renamed
+from megapipe.checkpoint.hf.base import Conversion, refuse, register
+from megapipe.checkpoint.hf.llama import LlamaAdapter
+from megapipe.checkpoint.hf.moe import moe_conversions
 from megapipe.config import ModelConfig
 from megapipe.errors import MegapipeError
-from megapipe.models.blocks import block_spec
 
 TOP = {"tok_embeddings": "backbone.embeddings", "norm": "backbone.norm_f", "output": "lm_head"}
 # transformers' layer kinds (and their legacy names) -> megapipe's pattern symbols
@@ -47,10 +47,13 @@ def _joiner(conv: bool):
 
 
 def mamba_conversions(cfg: ModelConfig, i: int) -> list[Conversion]:
-    """The fused in_proj and conv1d tensors of Mamba layer ``i`` (weights, and biases where the config has them)."""
+    """Layer ``i``'s tensors its kind's names do not give, if it is a Mamba layer: A_log, D, dt_bias and the fused
+    in_proj and conv1d (weights, and biases where the config has them)."""
+    if cfg.layer_kinds[i] != "M":
+        return []
     inner, gn, heads = cfg.mamba_inner, cfg.mamba_num_groups * cfg.mamba_state_dim, cfg.mamba_heads
     mp, hf = f"layers.{i}.mixer", f"backbone.layers.{i}.mixer"
-    out = []
+    out = [Conversion(hf=(f"{hf}.{t}",), mp=(f"{mp}.{t}",)) for t in MIXER_TENSORS]
     params = ["weight"] + (["bias"] if cfg.mamba_proj_bias else [])
     for param in params:
         out.append(Conversion(hf=(f"{hf}.in_proj.{param}",),
@@ -64,79 +67,73 @@ def mamba_conversions(cfg: ModelConfig, i: int) -> list[Conversion]:
     return out
 
 
+def _pattern(hf: dict[str, Any], where: str) -> str:
+    """The layer kinds as megapipe's pattern: from layers_block_type, else the legacy hybrid_override_pattern."""
+    kinds = hf.get("layers_block_type") or hf.get("layer_types")
+    if kinds is None and hf.get("hybrid_override_pattern") is not None:
+        return str(hf["hybrid_override_pattern"])
+    if kinds is None:
+        raise KeyError("layers_block_type")
+    unknown = [k for k in kinds if k not in SYMBOLS]
+    if unknown:
+        raise refuse(where, "layers_block_type", unknown[0], "layer kinds: " + ", ".join(KINDS.values()))
+    return "".join(SYMBOLS[k] for k in kinds)
+
+
+def _refuse_unrepresentable(hf: dict[str, Any], pattern: str, where: str) -> None:
+    if "E" in pattern:
+        raise refuse(where, "layers_block_type", f"{pattern.count('E')} 'moe' layers",
+                     "Nemotron-H's experts are squared-ReLU MLPs and megapipe's are SwiGLU")
+    if int(hf.get("num_nextn_predict_layers") or 0) > 0:
+        raise refuse(where, "num_nextn_predict_layers", hf["num_nextn_predict_layers"],
+                     "multi-token prediction is not defined for hybrid Transformer-Mamba models")
+    if "-" in pattern and hf.get("mlp_hidden_act", "relu2") != "relu2":
+        raise refuse(where, "mlp_hidden_act", hf["mlp_hidden_act"], "Nemotron-H's MLP is squared ReLU ('relu2')")
+    if "M" in pattern and hf.get("mamba_hidden_act", "silu") != "silu":
+        raise refuse(where, "mamba_hidden_act", hf["mamba_hidden_act"], "the Mamba-2 conv is followed by silu")
+
+
 @register
-class NemotronHAdapter(Adapter):
+class NemotronHAdapter(LlamaAdapter):
     architecture = "NemotronHForCausalLM"
     model_type = "nemotron_h"
     arch = "nemotron_h"
 
+    def attention_from_hf(self, hf: dict[str, Any], where: str) -> dict[str, Any]:
+        # transformers builds q/k/v/o without biases whatever attention_bias says
+        return dict(qkv_bias=False, attn_out_bias=False, mlp_bias=bool(hf.get("mlp_bias", False)))
+
     def config_from_hf(self, hf: dict[str, Any], where: str) -> dict[str, Any]:
         try:
-            return self._config_from_hf(hf, where)
+            pattern = _pattern(hf, where)
+            _refuse_unrepresentable(hf, pattern, where)
+            # Llama's fields under Nemotron-H's names (the layer count is the pattern's), then its own
+            llama = {**hf, "num_hidden_layers": len(pattern), "rms_norm_eps": hf["layer_norm_epsilon"],
+                     "hidden_act": "silu", "rope_parameters": None, "rope_scaling": None}
+            fields = super().config_from_hf(llama, where)
+            dt_min, dt_max = float(hf.get("time_step_min", 0.001)), float(hf.get("time_step_max", 0.1))
+            fields.update(
+                activation="relu2",
+                position_embedding="none",
+                tie_embeddings=False,  # transformers never ties Nemotron-H's lm_head
+                hybrid_override_pattern=pattern,
+                mamba_num_heads=int(hf["mamba_num_heads"]),
+                mamba_head_dim=int(hf["mamba_head_dim"]),
+                mamba_state_dim=int(hf["ssm_state_size"]),
+                mamba_num_groups=int(hf["n_groups"]),
+                mamba_conv_kernel=int(hf["conv_kernel"]),
+                mamba_chunk_size=int(hf["chunk_size"]),
+                mamba_conv_bias=bool(hf.get("use_conv_bias", True)),
+                mamba_proj_bias=bool(hf.get("use_bias", False)),  # in_proj and out_proj (mamba_proj_bias is unused)
+                mamba_dt_limit_min=dt_min,
+                mamba_dt_limit_max=None,
+                mamba_dt_max=dt_max,
+                mamba_dt_init_floor=float(hf.get("time_step_floor", 1e-4)),
+            )
         except KeyError as e:
             raise MegapipeError(f"{where}: the field {e.args[0]!r} is missing") from None
-
-    def _config_from_hf(self, hf: dict[str, Any], where: str) -> dict[str, Any]:
-        kinds = hf.get("layers_block_type") or hf.get("layer_types")
-        if kinds is None and hf.get("hybrid_override_pattern") is not None:
-            pattern = str(hf["hybrid_override_pattern"])
-        elif kinds is None:
-            raise KeyError("layers_block_type")
-        else:
-            unknown = [k for k in kinds if k not in SYMBOLS]
-            if unknown:
-                raise refuse(where, "layers_block_type", unknown[0], "layer kinds: " + ", ".join(KINDS.values()))
-            pattern = "".join(SYMBOLS[k] for k in kinds)
-        if "E" in pattern:
-            raise refuse(where, "layers_block_type", f"{pattern.count('E')} 'moe' layers",
-                         "Nemotron-H's experts are squared-ReLU MLPs and megapipe's are SwiGLU")
-        if int(hf.get("num_nextn_predict_layers") or 0) > 0:
-            raise refuse(where, "num_nextn_predict_layers", hf["num_nextn_predict_layers"],
-                         "multi-token prediction is not defined for hybrid Transformer-Mamba models")
-        if "-" in pattern and hf.get("mlp_hidden_act", "relu2") != "relu2":
-            raise refuse(where, "mlp_hidden_act", hf["mlp_hidden_act"], "Nemotron-H's MLP is squared ReLU ('relu2')")
-        if "M" in pattern and hf.get("mamba_hidden_act", "silu") != "silu":
-            raise refuse(where, "mamba_hidden_act", hf["mamba_hidden_act"], "the Mamba-2 conv is followed by silu")
-        heads, hidden = int(hf["num_attention_heads"]), int(hf["hidden_size"])
-        dt_min = float(hf.get("time_step_min", 0.001))
-        dt_max = float(hf.get("time_step_max", 0.1))
-        fields = dict(
-            arch=self.arch,
-            vocab_size=int(hf["vocab_size"]),
-            make_vocab_size_divisible_by=1,
-            hidden_size=hidden,
-            intermediate_size=int(hf["intermediate_size"]),
-            num_layers=len(pattern),
-            num_heads=heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(hf.get("head_dim") or hidden // heads),
-            max_position_embeddings=int(hf["max_position_embeddings"]),
-            norm_type="rmsnorm",
-            norm_eps=float(hf["layer_norm_epsilon"]),
-            activation="relu2",
-            position_embedding="none",
-            qkv_bias=False,  # transformers builds q/k/v/o without biases whatever attention_bias says
-            attn_out_bias=False,
-            mlp_bias=bool(hf.get("mlp_bias", False)),
-            tie_embeddings=False,  # transformers never ties Nemotron-H's lm_head
-            hybrid_override_pattern=pattern,
-            mamba_num_heads=int(hf["mamba_num_heads"]),
-            mamba_head_dim=int(hf["mamba_head_dim"]),
-            mamba_state_dim=int(hf["ssm_state_size"]),
-            mamba_num_groups=int(hf["n_groups"]),
-            mamba_conv_kernel=int(hf["conv_kernel"]),
-            mamba_chunk_size=int(hf["chunk_size"]),
-            mamba_conv_bias=bool(hf.get("use_conv_bias", True)),
-            mamba_proj_bias=bool(hf.get("use_bias", False)),  # in_proj and out_proj (mamba_proj_bias is unused)
-            mamba_dt_limit_min=dt_min,
-            mamba_dt_limit_max=None,
-            mamba_dt_max=dt_max,
-            mamba_dt_init_floor=float(hf.get("time_step_floor", 1e-4)),
-        )
         if 0 < dt_min <= dt_max:  # the dt_bias init's range (an exported limit of 0 leaves megapipe's default)
             fields["mamba_dt_min"] = dt_min
-        if hf.get("initializer_range") is not None:
-            fields["init_std"] = float(hf["initializer_range"])
         return fields
 
     def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
@@ -178,24 +175,7 @@ class NemotronHAdapter(Adapter):
         )
 
     def conversions(self, cfg: ModelConfig) -> list[Conversion]:
-        out, names, fused = [], {}, set()
-        for key in meta_state_keys(cfg):
-            if not key.startswith("layers."):
-                module, param = key.rsplit(".", 1)
-                out.append(Conversion(hf=(f"{TOP[module]}.{param}",), mp=(key,)))
-                continue
-            i = int(key.split(".", 2)[1])
-            if i not in names:
-                spec = block_spec(cfg, i)
-                names[i] = {f"layers.{i}.{k}": f"backbone.layers.{i}.{v}" for k, v in spec.hf_names[self.arch].items()}
-                names[i].update({f"layers.{i}.mixer.{t}": f"backbone.layers.{i}.mixer.{t}" for t in MIXER_TENSORS})
-                if cfg.layer_kinds[i] == "M":
-                    convs = mamba_conversions(cfg, i)
-                    out += convs
-                    fused |= {m for c in convs for m in c.mp}
-            if key not in fused:
-                out.append(renamed(key, names[i], cfg))
-        return out
+        return moe_conversions(cfg, self.arch, TOP, "backbone", lambda i: mamba_conversions(cfg, i))
 
     def module_name(self, tensor: str) -> str:
         """transformers renames the files' ``backbone.`` to ``model.`` in memory."""
