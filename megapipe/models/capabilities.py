@@ -91,8 +91,11 @@ FAMILIES: dict[str, Capabilities] = {
     # the same peft retargeting for DeepSeek-V3: its dense layers' and shared experts' MLP adapters would not reach a
     # peft directory
     "deepseek_v3": _without(lora={"gate", "up", "down"}),
-    # squared-ReLU MLP: no up projection (w1 is the "gate" target, as GPT-2's); no MTP modules to draft with
-    "nemotron_h": _without(lora={"up"}, engine={"speculative"}),
+    # squared-ReLU MLP: no up projection (w1, transformers' up_proj, is the "gate" target, as GPT-2's c_fc); no MTP
+    # modules to draft with; not quantized, written for TensorRT-LLM or pruned, even with a pattern of attention and
+    # MLP layers only: ModelOpt, the TensorRT-LLM writers and the pruning rules were not checked on Nemotron-H
+    "nemotron_h": _without(lora={"up"}, engine={"speculative"}, quant=QUANT, trt=TRT,
+                           stages={"prune", "quantize", "export_trt"}),
 }
 
 # multi-token prediction modules (megapipe.models.mtp): every parallel layout (on the last pipeline stage, with a
@@ -106,10 +109,11 @@ MTP_HF_FAMILIES = ("deepseek_v3",)
 NO_MTP = _without(engine={"speculative"})
 
 LABELS = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "gpt2": "GPT-2",
-          "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "deepseek_v3": "DeepSeek-V3"}
+          "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "deepseek_v3": "DeepSeek-V3",
+          "nemotron_h": "Nemotron-H"}
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 MLA_FAMILIES = ("deepseek_v3",)
-HYBRID_FAMILIES = ("nemotron_h",)  # Mamba layers beside attention / MLP ones
+HYBRID_FAMILIES = ("nemotron_h",)  # Mamba layers beside attention and MLP ones (megapipe.models.hybrid)
 
 
 def kinds_of(cfg) -> list[str]:

@@ -202,7 +202,7 @@ def test_original_gpt2_naming_imports(tmp_path, tokenizer_dir):
         assert (model(tokens()) - hf_model(tokens()).logits).abs().max().item() <= 1e-5
 
 
-@pytest.mark.parametrize("preset", ["tiny", "llama3-8b", "qwen2.5-0.5b", "gpt2-124m"])
+@pytest.mark.parametrize("preset", ["tiny", "llama3-8b", "qwen2.5-0.5b", "gpt2-124m", "nemotron-h-tiny", "nemotron-h-8b"])
 def test_presets_read_back_through_transformers(preset):
     """Each preset's config.json, as transformers reads it, maps back to the same ModelConfig."""
     import dataclasses

@@ -52,6 +52,13 @@ def _hf_config(arch: str):
             moe_intermediate_size=32, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8,
             v_head_dim=10, n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
             rms_norm_eps=1e-6, rope_parameters=yarn, num_nextn_predict_layers=0)
+    if arch == "nemotron_h":  # Mamba-2, attention (no positions) and squared-ReLU MLP layers; 24 tokens span chunks
+        return transformers.NemotronHConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, layers_block_type=[
+                "linear_attention", "full_attention", "mlp", "linear_attention", "mlp"],
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+            mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=8,
+            initializer_range=0.1, tie_word_embeddings=False, use_cache=False, attn_implementation="eager")
     raise ValueError(arch)
 
 
@@ -79,6 +86,8 @@ def make_hf_dir(root: Path, arch: str, seed: int = 0, dtype=torch.float32, **con
         with torch.no_grad():
             for layer in model.model.layers[cfg.first_k_dense_replace:]:
                 layer.mlp.gate.e_score_correction_bias.normal_(0, 0.3)
+    if arch == "nemotron_h":  # transformers' init sets these to constants: random ones, so each copy is checked
+        randomize_mamba(model)
     model.save_pretrained(root)
     train_tokenizer(TEXTS, vocab_size=VOCAB, output=root)
     config_file = root / "tokenizer_config.json"
@@ -87,6 +96,18 @@ def make_hf_dir(root: Path, arch: str, seed: int = 0, dtype=torch.float32, **con
     config_file.write_text(json.dumps(tok_cfg))
     return root, model.to(dtype)
 
+def randomize_mamba(model, dt_bias_mean: float = 0.0) -> None:
+    """Random norms, A_log, D, dt_bias (around ``dt_bias_mean``) and conv biases of a NemotronHForCausalLM."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "norm_f.weight", ".D")):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(1, 16).log())
+            elif name.endswith("dt_bias"):
+                p.copy_(dt_bias_mean + torch.randn_like(p))
+            elif name.endswith("conv1d.bias"):
+                p.copy_(0.3 * torch.randn_like(p))
 
 
 def hf_greedy(hf_model, prompt: list[int], max_new: int) -> list[int]:

@@ -3,7 +3,16 @@
 Adding an architecture: a module here with an ``Adapter`` subclass decorated with ``@register``, imported below.
 """
 
-from megapipe.checkpoint.hf import deepseek, gpt2, llama, mistral, moe, qwen2, qwen3  # noqa: F401  (registers the adapters)
+from megapipe.checkpoint.hf import (  # noqa: F401  (registers the adapters)
+    deepseek,
+    gpt2,
+    llama,
+    mistral,
+    moe,
+    nemotron_h,
+    qwen2,
+    qwen3,
+)
 from megapipe.checkpoint.hf.base import ADAPTERS, Adapter, Conversion, adapter_for_arch, adapter_for_hf, register
 from megapipe.checkpoint.hf.bridge import export_hf, import_hf, read_hf_config
 

@@ -36,11 +36,12 @@ class Conversion:
 
 
 # ModelConfig fields that say nothing about the weights or the maths, so they are not compared on export (the MoE
-# ones only shape training: balancing losses, token dropping, the expert kernel).
+# ones only shape training: balancing losses, token dropping, the expert kernel; mamba_dt_min only the dt_bias init,
+# where Nemotron-H's time_step_min is also its dt clamp, which megapipe's mamba_dt_limit_min maps).
 UNMAPPED_FIELDS = ("preset", "arch", "make_vocab_size_divisible_by", "init_std",
                    "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
                    "moe_router_bias_update_rate", "moe_expert_capacity_factor", "moe_token_drop_policy",
-                   "moe_grouped_gemm", "mtp_loss_scaling_factor")
+                   "moe_grouped_gemm", "mtp_loss_scaling_factor", "mamba_dt_min")
 
 
 class Adapter:
@@ -77,6 +78,10 @@ class Adapter:
             raise MegapipeError(f"{where}: --mtp-num-layers {mtp_num_layers}: {self.architecture} checkpoints hold no "
                                 "multi-token-prediction layers")
         return cfg, []
+
+    def module_name(self, tensor: str) -> str:
+        """The transformers module holding HF tensor ``tensor``, by its name in memory (peft's adapters use it)."""
+        return tensor.rsplit(".", 1)[0]
 
     def aliases(self, names: set[str]) -> dict[str, str]:
         """Names as a checkpoint spells them -> the canonical names ``conversions`` uses (default: the same)."""
@@ -123,6 +128,12 @@ def canonical(name: str, value: Any, cfg: ModelConfig) -> Any:
         return None
     if name == "moe_ffn_hidden_size":
         return cfg.expert_ffn if cfg.is_moe else None
+    if name == "hybrid_override_pattern":
+        return cfg.layer_kinds  # a pattern or the ratios that allocate one
+    if name in ("hybrid_attention_ratio", "hybrid_mlp_ratio"):
+        return None
+    if name == "mamba_num_heads":
+        return cfg.mamba_heads
     if name == "intermediate_size" and cfg.is_moe and len(cfg.moe_layers) == cfg.num_layers:
         return None  # no dense layer uses it
     return value

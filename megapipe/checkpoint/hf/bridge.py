@@ -62,8 +62,9 @@ def normalise_hf_config(raw: dict[str, Any], adapter: Adapter, where: str) -> di
     """config.json as the installed transformers reads it (its defaults filled in, old RoPE fields standardised)."""
     from transformers import CONFIG_MAPPING
 
-    try:
-        return CONFIG_MAPPING[adapter.model_type].from_dict(raw).to_dict()
+    config_class = CONFIG_MAPPING[adapter.model_type]
+    try:  # transformers writes inf / nan as {"__float__": "Infinity"} (Nemotron-H's time_step_limit)
+        return config_class.from_dict(config_class._decode_special_floats(raw)).to_dict()
     except Exception as e:  # noqa: BLE001 - transformers validates with many exception types
         raise MegapipeError(f"{where} is not a valid {adapter.architecture} config ({e})") from None
 

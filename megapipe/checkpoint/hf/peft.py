@@ -62,7 +62,7 @@ def write_peft_adapter(ckpt, out_dir, overwrite: bool = False, tokenizer_dir: Op
                 f"{ckpt}: the {adapter.architecture} layer {conv.hf[0]} fuses {len(conv.mp)} megapipe layers, so "
                 "its adapters have no peft equivalent; export the merged model instead (without --lora-adapter-only), "
                 f"or train only targets peft can hold ({','.join(peft_targets(cfg)) or 'none'})")
-        hf_module = conv.hf[0].removesuffix(".weight")
+        hf_module = adapter.module_name(conv.hf[0])
         modules.add(hf_module)
         for mp_name, part in zip(adapter_names(conv.mp[0]), ("lora_A", "lora_B"), strict=True):
             names[mp_name] = f"base_model.model.{hf_module}.{part}.weight"

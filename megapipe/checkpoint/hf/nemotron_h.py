@@ -1,0 +1,187 @@
+"""NemotronHForCausalLM (Nemotron-H): a hybrid of Mamba-2, attention (no positions) and squared-ReLU MLP layers,
+one mixer per layer (megapipe.models.hybrid), by ``layers_block_type`` (or the legacy ``hybrid_override_pattern``).
+
+transformers fuses what megapipe keeps apart: a Mamba layer's ``in_proj`` is [z | x | B | C | dt] (megapipe's
+``in_z``, ``in_x``, ``in_B``, ``in_C``, ``in_dt``) and its ``conv1d`` runs over the channels [x | B | C] with a
+weight [C, 1, K] (megapipe's ``conv_x``, ``conv_B``, ``conv_C``, weights [C, K]); the conversions split and join them.
+Tensors are named as on the Hub and as transformers saves them, under ``backbone.``; transformers' in-memory ``model.``
+names import too.
+
+transformers' mixer clamps dt (after its bias and softplus) to (time_step_min, inf) whatever time_step_limit says:
+that is megapipe's dt limit on import (``mamba_dt_limit_min``; no upper limit), and an export writes the limit as
+time_step_min.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megapipe.checkpoint.hf.base import Conversion, refuse, register
+from megapipe.checkpoint.hf.llama import LlamaAdapter
+from megapipe.checkpoint.hf.moe import moe_conversions
+from megapipe.config import ModelConfig
+from megapipe.errors import MegapipeError
+
+TOP = {"tok_embeddings": "backbone.embeddings", "norm": "backbone.norm_f", "output": "lm_head"}
+# transformers' layer kinds (and their legacy names) -> megapipe's pattern symbols
+SYMBOLS = {"linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*", "mlp": "-", "moe": "E"}
+KINDS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+MIXER_TENSORS = ("A_log", "D", "dt_bias")  # the Mamba mixer's own parameters, named alike in both
+
+
+def _splitter(sizes: list[int], conv: bool):
+    """[sum(sizes), ...] (a conv weight: [sum, 1, K]) -> the parts, each [size, ...] (a conv's: [size, K])."""
+    def to_mp(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        whole = tensors[0][:, 0] if conv and tensors[0].dim() == 3 else tensors[0]
+        return [t.clone() for t in whole.split(sizes, dim=0)]
+    return to_mp
+
+
+def _joiner(conv: bool):
+    def to_hf(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        whole = torch.cat(tensors, dim=0)
+        return [whole[:, None] if conv and whole.dim() == 2 else whole]
+    return to_hf
+
+
+def mamba_conversions(cfg: ModelConfig, i: int) -> list[Conversion]:
+    """Layer ``i``'s tensors its kind's names do not give, if it is a Mamba layer: A_log, D, dt_bias and the fused
+    in_proj and conv1d (weights, and biases where the config has them)."""
+    if cfg.layer_kinds[i] != "M":
+        return []
+    inner, gn, heads = cfg.mamba_inner, cfg.mamba_num_groups * cfg.mamba_state_dim, cfg.mamba_heads
+    mp, hf = f"layers.{i}.mixer", f"backbone.layers.{i}.mixer"
+    out = [Conversion(hf=(f"{hf}.{t}",), mp=(f"{mp}.{t}",)) for t in MIXER_TENSORS]
+    params = ["weight"] + (["bias"] if cfg.mamba_proj_bias else [])
+    for param in params:
+        out.append(Conversion(hf=(f"{hf}.in_proj.{param}",),
+                              mp=tuple(f"{mp}.in_{p}.{param}" for p in ("z", "x", "B", "C", "dt")),
+                              to_mp=_splitter([inner, inner, gn, gn, heads], False), to_hf=_joiner(False)))
+    params = ["weight"] + (["bias"] if cfg.mamba_conv_bias else [])
+    for param in params:
+        conv = param == "weight"
+        out.append(Conversion(hf=(f"{hf}.conv1d.{param}",), mp=tuple(f"{mp}.conv_{p}.{param}" for p in "xBC"),
+                              to_mp=_splitter([inner, gn, gn], conv), to_hf=_joiner(conv)))
+    return out
+
+
+def _pattern(hf: dict[str, Any], where: str) -> str:
+    """The layer kinds as megapipe's pattern: from layers_block_type, else the legacy hybrid_override_pattern."""
+    kinds = hf.get("layers_block_type") or hf.get("layer_types")
+    if kinds is None and hf.get("hybrid_override_pattern") is not None:
+        return str(hf["hybrid_override_pattern"])
+    if kinds is None:
+        raise KeyError("layers_block_type")
+    unknown = [k for k in kinds if k not in SYMBOLS]
+    if unknown:
+        raise refuse(where, "layers_block_type", unknown[0], "layer kinds: " + ", ".join(KINDS.values()))
+    return "".join(SYMBOLS[k] for k in kinds)
+
+
+def _refuse_unrepresentable(hf: dict[str, Any], pattern: str, where: str) -> None:
+    if "E" in pattern:
+        raise refuse(where, "layers_block_type", f"{pattern.count('E')} 'moe' layers",
+                     "Nemotron-H's experts are squared-ReLU MLPs and megapipe's are SwiGLU")
+    if int(hf.get("num_nextn_predict_layers") or 0) > 0:
+        raise refuse(where, "num_nextn_predict_layers", hf["num_nextn_predict_layers"],
+                     "multi-token prediction is not defined for hybrid Transformer-Mamba models")
+    if "-" in pattern and hf.get("mlp_hidden_act", "relu2") != "relu2":
+        raise refuse(where, "mlp_hidden_act", hf["mlp_hidden_act"], "Nemotron-H's MLP is squared ReLU ('relu2')")
+    if "M" in pattern and hf.get("mamba_hidden_act", "silu") != "silu":
+        raise refuse(where, "mamba_hidden_act", hf["mamba_hidden_act"], "the Mamba-2 conv is followed by silu")
+
+
+@register
+class NemotronHAdapter(LlamaAdapter):
+    architecture = "NemotronHForCausalLM"
+    model_type = "nemotron_h"
+    arch = "nemotron_h"
+
+    def attention_from_hf(self, hf: dict[str, Any], where: str) -> dict[str, Any]:
+        # transformers builds q/k/v/o without biases whatever attention_bias says
+        return dict(qkv_bias=False, attn_out_bias=False, mlp_bias=bool(hf.get("mlp_bias", False)))
+
+    def config_from_hf(self, hf: dict[str, Any], where: str) -> dict[str, Any]:
+        try:
+            pattern = _pattern(hf, where)
+            _refuse_unrepresentable(hf, pattern, where)
+            # Llama's fields under Nemotron-H's names (the layer count is the pattern's), then its own
+            llama = {**hf, "num_hidden_layers": len(pattern), "rms_norm_eps": hf["layer_norm_epsilon"],
+                     "hidden_act": "silu", "rope_parameters": None, "rope_scaling": None}
+            fields = super().config_from_hf(llama, where)
+            dt_min, dt_max = float(hf.get("time_step_min", 0.001)), float(hf.get("time_step_max", 0.1))
+            fields.update(
+                activation="relu2",
+                position_embedding="none",
+                tie_embeddings=False,  # transformers never ties Nemotron-H's lm_head
+                hybrid_override_pattern=pattern,
+                mamba_num_heads=int(hf["mamba_num_heads"]),
+                mamba_head_dim=int(hf["mamba_head_dim"]),
+                mamba_state_dim=int(hf["ssm_state_size"]),
+                mamba_num_groups=int(hf["n_groups"]),
+                mamba_conv_kernel=int(hf["conv_kernel"]),
+                mamba_chunk_size=int(hf["chunk_size"]),
+                mamba_conv_bias=bool(hf.get("use_conv_bias", True)),
+                mamba_proj_bias=bool(hf.get("use_bias", False)),  # in_proj and out_proj (mamba_proj_bias is unused)
+                mamba_dt_limit_min=dt_min,
+                mamba_dt_limit_max=None,
+                mamba_dt_max=dt_max,
+                mamba_dt_init_floor=float(hf.get("time_step_floor", 1e-4)),
+            )
+        except KeyError as e:
+            raise MegapipeError(f"{where}: the field {e.args[0]!r} is missing") from None
+        if 0 < dt_min <= dt_max:  # the dt_bias init's range (an exported limit of 0 leaves megapipe's default)
+            fields["mamba_dt_min"] = dt_min
+        return fields
+
+    def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
+        pattern = cfg.layer_kinds or ""
+        return dict(
+            model_type=self.model_type,
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            layers_block_type=[KINDS[s] for s in pattern],
+            hybrid_override_pattern=pattern,  # the legacy key, for readers that know only it
+            num_hidden_layers=cfg.num_layers,
+            intermediate_size=cfg.intermediate_size,
+            mlp_hidden_act="relu2",
+            mlp_bias=cfg.mlp_bias,
+            num_attention_heads=cfg.num_heads,
+            num_key_value_heads=cfg.kv_heads,
+            head_dim=cfg.dim_per_head,
+            attention_bias=False,
+            attention_dropout=0.0,
+            max_position_embeddings=cfg.max_position_embeddings,
+            layer_norm_epsilon=cfg.norm_eps,
+            mamba_num_heads=cfg.mamba_heads,
+            mamba_head_dim=cfg.mamba_head_dim,
+            ssm_state_size=cfg.mamba_state_dim,
+            n_groups=cfg.mamba_num_groups,
+            conv_kernel=cfg.mamba_conv_kernel,
+            chunk_size=cfg.mamba_chunk_size,
+            use_conv_bias=cfg.mamba_conv_bias,
+            use_bias=cfg.mamba_proj_bias,
+            mamba_proj_bias=cfg.mamba_proj_bias,
+            mamba_hidden_act="silu",
+            time_step_min=cfg.mamba_dt_limit_min,  # transformers' clamp; also its dt_bias init's lower end
+            time_step_max=cfg.mamba_dt_max,
+            time_step_floor=cfg.mamba_dt_init_floor,
+            num_nextn_predict_layers=0,
+            tie_word_embeddings=cfg.tie_embeddings,
+            initializer_range=cfg.init_std,
+            use_cache=True,
+        )
+
+    def conversions(self, cfg: ModelConfig) -> list[Conversion]:
+        return moe_conversions(cfg, self.arch, TOP, "backbone", lambda i: mamba_conversions(cfg, i))
+
+    def module_name(self, tensor: str) -> str:
+        """transformers renames the files' ``backbone.`` to ``model.`` in memory."""
+        module = super().module_name(tensor)
+        return "model." + module[len("backbone."):] if module.startswith("backbone.") else module
+
+    def aliases(self, names: set[str]) -> dict[str, str]:
+        """transformers' ``model.`` prefix (its model in memory) is the files' ``backbone.``."""
+        return {n: "backbone." + n[len("model."):] if n.startswith("model.") else n for n in names}
