@@ -76,6 +76,8 @@ KINDS: dict[str, Capabilities] = {
     "mamba": Capabilities(layouts=frozenset(LAYOUTS) - {"cp"}, engine=frozenset(ENGINE) - {"prefix_caching",
                           "speculative"}, quant=frozenset(), trt=frozenset(), stages=frozenset(STAGES) - {"prune"}),
 }
+# Falcon-H1's layers (megapipe.models.parallel_hybrid): a Mamba-2 mixer beside the attention, so what Mamba layers allow
+KINDS["parallel_hybrid"] = KINDS["mamba"]
 
 # families (ModelConfig.arch): what the model's Hugging Face / TensorRT-LLM twin allows
 FAMILIES: dict[str, Capabilities] = {
@@ -106,9 +108,13 @@ MTP_HF_FAMILIES = ("deepseek_v3",)
 NO_MTP = _without(engine={"speculative"})
 
 LABELS = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "gpt2": "GPT-2",
-          "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "deepseek_v3": "DeepSeek-V3"}
+          "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "deepseek_v3": "DeepSeek-V3",
+          "falcon_h1": "Falcon-H1"}
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 MLA_FAMILIES = ("deepseek_v3",)
+# families whose layers are a kind of their own, which the family name says
+FAMILY_KINDS = {"falcon_h1": ["parallel_hybrid"]}
+KIND_LABELS = {"moe": "MoE", "mla": "MLA", "mamba": "Mamba", "parallel_hybrid": "Mamba | attention"}
 
 
 def kinds_of(cfg) -> list[str]:
@@ -117,7 +123,8 @@ def kinds_of(cfg) -> list[str]:
     moe = set(cfg.moe_layers)
     kinds = ["moe" if i in moe else "dense" for i in range(cfg.num_layers)]
     if cfg.layer_kinds is not None:  # a hybrid model: attention and MLP layers are what a dense block is made of
-        kinds = [{"M": "mamba", "E": "moe"}.get(symbol, "dense") for symbol in cfg.layer_kinds]
+        symbols = {"M": "mamba", "E": "moe", "P": "parallel_hybrid"}
+        kinds = [symbols.get(symbol, "dense") for symbol in cfg.layer_kinds]
     return list(dict.fromkeys(kinds)) + (["mla"] if cfg.multi_latent_attention else [])
 
 
@@ -146,9 +153,9 @@ def describe(cfg) -> str:
     label = LABELS.get(cfg.arch, cfg.arch)
     mtp = " with MTP" if getattr(cfg, "mtp_depth", 0) else ""
     kinds = [k for k in kinds if not (k == "mla" and cfg.arch in MLA_FAMILIES)]  # the family name says MLA
-    if kinds == ["dense"] or (kinds == ["moe"] and cfg.arch in MOE_FAMILIES):
+    if kinds in (["dense"], FAMILY_KINDS.get(cfg.arch)) or (kinds == ["moe"] and cfg.arch in MOE_FAMILIES):
         return label + mtp
-    return f"{label} ({' + '.join({'moe': 'MoE', 'mla': 'MLA', 'mamba': 'Mamba'}.get(k, k) for k in kinds)}){mtp}"
+    return f"{label} ({' + '.join(KIND_LABELS.get(k, k) for k in kinds)}){mtp}"
 
 
 def require(cfg, stage: str, where: str = "", **features: Optional[object]) -> None:
@@ -190,7 +197,10 @@ _ORDER = {"layouts": LAYOUTS, "engine": ENGINE, "lora": LORA, "quant": QUANT, "t
 
 
 def family_row(arch: str) -> Capabilities:
-    """The row of a Hugging Face family as the bridge imports it (the MoE families: MoE layers; the MLA ones: MLA)."""
+    """The row of a Hugging Face family as the bridge imports it (the MoE families: MoE layers; the MLA ones: MLA;
+    ``FAMILY_KINDS``: their own)."""
+    if arch in FAMILY_KINDS:
+        return _row(arch, FAMILY_KINDS[arch])
     return _row(arch, ["moe" if arch in MOE_FAMILIES else "dense"] + (["mla"] if arch in MLA_FAMILIES else []))
 
 
