@@ -3,7 +3,7 @@
 Adding an architecture: a module here with an ``Adapter`` subclass decorated with ``@register``, imported below.
 """
 
-from megapipe.checkpoint.hf import deepseek, gpt2, llama, mistral, moe, qwen2, qwen3  # noqa: F401  (registers the adapters)
+from megapipe.checkpoint.hf import deepseek, falcon_h1, gpt2, llama, mistral, moe, qwen2, qwen3  # noqa: F401  (registers the adapters)
 from megapipe.checkpoint.hf.base import ADAPTERS, Adapter, Conversion, adapter_for_arch, adapter_for_hf, register
 from megapipe.checkpoint.hf.bridge import export_hf, import_hf, read_hf_config
 
