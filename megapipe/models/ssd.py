@@ -86,42 +86,44 @@ def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Ten
     document_ids [B, S] (optional) -> (y [B, S, H, P] in x's dtype, final state [B, H, P, N] float32)."""
     b, s, h, p = x.shape
     g, n = B.shape[-2], B.shape[-1]
-    q = chunk_size
+    r, q = h // g, chunk_size  # heads per group share B and C: products with them are taken once per group
     pad = (-s) % q
     nc = (s + pad) // q
     dt = dt.float()
     a = dt * A.float()  # [B, S, H]: log-decay of each step (<= 0)
     xdt = x.float() * dt[..., None]
-    Bh = B.float().repeat_interleave(h // g, dim=2)  # [B, S, H, N]
-    Ch = C.float().repeat_interleave(h // g, dim=2)
+    Bg, Cg = B.float(), C.float()
     runs = document_runs(document_ids) if document_ids is not None else None
     if pad:  # padded steps decay by exp(0) = 1 and add nothing: the final state is the last real token's
         a = F.pad(a, (0, 0, 0, pad))
-        xdt, Bh, Ch = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (xdt, Bh, Ch))
+        xdt, Bg, Cg = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (xdt, Bg, Cg))
         if runs is not None:
             runs = torch.cat([runs, runs[:, -1:].expand(b, pad)], dim=-1)
     a = a.view(b, nc, q, h).permute(0, 3, 1, 2)  # [B, H, c, Q]
-    xdt, Bh, Ch = xdt.view(b, nc, q, h, p), Bh.view(b, nc, q, h, n), Ch.view(b, nc, q, h, n)
+    xdt = xdt.view(b, nc, q, g, r, p)
+    Bg, Cg = Bg.view(b, nc, q, g, n), Cg.view(b, nc, q, g, n)
     seg = segment_sums(a)  # [B, H, c, Q, Q]: log-decay from just after token j to token i of one chunk
     into = a.cumsum(-1)  # [B, H, c, Q]: log-decay from the chunk's incoming state to token l
     if runs is not None:
-        r = runs.view(b, nc, q)
-        seg = seg.masked_fill((r[..., :, None] != r[..., None, :])[:, None], float("-inf"))
-        before = torch.cat([r[:, :1, :1], r[:, :-1, -1:]], dim=1)  # run of the token before each chunk
-        into = into.masked_fill((r != before)[:, None], float("-inf"))
-    decay = seg.exp()
-    scores = torch.einsum("bclhn,bcshn->bhcls", Ch, Bh) * decay
-    y = torch.einsum("bhcls,bcshp->bclhp", scores, xdt)  # within each chunk
-    to_end = decay[..., -1, :]  # [B, H, c, Q]: decay from each token to the chunk's last
-    chunk_states = torch.einsum("bhcs,bcshn,bcshp->bchpn", to_end, Bh, xdt)
+        rr = runs.view(b, nc, q)
+        seg = seg.masked_fill((rr[..., :, None] != rr[..., None, :])[:, None], float("-inf"))
+        before = torch.cat([rr[:, :1, :1], rr[:, :-1, -1:]], dim=1)  # run of the token before each chunk
+        into = into.masked_fill((rr != before)[:, None], float("-inf"))
+    decay = seg.exp().view(b, g, r, nc, q, q)
+    scores = torch.einsum("bclgn,bcsgn->bgcls", Cg, Bg)[:, :, None] * decay  # [B, G, R, c, Q, Q]
+    y = torch.einsum("bgrcls,bcsgrp->bclgrp", scores, xdt)  # within each chunk
+    to_end = decay[..., -1, :]  # [B, G, R, c, Q]: decay from each token to the chunk's last
+    weighted = xdt * to_end.permute(0, 3, 4, 1, 2)[..., None]
+    chunk_states = torch.einsum("bcsgn,bcsgrp->bcgrpn", Bg, weighted).reshape(b, nc, h, p, n)
     into = into.exp()
     state = initial_state.float() if initial_state is not None else x.new_zeros(b, h, p, n, dtype=torch.float32)
     starts = []
     for c in range(nc):
         starts.append(state)
         state = state * into[:, :, c, -1, None, None] + chunk_states[:, c]
-    starts = torch.stack(starts, dim=1)  # [B, c, H, P, N]: the state entering each chunk
-    y = y + torch.einsum("bclhn,bchpn->bclhp", Ch, starts) * into.permute(0, 2, 3, 1)[..., None]
+    starts = torch.stack(starts, dim=1).view(b, nc, g, r, p, n)  # the state entering each chunk
+    from_start = torch.einsum("bclgn,bcgrpn->bclgrp", Cg, starts)
+    y = y + from_start * into.view(b, g, r, nc, q).permute(0, 3, 4, 1, 2)[..., None]
     y = y.reshape(b, nc * q, h, p)[:, :s]
     if D is not None:
         y = y + x.float() * D.float()[:, None]
