@@ -25,8 +25,11 @@ from megapipe.models import build_model  # noqa: E402
 from megapipe.models.capabilities import capabilities, describe  # noqa: E402
 from megapipe.models.fused_cross_entropy import fused_linear_cross_entropy  # noqa: E402
 from megapipe.models.spec import tp_split_numel  # noqa: E402
+from tests.checkpoint import test_hf_bridge  # noqa: E402
 from tests.checkpoint.test_hf_bridge import tensors_of  # noqa: E402
 from tests.helpers.hf_tiny import VOCAB, _hf_config  # noqa: E402
+
+tokenizer_dir = test_hf_bridge.tokenizer_dir  # the fixture
 
 VARIANTS = {  # the Mamba norm: gated after (Mamba-2's), before the gate (Falcon's), none; biases, a dt limit, tying
     "norm-after-gate": dict(mamba_rms_norm=True, mamba_norm_before_gate=False),
@@ -42,16 +45,6 @@ MATTERS = {"architectures", "model_type", "vocab_size", "hidden_size", "intermed
            "mamba_norm_before_gate", "time_step_limit", "ssm_multipliers", "mlp_multipliers", "embedding_multiplier",
            "lm_head_multiplier", "key_multiplier", "attention_in_multiplier", "attention_out_multiplier",
            "ssm_in_multiplier", "ssm_out_multiplier", "attention_bias", "mlp_bias"}
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory) -> Path:
-    from megapipe.data.tokenizer import train_tokenizer
-
-    out = tmp_path_factory.mktemp("tok")
-    train_tokenizer(["the quick brown fox jumps over the lazy dog", "pack my box with five dozen jugs"] * 50,
-                    vocab_size=300, output=out)
-    return out
 
 
 def make_falcon(directory: Path, tokenizer_dir: Path, **config):
