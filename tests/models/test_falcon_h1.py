@@ -114,7 +114,7 @@ def tiny(**over) -> ModelConfig:
                               **{f"model.{k}": v for k, v in {**multipliers, **over}.items()}}).model
 
 
-def test_tiny_preset_trains_a_step_and_the_fused_loss_sees_the_same_logits():
+def test_tiny_preset_trains_a_step_the_fused_loss_sees_the_same_logits_and_documents_pack():
     cfg = tiny()
     assert cfg.layer_kinds == "PPPP" and cfg.mamba_inner != 2 * cfg.hidden_size
     model = build_model(cfg, seed=0)
@@ -132,6 +132,12 @@ def test_tiny_preset_trains_a_step_and_the_fused_loss_sees_the_same_logits():
     fused.backward()
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, grads[n], atol=1e-6, rtol=1e-5, msg=n)
+
+    model.eval()  # packed documents: each as if alone (attention masked, the Mamba state reset)
+    a, b = tokens[:1, :9], tokens[1:, :13]
+    with torch.no_grad():
+        packed = model(torch.cat([a, b], 1), document_ids=torch.tensor([[0] * 9 + [1] * 13]))
+        torch.testing.assert_close(packed, torch.cat([model(a), model(b)], 1), atol=1e-5, rtol=1e-5)
 
 
 def test_tiny_preset_splits_by_its_tp_plan_and_declares_its_capabilities():
