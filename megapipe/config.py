@@ -74,7 +74,13 @@ def _layer_pattern(text: str) -> int | list[int]:
 
 
 
-HYBRID_SYMBOLS = {"M": "Mamba", "*": "attention", "-": "MLP", "E": "MoE"}
+HYBRID_SYMBOLS = {"M": "Mamba", "*": "attention", "-": "MLP", "E": "MoE",
+                  "P": "Falcon-H1's parallel Mamba + attention, then MLP"}
+# Falcon-H1's muP multipliers (megapipe.models.parallel_hybrid): fields -> their neutral value; other layer kinds refuse
+# any other value
+FALCON_MULTIPLIERS = {"embedding_multiplier": 1.0, "lm_head_multiplier": 1.0, "attention_in_multiplier": 1.0,
+                      "attention_out_multiplier": 1.0, "key_multiplier": 1.0, "mamba_in_multiplier": 1.0,
+                      "mamba_out_multiplier": 1.0, "mamba_proj_multipliers": [1.0] * 5, "mlp_multipliers": [1.0] * 2}
 
 
 def allocate_hybrid_layers(num_layers: int, attention_ratio: float, mlp_ratio: float) -> str:
@@ -112,7 +118,7 @@ class ModelConfig:
     # fields of a named preset are applied first, then the ones given here
     preset: Optional[str] = opt(None, "--model", help="Model preset (tiny, llama3-1b, ...); other fields: --set model.*=.")
     arch: Literal["llama", "qwen2", "qwen3", "mistral", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe",
-                  "deepseek_v3", "nemotron_h"] = "llama"
+                  "deepseek_v3", "nemotron_h", "falcon_h1"] = "llama"
     vocab_size: Optional[int] = None  # None: the tokenizer's size, padded to make_vocab_size_divisible_by
     make_vocab_size_divisible_by: int = 128
     hidden_size: int = 256
@@ -208,7 +214,7 @@ class ModelConfig:
     # Hybrid Transformer-Mamba (megapipe.models.hybrid, megapipe.models.mamba), Megatron's names: one symbol per
     # layer (M Mamba-2, * attention, - MLP, E MoE), given or allocated from the two ratios (the rest Mamba)
     hybrid_override_pattern: Optional[str] = opt(
-        None, "--hybrid-override-pattern", help="Layer kinds, one symbol per layer: M Mamba, * attention, - MLP, E MoE.")
+        None, "--hybrid-override-pattern", help="Layer kinds, one symbol per layer: M Mamba, * attention, - MLP, E MoE, P Mamba | attention + MLP.")
     hybrid_attention_ratio: float = opt(
         0.0, "--hybrid-attention-ratio", help="Share of attention layers in an allocated hybrid pattern.")
     hybrid_mlp_ratio: float = opt(0.0, "--hybrid-mlp-ratio", help="Share of MLP layers in an allocated hybrid pattern.")
@@ -226,6 +232,22 @@ class ModelConfig:
     mamba_dt_init_floor: float = 1e-4
     mamba_dt_limit_min: float = 0.0  # dt clamped to [min, max] after softplus (max None: no upper limit)
     mamba_dt_limit_max: Optional[float] = None
+    mamba_out_proj_bias: Optional[bool] = None  # the out-projection's own (Falcon's projectors_bias); None: as in_*
+    mamba_gated_norm: bool = True  # False: y * silu(z) without a norm (Falcon-H1's mamba_rms_norm = false)
+    mamba_norm_before_gate: bool = False  # True: norm(y) * weight * silu(z) (Falcon's); False: norm(y * silu(z)) * weight
+    # Falcon-H1 (arch falcon_h1, layer kind "P"): Mamba-2 and attention side by side on one normed input, then the MLP,
+    # with muP multipliers (constants in the forward; 1: none): the token embeddings, the logits, the attention's
+    # input and output, its keys (before RoPE), the Mamba mixer's input and output, its in-projections z, x, B, C, dt
+    # (Falcon's ssm_multipliers), the MLP's gate projection output and its output (Falcon's mlp_multipliers)
+    embedding_multiplier: float = 1.0
+    lm_head_multiplier: float = 1.0
+    attention_in_multiplier: float = 1.0
+    attention_out_multiplier: float = 1.0
+    key_multiplier: float = 1.0
+    mamba_in_multiplier: float = 1.0
+    mamba_out_multiplier: float = 1.0
+    mamba_proj_multipliers: list[float] = field(default_factory=lambda: [1.0] * 5)
+    mlp_multipliers: list[float] = field(default_factory=lambda: [1.0] * 2)
 
     @property
     def is_moe(self) -> bool:
@@ -243,7 +265,7 @@ class ModelConfig:
     @property
     def is_hybrid(self) -> bool:
         """A hybrid Transformer-Mamba model: each layer one mixer (``layer_kinds``), not attention + MLP."""
-        return (self.arch == "nemotron_h" or self.hybrid_override_pattern is not None
+        return (self.arch in ("nemotron_h", "falcon_h1") or self.hybrid_override_pattern is not None
                 or self.hybrid_attention_ratio > 0 or self.hybrid_mlp_ratio > 0)
 
     @property
@@ -254,6 +276,8 @@ class ModelConfig:
             return None
         if self.hybrid_override_pattern is not None:
             return self.hybrid_override_pattern
+        if self.arch == "falcon_h1" and not (self.hybrid_attention_ratio or self.hybrid_mlp_ratio):
+            return "P" * self.num_layers  # every layer parallel Mamba + attention, then MLP
         return allocate_hybrid_layers(self.num_layers, self.hybrid_attention_ratio, self.hybrid_mlp_ratio)
 
     @property
@@ -264,6 +288,10 @@ class ModelConfig:
     def mamba_inner(self) -> int:
         """Width of the Mamba-2 mixer's x and z (d_inner = heads * head_dim)."""
         return self.mamba_heads * self.mamba_head_dim
+
+    @property
+    def mamba_out_bias(self) -> bool:
+        return self.mamba_proj_bias if self.mamba_out_proj_bias is None else self.mamba_out_proj_bias
 
     @property
     def mamba_dt_limit(self) -> tuple[float, float]:
@@ -892,6 +920,7 @@ def validate_hybrid(m: ModelConfig) -> None:
     if m.hybrid_attention_ratio + m.hybrid_mlp_ratio > 1:
         raise ConfigError(f"model.hybrid_attention_ratio + model.hybrid_mlp_ratio = "
                           f"{m.hybrid_attention_ratio + m.hybrid_mlp_ratio} must be <= 1 (the rest are Mamba layers)")
+    validate_falcon_multipliers(m)
     if not m.is_hybrid:
         return
     pattern = m.hybrid_override_pattern
@@ -902,7 +931,7 @@ def validate_hybrid(m: ModelConfig) -> None:
         for i, symbol in enumerate(pattern):
             if symbol not in HYBRID_SYMBOLS:
                 raise ConfigError(f"model.hybrid_override_pattern = {pattern!r}: symbol {symbol!r} at position {i} is "
-                                  f"not a layer kind (M Mamba, * attention, - MLP, E MoE)")
+                                  f"not a layer kind (M Mamba, * attention, - MLP, E MoE, P Falcon-H1's parallel hybrid)")
         if len(pattern) != m.num_layers:
             raise ConfigError(f"model.hybrid_override_pattern = {pattern!r} has {len(pattern)} layers but "
                               f"model.num_layers = {m.num_layers}: make them equal")
@@ -917,7 +946,10 @@ def validate_hybrid(m: ModelConfig) -> None:
     if m.mtp_depth:
         raise ConfigError(f"model.mtp_num_layers = {m.mtp_num_layers}: multi-token prediction is not defined for "
                           "hybrid Transformer-Mamba models")
-    if "M" not in kinds:
+    if "P" in kinds and m.activation != "swiglu":
+        raise ConfigError(f"model.activation = {m.activation!r}: the parallel hybrid layers (P, Falcon-H1) have a "
+                          "SwiGLU MLP: set it to 'swiglu'")
+    if not {"M", "P"} & set(kinds):
         return
     for name in ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_chunk_size", "mamba_conv_kernel"):
         if getattr(m, name) < 1:
@@ -939,6 +971,19 @@ def validate_hybrid(m: ModelConfig) -> None:
     if lo < 0 or hi <= lo:
         raise ConfigError(f"model.mamba_dt_limit_min = {lo} and model.mamba_dt_limit_max = {m.mamba_dt_limit_max} "
                           "must satisfy 0 <= min < max")
+
+
+def validate_falcon_multipliers(m: ModelConfig) -> None:
+    """Falcon-H1's muP multipliers: the right number of them, and only on a model with its layers (P)."""
+    for name, count in (("mamba_proj_multipliers", 5), ("mlp_multipliers", 2)):
+        if len(getattr(m, name)) != count:
+            raise ConfigError(f"model.{name} = {getattr(m, name)} must have {count} values")
+    if "P" in (m.layer_kinds or ""):
+        return
+    for name, neutral in FALCON_MULTIPLIERS.items():
+        if getattr(m, name) != neutral:
+            raise ConfigError(f"model.{name} = {getattr(m, name)} applies to Falcon-H1's parallel hybrid layers only "
+                              f"(model.arch = 'falcon_h1'): leave it {neutral}")
 
 
 # flags of `megapipe pretrain` for the keys whose checks below name them

@@ -108,6 +108,15 @@ PRESETS: dict[str, dict] = {
         hybrid_override_pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
         mamba_state_dim=128, mamba_head_dim=64, mamba_num_groups=8, mamba_num_heads=128, mamba_chunk_size=128,
     ),
+    # Falcon-H1's parallel hybrid (megapipe.models.parallel_hybrid) at CPU size: 4 layers of Mamba-2 beside attention,
+    # then a SwiGLU MLP; Falcon's mixer (no gated norm, d_inner 256 != 2 * hidden), its high RoPE base; 2 Mamba groups
+    # (and 2 KV heads) so that TP = 2 splits them; the muP multipliers at their neutral 1
+    "falcon-h1-tiny": dict(
+        arch="falcon_h1", hidden_size=192, intermediate_size=512, num_layers=4, num_heads=6, num_kv_heads=2,
+        head_dim=32, max_position_embeddings=2048, norm_eps=1e-5, tie_embeddings=False, rope_theta=1e11,
+        mamba_state_dim=32, mamba_head_dim=16, mamba_num_groups=2, mamba_num_heads=16, mamba_chunk_size=16,
+        mamba_gated_norm=False, mamba_norm_before_gate=True, mamba_out_proj_bias=False,
+    ),
     # moonshotai/Kimi-K2-Instruct (1.04 T parameters, 32 B active): DeepSeek-V3's architecture, half the heads, 384
     # experts in one group, one dense layer
     "kimi-k2": dict(

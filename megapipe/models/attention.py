@@ -108,6 +108,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
         self.sdpa = CausalSDPA(cfg.sliding_window)
+        self.key_multiplier = cfg.key_multiplier  # Falcon-H1's, on the keys before RoPE (1: none)
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The q, k, v projections (one method, so an inference engine can swap in a fused matmul)."""
@@ -119,6 +120,8 @@ class Attention(nn.Module):
         bsz, seqlen = q.shape[0], q.shape[1]
         q = q.view(bsz, seqlen, -1, self.head_dim)
         k = k.view(bsz, seqlen, -1, self.head_dim)
+        if self.key_multiplier != 1:
+            k = k * self.key_multiplier
         v = v.view(bsz, seqlen, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)

@@ -72,10 +72,14 @@ KINDS: dict[str, Capabilities] = {
     # Mamba-2 layers of a hybrid model (megapipe.models.mamba): packed documents reset the conv window and the SSM
     # state (megapipe.models.ssd); no context parallelism (the state would have to pass between ranks); the engine
     # keeps a recurrent state per sequence, so no prefix caching (no state snapshots) and no MTP drafting; no
-    # pruning rule for Mamba heads; no quantization or TensorRT-LLM format checked for them yet
+    # pruning rule for Mamba heads; no quantization checked for them yet (ModelOpt's export of the HF twin is the
+    # reference the quantized writers are held to); TensorRT-LLM loads them unquantized from the unified (HF) layout
     "mamba": Capabilities(layouts=frozenset(LAYOUTS) - {"cp"}, engine=frozenset(ENGINE) - {"prefix_caching",
-                          "speculative"}, quant=frozenset(), trt=frozenset(), stages=frozenset(STAGES) - {"prune"}),
+                          "speculative"}, quant=frozenset(), trt=frozenset({"unified"}),
+                          stages=frozenset(STAGES) - {"prune", "quantize"}),
 }
+# Falcon-H1's layers (megapipe.models.parallel_hybrid): a Mamba-2 mixer beside the attention, so what Mamba layers allow
+KINDS["parallel_hybrid"] = KINDS["mamba"]
 
 # families (ModelConfig.arch): what the model's Hugging Face / TensorRT-LLM twin allows
 FAMILIES: dict[str, Capabilities] = {
@@ -92,10 +96,10 @@ FAMILIES: dict[str, Capabilities] = {
     # peft directory
     "deepseek_v3": _without(lora={"gate", "up", "down"}),
     # squared-ReLU MLP: no up projection (w1, transformers' up_proj, is the "gate" target, as GPT-2's c_fc); no MTP
-    # modules to draft with; not quantized, written for TensorRT-LLM or pruned, even with a pattern of attention and
-    # MLP layers only: ModelOpt, the TensorRT-LLM writers and the pruning rules were not checked on Nemotron-H
-    "nemotron_h": _without(lora={"up"}, engine={"speculative"}, quant=QUANT, trt=TRT,
-                           stages={"prune", "quantize", "export_trt"}),
+    # modules to draft with; not quantized, pruned or written in TensorRT-LLM's legacy format, even with a pattern of
+    # attention and MLP layers only: ModelOpt, the legacy writer and the pruning rules were not checked on Nemotron-H
+    "nemotron_h": _without(lora={"up"}, engine={"speculative"}, quant=QUANT, trt={"legacy"},
+                           stages={"prune", "quantize"}),
 }
 
 # multi-token prediction modules (megapipe.models.mtp): every parallel layout (on the last pipeline stage, with a
@@ -110,10 +114,13 @@ NO_MTP = _without(engine={"speculative"})
 
 LABELS = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "gpt2": "GPT-2",
           "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "deepseek_v3": "DeepSeek-V3",
-          "nemotron_h": "Nemotron-H"}
+          "nemotron_h": "Nemotron-H", "falcon_h1": "Falcon-H1"}
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 MLA_FAMILIES = ("deepseek_v3",)
-HYBRID_FAMILIES = ("nemotron_h",)  # Mamba layers beside attention and MLP ones (megapipe.models.hybrid)
+# families whose layers are kinds the family name says: Nemotron-H's Mamba layers beside attention and MLP ones
+# (megapipe.models.hybrid), Falcon-H1's parallel hybrid layers (megapipe.models.parallel_hybrid)
+FAMILY_KINDS = {"nemotron_h": ["dense", "mamba"], "falcon_h1": ["parallel_hybrid"]}
+KIND_LABELS = {"moe": "MoE", "mla": "MLA", "mamba": "Mamba", "parallel_hybrid": "Mamba | attention"}
 
 
 def kinds_of(cfg) -> list[str]:
@@ -122,7 +129,8 @@ def kinds_of(cfg) -> list[str]:
     moe = set(cfg.moe_layers)
     kinds = ["moe" if i in moe else "dense" for i in range(cfg.num_layers)]
     if cfg.layer_kinds is not None:  # a hybrid model: attention and MLP layers are what a dense block is made of
-        kinds = [{"M": "mamba", "E": "moe"}.get(symbol, "dense") for symbol in cfg.layer_kinds]
+        symbols = {"M": "mamba", "E": "moe", "P": "parallel_hybrid"}
+        kinds = [symbols.get(symbol, "dense") for symbol in cfg.layer_kinds]
     return list(dict.fromkeys(kinds)) + (["mla"] if cfg.multi_latent_attention else [])
 
 
@@ -151,9 +159,9 @@ def describe(cfg) -> str:
     label = LABELS.get(cfg.arch, cfg.arch)
     mtp = " with MTP" if getattr(cfg, "mtp_depth", 0) else ""
     kinds = [k for k in kinds if not (k == "mla" and cfg.arch in MLA_FAMILIES)]  # the family name says MLA
-    if kinds == ["dense"] or (kinds == ["moe"] and cfg.arch in MOE_FAMILIES):
+    if kinds in (["dense"], FAMILY_KINDS.get(cfg.arch)) or (kinds == ["moe"] and cfg.arch in MOE_FAMILIES):
         return label + mtp
-    return f"{label} ({' + '.join({'moe': 'MoE', 'mla': 'MLA', 'mamba': 'Mamba'}.get(k, k) for k in kinds)}){mtp}"
+    return f"{label} ({' + '.join(KIND_LABELS.get(k, k) for k in kinds)}){mtp}"
 
 
 def require(cfg, stage: str, where: str = "", **features: Optional[object]) -> None:
@@ -196,9 +204,10 @@ _ORDER = {"layouts": LAYOUTS, "engine": ENGINE, "lora": LORA, "quant": QUANT, "t
 
 def family_row(arch: str) -> Capabilities:
     """The row of a Hugging Face family as the bridge imports it (the MoE families: MoE layers; the MLA ones: MLA;
-    the hybrid ones: Mamba layers)."""
-    return _row(arch, ["moe" if arch in MOE_FAMILIES else "dense"] + (["mla"] if arch in MLA_FAMILIES else [])
-                + (["mamba"] if arch in HYBRID_FAMILIES else []))
+    ``FAMILY_KINDS``: theirs)."""
+    if arch in FAMILY_KINDS:
+        return _row(arch, FAMILY_KINDS[arch])
+    return _row(arch, ["moe" if arch in MOE_FAMILIES else "dense"] + (["mla"] if arch in MLA_FAMILIES else []))
 
 
 def readme_table() -> str:

@@ -81,7 +81,8 @@ def mamba_tp_plan(block: MambaBlock, sp: bool) -> dict:
         **norms_tp_plan(sp, ("norm",)),
         "mixer": sharded_style(prepare),
         **{f"mixer.in_{p}": ColwiseParallel() for p in ("z", "x", "B", "C", "dt")},
-        **{f"mixer.{m}": sharded_style() for m in ("conv_x", "conv_B", "conv_C", "norm")},
+        **{f"mixer.{m}": sharded_style() for m in ("conv_x", "conv_B", "conv_C", "norm")
+           if getattr(block.mixer, m) is not None},  # Falcon-H1's mixer may have no gated norm
         "mixer.out_proj": RowwiseParallel(output_layouts=act),
     }
 

@@ -1,6 +1,8 @@
 """The Mamba-2 mixer (Dao & Gu 2024; Megatron's MambaMixer, Nemotron-H's layer): in-projections to z, x, B, C and
 dt, a causal depthwise conv over x|B|C with SiLU, dt through its bias, softplus and limits, A = -exp(A_log), the
-SSD scan (megapipe.models.ssd) with the D skip, a grouped RMSNorm gated by silu(z), the out-projection.
+SSD scan (megapipe.models.ssd) with the D skip, a grouped RMSNorm gated by silu(z), the out-projection. Falcon-H1's
+variants are options of the config: the norm before the gate or no norm (y * silu(z)), an out-projection bias of its
+own, muP multipliers on the input and on each in-projection (constants, not parameters).
 
 Every projection is its own nn.Linear (``in_z``, ``in_x``: d_inner = heads * head_dim; ``in_B``, ``in_C``:
 groups * state_dim; ``in_dt``: heads), as are the convolutions of x, B and C (``conv_x``, ``conv_B``, ``conv_C``),
@@ -55,19 +57,28 @@ class DepthwiseConv(nn.Module):
 
 class GatedRMSNorm(nn.Module):
     """RMSNorm of y * silu(z) over groups of ``group_size`` channels (Nemotron-H / Mamba-2's norm_before_gate=False),
-    in fp32; weight [dim]. The number of groups is read from the input (local under TP)."""
+    or with ``norm_before_gate`` (Falcon-H1's) the norm of y, times the weight, times silu(z); in fp32; weight [dim].
+    The number of groups is read from the input (local under TP)."""
 
-    def __init__(self, dim: int, group_size: int, eps: float = 1e-5):
+    def __init__(self, dim: int, group_size: int, eps: float = 1e-5, norm_before_gate: bool = False):
         super().__init__()
         self.group_size = group_size
         self.eps = eps
+        self.norm_before_gate = norm_before_gate
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        h = y.float() * F.silu(z.float())
+        h = y.float() if self.norm_before_gate else y.float() * F.silu(z.float())
         g = h.view(*h.shape[:-1], -1, self.group_size)
         g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.norm_before_gate:
+            return (local(self.weight).float() * g.view(h.shape) * F.silu(z.float())).to(y.dtype)
         return local(self.weight) * g.view(h.shape).to(y.dtype)
+
+
+def scale_by(t: torch.Tensor, multiplier: float) -> torch.Tensor:
+    """t * multiplier, or t itself for 1 (a muP constant that is off costs nothing)."""
+    return t if multiplier == 1 else t * multiplier
 
 
 class Mamba2Mixer(nn.Module):
@@ -80,6 +91,8 @@ class Mamba2Mixer(nn.Module):
         self.dt_limit = cfg.mamba_dt_limit
         self.dt_init = (cfg.mamba_dt_min, cfg.mamba_dt_max, cfg.mamba_dt_init_floor)
         bias = cfg.mamba_proj_bias
+        # Falcon-H1's muP multipliers, constants: the input, then the z, x, B, C and dt projections
+        self.in_multiplier, self.proj_multipliers = cfg.mamba_in_multiplier, tuple(cfg.mamba_proj_multipliers)
         self.in_z = nn.Linear(h, inner, bias=bias)
         self.in_x = nn.Linear(h, inner, bias=bias)
         self.in_B = nn.Linear(h, gn, bias=bias)
@@ -91,15 +104,19 @@ class Mamba2Mixer(nn.Module):
         self.A_log = nn.Parameter(torch.empty(heads))
         self.D = nn.Parameter(torch.empty(heads))
         self.dt_bias = nn.Parameter(torch.empty(heads))
-        self.norm = GatedRMSNorm(inner, inner // cfg.mamba_num_groups, cfg.norm_eps)
-        self.out_proj = nn.Linear(inner, h, bias=bias)
+        norm = GatedRMSNorm(inner, inner // cfg.mamba_num_groups, cfg.norm_eps, cfg.mamba_norm_before_gate)
+        self.norm = norm if cfg.mamba_gated_norm else None  # None: y * silu(z)
+        self.out_proj = nn.Linear(inner, h, bias=cfg.mamba_out_bias)
 
     # ------------------------------------------------------------------------------------------ the pieces
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B, S, hidden] -> (z [B, S, d_inner], xbc [B, S, d_inner + 2 * groups * state], dt [B, S, heads])."""
-        xbc = torch.cat([self.in_x(x), self.in_B(x), self.in_C(x)], dim=-1)
-        return self.in_z(x), xbc, self.in_dt(x)
+        """x [B, S, hidden] -> (z [B, S, d_inner], xbc [B, S, d_inner + 2 * groups * state], dt [B, S, heads]),
+        with the multipliers applied."""
+        x = scale_by(x, self.in_multiplier)
+        z, xs, B, C, dt = (scale_by(proj(x), m) for proj, m in zip(
+            (self.in_z, self.in_x, self.in_B, self.in_C, self.in_dt), self.proj_multipliers, strict=True))
+        return z, torch.cat([xs, B, C], dim=-1), dt
 
     def conv_params(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(weight [C, K], bias [C] or None) of the conv over the x|B|C channels."""
@@ -146,7 +163,8 @@ class Mamba2Mixer(nn.Module):
 
     def finish(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """SSM output y ([B, S, heads, head_dim] or [B, S, d_inner]) and gate z -> the mixer's output [B, S, hidden]."""
-        return self.out_proj(self.norm(y.reshape(z.shape).to(z.dtype), z))
+        y = y.reshape(z.shape).to(z.dtype)
+        return self.out_proj(y * F.silu(z) if self.norm is None else self.norm(y, z))
 
     # ------------------------------------------------------------------------------------------ forward
 
@@ -168,7 +186,7 @@ class Mamba2Mixer(nn.Module):
     def init_weights(self) -> None:
         """What the model's generic init does not cover (it draws the projections): the convs as nn.Conv1d does,
         A = -[1, 16] uniform (Megatron), D = 1, dt_bias = softplus^-1 of a log-uniform dt in [dt_min, dt_max]
-        floored at dt_init_floor, the norm's weight 1."""
+        floored at dt_init_floor, the norm's weight 1 (where there is a norm)."""
         for conv in (self.conv_x, self.conv_B, self.conv_C):
             conv.init_weights()
         self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
@@ -176,4 +194,5 @@ class Mamba2Mixer(nn.Module):
         lo, hi, floor = self.dt_init
         dt = torch.exp(torch.rand_like(self.dt_bias) * (math.log(hi) - math.log(lo)) + math.log(lo)).clamp(min=floor)
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
-        nn.init.ones_(self.norm.weight)
+        if self.norm is not None:
+            nn.init.ones_(self.norm.weight)

@@ -21,7 +21,7 @@ from megapipe.config import ModelConfig
 from megapipe.errors import ConfigError
 from megapipe.models.attention import DocumentMask, positions_from_documents
 from megapipe.models.blocks import block_spec
-from megapipe.models.mamba import Mamba2Mixer
+from megapipe.models.mamba import Mamba2Mixer, scale_by
 from megapipe.models.moe import MoE
 from megapipe.models.mtp import MTPModule, tokens_ahead
 from megapipe.models.norms import RMSNorm, build_norm, init_norm
@@ -60,7 +60,8 @@ class Transformer(nn.Module):
         tokens each token also sees (a shared prompt; DocumentMask), with explicit ``positions``.
 
         ``last_only``: logits of the last position only ([B, 1, V]), what a generation step needs.
-        ``return_hidden``: the final normed hidden states [B, S, H] instead of the logits (also what MTP depth 1 and
+        ``return_hidden``: the final normed hidden states [B, S, H] (times ``cfg.lm_head_multiplier``, so that the
+        output projection of them gives the logits) instead of the logits (also what MTP depth 1 and
         ``mtp_step`` take: the main model's output as the head sees it, as vLLM feeds DeepSeek's MTP weights).
         ``head``: ``head(hidden, output_weight)`` is what the forward returns, computed inside it (a loss that applies
         the output projection itself, e.g. the fused output + cross-entropy: whatever wraps this module, FSDP, holds
@@ -87,7 +88,7 @@ class Transformer(nn.Module):
         if self.tok_embeddings is None or tokens.is_floating_point():
             h = tokens
         else:
-            h = self.tok_embeddings(tokens)
+            h = scale_by(self.tok_embeddings(tokens), self.cfg.embedding_multiplier)
             if self.pos_embeddings is not None:
                 h = h + self.pos_embeddings(positions)
         rope = self._rope(positions, h)
@@ -95,7 +96,8 @@ class Transformer(nn.Module):
             h = layer(h, rope, cache, mask)
         if self.norm is None:
             return h
-        h = self.norm(h[:, -1:] if last_only and not mtp else h)
+        # Falcon-H1's logit multiplier on the normed states: the output projection, wherever it is applied, is linear
+        h = scale_by(self.norm(h[:, -1:] if last_only and not mtp else h), self.cfg.lm_head_multiplier)
         extra = (self._mtp_states(tokens, h, rope, mask, mtp_tokens),) if mtp else ()
         if head is not None:
             return head(h, self.output_weight(), *extra)
@@ -228,6 +230,7 @@ def layer_matmul_params(cfg: ModelConfig) -> list[int]:
         moe += h if (shared and cfg.moe_shared_expert_gate) else 0
     if cfg.layer_kinds is not None:  # hybrid: one mixer per layer
         per_kind = {"M": mamba_matmul_params(cfg), "*": attn, "-": mlp, "E": moe}
+        per_kind["P"] = per_kind["M"] + attn + mlp  # Falcon-H1: Mamba and attention side by side, then the MLP
         return [per_kind[k] for k in cfg.layer_kinds]
     moe_layers = set(cfg.moe_layers)
     return [attn + (moe if i in moe_layers else mlp) for i in range(cfg.num_layers)]
@@ -241,8 +244,9 @@ def layer_flops_per_token(cfg: ModelConfig, seq_length: int) -> list[int]:
     kinds = cfg.layer_kinds or "*" * cfg.num_layers
     q = min(cfg.mamba_chunk_size, seq_length)
     n, p = cfg.mamba_state_dim, cfg.mamba_head_dim
-    extra = {"*": attention_flops_per_token(cfg, seq_length),
-             "M": 6 * cfg.mamba_heads * (q * (n + p) + 2 * n * p) if "M" in kinds else 0}
+    scan = 6 * cfg.mamba_heads * (q * (n + p) + 2 * n * p) if set(kinds) & {"M", "P"} else 0
+    extra = {"*": attention_flops_per_token(cfg, seq_length), "M": scan}
+    extra["P"] = extra["*"] + scan  # Falcon-H1: both mixers in one layer
     return [6 * w + extra.get(k, 0) for w, k in zip(layer_matmul_params(cfg), kinds, strict=True)]
 
 
@@ -253,9 +257,9 @@ def mamba_matmul_params(cfg: ModelConfig) -> int:
 
 
 def attention_layers(cfg: ModelConfig) -> int:
-    """Layers with attention (all of them, but a hybrid model's '*' layers only)."""
+    """Layers with attention (all of them, but a hybrid model's '*' and 'P' layers only)."""
     kinds = cfg.layer_kinds
-    return cfg.num_layers if kinds is None else kinds.count("*")
+    return cfg.num_layers if kinds is None else kinds.count("*") + kinds.count("P")
 
 
 def mla_matmul_params(cfg: ModelConfig) -> int:

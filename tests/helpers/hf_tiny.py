@@ -59,7 +59,17 @@ def _hf_config(arch: str):
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
             mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=8,
             initializer_range=0.1, tie_word_embeddings=False, use_cache=False, attn_implementation="eager")
+    if arch == "falcon_h1":  # Mamba-2 beside attention in every layer; muP multipliers off 1; 24 tokens span chunks
+        return transformers.FalconH1Config(**FALCON_H1, **dict(common, num_key_value_heads=2), use_cache=False)
     raise ValueError(arch)
+
+
+# a tiny Falcon-H1 whose multipliers all differ from 1 (so that each is exercised), Mamba width 128 != 2 * hidden
+FALCON_H1 = dict(mamba_d_ssm=128, mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4,
+                 mamba_chunk_size=8, mamba_rms_norm=True, mamba_norm_before_gate=False, embedding_multiplier=2.0,
+                 lm_head_multiplier=0.5, key_multiplier=0.7, attention_in_multiplier=1.1, attention_out_multiplier=0.9,
+                 ssm_in_multiplier=1.2, ssm_out_multiplier=0.8, ssm_multipliers=[0.5, 1.5, 0.7, 1.3, 0.9],
+                 mlp_multipliers=[1.1, 0.6], rope_parameters={"rope_type": "default", "rope_theta": 1e5})
 
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")

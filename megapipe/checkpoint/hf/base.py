@@ -124,6 +124,8 @@ def canonical(name: str, value: Any, cfg: ModelConfig) -> Any:
         return cfg.mtp_depth
     if name == "moe_layer_freq":
         return tuple(cfg.moe_layers)  # every-N-th, a pattern and first-K-dense are one list of MoE layers
+    if name == "mamba_out_proj_bias":
+        return cfg.mamba_out_bias  # unset: the in-projections'
     if name == "moe_first_k_dense_replace":
         return None
     if name == "moe_ffn_hidden_size":

@@ -9,6 +9,7 @@ writes config.json, safetensors (sharded past ``max_shard_size``), the tokenizer
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -62,11 +63,27 @@ def normalise_hf_config(raw: dict[str, Any], adapter: Adapter, where: str) -> di
     """config.json as the installed transformers reads it (its defaults filled in, old RoPE fields standardised)."""
     from transformers import CONFIG_MAPPING
 
-    config_class = CONFIG_MAPPING[adapter.model_type]
-    try:  # transformers writes inf / nan as {"__float__": "Infinity"} (Nemotron-H's time_step_limit)
-        return config_class.from_dict(config_class._decode_special_floats(raw)).to_dict()
+    try:
+        return CONFIG_MAPPING[adapter.model_type].from_dict(json_floats(raw, decode=True)).to_dict()
     except Exception as e:  # noqa: BLE001 - transformers validates with many exception types
         raise MegapipeError(f"{where} is not a valid {adapter.architecture} config ({e})") from None
+
+
+# transformers writes the floats JSON has no number for as {"__float__": "Infinity"} (Falcon-H1's time_step_limit)
+SPECIAL_FLOATS = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+
+
+def json_floats(obj: Any, decode: bool) -> Any:
+    """``obj`` with transformers' tagged non-finite floats decoded to floats (``decode``) or such floats encoded."""
+    if isinstance(obj, dict):
+        if decode and obj.keys() == {"__float__"} and obj["__float__"] in SPECIAL_FLOATS:
+            return SPECIAL_FLOATS[obj["__float__"]]
+        return {k: json_floats(v, decode) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_floats(v, decode) for v in obj]
+    if not decode and isinstance(obj, float) and not math.isfinite(obj):
+        return {"__float__": "NaN" if math.isnan(obj) else "Infinity" if obj > 0 else "-Infinity"}
+    return obj
 
 
 def read_hf_config(hf_dir: Path) -> tuple[Adapter, ModelConfig, dict[str, Any]]:
@@ -291,7 +308,7 @@ def export_hf(
         generation = {**tokens, **_token_ids(hf_extra.get("generation_config"))}
         config = {"architectures": [adapter.architecture], **hf_cfg, **generation,
                   "dtype": HF_DTYPE_NAMES[out_dtype], "torch_dtype": HF_DTYPE_NAMES[out_dtype]}
-        _write_json(tmp / "config.json", config)
+        _write_json(tmp / "config.json", json_floats(config, decode=False))
         _write_json(tmp / "generation_config.json", generation)
         replace_dir(tmp, out_dir)
     except OSError as e:  # disk full, file-size limit: name the file; OUT_DIR is as it was

@@ -28,26 +28,28 @@ def _split(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t.clone() for t in tensors[0].unbind(0)]
 
 
-def moe_conversions(cfg: ModelConfig, family: str, top: dict[str, str] = TOP, prefix: str = "model",
-                    own: Optional[Callable[[int], list[Conversion]]] = None) -> list[Conversion]:
-    """Conversions of every megapipe tensor: outside the blocks by ``top`` (Llama's names), in a block by its kind's
-    ``hf_names`` (``family`` where the kind names it, else "llama") under ``{prefix}.layers.{i}``; ``own(i)``: the
-    conversions of layer i's tensors that the kind's names do not give (fused ones), taken as they are."""
-    out, layer_names, taken = [], {}, set()
+def block_conversions(cfg: ModelConfig, family: str, top: Optional[dict[str, str]] = None, prefix: str = "model",
+                      fused: Optional[Callable[[int], list[Conversion]]] = None) -> list[Conversion]:
+    """Conversions of every megapipe tensor: outside the blocks by ``top`` (default Llama's names), in a block by
+    its kind's ``hf_names`` (``family`` where the kind names it, else "llama") under ``{prefix}.layers.{i}``.
+    ``fused(i)``: the conversions of layer i's tensors that are not renames (a Mamba mixer's fused in_proj /
+    conv1d), which the renames leave out."""
+    out, layer_names, done = [], {}, set()
     for key in meta_state_keys(cfg):
         if not key.startswith("layers."):
             module, param = key.rsplit(".", 1)
-            out.append(Conversion(hf=(f"{top[module]}.{param}",), mp=(key,)))
+            out.append(Conversion(hf=(f"{(top or TOP)[module]}.{param}",), mp=(key,)))
             continue
         i = int(key.split(".", 2)[1])
         if i not in layer_names:
             spec = block_spec(cfg, i)
             names = spec.hf_names[family if family in spec.hf_names else "llama"]
             layer_names[i] = {f"layers.{i}.{k}": f"{prefix}.layers.{i}.{v}" for k, v in names.items()}
-            for conv in own(i) if own else []:
-                out.append(conv)
-                taken |= set(conv.mp)
-        if key not in taken:
+            if fused is not None:
+                convs = fused(i)
+                out += convs
+                done |= {name for c in convs for name in c.mp}
+        if key not in done:
             out.append(renamed(key, layer_names[i], cfg))
     return out
 
@@ -105,7 +107,7 @@ class _MoEAdapter(LlamaAdapter):
         return hf
 
     def conversions(self, cfg: ModelConfig) -> list[Conversion]:
-        return moe_conversions(cfg, self.family)
+        return block_conversions(cfg, self.family)
 
 
 @register

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from megapipe.checkpoint.hf.base import Conversion, refuse, register
 from megapipe.checkpoint.hf.llama import LlamaAdapter
-from megapipe.checkpoint.hf.moe import moe_conversions
+from megapipe.checkpoint.hf.mamba import fused_mamba_conversions
+from megapipe.checkpoint.hf.moe import block_conversions
 from megapipe.config import ModelConfig
 from megapipe.errors import MegapipeError
 
@@ -31,40 +30,14 @@ KINDS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 MIXER_TENSORS = ("A_log", "D", "dt_bias")  # the Mamba mixer's own parameters, named alike in both
 
 
-def _splitter(sizes: list[int], conv: bool):
-    """[sum(sizes), ...] (a conv weight: [sum, 1, K]) -> the parts, each [size, ...] (a conv's: [size, K])."""
-    def to_mp(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        whole = tensors[0][:, 0] if conv and tensors[0].dim() == 3 else tensors[0]
-        return [t.clone() for t in whole.split(sizes, dim=0)]
-    return to_mp
-
-
-def _joiner(conv: bool):
-    def to_hf(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        whole = torch.cat(tensors, dim=0)
-        return [whole[:, None] if conv and whole.dim() == 2 else whole]
-    return to_hf
-
-
 def mamba_conversions(cfg: ModelConfig, i: int) -> list[Conversion]:
     """Layer ``i``'s tensors its kind's names do not give, if it is a Mamba layer: A_log, D, dt_bias and the fused
-    in_proj and conv1d (weights, and biases where the config has them)."""
+    in_proj and conv1d."""
     if cfg.layer_kinds[i] != "M":
         return []
-    inner, gn, heads = cfg.mamba_inner, cfg.mamba_num_groups * cfg.mamba_state_dim, cfg.mamba_heads
     mp, hf = f"layers.{i}.mixer", f"backbone.layers.{i}.mixer"
-    out = [Conversion(hf=(f"{hf}.{t}",), mp=(f"{mp}.{t}",)) for t in MIXER_TENSORS]
-    params = ["weight"] + (["bias"] if cfg.mamba_proj_bias else [])
-    for param in params:
-        out.append(Conversion(hf=(f"{hf}.in_proj.{param}",),
-                              mp=tuple(f"{mp}.in_{p}.{param}" for p in ("z", "x", "B", "C", "dt")),
-                              to_mp=_splitter([inner, inner, gn, gn, heads], False), to_hf=_joiner(False)))
-    params = ["weight"] + (["bias"] if cfg.mamba_conv_bias else [])
-    for param in params:
-        conv = param == "weight"
-        out.append(Conversion(hf=(f"{hf}.conv1d.{param}",), mp=tuple(f"{mp}.conv_{p}.{param}" for p in "xBC"),
-                              to_mp=_splitter([inner, gn, gn], conv), to_hf=_joiner(conv)))
-    return out
+    own = [Conversion(hf=(f"{hf}.{t}",), mp=(f"{mp}.{t}",)) for t in MIXER_TENSORS]
+    return own + fused_mamba_conversions(cfg, mp, hf)
 
 
 def _pattern(hf: dict[str, Any], where: str) -> str:
@@ -175,7 +148,7 @@ class NemotronHAdapter(LlamaAdapter):
         )
 
     def conversions(self, cfg: ModelConfig) -> list[Conversion]:
-        return moe_conversions(cfg, self.arch, TOP, "backbone", lambda i: mamba_conversions(cfg, i))
+        return block_conversions(cfg, self.arch, TOP, "backbone", lambda i: mamba_conversions(cfg, i))
 
     def module_name(self, tensor: str) -> str:
         """transformers renames the files' ``backbone.`` to ``model.`` in memory."""
