@@ -566,8 +566,12 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidate_layouts(cfg, gpus: int):
-    """Every valid (dp_replicate, dp_shard, cp, tp, pp, ep) for ``gpus`` ranks: tp <= 8, ParallelDims' rules; ep over
-    the divisors of dp_shard (and of the expert count) for an MoE model."""
+    """Every valid (dp_replicate, dp_shard, cp, tp, pp, ep) for ``gpus`` ranks: tp <= 8, ParallelDims' rules, the
+    layouts the architecture declares (megapipe.models.capabilities: no cp for Mamba layers); ep over the divisors
+    of dp_shard (and of the expert count) for an MoE model."""
+    from megapipe.models.capabilities import capabilities, requested_layouts
+
+    declared = capabilities(cfg.model).layouts
     p = cfg.parallel
     out = []
     for tp in [d for d in _divisors(gpus) if d <= GPUS_PER_NODE]:
@@ -584,6 +588,8 @@ def candidate_layouts(cfg, gpus: int):
                             pp_layer_split=p.pp_layer_split if pp == p.pp else None,
                             pp_microbatches=p.pp_microbatches if pp > 1 else None,
                         )
+                        if not set(requested_layouts(pcfg)) <= declared:
+                            continue
                         if pp > 1 and p.pp == 1 and pcfg.pp_schedule != "1F1B" and pcfg.pp_virtual_stages == 1:
                             pcfg = dataclasses.replace(pcfg, pp_schedule="1F1B")
                         try:

@@ -159,6 +159,16 @@ def test_ranking_returns_valid_layouts_only():
     assert P.efficiency(d, d.num_pp_microbatches(cfg.train))["pp_bubble"] == pytest.approx(1 - 3 / 11)
 
 
+def test_ranking_offers_only_the_layouts_the_architecture_declares():
+    """Nemotron-H's Mamba layers take no context parallelism: no cp > 1 layout is ranked for it, while the same
+    GPUs give a Llama of its size cp layouts."""
+    opts = {"train.global_batch_size": 64, "train.micro_batch_size": 1, "data.seq_length": 8192}
+    hybrid = P.candidate_layouts(_cfg(**{"model.preset": "nemotron-h-8b", **opts}), 8)
+    dense = P.candidate_layouts(_cfg(**{"model.preset": "llama3-8b", **opts}), 8)
+    assert hybrid and all(d.cp == 1 for d in hybrid)
+    assert any(d.cp > 1 for d in dense)
+
+
 def test_step_flops_and_time():
     cfg = _cfg(**{"model.preset": "llama3-8b", "train.global_batch_size": 64, "train.micro_batch_size": 1,
                   "data.seq_length": 8192, "train.precision": "bf16", "train.recompute": "full"})
