@@ -109,6 +109,14 @@ MODELS["hybrid"] = dict(arch="nemotron_h", hidden_size=32, intermediate_size=64,
                         hybrid_override_pattern="M*-ME", mamba_state_dim=8, mamba_head_dim=8, mamba_num_groups=2,
                         mamba_num_heads=4, mamba_chunk_size=8, num_experts=4, moe_router_topk=2,
                         moe_ffn_hidden_size=16, moe_aux_loss_coeff=0.05)
+# Falcon-H1-shaped (falcon-h1-tiny in small): Mamba-2 (4 heads in 2 groups, Falcon's norm before the gate, two SSD
+# chunks per sequence) beside attention on one normed input, then a SwiGLU MLP; every muP multiplier off 1
+MODELS["falcon"] = dict(arch="falcon_h1", hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                        num_kv_heads=2, vocab_size=128, mamba_state_dim=8, mamba_head_dim=8, mamba_num_groups=2,
+                        mamba_num_heads=4, mamba_chunk_size=8, mamba_norm_before_gate=True, embedding_multiplier=2.0,
+                        lm_head_multiplier=0.5, key_multiplier=0.7, attention_in_multiplier=1.1,
+                        attention_out_multiplier=0.9, mamba_in_multiplier=1.2, mamba_out_multiplier=0.8,
+                        mamba_proj_multipliers=[0.5, 1.5, 0.7, 1.3, 0.9], mlp_multipliers=[1.1, 0.6])
 
 
 def parse_case(text: str) -> tuple[dict, dict]:

@@ -59,6 +59,9 @@ CASES_2 = [
     # without sp), stages split by the layers' costs, FSDP, DDP, the MoE layer's experts over ep
     "tp2:model=hybrid", "tp2:sp=0:model=hybrid", "pp2:model=hybrid", "dp_shard2:model=hybrid", "ddp2:model=hybrid",
     "ep2:model=hybrid",
+    # Falcon-H1-shaped (Mamba beside attention on one normed input, muP multipliers off 1): the block's plan put
+    # together from the Mamba, attention and MLP plans under tp (with and without sp), pp, FSDP, DDP
+    "tp2:model=falcon", "tp2:sp=0:model=falcon", "pp2:model=falcon", "dp_shard2:model=falcon", "ddp2:model=falcon",
 ]
 BF16 = [c for c in CASES_2 if "precision=bf16" in c]
 CASES_4 = [
@@ -85,6 +88,7 @@ CASES_4 = [
     "pp2,tp2:sp=0:model=qk", "pp2,tp2:sp=0:model=moe:load=ckpt_ep2",
     # the hybrid on FSDP x TP, and saved on pp x tp, resumed exactly on FSDP x TP
     "dp_shard2,tp2:model=hybrid", "pp2,tp2:model=hybrid:save=ckpt_hybrid", "dp_shard2,tp2:model=hybrid:load=ckpt_hybrid",
+    "dp_shard2,tp2:model=falcon",  # Falcon-H1 on FSDP x TP
 ]
 CASES_8 = ["pp2,dp_shard2,tp2", "dp_shard2,cp2,tp2", "pp2,ep2,tp2:model=moe_bias"]
 
