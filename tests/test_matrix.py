@@ -2,7 +2,8 @@
 transformers model -> `import hf` -> `generate` (the engine's default path and its torch path, both token for token
 transformers' `generate`) -> `serve` (a completion and a chat completion through the openai client, equal to the
 engine) -> `posttrain sft` with LoRA (finite loss; the adapters exported and loaded by peft give our logits) ->
-`posttrain rl` -> `posttrain quantize --quant fp8` -> `export trt` (unified and legacy) -> `eval` perplexity ->
+`posttrain rl` -> `posttrain quantize --quant fp8` -> `export trt` (unified and legacy) -> `posttrain prune` (the
+FFN narrowed) -> `eval` perplexity ->
 `export hf` (the source tensors back, bit for bit).
 
 The capability table (megapipe/models/capabilities.py) decides: what an architecture declares must pass here, and
@@ -113,6 +114,7 @@ def test_sft_with_lora_and_peft_parity(arch, capsys, one_thread):
     args = ["posttrain", "sft", "--load", arch["ckpt"], "--data", CHAT, "--seq-length", "64",
             "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2", "--lr", "1e-2",
             "--lr-warmup-iters", "0", "--eval-iters", "0", "--log-interval", "1", "--save", run, "--lora-rank", "4",
+            "--data-cache-path", arch["work"] / "sft_cache",
             "--lora-alpha", "8", "--quiet"]
     if "sft" not in caps.stages:
         assert LABELS[arch["name"]] in refused(capsys, *args)
@@ -206,10 +208,24 @@ def test_export_trt(arch, fp8, fmt, capsys):
         return
     assert cli("export", "trt", arch["ckpt"], out, "--format", fmt, "--quiet") == 0
     assert (out / "config.json").is_file()
+    if fmt == "unified":  # unquantized, the unified checkpoint is the Hugging Face layout (in bf16)
+        assert_same_tensors(arch["hf"], out, cast=True)
     if fp8 is not None and not (fmt == "unified" and arch["name"] == "gpt2"):
         qout = arch["work"] / f"trt_{fmt}_fp8"
         assert cli("export", "trt", fp8, qout, "--format", fmt, "--quiet") == 0
         assert (qout / "config.json").is_file()
+
+
+def test_prune(arch, corpus, capsys, one_thread):
+    out = arch["work"] / "pruned"
+    args = ["posttrain", "prune", arch["ckpt"], "--output", out, "--calib-data", corpus, "--calib-samples", "4",
+            "--valid-samples", "2", "--seq-length", "32", "--micro-batch-size", "2", "--ffn", "64"]
+    if "prune" not in arch["caps"].stages:
+        assert LABELS[arch["name"]] in refused(capsys, *args) and not out.exists()
+        return
+    assert cli(*args, "--quiet") == 0
+    manifest = json.loads((out / "megapipe.json").read_text())
+    assert from_dict(ModelConfig, manifest["model"], "model.").intermediate_size == 64
 
 
 def test_eval_perplexity(arch, corpus, capsys, one_thread):
@@ -222,10 +238,14 @@ def test_eval_perplexity(arch, corpus, capsys, one_thread):
 
 
 def test_export_hf_round_trip(arch):
-    from safetensors import safe_open
-
     out = arch["work"] / "hf_again"
     assert cli("export", "hf", arch["ckpt"], out, "--dtype", "fp32", "--quiet") == 0
+    assert_same_tensors(arch["hf"], out)
+
+
+def assert_same_tensors(source_dir: Path, out_dir: Path, cast: bool = False) -> None:
+    """The tensors of ``out_dir`` are those of ``source_dir``, names and values (``cast``: in out_dir's dtypes)."""
+    from safetensors import safe_open
 
     def tensors(directory: Path) -> dict:
         found = {}
@@ -234,7 +254,7 @@ def test_export_hf_round_trip(arch):
                 found.update({k: s.get_tensor(k) for k in s.keys()})
         return found
 
-    source, again = tensors(arch["hf"]), tensors(out)
+    source, again = tensors(source_dir), tensors(out_dir)
     assert source.keys() == again.keys()
     for name, t in source.items():
-        assert torch.equal(t, again[name]), name
+        assert torch.equal(t.to(again[name].dtype) if cast else t, again[name]), name

@@ -30,7 +30,7 @@ from megapipe.errors import ConfigError
 from megapipe.inference.host_memory import collapse_resident_memory, keep_freed_buffers
 from megapipe.inference.kv_cache import KVPool, PagedBatch
 from megapipe.inference.state_cache import StatePool
-from megapipe.models.dense import TransformerBlock
+from megapipe.models.dense import FeedForward, TransformerBlock
 from megapipe.models.moe import GroupedExperts, MoEBlock
 from megapipe.models.norms import RMSNorm
 from megapipe.models.rope import inv_frequencies, rope_cos_sin
@@ -108,6 +108,13 @@ class PackedSwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate = self.w1(x, "swish")
         return self.w2(self.w3.times(x, gate))
+
+    @staticmethod
+    def fits(ff: nn.Module) -> bool:
+        """``ff`` computes exactly FeedForward's SwiGLU (not a subclass that scales inside it, as Falcon-H1's
+        multipliers do: its linears are packed one by one under its own forward)."""
+        return (getattr(ff, "swiglu", False) and isinstance(getattr(ff, "w1", None), nn.Linear)
+                and type(ff).forward is FeedForward.forward)
 
 
 class PackedQKV(nn.Module):
@@ -192,7 +199,7 @@ def pack_linears(model: nn.Module, own: bool = False) -> int:
     for name, child in list(model.named_children()):
         if child is None or name == "fused_qkv" or name in keep:
             continue
-        if getattr(child, "swiglu", False) and isinstance(getattr(child, "w1", None), nn.Linear):
+        if PackedSwiGLU.fits(child):
             setattr(model, name, PackedSwiGLU(child, own))
             count += 3
         elif isinstance(child, GroupedExperts):

@@ -159,7 +159,8 @@ def describe(cfg) -> str:
     label = LABELS.get(cfg.arch, cfg.arch)
     mtp = " with MTP" if getattr(cfg, "mtp_depth", 0) else ""
     kinds = [k for k in kinds if not (k == "mla" and cfg.arch in MLA_FAMILIES)]  # the family name says MLA
-    if kinds in (["dense"], FAMILY_KINDS.get(cfg.arch)) or (kinds == ["moe"] and cfg.arch in MOE_FAMILIES):
+    family = sorted(FAMILY_KINDS.get(cfg.arch, ()))  # in any layer order
+    if kinds == ["dense"] or sorted(kinds) == family or (kinds == ["moe"] and cfg.arch in MOE_FAMILIES):
         return label + mtp
     return f"{label} ({' + '.join(KIND_LABELS.get(k, k) for k in kinds)}){mtp}"
 

@@ -172,15 +172,32 @@ class Mamba2Mixer(nn.Module):
         z, xbc, dt = self.project(x)
         if cache is not None:
             y = cache.ssm(self.layer_id, self, xbc, dt)
+        elif mask is not None and mask.prefix_ids is not None:
+            y = self.ssm_forked(xbc, dt, mask.document_ids, mask.prefix_ids)
         else:
-            documents = None
-            if mask is not None:
-                if mask.prefix_ids is not None:
-                    raise ValueError("prefix_ids (documents continuing a shared prompt) are not defined for Mamba "
-                                     "layers: their state runs through the tokens in order")
-                documents = mask.document_ids
-            y, _, _ = self.ssm(xbc, dt, document_ids=documents)
+            y, _, _ = self.ssm(xbc, dt, document_ids=None if mask is None else mask.document_ids)
         return self.finish(y, z)
+
+    def ssm_forked(self, xbc: torch.Tensor, dt: torch.Tensor, document_ids: torch.Tensor,
+                   prefix_ids: torch.Tensor) -> torch.Tensor:
+        """``ssm`` over packed documents that continue a shared prompt (RL's shared prompts): a document whose
+        ``prefix_ids`` names an earlier document of its row starts from the conv window and SSM state that document
+        ended with, as if it followed it alone; the others start from zeros. One scan per document run."""
+        rows = []
+        for r in range(xbc.shape[0]):
+            ids, prefixes = document_ids[r].tolist(), prefix_ids[r].tolist()
+            ends, pieces, start = {}, [], 0
+            for t in range(1, len(ids) + 1):
+                if t < len(ids) and ids[t] == ids[start]:
+                    continue
+                doc, prefix = ids[start], prefixes[start]
+                states = ends.get(prefix, (None, None)) if prefix != doc else (None, None)
+                y, conv_state, ssm_state = self.ssm(xbc[r:r + 1, start:t], dt[r:r + 1, start:t], *states)
+                ends[doc] = (conv_state, ssm_state)
+                pieces.append(y)
+                start = t
+            rows.append(torch.cat(pieces, dim=1))
+        return torch.cat(rows)
 
     @torch.no_grad()
     def init_weights(self) -> None:

@@ -146,19 +146,19 @@ def test_load_weights_reaches_the_packed_mixers(hybrid, one_thread):
     assert engine.generate([PROMPTS[0]], greedy)[0].outputs[0].token_ids == full_greedy(other, PROMPTS[0], 8)
 
 
-def test_greedy_equals_transformers_nemotron_h(tmp_path, one_thread):
-    """A tiny random NemotronHForCausalLM through the Hugging Face bridge: the engine's greedy tokens are
-    transformers' generate's, at batch 1 and in a continuous batch with chunked prefill."""
+@pytest.mark.parametrize("arch", ["nemotron_h", "falcon_h1"])
+def test_greedy_equals_transformers(arch, tmp_path, one_thread):
+    """A tiny random NemotronHForCausalLM / FalconH1ForCausalLM (attention beside Mamba in one layer, its multipliers
+    off 1) through the Hugging Face bridge: the engine's greedy tokens are transformers' generate's, at batch 1 and
+    in a continuous batch of mixed prompt lengths with chunked prefill, on the default (packed) and the torch path."""
     from tests.helpers import hf_tiny
 
-    try:
-        hf_tiny._hf_config("nemotron_h")
-    except ValueError:
-        pytest.skip("tests/helpers/hf_tiny.py makes no tiny NemotronHForCausalLM yet (the Nemotron-H bridge)")
-    path, hf = hf_tiny.make_hf_dir(tmp_path, "nemotron_h")
+    path, hf = hf_tiny.make_hf_dir(tmp_path, arch)
     want = {i: hf_tiny.hf_greedy(hf, p, 10) for i, p in enumerate(PROMPTS)}
     greedy = SamplingParams(max_tokens=10, **GREEDY)
-    engine = LLMEngine.from_pretrained(path, device="cpu")
-    assert engine.generate([PROMPTS[3]], greedy)[0].outputs[0].token_ids == want[3]
-    chunked = LLMEngine.from_pretrained(path, device="cpu", max_num_batched_tokens=8)
-    assert run_staggered(chunked, PROMPTS, greedy, every=1) == want
+    for torch_path in (False, True):
+        plain = dict(pack_weights=False, cpu_kernels=False) if torch_path else {}
+        engine = LLMEngine.from_pretrained(path, device="cpu", **plain)
+        assert engine.generate([PROMPTS[3]], greedy)[0].outputs[0].token_ids == want[3]
+        chunked = LLMEngine.from_pretrained(path, device="cpu", max_num_batched_tokens=8, **plain)
+        assert run_staggered(chunked, PROMPTS, greedy, every=1) == want

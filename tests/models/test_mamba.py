@@ -203,11 +203,22 @@ def test_tiny_hybrid_model_trains_a_step_and_packs_documents():
     torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
 
 
-def test_prefix_ids_are_refused_by_mamba_layers():
+def test_documents_continuing_a_shared_prompt_equal_prompt_plus_document_alone():
+    """RL's shared prompts: a prompt once, then completions that continue it (``prefix_ids``), each equal to the prompt
+    and that completion as one sequence (the Mamba state and conv window forked at the prompt's end), gradients too."""
     model = build_model(ModelConfig(**TINY), seed=0)
-    ids = torch.zeros(1, 4, dtype=torch.long)
-    with pytest.raises(ValueError, match="prefix_ids"):
-        model(torch.zeros(1, 4, dtype=torch.long), document_ids=ids, prefix_ids=ids, positions=torch.arange(4))
+    tokens = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(1))
+    prompt, first, second = tokens[:, :7], tokens[:, 7:12], tokens[:, 12:13]  # a one-token completion steps once
+    documents = torch.tensor([[0] * 7 + [1] * 5 + [2] + [-1] * 3])
+    prefixes = torch.tensor([[0] * 13 + [-1] * 3])
+    positions = torch.tensor([list(range(7)) + list(range(7, 12)) + [7] + [0, 1, 2]])
+    packed = model(tokens, document_ids=documents, prefix_ids=prefixes, positions=positions)
+    alone = [model(torch.cat([prompt, c], 1))[:, 7:] for c in (first, second)]
+    torch.testing.assert_close(packed[:, 7:13], torch.cat(alone, 1), atol=1e-5, rtol=1e-5)
+    grads = torch.autograd.grad(packed[:, 7:13].sum(), list(model.parameters()))
+    want = torch.autograd.grad(sum(a.sum() for a in alone), list(model.parameters()))
+    for g, w in zip(grads, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("n, attention, mlp, pattern", [
