@@ -16,7 +16,6 @@ refusals are post-training's: megapipe.posttrain.lora.
 from __future__ import annotations
 
 import contextlib
-
 import math
 from dataclasses import dataclass
 from typing import Optional

@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from megapipe.checkpoint import resolve_checkpoint
-from megapipe.checkpoint.load import load_model
 from megapipe.data.gpt_dataset import parse_split
 from megapipe.data.preference import build_preference_datasets, prepare_preference_index
 from megapipe.data.sft import ChatEncoder
@@ -195,9 +194,10 @@ class DPORecipe(Recipe):
 
     def describe(self) -> str:
         m, train = self._index.meta, self._datasets["train"]
+        bad = m["bad_records"]
         return (f"dpo data: {m['pairs']:,} pairs ({train.per_epoch:,} train), loss {self.spec.loss_type}, "
                 f"{'one packed row' if train.packed else 'two rows'} per pair"
-                f"{f', {m["bad_records"]} bad record(s) skipped' if m["bad_records"] else ''}"
+                f"{f', {bad} bad record(s) skipped' if bad else ''}"
                 f"{f', {train.truncated} cut at --seq-length' if train.truncated else ''}"
                 f"{f', {train.dropped} left out' if train.dropped else ''}"
                 f"{' (index cached)' if self._index.cache_hit else ''}")
