@@ -23,6 +23,7 @@ from stages import (
     checkpoint,
     data,
     distill,
+    dpo,
     export_trt,
     generate,
     hf,
@@ -73,6 +74,7 @@ COMMANDS: dict[str, Entry] = {
                                                 training=True), training_command_class(pretrain.pretrain)),
     "posttrain sft": Entry(sft.sft, RUN, training_command_class(sft.sft)),
     "posttrain distill": Entry(distill.distill, RUN, training_command_class(distill.distill)),
+    "posttrain dpo": Entry(dpo.dpo, RUN, training_command_class(dpo.dpo)),
     "posttrain prune": Entry(prune.prune, CHECKPOINT, training_command_class(prune.prune)),
     "posttrain rl": Entry(rl.rl, RUN, training_command_class(rl.rl)),
     "posttrain quantize": Entry(quantize.quantize, CHECKPOINT),
@@ -99,7 +101,7 @@ GROUP_HELP = {
     "checkpoint": "Inspect, verify and convert megapipe checkpoints.",
     "import": "Bring a model from another format into a megapipe checkpoint.",
     "export": "Write a megapipe checkpoint in another format.",
-    "posttrain": "Post-train a checkpoint: sft, distill, prune, quantize, rl.",
+    "posttrain": "Post-train a checkpoint: sft, distill, dpo, prune, quantize, rl.",
     "pipeline": "Run YAML pipelines of stages (cached, resumable; local or Slurm).",
 }
 

@@ -1,4 +1,4 @@
-"""The one typed config tree: model, parallel, data, train, optim, rl, checkpoint, sft, lora, distill.
+"""The one typed config tree: model, parallel, data, train, optim, rl, checkpoint, sft, lora, distill, dpo.
 
 Loaded from YAML (errors name ``file:line``), overridden with dotted keys (``train.lr=3e-4``), validated with
 messages that name the key and the allowed values. Every section is a plain dataclass so library code reads
@@ -546,6 +546,24 @@ class DistillConfig:
 
 
 @dataclass
+class DPOConfig:
+    loss_type: Literal["sigmoid", "ipo", "hinge", "robust", "simpo", "orpo"] = opt(
+        "sigmoid", "--loss-type", help="Preference loss: sigmoid (DPO), ipo, hinge, robust; simpo and orpo need no "
+                                       "reference.")
+    beta: float = opt(0.1, "--beta", help="Scale of the log-ratios (DPO's beta; ORPO's odds-ratio weight).")
+    label_smoothing: float = opt(0.0, "--label-smoothing", help="Assumed label noise of sigmoid / robust / simpo.")
+    simpo_gamma: float = opt(0.5, "--simpo-gamma", help="SimPO's target reward margin.")
+    rpo_alpha: Optional[float] = opt(None, "--rpo-alpha", help="Weight of an NLL term on the chosen answer (RPO).")
+    precompute_ref_logprobs: bool = opt(False, "--precompute-ref-logprobs",
+                                        help="The reference's log-probs in one pass before training (no reference "
+                                             "model during training).")
+    ref_parallel: Literal["replicate", "fsdp"] = opt(
+        "replicate", "--ref-parallel", help="Reference model on every rank, or FSDP-sharded over the data-parallel "
+                                            "ranks.")
+    ref_precision: Literal["fp32", "bf16"] = opt("fp32", "--ref-precision", help="Reference weights' dtype.")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -557,6 +575,7 @@ class Config:
     sft: SFTConfig = field(default_factory=SFTConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
 
 
 # --------------------------------------------------------------------------------------------------- building
@@ -1082,3 +1101,10 @@ def validate_posttrain(cfg: Config) -> None:
         raise ConfigError(f"distill.jsd_beta = {kd.jsd_beta} must be within [0, 1]")
     if kd.top_k < 0:
         raise ConfigError(f"distill.top_k = {kd.top_k} must be >= 0 (0: the whole vocabulary)")
+    d = cfg.dpo
+    if d.beta <= 0:
+        raise ConfigError(f"dpo.beta (--beta) = {d.beta} must be > 0")
+    if not 0 <= d.label_smoothing < 0.5:
+        raise ConfigError(f"dpo.label_smoothing (--label-smoothing) = {d.label_smoothing} must be within [0, 0.5)")
+    if d.rpo_alpha is not None and d.rpo_alpha < 0:
+        raise ConfigError(f"dpo.rpo_alpha (--rpo-alpha) = {d.rpo_alpha} must be >= 0")

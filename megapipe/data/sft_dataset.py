@@ -99,22 +99,29 @@ def prepare_sft_index(inputs: list[str], encoder: ChatEncoder, skip_bad: bool = 
     """The tokenized store of ``inputs`` (built now, or found in the cache)."""
     paths = expand_sft_inputs(inputs)
     key = index_key(paths, encoder, skip_bad)
-    root = cache_root(paths, cache_dir)
-    entry = root / f"sft-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]}"
+    return cached_index("sft", key, cache_root(paths, cache_dir), cache_dir is not None,
+                        lambda entry: _build(paths, encoder, skip_bad, entry, key, progress), _load)
+
+
+def cached_index(kind: str, key: dict, root: Path, explicit: bool, build: Callable[[Path], None],
+                 load: Callable[[Path, bool], object]):
+    """The cache entry ``root/KIND-HASH(key)``: loaded when present, else built once (``build(entry)`` writes it;
+    under a file lock, by rank 0 while the other ranks wait at a barrier) and loaded (``load(entry, hit)``)."""
+    entry = root / f"{kind}-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]}"
     if entry.is_dir():
-        return _load(entry, hit=True)
+        return load(entry, True)
     dist = _torch_dist()
     builder = dist is None or dist.get_rank() == 0
     if not builder:
         dist.barrier()  # rank 0 builds first; the others then load it (or fail the same way when it could not)
         if entry.is_dir():
-            return _load(entry, hit=True)
+            return load(entry, True)
     try:
-        with _lock(root, explicit=cache_dir is not None):
+        with _lock(root, explicit=explicit):
             if entry.is_dir():
-                return _load(entry, hit=True)
-            _build(paths, encoder, skip_bad, entry, key, progress)
-            return _load(entry, hit=False)
+                return load(entry, True)
+            build(entry)
+            return load(entry, False)
     finally:
         if builder and dist is not None:
             dist.barrier()

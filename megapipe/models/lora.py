@@ -15,6 +15,7 @@ refusals are post-training's: megapipe.posttrain.lora.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -104,6 +105,8 @@ def _add(module: nn.Linear, spec: LoRASpec, generator: Optional[torch.Generator]
 
 
 def _lora_forward(module, args, output):
+    if getattr(module, "lora_off", False):
+        return output
     x = args[0]
     if module.lora_dropout and module.training and torch.is_grad_enabled():
         x = nn.functional.dropout(x, module.lora_dropout)
@@ -113,6 +116,19 @@ def _lora_forward(module, args, output):
 def lora_layers(model: nn.Module):
     """(name, linear) of every layer carrying adapters."""
     return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and hasattr(m, "lora_A")]
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module):
+    """The base model: every adapter of ``model`` skipped inside the context (a reference without a second copy)."""
+    layers = [m for _, m in lora_layers(model)]
+    for m in layers:
+        m.lora_off = True
+    try:
+        yield model
+    finally:
+        for m in layers:
+            m.lora_off = False
 
 
 def apply_lora(model: nn.Module, spec: LoRASpec, seed: Optional[int] = None) -> nn.Module:

@@ -104,6 +104,23 @@ def check_same_vocabulary(teacher_ckpt: Path, student_vocab_size: int, student_t
         )
 
 
+def frozen_model(ckpt: Path, ctx: RunContext, precision: str, parallel: str):
+    """A checkpoint's model in eval mode with gradients off (``precision`` fp32 or bf16), on every rank
+    (``parallel`` replicate) or FSDP-sharded over the data-parallel ranks (fsdp): a teacher, a reference."""
+    dtype = torch.bfloat16 if precision == "bf16" else None
+    model = load_model(ckpt, device=ctx.device, dtype=dtype).model
+    model.requires_grad_(False)
+    dims = ctx.dims
+    if parallel == "fsdp" and dims.dp_shard * dims.cp > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = dims.mesh("dp_shard_cp")
+        for block in model.layers.values():
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model
+
+
 class DistillRecipe(Recipe):
     """``DistillRecipe(cfg.distill)``: the distillation settings fix the loss before the run is resolved."""
 
@@ -158,18 +175,7 @@ class DistillRecipe(Recipe):
 
     def build_teacher(self, ctx: RunContext):
         kd = ctx.cfg.distill
-        dtype = torch.bfloat16 if kd.teacher_precision == "bf16" else None
-        teacher = load_model(resolve_checkpoint(kd.teacher), device=ctx.device, dtype=dtype).model
-        teacher.requires_grad_(False)
-        dims = ctx.dims
-        if kd.teacher_parallel == "fsdp" and dims.dp_shard * dims.cp > 1:
-            from torch.distributed.fsdp import fully_shard
-
-            mesh = dims.mesh("dp_shard_cp")
-            for block in teacher.layers.values():
-                fully_shard(block, mesh=mesh)
-            fully_shard(teacher, mesh=mesh)
-        return teacher
+        return frozen_model(resolve_checkpoint(kd.teacher), ctx, kd.teacher_precision, kd.teacher_parallel)
 
     def train_data(self, ctx: RunContext, model, state: dict):
         return self.data_recipe(ctx.cfg).train_data(ctx, model, state)
