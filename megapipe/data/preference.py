@@ -31,10 +31,16 @@ from typing import Any, Optional
 
 import numpy as np
 
-from megapipe.data.gpt_dataset import parse_split, split_document_ranges
 from megapipe.data.indexed import IndexedDataset, IndexedDatasetWriter, optimal_dtype
 from megapipe.data.sft import ChatEncoder, Example, NoChatTemplate, _messages, _type, iter_records
-from megapipe.data.sft_dataset import BAD_EXAMPLES_KEPT, cache_root, cached_index, expand_sft_inputs, index_key
+from megapipe.data.sft_dataset import (
+    BAD_EXAMPLES_KEPT,
+    cache_root,
+    cached_index,
+    expand_sft_inputs,
+    index_key,
+    split_samples,
+)
 from megapipe.errors import DataError
 
 SIDES = ("chosen", "rejected")
@@ -283,19 +289,7 @@ class PreferenceSamples:
 
 def build_preference_datasets(index: PreferenceIndex, split: str, seq_length: int, num_samples: dict[str, int],
                               seed: int, packed: bool, overlong: str, pad_id: int) -> dict:
-    """Train / valid samples: the pairs split by ``split`` weights in file order; None where none are requested."""
-    n = index.num_pairs
-    ranges = split_document_ranges(parse_split(split), n)
-    out: dict[str, Optional[PreferenceSamples]] = {}
-    for k, name in enumerate(("train", "valid")):
-        wanted = num_samples.get(name, 0)
-        if not wanted:
-            out[name] = None
-            continue
-        lo, hi = ranges[k]
-        if hi <= lo:
-            raise DataError(f"split {name!r} of the preference data has 0 of its {n} pairs (data.split {split!r}); "
-                            "change --split or add data")
-        out[name] = PreferenceSamples(index, np.arange(lo, hi), seq_length, pad_id, packed, overlong, seed, wanted,
-                                      shuffle=name == "train", split_name=name)
-    return out
+    """Train / valid samples of the pairs (``split_samples``)."""
+    return split_samples(index.num_pairs, "preference data", split, num_samples, lambda ids, wanted, name:
+                         PreferenceSamples(index, ids, seq_length, pad_id, packed, overlong, seed, wanted,
+                                           shuffle=name == "train", split_name=name))

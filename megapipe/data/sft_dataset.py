@@ -300,13 +300,11 @@ class SFTSamples:
         return out
 
 
-def build_sft_datasets(index: SFTIndex, split: str, seq_length: int, num_samples: dict[str, int], seed: int,
-                       packing: bool, overlong: str, pad_id: int) -> dict[str, Optional[SFTSamples]]:
-    """Train / valid samples: the conversations split by ``split`` weights in file order (Megatron's document
-    split); None where no samples are requested."""
-    n = index.num_conversations
-    ranges = split_document_ranges(parse_split(split), n)
-    out: dict[str, Optional[SFTSamples]] = {}
+def split_samples(count: int, what: str, split: str, num_samples: dict[str, int], make) -> dict:
+    """Train / valid samples over ``count`` records (conversations, pairs) split by ``split`` weights in file order
+    (Megatron's document split): ``make(record ids, wanted, name)`` for each split asked for, None for the others."""
+    ranges = split_document_ranges(parse_split(split), count)
+    out: dict = {}
     for k, name in enumerate(("train", "valid")):
         wanted = num_samples.get(name, 0)
         if not wanted:
@@ -314,11 +312,17 @@ def build_sft_datasets(index: SFTIndex, split: str, seq_length: int, num_samples
             continue
         lo, hi = ranges[k]
         if hi <= lo:
-            raise DataError(f"split {name!r} of the SFT data has 0 of its {n} conversations (data.split {split!r}); "
+            raise DataError(f"split {name!r} of the {what} has 0 of its {count} records (data.split {split!r}); "
                             "change --split or add data")
-        out[name] = SFTSamples(index, np.arange(lo, hi), seq_length, pad_id, packing, overlong, seed, wanted,
-                               shuffle=name == "train", split_name=name)
+        out[name] = make(np.arange(lo, hi), wanted, name)
     return out
+
+
+def build_sft_datasets(index: SFTIndex, split: str, seq_length: int, num_samples: dict[str, int], seed: int,
+                       packing: bool, overlong: str, pad_id: int) -> dict[str, Optional[SFTSamples]]:
+    """Train / valid samples of the conversations (``split_samples``)."""
+    return split_samples(index.num_conversations, "SFT data", split, num_samples, lambda ids, wanted, name: SFTSamples(
+        index, ids, seq_length, pad_id, packing, overlong, seed, wanted, shuffle=name == "train", split_name=name))
 
 
 class SFTLoader(PretrainingLoader):

@@ -25,16 +25,17 @@ from megapipe.data.sft import ChatEncoder
 from megapipe.data.sft_dataset import SFTLoader
 from megapipe.errors import ConfigError
 from megapipe.models.capabilities import capabilities
-from megapipe.models.lora import adapters_off, apply_lora
+from megapipe.models.lora import adapters_off
 from megapipe.models.objective import Loss, LossResult, ModelOutput
 from megapipe.posttrain.dpo_losses import PreferenceSpec, preference_loss
-from megapipe.posttrain.lora import check_lora_run, load_base_weights, lora_spec
+from megapipe.posttrain.lora import check_lora_run, lora_spec
 from megapipe.posttrain.rl.grpo import masked_logprobs
 from megapipe.posttrain.rl.logprobs import DEFAULT_CHUNK
 from megapipe.posttrain.rl.rollout import sequence_logprobs
 from megapipe.posttrain.start import START_KEY, start_of
-from megapipe.training.recipes.base import Recipe, RunContext
+from megapipe.training.recipes.base import RunContext
 from megapipe.training.recipes.distill import frozen_model
+from megapipe.training.recipes.sft import LoRARecipe
 
 STAGE = "dpo"
 
@@ -128,7 +129,7 @@ class PreferenceStream:
         return self.loader.state_dict()
 
 
-class DPORecipe(Recipe):
+class DPORecipe(LoRARecipe):
     stage = STAGE
 
     def __init__(self, dpo_cfg, quiet: bool = False):
@@ -166,15 +167,6 @@ class DPORecipe(Recipe):
             self._index = prepare_preference_index(cfg.sft.data, self._encoder, cfg.sft.skip_bad_records,
                                                    cfg.data.cache_dir)
         return self._index
-
-    def prepare_model(self, ctx: RunContext, model):
-        spec = lora_spec(ctx.cfg)
-        return apply_lora(model, spec, seed=ctx.cfg.train.seed) if spec is not None else model
-
-    def load_weights(self, ctx: RunContext, model, ckpt) -> None:
-        if lora_spec(ctx.cfg) is None:
-            return super().load_weights(ctx, model, ckpt)
-        load_base_weights(ckpt, model)
 
     def datasets(self, ctx: RunContext) -> dict:
         if self._datasets is None:

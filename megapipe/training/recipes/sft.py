@@ -25,7 +25,21 @@ from megapipe.posttrain.start import START_KEY, start_of
 from megapipe.training.recipes.base import Recipe, RunContext
 
 
-class SFTRecipe(Recipe):
+class LoRARecipe(Recipe):
+    """A recipe that trains LoRA adapters when ``--lora-rank`` asks (SFT, DPO): the adapters added to the built
+    model, the checkpoint's weights loaded into its base."""
+
+    def prepare_model(self, ctx: RunContext, model):
+        spec = lora_spec(ctx.cfg)
+        return apply_lora(model, spec, seed=ctx.cfg.train.seed) if spec is not None else model
+
+    def load_weights(self, ctx: RunContext, model, ckpt) -> None:
+        if lora_spec(ctx.cfg) is None:
+            return super().load_weights(ctx, model, ckpt)
+        load_base_weights(ckpt, model)
+
+
+class SFTRecipe(LoRARecipe):
     stage = "sft"
 
     def __init__(self, quiet: bool = False):
@@ -61,15 +75,6 @@ class SFTRecipe(Recipe):
         return self._index
 
     # ------------------------------------------------------------------------------------------- model and data
-
-    def prepare_model(self, ctx: RunContext, model):
-        spec = lora_spec(ctx.cfg)
-        return apply_lora(model, spec, seed=ctx.cfg.train.seed) if spec is not None else model
-
-    def load_weights(self, ctx: RunContext, model, ckpt) -> None:
-        if lora_spec(ctx.cfg) is None:
-            return super().load_weights(ctx, model, ckpt)
-        load_base_weights(ckpt, model)
 
     def datasets(self, ctx: RunContext) -> dict:
         if self._datasets is None:
