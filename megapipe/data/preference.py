@@ -23,23 +23,21 @@ chosen, 2 rejected (0 elsewhere); ``loss_mask`` the trained answer tokens.
 
 from __future__ import annotations
 
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 
-from megapipe.data.indexed import IndexedDataset, IndexedDatasetWriter, optimal_dtype
-from megapipe.data.sft import ChatEncoder, Example, NoChatTemplate, _messages, _type, iter_records
+from megapipe.data.indexed import IndexedDataset
+from megapipe.data.sft import ChatEncoder, Example, _messages, _type
 from megapipe.data.sft_dataset import (
-    BAD_EXAMPLES_KEPT,
     cache_root,
     cached_index,
     expand_sft_inputs,
     index_key,
     split_samples,
+    write_index,
 )
 from megapipe.errors import DataError
 
@@ -138,45 +136,12 @@ def prepare_preference_index(inputs: list[str], encoder: ChatEncoder, skip_bad: 
 
 
 def _build(paths: list[Path], encoder: ChatEncoder, skip_bad: bool, entry: Path, key: dict) -> None:
-    import json
+    """Three documents per pair: the prompt (nothing trained), the chosen and the rejected answer."""
+    def encode(record, where: str):
+        prompt, chosen, rejected = encode_pair(encoder, *parse_pair(record, where))
+        return [(prompt, np.zeros(len(prompt), bool)), chosen, rejected]
 
-    tmp = entry.with_name(f".{entry.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    counts = {"records": 0, "pairs": 0, "bad_records": 0}
-    bad: list[str] = []
-    try:
-        tmp.mkdir(parents=True)
-        dtype = optimal_dtype(len(encoder.vocab))
-        with IndexedDatasetWriter(tmp / "tokens", dtype) as tokens, IndexedDatasetWriter(tmp / "mask", np.uint8) as mask:
-            for path in paths:
-                for where, record in iter_records(path):
-                    counts["records"] += 1
-                    try:
-                        if isinstance(record, DataError):
-                            raise record
-                        prompt, chosen, rejected = encode_pair(encoder, *parse_pair(record, where))
-                    except NoChatTemplate:
-                        raise
-                    except DataError as e:
-                        if not skip_bad:
-                            raise DataError(f"{e}; fix it or pass --skip-bad-records") from None
-                        counts["bad_records"] += 1
-                        if len(bad) < BAD_EXAMPLES_KEPT:
-                            bad.append(str(e))
-                        continue
-                    for ids, trained in ((prompt, np.zeros(len(prompt), bool)), chosen, rejected):
-                        tokens.add_document(ids)
-                        mask.add_document(trained.astype(np.uint8))
-                    counts["pairs"] += 1
-        if not counts["pairs"]:
-            raise DataError(f"{', '.join(map(str, paths))} hold no usable preference pair ({counts['bad_records']} "
-                            "bad)")
-        meta = {**counts, "bad_examples": bad, "chat_template": encoder.template_name, "key": key}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        os.rename(tmp, entry)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    write_index(paths, encoder, skip_bad, entry, key, "pairs", encode)
 
 
 # ----------------------------------------------------------------------------------------------- rows

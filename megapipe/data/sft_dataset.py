@@ -148,12 +148,17 @@ def _lock(root: Path, explicit: bool):
         os.close(fd)
 
 
-def _build(paths: list[Path], encoder: ChatEncoder, skip_bad: bool, entry: Path, key: dict, progress) -> None:
+def write_index(paths: list[Path], encoder: ChatEncoder, skip_bad: bool, entry: Path, key: dict, unit: str,
+                encode: Callable, progress=None, extra: Optional[Callable] = None) -> None:
+    """Tokenise every record of ``paths`` into the index directory ``entry`` (written under a temporary name and
+    renamed when whole): ``encode(record, where)`` -> the record's documents [(ids, trained mask)], one ``unit``
+    (a conversation, a pair); a DataError is a bad record, which stops the build or, with ``skip_bad``, is counted
+    and skipped. ``extra(documents, counts)`` sees each kept record; ``extra(None, tmp dir)`` ends the build (its own
+    files beside tokens / mask / meta.json)."""
     tmp = entry.with_name(f".{entry.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    counts = {"records": 0, "conversations": 0, "tokens": 0, "trained_tokens": 0, "bad_records": 0}
+    counts = {"records": 0, unit: 0, "bad_records": 0}
     bad: list[str] = []
-    first: list[int] = []
     try:
         tmp.mkdir(parents=True)
         dtype = optimal_dtype(len(encoder.vocab))
@@ -164,9 +169,7 @@ def _build(paths: list[Path], encoder: ChatEncoder, skip_bad: bool, entry: Path,
                     try:
                         if isinstance(record, DataError):
                             raise record
-                        ids, trained = encoder.encode(parse_record(record, where))
-                        if len(ids) < 2 or not trained[1:].any():
-                            raise DataError(f"{where}: the record renders to no token to train on")
+                        documents = encode(record, where)
                     except NoChatTemplate:
                         raise
                     except DataError as e:
@@ -176,23 +179,45 @@ def _build(paths: list[Path], encoder: ChatEncoder, skip_bad: bool, entry: Path,
                         if len(bad) < BAD_EXAMPLES_KEPT:
                             bad.append(str(e))
                         continue
-                    tokens.add_document(ids)
-                    mask.add_document(trained.astype(np.uint8))
-                    first.append(1 + int(np.argmax(trained[1:])))
-                    counts["conversations"] += 1
-                    counts["tokens"] += len(ids)
-                    counts["trained_tokens"] += int(trained[1:].sum())
+                    for ids, trained in documents:
+                        tokens.add_document(ids)
+                        mask.add_document(trained.astype(np.uint8))
+                    counts[unit] += 1
+                    if extra is not None:
+                        extra(documents, counts)
                     if progress is not None:
                         progress(counts["records"])
-        if not counts["conversations"]:
+        if not counts[unit]:
             raise DataError(f"{', '.join(map(str, paths))} hold no usable record ({counts['bad_records']} bad)")
-        np.save(tmp / "first_target.npy", np.asarray(first, dtype=np.int64), allow_pickle=False)
+        if extra is not None:
+            extra(None, tmp)
         meta = {**counts, "bad_examples": bad, "chat_template": encoder.template_name, "key": key}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         os.rename(tmp, entry)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _build(paths: list[Path], encoder: ChatEncoder, skip_bad: bool, entry: Path, key: dict, progress) -> None:
+    first: list[int] = []  # each conversation's first trained target
+
+    def encode(record, where: str):
+        ids, trained = encoder.encode(parse_record(record, where))
+        if len(ids) < 2 or not trained[1:].any():
+            raise DataError(f"{where}: the record renders to no token to train on")
+        return [(ids, trained)]
+
+    def extra(documents, counts):
+        if documents is None:
+            np.save(counts / "first_target.npy", np.asarray(first, dtype=np.int64), allow_pickle=False)
+            return
+        ids, trained = documents[0]
+        first.append(1 + int(np.argmax(trained[1:])))
+        counts["tokens"] = counts.get("tokens", 0) + len(ids)
+        counts["trained_tokens"] = counts.get("trained_tokens", 0) + int(trained[1:].sum())
+
+    write_index(paths, encoder, skip_bad, entry, key, "conversations", encode, progress, extra)
 
 
 # ----------------------------------------------------------------------------------------------- samples
