@@ -38,7 +38,7 @@ from torch import nn
 
 from megapipe import torch_compat
 from megapipe.config import ModelConfig
-from megapipe.models.attention import Attention, DocumentMask
+from megapipe.models.attention import Attention, DocumentMask, local
 from megapipe.models.dense import DENSE, FeedForward, attention_tp_plan
 from megapipe.models.norms import build_norm
 from megapipe.models.spec import BlockSpec, register_block, replicated_style
@@ -134,12 +134,6 @@ def grouped_mm_ok(x: torch.Tensor, *weights: torch.Tensor) -> bool:
         ok = False
     return ok and all(w.dtype == dt and (w.shape[-1] * w.element_size()) % 16 == 0
                       and (w.shape[-2] * w.element_size()) % 16 == 0 for w in weights)
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """A weight's local part (expert parallelism shards the expert dimension; the module computes with what this rank
-    holds, the tokens having been dispatched to it; tensor parallelism replicates the router and experts whole)."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class GroupedExperts(nn.Module):
