@@ -192,12 +192,14 @@ def expert_loop(x, counts, w1, w2, w3, biases=None, activation: tuple = ("swiglu
     """The reference path: one expert MLP per expert on its rows (empty experts included, so every weight gets a
     gradient even when a rank received no token); ``biases``: [w1's, w2's, w3's] or None."""
     b1, b2, b3 = biases if biases is not None else (None, None, None)
+
+    def lin(a, w, b, e):
+        return F.linear(a, w[e], None if b is None else b[e])
+
     outs = []
     for e, part in enumerate(torch.split(x, counts.tolist())):
-        def lin(w, b, a):
-            return F.linear(a, w[e], None if b is None else b[e])
-
-        outs.append(lin(w2, b2, expert_activation(lin(w1, b1, part), lin(w3, b3, part), activation)))
+        hidden = expert_activation(lin(part, w1, b1, e), lin(part, w3, b3, e), activation)
+        outs.append(lin(hidden, w2, b2, e))
     return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
 
 
