@@ -118,6 +118,22 @@ def make_hf_dir(root: Path, arch: str, seed: int = 0, dtype=torch.float32, **con
     config_file.write_text(json.dumps(tok_cfg))
     return root, model.to(dtype)
 
+def export_round_trip(hf_dir: Path, work: Path) -> Path:
+    """``import hf`` then ``export hf --dtype fp32`` of ``hf_dir`` (in ``work``); asserts the exported safetensors hold
+    the same tensors under the same names; returns the exported directory."""
+    from safetensors.torch import load_file
+
+    from megapipe.cli import main
+
+    ckpt, out = work / "ckpt", work / "again"
+    assert main(["import", "hf", str(hf_dir), str(ckpt), "--quiet"]) == 0
+    assert main(["export", "hf", str(ckpt), str(out), "--dtype", "fp32", "--quiet"]) == 0
+    source, again = load_file(hf_dir / "model.safetensors"), load_file(out / "model.safetensors")
+    assert source.keys() == again.keys()
+    assert all(torch.equal(t, again[name]) for name, t in source.items())
+    return out
+
+
 def randomize_mamba(model, dt_bias_mean: float = 0.0) -> None:
     """Random norms, A_log, D, dt_bias (around ``dt_bias_mean``) and conv biases of a NemotronHForCausalLM."""
     with torch.no_grad():

@@ -15,20 +15,15 @@ from safetensors.torch import load_file, save_file
 
 from megapipe.checkpoint.hf.bridge import load_hf_model
 from megapipe.checkpoint.hf.mxfp4 import decode_mxfp4
-from megapipe.cli import main
 from megapipe.config import ModelConfig, from_dict
 from megapipe.errors import ConfigError, MegapipeError
 from megapipe.models import build_model
 from megapipe.models.attention import CausalSDPA, DocumentMask
 from megapipe.models.capabilities import describe, require
 from megapipe.parallel.plan import param_counts
-from tests.helpers.hf_tiny import make_hf_dir
+from tests.helpers.hf_tiny import export_round_trip, make_hf_dir
 
 TOKENS = torch.tensor([[5, 17, 9, 33, 2, 71, 8, 19, 44, 3, 120, 7, 300], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]])
-
-
-def cli(*args) -> int:
-    return main([str(a) for a in args])
 
 
 def written_out(q, k, v, sinks, keep):
@@ -84,12 +79,7 @@ def test_logits_match_transformers_beyond_the_window_and_on_packed_documents(tmp
 
 def test_export_gives_the_same_tensors_and_config(tmp_path, capsys):
     hf_dir, hf_model = make_hf_dir(tmp_path / "hf", "gpt_oss")
-    ckpt, out = tmp_path / "ckpt", tmp_path / "again"
-    assert cli("import", "hf", hf_dir, ckpt, "--quiet") == 0
-    assert cli("export", "hf", ckpt, out, "--dtype", "fp32", "--quiet") == 0
-    source, again = load_file(hf_dir / "model.safetensors"), load_file(out / "model.safetensors")
-    assert source.keys() == again.keys()
-    assert all(torch.equal(t, again[name]) for name, t in source.items())
+    out = export_round_trip(hf_dir, tmp_path)
     config = json.loads((out / "config.json").read_text())
     assert config["layer_types"] == ["sliding_attention", "full_attention"]
     assert config["rope_parameters"]["truncate"] is False and config["swiglu_limit"] == 1.5
