@@ -118,7 +118,7 @@ class ModelConfig:
     # fields of a named preset are applied first, then the ones given here
     preset: Optional[str] = opt(None, "--model", help="Model preset (tiny, llama3-1b, ...); other fields: --set model.*=.")
     arch: Literal["llama", "qwen2", "qwen3", "mistral", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe",
-                  "deepseek_v3", "nemotron_h", "falcon_h1"] = "llama"
+                  "deepseek_v3", "nemotron_h", "falcon_h1", "gpt_oss"] = "llama"
     vocab_size: Optional[int] = None  # None: the tokenizer's size, padded to make_vocab_size_divisible_by
     make_vocab_size_divisible_by: int = 128
     hidden_size: int = 256
@@ -142,6 +142,13 @@ class ModelConfig:
     qk_norm: bool = False
     tie_embeddings: bool = False
     sliding_window: Optional[int] = None
+    # which layers the window applies to (None: every layer), Megatron's meaning: N = every N-th layer (N-1, 2N-1, ...)
+    # attends fully, the others through the window; or one 1 (windowed) / 0 (full) per layer (GPT-OSS: 2)
+    window_attn_skip_freq: Union[int, list[int], None] = opt(
+        None, "--window-attn-skip-freq", parse=_layer_pattern, flag_type=str,
+        help="Full-attention layers among the sliding-window ones: every N-th, or a 1 (window) / 0 (full) pattern.")
+    # a learned logit per head in every softmax row's denominator (GPT-OSS's attention sinks)
+    attention_sinks: bool = False
     init_std: float = 0.02
     # Multi-latent attention (megapipe.models.mla), Megatron's names: queries through a q_lora_rank bottleneck (None
     # or 0: one projection), keys/values from a kv_lora_rank latent; per head qk_head_dim (no rope) +
@@ -159,6 +166,7 @@ class ModelConfig:
         None, "--original-max-position-embeddings", help="YaRN: the pretraining context (default: max positions).")
     beta_fast: float = 32.0  # YaRN: the ramp's bounds, in rotations over the original context
     beta_slow: float = 1.0
+    yarn_truncate: bool = True  # YaRN: the ramp's bounds floored / ceiled to whole dims (GPT-OSS: false)
     mscale: float = opt(1.0, "--mscale", help="YaRN: scale of log(factor) in the rope attention factor.")
     mscale_all_dim: float = opt(
         0.0, "--mscale-all-dim", help="YaRN: scale of log(factor) in the softmax scale (DeepSeek: 1).")
@@ -205,6 +213,13 @@ class ModelConfig:
         "probs", "--moe-token-drop-policy", help="Over capacity, drop the lowest-probability or the latest tokens.")
     moe_grouped_gemm: bool = opt(
         True, "--moe-grouped-gemm", help="One grouped GEMM for all experts where torch has it (else a loop).")
+    moe_router_bias: bool = False  # a learned bias on the router logits (GPT-OSS)
+    moe_expert_bias: bool = False  # biases on each routed expert's gate, up and down projections (GPT-OSS)
+    # the routed experts' activation: swiglu silu(gate) * up; clamped_swiglu (GPT-OSS) with gate <= limit and
+    # |up| <= limit: gate * sigmoid(alpha * gate) * (up + 1)
+    moe_activation: Literal["swiglu", "clamped_swiglu"] = "swiglu"
+    moe_swiglu_alpha: float = 1.702
+    moe_swiglu_limit: float = 7.0
     # Multi-token prediction (megapipe.models.mtp), Megatron's names; None or 0: off
     mtp_num_layers: Optional[int] = opt(
         None, "--mtp-num-layers", help="Multi-token prediction modules (DeepSeek-V3's MTP depth; 0 or unset: none).")
@@ -296,6 +311,26 @@ class ModelConfig:
     @property
     def mamba_dt_limit(self) -> tuple[float, float]:
         return self.mamba_dt_limit_min, math.inf if self.mamba_dt_limit_max is None else self.mamba_dt_limit_max
+
+    @property
+    def windowed_layers(self) -> list[int]:
+        """Indices of the layers that attend through ``sliding_window`` (empty without a window)."""
+        return [i for i in range(self.num_layers) if self.layer_window(i) is not None]
+
+    def layer_window(self, layer_id: int) -> Optional[int]:
+        """The sliding window of layer ``layer_id`` (None: full attention; an MTP layer past a pattern's end: full)."""
+        freq, window = self.window_attn_skip_freq, self.sliding_window
+        if window is None or freq is None:
+            return window
+        if isinstance(freq, int):
+            return window if (layer_id + 1) % freq else None
+        return window if layer_id < len(freq) and freq[layer_id] else None
+
+    @property
+    def mixed_windows(self) -> bool:
+        """Some layers attend through the window and others fully (GPT-OSS): one window for the whole model does not
+        describe it."""
+        return 0 < len(self.windowed_layers) < self.num_layers
 
     @property
     def mtp_depth(self) -> int:
@@ -831,10 +866,33 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"parallel.dp_shard = {p.dp_shard} must be > 0, or -1 for the rest of the world size")
     positive("parallel", p, "ep")
     validate_moe(m)
+    validate_attention(m)
     validate_mtp(m)
     validate_mla(m)
     validate_hybrid(m)
     validate_posttrain(cfg)
+
+
+def validate_attention(m: ModelConfig) -> None:
+    """The sliding window's layers and the attention sinks."""
+    if m.sliding_window is not None and m.sliding_window <= 0:
+        raise ConfigError(f"model.sliding_window = {m.sliding_window} must be > 0 (or unset: full attention)")
+    freq = m.window_attn_skip_freq
+    if freq is not None:
+        if m.sliding_window is None:
+            raise ConfigError(f"model.window_attn_skip_freq = {freq} picks the sliding-window layers, but "
+                              "model.sliding_window is not set")
+        if isinstance(freq, int) and freq < 1:
+            raise ConfigError(f"model.window_attn_skip_freq = {freq} must be >= 1 (or a 0/1 pattern, one per layer)")
+        if isinstance(freq, list) and (len(freq) != m.num_layers or set(freq) - {0, 1}):
+            raise ConfigError(f"model.window_attn_skip_freq = {freq} must hold one 0 or 1 per layer "
+                              f"(model.num_layers = {m.num_layers})")
+    if m.attention_sinks and m.multi_latent_attention:
+        raise ConfigError("model.attention_sinks = true does not go with model.multi_latent_attention (MLA's "
+                          "attention has no sinks)")
+    if m.moe_swiglu_limit <= 0 or m.moe_swiglu_alpha <= 0:
+        raise ConfigError(f"model.moe_swiglu_limit = {m.moe_swiglu_limit} and model.moe_swiglu_alpha = "
+                          f"{m.moe_swiglu_alpha} must be > 0")
 
 
 def validate_mtp(m: ModelConfig) -> None:

@@ -27,6 +27,18 @@ _DEEPSEEK_MLA = dict(
     mscale_all_dim=1.0, moe_ffn_hidden_size=2048, moe_shared_expert_intermediate_size=2048,
 )
 
+# GPT-OSS (openai/gpt-oss-20b, -120b config.json; transformers' GptOssConfig): 2880 wide, 64 query / 8 KV heads of 64,
+# biased attention with sinks, a 128-token window on every other layer (from layer 0), YaRN x32 over 4096 positions
+# (ramp not truncated), experts 2880 wide with biases and the clamped SwiGLU, top-4 of a biased router
+_GPT_OSS = dict(
+    arch="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_heads=64, num_kv_heads=8,
+    head_dim=64, max_position_embeddings=131072, norm_eps=1e-5, tie_embeddings=False, qkv_bias=True,
+    attn_out_bias=True, attention_sinks=True, sliding_window=128, window_attn_skip_freq=2, rope_theta=150000.0,
+    rotary_scaling_factor=32.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
+    yarn_truncate=False, moe_router_topk=4, moe_ffn_hidden_size=2880, moe_router_bias=True, moe_expert_bias=True,
+    moe_activation="clamped_swiglu", moe_swiglu_alpha=1.702, moe_swiglu_limit=7.0, moe_aux_loss_coeff=1e-3 * 4 / 24,
+)
+
 
 PRESETS: dict[str, dict] = {
     # Small enough to train a few hundred steps on 2 CPU cores in minutes; vocab comes from the tokenizer.
@@ -117,6 +129,17 @@ PRESETS: dict[str, dict] = {
         mamba_state_dim=32, mamba_head_dim=16, mamba_num_groups=2, mamba_num_heads=16, mamba_chunk_size=16,
         mamba_gated_norm=False, mamba_norm_before_gate=True, mamba_out_proj_bias=False,
     ),
+    # GPT-OSS at CPU size: its block (sinks, a 16-token window on layers 0 and 2, biased experts with the clamped
+    # SwiGLU, YaRN), 8 experts top-2
+    "gpt-oss-tiny": dict(
+        {**_GPT_OSS, "vocab_size": None, "moe_aux_loss_coeff": 1e-2}, hidden_size=256, intermediate_size=256,
+        num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32, max_position_embeddings=2048, sliding_window=16,
+        original_max_position_embeddings=256, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=256,
+    ),
+    # openai/gpt-oss-20b (21 B parameters, 3.6 B active)
+    "gpt-oss-20b": dict(_GPT_OSS, num_layers=24, num_experts=32),
+    # openai/gpt-oss-120b (117 B parameters, 5.1 B active)
+    "gpt-oss-120b": dict(_GPT_OSS, num_layers=36, num_experts=128, moe_aux_loss_coeff=1e-3 * 4 / 36),
     # moonshotai/Kimi-K2-Instruct (1.04 T parameters, 32 B active): DeepSeek-V3's architecture, half the heads, 384
     # experts in one group, one dense layer
     "kimi-k2": dict(

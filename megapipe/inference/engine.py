@@ -120,6 +120,9 @@ class LLMEngine:
         config.check()
         cfg = model.cfg
         self.model_config = cfg
+        if "paged_kv" not in capabilities(cfg).engine:
+            raise MegapipeError(f"the decoding engine does not support {describe(cfg)} models yet "
+                                "(megapipe/models/capabilities.py)")
         self.tokenizer = tokenizer
         self.eos_token_ids = list(eos_token_ids if eos_token_ids is not None else eos_ids_of(None, tokenizer))
         self.vocab_size = cfg.vocab_size

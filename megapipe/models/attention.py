@@ -8,6 +8,10 @@ one row apart, block-diagonal and causal. A KV cache is only ever used through i
 ``cache.advance(positions)`` once per forward and each layer ``cache.attend(layer_id, q, k, v)``, which stores the
 new keys/values and returns the attention output, so a paged cache (megapipe.inference) replaces the contiguous one
 without touching the model.
+
+Per-layer windows: each layer's ``CausalSDPA`` holds its own window (``cfg.layer_window``), and applies it to the
+model's one DocumentMask (``windowed``). Attention sinks (GPT-OSS): a learned logit per head joins every softmax
+row's denominator; ``sink_attention`` computes it exactly with SDPA by one extra key that every query sees.
 """
 
 from __future__ import annotations
@@ -21,6 +25,12 @@ from torch import nn
 from megapipe.config import ModelConfig
 from megapipe.models.norms import RMSNorm
 from megapipe.models.rope import apply_rope
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A parameter's local part (a DTensor's under tensor / expert parallelism; the module computes with what this
+    rank holds)."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def sliding_window_mask(q_len: int, k_len: int, window: int, device) -> torch.Tensor:
@@ -44,6 +54,7 @@ class DocumentMask:
     def __init__(self, document_ids: torch.Tensor, positions: Optional[torch.Tensor] = None,
                  sliding_window: Optional[int] = None, prefix_ids: Optional[torch.Tensor] = None):
         self.document_ids, self.prefix_ids = document_ids, prefix_ids  # what a recurrent layer (Mamba) resets on
+        self.positions, self.sliding_window = positions, sliding_window
         s = document_ids.shape[-1]
         causal = torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril()
         same = document_ids[:, :, None] == document_ids[:, None, :]
@@ -56,12 +67,57 @@ class DocumentMask:
             mask &= (pos[:, :, None] - pos[:, None, :]) < sliding_window
         self.bool_mask = mask[:, None]  # [B, 1, S, S]
         self._additive: dict = {}
+        self._windowed: dict = {}
 
-    def for_dtype(self, dtype: torch.dtype) -> torch.Tensor:
-        if dtype not in self._additive:
-            zeros = torch.zeros(self.bool_mask.shape, dtype=dtype, device=self.bool_mask.device)
-            self._additive[dtype] = zeros.masked_fill_(~self.bool_mask, float("-inf"))
-        return self._additive[dtype]
+    def for_dtype(self, dtype: torch.dtype, sink: bool = False) -> torch.Tensor:
+        """The additive mask; ``sink``: with one more key column every token attends (``sink_attention``)."""
+        if (dtype, sink) not in self._additive:
+            keep = with_sink_column(self.bool_mask) if sink else self.bool_mask
+            self._additive[dtype, sink] = additive(keep, dtype)
+        return self._additive[dtype, sink]
+
+    def windowed(self, window: Optional[int]) -> "DocumentMask":
+        """This mask with at most ``window - 1`` positions back as well (one per window, made once per forward)."""
+        if window is None or window == self.sliding_window:
+            return self
+        if window not in self._windowed:
+            self._windowed[window] = DocumentMask(self.document_ids, self.positions, window, self.prefix_ids)
+        return self._windowed[window]
+
+
+def additive(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bool mask (True = attend) -> 0 / -inf in ``dtype``."""
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
+
+
+def with_sink_column(keep: torch.Tensor) -> torch.Tensor:
+    """[..., Sq, Sk] bool -> [..., Sq, Sk + 1]: the sink key last, seen by every query."""
+    return torch.cat([keep, keep.new_ones(*keep.shape[:-1], 1)], dim=-1)
+
+
+SINK_PAD = 8  # extra q/k dims of sink_attention (one carries the sink; 8 keeps the head dim a multiple of 8)
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
+                   mask: torch.Tensor) -> torch.Tensor:
+    """softmax over [scores, sink_h] per row, the sink column dropped, times v: exact, through SDPA (its fused CPU /
+    CUDA kernels, autograd to ``sinks`` included). q [B, H, S, D], k/v [B, KV, S, D], sinks [H], ``mask``: the
+    additive mask [.., S, S + 1] of the keys plus the sink key (``with_sink_column``).
+
+    Each query gets one more dim holding sink_h / scale, every key a 0 there, and one extra key (a 1 there, zeros
+    elsewhere, a zero value): its score is sink_h for query head h (the GQA-shared keys need not know h), the real
+    scores are unchanged, and its zero value adds nothing to the output."""
+    b, h, s, d = q.shape
+    kv, sk = k.shape[1], k.shape[2]
+    scale = d ** -0.5
+    sink_dims = torch.zeros(b, h, s, SINK_PAD, dtype=q.dtype, device=q.device)
+    sink_q = torch.cat([(sinks.to(q.dtype) / scale).view(1, h, 1, 1).expand(b, h, s, 1), sink_dims[..., 1:]], -1)
+    q = torch.cat([q, sink_q], dim=-1)
+    sink_key = torch.zeros(b, kv, 1, d + SINK_PAD, dtype=k.dtype, device=k.device)
+    sink_key[..., d] = 1
+    k = torch.cat([torch.cat([k, k.new_zeros(b, kv, sk, SINK_PAD)], dim=-1), sink_key], dim=2)
+    v = torch.cat([v, v.new_zeros(b, kv, 1, v.shape[-1])], dim=2)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=kv != h)
 
 
 def positions_from_documents(document_ids: torch.Tensor) -> torch.Tensor:
@@ -86,8 +142,16 @@ class CausalSDPA:
         self.sliding_window = sliding_window
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 mask: Optional[DocumentMask] = None) -> torch.Tensor:
+                 mask: Optional[DocumentMask] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         gqa = k.shape[1] != q.shape[1]
+        if mask is not None:
+            mask = mask.windowed(self.sliding_window)
+        if sinks is not None:
+            if mask is not None:
+                return sink_attention(q, k, v, sinks, mask.for_dtype(q.dtype, sink=True))
+            window = self.sliding_window or k.shape[2]
+            keep = sliding_window_mask(q.shape[2], k.shape[2], window, q.device)
+            return sink_attention(q, k, v, sinks, additive(with_sink_column(keep), q.dtype))
         if mask is not None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.for_dtype(q.dtype), enable_gqa=gqa)
         if self.sliding_window is not None and k.shape[2] > self.sliding_window:
@@ -107,7 +171,8 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.num_heads * hd, cfg.hidden_size, bias=cfg.attn_out_bias)
         self.q_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
-        self.sdpa = CausalSDPA(cfg.sliding_window)
+        self.sdpa = CausalSDPA(cfg.layer_window(layer_id))
+        self.sinks = nn.Parameter(torch.empty(cfg.num_heads)) if cfg.attention_sinks else None
         self.key_multiplier = cfg.key_multiplier  # Falcon-H1's, on the keys before RoPE (1: none)
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -128,10 +193,14 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        sinks = {} if self.sinks is None else {"sinks": local(self.sinks)}
         if cache is not None:
+            if sinks:
+                raise NotImplementedError("the KV caches do not apply attention sinks yet (GPT-OSS: decode without a "
+                                          "cache, or through transformers)")
             out = cache.attend(self.layer_id, q, k, v)
         elif mask is not None:
-            out = self.sdpa(q, k, v, mask=mask)
+            out = self.sdpa(q, k, v, mask=mask, **sinks)
         else:
-            out = self.sdpa(q, k, v)
+            out = self.sdpa(q, k, v, **sinks)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))

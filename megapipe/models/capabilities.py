@@ -77,6 +77,14 @@ KINDS: dict[str, Capabilities] = {
     "mamba": Capabilities(layouts=frozenset(LAYOUTS) - {"cp"}, engine=frozenset(ENGINE) - {"prefix_caching",
                           "speculative"}, quant=frozenset(), trt=frozenset({"unified"}),
                           stages=frozenset(STAGES) - {"prune", "quantize"}),
+    # attention with learned sinks (GPT-OSS, megapipe.models.attention.sink_attention): trained on one process and plain
+# data parallelism (the sinks are one more replicated / FSDP-sharded parameter); tensor parallelism must shard the
+# sinks with the heads and pipeline / expert parallelism were not run with them yet, so they are refused; the ring
+# attention of cp has no sink term; the engine's paged attention and CPU kernels apply no sinks, so the engine (and
+# generate, serve, eval and RL with it) refuses these models rather than produce wrong text; distillation, pruning,
+# ModelOpt and the TensorRT-LLM writers were not checked on them; HF export writes GptOssForCausalLM (unquantized)
+    "sinks": Capabilities(layouts=frozenset({"dp_replicate", "dp_shard"}), engine=frozenset(), quant=frozenset(),
+                          trt=frozenset(), stages=frozenset({"pretrain", "sft", "export_hf"})),
 }
 # Falcon-H1's layers (megapipe.models.parallel_hybrid): a Mamba-2 mixer beside the attention, so what Mamba layers allow
 KINDS["parallel_hybrid"] = KINDS["mamba"]
@@ -100,7 +108,13 @@ FAMILIES: dict[str, Capabilities] = {
     # attention and MLP layers only: ModelOpt, the legacy writer and the pruning rules were not checked on Nemotron-H
     "nemotron_h": _without(lora={"up"}, engine={"speculative"}, quant=QUANT, trt={"legacy"},
                            stages={"prune", "quantize"}),
+    # no shared expert, every layer MoE: LoRA adapts the attention only
+    "gpt_oss": _without(lora={"gate", "up", "down"}),
 }
+# sliding-window layers among full-attention ones (model.window_attn_skip_freq): the engine's paged cache and the
+# TensorRT-LLM writers take one window for every layer, the ring attention of cp none
+MIXED_WINDOWS = _without(layouts={"cp"}, engine=ENGINE, stages={"generate", "serve", "eval", "rl", "quantize",
+                                                                "export_trt"})
 
 # multi-token prediction modules (megapipe.models.mtp): every parallel layout (on the last pipeline stage, with a
 # replica of the embedding table; their shifted tokens and labels cut from whole rows under cp; V pipeline schedules,
@@ -114,28 +128,34 @@ NO_MTP = _without(engine={"speculative"})
 
 LABELS = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "gpt2": "GPT-2",
           "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "deepseek_v3": "DeepSeek-V3",
-          "nemotron_h": "Nemotron-H", "falcon_h1": "Falcon-H1"}
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+          "nemotron_h": "Nemotron-H", "falcon_h1": "Falcon-H1", "gpt_oss": "GPT-OSS"}
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss")
 MLA_FAMILIES = ("deepseek_v3",)
+SINK_FAMILIES = ("gpt_oss",)  # families whose attention has sinks (the "sinks" kind)
 # families whose layers are kinds the family name says: Nemotron-H's Mamba layers beside attention and MLP ones
 # (megapipe.models.hybrid), Falcon-H1's parallel hybrid layers (megapipe.models.parallel_hybrid)
 FAMILY_KINDS = {"nemotron_h": ["dense", "mamba"], "falcon_h1": ["parallel_hybrid"]}
-KIND_LABELS = {"moe": "MoE", "mla": "MLA", "mamba": "Mamba", "parallel_hybrid": "Mamba | attention"}
+KIND_LABELS = {"moe": "MoE", "mla": "MLA", "mamba": "Mamba", "parallel_hybrid": "Mamba | attention",
+               "sinks": "attention sinks"}
 
 
 def kinds_of(cfg) -> list[str]:
     """The block kinds ``cfg`` builds, in layer order of first use (MLP kinds; a hybrid model's "mamba"), then its
-    attention kind when that is not the default one ("mla")."""
+    attention kind when that is not the default one ("mla", "sinks")."""
     moe = set(cfg.moe_layers)
     kinds = ["moe" if i in moe else "dense" for i in range(cfg.num_layers)]
     if cfg.layer_kinds is not None:  # a hybrid model: attention and MLP layers are what a dense block is made of
         symbols = {"M": "mamba", "E": "moe", "P": "parallel_hybrid"}
         kinds = [symbols.get(symbol, "dense") for symbol in cfg.layer_kinds]
-    return list(dict.fromkeys(kinds)) + (["mla"] if cfg.multi_latent_attention else [])
+    attention = ["mla"] if cfg.multi_latent_attention else []
+    attention += ["sinks"] if getattr(cfg, "attention_sinks", False) else []
+    return list(dict.fromkeys(kinds)) + attention
 
 
 def capabilities(cfg) -> Capabilities:
     row = _row(cfg.arch, kinds_of(cfg))
+    if getattr(cfg, "mixed_windows", False):
+        row = row & MIXED_WINDOWS
     if not getattr(cfg, "mtp_depth", 0):
         return row & NO_MTP
     return row & (MTP if cfg.arch in MTP_HF_FAMILIES else MTP & _without(stages={"export_hf"}))
@@ -159,6 +179,7 @@ def describe(cfg) -> str:
     label = LABELS.get(cfg.arch, cfg.arch)
     mtp = " with MTP" if getattr(cfg, "mtp_depth", 0) else ""
     kinds = [k for k in kinds if not (k == "mla" and cfg.arch in MLA_FAMILIES)]  # the family name says MLA
+    kinds = [k for k in kinds if not (k == "sinks" and cfg.arch in SINK_FAMILIES)]  # ... or the sinks
     family = sorted(FAMILY_KINDS.get(cfg.arch, ()))  # in any layer order
     if kinds == ["dense"] or sorted(kinds) == family or (kinds == ["moe"] and cfg.arch in MOE_FAMILIES):
         return label + mtp
@@ -208,7 +229,8 @@ def family_row(arch: str) -> Capabilities:
     ``FAMILY_KINDS``: theirs)."""
     if arch in FAMILY_KINDS:
         return _row(arch, FAMILY_KINDS[arch])
-    return _row(arch, ["moe" if arch in MOE_FAMILIES else "dense"] + (["mla"] if arch in MLA_FAMILIES else []))
+    attention = (["mla"] if arch in MLA_FAMILIES else []) + (["sinks"] if arch in SINK_FAMILIES else [])
+    return _row(arch, ["moe" if arch in MOE_FAMILIES else "dense"] + attention)
 
 
 def readme_table() -> str:

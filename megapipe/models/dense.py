@@ -12,7 +12,7 @@ from torch import nn
 from megapipe.config import ModelConfig
 from megapipe.models.attention import Attention, DocumentMask
 from megapipe.models.norms import build_norm
-from megapipe.models.spec import BlockSpec, register_block, replicated_style
+from megapipe.models.spec import BlockSpec, register_block, replicated_style, sharded_style
 
 
 class FeedForward(nn.Module):
@@ -84,6 +84,8 @@ def attention_layer_tp_plan(block: nn.Module, sp: bool) -> dict:
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=act),
     }
+    if getattr(block.attention, "sinks", None) is not None:  # one per head: split with the heads
+        plan["attention"] = sharded_style(prepare=plan["attention"])
     if block.attention.q_norm is not None:
         # q/k are [B, S, local heads, head_dim] here: treat the head dim as the sharded one so the (replicated)
         # norm weights get their gradients summed over TP ranks

@@ -14,7 +14,8 @@ reported LM loss; ``aux_loss_scale`` (set by megapipe.parallel.step each step) w
 global batch's micro-batches.
 
 Experts: 3-D weights ``w1``/``w3`` [E, F, H] and ``w2`` [E, H, F] (expert e's tensors are HF's per-expert linear
-weights), dropless by default; one grouped GEMM for all experts (``torch._grouped_mm``) where torch has it for the
+weights), optionally with biases and GPT-OSS's clamped SwiGLU (``moe_expert_bias``, ``moe_activation``), dropless by
+default; one grouped GEMM for all experts (``torch._grouped_mm``) where torch has it for the
 device and dtype, else a loop over experts. An optional capacity factor drops the assignments over capacity (by
 lowest probability or latest position); shared experts (optionally behind a sigmoid gate) see every token.
 
@@ -38,7 +39,7 @@ from torch import nn
 
 from megapipe import torch_compat
 from megapipe.config import ModelConfig
-from megapipe.models.attention import Attention, DocumentMask
+from megapipe.models.attention import Attention, DocumentMask, local
 from megapipe.models.dense import DENSE, FeedForward, attention_tp_plan
 from megapipe.models.norms import build_norm
 from megapipe.models.spec import BlockSpec, register_block, replicated_style
@@ -136,45 +137,69 @@ def grouped_mm_ok(x: torch.Tensor, *weights: torch.Tensor) -> bool:
                       and (w.shape[-2] * w.element_size()) % 16 == 0 for w in weights)
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
-    """A weight's local part (expert parallelism shards the expert dimension; the module computes with what this rank
-    holds, the tokens having been dispatched to it; tensor parallelism replicates the router and experts whole)."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts as 3-D weights; ``forward(x, counts)``: x [N, H] sorted by expert, counts [E_local]."""
+    """E experts as 3-D weights; ``forward(x, counts)``: x [N, H] sorted by expert, counts [E_local]. ``bias``: each
+    expert's gate / up / down projections have biases ``w1_bias``/``w3_bias`` [E, F] and ``w2_bias`` [E, H];
+    ``activation``: SwiGLU or GPT-OSS's clamped one (``expert_activation``)."""
 
-    def __init__(self, num_experts: int, hidden: int, ffn: int, grouped_gemm: bool = True):
+    def __init__(self, num_experts: int, hidden: int, ffn: int, grouped_gemm: bool = True, bias: bool = False,
+                 activation: tuple = ("swiglu",)):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(num_experts, ffn, hidden))  # gate_proj per expert
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, ffn))  # down_proj
         self.w3 = nn.Parameter(torch.empty(num_experts, ffn, hidden))  # up_proj
-        self.grouped_gemm = grouped_gemm
+        if bias:
+            self.w1_bias = nn.Parameter(torch.empty(num_experts, ffn))
+            self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden))
+            self.w3_bias = nn.Parameter(torch.empty(num_experts, ffn))
+        else:
+            self.w1_bias = self.w2_bias = self.w3_bias = None
+        self.grouped_gemm, self.activation = grouped_gemm, activation
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         w1, w2, w3 = local(self.w1), local(self.w2), local(self.w3)
+        biases = None if self.w1_bias is None else [local(b) for b in (self.w1_bias, self.w2_bias, self.w3_bias)]
         if torch.is_autocast_enabled(x.device.type):  # explicit: torch._grouped_mm has no autocast rule
             dt = torch.get_autocast_dtype(x.device.type)
             x, w1, w2, w3 = x.to(dt), w1.to(dt), w2.to(dt), w3.to(dt)
+            biases = None if biases is None else [b.to(dt) for b in biases]
         elif w1.dtype != x.dtype:
             x = x.to(w1.dtype)
         if self.grouped_gemm and grouped_mm_ok(x, w1, w2, w3):
             offs = torch.cumsum(counts, 0).to(torch.int32)
+            # each row's expert's bias (dropless: counts cover every row)
+            rows = None if biases is None else [b.repeat_interleave(counts, dim=0) for b in biases]
 
-            def gmm(a, w):
-                return _ContiguousGrad.apply(torch_compat.grouped_mm(a, w.transpose(-2, -1), offs))
+            def gmm(a, w, i):
+                out = _ContiguousGrad.apply(torch_compat.grouped_mm(a, w.transpose(-2, -1), offs))
+                return out if rows is None else out + rows[i]
 
-            return gmm(F.silu(gmm(x, w1)) * gmm(x, w3), w2)
-        return expert_loop(x, counts, w1, w2, w3)
+            return gmm(expert_activation(gmm(x, w1, 0), gmm(x, w3, 2), self.activation), w2, 1)
+        return expert_loop(x, counts, w1, w2, w3, biases, self.activation)
 
 
-def expert_loop(x, counts, w1, w2, w3) -> torch.Tensor:
-    """The reference path: one SwiGLU per expert on its rows (empty experts included, so every weight gets a
-    gradient even when a rank received no token)."""
+def expert_activation(gate: torch.Tensor, up: torch.Tensor, activation: tuple = ("swiglu",)) -> torch.Tensor:
+    """("swiglu",): silu(gate) * up; ("clamped_swiglu", alpha, limit), GPT-OSS's: gate clamped above at limit, up to
+    [-limit, limit], then gate * sigmoid(alpha * gate) * (up + 1)."""
+    if activation[0] == "swiglu":
+        return F.silu(gate) * up
+    _, alpha, limit = activation
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return gate * torch.sigmoid(alpha * gate) * (up + 1)
+
+
+def expert_loop(x, counts, w1, w2, w3, biases=None, activation: tuple = ("swiglu",)) -> torch.Tensor:
+    """The reference path: one expert MLP per expert on its rows (empty experts included, so every weight gets a
+    gradient even when a rank received no token); ``biases``: [w1's, w2's, w3's] or None."""
+    b1, b2, b3 = biases if biases is not None else (None, None, None)
+
+    def lin(a, w, b, e):
+        return F.linear(a, w[e], None if b is None else b[e])
+
     outs = []
     for e, part in enumerate(torch.split(x, counts.tolist())):
-        outs.append(F.linear(F.silu(F.linear(part, w1[e])) * F.linear(part, w3[e]), w2[e]))
+        hidden = expert_activation(lin(part, w1, b1, e), lin(part, w3, b3, e), activation)
+        outs.append(lin(hidden, w2, b2, e))
     return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
 
 
@@ -213,8 +238,10 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg = cfg
         e, h = cfg.num_experts, cfg.hidden_size
-        self.gate = nn.Linear(h, e, bias=False)  # the router
-        self.experts = GroupedExperts(e, h, cfg.expert_ffn, cfg.moe_grouped_gemm)
+        self.gate = nn.Linear(h, e, bias=cfg.moe_router_bias)  # the router
+        activation = ("swiglu",) if cfg.moe_activation == "swiglu" else (
+            cfg.moe_activation, cfg.moe_swiglu_alpha, cfg.moe_swiglu_limit)
+        self.experts = GroupedExperts(e, h, cfg.expert_ffn, cfg.moe_grouped_gemm, cfg.moe_expert_bias, activation)
         self.shared_experts = None
         self.shared_gate = None
         if cfg.moe_shared_expert_intermediate_size:
@@ -238,7 +265,8 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(x.float(), local(self.gate.weight).float())
+            bias = None if self.gate.bias is None else local(self.gate.bias).float()
+            logits = F.linear(x.float(), local(self.gate.weight).float(), bias)
         bias = None if self.expert_bias is None else self.expert_bias.detach()
         idx, weights, aux_scores = route(logits, cfg, bias)
         t, k = idx.shape
@@ -322,6 +350,9 @@ class MoE(nn.Module):
         nn.init.normal_(self.experts.w1, 0.0, std)
         nn.init.normal_(self.experts.w3, 0.0, std)
         nn.init.normal_(self.experts.w2, 0.0, out_std)
+        for bias in (self.experts.w1_bias, self.experts.w2_bias, self.experts.w3_bias):
+            if bias is not None:
+                nn.init.zeros_(bias)
         if self.expert_bias is not None:
             self.expert_bias.zero_()
         self.reset_stats()
@@ -402,6 +433,9 @@ MOE = register_block(BlockSpec(
         }),
         # MixtralForCausalLM: the Hub's block_sparse_moe names (transformers 5 fuses them when it loads, and writes
         # them back when it saves)
+        # GptOssForCausalLM: the router with its bias, the attention's sinks; the fused experts are converted apart
+        # (megapipe.checkpoint.hf.gpt_oss)
+        "gpt_oss": _hf_names({"moe.gate": "mlp.router", "attention.sinks": "self_attn.sinks"}),
         "mixtral": _hf_names({
             "moe.gate": "block_sparse_moe.gate",
             **{f"moe.experts.{w}": f"block_sparse_moe.experts.{{e}}.{w}.weight" for w in _EXPERTS},

@@ -43,17 +43,21 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 
 def yarn_inv_frequencies(dim: int, theta: float, factor: float, original_max_positions: int, beta_fast: float,
-                         beta_slow: float, device=None) -> torch.Tensor:
+                         beta_slow: float, device=None, truncate: bool = True) -> torch.Tensor:
     """YaRN (Peng et al. 2023): frequencies that turn fewer than ``beta_slow`` times over the original context are
     divided by ``factor`` (interpolated), those turning more than ``beta_fast`` times kept (extrapolated), a linear
-    ramp over the dims between (its bounds floored / ceiled, as transformers' default ``truncate``)."""
+    ramp over the dims between (its bounds floored / ceiled with ``truncate``, transformers' default; GPT-OSS's
+    are not)."""
     pos_freqs = theta ** (torch.arange(0, dim, 2, device=device).float() / dim)
     extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
 
     def dim_of(rotations: float) -> float:  # the dim whose frequency turns `rotations` times over the context
         return dim * math.log(original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
-    low, high = max(math.floor(dim_of(beta_fast)), 0), min(math.ceil(dim_of(beta_slow)), dim - 1)
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     high = high + 0.001 if high == low else high
     kept = 1 - ((torch.arange(dim // 2, device=device).float() - low) / (high - low)).clamp(0, 1)
     return interpolated * (1 - kept) + extrapolated * kept
@@ -75,7 +79,7 @@ def model_inv_frequencies(cfg, device=None) -> torch.Tensor:
         return inv_frequencies(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling, device)
     original = cfg.original_max_position_embeddings or cfg.max_position_embeddings
     return yarn_inv_frequencies(cfg.rope_dim, cfg.rope_theta, cfg.rotary_scaling_factor, original, cfg.beta_fast,
-                                cfg.beta_slow, device)
+                                cfg.beta_slow, device, cfg.yarn_truncate)
 
 
 def model_rope(cfg, positions: torch.Tensor, dtype: torch.dtype, device=None):

@@ -19,7 +19,7 @@ from torch import nn
 
 from megapipe.config import ModelConfig
 from megapipe.errors import ConfigError
-from megapipe.models.attention import DocumentMask, positions_from_documents
+from megapipe.models.attention import Attention, DocumentMask, positions_from_documents
 from megapipe.models.blocks import block_spec
 from megapipe.models.mamba import Mamba2Mixer, scale_by
 from megapipe.models.moe import MoE
@@ -80,7 +80,7 @@ class Transformer(nn.Module):
         if document_ids is not None:
             if cache is not None:
                 raise ValueError("document_ids (packed sequences) and a KV cache cannot be combined")
-            mask = DocumentMask(document_ids, positions, self.cfg.sliding_window, prefix_ids)
+            mask = DocumentMask(document_ids, positions, None, prefix_ids)  # each layer applies its own window
         elif prefix_ids is not None:
             raise ValueError("prefix_ids name documents: give document_ids with them")
         if cache is not None:
@@ -170,6 +170,8 @@ class Transformer(nn.Module):
                 module.init_weights(std, out_std)
             if isinstance(module, Mamba2Mixer):
                 module.init_weights()
+            if isinstance(module, Attention) and module.sinks is not None:
+                nn.init.zeros_(module.sinks)  # one extra logit 0 per row: a learned "attend to nothing"
             if isinstance(module, nn.Linear):
                 scaled = name.endswith(OUTPUT_PROJECTIONS)
                 nn.init.normal_(module.weight, 0.0, out_std if scaled else std)

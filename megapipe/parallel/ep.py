@@ -91,8 +91,7 @@ def apply_moe(model: nn.Module, dims) -> None:
         if dims.ep > 1:
             mesh = dims.mesh("ep")
             experts = moe.experts
-            for name in ("w1", "w2", "w3"):
-                full = getattr(experts, name)
+            for name, full in list(experts.named_parameters(recurse=False)):  # weights and biases: [E, ...]
                 # every rank built the same weights: each keeps its experts' slice (src_data_rank=None: no scatter);
                 # under TP they are replicated DTensors over the TP ranks, whose local tensor is the whole weight
                 shard = distribute_tensor(local(full.detach()), mesh, [Shard(0)], src_data_rank=None)

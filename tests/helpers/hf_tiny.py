@@ -61,6 +61,12 @@ def _hf_config(arch: str):
             initializer_range=0.1, tie_word_embeddings=False, use_cache=False, attn_implementation="eager")
     if arch == "falcon_h1":  # Mamba-2 beside attention in every layer; muP multipliers off 1; 24 tokens span chunks
         return transformers.FalconH1Config(**FALCON_H1, **dict(common, num_key_value_heads=2), use_cache=False)
+    if arch == "gpt_oss":  # sinks, a 4-token window on layer 0 (layer 1 full), YaRN untruncated, clamped SwiGLU experts
+        yarn = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
+        return transformers.GptOssConfig(**dict(moe, num_key_value_heads=2, intermediate_size=32), head_dim=16,
+                                         num_local_experts=4, sliding_window=4, rope_parameters=yarn,
+                                         swiglu_limit=1.5)
     raise ValueError(arch)
 
 
@@ -99,6 +105,11 @@ def make_hf_dir(root: Path, arch: str, seed: int = 0, dtype=torch.float32, **con
                 layer.mlp.gate.e_score_correction_bias.normal_(0, 0.3)
     if arch == "nemotron_h":  # transformers' init sets these to constants: random ones, so each copy is checked
         randomize_mamba(model)
+    if arch == "gpt_oss":  # random biases and sinks (transformers' init zeroes the experts' biases)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("_bias", ".bias", ".sinks")):
+                    p.normal_(0, 0.5)
     model.save_pretrained(root)
     train_tokenizer(TEXTS, vocab_size=VOCAB, output=root)
     config_file = root / "tokenizer_config.json"
@@ -106,6 +117,22 @@ def make_hf_dir(root: Path, arch: str, seed: int = 0, dtype=torch.float32, **con
     tok_cfg["chat_template"] = CHAT_TEMPLATE
     config_file.write_text(json.dumps(tok_cfg))
     return root, model.to(dtype)
+
+def export_round_trip(hf_dir: Path, work: Path) -> Path:
+    """``import hf`` then ``export hf --dtype fp32`` of ``hf_dir`` (in ``work``); asserts the exported safetensors hold
+    the same tensors under the same names; returns the exported directory."""
+    from safetensors.torch import load_file
+
+    from megapipe.cli import main
+
+    ckpt, out = work / "ckpt", work / "again"
+    assert main(["import", "hf", str(hf_dir), str(ckpt), "--quiet"]) == 0
+    assert main(["export", "hf", str(ckpt), str(out), "--dtype", "fp32", "--quiet"]) == 0
+    source, again = load_file(hf_dir / "model.safetensors"), load_file(out / "model.safetensors")
+    assert source.keys() == again.keys()
+    assert all(torch.equal(t, again[name]) for name, t in source.items())
+    return out
+
 
 def randomize_mamba(model, dt_bias_mean: float = 0.0) -> None:
     """Random norms, A_log, D, dt_bias (around ``dt_bias_mean``) and conv biases of a NemotronHForCausalLM."""

@@ -7,6 +7,7 @@ from megapipe.checkpoint.hf import (  # noqa: F401  (registers the adapters)
     deepseek,
     falcon_h1,
     gpt2,
+    gpt_oss,
     llama,
     mistral,
     moe,

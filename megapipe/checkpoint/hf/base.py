@@ -134,6 +134,8 @@ def canonical(name: str, value: Any, cfg: ModelConfig) -> Any:
         return cfg.layer_kinds  # a pattern or the ratios that allocate one
     if name in ("hybrid_attention_ratio", "hybrid_mlp_ratio"):
         return None
+    if name == "window_attn_skip_freq":
+        return tuple(cfg.windowed_layers)  # every-N-th and a pattern are one list of windowed layers
     if name == "mamba_num_heads":
         return cfg.mamba_heads
     if name == "intermediate_size" and cfg.is_moe and len(cfg.moe_layers) == cfg.num_layers:

@@ -34,6 +34,7 @@ from megapipe.checkpoint.hf.files import (
     write_index,
 )
 from megapipe.checkpoint.hf.fp8_blocks import DequantizingReader, block_fp8_config
+from megapipe.checkpoint.hf.mxfp4 import Mxfp4Reader, is_mxfp4
 from megapipe.checkpoint.hf.peft import write_peft_adapter
 from megapipe.checkpoint.manifest import make_tmp_dir, read_manifest, resolve_checkpoint
 from megapipe.checkpoint.safe_dcp import read_metadata
@@ -148,6 +149,10 @@ def load_hf_model(hf_dir: str | Path, progress: Progress = None, mtp_num_layers:
         reader = DequantizingReader(reader, block)
         notes.append(f"the FP8 weights (block-scaled {block[0]}x{block[1]}, weight_scale_inv) were dequantized to "
                      "fp32 on import")
+    if is_mxfp4(hf):
+        reader = Mxfp4Reader(reader)
+        notes.append("the MXFP4 expert weights (*_blocks, *_scales: e2m1 values, one e8m0 scale per 32) were "
+                     "dequantized to fp32 on import")
     cfg, left_out = adapter.fit(cfg, reader.names(), mtp_num_layers, str(hf_dir))
     notes += left_out
     file_name = {canon: name for name, canon in adapter.aliases(reader.names()).items()}

@@ -37,27 +37,44 @@ def mtp_layer_of(name: str, cfg: ModelConfig) -> int | None:
     return None
 
 
-def yarn_from_hf(hf: dict[str, Any], where: str) -> dict[str, Any]:
+def yarn_from_hf(hf: dict[str, Any], where: str, family: str = "DeepSeek-V3") -> dict[str, Any]:
     """rope_parameters -> rope_theta and the YaRN fields (rope_type 'default' or 'yarn')."""
     params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return dict(rope_theta=rope_from_hf(hf, where)[0])
     if kind != "yarn":
-        raise refuse(where, "rope_parameters.rope_type", kind, "supported for DeepSeek-V3: 'default', 'yarn'")
-    if params.get("truncate", True) is not True:
-        raise refuse(where, "rope_parameters.truncate", params["truncate"], "YaRN's range is truncated")
+        raise refuse(where, "rope_parameters.rope_type", kind, f"supported for {family}: 'default', 'yarn'")
+    truncate = params.get("truncate", True)
+    if truncate not in (True, False):
+        raise refuse(where, "rope_parameters.truncate", truncate, "true or false")
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     original = int(params.get("original_max_position_embeddings") or hf["max_position_embeddings"])
     factor = params.get("factor")
     fields = dict(rope_theta=theta, original_max_position_embeddings=original,
                   rotary_scaling_factor=float(factor if factor is not None else hf["max_position_embeddings"] / original),
                   beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
-                  mscale=float(params.get("mscale") or 0.0), mscale_all_dim=float(params.get("mscale_all_dim") or 0.0))
+                  mscale=float(params.get("mscale") or 0.0), mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+                  yarn_truncate=truncate)
     given = params.get("attention_factor")
     if given is not None and abs(float(given) - yarn_attention_factor(ModelConfig(**fields))) > 1e-12:
         raise refuse(where, "rope_parameters.attention_factor", given, "it is derived from factor and the mscales")
     return fields
+
+
+def yarn_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """rope_parameters (and the older rope_theta / rope_scaling) of a default or YaRN rope."""
+    theta = float(cfg.rope_theta)
+    params: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+    if cfg.rotary_scaling_factor != 1:
+        params = {"rope_type": "yarn", "rope_theta": theta, "factor": cfg.rotary_scaling_factor,
+                  "original_max_position_embeddings": cfg.original_max_position_embeddings
+                  or cfg.max_position_embeddings, "beta_fast": cfg.beta_fast, "beta_slow": cfg.beta_slow,
+                  "mscale": cfg.mscale, "mscale_all_dim": cfg.mscale_all_dim}
+        if not cfg.yarn_truncate:
+            params["truncate"] = False
+    return dict(rope_parameters=params, rope_theta=theta,
+                rope_scaling=None if params["rope_type"] == "default" else params)
 
 
 @register
@@ -120,15 +137,7 @@ class DeepseekV3Adapter(_MoEAdapter):
                   qk_rope_head_dim=cfg.qk_pos_emb_head_dim, v_head_dim=cfg.v_head_dim,
                   rope_interleave=cfg.rope_interleave, num_nextn_predict_layers=cfg.mtp_depth)
         hf.pop("head_dim")
-        theta = float(cfg.rope_theta)
-        params: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
-        if cfg.rotary_scaling_factor != 1:
-            params = {"rope_type": "yarn", "rope_theta": theta, "factor": cfg.rotary_scaling_factor,
-                      "original_max_position_embeddings": cfg.original_max_position_embeddings
-                      or cfg.max_position_embeddings, "beta_fast": cfg.beta_fast, "beta_slow": cfg.beta_slow,
-                      "mscale": cfg.mscale, "mscale_all_dim": cfg.mscale_all_dim}
-        hf.update(rope_parameters=params, rope_theta=theta,
-                  rope_scaling=None if params["rope_type"] == "default" else params)
+        hf.update(yarn_to_hf(cfg))
         return hf
 
     def moe_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
