@@ -118,6 +118,14 @@ MODELS["falcon"] = dict(arch="falcon_h1", hidden_size=32, intermediate_size=64, 
                         attention_out_multiplier=0.9, mamba_in_multiplier=1.2, mamba_out_multiplier=0.8,
                         mamba_proj_multipliers=[0.5, 1.5, 0.7, 1.3, 0.9], mlp_multipliers=[1.1, 0.6])
 
+# GPT-OSS-shaped: attention sinks, a window of 8 on every other layer (shorter than the 16-token sequence), q/k/v/o
+# biases, YaRN, a biased router and clamped-SwiGLU experts with biases
+MODELS["gptoss"] = dict(arch="gpt_oss", hidden_size=32, intermediate_size=32, num_layers=2, num_heads=4,
+                        num_kv_heads=2, head_dim=8, vocab_size=128, qkv_bias=True, attn_out_bias=True,
+                        attention_sinks=True, sliding_window=8, window_attn_skip_freq=2, rotary_scaling_factor=4.0,
+                        original_max_position_embeddings=16, yarn_truncate=False, num_experts=4, moe_router_topk=2,
+                        moe_ffn_hidden_size=16, moe_router_bias=True, moe_expert_bias=True,
+                        moe_activation="clamped_swiglu", moe_swiglu_alpha=1.702, moe_swiglu_limit=1.5)
 
 def parse_case(text: str) -> tuple[dict, dict]:
     layout, *opts = text.split(":")

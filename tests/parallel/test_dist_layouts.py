@@ -62,6 +62,7 @@ CASES_2 = [
     # Falcon-H1-shaped (Mamba beside attention on one normed input, muP multipliers off 1): the block's plan put
     # together from the Mamba, attention and MLP plans under tp (with and without sp), pp, FSDP, DDP
     "tp2:model=falcon", "tp2:sp=0:model=falcon", "pp2:model=falcon", "dp_shard2:model=falcon", "ddp2:model=falcon",
+    "dp_shard2:model=gptoss", "ddp2:model=gptoss",
 ]
 BF16 = [c for c in CASES_2 if "precision=bf16" in c]
 CASES_4 = [
