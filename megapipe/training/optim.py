@@ -13,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-from megapipe.models.moe import MoE, GroupedExperts
+from megapipe.models.moe import GroupedExperts, MoE
 
 
 def param_groups(model: nn.Module, weight_decay: float, exclude: frozenset = frozenset()) -> list[dict]:

@@ -208,3 +208,29 @@ def test_muon_settings_without_muon_are_refused():
     with pytest.raises(ConfigError, match=r"optim.muon_lr \(--muon-lr\) = 0.02 applies to --optimizer muon only, "
                                           r"not optim.optimizer = 'adamw'"):
         load_config(overrides={"optim.muon_lr": 0.02})
+
+
+def test_pretrain_with_muon_flags_megatron_spellings_too(pretrain_data, tmp_path, one_thread):
+    """`megapipe pretrain --optimizer muon` end to end: the flags (Megatron's spellings for nesterov and the step
+    count) land in the checkpoint's config, and its optimizer state holds Muon's momentum beside AdamW's moments."""
+    import json
+
+    from megapipe.checkpoint import list_checkpoints
+    from megapipe.cli import main
+
+    prefix, tok = pretrain_data
+    run = tmp_path / "run"
+    assert main(["pretrain", "--data-path", str(prefix), "--tokenizer", str(tok), "--model", "tiny", "--seq-length",
+                 "32", "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2", "--eval-iters",
+                 "0", "--lr", "1e-3", "--optimizer", "muon", "--muon-num-ns-steps", "4", "--no-muon-use-nesterov",
+                 "--muon-ns-coefficients", "3.4", "-4.7", "2.0", "--muon-lr", "2e-2", "--save", str(run),
+                 "--quiet"]) == 0
+    ckpt = list_checkpoints(run)[-1][1]
+    optim = json.loads((ckpt / "megapipe.json").read_text())["config"]["optim"]
+    assert optim["optimizer"] == "muon" and optim["muon_ns_steps"] == 4 and optim["muon_nesterov"] is False
+    assert optim["muon_ns_coefficients"] == [3.4, -4.7, 2.0] and optim["muon_lr"] == 2e-2
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(ckpt / "optim")).read_metadata().state_dict_metadata
+    assert "state.layers.0.attention.wq.weight.momentum_buffer" in keys
+    assert "state.tok_embeddings.weight.exp_avg" in keys and "state.layers.0.attention.wq.weight.exp_avg" not in keys
