@@ -91,7 +91,7 @@ def describe_optimizer(optimizer: torch.optim.Optimizer) -> list[str]:
         what = f"{len(g['params'])} tensors, {n:,} parameters"
         if g.get("muon"):
             a, b, c = g["ns_coefficients"]
-            lines.append(f"muon: {what}, lr x{g['lr_scale']:g}, weight decay {g['weight_decay']:g}, momentum "
+            lines.append(f"muon: {what}, lr {g['lr_scale']:g} x --lr, weight decay {g['weight_decay']:g}, momentum "
                          f"{g['momentum']:g}{' nesterov' if g['nesterov'] else ''}, {g['ns_steps']} Newton-Schulz "
                          f"steps ({a:g}, {b:g}, {c:g}), scale {g['scale']}")
         else:

@@ -161,7 +161,7 @@ def test_groups_settings_lr_override_and_summary():
     set_lr(opt, 5e-4)  # the schedule's lr: Muon's follows it at --muon-lr / --lr
     assert muon["lr"] == pytest.approx(1e-2) and decay["lr"] == no_decay["lr"] == 5e-4
     lines = describe_optimizer(opt)
-    assert lines[0].startswith("muon: 28 tensors, ") and "lr x20, weight decay 0.05, momentum 0.95 nesterov" in lines[0]
+    assert lines[0].startswith("muon: 28 tensors, ") and "lr 20 x --lr, weight decay 0.05, momentum 0.95 nesterov" in lines[0]
     assert lines[1].startswith("adamw: 2 tensors, 8,192 parameters, weight decay 0.1")
     plain = build_optimizer(model, OptimConfig(weight_decay=0.1), 1e-3)
     assert type(plain) is torch.optim.AdamW and describe_optimizer(plain)[0].startswith("adamw: 30 tensors")
