@@ -127,17 +127,29 @@ def update_scale(rule: str, shape: torch.Size) -> float:
     return math.sqrt(max(1.0, rows / cols))
 
 
-def orthogonalize(update: torch.Tensor, coefficients, steps: int) -> torch.Tensor:
-    """newton_schulz on whole matrices: a DTensor's shards of one matrix (FSDP's, TP's dims) are gathered first, the
-    result keeps this rank's part; shards of a leading (expert) dim hold whole matrices and stay where they are."""
+def orthogonalize(update: torch.Tensor, coefficients, steps: int, index: int = 0) -> torch.Tensor:
+    """newton_schulz on whole matrices. A DTensor's shards of one matrix (FSDP's, TP's mesh dims) are gathered; one
+    rank of those that gathered it (chosen by ``index``, so the matrices of a group spread over them) iterates and
+    broadcasts the result, and every rank keeps its part. Shards of a leading (expert) dim hold whole matrices and
+    are orthogonalised where they are."""
     if not _is_dtensor(update):
         return newton_schulz(update, coefficients, steps)
+    import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Replicate
 
     mesh, placements = update.device_mesh, update.placements
     whole = [p if p.is_shard() and p.dim % update.ndim < update.ndim - 2 else Replicate() for p in placements]
-    local = newton_schulz(update.redistribute(mesh, whole).to_local(), coefficients, steps)
-    return DTensor.from_local(local, mesh, whole, run_check=False).redistribute(mesh, placements)
+    full = update.redistribute(mesh, whole).to_local().contiguous()
+    gathered = [d for d, (p, w) in enumerate(zip(placements, whole, strict=True)) if p != w]
+    owner, rest = {}, index
+    for d in gathered:
+        owner[d], rest = rest % mesh.size(d), rest // mesh.size(d)
+    coordinate = mesh.get_coordinate()
+    if all(coordinate[d] == o for d, o in owner.items()):
+        full = newton_schulz(full, coefficients, steps).contiguous()
+    for d, o in owner.items():  # along each gathered dim in turn: after the last, every rank holds the owner's
+        dist.broadcast(full, group=mesh.get_group(d), group_src=o)
+    return DTensor.from_local(full, mesh, whole, run_check=False).redistribute(mesh, placements)
 
 
 class Muon(torch.optim.AdamW):
@@ -164,7 +176,7 @@ class Muon(torch.optim.AdamW):
 
     def _muon_step(self, group: dict) -> None:
         lr, mu = group["lr"], group["momentum"]
-        for p in group["params"]:
+        for i, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
             state = self.state[p]
@@ -174,6 +186,6 @@ class Muon(torch.optim.AdamW):
             buf = state["momentum_buffer"]
             buf.lerp_(p.grad, 1 - mu)
             update = p.grad.lerp(buf, mu) if group["nesterov"] else buf
-            update = orthogonalize(update, group["ns_coefficients"], group["ns_steps"])
+            update = orthogonalize(update, group["ns_coefficients"], group["ns_steps"], index=i)
             p.mul_(1 - lr * group["weight_decay"])
             p.add_(update, alpha=-lr * update_scale(group["scale"], p.shape))

@@ -93,9 +93,10 @@ CASES_4 = [
     # the hybrid on FSDP x TP, and saved on pp x tp, resumed exactly on FSDP x TP
     "dp_shard2,tp2:model=hybrid", "pp2,tp2:model=hybrid:save=ckpt_hybrid", "dp_shard2,tp2:model=hybrid:load=ckpt_hybrid",
     "dp_shard2,tp2:model=falcon",  # Falcon-H1 on FSDP x TP
-    # Muon on FSDP x TP (strided shards), experts over ep and FSDP, pp x tp; its state (momentum beside AdamW's
+    # Muon on FSDP x TP (strided shards), experts over ep and FSDP, pp x tp, HSDP; its state (momentum beside AdamW's
     # moments) saved on ep x FSDP, resumed exactly on pp x tp and on ep4
     "dp_shard2,tp2:optim=muon", "ep2,dp_shard4:model=moe:optim=muon", "pp2,tp2:optim=muon",
+    "dp_replicate2,dp_shard2:optim=muon",
     "ep2,dp_shard4:model=moe:optim=muon:save=ckpt_muon", "pp2,tp2:model=moe:optim=muon:load=ckpt_muon",
     "ep4:model=moe:optim=muon:load=ckpt_muon",
 ]
