@@ -74,6 +74,8 @@ def _layer_pattern(text: str) -> int | list[int]:
 
 
 
+MUON_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic, torch.optim.Muon's default
+
 HYBRID_SYMBOLS = {"M": "Mamba", "*": "attention", "-": "MLP", "E": "MoE",
                   "P": "Falcon-H1's parallel Mamba + attention, then MLP"}
 # Falcon-H1's muP multipliers (megapipe.models.parallel_hybrid): fields -> their neutral value; other layer kinds refuse
@@ -437,12 +439,26 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
-    optimizer: Literal["adamw", "sgd"] = opt("adamw", "--optimizer")
+    optimizer: Literal["adamw", "sgd", "muon"] = opt(
+        "adamw", "--optimizer", help="muon: Muon for the blocks' weight matrices, AdamW for the rest.")
     weight_decay: float = opt(0.01, "--weight-decay")
     clip_grad: float = opt(1.0, "--clip-grad", help="Max total gradient norm (0: no clipping).")
     adam_beta1: float = opt(0.9, "--adam-beta1")
     adam_beta2: float = opt(0.95, "--adam-beta2")
     adam_eps: float = opt(1e-8, "--adam-eps")
+    # Muon (megapipe.training.optim); Megatron's spellings as second flags
+    muon_momentum: float = opt(0.95, "--muon-momentum")
+    muon_nesterov: bool = opt(True, "--muon-nesterov", "--muon-use-nesterov")
+    muon_ns_steps: int = opt(5, "--muon-ns-steps", "--muon-num-ns-steps", help="Newton-Schulz iterations.")
+    muon_ns_coefficients: list[float] = opt(
+        None, "--muon-ns-coefficients", factory=lambda: list(MUON_NS_COEFFICIENTS),
+        help="Newton-Schulz quintic coefficients a b c.")
+    muon_scale: Literal["match_rms_adamw", "original"] = opt(
+        "match_rms_adamw", "--muon-scale",
+        help="Update scale: match_rms_adamw = 0.2*sqrt(max(A, B)) (Moonlight: AdamW's lr and weight decay carry "
+             "over), original = sqrt(max(1, A/B)) (Keller Jordan's).")
+    muon_lr: Optional[float] = opt(None, "--muon-lr", help="Muon's peak lr, on --lr's schedule. Default: --lr.")
+    muon_weight_decay: Optional[float] = opt(None, "--muon-weight-decay", help="Default: --weight-decay.")
 
 
 @dataclass
@@ -862,6 +878,7 @@ def validate(cfg: Config) -> None:
         if not 0 <= getattr(o, name) < 1:
             raise ConfigError(f"optim.{name} (--{name.replace('_', '-')}) = {getattr(o, name)} must be within [0, 1)")
     positive("optim", o, "adam_eps")
+    validate_muon(o)
     if p.dp_shard != -1 and p.dp_shard <= 0:
         raise ConfigError(f"parallel.dp_shard = {p.dp_shard} must be > 0, or -1 for the rest of the world size")
     positive("parallel", p, "ep")
@@ -893,6 +910,25 @@ def validate_attention(m: ModelConfig) -> None:
     if m.moe_swiglu_limit <= 0 or m.moe_swiglu_alpha <= 0:
         raise ConfigError(f"model.moe_swiglu_limit = {m.moe_swiglu_limit} and model.moe_swiglu_alpha = "
                           f"{m.moe_swiglu_alpha} must be > 0")
+
+
+def validate_muon(o: OptimConfig) -> None:
+    if o.optimizer != "muon":
+        default = OptimConfig()
+        for f in dataclasses.fields(o):
+            if f.name.startswith("muon_") and getattr(o, f.name) != getattr(default, f.name):
+                raise ConfigError(f"optim.{f.name} ({f.metadata['flags'][0]}) = {getattr(o, f.name)} applies to "
+                                  f"--optimizer muon only, not optim.optimizer = {o.optimizer!r}")
+    if not 0 <= o.muon_momentum < 1:
+        raise ConfigError(f"optim.muon_momentum (--muon-momentum) = {o.muon_momentum} must be within [0, 1)")
+    if o.muon_ns_steps < 1:
+        raise ConfigError(f"optim.muon_ns_steps (--muon-ns-steps) = {o.muon_ns_steps} must be >= 1")
+    if len(o.muon_ns_coefficients) != 3:
+        raise ConfigError(f"optim.muon_ns_coefficients (--muon-ns-coefficients) = {o.muon_ns_coefficients} must be "
+                          "three numbers a b c")
+    for name in ("muon_lr", "muon_weight_decay"):
+        if getattr(o, name) is not None and getattr(o, name) < 0:
+            raise ConfigError(f"optim.{name} (--{name.replace('_', '-')}) = {getattr(o, name)} must be >= 0")
 
 
 def validate_mtp(m: ModelConfig) -> None:

@@ -421,7 +421,14 @@ def rank_memory(cfg, dims, seq_length: int, overhead: float = OVERHEAD_BYTES) ->
         dense_params = int(params)
         params = dense_params + expert_params
         shard = math.ceil(dense_params / fsdp) + math.ceil(expert_params / efsdp)
-        optim = 8 if cfg.optim.optimizer == "adamw" else 0
+        # bytes per parameter: AdamW's two moments; Muon's momentum, and AdamW's second moment on the embedding and
+        # output layer (norms, biases and routers are too small to count)
+        optim = {"adamw": 8, "muon": 4}.get(cfg.optim.optimizer, 0)
+        if cfg.optim.optimizer == "muon":
+            outer = (pc.embedding_tp / tp + pc.embedding_rep if first else 0) + (pc.head_tp / tp if last else 0)
+            optim_extra = 4.0 * math.ceil(outer / fsdp)
+        else:
+            optim_extra = 0.0
         acts = {}
         for mode in RECOMPUTE_MODES:
             per_mb = sum(block_activation_bytes(m, lc.kind, t.precision, mode, tp, sp) for lc in mine) * tokens
@@ -457,7 +464,7 @@ def rank_memory(cfg, dims, seq_length: int, overhead: float = OVERHEAD_BYTES) ->
             a2a = 4 * n_moe * mb_per_step * tokens * m.moe_router_topk * m.hidden_size * act * (ep - 1) / ep
         out.append(RankMemory(
             pp_rank=r, stages=list(ids), layers=layers, params=params, params_sharded=shard,
-            weights=4.0 * shard, grads=4.0 * shard, optimizer=float(optim * shard), compute_copies=float(copies),
+            weights=4.0 * shard, grads=4.0 * shard, optimizer=float(optim * shard) + optim_extra, compute_copies=float(copies),
             activations=acts, overhead=overhead, grads_persist=pp > 1 or dims.num_microbatches(t) > 1,
             expert_params=expert_params, expert_bytes=(4.0 + 4.0 + optim) * math.ceil(expert_params / efsdp),
             all_to_all_bytes=a2a,

@@ -38,7 +38,7 @@ from megapipe.parallel.step import clip_grad_norm_, eval_step, train_step
 from megapipe.training.cpu_memory import keep_freed_memory
 from megapipe.training.lr import LRSchedule
 from megapipe.training.metrics import MetricsLogger, Window, device_peak_flops, mfu
-from megapipe.training.optim import build_optimizer, set_lr
+from megapipe.training.optim import build_optimizer, describe_optimizer, set_lr
 from megapipe.training.precision import DynamicLossScaler, autocast
 from megapipe.training.recipes import PretrainRecipe, RunContext
 from megapipe.training.run import resolve_run
@@ -315,6 +315,8 @@ class Trainer:
             f"{self.cfg.data.seq_length} tokens, {self.num_microbatches} micro-batch(es) per step, "
             f"{self.cfg.train.precision}, layout {self.dims.describe()}{resumed}"
         )
+        for line in describe_optimizer(self.optimizer):
+            self.logger.print(f"  {line}")
 
     def _progress(self):
         if self.logger.quiet:
@@ -404,6 +406,7 @@ class Trainer:
             "eval_ppl": st.last_eval.get("ppl"),
             "checkpoint": str(self.last_saved) if self.last_saved else None,
             "stopped_by": stopped_by or None,
+            "optimizer": describe_optimizer(self.optimizer),
             **self.recipe.summary(self.ctx),
         }
         if not self.logger.quiet:
@@ -411,6 +414,6 @@ class Trainer:
 
             table = Table(title=f"{self.recipe.stage} summary", show_header=False)
             for k, v in summary.items():
-                table.add_row(k, f"{v:.4f}" if isinstance(v, float) else str(v))
+                table.add_row(k, f"{v:.4f}" if isinstance(v, float) else "\n".join(v) if isinstance(v, list) else str(v))
             self.logger.console.print(table)
         return summary

@@ -11,7 +11,9 @@ MoE models ("model=moe", ...) are compared with a reference that runs the same m
 are per micro-batch), and also on their expert biases (aux-loss-free balancing) and MoE metrics after every step.
 Rank 0 writes {case: {"loss_rel": .., "grad_abs": .., "param_abs": .., "norm_rel": .., "error": ..}} to OUT.json.
 
-Checkpoint cases (AdamW, next to OUT.json): "tp2,pp2:save=NAME" trains 2 steps, saves NAME/step_00000002 with
+"optim=muon" trains with Muon + AdamW (megapipe.training.optim) instead of SGD, in the layout and the reference.
+
+Checkpoint cases (AdamW, or Muon + AdamW with "optim=muon"; next to OUT.json): "tp2,pp2:save=NAME" trains 2 steps, saves NAME/step_00000002 with
 megapipe.checkpoint and writes the full model + optimizer tensors to NAME.ref.pt (plus the loss of a 3rd step);
 "dp_shard4:load=NAME" builds that layout, loads the checkpoint and reports the largest difference of every model
 and optimizer tensor to the reference and the relative difference of the 3rd-step loss.
@@ -35,6 +37,7 @@ from megapipe.parallel.step import clip_grad_norm_, eval_step, train_step
 from megapipe.training.optim import build_optimizer
 
 SEQ, GLOBAL_BATCH, MICRO, STEPS, LR, CLIP = 16, 8, 2, 3, 0.5, 0.8
+MUON_LR = 0.02
 
 # Each model is labelled with the Hugging Face family (ModelConfig.arch) it is shaped like: every parallel layout an
 # architecture declares (megapipe.models.capabilities) runs on a model of that architecture in test_dist_layouts.py.
@@ -181,17 +184,27 @@ def sgd(model) -> torch.optim.Optimizer:
     return build_optimizer(model, OptimConfig(optimizer="sgd", weight_decay=0.0), LR)
 
 
+def muon(model) -> torch.optim.Optimizer:
+    """Muon (whole matrices orthogonalised, experts one by one) + AdamW for the rest, as the trainer builds it."""
+    return build_optimizer(model, OptimConfig(optimizer="muon", weight_decay=0.1), MUON_LR)
+
+
+def optimizer(model, opts: dict) -> torch.optim.Optimizer:
+    return muon(model) if opts.get("optim") == "muon" else sgd(model)
+
+
 _REFERENCE: dict = {}
 
 
-def reference(cfg: Config, masked: bool = False) -> dict:
-    """Single-process losses, step-1 gradients, clip norm and final weights (cached per model and masking), the
-    global batch in one micro-batch (an MoE model: in the layouts' micro-batches)."""
-    key = json.dumps(cfg.model.__dict__, sort_keys=True, default=str) + str(masked)
+def reference(cfg: Config, masked: bool = False, opts: dict | None = None) -> dict:
+    """Single-process losses, step-1 gradients, clip norm and final weights (cached per model, masking and
+    optimizer), the global batch in one micro-batch (an MoE model: in the layouts' micro-batches)."""
+    opts = opts or {}
+    key = json.dumps(cfg.model.__dict__, sort_keys=True, default=str) + str(masked) + opts.get("optim", "sgd")
     if key in _REFERENCE:
         return _REFERENCE[key]
     model = build(cfg)
-    opt = sgd(model)
+    opt = optimizer(model, opts)
     trivial = ParallelDims()
     out = {"losses": [], "biases": [], "moe": [], "init": {n: p.detach().clone() for n, p in model.named_parameters()}}
     for i, batch in enumerate(batches(cfg, STEPS, masked)):
@@ -253,12 +266,12 @@ def run_case(text: str) -> dict:
     layout, opts = parse_case(text)
     cfg = make_config(layout, opts)
     masked = opts.get("mask") == "1"
-    ref = reference(cfg, masked)
+    ref = reference(cfg, masked, opts)
     dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size(), cfg.train, cfg.model, SEQ)
     dims.build_mesh("cpu")
     fused = opts.get("fused") == "1"  # the fused output + cross-entropy (vs the reference's logits)
     model = parallelize_model(build(cfg), dims, cfg)
-    opt = sgd(model)
+    opt = optimizer(model, opts)
     per_rank = GLOBAL_BATCH // dims.dp_size
     lo = dims.dp_rank * per_rank
     res = {"loss_rel": 0.0, "bias_abs": 0.0, "moe_rel": 0.0}
@@ -325,7 +338,10 @@ def run_checkpoint_case(text: str, root: str) -> dict:
     dims = ParallelDims.from_config(cfg.parallel, dist.get_world_size(), cfg.train, cfg.model, SEQ)
     dims.build_mesh("cpu")
     model = parallelize_model(build_model(cfg.model, seed=cfg.train.seed), dims, cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
+    if opts.get("optim") == "muon":
+        opt = muon(model)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
     per_rank = GLOBAL_BATCH // dims.dp_size
     lo = dims.dp_rank * per_rank
     data = batches(cfg, 3)

@@ -65,6 +65,18 @@ def test_params_per_rank_under_tp_pp_fsdp():
     assert (r.weights, r.grads, r.optimizer) == (4 * r.params_sharded, 4 * r.params_sharded, 8 * r.params_sharded)
 
 
+def test_muon_state_is_one_momentum_per_parameter_plus_adamw_on_embedding_and_output():
+    over = {"model.preset": "llama3-8b", "train.global_batch_size": 16, "train.micro_batch_size": 1,
+            "data.seq_length": 4096, "parallel.tp": 2, "parallel.pp": 4, "optim.optimizer": "muon"}
+    cfg = _cfg(**over)
+    ranks = P.rank_memory(cfg, ParallelDims.from_config(cfg.parallel, 16, cfg.train, cfg.model, 4096), 4096)
+    pc = P.param_counts(cfg.model)
+    first, middle, last = ranks[0], ranks[1], ranks[3]
+    assert middle.optimizer == 4 * middle.params_sharded
+    assert first.optimizer == 4 * first.params_sharded + 4 * math.ceil(pc.embedding_tp / 2 / 2)  # / tp / fsdp
+    assert last.optimizer == 4 * last.params_sharded + 4 * math.ceil(pc.head_tp / 2 / 2)
+
+
 def test_tied_output_keeps_an_embedding_copy_on_the_last_stage():
     cfg = _cfg(**{"model.preset": "llama3-1b", "train.global_batch_size": 4, "train.micro_batch_size": 1,
                   "parallel.pp": 2})
