@@ -41,11 +41,13 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     document: earlier documents' entries zeroed), what the next call continues from. No activation here."""
     b, s, c = x.shape
     k = weight.shape[-1]
+    if document_ids is None:
+        prefix = state.to(x.dtype).transpose(1, 2) if state is not None else x.new_zeros(b, k - 1, c)
+        full = torch.cat([prefix, x], dim=1)  # [B, K-1+S, C]
+        y = _DepthwiseCausalConv.apply(full, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+        return y, full[:, s:].transpose(1, 2).contiguous()
     prefix = state.to(x.dtype) if state is not None else x.new_zeros(b, c, k - 1)
     full = torch.cat([prefix, x.transpose(1, 2)], dim=-1)  # [B, C, K-1+S]
-    if document_ids is None:
-        y = F.conv1d(full, weight.to(x.dtype)[:, None, :], None if bias is None else bias.to(x.dtype), groups=c)
-        return y.transpose(1, 2), full[..., s:].clone()
     runs = document_runs(document_ids)
     runs_full = torch.cat([runs[:, :1].expand(b, k - 1), runs], dim=-1)  # the state continues the first document
     keep = (runs_full.unfold(-1, k, 1) == runs[..., None]).to(x.dtype)  # [B, S, K]: tap in the token's document
@@ -55,6 +57,41 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         y = y + bias.to(x.dtype)
     new_state = full[..., s:] * (runs_full[:, s:] == runs[:, -1:]).to(x.dtype)[:, None, :]
     return y, new_state
+
+
+class _DepthwiseCausalConv(torch.autograd.Function):
+    """y[:, t] = bias + sum_k weight[:, k] * full[:, t + k] over full [B, K-1+S, C] (channels last, as the
+    projections give them): K multiply-adds on whole tensors each way, cheaper on CPU than a grouped conv1d
+    (channels-first copies, a slow depthwise backward) and with contiguous results for what follows."""
+
+    @staticmethod
+    def forward(ctx, full: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        k = weight.shape[-1]
+        s = full.shape[1] - k + 1
+        last = full[:, k - 1:]
+        y = last * weight[:, k - 1] if bias is None else torch.addcmul(bias, last, weight[:, k - 1])
+        for j in range(k - 1):
+            y.addcmul_(full[:, j:j + s], weight[:, j])
+        ctx.save_for_backward(full, weight)
+        ctx.has_bias = bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        full, weight = ctx.saved_tensors
+        k, s = weight.shape[-1], grad.shape[1]
+        grad_full = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_full = torch.empty_like(full)
+            torch.mul(grad, weight[:, k - 1], out=grad_full[:, k - 1:])
+            grad_full[:, :k - 1].zero_()
+            for j in range(k - 1):
+                grad_full[:, j:j + s].addcmul_(grad, weight[:, j])
+        if ctx.needs_input_grad[1]:
+            grad_weight = torch.stack([(grad * full[:, j:j + s]).sum((0, 1)) for j in range(k)], dim=-1)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad.sum((0, 1))
+        return grad_full, grad_weight, grad_bias
 
 
 def conv_step(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -118,9 +155,10 @@ def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Ten
     into = into.exp()
     state = initial_state.float() if initial_state is not None else x.new_zeros(b, h, p, n, dtype=torch.float32)
     starts = []
-    for c in range(nc):
+    # unbind, not chunk_states[:, c]: the backward of one indexing per chunk would allocate a zero tensor each
+    for chunk_state, chunk_decay in zip(chunk_states.unbind(1), into[..., -1].unbind(2), strict=True):
         starts.append(state)
-        state = state * into[:, :, c, -1, None, None] + chunk_states[:, c]
+        state = state * chunk_decay[..., None, None] + chunk_state
     starts = torch.stack(starts, dim=1).view(b, nc, g, r, p, n)  # the state entering each chunk
     from_start = torch.einsum("bclgn,bcgrpn->bclgrp", Cg, starts)
     y = y + from_start * into.view(b, g, r, nc, q).permute(0, 3, 4, 1, 2)[..., None]
