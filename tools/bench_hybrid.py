@@ -252,14 +252,14 @@ def report_prefill(a, runs: dict) -> None:
           f"over {a.rounds} rounds x {a.prefill_reps} forwards; {_load()}")
     print(f"{'tokens':>6s} {'hybrid s':>9s} {'attn-only s':>11s} {'attn/hyb':>8s} {'Mamba share':>11s} "
           f"{'Mamba us/tok':>12s} {'attn us/tok (hybrid)':>20s}")
-    for n in _lengths(a):
-        def med(rs, key):
-            return statistics.median(r["lengths"][str(n)].get(key, 0.0) for r in rs)
+    def med(rs, n, key):
+        return statistics.median(r["lengths"][str(n)].get(key, 0.0) for r in rs)
 
+    for n in _lengths(a):
         ratios = sorted(at["lengths"][str(n)]["total"] / hy["lengths"][str(n)]["total"]
                         for hy, at in zip(hybrid, attention, strict=True))
-        total, mamba, attn = med(hybrid, "total"), med(hybrid, "MambaBlock"), med(hybrid, "AttentionBlock")
-        print(f"{n:6d} {total:9.3f} {med(attention, 'total'):11.3f} {statistics.median(ratios):7.2f}x "
+        total, mamba, attn = (med(hybrid, n, k) for k in ("total", "MambaBlock", "AttentionBlock"))
+        print(f"{n:6d} {total:9.3f} {med(attention, n, 'total'):11.3f} {statistics.median(ratios):7.2f}x "
               f"{mamba / total:10.0%} {mamba / n * 1e6:12.1f} {attn / n * 1e6:20.1f}")
 
 
