@@ -5,8 +5,9 @@
 16 Mamba heads of 32 in 2 groups, state 32, chunk 16), vocab 8192, batch 8 x 256, fp32, the same AdamW
 (torch's fused kernel), the same random batch, the same number of threads. ``megapipe`` = the Trainer's step
 (fused output + cross-entropy); ``hf`` = ``NemotronHForCausalLM`` built from a ``NemotronHConfig`` of the same
-widths and pattern (its CPU path: the torch reference scan, SDPA attention) + ``F.cross_entropy``. The weights are
-not mapped between the two (each side draws its own init), so the step-0 losses agree only roughly (both ~ln V).
+widths and pattern (its CPU path: the torch reference scan, SDPA attention) + ``F.cross_entropy``, built from the config
+megapipe's exporter writes and holding the megapipe Trainer's initial weights (megapipe's Nemotron-H bridge), so the
+step-0 losses agree (printed).
 
 ``prefill``: megapipe's whole-sequence forward in inference mode (batch 1, logits of the last position, as an
 engine's prefill) at prompt lengths 512 -> 8k, for the hybrid and for the same model with every Mamba layer
@@ -14,9 +15,13 @@ replaced by attention (``--attention-pattern``, default **-*-*** : same width, d
 layer kind; the Mamba layers' time per token must stay flat as the prompt grows (the SSD scan is linear in length)
 while attention's grows.
 
+Decode (tokens/s at batch 8 vs transformers' ``generate``) is not measured here: tools/bench_generate.py does that
+for any model directory the HF bridge imports, Nemotron-H included.
+
 Every case runs in its own process; the cases take turns for --rounds rounds and the summary gives medians and
 the range of the per-round ratios, so a slow spell of a shared machine hits all of them alike. Nothing here
-asserts a speed.
+asserts a speed. On a machine whose cores are all busy with other work, use ``--threads 1``: with more threads than
+free cores, OpenMP's barriers between the many small ops of a step measure the machine's load, not the kernels.
 
     .venv/bin/python tools/bench_hybrid.py                               # train + prefill, 3 rounds
     .venv/bin/python tools/bench_hybrid.py --sections train --rounds 5
@@ -65,7 +70,9 @@ def _rss_mb() -> float:
 def model_fields(a, pattern: str | None = None) -> dict:
     from megapipe.presets import PRESETS
 
-    fields = {**PRESETS[PRESET], "vocab_size": a.vocab, "max_position_embeddings": max(a.seq, *_lengths(a))}
+    # dt floored at transformers' time_step_min (its mixer always clamps there; 0 would break its init's log)
+    fields = {**PRESETS[PRESET], "vocab_size": a.vocab, "max_position_embeddings": max(a.seq, *_lengths(a)),
+              "mamba_dt_limit_min": 1e-3}
     if pattern is not None:
         fields["hybrid_override_pattern"] = pattern
     return fields
@@ -100,30 +107,26 @@ def megapipe_step(a):
     return lambda: trainer.train_step([batch])["loss"]
 
 
-def hf_config(a):
-    """transformers' NemotronHConfig of the preset's widths and pattern (no importer in megapipe yet)."""
-    from transformers import NemotronHConfig
-
-    from megapipe.config import ModelConfig
-
-    m = ModelConfig(**model_fields(a))
-    return NemotronHConfig(
-        vocab_size=m.vocab_size, hidden_size=m.hidden_size, hybrid_override_pattern=m.hybrid_override_pattern,
-        num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads, head_dim=m.head_dim,
-        intermediate_size=m.intermediate_size, mlp_hidden_act="relu2", max_position_embeddings=m.max_position_embeddings,
-        mamba_num_heads=m.mamba_heads, mamba_head_dim=m.mamba_head_dim, n_groups=m.mamba_num_groups,
-        ssm_state_size=m.mamba_state_dim, chunk_size=m.mamba_chunk_size, conv_kernel=m.mamba_conv_kernel,
-        layer_norm_epsilon=m.norm_eps, use_conv_bias=m.mamba_conv_bias, mamba_proj_bias=m.mamba_proj_bias,
-        tie_word_embeddings=False, use_cache=False)
-
-
 def hf_step(a):
+    """transformers' NemotronHForCausalLM at the config megapipe's exporter writes, holding the megapipe Trainer's
+    initial weights (converted by megapipe's Nemotron-H bridge), so both sides start from the same loss."""
     import torch
     import torch.nn.functional as F
-    from transformers import NemotronHForCausalLM
+    from transformers import NemotronHConfig, NemotronHForCausalLM
 
-    torch.manual_seed(0)
-    model = NemotronHForCausalLM(hf_config(a)).float()
+    from megapipe.checkpoint.hf import adapter_for_arch
+    from megapipe.config import ModelConfig
+
+    cfg = ModelConfig(**model_fields(a))
+    adapter = adapter_for_arch(cfg.arch)
+    state = megapipe_model_state(a)
+    hf_state = {}
+    for conversion in adapter.conversions(cfg):
+        tensors = conversion.to_hf([state[name] for name in conversion.mp])
+        hf_state.update({name.replace("backbone.", "model.", 1): t for name, t in zip(conversion.hf, tensors, strict=True)})
+    config = NemotronHConfig(**adapter.hf_config(cfg), architectures=[adapter.architecture])
+    model = NemotronHForCausalLM(config).float()
+    model.load_state_dict(hf_state, strict=True)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01, fused=True)
     batch = _batch(a)
@@ -138,6 +141,18 @@ def hf_step(a):
         return loss.item()
 
     return step
+
+
+def megapipe_model_state(a) -> dict:
+    """The megapipe Trainer's initial weights (a Trainer built as megapipe_step builds it)."""
+    from megapipe.config import Config, ModelConfig, TrainConfig
+    from megapipe.training.trainer import Trainer
+
+    cfg = Config(model=ModelConfig(**model_fields(a)),
+                 train=TrainConfig(micro_batch_size=a.batch, global_batch_size=a.batch, train_iters=1, precision="fp32"))
+    cfg.data.seq_length = a.seq
+    trainer = Trainer(cfg, quiet=True, with_data=False)
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
 
 
 def train_worker(a, impl: str) -> dict:
@@ -236,7 +251,7 @@ def report_train(a, runs: dict) -> None:
                          "rounds": [statistics.median(r["walls"]) for r in rs]}
         s = summary[impl]
         print(f"{impl:10s} {a.batch * a.seq / s['step']:7.0f} tok/s  step {s['step']:.3f}s  CPU {s['cpu']:.3f}s  "
-              f"peak RSS {s['peak']:.0f} MB  loss {rs[0]['first_loss']:.3f}->{rs[0]['last_loss']:.3f}")
+              f"peak RSS {s['peak']:.0f} MB  loss {rs[0]['first_loss']:.5f}->{rs[0]['last_loss']:.5f}")
     ours, hf = summary.get("megapipe"), summary.get("hf")
     if ours and hf:
         per_round = sorted(h / o for h, o in zip(hf["rounds"], ours["rounds"], strict=True))
@@ -281,7 +296,7 @@ def main(argv=None) -> int:
                 return 1
             runs[section, case].append(r)
             if section == "train":
-                detail = f"step {statistics.median(r['walls']):.3f}s  loss {r['first_loss']:.3f}->{r['last_loss']:.3f}"
+                detail = f"step {statistics.median(r['walls']):.3f}s  loss {r['first_loss']:.5f}->{r['last_loss']:.5f}"
             else:
                 detail = "  ".join(f"{n}: {v['total']:.3f}s" for n, v in r["lengths"].items())
             print(f"round {rnd + 1}  {section:7s} {case:10s} {detail}", flush=True)
