@@ -7,7 +7,9 @@
 (fused output + cross-entropy); ``hf`` = ``NemotronHForCausalLM`` built from a ``NemotronHConfig`` of the same
 widths and pattern (its CPU path: the torch reference scan, SDPA attention) + ``F.cross_entropy``, built from the config
 megapipe's exporter writes and holding the megapipe Trainer's initial weights (megapipe's Nemotron-H bridge), so the
-step-0 losses agree (printed).
+step-0 losses agree (printed). megapipe's Trainer keeps freed memory in the process on CPU
+(megapipe.training.cpu_memory); --hf-keep-freed-memory gives HF the same allocator setting, to compare the kernels
+alone.
 
 ``prefill``: megapipe's whole-sequence forward in inference mode (batch 1, logits of the last position, as an
 engine's prefill) at prompt lengths 512 -> 8k, for the hybrid and for the same model with every Mamba layer
@@ -58,6 +60,9 @@ def parse_args(argv=None):
     p.add_argument("--attention-pattern", default=None,
                    help="the all-attention model's layer pattern (default: the preset's with M -> *)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--hf-keep-freed-memory", action="store_true",
+                   help="give HF megapipe's CPU allocator setting too (megapipe.training.cpu_memory), to compare "
+                        "the kernels alone")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--worker", nargs=2, metavar=("SECTION", "CASE"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -144,18 +149,20 @@ def hf_step(a):
 
 
 def megapipe_model_state(a) -> dict:
-    """The megapipe Trainer's initial weights (a Trainer built as megapipe_step builds it)."""
-    from megapipe.config import Config, ModelConfig, TrainConfig
-    from megapipe.training.trainer import Trainer
+    """The megapipe Trainer's initial weights (its build_model and seed; not the Trainer itself, whose CPU allocator
+    setting would then speed up the HF side too, see --hf-keep-freed-memory)."""
+    from megapipe.config import ModelConfig, TrainConfig
+    from megapipe.models import build_model
 
-    cfg = Config(model=ModelConfig(**model_fields(a)),
-                 train=TrainConfig(micro_batch_size=a.batch, global_batch_size=a.batch, train_iters=1, precision="fp32"))
-    cfg.data.seq_length = a.seq
-    trainer = Trainer(cfg, quiet=True, with_data=False)
-    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    model = build_model(ModelConfig(**model_fields(a)), seed=TrainConfig().seed)
+    return {k: v.detach() for k, v in model.state_dict().items()}
 
 
 def train_worker(a, impl: str) -> dict:
+    if impl == "hf" and a.hf_keep_freed_memory:
+        from megapipe.training.cpu_memory import keep_freed_memory
+
+        keep_freed_memory()
     step = hf_step(a) if impl == "hf" else megapipe_step(a)
     losses = [step() for _ in range(a.warmup)]
     walls, cpus = [], []
@@ -241,7 +248,8 @@ def _load() -> str:
 
 
 def report_train(a, runs: dict) -> None:
-    print(f"\ntraining step: {PRESET} (vocab {a.vocab}), batch {a.batch} x {a.seq}, fp32, fused AdamW, {a.threads} "
+    kept = ", HF with megapipe's allocator setting" if a.hf_keep_freed_memory else ""
+    print(f"\ntraining step: {PRESET} (vocab {a.vocab}), batch {a.batch} x {a.seq}, fp32, fused AdamW{kept}, {a.threads} "
           f"threads; median over {a.rounds} rounds x {a.steps} steps; {_load()}")
     summary = {}
     for impl, rs in runs.items():
