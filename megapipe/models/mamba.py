@@ -39,6 +39,19 @@ from megapipe.models.moe import local
 from megapipe.models.ssd import causal_conv1d, conv_step, ssd_chunked, ssd_step
 
 
+def fused_linear(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> Optional[torch.Tensor]:
+    """The outputs of ``linears`` side by side from one matmul (their weights concatenated per call, cheap next to
+    the matmul, and one backward matmul instead of one per projection plus the sum of their input gradients), or
+    None where a projection is not a plain local nn.Linear (a TP shard, a LoRA hook, a quantized module): the
+    caller then runs them one by one."""
+    for m in linears:
+        if type(m) is not nn.Linear or m._forward_hooks or m._forward_pre_hooks or hasattr(m.weight, "to_local"):
+            return None
+    biases = [m.bias for m in linears]
+    bias = None if biases[0] is None else torch.cat(biases)
+    return F.linear(x, torch.cat([m.weight for m in linears]), bias)
+
+
 class DepthwiseConv(nn.Module):
     """The weights of a causal depthwise conv1d over ``channels``: weight [C, K], bias [C] (computed in ssd)."""
 
@@ -114,8 +127,15 @@ class Mamba2Mixer(nn.Module):
         """x [B, S, hidden] -> (z [B, S, d_inner], xbc [B, S, d_inner + 2 * groups * state], dt [B, S, heads]),
         with the multipliers applied."""
         x = scale_by(x, self.in_multiplier)
-        z, xs, B, C, dt = (scale_by(proj(x), m) for proj, m in zip(
-            (self.in_z, self.in_x, self.in_B, self.in_C, self.in_dt), self.proj_multipliers, strict=True))
+        projections = (self.in_z, self.in_x, self.in_B, self.in_C, self.in_dt)
+        zxbcdt = fused_linear(x, projections)
+        if zxbcdt is not None:
+            if any(m != 1 for m in self.proj_multipliers):
+                zxbcdt = zxbcdt * torch.cat([zxbcdt.new_full((p.weight.shape[0],), m)
+                                             for p, m in zip(projections, self.proj_multipliers, strict=True)])
+            inner, heads = self.in_z.weight.shape[0], self.in_dt.weight.shape[0]
+            return zxbcdt.split([inner, zxbcdt.shape[-1] - inner - heads, heads], dim=-1)
+        z, xs, B, C, dt = (scale_by(proj(x), m) for proj, m in zip(projections, self.proj_multipliers, strict=True))
         return z, torch.cat([xs, B, C], dim=-1), dt
 
     def conv_params(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

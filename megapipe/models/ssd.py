@@ -41,11 +41,16 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     document: earlier documents' entries zeroed), what the next call continues from. No activation here."""
     b, s, c = x.shape
     k = weight.shape[-1]
+    if document_ids is None:
+        prefix = state.to(x.dtype).transpose(1, 2) if state is not None else None  # [B, K-1, C]
+        y = _DepthwiseCausalConv.apply(x, prefix, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+        if s >= k - 1:
+            last = x[:, s - k + 1:]
+        else:
+            last = torch.cat([x.new_zeros(b, k - 1 - s, c) if prefix is None else prefix[:, s:], x], dim=1)
+        return y, last.transpose(1, 2).contiguous()
     prefix = state.to(x.dtype) if state is not None else x.new_zeros(b, c, k - 1)
     full = torch.cat([prefix, x.transpose(1, 2)], dim=-1)  # [B, C, K-1+S]
-    if document_ids is None:
-        y = F.conv1d(full, weight.to(x.dtype)[:, None, :], None if bias is None else bias.to(x.dtype), groups=c)
-        return y.transpose(1, 2), full[..., s:].clone()
     runs = document_runs(document_ids)
     runs_full = torch.cat([runs[:, :1].expand(b, k - 1), runs], dim=-1)  # the state continues the first document
     keep = (runs_full.unfold(-1, k, 1) == runs[..., None]).to(x.dtype)  # [B, S, K]: tap in the token's document
@@ -55,6 +60,59 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         y = y + bias.to(x.dtype)
     new_state = full[..., s:] * (runs_full[:, s:] == runs[:, -1:]).to(x.dtype)[:, None, :]
     return y, new_state
+
+
+class _DepthwiseCausalConv(torch.autograd.Function):
+    """y[:, t] = bias + sum_k weight[:, k] * full[:, t + k] where full = [prefix; x] ([B, K-1+S, C], channels last
+    as the projections give them; prefix None: zeros): K shifted multiply-adds on whole tensors each way, in place,
+    cheaper on CPU than a grouped conv1d (channels-first copies, a slow depthwise backward), and contiguous."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, prefix: Optional[torch.Tensor], weight: torch.Tensor,
+                bias: Optional[torch.Tensor]) -> torch.Tensor:
+        k, s = weight.shape[-1], x.shape[1]
+        y = x * weight[:, k - 1] if bias is None else torch.addcmul(bias, x, weight[:, k - 1])
+        for j in range(k - 1):
+            shift = k - 1 - j  # tap j reads the input ``shift`` steps back
+            if shift < s:
+                y[:, shift:].addcmul_(x[:, :s - shift], weight[:, j])
+            if prefix is not None:
+                y[:, :shift].addcmul_(prefix[:, j:j + min(shift, s)], weight[:, j])
+        ctx.save_for_backward(x, prefix, weight)
+        ctx.has_bias = bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, prefix, weight = ctx.saved_tensors
+        k, s = weight.shape[-1], x.shape[1]
+        grad_x = grad_prefix = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad * weight[:, k - 1]
+            for j in range(k - 1):
+                shift = k - 1 - j
+                if shift < s:
+                    grad_x[:, :s - shift].addcmul_(grad[:, shift:], weight[:, j])
+        if prefix is not None and ctx.needs_input_grad[1]:
+            grad_prefix = torch.zeros_like(prefix)
+            for j in range(k - 1):
+                shift = min(k - 1 - j, s)
+                grad_prefix[:, j:j + shift].addcmul_(grad[:, :shift], weight[:, j])
+        if ctx.needs_input_grad[2]:
+            grad_weight = torch.empty_like(weight)
+            product = torch.empty_like(grad)  # one buffer for every tap's grad * input
+            for j in range(k):
+                shift = k - 1 - j
+                if shift < s:
+                    torch.mul(grad[:, shift:], x[:, :s - shift], out=product[:, shift:])
+                    grad_weight[:, j] = product[:, shift:].sum((0, 1))
+                else:
+                    grad_weight[:, j] = 0
+                if prefix is not None:
+                    grad_weight[:, j] += (grad[:, :shift] * prefix[:, j:j + min(shift, s)]).sum((0, 1))
+        if ctx.has_bias and ctx.needs_input_grad[3]:
+            grad_bias = grad.sum((0, 1))
+        return grad_x, grad_prefix, grad_weight, grad_bias
 
 
 def conv_step(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -99,32 +157,35 @@ def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Ten
         xdt, Bg, Cg = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (xdt, Bg, Cg))
         if runs is not None:
             runs = torch.cat([runs, runs[:, -1:].expand(b, pad)], dim=-1)
-    a = a.view(b, nc, q, h).permute(0, 3, 1, 2)  # [B, H, c, Q]
-    xdt = xdt.view(b, nc, q, g, r, p)
-    Bg, Cg = Bg.view(b, nc, q, g, n), Cg.view(b, nc, q, g, n)
-    seg = segment_sums(a)  # [B, H, c, Q, Q]: log-decay from just after token j to token i of one chunk
-    into = a.cumsum(-1)  # [B, H, c, Q]: log-decay from the chunk's incoming state to token l
+    # head-major layouts [B, G, R, c, Q, .] (R heads of a group share its B and C): each product below is one
+    # batched matmul over contiguous blocks, with no layout copies inside and none between them
+    a = a.view(b, nc, q, g, r).permute(0, 3, 4, 1, 2)  # [B, G, R, c, Q]
+    xdt = xdt.view(b, nc, q, g, r, p).permute(0, 3, 4, 1, 2, 5).contiguous()  # [B, G, R, c, Q, P]
+    Bg = Bg.view(b, nc, q, g, n).permute(0, 3, 1, 2, 4)[:, :, None]  # [B, G, 1, c, Q, N]
+    Cg = Cg.view(b, nc, q, g, n).permute(0, 3, 1, 2, 4)[:, :, None]
+    seg = segment_sums(a)  # [B, G, R, c, Q, Q]: log-decay from just after token j to token i of one chunk
+    into = a.cumsum(-1)  # [B, G, R, c, Q]: log-decay from the chunk's incoming state to token l
     if runs is not None:
-        rr = runs.view(b, nc, q)
-        seg = seg.masked_fill((rr[..., :, None] != rr[..., None, :])[:, None], float("-inf"))
-        before = torch.cat([rr[:, :1, :1], rr[:, :-1, -1:]], dim=1)  # run of the token before each chunk
-        into = into.masked_fill((rr != before)[:, None], float("-inf"))
-    decay = seg.exp().view(b, g, r, nc, q, q)
-    scores = torch.einsum("bclgn,bcsgn->bgcls", Cg, Bg)[:, :, None] * decay  # [B, G, R, c, Q, Q]
-    y = torch.einsum("bgrcls,bcsgrp->bclgrp", scores, xdt)  # within each chunk
-    to_end = decay[..., -1, :]  # [B, G, R, c, Q]: decay from each token to the chunk's last
-    weighted = xdt * to_end.permute(0, 3, 4, 1, 2)[..., None]
-    chunk_states = torch.einsum("bcsgn,bcsgrp->bcgrpn", Bg, weighted).reshape(b, nc, h, p, n)
+        rr = runs.view(b, 1, 1, nc, q)
+        seg = seg.masked_fill(rr[..., :, None] != rr[..., None, :], float("-inf"))
+        before = torch.cat([rr[..., :1, :1], rr[..., :-1, -1:]], dim=-2)  # run of the token before each chunk
+        into = into.masked_fill(rr != before, float("-inf"))
+    decay = seg.exp()
+    y = ((Cg @ Bg.transpose(-1, -2)) * decay) @ xdt  # within each chunk: [B, G, R, c, Q, P]
+    weighted = xdt * decay[..., -1, :, None]  # decayed to the chunk's last token
+    chunk_states = weighted.transpose(-1, -2) @ Bg  # [B, G, R, c, P, N]
     into = into.exp()
-    state = initial_state.float() if initial_state is not None else x.new_zeros(b, h, p, n, dtype=torch.float32)
+    state = (initial_state.float().view(b, g, r, p, n) if initial_state is not None
+             else x.new_zeros(b, g, r, p, n, dtype=torch.float32))
     starts = []
-    for c in range(nc):
+    # unbind, not chunk_states[:, c]: the backward of one indexing per chunk would allocate a zero tensor each
+    for chunk_state, chunk_decay in zip(chunk_states.unbind(3), into[..., -1].unbind(3), strict=True):
         starts.append(state)
-        state = state * into[:, :, c, -1, None, None] + chunk_states[:, c]
-    starts = torch.stack(starts, dim=1).view(b, nc, g, r, p, n)  # the state entering each chunk
-    from_start = torch.einsum("bclgn,bcgrpn->bclgrp", Cg, starts)
-    y = y + from_start * into.view(b, g, r, nc, q).permute(0, 3, 4, 1, 2)[..., None]
-    y = y.reshape(b, nc * q, h, p)[:, :s]
+        state = state * chunk_decay[..., None, None] + chunk_state
+    starts = torch.stack(starts, dim=3)  # [B, G, R, c, P, N]: the state entering each chunk
+    y = y + (Cg @ starts.transpose(-1, -2)) * into[..., None]
+    y = y.permute(0, 3, 4, 1, 2, 5).reshape(b, nc * q, h, p)[:, :s]
+    state = state.view(b, h, p, n)
     if D is not None:
         y = y + x.float() * D.float()[:, None]
     return y.to(x.dtype), state
