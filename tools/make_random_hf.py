@@ -13,6 +13,9 @@ Presets (every size can be overridden by its flag):
   top-4, normalised top-k weights; 288M parameters, 0.54 GiB (Qwen3-30B-A3B's shape scaled down).
 - ``qwen2_moe``: hidden 1024, 6 layers, 16 / 4 heads, 16 experts of FFN 512, top-4, a gated shared expert of 2048.
 - ``llama``: hidden 1024, 8 layers, 16 / 4 heads, FFN 2816 (dense, for comparison).
+- ``nemotron_h``: hidden 1024, 8 layers of Nemotron-H-8B's kinds in its order (``M-M*-M-M``: 4 Mamba-2, 1 attention
+  without positions, 3 squared-ReLU MLP of FFN 2816), 32 Mamba heads of 64 in 8 groups, state 128, chunk 128;
+  16 / 4 attention heads.
 
 All share vocab 32000 (the embedding and the LM head are untied) and RoPE theta 1e6. Weights are normal(0, 0.02)
 as transformers initialises them, from ``--seed``; the same arguments give the same directory. The tokenizer is a
@@ -33,7 +36,9 @@ PRESETS = {
     "qwen3_moe": dict(hidden=1024, layers=8, heads=16, kv_heads=4, experts=16, topk=4, ffn=512),
     "qwen2_moe": dict(hidden=1024, layers=6, heads=16, kv_heads=4, experts=16, topk=4, ffn=512, shared_ffn=2048),
     "llama": dict(hidden=1024, layers=8, heads=16, kv_heads=4, ffn=2816),
+    "nemotron_h": dict(hidden=1024, layers=8, heads=16, kv_heads=4, ffn=2816),
 }
+NEMOTRON_H_PATTERN = "M-M*-M-M"  # Nemotron-H-8B's layer kinds in its order, cut to 8 layers
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "A stitch in time saves nine.",
          "To be, or not to be, that is the question.", "All that glitters is not gold.",
          "Hello world! Numbers 12345 and symbols #@%."] * 20
@@ -59,6 +64,14 @@ def hf_config(arch: str, s: dict, vocab: int):
                                            num_experts=s["experts"], num_experts_per_tok=s["topk"],
                                            shared_expert_intermediate_size=s["shared_ffn"], norm_topk_prob=False,
                                            **common)
+    if arch == "nemotron_h":
+        kinds = {"M": "linear_attention", "*": "full_attention", "-": "mlp"}
+        pattern = (NEMOTRON_H_PATTERN * s["layers"])[:s["layers"]]
+        common.pop("rope_theta")
+        common.pop("num_hidden_layers")
+        return transformers.NemotronHConfig(intermediate_size=s["ffn"], layers_block_type=[kinds[c] for c in pattern],
+            head_dim=s["hidden"] // s["heads"], mamba_num_heads=32, mamba_head_dim=64, ssm_state_size=128,
+            n_groups=8, chunk_size=128, **common)
     raise ValueError(arch)
 
 
