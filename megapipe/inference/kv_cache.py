@@ -9,7 +9,7 @@ An engine step runs the model once on a flattened batch: every scheduled token o
 (nothing to do: the step was planned by the engine) and ``attend(layer_id, q, k, v)``, which writes the new keys and
 values into their slots and computes attention per sequence:
 
-- on CPU every row at once by ``megapipe.inference.kernels``' paged attention, which reads each sequence's keys
+- on CPU every row at once by ``megapipe.inference.kernels``' paged attention (sinks included), which reads each sequence's keys
   and values in place through its block table (a chunk's row at position p attends to positions [0, p]);
 - elsewhere, or where that kernel cannot be built: one-token queries (decodes) together, as a padded batch over
   their gathered keys, in two batched matmuls;
@@ -281,10 +281,8 @@ class PagedBatch:
         total, heads, dim = q.shape
         out = torch.empty(total, heads * dim, dtype=q.dtype, device=q.device)
         if self.kernel is not None:
-            if sinks is not None:
-                raise ValueError("the paged attention kernel applies no attention sinks (plan the step without it)")
             self.kernel(q, pk, pv, self.block_table, self.seq_of_row, self.context_lens, self.pool.block_size,
-                        self.window_of(layer_id) or 0, dim ** -0.5, out)
+                        self.window_of(layer_id) or 0, dim ** -0.5, out, sinks)
             return out
         self._use_window(layer_id)
         if self.num_decodes:

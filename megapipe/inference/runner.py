@@ -363,7 +363,7 @@ class ModelRunner:
                 raise ConfigError(f"EngineConfig.cpu_kernels = True but megapipe's CPU kernels do not run here "
                                   f"({self.device.type}, {self.dtype}, {kernels.capability()}; see the log)")
         self.attention_kernel = None
-        if self.ops is not None and not model.cfg.attention_sinks:  # sink layers attend through the torch paths
+        if self.ops is not None:
             self.attention_kernel = kernels.attention_kernel_for(pool.head_dim, self.dtype, self.device)
         # bf16 matmuls on megapipe's own kernel where the CPU has AVX512-BF16, else oneDNN's
         self.own_linears = (self.packed and self.ops is not None and self.dtype == torch.bfloat16

@@ -80,9 +80,8 @@ KINDS: dict[str, Capabilities] = {
     # attention with learned sinks (GPT-OSS, megapipe.models.attention.sink_attention): trained on one process and plain
 # data parallelism (the sinks are one more replicated / FSDP-sharded parameter); tensor parallelism must shard the
 # sinks with the heads and pipeline / expert parallelism were not run with them yet, so they are refused; the ring
-# attention of cp has no sink term; the engine's paged attention applies them on its torch paths (the CPU attention
-# kernel has no sink term: sink layers skip it, megapipe's other CPU kernels still run), speculative decoding was not
-# run with them; generate, serve, eval and RL run on the engine; distillation, pruning, ModelOpt and the TensorRT-LLM writers were not checked on them; HF export
+# attention of cp has no sink term; the engine's paged attention applies them (torch paths and CPU kernel), speculative
+# decoding was not run with them; generate, serve, eval and RL run on the engine; distillation, pruning, ModelOpt and the TensorRT-LLM writers were not checked on them; HF export
 # writes GptOssForCausalLM (unquantized)
     "sinks": Capabilities(layouts=frozenset({"dp_replicate", "dp_shard"}), engine=frozenset(ENGINE) - {"speculative"},
                           quant=frozenset(), trt=frozenset(),

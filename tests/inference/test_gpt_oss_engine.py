@@ -1,14 +1,14 @@
 """The engine on GPT-OSS (a tiny random GptOssForCausalLM: learned attention sinks, a 4-token window on layer 0 and
 full attention on layer 1, YaRN, biased clamped-SwiGLU experts): its greedy output is transformers' at batch 1 and
 in a continuous batch of mixed lengths, with prompts longer than the window, chunked prefill, prefix caching, on the
-torch path and with megapipe's CPU kernels (whose attention kernel sink layers skip)."""
+torch path and with megapipe's CPU kernels (the paged attention kernel with its sink term)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from megapipe.inference import LLMEngine, SamplingParams
+from megapipe.inference import LLMEngine, SamplingParams, kernels
 from megapipe.inference.kv_cache import KVPool, PagedBatch, layer_windows
 from megapipe.models.attention import CausalSDPA
 from tests.helpers.hf_tiny import hf_greedy, make_hf_dir
@@ -22,17 +22,20 @@ def gpt_oss(tmp_path_factory):
     return make_hf_dir(tmp_path_factory.mktemp("gpt_oss"), "gpt_oss")
 
 
-def test_each_layer_keeps_its_window_and_no_attention_kernel(gpt_oss):
+def test_each_layer_keeps_its_window(gpt_oss):
     engine = LLMEngine.from_pretrained(gpt_oss[0], device="cpu", kv_cache_memory=1 << 20)
     assert layer_windows(engine.model_config) == {0: 4, 1: None}
     assert engine.runner.window == {0: 4, 1: None}
-    assert engine.runner.attention_kernel is None  # it has no sink term
     assert engine.runner.layers is not None  # the fast layer path, sinks passed to the paged attention
 
 
-def test_paged_attention_with_sinks_equals_the_model_attention():
+@pytest.mark.parametrize("use_kernel", [False, pytest.param(True, id="cpu_kernel")])
+def test_paged_attention_with_sinks_equals_the_model_attention(use_kernel):
     """Decodes and chunks (one from 0, one continuing over cached keys) of the paged batch against the training
-    attention on each whole sequence, for a windowed and a full layer."""
+    attention on each whole sequence, for a windowed and a full layer, on the torch paths and the CPU kernel."""
+    kernel = kernels.attention_kernel_for(16, torch.float32, "cpu") if use_kernel else None
+    if use_kernel and kernel is None:
+        pytest.skip("megapipe's CPU attention kernel is not built here")
     torch.manual_seed(0)
     heads, kvh, dim, bs = 4, 2, 16, 4
     pool = KVPool([0, 1], 16, bs, kvh, dim, torch.float32, "cpu")
@@ -43,11 +46,11 @@ def test_paged_attention_with_sinks_equals_the_model_attention():
     seqs = [(torch.randn(1, heads, n, dim), torch.randn(1, kvh, n, dim), torch.randn(1, kvh, n, dim)) for n in lengths]
     for layer, window in windows.items():
         want = [CausalSDPA(window)(q, k, v, sinks=sinks) for q, k, v in seqs]
-        cached = PagedBatch(pool, windows)  # the first positions of each sequence, stored by a step before
+        cached = PagedBatch(pool, windows, kernel)  # the first positions of each sequence, stored by a step before
         cached.plan([], [(t, 0, s) for t, s in zip(tables, starts) if s], None)
         firsts = [(q[:, :, :s], k[:, :, :s], v[:, :, :s]) for (q, k, v), s in zip(seqs, starts) if s]
         cached.attend(layer, *(torch.cat(parts, dim=2) for parts in zip(*firsts)), sinks=sinks)
-        batch = PagedBatch(pool, windows)
+        batch = PagedBatch(pool, windows, kernel)
         batch.plan([(tables[0], 8)], [(tables[1], 0, 6), (tables[2], 2, 5)], None)
         rest = [(q[:, :, s:], k[:, :, s:], v[:, :, s:]) for (q, k, v), s in zip(seqs, starts)]
         out = batch.attend(layer, *(torch.cat(parts, dim=2) for parts in zip(*rest)), sinks=sinks)
@@ -61,6 +64,8 @@ def test_greedy_equals_transformers(gpt_oss, cpu_kernels, one_thread):
     want = {i: hf_greedy(hf, p, 12) for i, p in enumerate(PROMPTS)}  # prompts of 2 to 37 tokens, window 4
     greedy = SamplingParams(max_tokens=12, **GREEDY)
     engine = LLMEngine.from_pretrained(path, device="cpu", cpu_kernels=cpu_kernels)
+    assert (engine.runner.attention_kernel is None) == (cpu_kernels is False or not kernels.available(
+        torch.float32, torch.device("cpu")))
     assert engine.generate([PROMPTS[3]], greedy)[0].outputs[0].token_ids == want[3]  # batch 1
     assert run_staggered(engine, PROMPTS, greedy) == want  # decodes beside prefills of mixed lengths
     chunked = LLMEngine.from_pretrained(path, device="cpu", cpu_kernels=cpu_kernels, max_num_batched_tokens=8,
