@@ -19,6 +19,12 @@ values into their slots and computes attention per sequence:
 
 Tokens are ordered decodes first, then the chunks, so each group is a contiguous slice of the batch.
 
+Per-layer windows (GPT-OSS's windowed and full layers): ``sliding_window`` may map each layer to its window
+(``layer_windows``); the decode masks and chunk masks are planned once per distinct window and each layer attends
+with its own. KV is stored per token whatever the window, so prefix caching is unchanged; nothing is evicted behind
+a window yet (a sequence holds all its blocks). Attention sinks (``sinks`` [heads]): one more logit in every row's
+softmax denominator, on each path (the decode softmax, ``sink_attention`` for chunks, the kernel's running sum).
+
 A hybrid model's Mamba layers call ``ssm(layer_id, mixer, xbc, dt)`` instead: each sequence's conv window and SSM
 state live in a slot of the engine's StatePool (megapipe.inference.state_cache); the decodes take one step of the
 recurrence together from their gathered states, each chunk runs the scan from its sequence's state (from zeros
@@ -137,6 +143,7 @@ class PagedBatch:
         self.runs: list[tuple[int, int, int]] = []  # (index of first chunk, chunks, n): plain chunks attended at once
         # per distinct window of the layers: (chunks, runs, decode mask), planned once per step
         self._plans: dict[Optional[int], tuple] = {}
+        self._sink_masks: dict[tuple, torch.Tensor] = {}
 
     def window_of(self, layer_id: int) -> Optional[int]:
         return self.window if self.windows is None else self.windows.get(layer_id)
@@ -366,14 +373,23 @@ class PagedBatch:
             kc, vc = keys_values(c, rows, count)
             gqa = kc.shape[1] != heads
             if sinks is not None:
-                keep = torch.ones(n, n, dtype=torch.bool).tril() if c.mask is None else c.mask == 0
-                mask = additive(with_sink_column(keep), qc.dtype).to(qc.device)
-                o = sink_attention(qc, kc.expand(count, -1, -1, -1), vc.expand(count, -1, -1, -1), sinks, mask)
+                o = sink_attention(qc, kc.expand(count, -1, -1, -1), vc.expand(count, -1, -1, -1), sinks,
+                                   self._sink_mask(first, qc.dtype))
             elif c.mask is None:
                 o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=gqa)
             else:
                 o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=c.mask.to(qc.dtype), enable_gqa=gqa)
             out[rows].view(count, n, heads, -1).copy_(o.transpose(1, 2))
+
+    def _sink_mask(self, first: int, dtype: torch.dtype) -> torch.Tensor:
+        """The additive mask of chunk ``first`` with the sink key's column (``sink_attention``), made once per step
+        for every sink layer of this window."""
+        key = (self.window, first, dtype)
+        if key not in self._sink_masks:
+            c = self.chunks[first]
+            keep = torch.ones(c.n, c.n, dtype=torch.bool).tril() if c.mask is None else c.mask == 0
+            self._sink_masks[key] = additive(with_sink_column(keep), dtype).to(self.pool.device)
+        return self._sink_masks[key]
 
     @staticmethod
     def _plain(c: Chunk) -> bool:

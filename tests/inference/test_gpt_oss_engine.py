@@ -47,14 +47,14 @@ def test_paged_attention_with_sinks_equals_the_model_attention(use_kernel):
     for layer, window in windows.items():
         want = [CausalSDPA(window)(q, k, v, sinks=sinks) for q, k, v in seqs]
         cached = PagedBatch(pool, windows, kernel)  # the first positions of each sequence, stored by a step before
-        cached.plan([], [(t, 0, s) for t, s in zip(tables, starts) if s], None)
-        firsts = [(q[:, :, :s], k[:, :, :s], v[:, :, :s]) for (q, k, v), s in zip(seqs, starts) if s]
-        cached.attend(layer, *(torch.cat(parts, dim=2) for parts in zip(*firsts)), sinks=sinks)
+        cached.plan([], [(t, 0, s) for t, s in zip(tables, starts, strict=True) if s], None)
+        firsts = [(q[:, :, :s], k[:, :, :s], v[:, :, :s]) for (q, k, v), s in zip(seqs, starts, strict=True) if s]
+        cached.attend(layer, *(torch.cat(parts, dim=2) for parts in zip(*firsts, strict=True)), sinks=sinks)
         batch = PagedBatch(pool, windows, kernel)
         batch.plan([(tables[0], 8)], [(tables[1], 0, 6), (tables[2], 2, 5)], None)
-        rest = [(q[:, :, s:], k[:, :, s:], v[:, :, s:]) for (q, k, v), s in zip(seqs, starts)]
-        out = batch.attend(layer, *(torch.cat(parts, dim=2) for parts in zip(*rest)), sinks=sinks)
-        expected = torch.cat([w[:, :, s:] for w, s in zip(want, starts)], dim=2)
+        rest = [(q[:, :, s:], k[:, :, s:], v[:, :, s:]) for (q, k, v), s in zip(seqs, starts, strict=True)]
+        out = batch.attend(layer, *(torch.cat(parts, dim=2) for parts in zip(*rest, strict=True)), sinks=sinks)
+        expected = torch.cat([w[:, :, s:] for w, s in zip(want, starts, strict=True)], dim=2)
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
