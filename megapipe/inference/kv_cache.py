@@ -21,8 +21,10 @@ Tokens are ordered decodes first, then the chunks, so each group is a contiguous
 
 Per-layer windows (GPT-OSS's windowed and full layers): ``sliding_window`` may map each layer to its window
 (``layer_windows``); the decode masks and chunk masks are planned once per distinct window and each layer attends
-with its own. KV is stored per token whatever the window, so prefix caching is unchanged; nothing is evicted behind
-a window yet (a sequence holds all its blocks). Attention sinks (``sinks`` [heads]): one more logit in every row's
+with its own. KV is stored per token whatever the window, so prefix caching is unchanged. When every layer is windowed
+(``eviction_window``) the scheduler gives back a sequence's blocks wholly behind the window, their ids left in its
+block table as placeholders that only masked positions read; with a full-attention layer (GPT-OSS) a sequence keeps
+all its blocks (one block table serves every layer). Attention sinks (``sinks`` [heads]): one more logit in every row's
 softmax denominator, on each path (the decode softmax, ``sink_attention`` for chunks, the kernel's running sum).
 
 A hybrid model's Mamba layers call ``ssm(layer_id, mixer, xbc, dt)`` instead: each sequence's conv window and SSM
@@ -59,6 +61,13 @@ ABSORB_ROWS = 8
 def layer_windows(cfg) -> dict[int, Optional[int]]:
     """Each layer's sliding window (None: full attention), the PagedBatch's ``sliding_window``."""
     return {i: cfg.layer_window(i) for i in range(cfg.num_layers)}
+
+
+def eviction_window(cfg) -> Optional[int]:
+    """How far back any layer attends when every layer has a window (the blocks behind it can be given back), else
+    None: a full-attention layer (GPT-OSS's every other one) needs every key of the sequence."""
+    windows = set(layer_windows(cfg).values())
+    return None if None in windows else max(windows)
 
 
 def kv_layout(cfg) -> dict:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megapipe.inference import LLMEngine, SamplingParams, kernels
-from megapipe.inference.kv_cache import KVPool, PagedBatch, layer_windows
+from megapipe.inference.kv_cache import KVPool, PagedBatch, eviction_window, layer_windows
 from megapipe.models.attention import CausalSDPA
 from tests.helpers.hf_tiny import hf_greedy, make_hf_dir
 from tests.inference.test_engine import GREEDY, PROMPTS, run_staggered
@@ -85,3 +85,33 @@ def test_prefix_cache_shared_prefix(gpt_oss, cpu_kernels, one_thread):
     second = engine.generate([prompts[1]], greedy)[0]
     assert second.num_cached_tokens == 32
     assert [first, second.outputs[0].token_ids] == [hf_greedy(hf, p, 10) for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory):
+    return make_hf_dir(tmp_path_factory.mktemp("mistral_window"), "mistral")  # every layer windowed (8)
+
+
+def test_eviction_window_only_when_every_layer_is_windowed(gpt_oss, mistral):
+    assert eviction_window(LLMEngine.from_pretrained(gpt_oss[0], device="cpu").model_config) is None
+    assert eviction_window(LLMEngine.from_pretrained(mistral[0], device="cpu").model_config) == 8
+
+
+@pytest.mark.parametrize("cpu_kernels", KERNELS)
+def test_a_windowed_model_holds_only_its_window(mistral, cpu_kernels, one_thread):
+    """Blocks of 4 behind a window of 8 are given back as the sequences advance: a long generation holds at most
+    the window's blocks plus the one being filled, and greedy output stays transformers' (batch 1 and a staggered
+    batch, prefix caching on)."""
+    path, hf = mistral
+    engine = LLMEngine.from_pretrained(path, device="cpu", cpu_kernels=cpu_kernels, block_size=4)
+    prompts = [list(range(60, 97)), [5, 17, 9, 33, 2, 71], list(range(60, 90))]  # the third: a cached prefix
+    params = SamplingParams(max_tokens=30, **GREEDY)
+    want = {i: hf_greedy(hf, p, 30) for i, p in enumerate(prompts)}
+    held = []
+    engine.add_request("long", prompts[0], params)
+    while engine.has_unfinished():
+        engine.step()
+        held += [len(s.block_ids) - s.num_evicted for s in engine.scheduler.running]
+    assert max(held[1:]) <= 8 // 4 + 2 and len(prompts[0]) + 30 > 4 * (8 // 4 + 2) * 2
+    assert run_staggered(engine, prompts, params, every=1) == want
+    assert engine.blocks.usage() == 0
