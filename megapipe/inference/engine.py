@@ -26,7 +26,7 @@ from megapipe.dtypes import resolve_device, resolve_dtype
 from megapipe.errors import ConfigError, MegapipeError
 from megapipe.inference.block_manager import BlockManager
 from megapipe.inference.detokenize import Detokenizer, special_ids
-from megapipe.inference.kv_cache import KVPool, kv_layout
+from megapipe.inference.kv_cache import KVPool, eviction_window, kv_layout
 from megapipe.inference.runner import ModelRunner
 from megapipe.inference.sampling import ParamError, SampleRow, SamplingParams, sample, top_logprobs
 from megapipe.inference.scheduler import FINISHED, Scheduler, now
@@ -167,7 +167,8 @@ class LLMEngine:
         self.prefix_caching = config.prefix_caching and "prefix_caching" in capabilities(cfg).engine
         self.blocks = BlockManager(num_blocks, bs, self.prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self._lookahead if config.speculative_tokens else None, self.states)
+                                   self._lookahead if config.speculative_tokens else None, self.states,
+                                   eviction_window(cfg))
         self.runner = ModelRunner(model, self.pool, config.pack_weights, config.huge_pages,
                                   config.cpu_kernels, self.states)
         self.speculator = None

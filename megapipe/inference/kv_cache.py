@@ -9,7 +9,7 @@ An engine step runs the model once on a flattened batch: every scheduled token o
 (nothing to do: the step was planned by the engine) and ``attend(layer_id, q, k, v)``, which writes the new keys and
 values into their slots and computes attention per sequence:
 
-- on CPU every row at once by ``megapipe.inference.kernels``' paged attention, which reads each sequence's keys
+- on CPU every row at once by ``megapipe.inference.kernels``' paged attention (sinks included), which reads each sequence's keys
   and values in place through its block table (a chunk's row at position p attends to positions [0, p]);
 - elsewhere, or where that kernel cannot be built: one-token queries (decodes) together, as a padded batch over
   their gathered keys, in two batched matmuls;
@@ -18,6 +18,14 @@ values into their slots and computes attention per sequence:
   (a batch of equal prompts) in one call, each other chunk on its own.
 
 Tokens are ordered decodes first, then the chunks, so each group is a contiguous slice of the batch.
+
+Per-layer windows (GPT-OSS's windowed and full layers): ``sliding_window`` may map each layer to its window
+(``layer_windows``); the decode masks and chunk masks are planned once per distinct window and each layer attends
+with its own. KV is stored per token whatever the window, so prefix caching is unchanged. When every layer is windowed
+(``eviction_window``) the scheduler gives back a sequence's blocks wholly behind the window, their ids left in its
+block table as placeholders that only masked positions read; with a full-attention layer (GPT-OSS) a sequence keeps
+all its blocks (one block table serves every layer). Attention sinks (``sinks`` [heads]): one more logit in every row's
+softmax denominator, on each path (the decode softmax, ``sink_attention`` for chunks, the kernel's running sum).
 
 A hybrid model's Mamba layers call ``ssm(layer_id, mixer, xbc, dt)`` instead: each sequence's conv window and SSM
 state live in a slot of the engine's StatePool (megapipe.inference.state_cache); the decodes take one step of the
@@ -37,16 +45,29 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
 
 from megapipe.inference.state_cache import StatePool
+from megapipe.models.attention import additive, sink_attention, with_sink_column
 
 KEY_BUCKET = 16
 # a latent pool's chunks of at most this many rows attend as decodes do (absorbed up-projections)
 ABSORB_ROWS = 8
+
+
+def layer_windows(cfg) -> dict[int, Optional[int]]:
+    """Each layer's sliding window (None: full attention), the PagedBatch's ``sliding_window``."""
+    return {i: cfg.layer_window(i) for i in range(cfg.num_layers)}
+
+
+def eviction_window(cfg) -> Optional[int]:
+    """How far back any layer attends when every layer has a window (the blocks behind it can be given back), else
+    None: a full-attention layer (GPT-OSS's every other one) needs every key of the sequence."""
+    windows = set(layer_windows(cfg).values())
+    return None if None in windows else max(windows)
 
 
 def kv_layout(cfg) -> dict:
@@ -109,9 +130,12 @@ def _slots(block_ids: Sequence[int], block_size: int, length: int) -> list[int]:
 class PagedBatch:
     """The ``cache`` object of one engine step (see the module docstring)."""
 
-    def __init__(self, pool: KVPool, sliding_window: Optional[int] = None, kernel: Optional[Callable] = None,
-                 states: Optional[StatePool] = None):
-        self.pool, self.window, self.kernel, self.states = pool, sliding_window, kernel, states
+    def __init__(self, pool: KVPool, sliding_window: Union[None, int, Mapping[int, Optional[int]]] = None,
+                 kernel: Optional[Callable] = None, states: Optional[StatePool] = None):
+        """``sliding_window``: one window for every layer, or each layer's (``layer_windows``; None: full)."""
+        self.pool, self.kernel, self.states = pool, kernel, states
+        self.windows = sliding_window if isinstance(sliding_window, Mapping) else None
+        self.window = None if self.windows is not None else sliding_window  # the window being planned / attended
         # (first row, sequences, tokens each, from their states?, their state slots): scanned together by ``ssm``
         self.state_runs: list[tuple[int, int, int, bool, torch.Tensor]] = []
         self.slots: Optional[torch.Tensor] = None  # [T] where each token's k/v go
@@ -126,6 +150,20 @@ class PagedBatch:
         self.decode_len = 0
         self.chunks: list[Chunk] = []
         self.runs: list[tuple[int, int, int]] = []  # (index of first chunk, chunks, n): plain chunks attended at once
+        # per distinct window of the layers: (chunks, runs, decode mask), planned once per step
+        self._plans: dict[Optional[int], tuple] = {}
+        self._sink_masks: dict[tuple, torch.Tensor] = {}
+
+    def window_of(self, layer_id: int) -> Optional[int]:
+        return self.window if self.windows is None else self.windows.get(layer_id)
+
+    def _use_window(self, layer_id: int) -> None:
+        """Point chunks, runs and the decode mask at the plan of this layer's window."""
+        window = self.window_of(layer_id)
+        if window != self.window and window in self._plans:
+            self._plans[self.window] = (self.chunks, self.runs, self.decode_mask, self._mask_cast)
+            self.window = window
+            self.chunks, self.runs, self.decode_mask, self._mask_cast = self._plans[window]
 
     def plan(self, decodes: Sequence[tuple[Sequence[int], int]], chunks: Sequence[tuple[Sequence[int], int, int]],
              state_slots: Optional[Sequence[int]] = None):
@@ -143,25 +181,31 @@ class PagedBatch:
         self.num_decodes = len(decodes)
         # the kernel attends to every row at once, except a latent pool's chunks: those are expanded for SDPA
         plan_chunks = self.kernel is None or self.pool.latent
-        self.chunks = []
-        offset = len(decodes)
+        seq_slots_of = []
         for blocks, start, n in chunks:
             seq_slots = _slots(blocks, bs, start + n)
             slots.extend(seq_slots[start:])
             positions.extend(range(start, start + n))
-            if plan_chunks:
-                self.chunks.append(self._chunk(offset, start, n, seq_slots))
-            offset += n
-        for i, c in enumerate(self.chunks):
-            first, count, n = self.runs[-1] if self.runs else (0, 0, 0)
-            if count and n == c.n and self._plain(c) and self._plain(self.chunks[first]):
-                self.runs[-1] = (first, count + 1, n)
-            else:
-                self.runs.append((i, 1, c.n))
+            seq_slots_of.append(seq_slots)
+        windows = [self.window] if self.windows is None else sorted(set(self.windows.values()), key=str)
+        for window in windows:
+            self.window, self.chunks, self.runs, self.decode_mask, self._mask_cast = window, [], [], None, None
+            offset = len(decodes)
+            for (_, start, n), seq_slots in zip(chunks, seq_slots_of, strict=True):
+                if plan_chunks:
+                    self.chunks.append(self._chunk(offset, start, n, seq_slots))
+                offset += n
+            for i, c in enumerate(self.chunks):
+                first, count, n = self.runs[-1] if self.runs else (0, 0, 0)
+                if count and n == c.n and self._plain(c) and self._plain(self.chunks[first]):
+                    self.runs[-1] = (first, count + 1, n)
+                else:
+                    self.runs.append((i, 1, c.n))
+            if self.kernel is None and decodes:
+                self._plan_decodes(decodes)
+            self._plans[window] = (self.chunks, self.runs, self.decode_mask, self._mask_cast)
         if self.kernel is not None:
             self._plan_kernel(decodes, chunks)
-        elif decodes:
-            self._plan_decodes(decodes)
         if state_slots is not None:
             self._plan_states(len(decodes), [(start, n) for _, start, n in chunks], state_slots)
         self.slots = torch.tensor(slots, dtype=torch.long, device=dev)
@@ -230,17 +274,22 @@ class PagedBatch:
     def advance(self, positions: torch.Tensor) -> None:
         """Called by the model once per forward; the step was planned already."""
 
-    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [1, heads, T, D], k/v [1, kv_heads, T, D] -> attention output [1, heads, T, D]."""
+    takes_sinks = True  # ``attend`` applies attention sinks (the model's layers ask before passing them)
+
+    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """q [1, heads, T, D], k/v [1, kv_heads, T, D] -> attention output [1, heads, T, D]; ``sinks`` [heads]: a
+        logit per head in every row's softmax denominator (GPT-OSS)."""
         heads, total, dim = q.shape[1], q.shape[2], q.shape[3]
-        out = self.attend_flat(layer_id, q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1))
+        out = self.attend_flat(layer_id, q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
+                               sinks=sinks)
         return out.view(total, heads, dim).transpose(0, 1)[None]
 
     def attend_flat(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    stored: bool = False) -> torch.Tensor:
+                    stored: bool = False, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """q [T, heads, D], k/v [T, kv_heads, D] (views of the projections are fine) -> [T, heads * D]: stores k/v
-        in their slots (unless the caller has: ``stored``), then attends. The token-major form the engine's decode
-        path calls directly."""
+        in their slots (unless the caller has: ``stored``), then attends (with ``sinks`` [heads], see ``attend``).
+        The token-major form the engine's decode path calls directly."""
         pk, pv = self.pool.k[layer_id], self.pool.v[layer_id]
         if not stored:
             pk.index_copy_(1, self.slots, k.transpose(0, 1).to(pk.dtype))
@@ -249,19 +298,20 @@ class PagedBatch:
         out = torch.empty(total, heads * dim, dtype=q.dtype, device=q.device)
         if self.kernel is not None:
             self.kernel(q, pk, pv, self.block_table, self.seq_of_row, self.context_lens, self.pool.block_size,
-                        self.window or 0, dim ** -0.5, out)
+                        self.window_of(layer_id) or 0, dim ** -0.5, out, sinks)
             return out
+        self._use_window(layer_id)
         if self.num_decodes:
             bd = self.num_decodes
             keys_t, values = self._gather(pk).transpose(-1, -2), self._gather(pv)
-            self._decode(q[:bd], keys_t, values, out[:bd].view(bd, pk.shape[0], -1, dim), dim ** -0.5)
+            self._decode(q[:bd], keys_t, values, out[:bd].view(bd, pk.shape[0], -1, dim), dim ** -0.5, sinks)
 
         def keys_values(c: Chunk, rows: slice, count: int):
             if c.key_slots is None:
                 return _as_batch(k[rows], count), _as_batch(v[rows], count)
             return pk.index_select(1, c.key_slots)[None], pv.index_select(1, c.key_slots)[None]
 
-        self._attend_chunks(q, out.view(total, heads, dim), keys_values)
+        self._attend_chunks(q, out.view(total, heads, dim), keys_values, sinks)
         return out
 
     def ssm(self, layer_id: int, mixer, xbc: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
@@ -319,9 +369,11 @@ class PagedBatch:
         self._attend_chunks(q, out, keys_values)
         return out.transpose(0, 1)[None]
 
-    def _attend_chunks(self, q: torch.Tensor, out: torch.Tensor, keys_values: Callable) -> None:
+    def _attend_chunks(self, q: torch.Tensor, out: torch.Tensor, keys_values: Callable,
+                       sinks: Optional[torch.Tensor] = None) -> None:
         """The chunks' rows of q [T, heads, D] with SDPA into out [T, heads, Dv]; ``keys_values(chunk, rows, count)``
-        gives a run's keys and values [count (or 1 for a continuation), kv_heads, S, D / Dv]."""
+        gives a run's keys and values [count (or 1 for a continuation), kv_heads, S, D / Dv]; with ``sinks``
+        through ``sink_attention`` (its extra key every row sees)."""
         heads = q.shape[1]
         for first, count, n in self.runs:
             c = self.chunks[first]
@@ -329,11 +381,24 @@ class PagedBatch:
             qc = _as_batch(q[rows], count)
             kc, vc = keys_values(c, rows, count)
             gqa = kc.shape[1] != heads
-            if c.mask is None:
+            if sinks is not None:
+                o = sink_attention(qc, kc.expand(count, -1, -1, -1), vc.expand(count, -1, -1, -1), sinks,
+                                   self._sink_mask(first, qc.dtype))
+            elif c.mask is None:
                 o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=gqa)
             else:
                 o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=c.mask.to(qc.dtype), enable_gqa=gqa)
             out[rows].view(count, n, heads, -1).copy_(o.transpose(1, 2))
+
+    def _sink_mask(self, first: int, dtype: torch.dtype) -> torch.Tensor:
+        """The additive mask of chunk ``first`` with the sink key's column (``sink_attention``), made once per step
+        for every sink layer of this window."""
+        key = (self.window, first, dtype)
+        if key not in self._sink_masks:
+            c = self.chunks[first]
+            keep = torch.ones(c.n, c.n, dtype=torch.bool).tril() if c.mask is None else c.mask == 0
+            self._sink_masks[key] = additive(with_sink_column(keep), dtype).to(self.pool.device)
+        return self._sink_masks[key]
 
     @staticmethod
     def _plain(c: Chunk) -> bool:
@@ -345,15 +410,19 @@ class PagedBatch:
         return rows.view(self.num_decodes, kvh, self.decode_len, dim)
 
     def _decode(self, q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, out: torch.Tensor,
-                scale: float) -> None:
+                scale: float, sinks: Optional[torch.Tensor] = None) -> None:
         """q [Bd, heads, D] one token per sequence, keys_t [Bd, kv_heads, D, L] (transposed), values [Bd, kv_heads,
         L, Dv] -> out [Bd, kv_heads, group, Dv]; the matmuls in the model's dtype, the softmax in fp32 (as HF's eager
-        attention does)."""
+        attention does); ``sinks`` [heads]: one more fp32 column in each row's softmax, dropped after it."""
         bd, heads, dim = q.shape
         kvh = keys_t.shape[1]
         group = heads // kvh
         qg = q.reshape(bd, kvh, group, dim)  # head h reads kv head h // group, as SDPA's GQA
-        if math.frexp(scale)[0] == 0.5:
+        if sinks is not None:
+            scores = torch.matmul(qg, keys_t).float().mul_(scale).add_(self.decode_mask)
+            column = sinks.float().view(1, kvh, group, 1).expand(bd, -1, -1, -1)
+            probs = torch.cat([scores, column], dim=-1).softmax(dim=-1)[..., :-1]
+        elif math.frexp(scale)[0] == 0.5:
             # a power of two: scaling q first is exact, and a 0 / -inf mask added in q's dtype is too, so this is
             # the same as scaling and masking the scores in fp32, with fewer passes over them
             scores = torch.matmul(qg * scale, keys_t).add_(self.decode_mask_as(q.dtype))

@@ -28,12 +28,12 @@ import megapipe.inference.kernels as kernels  # the module alone: the package's 
 from megapipe import torch_compat
 from megapipe.errors import ConfigError
 from megapipe.inference.host_memory import collapse_resident_memory, keep_freed_buffers
-from megapipe.inference.kv_cache import KVPool, PagedBatch
+from megapipe.inference.kv_cache import KVPool, PagedBatch, layer_windows
 from megapipe.inference.state_cache import StatePool
 from megapipe.models.dense import FeedForward, TransformerBlock
 from megapipe.models.moe import GroupedExperts, MoEBlock
 from megapipe.models.norms import RMSNorm
-from megapipe.models.rope import inv_frequencies, rope_cos_sin
+from megapipe.models.rope import model_rope
 
 
 def _pack(weight: torch.Tensor, own: bool) -> torch.Tensor:
@@ -149,9 +149,10 @@ class PackedExperts(nn.Module):
 
     @staticmethod
     def fits(experts: nn.Module, own: bool) -> bool:
-        """The weights can take this form: megapipe's bf16 kernel (``own``) and widths in whole 16-output lines."""
+        """The weights can take this form: megapipe's bf16 kernel (``own``) and widths in whole 16-output lines; plain
+        SwiGLU experts without biases (GPT-OSS's biased, clamped ones keep their grouped GEMM)."""
         w = experts.w1
-        return (own and kernels.bf16_linear_built() and w.dtype == torch.bfloat16 and type(w) is nn.Parameter
+        return (own and experts.w1_bias is None and experts.activation == ("swiglu",) and kernels.bf16_linear_built() and w.dtype == torch.bfloat16 and type(w) is nn.Parameter
                 and w.shape[1] % 16 == 0 and w.shape[2] % 16 == 0)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -265,7 +266,7 @@ class DecoderLayer:
         self.layer_id, self.head_dim = attn.layer_id, attn.head_dim
         self.qkv = attn.project_qkv
         self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
-        self.wo = attn.wo
+        self.wo, self.sinks = attn.wo, attn.sinks
         self.ffn = block.moe if hasattr(block, "moe") else block.feed_forward
         self.ops = ops
 
@@ -299,17 +300,17 @@ class DecoderLayer:
                 pool = batch.pool
                 self.ops.rope_and_cache(qkv, cos, sin, pool.k[self.layer_id], pool.v[self.layer_id], batch.slots,
                                         nq, nk)
-                attended = batch.attend_flat(self.layer_id, q, k, v, stored=True)
+                attended = batch.attend_flat(self.layer_id, q, k, v, stored=True, sinks=self.sinks)
             else:
                 rope_(qkv[:, :(nq + nk) * d].view(len(x), nq + nk, d), cos[:, None], sin[:, None])
-                attended = batch.attend_flat(self.layer_id, q, k, v)
+                attended = batch.attend_flat(self.layer_id, q, k, v, sinks=self.sinks)
         else:
             q, k, v = (t.view(len(x), -1, d) for t in self.qkv(x))
             if self.q_norm is not None:
                 q, k = rms_norm(q, self.q_norm), rms_norm(k, self.k_norm)
             rope_(q, cos[:, None], sin[:, None])
             rope_(k, cos[:, None], sin[:, None])
-            attended = batch.attend_flat(self.layer_id, q, k, v)
+            attended = batch.attend_flat(self.layer_id, q, k, v, sinks=self.sinks)
         x = self.norm(h, self.wo(attended), self.norm2)
         return h, self.ffn(x)
 
@@ -373,7 +374,7 @@ class ModelRunner:
             pack_linears(model.layers, self.own_linears)
             self.head = PackedLinear(head, own=self.own_linears)
         self.head_weight = head
-        self.window = model.cfg.sliding_window
+        self.window = layer_windows(model.cfg)
         self._build_fast_path()
         if huge_pages is None:
             huge_pages = weight_bytes >= HUGE_PAGES_MIN_WEIGHTS
@@ -394,7 +395,6 @@ class ModelRunner:
         if (not self.quantized and cfg.position_embedding == "rope" and isinstance(m.norm, RMSNorm) and m.tok_embeddings is not None
                 and all(DecoderLayer.supports(b) for b in m.layers.values())):
             self.layers = [DecoderLayer(b, self.ops) for b in m.layers.values()]
-            self.inv_freq = inv_frequencies(cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling, self.device)
 
     @torch.inference_mode()
     def load_weights(self, state: dict) -> None:
@@ -438,7 +438,7 @@ class ModelRunner:
             normed = self.model(tokens[None], positions, batch, return_hidden=True)[0]
         else:
             h = self.model.tok_embeddings(tokens)
-            cos, sin = (t[0, 0] for t in rope_cos_sin(positions, self.inv_freq, h.dtype))
+            cos, sin = (t[0, 0] for t in model_rope(self.model.cfg, positions, h.dtype, self.device))
             delta = None
             for layer in self.layers:
                 h, delta = layer(h, delta, cos, sin, batch)

@@ -38,6 +38,7 @@ class Sequence:
         self.tokens: list[int] = list(request.prompt_ids)
         self.prompt_len = len(self.tokens)
         self.block_ids: list[int] = []
+        self.num_evicted = 0  # leading block_ids behind the window, given back (their ids stay as placeholders)
         self.hashes: list[bytes] = []  # chained hashes of the full blocks of tokens
         self.num_registered = 0  # blocks already offered to the prefix cache
         self.num_computed = 0
@@ -73,8 +74,11 @@ class Sequence:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 lookahead: Optional[Callable[[Sequence], int]] = None, states: Optional[StatePool] = None):
-        self.blocks, self.lookahead = blocks, lookahead
+                 lookahead: Optional[Callable[[Sequence], int]] = None, states: Optional[StatePool] = None,
+                 window: Optional[int] = None):
+        """``window``: every layer attends at most this many positions back, so the blocks wholly behind it are
+        given back as a sequence advances (its KV memory stays about one window)."""
+        self.blocks, self.lookahead, self.window = blocks, lookahead, window
         self.states = states if states else None  # an empty pool (no Mamba layers): no slots to hand out
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -103,11 +107,21 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _release(self, seq: Sequence) -> None:
-        self.blocks.release(seq.block_ids)
-        seq.block_ids = []
+        self.blocks.release(seq.block_ids[seq.num_evicted:])
+        seq.block_ids, seq.num_evicted = [], 0
         if self.states is not None:
             self.states.release(seq.state_slot)
             seq.state_slot = None
+
+    def _evict(self, seq: Sequence) -> None:
+        """Give back the blocks no later query reaches: a query at position p >= num_computed sees keys after
+        p - window. Only blocks already offered to the prefix cache, so a shared prefix stays cached. Their ids stay
+        in the block table (read only under the window's mask, never written)."""
+        behind = (seq.num_computed - self.window + 1) // self.blocks.block_size
+        upto = min(behind, seq.num_registered, len(seq.block_ids))
+        if upto > seq.num_evicted:
+            self.blocks.release(seq.block_ids[seq.num_evicted:upto])
+            seq.num_evicted = upto
 
     def _blocks_for(self, seq: Sequence, n: int) -> int:
         bs = self.blocks.block_size
@@ -140,6 +154,9 @@ class Scheduler:
         chunks: list[tuple[Sequence, int]] = []
         scheduled: set[int] = set()
         preempted = self.num_preemptions
+        if self.window is not None:
+            for seq in self.running:
+                self._evict(seq)
         for seq in list(self.running):
             if budget == 0:
                 break

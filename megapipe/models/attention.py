@@ -195,10 +195,10 @@ class Attention(nn.Module):
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         sinks = {} if self.sinks is None else {"sinks": local(self.sinks)}
         if cache is not None:
-            if sinks:
-                raise NotImplementedError("the KV caches do not apply attention sinks yet (GPT-OSS: decode without a "
-                                          "cache, or through transformers)")
-            out = cache.attend(self.layer_id, q, k, v)
+            if sinks and not getattr(cache, "takes_sinks", False):
+                raise NotImplementedError(f"{type(cache).__name__} applies no attention sinks (GPT-OSS: decode through "
+                                          "the engine's paged cache)")
+            out = cache.attend(self.layer_id, q, k, v, **sinks)
         elif mask is not None:
             out = self.sdpa(q, k, v, mask=mask, **sinks)
         else:

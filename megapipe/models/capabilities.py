@@ -80,11 +80,12 @@ KINDS: dict[str, Capabilities] = {
     # attention with learned sinks (GPT-OSS, megapipe.models.attention.sink_attention): trained on one process and plain
 # data parallelism (the sinks are one more replicated / FSDP-sharded parameter); tensor parallelism must shard the
 # sinks with the heads and pipeline / expert parallelism were not run with them yet, so they are refused; the ring
-# attention of cp has no sink term; the engine's paged attention and CPU kernels apply no sinks, so the engine (and
-# generate, serve, eval and RL with it) refuses these models rather than produce wrong text; distillation, pruning,
-# ModelOpt and the TensorRT-LLM writers were not checked on them; HF export writes GptOssForCausalLM (unquantized)
-    "sinks": Capabilities(layouts=frozenset({"dp_replicate", "dp_shard"}), engine=frozenset(), quant=frozenset(),
-                          trt=frozenset(), stages=frozenset({"pretrain", "sft", "export_hf"})),
+# attention of cp has no sink term; the engine's paged attention applies them (torch paths and CPU kernel), speculative
+# decoding was not run with them; generate, serve, eval and RL run on the engine; distillation, pruning, ModelOpt and the TensorRT-LLM writers were not checked on them; HF export
+# writes GptOssForCausalLM (unquantized)
+    "sinks": Capabilities(layouts=frozenset({"dp_replicate", "dp_shard"}), engine=frozenset(ENGINE) - {"speculative"},
+                          quant=frozenset(), trt=frozenset(),
+                          stages=frozenset({"pretrain", "sft", "export_hf", "generate", "serve", "eval", "rl"})),
 }
 # Falcon-H1's layers (megapipe.models.parallel_hybrid): a Mamba-2 mixer beside the attention, so what Mamba layers allow
 KINDS["parallel_hybrid"] = KINDS["mamba"]
@@ -111,10 +112,10 @@ FAMILIES: dict[str, Capabilities] = {
     # no shared expert, every layer MoE: LoRA adapts the attention only
     "gpt_oss": _without(lora={"gate", "up", "down"}),
 }
-# sliding-window layers among full-attention ones (model.window_attn_skip_freq): the engine's paged cache and the
-# TensorRT-LLM writers take one window for every layer, the ring attention of cp none
-MIXED_WINDOWS = _without(layouts={"cp"}, engine=ENGINE, stages={"generate", "serve", "eval", "rl", "quantize",
-                                                                "export_trt"})
+# sliding-window layers among full-attention ones (model.window_attn_skip_freq): the engine's paged cache takes each
+# layer's window (speculative decoding was not run with them); the TensorRT-LLM writers take one window for every
+# layer, the ring attention of cp none
+MIXED_WINDOWS = _without(layouts={"cp"}, engine={"speculative"}, stages={"quantize", "export_trt"})
 
 # multi-token prediction modules (megapipe.models.mtp): every parallel layout (on the last pipeline stage, with a
 # replica of the embedding table; their shifted tokens and labels cut from whole rows under cp; V pipeline schedules,

@@ -9,7 +9,9 @@
 // all of them at once, one vector of scores per key, and the softmax runs down the keys with no sums across lanes.
 // Items are taken in a zig-zag order (first, last, second, ...) so the threads' contiguous shares mix a chunk's
 // short and long rows. Scores, softmax and the weighted sum of values are all in fp32 (ATen's vectorized types and
-// Sleef's exp, as torch's own softmax); only the output is rounded to the model's dtype. Built at first use by
+// Sleef's exp, as torch's own softmax); only the output is rounded to the model's dtype. With `sinks` (fp32, one
+// logit per query head: GPT-OSS's attention sinks) each row's softmax has one more term in its denominator, taken
+// into its running max as well. Built at first use by
 // megapipe/inference/kernels.py for the CPU it runs on.
 
 #include <ATen/Parallel.h>
@@ -21,7 +23,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -58,6 +62,7 @@ struct Step {
   const T *q, *k, *v;
   const int32_t *table, *lens, *seq;
   T* out;
+  const float* sinks;  // [heads] or nullptr
   int64_t q_row, q_head, out_row, table_row, slots, block_size, window, group;
   float scale;
   // where the keys first .. first + n - 1 of sequence `b` and kv head g lie in either pool (element offsets),
@@ -101,9 +106,12 @@ void attend_row(const Step<T>& s, int64_t b, int64_t g, std::vector<Vec>& qv, st
   }
   for (int64_t j = 0; j < group; ++j) {
     float* p = scores.data() + j * n;
-    const float top = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, p, n);
+    float top = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, p, n);
+    const float sink = s.sinks ? s.sinks[g * group + j] : 0.f;
+    if (s.sinks) top = std::max(top, sink);
     at::vec::map([top](Vec x) { return (x - Vec(top)).exp(); }, p, p, n);
     total[j] = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, p, n);
+    if (s.sinks) total[j] += std::exp(sink - top);
   }
   std::fill(acc.begin(), acc.end(), Vec(0.f));
   for (int64_t t = 0; t < n; ++t) {
@@ -132,11 +140,12 @@ void attend_rows(const Step<T>& s, int64_t b0, int64_t rows, int64_t g, std::vec
   constexpr int64_t W = Vec::size(), dim = C * W;
   const int64_t group = s.group, lanes = rows * group;
   const Vec vscale(s.scale);
-  alignas(64) float len_lane[W], first_lane[W];
+  alignas(64) float len_lane[W], first_lane[W], sink_lane[W];
   for (int64_t l = 0; l < W; ++l) {
     const int64_t b = b0 + (l < lanes ? l / group : 0), j = l < lanes ? l % group : 0;
     len_lane[l] = float(s.lens[b]);
     first_lane[l] = float(s.first_key(b));
+    sink_lane[l] = s.sinks ? s.sinks[g * group + j] : -std::numeric_limits<float>::infinity();
     const T* src = s.q + b * s.q_row + (g * group + j) * s.q_head;
     for (int c = 0; c < C; ++c) (load_float(src + c * W) * vscale).store(qt.data() + l * dim + c * W);
   }
@@ -162,13 +171,15 @@ void attend_rows(const Step<T>& s, int64_t b0, int64_t rows, int64_t g, std::vec
     const Vec seen = (pos < lens_v) & (pos >= firsts_v);  // causal and sliding-window mask per lane
     Vec::blendv(minus_inf, (a0 + a1) + (a2 + a3), seen).store(scores.data() + t * W);
   }
-  Vec top = minus_inf, total(0.f);
+  const Vec sink_v = Vec::loadu(sink_lane);
+  Vec top = sink_v, total(0.f);  // no sinks: -inf lanes, exp(-inf) = 0 below
   for (int64_t t = 0; t < n; ++t) top = at::vec::maximum(top, Vec::loadu(scores.data() + t * W));
   for (int64_t t = 0; t < n; ++t) {
     const Vec p = (Vec::loadu(scores.data() + t * W) - top).exp();
     p.store(scores.data() + t * W);
     total = total + p;
   }
+  if (s.sinks) total = total + (sink_v - top).exp();
   alignas(64) float inv[W];
   (Vec(1.f) / total).store(inv);
   for (int c = 0; c < C; ++c) {
@@ -187,12 +198,12 @@ void attend_rows(const Step<T>& s, int64_t b0, int64_t rows, int64_t g, std::vec
 template <typename T, int C>
 void attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                const at::Tensor& block_table, const at::Tensor& seq_of_row, const at::Tensor& context_lens,
-               int64_t block_size, int64_t window, double scale, at::Tensor& out) {
+               int64_t block_size, int64_t window, double scale, at::Tensor& out, const float* sinks) {
   constexpr int64_t W = Vec::size(), dim = C * W;
   const int64_t batch = q.size(0), heads = q.size(1), kv_heads = k_pool.size(0), group = heads / kv_heads;
   const Step<T> s{q.const_data_ptr<T>(), k_pool.const_data_ptr<T>(), v_pool.const_data_ptr<T>(),
                   block_table.const_data_ptr<int32_t>(), context_lens.const_data_ptr<int32_t>(),
-                  seq_of_row.const_data_ptr<int32_t>(), out.mutable_data_ptr<T>(), q.stride(0), q.stride(1),
+                  seq_of_row.const_data_ptr<int32_t>(), out.mutable_data_ptr<T>(), sinks, q.stride(0), q.stride(1),
                   out.stride(0), block_table.stride(0), k_pool.size(1), block_size, window, group,
                   static_cast<float>(scale)};
   // runs of a prefill chunk's consecutive rows, as many as fill the lanes with their query heads; decodes alone
@@ -225,11 +236,11 @@ void attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& 
 template <typename T>
 void dispatch_dim(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                   const at::Tensor& block_table, const at::Tensor& seq_of_row, const at::Tensor& context_lens,
-                  int64_t block_size, int64_t window, double scale, at::Tensor& out) {
+                  int64_t block_size, int64_t window, double scale, at::Tensor& out, const float* sinks) {
 #define MEGAPIPE_DIM_CASE(c)                                                                                   \
   case c:                                                                                                      \
     return attention<T, c>(q, k_pool, v_pool, block_table, seq_of_row, context_lens, block_size, window, scale, \
-                           out);
+                           out, sinks);
   switch (q.size(2) / Vec::size()) {
     MEGAPIPE_DIM_CASE(1) MEGAPIPE_DIM_CASE(2) MEGAPIPE_DIM_CASE(3) MEGAPIPE_DIM_CASE(4) MEGAPIPE_DIM_CASE(5)
     MEGAPIPE_DIM_CASE(6) MEGAPIPE_DIM_CASE(8) MEGAPIPE_DIM_CASE(10) MEGAPIPE_DIM_CASE(12)
@@ -242,7 +253,8 @@ void dispatch_dim(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
 
 void paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                      const at::Tensor& block_table, const at::Tensor& seq_of_row, const at::Tensor& context_lens,
-                     int64_t block_size, int64_t window, double scale, at::Tensor out) {
+                     int64_t block_size, int64_t window, double scale, at::Tensor out,
+                     const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [rows, heads, dim] with contiguous rows");
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.sizes() == v_pool.sizes(),
               "k_pool and v_pool must be contiguous [kv_heads, slots, dim]");
@@ -258,6 +270,9 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Te
   TORCH_CHECK(out.dim() == 2 && out.size(0) == rows && out.size(1) == q.size(1) * q.size(2) &&
                   out.stride(1) == 1 && out.scalar_type() == q.scalar_type(), "out must be [rows, heads * dim]");
   TORCH_CHECK(k_pool.scalar_type() == q.scalar_type(), "q and the pool must have one dtype");
+  TORCH_CHECK(!sinks || (sinks->dim() == 1 && sinks->size(0) == q.size(1)), "sinks must be [heads]");
+  const at::Tensor sink_f32 = sinks ? sinks->to(at::kFloat).contiguous() : at::Tensor();
+  const float* sink_ptr = sinks ? sink_f32.const_data_ptr<float>() : nullptr;
   // every block a row reads must be in the pool: a bad table would read outside it
   const int32_t* seq = seq_of_row.const_data_ptr<int32_t>();
   const int32_t* lens = context_lens.const_data_ptr<int32_t>();
@@ -275,13 +290,13 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Te
   switch (q.scalar_type()) {
     case at::kFloat:
       return dispatch_dim<float>(q, k_pool, v_pool, block_table, seq_of_row, context_lens, block_size, window,
-                                 scale, out);
+                                 scale, out, sink_ptr);
     case at::kBFloat16:
       return dispatch_dim<c10::BFloat16>(q, k_pool, v_pool, block_table, seq_of_row, context_lens, block_size,
-                                         window, scale, out);
+                                         window, scale, out, sink_ptr);
     case at::kHalf:
       return dispatch_dim<c10::Half>(q, k_pool, v_pool, block_table, seq_of_row, context_lens, block_size, window,
-                                     scale, out);
+                                     scale, out, sink_ptr);
     default:
       TORCH_CHECK(false, "paged_attention: unsupported dtype ", q.scalar_type());
   }
@@ -292,7 +307,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Te
 TORCH_LIBRARY(megapipe, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_table, Tensor seq_of_row, "
-      "Tensor context_lens, int block_size, int window, float scale, Tensor(a!) out) -> ()");
+      "Tensor context_lens, int block_size, int window, float scale, Tensor(a!) out, Tensor? sinks=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(megapipe, CPU, m) {

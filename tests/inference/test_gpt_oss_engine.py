@@ -1,0 +1,117 @@
+"""The engine on GPT-OSS (a tiny random GptOssForCausalLM: learned attention sinks, a 4-token window on layer 0 and
+full attention on layer 1, YaRN, biased clamped-SwiGLU experts): its greedy output is transformers' at batch 1 and
+in a continuous batch of mixed lengths, with prompts longer than the window, chunked prefill, prefix caching, on the
+torch path and with megapipe's CPU kernels (the paged attention kernel with its sink term)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megapipe.inference import LLMEngine, SamplingParams, kernels
+from megapipe.inference.kv_cache import KVPool, PagedBatch, eviction_window, layer_windows
+from megapipe.models.attention import CausalSDPA
+from tests.helpers.hf_tiny import hf_greedy, make_hf_dir
+from tests.inference.test_engine import GREEDY, PROMPTS, run_staggered
+
+KERNELS = [False, pytest.param(None, id="cpu_kernels")]
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    return make_hf_dir(tmp_path_factory.mktemp("gpt_oss"), "gpt_oss")
+
+
+def test_each_layer_keeps_its_window(gpt_oss):
+    engine = LLMEngine.from_pretrained(gpt_oss[0], device="cpu", kv_cache_memory=1 << 20)
+    assert layer_windows(engine.model_config) == {0: 4, 1: None}
+    assert engine.runner.window == {0: 4, 1: None}
+    assert engine.runner.layers is not None  # the fast layer path, sinks passed to the paged attention
+
+
+@pytest.mark.parametrize("use_kernel", [False, pytest.param(True, id="cpu_kernel")])
+def test_paged_attention_with_sinks_equals_the_model_attention(use_kernel):
+    """Decodes and chunks (one from 0, one continuing over cached keys) of the paged batch against the training
+    attention on each whole sequence, for a windowed and a full layer, on the torch paths and the CPU kernel."""
+    kernel = kernels.attention_kernel_for(16, torch.float32, "cpu") if use_kernel else None
+    if use_kernel and kernel is None:
+        pytest.skip("megapipe's CPU attention kernel is not built here")
+    torch.manual_seed(0)
+    heads, kvh, dim, bs = 4, 2, 16, 4
+    pool = KVPool([0, 1], 16, bs, kvh, dim, torch.float32, "cpu")
+    windows = {0: 3, 1: None}
+    sinks = torch.randn(heads)
+    lengths, starts = [9, 6, 7], [8, 0, 2]  # a decode at position 8, a prompt of 6, positions 2..6 after 2 cached
+    tables = [[0, 1, 2], [3, 4], [5, 6]]
+    seqs = [(torch.randn(1, heads, n, dim), torch.randn(1, kvh, n, dim), torch.randn(1, kvh, n, dim)) for n in lengths]
+    for layer, window in windows.items():
+        want = [CausalSDPA(window)(q, k, v, sinks=sinks) for q, k, v in seqs]
+        cached = PagedBatch(pool, windows, kernel)  # the first positions of each sequence, stored by a step before
+        cached.plan([], [(t, 0, s) for t, s in zip(tables, starts, strict=True) if s], None)
+        firsts = [(q[:, :, :s], k[:, :, :s], v[:, :, :s]) for (q, k, v), s in zip(seqs, starts, strict=True) if s]
+        cached.attend(layer, *(torch.cat(parts, dim=2) for parts in zip(*firsts, strict=True)), sinks=sinks)
+        batch = PagedBatch(pool, windows, kernel)
+        batch.plan([(tables[0], 8)], [(tables[1], 0, 6), (tables[2], 2, 5)], None)
+        rest = [(q[:, :, s:], k[:, :, s:], v[:, :, s:]) for (q, k, v), s in zip(seqs, starts, strict=True)]
+        out = batch.attend(layer, *(torch.cat(parts, dim=2) for parts in zip(*rest, strict=True)), sinks=sinks)
+        expected = torch.cat([w[:, :, s:] for w, s in zip(want, starts, strict=True)], dim=2)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cpu_kernels", KERNELS)
+def test_greedy_equals_transformers(gpt_oss, cpu_kernels, one_thread):
+    path, hf = gpt_oss
+    want = {i: hf_greedy(hf, p, 12) for i, p in enumerate(PROMPTS)}  # prompts of 2 to 37 tokens, window 4
+    greedy = SamplingParams(max_tokens=12, **GREEDY)
+    engine = LLMEngine.from_pretrained(path, device="cpu", cpu_kernels=cpu_kernels)
+    assert (engine.runner.attention_kernel is None) == (cpu_kernels is False or not kernels.available(
+        torch.float32, torch.device("cpu")))
+    assert engine.generate([PROMPTS[3]], greedy)[0].outputs[0].token_ids == want[3]  # batch 1
+    assert run_staggered(engine, PROMPTS, greedy) == want  # decodes beside prefills of mixed lengths
+    chunked = LLMEngine.from_pretrained(path, device="cpu", cpu_kernels=cpu_kernels, max_num_batched_tokens=8,
+                                        prefix_caching=False)
+    assert run_staggered(chunked, PROMPTS, greedy, every=1) == want
+    assert engine.blocks.usage() == chunked.blocks.usage() == 0
+
+
+@pytest.mark.parametrize("cpu_kernels", KERNELS)
+def test_prefix_cache_shared_prefix(gpt_oss, cpu_kernels, one_thread):
+    path, hf = gpt_oss
+    system = list(range(10, 42))  # two full blocks of 16, far longer than the window
+    prompts = [system + [i, i + 1, i + 2] for i in (100, 120)]
+    engine = LLMEngine.from_pretrained(path, device="cpu", cpu_kernels=cpu_kernels)
+    greedy = SamplingParams(max_tokens=10, **GREEDY)
+    first = engine.generate([prompts[0]], greedy)[0].outputs[0].token_ids
+    second = engine.generate([prompts[1]], greedy)[0]
+    assert second.num_cached_tokens == 32
+    assert [first, second.outputs[0].token_ids] == [hf_greedy(hf, p, 10) for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory):
+    return make_hf_dir(tmp_path_factory.mktemp("mistral_window"), "mistral")  # every layer windowed (8)
+
+
+def test_eviction_window_only_when_every_layer_is_windowed(gpt_oss, mistral):
+    assert eviction_window(LLMEngine.from_pretrained(gpt_oss[0], device="cpu").model_config) is None
+    assert eviction_window(LLMEngine.from_pretrained(mistral[0], device="cpu").model_config) == 8
+
+
+@pytest.mark.parametrize("cpu_kernels", KERNELS)
+def test_a_windowed_model_holds_only_its_window(mistral, cpu_kernels, one_thread):
+    """Blocks of 4 behind a window of 8 are given back as the sequences advance: a long generation holds at most
+    the window's blocks plus the one being filled, and greedy output stays transformers' (batch 1 and a staggered
+    batch, prefix caching on)."""
+    path, hf = mistral
+    engine = LLMEngine.from_pretrained(path, device="cpu", cpu_kernels=cpu_kernels, block_size=4)
+    prompts = [list(range(60, 97)), [5, 17, 9, 33, 2, 71], list(range(60, 90))]  # the third: a cached prefix
+    params = SamplingParams(max_tokens=30, **GREEDY)
+    want = {i: hf_greedy(hf, p, 30) for i, p in enumerate(prompts)}
+    held = []
+    engine.add_request("long", prompts[0], params)
+    while engine.has_unfinished():
+        engine.step()
+        held += [len(s.block_ids) - s.num_evicted for s in engine.scheduler.running]
+    assert max(held[1:]) <= 8 // 4 + 2 and len(prompts[0]) + 30 > 4 * (8 // 4 + 2) * 2
+    assert run_staggered(engine, prompts, params, every=1) == want
+    assert engine.blocks.usage() == 0
