@@ -137,7 +137,7 @@ class PagedBatch:
         self.windows = sliding_window if isinstance(sliding_window, Mapping) else None
         self.window = None if self.windows is not None else sliding_window  # the window being planned / attended
         # (first row, sequences, tokens each, from their states?, their state slots): scanned together by ``ssm``
-        self.state_runs: list[tuple[int, int, int, bool, torch.Tensor]] = []
+        self.state_runs: list[tuple[int, int, int, bool, torch.Tensor, Optional[int]]] = []
         self.slots: Optional[torch.Tensor] = None  # [T] where each token's k/v go
         self.num_decodes = 0
         # kernel: int32 block tables [sequences, blocks], and per row its sequence and the positions it attends to
@@ -222,7 +222,10 @@ class PagedBatch:
                 runs.append((offset, 1, n, start > 0, [slot]))
             offset += n
         dev = self.pool.device
-        self.state_runs = [(*run[:4], torch.tensor(run[4], dtype=torch.long, device=dev)) for run in runs]
+        # a decode run whose slots follow one another updates its states in place, a slice of the pool (``first``)
+        self.state_runs = [(*run[:4], torch.tensor(run[4], dtype=torch.long, device=dev),
+                            run[4][0] if run[2] == 1 and run[4] == list(range(run[4][0], run[4][0] + run[1])) else None)
+                           for run in runs]
 
     def _chunk(self, offset: int, start: int, n: int, seq_slots: list[int]) -> Chunk:
         dev = self.pool.device
@@ -320,8 +323,13 @@ class PagedBatch:
         in the pool, which is updated."""
         conv, ssm = self.states.conv[layer_id], self.states.ssm[layer_id]
         parts = []
-        for offset, count, n, resume, slots in self.state_runs:
+        for offset, count, n, resume, slots, first in self.state_runs:
             rows = slice(offset, offset + count * n)
+            if resume and first is not None:
+                y, _, _ = mixer.ssm(xbc[0, rows].reshape(count, 1, -1), dt[0, rows].reshape(count, 1, -1),
+                                    conv[first:first + count], ssm[first:first + count], inplace=True)
+                parts.append(y.reshape(1, count, *y.shape[2:]))
+                continue
             start = (conv.index_select(0, slots), ssm.index_select(0, slots)) if resume else (None, None)
             y, conv_state, ssm_state = mixer.ssm(xbc[0, rows].reshape(count, n, -1), dt[0, rows].reshape(count, n, -1),
                                                  *start)

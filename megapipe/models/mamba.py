@@ -160,13 +160,18 @@ class Mamba2Mixer(nn.Module):
         return dt, -torch.exp(local(self.A_log).float())
 
     def ssm(self, xbc: torch.Tensor, dt: torch.Tensor, conv_state: Optional[torch.Tensor] = None,
-            ssm_state: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None):
+            ssm_state: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None,
+            inplace: bool = False):
         """xbc [B, S, C], raw dt [B, S, heads] -> (y [B, S, heads, head_dim] incl. the D skip, conv state
-        [B, C, K-1], SSM state [B, heads, head_dim, state] fp32), starting from the given states (zeros if None)."""
+        [B, C, K-1], SSM state [B, heads, head_dim, state] fp32), starting from the given states (zeros if None).
+        ``inplace``: a one-token step updates the given states where they lie (a state cache's own slices)."""
         b, s, _ = xbc.shape
         weight, bias = self.conv_params()
+        step = s == 1 and conv_state is not None and ssm_state is not None and document_ids is None
+        if inplace and not step:
+            raise ValueError("inplace states take one token per sequence, from given conv and SSM states")
         if s == 1 and conv_state is not None and document_ids is None:
-            out, conv_state = conv_step(xbc[:, 0], weight, bias, conv_state)
+            out, conv_state = conv_step(xbc[:, 0], weight, bias, conv_state, inplace)
             out = out[:, None]
         else:
             out, conv_state = causal_conv1d(xbc, weight, bias, conv_state, document_ids)
@@ -176,7 +181,7 @@ class Mamba2Mixer(nn.Module):
         B, C = B.reshape(b, s, -1, self.state_dim), C.reshape(b, s, -1, self.state_dim)
         D = local(self.D)
         if s == 1 and ssm_state is not None and document_ids is None:
-            y, ssm_state = ssd_step(ssm_state, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D)
+            y, ssm_state = ssd_step(ssm_state, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D, inplace)
             return y[:, None], conv_state, ssm_state
         y, ssm_state = ssd_chunked(x, dt, A, B, C, self.chunk_size, D, ssm_state, document_ids)
         return y, conv_state, ssm_state

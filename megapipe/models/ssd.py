@@ -116,12 +116,15 @@ class _DepthwiseCausalConv(torch.autograd.Function):
 
 
 def conv_step(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-              state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token: x [B, C], state [B, C, K-1] -> (y [B, C], new state)."""
+              state: torch.Tensor, inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token: x [B, C], state [B, C, K-1] -> (y [B, C], new state); ``inplace``: the new state written into
+    ``state``, which is returned."""
     window = torch.cat([state.to(x.dtype), x[..., None]], dim=-1)  # [B, C, K]
     y = (window * weight.to(x.dtype)).sum(-1)
     if bias is not None:
         y = y + bias.to(x.dtype)
+    if inplace:
+        return y, state.copy_(window[..., 1:])
     return y, window[..., 1:]
 
 
@@ -192,16 +195,19 @@ def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Ten
 
 
 def ssd_step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
-             C: torch.Tensor, D: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+             C: torch.Tensor, D: Optional[torch.Tensor] = None, inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of the recurrence: state [B, H, P, N] (float32), x [B, H, P], dt [B, H], A [H], B/C [B, G, N]
-    -> (y [B, H, P] in x's dtype, new state [B, H, P, N] float32). The state passed in is not modified."""
-    h, g = x.shape[1], B.shape[1]
+    -> (y [B, H, P] in x's dtype, new state [B, H, P, N] float32). The state passed in is not modified, unless
+    ``inplace`` (a contiguous float32 state, updated where it lies: a decode step's one pass over it)."""
+    b, h, p, n = state.shape
+    g = B.shape[1]
     dt = dt.float()
-    Bh = B.float().repeat_interleave(h // g, dim=1)  # [B, H, N]
-    Ch = C.float().repeat_interleave(h // g, dim=1)
     decay = torch.exp(dt * A.float())[..., None, None]
-    new = state.float() * decay + (x.float() * dt[..., None])[..., None] * Bh[:, :, None, :]
-    y = torch.einsum("bhpn,bhn->bhp", new, Ch)
+    new = state.mul_(decay) if inplace else state.float() * decay
+    grouped = new.view(b, g, h // g * p, n)  # the heads of a group share its B and C
+    grouped.view(b, g, h // g, p, n).addcmul_((x.float() * dt[..., None]).view(b, g, h // g, p, 1),
+                                              B.float().view(b, g, 1, 1, n))
+    y = (grouped * C.float().view(b, g, 1, n)).sum(-1).view(b, h, p)  # a matvec per group: faster than matmul
     if D is not None:
         y = y + x.float() * D.float()[:, None]
     return y.to(x.dtype), new
