@@ -10,6 +10,7 @@ drafts; the greedy texts must be identical.
 
     .venv/bin/python tools/bench_spec.py                      # a few minutes on 2 CPU cores
     .venv/bin/python tools/bench_spec.py --steps 600 --k 1,2,3
+    .venv/bin/python tools/bench_spec.py --num-layers 12   # the draft a smaller share of a decode step
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--model", default="deepseek-v3-tiny", help="a preset")
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--num-layers", type=int, default=None,
+                    help="main model layers (default: the preset's); drafting costs about one layer of them")
     ap.add_argument("--mtp-num-layers", type=int, default=1)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8)
@@ -65,7 +68,8 @@ def main() -> int:
     work = Path(args.work).expanduser()
     work.mkdir(parents=True, exist_ok=True)
     prefix, tok_dir = prepare_data(work, args.max_docs, args.vocab)
-    run = work / f"run_{args.model}_mtp{args.mtp_num_layers}_{args.steps}"
+    layers = f"_L{args.num_layers}" if args.num_layers else ""
+    run = work / f"run_{args.model}{layers}_mtp{args.mtp_num_layers}_{args.steps}"
     if args.fresh:
         shutil.rmtree(run, ignore_errors=True)
     t0 = time.perf_counter()
@@ -74,7 +78,8 @@ def main() -> int:
                          "--data-path", prefix, "--tokenizer", str(tok_dir), "--seq-length", str(args.seq),
                          "--micro-batch-size", str(args.batch), "--global-batch-size", str(args.batch),
                          "--train-iters", str(args.steps), "--lr", "2e-3", "--lr-warmup-iters", "20",
-                         "--eval-iters", "0", "--log-interval", "50", "--quiet", "--save", str(run)]) == 0
+                         "--eval-iters", "0", "--log-interval", "50", "--quiet", "--save", str(run)]
+                        + (["--set", f"model.num_layers={args.num_layers}"] if args.num_layers else [])) == 0
     train_s = time.perf_counter() - t0
 
     torch.set_num_threads(args.threads)
@@ -104,7 +109,7 @@ def main() -> int:
             times[k].append(seconds)
     tokens = len(prompts) * args.new_tokens
     speed = {k: tokens / statistics.median(times[k]) for k in ks}
-    print(f"{args.model} + {args.mtp_num_layers} MTP module(s), {args.steps} pretraining steps ({train_s:.0f} s); "
+    print(f"{args.model} ({loaded.model.cfg.num_layers} layers) + {args.mtp_num_layers} MTP module(s), {args.steps} pretraining steps ({train_s:.0f} s); "
           f"{len(prompts)} prompts x {args.new_tokens} new tokens, batch 1, {args.threads} thread(s)")
     print(f"  no drafts: {speed[0]:.1f} tokens/s")
     for k in ks[1:]:
