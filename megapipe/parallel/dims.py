@@ -23,6 +23,9 @@ EP_MESH_DIMS = ("pp", "dp_replicate", "edp", "cp", "ep", "tp")
 SCHEDULE_STAGES_PER_RANK = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": None, "ZBVZeroBubble": 2, "DualPipeV": 2}
 
 
+_MESHES: dict = {}  # (device type, dims, sizes) -> (default process group, world mesh, named meshes)
+
+
 @dataclass
 class ParallelDims:
     dp_replicate: int = 1
@@ -287,11 +290,20 @@ class ParallelDims:
         """The world DeviceMesh (all five dims, size-1 ones included, plus the flattened views); None for 1 process."""
         if self.trivial:
             return None
+        import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
         ep = self.ep > 1
         dims = EP_MESH_DIMS if ep else MESH_DIMS
         sizes = {**{n: getattr(self, n) for n in MESH_DIMS}, "edp": self.dp_shard // self.ep, "ep": self.ep}
+        # one mesh per layout and process group: every mesh built holds process groups (and gloo's threads) for the
+        # process's life, so a process that builds the same layout again (tests, a relaunched stage) reuses it
+        key = (device_type, dims, tuple(sizes[n] for n in dims))
+        world = dist.distributed_c10d._get_default_group()
+        cached = _MESHES.get(key)
+        if cached is not None and cached[0] is world:
+            self.world_mesh, self.meshes = cached[1], dict(cached[2])
+            return self.world_mesh
         mesh = init_device_mesh(device_type, tuple(sizes[n] for n in dims), mesh_dim_names=dims)
         meshes = {n: mesh[n] for n in dims}
         shard = ("edp", "ep") if ep else ("dp_shard",)
@@ -311,6 +323,7 @@ class ParallelDims:
             0, (self.dp_replicate, self.dp_shard * self.cp), ("dp_replicate", "dp_shard_cp")
         )
         self.world_mesh, self.meshes = mesh, meshes
+        _MESHES[key] = (world, mesh, dict(meshes))
         return mesh
 
     def mesh(self, name: str):
