@@ -33,7 +33,7 @@ from megapipe.inference.state_cache import StatePool
 from megapipe.models.dense import FeedForward, TransformerBlock
 from megapipe.models.moe import GroupedExperts, MoEBlock
 from megapipe.models.norms import RMSNorm
-from megapipe.models.rope import model_rope
+from megapipe.models.rope import model_rope_parts, rope_cos_sin
 
 
 def _pack(weight: torch.Tensor, own: bool) -> torch.Tensor:
@@ -395,6 +395,12 @@ class ModelRunner:
         if (not self.quantized and cfg.position_embedding == "rope" and isinstance(m.norm, RMSNorm) and m.tok_embeddings is not None
                 and all(DecoderLayer.supports(b) for b in m.layers.values())):
             self.layers = [DecoderLayer(b, self.ops) for b in m.layers.values()]
+            self.inv_freq, self.rope_scale = model_rope_parts(cfg, self.device)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fast path's cos, sin [T, head_dim] for the flattened batch's positions [1, T] (YaRN's factor in)."""
+        cos, sin = rope_cos_sin(positions, self.inv_freq, dtype, self.rope_scale)
+        return cos[0, 0], sin[0, 0]
 
     @torch.inference_mode()
     def load_weights(self, state: dict) -> None:
@@ -438,7 +444,7 @@ class ModelRunner:
             normed = self.model(tokens[None], positions, batch, return_hidden=True)[0]
         else:
             h = self.model.tok_embeddings(tokens)
-            cos, sin = (t[0, 0] for t in model_rope(self.model.cfg, positions, h.dtype, self.device))
+            cos, sin = self.cos_sin(positions, h.dtype)
             delta = None
             for layer in self.layers:
                 h, delta = layer(h, delta, cos, sin, batch)

@@ -37,10 +37,9 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from megapipe.inference.kv_cache import PagedBatch, layer_windows
+from megapipe.inference.kv_cache import PagedBatch
 from megapipe.inference.runner import DecoderLayer, pack_linears, rms_norm
 from megapipe.inference.sampling import SampleRow, distribution, draw, penalised, uniforms
-from megapipe.models.rope import model_rope
 
 
 @dataclass
@@ -98,7 +97,7 @@ class Speculator:
         model = runner.model
         self.model, self.runner, self.pool, self.k, self.sample_row = model, runner, runner.pool, tokens, sample_row
         self.depth = model.cfg.mtp_depth
-        self.window, self.kernel = layer_windows(model.cfg), runner.attention_kernel
+        self.window, self.kernel = runner.window, runner.attention_kernel
         if runner.packed:  # the MTP modules' matmuls packed as the main layers' are
             pack_linears(model.mtp, runner.own_linears)
         # the runner's fast layer path for the MTP blocks too, where it runs the main layers
@@ -168,7 +167,7 @@ class Speculator:
         module, layer = self.model.mtp[depth - 1], self.layers[depth - 1]
         embedded = self.model.tok_embeddings(tokens)
         x = module.eh_proj(torch.cat([rms_norm(embedded, module.enorm), rms_norm(hidden, module.hnorm)], dim=-1))
-        cos, sin = (t[0, 0] for t in model_rope(self.model.cfg, positions, x.dtype, x.device))
+        cos, sin = self.runner.cos_sin(positions, x.dtype)
         h, delta = layer(x, None, cos, sin, batch)
         h = h.add_(delta)
         return self.runner.logits(layer.norm(h if rows is None else h[rows], None, module.norm)), h

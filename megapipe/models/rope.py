@@ -82,10 +82,17 @@ def model_inv_frequencies(cfg, device=None) -> torch.Tensor:
                                 cfg.beta_slow, device, cfg.yarn_truncate)
 
 
+def model_rope_parts(cfg, device=None) -> tuple[torch.Tensor, float]:
+    """(inv_freq, scale): what ``model_rope`` computes its cos and sin from, for a caller that keeps them across
+    steps (the decoding engine)."""
+    scale = 1.0 if cfg.rotary_scaling_factor == 1 else yarn_attention_factor(cfg)
+    return model_inv_frequencies(cfg, device), scale
+
+
 def model_rope(cfg, positions: torch.Tensor, dtype: torch.dtype, device=None):
     """cos, sin for ``positions`` as the model's layers take them (YaRN's attention factor folded in)."""
-    scale = 1.0 if cfg.rotary_scaling_factor == 1 else yarn_attention_factor(cfg)
-    return rope_cos_sin(positions, model_inv_frequencies(cfg, device), dtype, scale)
+    inv_freq, scale = model_rope_parts(cfg, device)
+    return rope_cos_sin(positions, inv_freq, dtype, scale)
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, scale: float = 1.0):
