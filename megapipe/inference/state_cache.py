@@ -31,9 +31,9 @@ class StatePool:
         self.ssm: dict[int, torch.Tensor] = {}
         for layer_id, mixer in mixers.items():
             weight, _ = mixer.conv_params()
-            heads = weight.shape[0] - 2 * mixer.in_B.out_features  # x's channels are heads * head_dim
+            inner = weight.shape[0] - 2 * mixer.in_B.out_features  # x's channels: heads * head_dim
             self.conv[layer_id] = torch.zeros(slots, weight.shape[0], weight.shape[1] - 1, dtype=dtype, device=device)
-            self.ssm[layer_id] = torch.zeros(slots, heads // mixer.head_dim, mixer.head_dim, mixer.state_dim,
+            self.ssm[layer_id] = torch.zeros(slots, inner // mixer.head_dim, mixer.head_dim, mixer.state_dim,
                                              dtype=torch.float32, device=device)
         self.free = list(range(slots - 1, -1, -1)) if mixers else []
 

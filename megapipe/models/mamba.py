@@ -34,8 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megapipe.config import ModelConfig
-from megapipe.models.attention import DocumentMask
-from megapipe.models.moe import local
+from megapipe.models.attention import DocumentMask, local
 from megapipe.models.ssd import causal_conv1d, conv_step, ssd_chunked, ssd_step
 
 
@@ -170,7 +169,7 @@ class Mamba2Mixer(nn.Module):
         step = s == 1 and conv_state is not None and ssm_state is not None and document_ids is None
         if inplace and not step:
             raise ValueError("inplace states take one token per sequence, from given conv and SSM states")
-        if s == 1 and conv_state is not None and document_ids is None:
+        if step:
             out, conv_state = conv_step(xbc[:, 0], weight, bias, conv_state, inplace)
             out = out[:, None]
         else:
@@ -180,7 +179,7 @@ class Mamba2Mixer(nn.Module):
         x = x.reshape(b, s, -1, self.head_dim)
         B, C = B.reshape(b, s, -1, self.state_dim), C.reshape(b, s, -1, self.state_dim)
         D = local(self.D)
-        if s == 1 and ssm_state is not None and document_ids is None:
+        if step:
             y, ssm_state = ssd_step(ssm_state, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D, inplace)
             return y[:, None], conv_state, ssm_state
         y, ssm_state = ssd_chunked(x, dt, A, B, C, self.chunk_size, D, ssm_state, document_ids)

@@ -68,8 +68,10 @@ class PreferenceLoss(Loss):
         mask = batch["loss_mask"].bool()
         logp, _ = masked_logprobs(out, batch["labels"], mask, 1.0, DEFAULT_CHUNK)
         policy, counts = pair_sums(logp, batch)
-        ref = pair_sums(batch["ref_logps"][mask], batch)[0] if self.spec.needs_reference else (None, None)
-        rc, rr = (ref[:, 0], ref[:, 1]) if self.spec.needs_reference else ref
+        rc = rr = None
+        if self.spec.needs_reference:
+            ref = pair_sums(batch["ref_logps"][mask], batch)[0]
+            rc, rr = ref[:, 0], ref[:, 1]
         loss, chosen, rejected = preference_loss(self.spec, policy[:, 0], policy[:, 1], counts[:, 0], counts[:, 1],
                                                  rc, rr)
         p = policy.detach()
