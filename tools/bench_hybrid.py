@@ -35,12 +35,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from bench_steps import peak_rss_mb, time_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESET = "nemotron-h-tiny"
@@ -66,10 +67,6 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--worker", nargs=2, metavar=("SECTION", "CASE"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
-
-
-def _rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def model_fields(a, pattern: str | None = None) -> dict:
@@ -164,14 +161,7 @@ def train_worker(a, impl: str) -> dict:
 
         keep_freed_memory()
     step = hf_step(a) if impl == "hf" else megapipe_step(a)
-    losses = [step() for _ in range(a.warmup)]
-    walls, cpus = [], []
-    for _ in range(a.steps):
-        t0, c0 = time.perf_counter(), time.process_time()
-        losses.append(step())
-        walls.append(time.perf_counter() - t0)
-        cpus.append(time.process_time() - c0)
-    return {"walls": walls, "cpus": cpus, "peak_rss_mb": _rss_mb(), "first_loss": losses[0], "last_loss": losses[-1]}
+    return time_steps(step, a.warmup, a.steps)
 
 
 # ------------------------------------------------------------------------------------------------ prefill
@@ -219,7 +209,7 @@ def prefill_worker(a, case: str) -> dict:
                 model(tokens, last_only=True)
                 runs.append({"total": time.perf_counter() - t0, **totals})
             out[str(n)] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-    return {"lengths": out, "pattern": cfg.hybrid_override_pattern, "peak_rss_mb": _rss_mb()}
+    return {"lengths": out, "pattern": cfg.hybrid_override_pattern, "peak_rss_mb": peak_rss_mb()}
 
 
 # ------------------------------------------------------------------------------------------------ driver

@@ -26,12 +26,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from bench_steps import time_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -60,10 +60,6 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--worker", nargs=2, metavar=("IMPL", "FAMILY"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
-
-
-def _rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _batch(a):
@@ -152,15 +148,7 @@ def worker(a) -> None:
         step, kernel = hf_step(a, family, "eager" if impl == "hf-eager" else None)
     else:
         step = megapipe_step(a, family, grouped=impl == "megapipe")
-    losses = [step() for _ in range(a.warmup)]
-    walls, cpus = [], []
-    for _ in range(a.steps):
-        t0, c0 = time.perf_counter(), time.process_time()
-        losses.append(step())
-        walls.append(time.perf_counter() - t0)
-        cpus.append(time.process_time() - c0)
-    print(json.dumps({"walls": walls, "cpus": cpus, "peak_rss_mb": _rss_mb(), "first_loss": losses[0],
-                      "last_loss": losses[-1], "kernel": kernel}))
+    print(json.dumps({**time_steps(step, a.warmup, a.steps), "kernel": kernel}))
 
 
 def _run(passthrough, impl: str, family: str) -> dict | None:

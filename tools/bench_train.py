@@ -24,12 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from bench_steps import peak_rss_mb, time_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,10 +59,6 @@ def parse_args(argv=None):
                         "the kernels alone")
     p.add_argument("--worker", nargs=2, metavar=("IMPL", "MODE"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
-
-
-def _rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _batch(a):
@@ -162,24 +158,12 @@ def worker(a) -> None:
         from megapipe.training.cpu_memory import keep_freed_memory
 
         keep_freed_memory()
-    start_rss = _rss_mb()
+    start_rss = peak_rss_mb()
     if impl == "hf":
         step = hf_step(a, mode)
     else:
         step = megapipe_step(a, mode, fused=impl == "megapipe")
-    t0 = time.perf_counter()
-    losses = [step() for _ in range(a.warmup)]
-    warm = time.perf_counter() - t0
-    walls, cpus = [], []
-    for _ in range(a.steps):
-        t0, c0 = time.perf_counter(), time.process_time()
-        losses.append(step())
-        walls.append(time.perf_counter() - t0)
-        cpus.append(time.process_time() - c0)
-    print(json.dumps({
-        "walls": walls, "cpus": cpus, "warmup_s": warm, "peak_rss_mb": _rss_mb(), "start_rss_mb": start_rss,
-        "first_loss": losses[0], "last_loss": losses[-1],
-    }))
+    print(json.dumps({**time_steps(step, a.warmup, a.steps), "start_rss_mb": start_rss}))
 
 
 def _run_case(a, passthrough, impl, mode) -> dict | None:
