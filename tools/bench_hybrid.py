@@ -36,12 +36,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from bench_steps import peak_rss_mb, time_steps
+from bench_steps import peak_rss_mb, run_worker, speed_ratio, summarize, time_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESET = "nemotron-h-tiny"
@@ -223,15 +222,6 @@ def worker(a) -> None:
     print(json.dumps(result))
 
 
-def _run(passthrough, section: str, case: str) -> dict | None:
-    cmd = [sys.executable, __file__, *passthrough, "--worker", section, case]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    if proc.returncode != 0:
-        print(f"{section} {case} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
-        return None
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def _load() -> str:
     one, five, _ = os.getloadavg()
     return f"load average {one:.1f} (1 min) / {five:.1f} (5 min) on {os.cpu_count()} CPUs"
@@ -243,19 +233,12 @@ def report_train(a, runs: dict) -> None:
           f"threads; median over {a.rounds} rounds x {a.steps} steps; {_load()}")
     summary = {}
     for impl, rs in runs.items():
-        summary[impl] = {"step": statistics.median(w for r in rs for w in r["walls"]),
-                         "cpu": statistics.median(c for r in rs for c in r["cpus"]),
-                         "peak": max(r["peak_rss_mb"] for r in rs),
-                         "rounds": [statistics.median(r["walls"]) for r in rs]}
-        s = summary[impl]
+        s = summary[impl] = summarize(rs)
         print(f"{impl:10s} {a.batch * a.seq / s['step']:7.0f} tok/s  step {s['step']:.3f}s  CPU {s['cpu']:.3f}s  "
               f"peak RSS {s['peak']:.0f} MB  loss {rs[0]['first_loss']:.5f}->{rs[0]['last_loss']:.5f}")
     ours, hf = summary.get("megapipe"), summary.get("hf")
     if ours and hf:
-        per_round = sorted(h / o for h, o in zip(hf["rounds"], ours["rounds"], strict=True))
-        print(f"megapipe / HF NemotronH: speed {hf['step'] / ours['step']:.2f}x (rounds {per_round[0]:.2f}-"
-              f"{per_round[-1]:.2f}x; by CPU time {hf['cpu'] / ours['cpu']:.2f}x; target >= 1.5x), "
-              f"peak memory {ours['peak'] / hf['peak']:.2f}x")
+        print(f"megapipe / HF NemotronH: {speed_ratio(ours, hf, 'target >= 1.5x')}")
 
 
 def report_prefill(a, runs: dict) -> None:
@@ -289,7 +272,7 @@ def main(argv=None) -> int:
     print(_load())
     for rnd in range(a.rounds):
         for section, case in cases:
-            r = _run(passthrough, section, case)
+            r = run_worker(__file__, passthrough, section, case)
             if r is None:
                 return 1
             runs[section, case].append(r)

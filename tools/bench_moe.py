@@ -25,13 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-from bench_steps import time_steps
+from bench_steps import run_worker, speed_ratio, summarize, time_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -151,15 +149,6 @@ def worker(a) -> None:
     print(json.dumps({**time_steps(step, a.warmup, a.steps), "kernel": kernel}))
 
 
-def _run(passthrough, impl: str, family: str) -> dict | None:
-    cmd = [sys.executable, __file__, *passthrough, "--worker", impl, family]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    if proc.returncode != 0:
-        print(f"{impl} {family} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
-        return None
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def main(argv=None) -> int:
     a = parse_args(argv)
     if a.worker:
@@ -170,7 +159,7 @@ def main(argv=None) -> int:
     runs: dict = {c: [] for c in cases}
     for rnd in range(a.rounds):
         for impl, fam in cases:
-            r = _run(passthrough, impl, fam)
+            r = run_worker(__file__, passthrough, impl, fam)
             if r is None:
                 return 1
             runs[impl, fam].append(r)
@@ -182,21 +171,16 @@ def main(argv=None) -> int:
           f"{a.rounds} rounds x {a.steps} steps")
     summary = {}
     for (impl, fam), rs in runs.items():
-        step = statistics.median(w for r in rs for w in r["walls"])
-        cpu = statistics.median(c for r in rs for c in r["cpus"])
-        summary[impl, fam] = {"step": step, "cpu": cpu, "peak": max(r["peak_rss_mb"] for r in rs),
-                              "rounds": [statistics.median(r["walls"]) for r in rs]}
-        print(f"{fam:10s} {impl:14s} {tokens / step:7.0f} tok/s  step {step:.3f}s  CPU {cpu:.3f}s  peak RSS "
-              f"{summary[impl, fam]['peak']:.0f} MB")
+        s = summary[impl, fam] = summarize(rs)
+        print(f"{fam:10s} {impl:14s} {tokens / s['step']:7.0f} tok/s  step {s['step']:.3f}s  CPU {s['cpu']:.3f}s  "
+              f"peak RSS {s['peak']:.0f} MB")
     for fam in a.families.split(","):
         for ours, base in (("megapipe", "hf"), ("megapipe-loop", "hf-eager"), ("megapipe", "megapipe-loop"),
                            ("hf", "hf-eager")):
             x, y = summary.get((ours, fam)), summary.get((base, fam))
             if not (x and y):
                 continue
-            rounds = sorted(b / o for b, o in zip(y["rounds"], x["rounds"], strict=True))
-            print(f"{fam:10s} {ours} / {base}: speed {y['step'] / x['step']:.2f}x (rounds {rounds[0]:.2f}-"
-                  f"{rounds[-1]:.2f}x; by CPU time {y['cpu'] / x['cpu']:.2f}x), peak memory {x['peak'] / y['peak']:.2f}x")
+            print(f"{fam:10s} {ours} / {base}: {speed_ratio(x, y)}")
     return 0
 
 

@@ -23,13 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-from bench_steps import peak_rss_mb, time_steps
+from bench_steps import peak_rss_mb, run_worker, speed_ratio, summarize, time_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -166,15 +164,6 @@ def worker(a) -> None:
     print(json.dumps({**time_steps(step, a.warmup, a.steps), "start_rss_mb": start_rss}))
 
 
-def _run_case(a, passthrough, impl, mode) -> dict | None:
-    cmd = [sys.executable, __file__, *passthrough, "--worker", impl, mode]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    if proc.returncode != 0:
-        print(f"{impl} {mode} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
-        return None
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def main(argv=None) -> int:
     a = parse_args(argv)
     if a.worker:
@@ -185,7 +174,7 @@ def main(argv=None) -> int:
     runs = {case: [] for case in cases}
     for rnd in range(a.rounds):  # round-robin, so a slow spell of a shared machine hits every case alike
         for impl, mode in cases:
-            r = _run_case(a, passthrough, impl, mode)
+            r = run_worker(__file__, passthrough, impl, mode)
             if r is None:
                 return 1
             runs[impl, mode].append(r)
@@ -198,22 +187,16 @@ def main(argv=None) -> int:
           f"AdamW (HF: {a.hf_adamw}{', kept freed memory' if a.hf_keep_freed_memory else ''}), {a.threads} threads; "
           f"median over {a.rounds} rounds x {a.steps} timed steps (after {a.warmup} warm-up steps each)")
     for case, rs in runs.items():
-        step = statistics.median(w for r in rs for w in r["walls"])
-        cpu = statistics.median(c for r in rs for c in r["cpus"])
-        peak = max(r["peak_rss_mb"] for r in rs)
-        summary[case] = {"step": step, "cpu": cpu, "peak": peak, "rounds": [statistics.median(r["walls"]) for r in rs]}
-        print(f"{case[0]:16s} {case[1]:14s} {tokens / step:7.0f} tok/s  step {step:.3f}s  CPU {cpu:.3f}s  "
-              f"peak RSS {peak:.0f} MB")
+        s = summary[case] = summarize(rs)
+        print(f"{case[0]:16s} {case[1]:14s} {tokens / s['step']:7.0f} tok/s  step {s['step']:.3f}s  CPU {s['cpu']:.3f}s  "
+              f"peak RSS {s['peak']:.0f} MB")
     for mode in a.modes.split(","):
         hf = summary.get(("hf", mode)) or summary.get(("hf", "compiled"))
         for impl in ("megapipe", "megapipe-unfused"):
             ours = summary.get((impl, mode))
             if not (ours and hf):
                 continue
-            per_round = sorted(h / o for h, o in zip(hf["rounds"], ours["rounds"], strict=True))
-            print(f"{mode:14s} {impl} / HF: speed {hf['step'] / ours['step']:.2f}x "
-                  f"(rounds {per_round[0]:.2f}-{per_round[-1]:.2f}x; by CPU time {hf['cpu'] / ours['cpu']:.2f}x), "
-                  f"peak memory {ours['peak'] / hf['peak']:.2f}x")
+            print(f"{mode:14s} {impl} / HF: {speed_ratio(ours, hf)}")
     return 0
 
 
