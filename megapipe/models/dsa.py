@@ -9,8 +9,9 @@ layout), and a weight per head and token ``head_weights``. A token's score for k
 document mask allows) become a mask on MLA's attention; a row never loses its own allowed keys below ``topk``.
 
 Training: as in transformers' DeepseekV32 the indexer runs without autograd, so its weights get no gradient through
-the top-k (a non-differentiable selection) and keep what the checkpoint holds. DeepSeek trained it with a KL loss
-towards the main attention (Megatron's ``--dsa-indexer-loss-coeff``), which megapipe does not implement.
+the top-k (a non-differentiable selection) and keep what the checkpoint holds; megapipe makes them frozen parameters
+(``requires_grad`` false) so that optimizers and data parallelism leave them alone. DeepSeek trained it with a KL
+loss towards the main attention (Megatron's ``--dsa-indexer-loss-coeff``), which megapipe does not implement.
 
 A KV cache stores each token's indexer key beside its latent (``kv_layout``); the cache's ``attend_latent`` takes
 the indexer's queries (``IndexerQueries``) and applies the top-k itself.
@@ -88,6 +89,7 @@ class SparseMLAttention(MLAttention):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__(cfg, layer_id)
         self.indexer = LightningIndexer(cfg)
+        self.indexer.requires_grad_(False)  # nothing trains it (module docstring): frozen, so no layout waits on it
 
     def forward(self, x: torch.Tensor, rope: tuple, cache=None, mask: Optional[DocumentMask] = None) -> torch.Tensor:
         bsz, seqlen = x.shape[0], x.shape[1]
@@ -126,7 +128,7 @@ class DSAMoEBlock(MoEBlock):
 
 def indexer_tp_plan() -> dict:
     """The indexer is replicated on every TP rank: it reads the whole (replicated) input and query latent, and as
-    it gets no gradient nothing is reduced."""
+    it is frozen nothing is reduced."""
     return {f"attention.indexer.{name}": replicated_style() for name in ("wq", "wk", "k_norm", "head_weights")}
 
 

@@ -89,8 +89,8 @@ FALCON_H1 = dict(mamba_d_ssm=128, mamba_n_heads=8, mamba_n_groups=2, mamba_d_sta
                  mlp_multipliers=[1.1, 0.6], rope_parameters={"rope_type": "default", "rope_theta": 1e5})
 
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "nemotron_h",
-         "falcon_h1", "gpt_oss")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3",
+         "deepseek_v32", "nemotron_h", "falcon_h1", "gpt_oss")
 
 
 def make_hf_dir(root: Path, arch: str, seed: int = 0, dtype=torch.float32, **config) -> tuple[Path, object]:

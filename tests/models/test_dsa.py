@@ -46,27 +46,48 @@ def test_sparsity_changes_the_output_and_packed_documents_stay_apart():
     torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
 
 
-def test_the_indexer_gets_no_gradient_the_rest_does():
+def test_the_indexer_is_frozen_the_rest_trains():
     model = build_model(ModelConfig(**DSA), seed=0)
     model(torch.randint(0, 96, (2, 10))).float().logsumexp(-1).mean().backward()
     for name, p in model.named_parameters():
         if ".indexer." in name:
-            assert p.grad is None, name
+            assert p.grad is None and not p.requires_grad, name
         elif "expert_bias" not in name:
             assert p.grad is not None, name
 
 
-def test_validation_names_the_key_and_value():
-    tiny = {**{f"model.{k}": v for k, v in DSA.items()}, "data.seq_length": 32}
-    with pytest.raises(ConfigError, match=r"model.dsa_indexer_topk = 0 must be > 0"):
-        load_config(None, {**tiny, "model.dsa_indexer_topk": 0})
-    with pytest.raises(ConfigError, match=r"model.dsa_indexer_head_dim = 4 must be >= model.qk_pos_emb_head_dim = 8"):
-        load_config(None, {**tiny, "model.dsa_indexer_head_dim": 4})
-    with pytest.raises(ConfigError, match=r"'dsa' needs model.q_lora_rank"):
-        load_config(None, {**tiny, "model.q_lora_rank": None})
-    with pytest.raises(ConfigError, match=r"'deepseek_v32' needs model.experimental_attention_variant = 'dsa'"):
-        load_config(None, {**tiny, "model.experimental_attention_variant": None})
-    with pytest.raises(ConfigError, match=r"experimental_attention_variant = 'dsa' needs model.multi_latent_attention"):
-        load_config(None, {"model.experimental_attention_variant": "dsa"})
-    with pytest.raises(ConfigError, match=r"model.mtp_num_layers = 1: multi-token prediction"):
-        load_config(None, {**tiny, "model.mtp_num_layers": 1})
+@pytest.mark.parametrize("change, message", [
+    ({"model.dsa_indexer_topk": 0}, r"model.dsa_indexer_topk = 0 must be > 0"),
+    ({"model.dsa_indexer_head_dim": 4}, r"model.dsa_indexer_head_dim = 4 must be >= model.qk_pos_emb_head_dim = 8"),
+    ({"model.q_lora_rank": None}, r"'dsa' needs model.q_lora_rank"),
+    ({"model.experimental_attention_variant": None}, r"'deepseek_v32' needs model.experimental_attention_variant"),
+    ({"model.multi_latent_attention": False}, r"'dsa' needs model.multi_latent_attention = true"),
+    ({"model.mtp_num_layers": 1}, r"model.mtp_num_layers = 1: multi-token prediction"),
+])
+def test_validation_names_the_key_and_value(change, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, {**{f"model.{k}": v for k, v in DSA.items()}, "data.seq_length": 32, **change})
+
+
+def test_kv_bytes_per_token_add_the_indexer_key():
+    """The published shapes in bf16: DeepSeek-V3's latent row (512 + 64 per layer) plus V3.2's indexer key (128)."""
+    from megapipe.parallel.plan import kv_cache_bytes
+
+    v3, v32 = (kv_cache_bytes(load_config(None, {"model.preset": p}).model) for p in ("deepseek-v3", "deepseek-v32"))
+    assert v3["bytes_per_token"] == 61 * (512 + 64) * 2 == 70272
+    assert v32["bytes_per_token"] == 61 * (512 + 64 + 128) * 2 == 85888
+    assert v32["gqa_equivalent_bytes_per_token"] == v3["gqa_equivalent_bytes_per_token"]
+
+
+@pytest.mark.parametrize("stage, features, named", [
+    ("pretrain", dict(layouts=["cp"]), "layouts cp"), ("prune", {}, "prune does not support"),
+    ("quantize", {}, "quantize does not support"), ("export_trt", {}, "export trt does not support"),
+    ("generate", dict(engine=["cpu_kernels"]), "engine cpu_kernels")])
+def test_the_capability_row_refuses_what_does_not_work(stage, features, named):
+    from megapipe.errors import MegapipeError
+    from megapipe.models.capabilities import require
+
+    cfg = ModelConfig(**DSA)
+    with pytest.raises(MegapipeError, match=f"{named}.*DeepSeek-V3.2|DeepSeek-V3.2.*{named}"):
+        require(cfg, stage, **features)
+    require(cfg, "pretrain", layouts=["dp_shard", "dp_replicate", "tp", "sp", "pp", "ep"])
