@@ -34,6 +34,8 @@ from megapipe.models.moe import MoEBlock, moe_tp_plan
 from megapipe.models.rope import apply_rope
 from megapipe.models.spec import BlockSpec, register_block, replicated_style
 
+SCORE_ELEMENTS = 1 << 26  # per-head index scores held at once (256 MiB in fp32)
+
 
 @dataclass
 class IndexerQueries:
@@ -50,13 +52,21 @@ class IndexerQueries:
         return torch.matmul(self.weights[:, :, None], per_head).squeeze(-2)
 
     def select(self, keys: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        """keep [B, S, T] bool (the causal / document mask) -> keep & the top-k keys of each query."""
-        scores = self.scores(keys).masked_fill_(~keep, float("-inf"))
-        k = min(self.topk, scores.shape[-1])
-        if k == scores.shape[-1]:
+        """keep [B, S, T] bool (the causal / document mask) -> keep & the top-k keys of each query; the per-head
+        scores of at most SCORE_ELEMENTS at a time (query rows in blocks), so a long prefill needs no S x T x heads
+        tensor."""
+        b, s, heads = self.weights.shape
+        t = keys.shape[1]
+        k = min(self.topk, t)
+        if k == t:
             return keep
-        top = scores.topk(k, dim=-1).indices
-        return keep & torch.zeros_like(keep).scatter_(-1, top, True)
+        rows = max(1, SCORE_ELEMENTS // (b * heads * t))
+        chosen = torch.zeros(keep.shape, dtype=torch.bool, device=keep.device)
+        for i in range(0, s, rows):
+            block = IndexerQueries(self.q[:, i:i + rows], self.weights[:, i:i + rows], self.topk)
+            scores = block.scores(keys).masked_fill_(~keep[:, i:i + rows], float("-inf"))
+            chosen[:, i:i + rows].scatter_(-1, scores.topk(k, dim=-1).indices, True)
+        return keep & chosen
 
 
 class LightningIndexer(nn.Module):

@@ -46,6 +46,17 @@ def test_sparsity_changes_the_output_and_packed_documents_stay_apart():
     torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
 
 
+def test_scores_in_blocks_of_query_rows_select_the_same_keys(monkeypatch):
+    from megapipe.models import dsa
+
+    model = build_model(ModelConfig(**DSA), seed=0).eval()
+    tokens = torch.randint(0, 96, (2, 11))
+    with torch.no_grad():
+        whole = model(tokens)
+        monkeypatch.setattr(dsa, "SCORE_ELEMENTS", 2 * 8 * 11 * 3)  # 3 query rows at a time
+        torch.testing.assert_close(model(tokens), whole, atol=0, rtol=0)
+
+
 def test_the_indexer_is_frozen_the_rest_trains():
     model = build_model(ModelConfig(**DSA), seed=0)
     model(torch.randint(0, 96, (2, 10))).float().logsumexp(-1).mean().backward()
