@@ -43,6 +43,7 @@ decodes at their positions, all new latents being stored before any row attends.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence, Union
@@ -484,4 +485,4 @@ def _rows_of(index, rows: slice, count: int):
     """The indexer queries (megapipe.models.dsa.IndexerQueries) of the flattened batch's ``rows`` as ``count``
     sequences of equal length."""
     q, w = index.q[0, rows], index.weights[0, rows]
-    return type(index)(q.reshape(count, -1, *q.shape[1:]), w.reshape(count, -1, w.shape[-1]), index.topk)
+    return dataclasses.replace(index, q=q.reshape(count, -1, *q.shape[1:]), weights=w.reshape(count, -1, w.shape[-1]))

@@ -39,16 +39,19 @@ SCORE_ELEMENTS = 1 << 26  # per-head index scores held at once (256 MiB in fp32)
 
 @dataclass
 class IndexerQueries:
-    """What the indexer scores keys with: q [B, S, heads, D] (roped), weights [B, S, heads] (fp32, both scales in),
-    and the top-k size."""
+    """What the indexer scores keys with: q [B, S, heads, D] (roped), weights [B, S, heads] (fp32, 1 / sqrt(heads)
+    in), the dot products' scale and the top-k size."""
 
     q: torch.Tensor
     weights: torch.Tensor
+    scale: float
     topk: int
 
     def scores(self, keys: torch.Tensor) -> torch.Tensor:
-        """keys [B, T, D] -> index scores [B, S, T] (fp32): per head relu(q . k), weighted and summed over heads."""
-        per_head = torch.matmul(self.q.float(), keys.float().transpose(-1, -2)[:, None]).relu_()  # [B, S, H, T]
+        """keys [B, T, D] -> index scores [B, S, T] (fp32): per head relu(scale * q . k), weighted and summed over
+        heads (in transformers' order of operations, so near-ties break alike)."""
+        per_head = torch.matmul(self.q.float(), keys.float().transpose(-1, -2)[:, None])  # [B, S, H, T]
+        per_head = per_head.mul_(self.scale).relu_()
         return torch.matmul(self.weights[:, :, None], per_head).squeeze(-2)
 
     def select(self, keys: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -63,7 +66,7 @@ class IndexerQueries:
         rows = max(1, SCORE_ELEMENTS // (b * heads * t))
         chosen = torch.zeros(keep.shape, dtype=torch.bool, device=keep.device)
         for i in range(0, s, rows):
-            block = IndexerQueries(self.q[:, i:i + rows], self.weights[:, i:i + rows], self.topk)
+            block = IndexerQueries(self.q[:, i:i + rows], self.weights[:, i:i + rows], self.scale, self.topk)
             scores = block.scores(keys).masked_fill_(~keep[:, i:i + rows], float("-inf"))
             chosen[:, i:i + rows].scatter_(-1, scores.topk(k, dim=-1).indices, True)
         return keep & chosen
@@ -87,8 +90,8 @@ class LightningIndexer(nn.Module):
     def queries(self, x: torch.Tensor, q_latent: torch.Tensor, rope: tuple) -> IndexerQueries:
         b, s = x.shape[0], x.shape[1]
         q = self._rotate(self.wq(q_latent).view(b, s, self.heads, self.head_dim).transpose(1, 2), rope)
-        weights = self.head_weights(x).float() * (self.heads ** -0.5 * self.head_dim ** -0.5)
-        return IndexerQueries(q.transpose(1, 2), weights, self.topk)
+        weights = self.head_weights(x).float() * self.heads ** -0.5
+        return IndexerQueries(q.transpose(1, 2), weights, self.head_dim ** -0.5, self.topk)
 
     def keys(self, x: torch.Tensor, rope: tuple) -> torch.Tensor:
         """x [B, S, hidden] -> one key per token [B, S, D] (roped), what a KV cache keeps beside the latent."""
