@@ -1,8 +1,8 @@
 """The engine on DeepSeek Sparse Attention (a tiny random DeepseekV32ForCausalLM whose queries keep 4 keys): the
 latent pool keeps each token's indexer key after its latent row, prefill chunks and decodes (absorbed) each take
 their top-k keys by the indexer's scores over their sequence's cached keys, and the greedy output is transformers'
-under any batch composition, chunked prefill, prefix-cache hits and preemption. The CPU attention kernel takes no
-top-k mask: the capability row refuses it."""
+under any batch composition, chunked prefill, prefix-cache hits and preemption (bf16 within its round-off). The
+CPU attention kernel takes no top-k mask: the capability row refuses it."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from megapipe.inference import LLMEngine, SamplingParams
 from megapipe.models.transformer import kv_cache_values_per_token
 from tests.helpers.hf_tiny import hf_greedy, make_hf_dir
 from tests.inference.test_engine import GREEDY, PROMPTS, run_staggered
-from tests.inference.test_mla_engine import assert_prefix_hits_and_logprobs
+from tests.inference.test_mla_engine import assert_bf16_within_round_off, assert_prefix_hits_and_logprobs
 
 KV_RANK, ROPE, INDEX, LAYERS = 16, 8, 16, 2
 
@@ -55,3 +55,10 @@ def test_prefix_cache_hits_and_decode_logprobs(deepseek32, one_thread):
     """Continuations over cached rows (latents and indexer keys) give transformers' tokens and logprobs."""
     path, hf = deepseek32
     assert_prefix_hits_and_logprobs(LLMEngine.from_pretrained(path, device="cpu"), hf)
+
+
+def test_bf16_decodes_within_round_off_of_fp32(deepseek32, one_thread):
+    """bf16 (the indexer keys stored in bf16, its scores in fp32 as transformers computes them): greedy tokens'
+    logprobs within bf16 round-off of transformers' fp32 forward, as the MLA engine's bound."""
+    path, hf = deepseek32
+    assert_bf16_within_round_off(LLMEngine.from_pretrained(path, device="cpu", dtype="bfloat16"), hf)

@@ -100,7 +100,11 @@ def test_bf16_decodes_within_round_off_of_fp32(deepseek, cpu_kernels, one_thread
     """bf16 (packed matmuls, the absorbed decode in bf16): its greedy tokens' logprobs, teacher-forced through
     transformers in fp32 over the same sequence, within bf16 round-off (as the MoE engines' bound)."""
     path, hf = deepseek
-    engine = engine_on(path, cpu_kernels, dtype="bfloat16")
+    assert_bf16_within_round_off(engine_on(path, cpu_kernels, dtype="bfloat16"), hf)
+
+
+def assert_bf16_within_round_off(engine: LLMEngine, hf) -> None:
+    """A bf16 engine's greedy tokens' logprobs against transformers' fp32 forward over the same sequences."""
     outs = engine.generate(PROMPTS, SamplingParams(max_tokens=10, logprobs=0, **GREEDY))
     diffs = []
     for prompt, out in zip(PROMPTS, outs, strict=True):
