@@ -21,6 +21,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+import megapipe.inference.kernels as kernels
 from megapipe.checkpoint.load import eos_ids_of, load_model
 from megapipe.dtypes import resolve_device, resolve_dtype
 from megapipe.errors import ConfigError, MegapipeError
@@ -57,6 +58,7 @@ class EngineConfig:
     pack_weights: Optional[bool] = None  # oneDNN pre-packed linears (default: on CPU)
     huge_pages: Optional[bool] = None  # CPU: weights and KV pool on transparent huge pages (default: >= 64 MiB)
     cpu_kernels: Optional[bool] = None  # CPU: megapipe's C++ kernels (kernels.py; default: where they build)
+    bf16_linear: str = "auto"  # bf16 matmuls: "own" kernel, "onednn", or "auto" (measured at start: kernels.py)
     max_n: int = 128
     speculative_tokens: int = 0  # drafts per decode step from the model's MTP modules (megapipe.inference.speculative)
 
@@ -75,6 +77,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value not in (None, True, False):
                 raise ConfigError(f"EngineConfig.{name} = {value!r} must be True, False or None (automatic)")
+        if self.bf16_linear not in kernels.BF16_LINEAR_CHOICES:
+            raise ConfigError(f"--bf16-linear = {self.bf16_linear!r} must be one of "
+                              f"{', '.join(kernels.BF16_LINEAR_CHOICES)}")
 
 
 @dataclass
@@ -170,7 +175,7 @@ class LLMEngine:
                                    self._lookahead if config.speculative_tokens else None, self.states,
                                    eviction_window(cfg))
         self.runner = ModelRunner(model, self.pool, config.pack_weights, config.huge_pages,
-                                  config.cpu_kernels, self.states)
+                                  config.cpu_kernels, self.states, config.bf16_linear)
         self.speculator = None
         if config.speculative_tokens:
             self.speculator = Speculator(self.runner, config.speculative_tokens, self.sample_row)

@@ -18,6 +18,8 @@ forward, their linears packed all the same (the Mamba mixer calls its projection
 
 from __future__ import annotations
 
+import functools
+import sys
 from typing import Optional, Sequence
 
 import torch
@@ -341,9 +343,22 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
 HUGE_PAGES_MIN_WEIGHTS = 64 << 20  # below this the weights stay in the CPU's caches: huge pages gain nothing
 
 
+def widest_linear(model: nn.Module) -> tuple[int, int]:
+    """[out, in] of the largest nn.Linear in the model's first layer: the matmul a kernel choice is measured on."""
+    first = next(iter(model.layers.values()))
+    return max((m.weight.shape for m in first.modules() if isinstance(m, nn.Linear)), key=lambda s: s[0] * s[1],
+               default=(256, 256))
+
+
+@functools.lru_cache(maxsize=None)
+def say_once(message: str) -> None:
+    print(f"megapipe: {message}", file=sys.stderr, flush=True)
+
+
 class ModelRunner:
     def __init__(self, model, pool: KVPool, pack: Optional[bool] = None, huge_pages: Optional[bool] = None,
-                 cpu_kernels: Optional[bool] = None, states: Optional[StatePool] = None):
+                 cpu_kernels: Optional[bool] = None, states: Optional[StatePool] = None,
+                 bf16_linear: str = "auto"):
         self.model, self.pool, self.states = model, pool, states
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -365,9 +380,12 @@ class ModelRunner:
         self.attention_kernel = None
         if self.ops is not None:
             self.attention_kernel = kernels.attention_kernel_for(pool.head_dim, self.dtype, self.device)
-        # bf16 matmuls on megapipe's own kernel where the CPU has AVX512-BF16, else oneDNN's
-        self.own_linears = (self.packed and self.ops is not None and self.dtype == torch.bfloat16
-                            and kernels.bf16_linear_built())
+        # bf16 matmuls on megapipe's own kernel or oneDNN's, whichever is faster on this CPU (kernels.py)
+        self.own_linears = False
+        if self.packed and self.ops is not None and self.dtype == torch.bfloat16:
+            n, k = widest_linear(model)
+            self.own_linears, why = kernels.choose_bf16_linear(bf16_linear, n, k)
+            say_once(why)
         head = model.output_weight().detach()
         self.head = None
         if self.packed:
