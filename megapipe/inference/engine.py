@@ -28,18 +28,19 @@ from megapipe.errors import ConfigError, MegapipeError
 from megapipe.inference.block_manager import BlockManager
 from megapipe.inference.detokenize import Detokenizer, special_ids
 from megapipe.inference.kv_cache import KVPool, eviction_window, kv_layout
-from megapipe.inference.runner import ModelRunner
+from megapipe.inference.runner import ModelRunner, say_once
 from megapipe.inference.sampling import ParamError, SampleRow, SamplingParams, sample, top_logprobs
 from megapipe.inference.scheduler import FINISHED, Scheduler, now
 from megapipe.inference.scheduler import Sequence as Seq
 from megapipe.inference.speculative import Speculator
-from megapipe.inference.state_cache import StatePool
+from megapipe.inference.state_cache import StatePool, state_bytes_per_sequence
 from megapipe.models.attention import Attention
 from megapipe.models.capabilities import capabilities, describe
 from megapipe.models.mla import MLAttention
 from megapipe.models.transformer import attention_layers, kv_cache_values_per_token
 
 GiB = 1 << 30
+STATE_MEMORY = GiB  # default memory for hybrid models' recurrent states (besides the KV cache's default GiB)
 
 
 class EngineStalled(RuntimeError):
@@ -142,9 +143,10 @@ class LLMEngine:
         model.eval()
         p = next(model.parameters())
         bs = config.block_size
-        # the Mamba layers' recurrent state of max_num_seqs sequences (hybrid models; empty otherwise)
-        self.states = StatePool(model, config.max_num_seqs, p.dtype, p.device)
-        state_bytes = self.states.bytes_per_sequence() * config.max_num_seqs
+        # the Mamba layers' recurrent state of the sequences decoded at once (hybrid models; empty otherwise)
+        max_num_seqs = self._state_slots(model, config, p.dtype)
+        self.states = StatePool(model, max_num_seqs, p.dtype, p.device)
+        state_bytes = self.states.bytes_per_sequence() * max_num_seqs
         # keys and values of the layers that attend (a hybrid model's Mamba and MLP layers have none); speculative
         # decoding: the MTP blocks' too (pool layers num_layers + depth - 1)
         kv_layers = sorted({m.layer_id for m in model.layers.modules() if isinstance(m, (Attention, MLAttention))})
@@ -153,7 +155,7 @@ class LLMEngine:
         per_block = KVPool.bytes_per_block(len(kv_layers), bs, dtype=p.dtype, **kv_layout(cfg))
         num_blocks = config.num_blocks
         if num_blocks is None:
-            want = config.max_num_seqs * ((self.max_model_len + bs - 1) // bs)
+            want = max_num_seqs * ((self.max_model_len + bs - 1) // bs)
             memory = config.kv_cache_memory
             if memory is None:
                 memory = min(want * per_block, GiB) + state_bytes
@@ -171,7 +173,7 @@ class LLMEngine:
         # off where the capability table says so (a recurrent state is not cut at block boundaries: state_cache)
         self.prefix_caching = config.prefix_caching and "prefix_caching" in capabilities(cfg).engine
         self.blocks = BlockManager(num_blocks, bs, self.prefix_caching)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, config.max_num_batched_tokens,
                                    self._lookahead if config.speculative_tokens else None, self.states,
                                    eviction_window(cfg))
         self.runner = ModelRunner(model, self.pool, config.pack_weights, config.huge_pages,
@@ -185,6 +187,22 @@ class LLMEngine:
         self.num_prompt_tokens = 0  # computed prompt tokens (prefix-cache hits excluded)
         self.num_generation_tokens = 0
         self.num_steps = 0
+
+    @staticmethod
+    def _state_slots(model, config: EngineConfig, dtype: torch.dtype) -> int:
+        """How many sequences run at once: --max-num-seqs, unless the default memory (no --kv-cache-memory) cannot
+        hold that many recurrent states (an 8B hybrid's are ~100 MiB per sequence): then as many as STATE_MEMORY
+        holds, said once."""
+        per_sequence = state_bytes_per_sequence(model, dtype)
+        if not per_sequence or config.kv_cache_memory is not None:
+            return config.max_num_seqs
+        fit = max(1, STATE_MEMORY // per_sequence)
+        if fit < config.max_num_seqs:
+            say_once(f"the recurrent state of --max-num-seqs {config.max_num_seqs} sequences would take "
+                     f"{per_sequence * config.max_num_seqs / GiB:.1f} GiB ({per_sequence / 2**20:.1f} MiB each): "
+                     f"decoding {fit} at once (set --kv-cache-memory to choose)")
+            return fit
+        return config.max_num_seqs
 
     @classmethod
     def from_pretrained(cls, path: Union[str, Path], device=None, dtype=None, **config) -> "LLMEngine":
