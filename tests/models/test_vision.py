@@ -120,3 +120,36 @@ def test_7b_preset_counts_what_transformers_counts():
     assert vision["params"] == sum(p.numel() for p in hf.model.visual.parameters())
     assert 0.08 < vision["params_share"] < 0.09 and vision["image_tokens"] == 256
     assert 0 < vision["memory_share"] < 1 and 0 < vision["flops_share"] < 1
+
+
+SMALL = ["--model", "qwen2.5-vl-tiny", "--set", "model.num_layers=2", "--set", "model.vision_depth=2",
+         "--set", "model.vision_fullatt_block_indexes=[1]", "--seq-length", "32", "--micro-batch-size", "2",
+         "--global-batch-size", "2", "--split", "90,10,0", "--eval-iters", "1", "--log-interval", "1", "--quiet"]
+
+
+def test_pretrain_one_process_text_only_and_packing_refused(pretrain_data, tmp_path, capsys, one_thread):
+    import json
+
+    from megapipe.checkpoint.load import load_model
+    from megapipe.cli import main
+
+    prefix, tok = pretrain_data
+    args = ["pretrain", "--data-path", prefix, "--tokenizer", str(tok), *SMALL, "--train-iters", "2"]
+    assert main([*args, "--save", str(tmp_path / "run")]) == 0
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+              if json.loads(line)["kind"] == "train"]
+    assert len(losses) == 2 and all(0 < x < 20 for x in losses)
+    model = load_model(tmp_path / "run").model
+    assert model.cfg.vision_depth == 2 and len(model.visual.blocks) == 2  # the tower is saved with the decoder
+    capsys.readouterr()
+    assert main([*args, "--reset-attention-mask", "--save", str(tmp_path / "packed")]) != 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "pretrain of Qwen2.5-VL models does not support packing" in err and "Traceback" not in err
+
+
+def test_the_server_refuses_image_content_parts():
+    from megapipe.inference.protocol import ChatMessage, ParamError
+
+    parts = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]
+    with pytest.raises(ParamError, match="content part of type 'image_url' is not supported"):
+        ChatMessage(role="user", content=parts).as_template_input()
