@@ -269,15 +269,15 @@ class ModelConfig:
     # names after vision_): vision_depth 0 is a text-only model. Windows of vision_window_size pixels, full attention in
     # the vision_fullatt_block_indexes blocks; mrope_section: rotary frequencies per axis (temporal, height, width) of
     # the decoder's M-RoPE (None: 1-D rope); the *_token_id: the chat template's image / video placeholders
-    vision_depth: int = 0
+    vision_depth: int = 0  # vision blocks
     vision_hidden_size: int = 1280
     vision_intermediate_size: int = 3420
     vision_num_heads: int = 16
-    vision_patch_size: int = 14
-    vision_temporal_patch_size: int = 2
+    vision_patch_size: int = 14  # pixels a patch's side
+    vision_temporal_patch_size: int = 2  # frames a patch spans (an image is repeated)
     vision_in_channels: int = 3
-    vision_spatial_merge_size: int = 2
-    vision_window_size: int = 112
+    vision_spatial_merge_size: int = 2  # merge x merge patches make one decoder token
+    vision_window_size: int = 112  # pixels a window's side
     vision_fullatt_block_indexes: list[int] = field(default_factory=lambda: [7, 15, 23, 31])
     vision_tokens_per_second: int = 4
     vision_rope_theta: float = 10000.0

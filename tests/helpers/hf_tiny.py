@@ -87,8 +87,6 @@ def make_hf_dir(root: Path, arch: str, seed: int = 0, dtype=torch.float32, **con
     VOCAB ids (0 = <|endoftext|>) in ``root``."""
     import transformers
 
-    from megapipe.data.tokenizer import train_tokenizer
-
     if arch == "qwen2_5_vl":  # a vision-language model (tests.helpers.hf_vl)
         from tests.helpers.hf_vl import make_vl_dir
 
@@ -116,12 +114,19 @@ def make_hf_dir(root: Path, arch: str, seed: int = 0, dtype=torch.float32, **con
                 if name.endswith(("_bias", ".bias", ".sinks")):
                     p.normal_(0, 0.5)
     model.save_pretrained(root)
+    save_tokenizer(root)
+    return root, model.to(dtype)
+
+
+def save_tokenizer(root: Path) -> None:
+    """A trained byte-level BPE of VOCAB ids (0 = <|endoftext|>) with CHAT_TEMPLATE, in ``root``."""
+    from megapipe.data.tokenizer import train_tokenizer
+
     train_tokenizer(TEXTS, vocab_size=VOCAB, output=root)
     config_file = root / "tokenizer_config.json"
     tok_cfg = json.loads(config_file.read_text()) if config_file.is_file() else {}
     tok_cfg["chat_template"] = CHAT_TEMPLATE
     config_file.write_text(json.dumps(tok_cfg))
-    return root, model.to(dtype)
 
 def export_round_trip(hf_dir: Path, work: Path) -> Path:
     """``import hf`` then ``export hf --dtype fp32`` of ``hf_dir`` (in ``work``); asserts the exported safetensors hold

@@ -4,12 +4,11 @@ images drawn here (tests/models/test_vision.py, tests/checkpoint/test_hf_qwen2_5
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-from tests.helpers.hf_tiny import CHAT_TEMPLATE, TEXTS, VOCAB
+from tests.helpers.hf_tiny import VOCAB, save_tokenizer
 
 IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 300, 301, 302, 303
 # head dim 16: M-RoPE sections of 8 frequencies; a 56-pixel window is 2 x 2 merged patches (so a 4 x 3 grid has
@@ -35,8 +34,6 @@ def make_vl_dir(root: Path, seed: int = 0):
     from transformers import Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from megapipe.data.tokenizer import train_tokenizer
-
     root.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     model = Qwen2_5_VLForConditionalGeneration(hf_vl_config()).eval()
@@ -47,11 +44,7 @@ def make_vl_dir(root: Path, seed: int = 0):
             elif name.endswith(("norm.weight", "norm1.weight", "norm2.weight", "ln_q.weight", "layernorm.weight")):
                 p.copy_(1 + 0.2 * torch.randn_like(p))
     model.save_pretrained(root)
-    train_tokenizer(TEXTS, vocab_size=VOCAB, output=root)
-    config_file = root / "tokenizer_config.json"
-    tok_cfg = json.loads(config_file.read_text()) if config_file.is_file() else {}
-    tok_cfg["chat_template"] = CHAT_TEMPLATE
-    config_file.write_text(json.dumps(tok_cfg))
+    save_tokenizer(root)
     Qwen2VLImageProcessorPil().save_pretrained(root)
     return root, model
 
