@@ -111,11 +111,12 @@ FAMILIES: dict[str, Capabilities] = {
                            stages={"prune", "quantize"}),
     # no shared expert, every layer MoE: LoRA adapts the attention only
     "gpt_oss": _without(lora={"gate", "up", "down"}),
-    # Qwen2.5-VL (megapipe.models.vision): the model's forward takes images, no stage feeds it any yet, so what is
-    # declared runs text through the decoder (the vision tower idle): pretraining on one process, eval, generate and
-    # serve of text prompts on the engine (the server refuses image content parts), the HF bridge with its images'
-    # logit parity; packed sequences, every parallel layout, SFT / distillation / RL / pruning / quantization / the
-    # TensorRT-LLM writers were not run with the tower, so they are refused
+    # Qwen2.5-VL (megapipe.models.vision): the model's forward and the engine's API (LLMEngine.generate(images=...),
+    # megapipe.inference.images) take images, no stage command feeds them yet, so what is declared runs text through
+    # the decoder (the vision tower idle): pretraining on one process, eval, generate and serve of text prompts (the
+    # server refuses image content parts), the HF bridge with its images' logit parity; packed sequences, every
+    # parallel layout, SFT / distillation / RL / pruning / quantization / the TensorRT-LLM writers were not run with
+    # the tower, so they are refused
     "qwen2_5_vl": Capabilities(layouts=frozenset(), packing=False, engine=frozenset(ENGINE) - {"speculative"},
                                lora=frozenset(), quant=frozenset(), trt=frozenset(),
                                stages=frozenset({"pretrain", "eval", "generate", "serve", "export_hf"})),
