@@ -81,3 +81,31 @@ def test_refuses_vision_configs_megapipe_cannot_represent(tmp_path, capsys, chan
     err = capsys.readouterr().err
     assert err.startswith("error:") and "Traceback" not in err
     assert words in " ".join(err.split())
+
+
+def test_a_pretrained_tiny_model_exports_once_its_token_ids_are_set(pretrain_data, tmp_path, capsys, one_thread):
+    """A megapipe-trained qwen2.5-vl-tiny (text only) writes a config transformers builds the same model from:
+    transformers' logits on text + image equal megapipe's; without the placeholder ids, export names the one unset."""
+    from tests.models.test_vision import SMALL
+
+    prefix, tok = pretrain_data
+    ids = ["--set", "model.image_token_id=300", "--set", "model.video_token_id=301"]
+    run, out = tmp_path / "run", tmp_path / "hf"
+    assert cli("pretrain", "--data-path", prefix, "--tokenizer", tok, *SMALL, *ids, "--train-iters", "1",
+               "--save", run) == 0
+    capsys.readouterr()
+    assert cli("export", "hf", run, out, "--dtype", "fp32") != 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "model.vision_start_token_id is not set: a Hugging Face Qwen2_5_VLForConditionalGeneration config " \
+           "needs it" in err and not out.exists()
+    ckpt = run / "step_00000001"
+    manifest = json.loads((ckpt / "megapipe.json").read_text())
+    manifest["model"].update(vision_start_token_id=302, vision_end_token_id=303)
+    (ckpt / "megapipe.json").write_text(json.dumps(manifest))
+    assert cli("export", "hf", ckpt, out, "--dtype", "fp32", "--quiet") == 0
+    exported = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(out).eval()
+    ours = load_model(ckpt).model.eval()
+    tokens = torch.tensor([[5, 6, 7, 300, 300, 300, 300, 9]])
+    pixels = torch.randn(16, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(0))
+    inputs = {"tokens": tokens, "pixel_values": pixels, "image_grid_thw": torch.tensor([[1, 4, 4]])}
+    torch.testing.assert_close(_ours(ours, inputs), hf_logits(exported, inputs), atol=1e-5, rtol=0)

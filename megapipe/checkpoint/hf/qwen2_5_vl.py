@@ -11,7 +11,7 @@ from megapipe.checkpoint.hf.base import Conversion, meta_state_keys, refuse, reg
 from megapipe.checkpoint.hf.llama import LAYER, TOP
 from megapipe.checkpoint.hf.qwen2 import Qwen2Adapter
 from megapipe.config import ModelConfig
-from megapipe.errors import MegapipeError
+from megapipe.errors import ConfigError, MegapipeError
 
 # megapipe's module names in the tower -> transformers' (the rest are the same)
 VISION_NAMES = {"mlp.w1": "mlp.gate_proj", "mlp.w3": "mlp.up_proj", "mlp.w2": "mlp.down_proj",
@@ -58,6 +58,10 @@ class Qwen25VLAdapter(Qwen2Adapter):
         return fields
 
     def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
+        unset = next((k for k in TOKEN_IDS if getattr(cfg, k) is None), None)
+        if unset is not None:
+            raise ConfigError(f"model.{unset} is not set: a Hugging Face {self.architecture} config needs it (the "
+                              f"tokenizer's id of that placeholder token)")
         text = super().config_to_hf(cfg)
         text["model_type"] = "qwen2_5_vl_text"
         text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": list(cfg.mrope_section)}
