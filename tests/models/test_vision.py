@@ -121,6 +121,16 @@ def test_7b_preset_counts_what_transformers_counts():
     assert 0.08 < vision["params_share"] < 0.09 and vision["image_tokens"] == 256
     assert 0 < vision["memory_share"] < 1 and 0 < vision["flops_share"] < 1
 
+    from megapipe.checkpoint.hf import adapter_for_arch
+    from megapipe.checkpoint.hf.bridge import normalise_hf_config
+
+    adapter = adapter_for_arch("qwen2_5_vl")  # the published config (flat text fields) read through the bridge
+    read = from_dict(ModelConfig, adapter.config_from_hf(normalise_hf_config(published, adapter, "published"), ""))
+    preset = from_dict(ModelConfig, {"preset": "qwen2.5-vl-7b"})
+    differ = {k: (getattr(read, k), v) for k, v in vars(preset).items()
+              if k not in ("preset", "make_vocab_size_divisible_by", "init_std", "head_dim") and getattr(read, k) != v}
+    assert differ == {} and read.dim_per_head == preset.dim_per_head == 128
+
 
 SMALL = ["--model", "qwen2.5-vl-tiny", "--set", "model.num_layers=2", "--set", "model.vision_depth=2",
          "--set", "model.vision_fullatt_block_indexes=[1]", "--seq-length", "32", "--micro-batch-size", "2",
