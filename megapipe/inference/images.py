@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from megapipe.errors import MegapipeError
 from megapipe.inference.sampling import ParamError
 from megapipe.models.rope import rope_cos_sin
 from megapipe.models.vision import mrope_positions
@@ -28,7 +29,7 @@ class PromptImages:
         ids = torch.tensor([list(prompt_ids)])
         try:
             positions, delta = mrope_positions(ids, self.grid_thw, cfg.image_token_id, cfg.vision_spatial_merge_size)
-        except Exception as e:  # a MegapipeError naming the image and the tokens it lacks
+        except MegapipeError as e:  # the image and the tokens it lacks, as the request's mistake
             raise ParamError("images", str(e)) from None
         placed = int((ids == cfg.image_token_id).sum())
         wanted = int(self.grid_thw.prod(-1).sum()) // cfg.vision_spatial_merge_size ** 2
