@@ -27,6 +27,7 @@ from megapipe.dtypes import resolve_device, resolve_dtype
 from megapipe.errors import ConfigError, MegapipeError
 from megapipe.inference.block_manager import BlockManager
 from megapipe.inference.detokenize import Detokenizer, special_ids
+from megapipe.inference.images import PromptImages
 from megapipe.inference.kv_cache import KVPool, eviction_window, kv_layout
 from megapipe.inference.runner import ModelRunner, say_once
 from megapipe.inference.sampling import ParamError, SampleRow, SamplingParams, sample, top_logprobs
@@ -113,6 +114,8 @@ class Request:
         self.arrival = now() if arrival is None else arrival
         self.seqs: list[Seq] = []
         self.first_token_time: Optional[float] = None
+        self.images: Optional[PromptImages] = None  # a vision-language model's images of the prompt
+        self.hash_seed: Optional[bytes] = None  # what the prompt's chain of block hashes starts from (its images)
 
     @property
     def finished(self) -> bool:
@@ -240,13 +243,17 @@ class LLMEngine:
         return params
 
     def add_request(self, request_id: str, prompt: Union[str, Sequence[int]], params: SamplingParams,
-                    arrival: Optional[float] = None) -> Request:
-        """Queue a request; ``arrival`` (time.monotonic) counts from when a server received it."""
+                    arrival: Optional[float] = None, images: Optional[dict] = None) -> Request:
+        """Queue a request; ``arrival`` (time.monotonic) counts from when a server received it; ``images``: the
+        image processor's ``pixel_values`` and ``image_grid_thw`` of the images whose tokens the prompt holds."""
         if request_id in self.requests:
             raise ParamError("request_id", f"request id {request_id!r} is already running")
         text, ids = self.encode(prompt)
         params = self.check_request(ids, params)
         req = Request(request_id, text, ids, params, arrival)
+        if images is not None:
+            req.images = PromptImages(self.runner.model, ids, images["pixel_values"], images["image_grid_thw"])
+            req.hash_seed = req.images.hash_seed
         first = None
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
@@ -330,9 +337,11 @@ class LLMEngine:
             offset += n
         work += [(s, s.tokens[s.num_computed:s.num_computed + n]) for s, n in chunks]
         state_slots = [s.state_slot for s in decodes] + [s.state_slot for s, _ in work] if self.states else None
+        images = [s.request.images for s in decodes] + [s.request.images for s, _ in work]
         logits = self.runner.run([(s.block_ids, s.num_computed, s.tokens[s.num_computed]) for s in decodes],
                                  [(s.block_ids, s.num_computed, toks) for s, toks in work], rows,
-                                 hidden=self.speculator is not None, state_slots=state_slots)
+                                 hidden=self.speculator is not None, state_slots=state_slots,
+                                 images=images if any(i is not None for i in images) else None)
         if self.speculator is not None:
             logits, hidden = logits
         for i, seq in enumerate(decodes):
@@ -481,23 +490,27 @@ class LLMEngine:
     # ----------------------------------------------------------------------------------------------- batch API
 
     def generate(self, prompts: Sequence[Union[str, Sequence[int]]],
-                 params: Union[SamplingParams, Sequence[SamplingParams], None] = None) -> list[RequestOutput]:
-        """Run every prompt to completion (all in one continuous batch); outputs in prompt order."""
+                 params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 images: Optional[Sequence[Optional[dict]]] = None) -> list[RequestOutput]:
+        """Run every prompt to completion (all in one continuous batch); outputs in prompt order. ``images``: each
+        prompt's (None, or as ``add_request`` takes them)."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise MegapipeError(f"{len(prompts)} prompts but {len(params)} sampling parameter sets")
+        images = list(images) if images is not None else [None] * len(prompts)
+        if len(images) != len(prompts):
+            raise MegapipeError(f"{len(prompts)} prompts but {len(images)} entries of images")
         ids = [f"generate-{next(self._ids)}" for _ in prompts]
-        return [out for _, out in self.run_to_completion(list(zip(ids, prompts, params, strict=True)))]
+        return [out for _, out in self.run_to_completion(list(zip(ids, prompts, params, images, strict=True)))]
 
-    def run_to_completion(self, requests: Sequence[tuple[str, Union[str, Sequence[int]], SamplingParams]]
-                          ) -> list[tuple[Request, RequestOutput]]:
-        """Add every (request_id, prompt, params), step until all have finished, and return each request with its
-        final output, in the given order; the requests are aborted on the way out (an error included)."""
+    def run_to_completion(self, requests: Sequence[tuple]) -> list[tuple[Request, RequestOutput]]:
+        """Add every (request_id, prompt, params[, images]), step until all have finished, and return each request
+        with its final output, in the given order; the requests are aborted on the way out (an error included)."""
         added: list[Request] = []
         try:
-            for rid, prompt, p in requests:
-                added.append(self.add_request(rid, prompt, p))
+            for rid, prompt, p, *images in requests:
+                added.append(self.add_request(rid, prompt, p, images=images[0] if images else None))
             done: dict[str, RequestOutput] = {}
             while len(done) < len(added):
                 for out in self.step():

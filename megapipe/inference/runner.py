@@ -28,8 +28,9 @@ from torch import nn
 
 import megapipe.inference.kernels as kernels  # the module alone: the package's __init__ imports the engine
 from megapipe import torch_compat
-from megapipe.errors import ConfigError
+from megapipe.errors import ConfigError, MegapipeError
 from megapipe.inference.host_memory import collapse_resident_memory, keep_freed_buffers
+from megapipe.inference.images import multimodal_step
 from megapipe.inference.kv_cache import KVPool, PagedBatch, layer_windows
 from megapipe.inference.state_cache import StatePool
 from megapipe.models.dense import FeedForward, TransformerBlock
@@ -445,11 +446,12 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, decodes: Sequence[tuple[Sequence[int], int, int]],
             chunks: Sequence[tuple[Sequence[int], int, Sequence[int]]], rows: Sequence[int],
-            hidden: bool = False, state_slots: Optional[Sequence[int]] = None):
+            hidden: bool = False, state_slots: Optional[Sequence[int]] = None, images: Optional[Sequence] = None):
         """decodes: (block ids, position, token); chunks: (block ids, start, tokens); state_slots: each one's slot
-        in the state pool (a hybrid model's). Returns fp32 logits of the batch rows ``rows`` (indices into the
-        flattened batch: decodes first, then the chunks in order); with ``hidden``, also the final normed hidden
-        states of every row (what MTP drafting starts from)."""
+        in the state pool (a hybrid model's); images: each one's PromptImages or None (megapipe.inference.images).
+        Returns fp32 logits of the batch rows ``rows`` (indices into the flattened batch: decodes first, then the
+        chunks in order); with ``hidden``, also the final normed hidden states of every row (what MTP drafting
+        starts from)."""
         batch = PagedBatch(self.pool, self.window, self.attention_kernel, self.states)
         positions = batch.plan([(b, pos) for b, pos, _ in decodes], [(b, s, len(t)) for b, s, t in chunks],
                                state_slots)
@@ -459,10 +461,18 @@ class ModelRunner:
         tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
         select = None if len(rows) == len(ids) else torch.tensor(rows, dtype=torch.long, device=self.device)
         if self.layers is None:
+            if images is not None:
+                raise MegapipeError("images need the engine's layer path, which this model does not take")
             normed = self.model(tokens[None], positions, batch, return_hidden=True)[0]
         else:
             h = self.model.tok_embeddings(tokens)
-            cos, sin = self.cos_sin(positions, h.dtype)
+            if images is None:
+                cos, sin = self.cos_sin(positions, h.dtype)
+            else:
+                starts = [pos for _, pos, _ in decodes] + [start for _, start, _ in chunks]
+                lengths = [1] * len(decodes) + [len(toks) for _, _, toks in chunks]
+                cos, sin = multimodal_step(self.model, self.inv_freq, self.rope_scale, images, starts, lengths,
+                                           positions, h)
             delta = None
             for layer in self.layers:
                 h, delta = layer(h, delta, cos, sin, batch)
