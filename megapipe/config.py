@@ -120,7 +120,7 @@ class ModelConfig:
     # fields of a named preset are applied first, then the ones given here
     preset: Optional[str] = opt(None, "--model", help="Model preset (tiny, llama3-1b, ...); other fields: --set model.*=.")
     arch: Literal["llama", "qwen2", "qwen3", "mistral", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe",
-                  "deepseek_v3", "deepseek_v32", "nemotron_h", "falcon_h1", "gpt_oss"] = "llama"
+                  "deepseek_v3", "deepseek_v32", "nemotron_h", "falcon_h1", "gpt_oss", "qwen2_5_vl"] = "llama"
     vocab_size: Optional[int] = None  # None: the tokenizer's size, padded to make_vocab_size_divisible_by
     make_vocab_size_divisible_by: int = 128
     hidden_size: int = 256
@@ -272,6 +272,27 @@ class ModelConfig:
     mamba_out_multiplier: float = 1.0
     mamba_proj_multipliers: list[float] = field(default_factory=lambda: [1.0] * 5)
     mlp_multipliers: list[float] = field(default_factory=lambda: [1.0] * 2)
+    # Vision-language (megapipe.models.vision, Qwen2.5-VL's vision tower and patch merger; transformers' vision_config
+    # names after vision_): vision_depth 0 is a text-only model. Windows of vision_window_size pixels, full attention in
+    # the vision_fullatt_block_indexes blocks; mrope_section: rotary frequencies per axis (temporal, height, width) of
+    # the decoder's M-RoPE (None: 1-D rope); the *_token_id: the chat template's image / video placeholders
+    vision_depth: int = 0  # vision blocks
+    vision_hidden_size: int = 1280
+    vision_intermediate_size: int = 3420
+    vision_num_heads: int = 16
+    vision_patch_size: int = 14  # pixels a patch's side
+    vision_temporal_patch_size: int = 2  # frames a patch spans (an image is repeated)
+    vision_in_channels: int = 3
+    vision_spatial_merge_size: int = 2  # merge x merge patches make one decoder token
+    vision_window_size: int = 112  # pixels a window's side
+    vision_fullatt_block_indexes: list[int] = field(default_factory=lambda: [7, 15, 23, 31])
+    vision_tokens_per_second: int = 4
+    vision_rope_theta: float = 10000.0
+    mrope_section: Optional[list[int]] = None
+    image_token_id: Optional[int] = None
+    video_token_id: Optional[int] = None
+    vision_start_token_id: Optional[int] = None
+    vision_end_token_id: Optional[int] = None
 
     @property
     def is_moe(self) -> bool:
@@ -899,6 +920,7 @@ def validate(cfg: Config) -> None:
     validate_mtp(m)
     validate_mla(m)
     validate_hybrid(m)
+    validate_vision(m)
     validate_posttrain(cfg)
 
 
@@ -922,6 +944,31 @@ def validate_attention(m: ModelConfig) -> None:
     if m.moe_swiglu_limit <= 0 or m.moe_swiglu_alpha <= 0:
         raise ConfigError(f"model.moe_swiglu_limit = {m.moe_swiglu_limit} and model.moe_swiglu_alpha = "
                           f"{m.moe_swiglu_alpha} must be > 0")
+
+
+def validate_vision(m: ModelConfig) -> None:
+    """The vision tower's shapes and the M-RoPE sections."""
+    if m.mrope_section is not None and (len(m.mrope_section) != 3 or 2 * sum(m.mrope_section) != m.dim_per_head):
+        raise ConfigError(f"model.mrope_section = {m.mrope_section} must be 3 numbers (temporal, height, width) "
+                          f"summing to half the head dim ({m.dim_per_head // 2})")
+    if m.vision_depth < 0:
+        raise ConfigError(f"model.vision_depth = {m.vision_depth} must be >= 0 (0: no vision tower)")
+    if not m.vision_depth:
+        return
+    if m.position_embedding != "rope" or m.mrope_section is None:
+        raise ConfigError("model.vision_depth > 0 needs the decoder's M-RoPE: model.position_embedding = 'rope' and "
+                          "model.mrope_section set")
+    if m.vision_hidden_size % (4 * m.vision_num_heads):
+        raise ConfigError(f"model.vision_hidden_size = {m.vision_hidden_size} must be divisible by 4 x "
+                          f"model.vision_num_heads = {m.vision_num_heads} (2-D rotary over each head)")
+    unit = m.vision_patch_size * m.vision_spatial_merge_size
+    if m.vision_window_size < unit:
+        raise ConfigError(f"model.vision_window_size = {m.vision_window_size} must be at least one merged patch "
+                          f"(vision_patch_size x vision_spatial_merge_size = {unit} pixels)")
+    late = [i for i in m.vision_fullatt_block_indexes if not 0 <= i < m.vision_depth]
+    if late:
+        raise ConfigError(f"model.vision_fullatt_block_indexes holds {late}, outside the "
+                          f"model.vision_depth = {m.vision_depth} blocks")
 
 
 def validate_muon(o: OptimConfig) -> None:

@@ -29,6 +29,9 @@ def generate(
     """Complete each --prompt with the model of CKPT and print the completions."""
     import json
 
+    from megapipe.omp import prefer_passive_wait
+
+    prefer_passive_wait()  # before torch loads OpenMP
     import torch
 
     # lazy: imports torch; megapipe --help stays fast

@@ -119,6 +119,15 @@ FAMILIES: dict[str, Capabilities] = {
                            stages={"prune", "quantize"}),
     # no shared expert, every layer MoE: LoRA adapts the attention only
     "gpt_oss": _without(lora={"gate", "up", "down"}),
+    # Qwen2.5-VL (megapipe.models.vision): the model's forward and the engine's API (LLMEngine.generate(images=...),
+    # megapipe.inference.images) take images, no stage command feeds them yet, so what is declared runs text through
+    # the decoder (the vision tower idle): pretraining on one process, eval, generate and serve of text prompts (the
+    # server refuses image content parts), the HF bridge with its images' logit parity; packed sequences, every
+    # parallel layout, SFT / distillation / RL / pruning / quantization / the TensorRT-LLM writers were not run with
+    # the tower, so they are refused
+    "qwen2_5_vl": Capabilities(layouts=frozenset(), packing=False, engine=frozenset(ENGINE) - {"speculative"},
+                               lora=frozenset(), quant=frozenset(), trt=frozenset(),
+                               stages=frozenset({"pretrain", "eval", "generate", "serve", "export_hf"})),
 }
 # sliding-window layers among full-attention ones (model.window_attn_skip_freq): the engine's paged cache takes each
 # layer's window (speculative decoding was not run with them); the TensorRT-LLM writers take one window for every
@@ -137,7 +146,8 @@ NO_MTP = _without(engine={"speculative"})
 
 LABELS = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "gpt2": "GPT-2",
           "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "deepseek_v3": "DeepSeek-V3",
-          "deepseek_v32": "DeepSeek-V3.2", "nemotron_h": "Nemotron-H", "falcon_h1": "Falcon-H1", "gpt_oss": "GPT-OSS"}
+          "deepseek_v32": "DeepSeek-V3.2", "nemotron_h": "Nemotron-H", "falcon_h1": "Falcon-H1", "gpt_oss": "GPT-OSS",
+          "qwen2_5_vl": "Qwen2.5-VL"}
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v32", "gpt_oss")
 MLA_FAMILIES = ("deepseek_v3", "deepseek_v32")
 DSA_FAMILIES = ("deepseek_v32",)  # families whose MLA is DeepSeek Sparse Attention (the "dsa" kind)

@@ -183,10 +183,15 @@ class Transformer(nn.Module):
                 init_norm(module)
 
 
+# models that wrap the decoder, by what asks for them ("vision": model.vision_depth > 0); their modules register
+# here (megapipe.models.vision), the package's __init__ imports them
+MODEL_CLASSES: dict[str, type] = {}
+
+
 def build_model(cfg: ModelConfig, device="cpu", seed: Optional[int] = None) -> Transformer:
     """Build on the meta device (no memory), materialise on ``device``, initialise (from ``seed`` if given)."""
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = (MODEL_CLASSES["vision"] if cfg.vision_depth else Transformer)(cfg)
     device = torch.device(device)
     if device.type == "meta":
         return model

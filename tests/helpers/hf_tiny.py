@@ -90,7 +90,7 @@ FALCON_H1 = dict(mamba_d_ssm=128, mamba_n_heads=8, mamba_n_groups=2, mamba_d_sta
 
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3",
-         "deepseek_v32", "nemotron_h", "falcon_h1", "gpt_oss")
+         "deepseek_v32", "nemotron_h", "falcon_h1", "gpt_oss", "qwen2_5_vl")
 
 
 def make_hf_dir(root: Path, arch: str, seed: int = 0, dtype=torch.float32, **config) -> tuple[Path, object]:
@@ -98,8 +98,11 @@ def make_hf_dir(root: Path, arch: str, seed: int = 0, dtype=torch.float32, **con
     VOCAB ids (0 = <|endoftext|>) in ``root``."""
     import transformers
 
-    from megapipe.data.tokenizer import train_tokenizer
+    if arch == "qwen2_5_vl":  # a vision-language model (tests.helpers.hf_vl)
+        from tests.helpers.hf_vl import make_vl_dir
 
+        assert not config and dtype == torch.float32
+        return make_vl_dir(root, seed)
     root.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     cfg = _hf_config(arch)
@@ -122,12 +125,19 @@ def make_hf_dir(root: Path, arch: str, seed: int = 0, dtype=torch.float32, **con
                 if name.endswith(("_bias", ".bias", ".sinks")):
                     p.normal_(0, 0.5)
     model.save_pretrained(root)
+    save_tokenizer(root)
+    return root, model.to(dtype)
+
+
+def save_tokenizer(root: Path) -> None:
+    """A trained byte-level BPE of VOCAB ids (0 = <|endoftext|>) with CHAT_TEMPLATE, in ``root``."""
+    from megapipe.data.tokenizer import train_tokenizer
+
     train_tokenizer(TEXTS, vocab_size=VOCAB, output=root)
     config_file = root / "tokenizer_config.json"
     tok_cfg = json.loads(config_file.read_text()) if config_file.is_file() else {}
     tok_cfg["chat_template"] = CHAT_TEMPLATE
     config_file.write_text(json.dumps(tok_cfg))
-    return root, model.to(dtype)
 
 def export_round_trip(hf_dir: Path, work: Path) -> Path:
     """``import hf`` then ``export hf --dtype fp32`` of ``hf_dir`` (in ``work``); asserts the exported safetensors hold
@@ -157,6 +167,14 @@ def randomize_mamba(model, dt_bias_mean: float = 0.0) -> None:
                 p.copy_(dt_bias_mean + torch.randn_like(p))
             elif name.endswith("conv1d.bias"):
                 p.copy_(0.3 * torch.randn_like(p))
+
+
+def hf_auto_class(hf_dir: Path):
+    """The transformers auto class that loads ``hf_dir``: text + image models have their own."""
+    import transformers
+
+    vision = "vision_config" in json.loads((Path(hf_dir) / "config.json").read_text())
+    return transformers.AutoModelForImageTextToText if vision else transformers.AutoModelForCausalLM
 
 
 def hf_greedy(hf_model, prompt: list[int], max_new: int) -> list[int]:
