@@ -172,3 +172,13 @@ PRESETS: dict[str, dict] = {
         num_experts=384, moe_router_topk=8, moe_router_topk_scaling_factor=2.827, moe_first_k_dense_replace=1,
     ),
 }
+
+# DeepSeek-V3.2's sparse attention (megapipe.models.dsa) on DeepSeek-V3's shapes: a lightning indexer of 64 heads of
+# 128 dims, 2048 keys per query
+_DSA = dict(arch="deepseek_v32", experimental_attention_variant="dsa", dsa_indexer_n_heads=64,
+            dsa_indexer_head_dim=128, dsa_indexer_topk=2048)
+# deepseek-v3-tiny with an indexer of 4 heads of 32 dims, 64 keys per query (so a 256-token window is sparse)
+PRESETS["deepseek-v32-tiny"] = dict(PRESETS["deepseek-v3-tiny"], **{
+    **_DSA, "dsa_indexer_n_heads": 4, "dsa_indexer_head_dim": 32, "dsa_indexer_topk": 64})
+# deepseek-ai/DeepSeek-V3.2 (-Exp; 671 B parameters, 37 B active): DeepSeek-V3 with the indexer in every layer
+PRESETS["deepseek-v32"] = dict(PRESETS["deepseek-v3"], **_DSA)

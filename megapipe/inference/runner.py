@@ -33,6 +33,7 @@ from megapipe.inference.host_memory import collapse_resident_memory, keep_freed_
 from megapipe.inference.images import multimodal_step
 from megapipe.inference.kv_cache import KVPool, PagedBatch, layer_windows
 from megapipe.inference.state_cache import StatePool
+from megapipe.models.capabilities import capabilities, describe
 from megapipe.models.dense import FeedForward, TransformerBlock
 from megapipe.models.moe import GroupedExperts, MoEBlock
 from megapipe.models.norms import RMSNorm
@@ -379,7 +380,10 @@ class ModelRunner:
                 raise ConfigError(f"EngineConfig.cpu_kernels = True but megapipe's CPU kernels do not run here "
                                   f"({self.device.type}, {self.dtype}, {kernels.capability()}; see the log)")
         self.attention_kernel = None
-        if self.ops is not None:
+        if cpu_kernels and "cpu_kernels" not in capabilities(model.cfg).engine:
+            raise ConfigError(f"EngineConfig.cpu_kernels = True: megapipe's CPU attention kernel does not serve "
+                              f"{describe(model.cfg)} models (megapipe/models/capabilities.py)")
+        if self.ops is not None and "cpu_kernels" in capabilities(model.cfg).engine:
             self.attention_kernel = kernels.attention_kernel_for(pool.head_dim, self.dtype, self.device)
         # bf16 matmuls on megapipe's own kernel or oneDNN's, whichever is faster on this CPU (kernels.py)
         self.own_linears = False

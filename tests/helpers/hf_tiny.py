@@ -52,6 +52,17 @@ def _hf_config(arch: str):
             moe_intermediate_size=32, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8,
             v_head_dim=10, n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
             rms_norm_eps=1e-6, rope_parameters=yarn, num_nextn_predict_layers=0)
+    if arch == "deepseek_v32":  # DeepSeek-V3's shapes plus the sparse attention's indexer: 4 keys per query
+        v3 = _hf_config("deepseek_v3").to_dict()
+        fields = {k: v3[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                     "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
+                                     "initializer_range", "tie_word_embeddings", "n_routed_experts",
+                                     "n_shared_experts", "moe_intermediate_size", "q_lora_rank", "kv_lora_rank",
+                                     "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group", "topk_group",
+                                     "num_experts_per_tok", "first_k_dense_replace", "routed_scaling_factor",
+                                     "rms_norm_eps", "rope_parameters")}
+        return transformers.DeepseekV32Config(**fields, index_n_heads=8, index_head_dim=16, index_topk=4,
+                                              attn_implementation="eager")
     if arch == "nemotron_h":  # Mamba-2, attention (no positions) and squared-ReLU MLP layers; 24 tokens span chunks
         return transformers.NemotronHConfig(
             vocab_size=VOCAB, hidden_size=64, intermediate_size=128, layers_block_type=[
@@ -78,8 +89,8 @@ FALCON_H1 = dict(mamba_d_ssm=128, mamba_n_heads=8, mamba_n_groups=2, mamba_d_sta
                  mlp_multipliers=[1.1, 0.6], rope_parameters={"rope_type": "default", "rope_theta": 1e5})
 
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "nemotron_h",
-         "falcon_h1", "gpt_oss", "qwen2_5_vl")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3",
+         "deepseek_v32", "nemotron_h", "falcon_h1", "gpt_oss", "qwen2_5_vl")
 
 
 def make_hf_dir(root: Path, arch: str, seed: int = 0, dtype=torch.float32, **config) -> tuple[Path, object]:
@@ -102,7 +113,7 @@ def make_hf_dir(root: Path, arch: str, seed: int = 0, dtype=torch.float32, **con
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.3)
-    if arch == "deepseek_v3":  # a trained-looking score-correction bias, so it takes part in the routing
+    if arch in ("deepseek_v3", "deepseek_v32"):  # a trained-looking score-correction bias, so it takes part in the routing
         with torch.no_grad():
             for layer in model.model.layers[cfg.first_k_dense_replace:]:
                 layer.mlp.gate.e_score_correction_bias.normal_(0, 0.3)
