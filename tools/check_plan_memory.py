@@ -141,6 +141,36 @@ def block_saved_bytes_per_token(block, hidden: int, seq: int, ctx, rope=None) ->
     return (sizes[1] - sizes[0]) / seq
 
 
+def selective_kept_bytes_per_token(block, hidden: int, seq: int, ctx, rope=None) -> float:
+    """What selective recompute keeps of one block per token: its fp32 input and the outputs of the ops the
+    recompute policy saves (megapipe.parallel.recompute: matmuls, attention kernels), recorded as the forward runs
+    them (batch 2 minus batch 1, / seq)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megapipe.parallel.recompute import _save_ops
+
+    save = _save_ops()
+
+    class Record(TorchDispatchMode):
+        kept = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in save:
+                self.kept += sum(o.numel() * o.element_size() for o in (out if isinstance(out, (tuple, list))
+                                                                       else (out,)) if isinstance(o, torch.Tensor))
+            return out
+
+    sizes = []
+    for batch in (1, 2):
+        x = torch.randn(batch, seq, hidden, requires_grad=True)
+        with ctx(), Record() as record:
+            block(x, None if rope is None else rope(batch))
+        sizes.append(record.kept)
+    return (sizes[1] - sizes[0]) / seq + 4 * hidden
+
+
 def child(case: dict) -> dict:
     import gc
 

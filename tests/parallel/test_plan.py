@@ -409,6 +409,24 @@ def test_hybrid_block_activations_equal_what_autograd_saves(name, precision):
 
 @pytest.mark.parametrize("name", ["nemotron", "falcon"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_hybrid_selective_recompute_keeps_the_matmul_outputs(name, precision):
+    """Selective recompute's formula per kind against what its policy keeps: the block input and the outputs of the
+    matmuls and attention kernels the forward runs (recorded with a dispatch mode), exactly."""
+    from megapipe.models.spec import spec_for
+    from megapipe.training.precision import autocast
+
+    tool = _tool()
+    m = tool.build_cfg(precision, "selective", 2, 2, _HYBRIDS[name], seq=32).model
+    model = build_model(m, seed=0)
+    for kind, block in {spec_for(b).name: b for b in model.layers.values()}.items():
+        kept = tool.selective_kept_bytes_per_token(block, m.hidden_size, 32, lambda: autocast(precision, "cpu"),
+                                                   lambda batch: model._rope(torch.arange(32).expand(batch, 32),
+                                                                             torch.zeros(1)))
+        assert kept == P.block_activation_bytes(m, kind, precision, "selective"), kind
+
+
+@pytest.mark.parametrize("name", ["nemotron", "falcon"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_hybrid_model_saved_activations_equal_the_plan(name, precision):
     """The whole model: blocks + head + the compute copies autograd keeps (fp32: each Mamba mixer's concatenated
     in-projection weights; bf16: the weights' casts), within 1%: the convs' concatenated weights, A and the masks
