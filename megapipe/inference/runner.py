@@ -298,7 +298,7 @@ class DecoderLayer:
                 k.copy_(rms_norm(k, self.k_norm))
             if self.ops is not None:
                 pool = batch.pool
-                self.ops.rope_and_cache(qkv, cos, sin, pool.k[self.layer_id], pool.v[self.layer_id], batch.slots,
+                self.ops.rope_and_cache(qkv, cos, sin, pool.k[self.layer_id], pool.v[self.layer_id], batch.slots_of(self.layer_id),
                                         nq, nk)
                 attended = batch.attend_flat(self.layer_id, q, k, v, stored=True, sinks=self.sinks)
             else:
