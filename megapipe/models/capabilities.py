@@ -77,13 +77,13 @@ KINDS: dict[str, Capabilities] = {
     "mamba": Capabilities(layouts=frozenset(LAYOUTS) - {"cp"}, engine=frozenset(ENGINE) - {"prefix_caching",
                           "speculative"}, quant=frozenset(), trt=frozenset({"unified"}),
                           stages=frozenset(STAGES) - {"prune", "quantize"}),
-    # attention with learned sinks (GPT-OSS, megapipe.models.attention.sink_attention): trained on one process and plain
-# data parallelism (the sinks are one more replicated / FSDP-sharded parameter); tensor parallelism must shard the
-# sinks with the heads and pipeline / expert parallelism were not run with them yet, so they are refused; the ring
-# attention of cp has no sink term; the engine's paged attention applies them (torch paths and CPU kernel), speculative
-# decoding was not run with them; generate, serve, eval and RL run on the engine; distillation, pruning, ModelOpt and the TensorRT-LLM writers were not checked on them; HF export
-# writes GptOssForCausalLM (unquantized)
-    "sinks": Capabilities(layouts=frozenset({"dp_replicate", "dp_shard"}), engine=frozenset(ENGINE) - {"speculative"},
+    # attention with learned sinks (GPT-OSS, megapipe.models.attention.sink_attention): every layout but cp
+    # (tests/parallel/test_dist_layouts.py: FSDP, DDP, HSDP, TP with and without SP, the sinks split with the heads,
+    # PP, EP, and their combinations); the ring attention of cp has no sink term, so cp is refused; the engine's
+    # paged attention applies them (torch paths and CPU kernel), speculative decoding was not run with them;
+    # generate, serve, eval and RL run on the engine; distillation, pruning, ModelOpt and the TensorRT-LLM writers
+    # were not checked on them; HF export writes GptOssForCausalLM (unquantized)
+    "sinks": Capabilities(layouts=frozenset(LAYOUTS) - {"cp"}, engine=frozenset(ENGINE) - {"speculative"},
                           quant=frozenset(), trt=frozenset(),
                           stages=frozenset({"pretrain", "sft", "export_hf", "generate", "serve", "eval", "rl"})),
 }
