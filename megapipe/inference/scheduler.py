@@ -235,8 +235,8 @@ class Scheduler:
         return decodes, chunks
 
     def _cached_prefix(self, seq: Sequence) -> None:
-        """Take the longest cached prefix of ``seq``'s full blocks (in both block tables under ``window_blocks``: the
-        prefix is as long as the shorter of the two)."""
+        """Take the longest cached prefix of ``seq``'s full blocks (under ``window_blocks``, one whose last window
+        the windowed layers still cache: ``_window_prefix``)."""
         bs = self.blocks.block_size
         if seq.params.prompt_logprobs is not None:  # every prompt position's logits are needed
             return
@@ -244,13 +244,25 @@ class Scheduler:
         hashes = seq.full_hashes(bs)[:usable]
         hits = self.blocks.lookup(hashes)
         if self.window_blocks is not None:
-            seq.window_ids = self.window_blocks.lookup(hashes[:len(hits)])
-            self.blocks.release(hits[len(seq.window_ids):])
-            hits = hits[:len(seq.window_ids)]
+            hits, seq.window_ids, seq.num_window_evicted = self._window_prefix(hashes, hits)
         seq.block_ids = list(hits)
         seq.num_computed = seq.num_registered = len(hits) * bs
         if seq.preemptions == 0:
             seq.num_cached = seq.num_computed
+
+    def _window_prefix(self, hashes: list[bytes], hits: list[int]) -> tuple[list[int], list[int], int]:
+        """The longest prefix of the full layers' ``hits`` whose blocks within the window of its end the windowed
+        pool still caches (the only ones a query after it reads there): (those hits, the windowed table, its
+        leading placeholders: the blocks behind the window, never read unmasked). The rest is released."""
+        bs, window = self.blocks.block_size, self.window
+        for n in range(len(hits), 0, -1):
+            first = 0 if window is None else min(max(0, (n * bs - window + 1) // bs), n - 1)
+            tail = self.window_blocks.lookup_all(hashes[first:n])
+            if tail is not None:
+                self.blocks.release(hits[n:])
+                return hits[:n], [tail[0]] * first + tail, first
+        self.blocks.release(hits)
+        return [], [], 0
 
     def rollback(self, seq: Sequence) -> None:
         """Return the blocks past the sequence's computed tokens (allocated for drafts that were rejected)."""

@@ -150,3 +150,20 @@ def test_the_windowed_layer_holds_only_its_window(gpt_oss, cpu_kernels, one_thre
     outs = [keeping.generate([p], params)[0].outputs[0].token_ids for p in prompts]
     assert outs == want and engine.generate([prompts[0]], params)[0].outputs[0].token_ids == want[0]
     assert engine.blocks.usage() == engine.scheduler.window_blocks.usage() == 0
+
+
+def test_a_prefix_hit_needs_only_the_windowed_blocks_within_the_window(gpt_oss, one_thread):
+    """A windowed pool of 5 blocks (one sequence, chunks of 8): the first prompt's early windowed blocks are reused
+    while it is prefilled, yet a prompt sharing its 28-token prefix takes it from the cache (the full layer's 7
+    blocks, the windowed layer's block within the window of its end) and decodes as transformers does."""
+    path, hf = gpt_oss
+    first, second = list(range(60, 90)), list(range(60, 90)) + [7, 8]
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    engine = LLMEngine.from_pretrained(path, device="cpu", block_size=4, max_num_seqs=1, max_num_batched_tokens=8)
+    assert engine.pool.windowed_blocks == 1 * (4 // 4 + 2) + 8 // 4
+    assert engine.generate([first], params)[0].outputs[0].token_ids == hf_greedy(hf, first, 8)
+    windowed = engine.scheduler.window_blocks
+    assert sum(h is not None for h in windowed.hash) < 7  # not every block of the prefix is cached there
+    got = engine.generate([second], params)[0]
+    assert got.num_cached_tokens == 28 and got.outputs[0].token_ids == hf_greedy(hf, second, 8)
+    assert engine.blocks.usage() == windowed.usage() == 0
