@@ -125,6 +125,7 @@ HARMONY = (
     "{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}"
 )
+HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>")
 BUILTIN_TEMPLATES = {"chatml": CHATML, "llama3": LLAMA3, "harmony": HARMONY}
 TEMPLATE_TOKENS = {
     "chatml": ("<|im_start|>", "<|im_end|>"),
@@ -156,6 +157,11 @@ class ChatTemplate:
         <|return|> written <|end|>), so only the messages after it are trained as the model produced them."""
         return self.source == HARMONY
 
+    @property
+    def has_channels(self) -> bool:
+        """Replies are harmony messages on channels, split by ``split_harmony`` (their special tokens kept)."""
+        return self.source == HARMONY
+
     def render(self, messages: list[dict], tools: Optional[list] = None, add_generation_prompt: bool = False,
                continue_final_message: bool = False) -> str:
         from jinja2 import TemplateError
@@ -174,6 +180,26 @@ class ChatTemplate:
             raise ChatTemplateError(f"the chat template {self.name} cannot render the conversation "
                                     f"({type(e).__name__}: {first_line(e)})") from None
         return texts[0]
+
+
+def split_harmony(text: str) -> tuple[str, Optional[str]]:
+    """A harmony reply (what the model writes after the generation prompt ``<|start|>assistant``, special tokens
+    kept) -> (its final channel's text, its analysis channel's text or None when it has none): the answer and the
+    reasoning (an OpenAI-style server's content and reasoning_content). A message cut short counts up to where it
+    stops; commentary (tool calls) is left out. Grows only by appending as the reply grows (streaming deltas)."""
+    content, reasoning = [], []
+    for message in text.split("<|start|>"):
+        header, found, body = message.partition("<|message|>")
+        if not found:
+            continue
+        for end in HARMONY_ENDS:
+            body = body.split(end, 1)[0]
+        channel = header.partition("<|channel|>")[2].split(" ", 1)[0]
+        if channel == "final":
+            content.append(body)
+        elif channel == "analysis":
+            reasoning.append(body)
+    return "".join(content), "".join(reasoning) if reasoning else None
 
 
 def load_chat_template(tokenizer: str | Path, choice: Optional[str] = None) -> Optional[ChatTemplate]:

@@ -16,7 +16,7 @@ import pytest
 
 from megapipe.cli import main
 from megapipe.config import RLConfig
-from megapipe.data.chat_template import BUILTIN_TEMPLATES, load_chat_template
+from megapipe.data.chat_template import BUILTIN_TEMPLATES, load_chat_template, split_harmony
 from megapipe.data.sft import ChatEncoder, parse_record
 from megapipe.data.tokenizer import load_tokenizer
 from megapipe.errors import DataError
@@ -301,3 +301,30 @@ def test_harmony_tool_calls_go_to_the_commentary_channel(bare_tok):
         "<|channel|>analysis<|message|>Sunny.<|end|><|start|>assistant<|channel|>final<|message|>It is sunny.<|return|>"
     with pytest.raises(DataError, match="refused the conversation: a tool message follows no tool call"):
         encoder.encode(parse_record({"messages": [messages[0], messages[2], messages[3]]}, "x:1"))
+
+
+def test_harmony_replies_split_into_answer_and_reasoning(bare_tok, tmp_path):
+    """What the model writes after <|start|>assistant: the final channel is the content, the analysis channel the
+    reasoning, tool calls (commentary) neither; every prefix of the reply splits into prefixes of the whole reply's
+    parts (streaming deltas); the server on the tokenizer SFT wrote splits the text its engine detokenizes with the
+    special tokens kept, and leaves other templates' replies whole."""
+    from megapipe.inference.detokenize import Detokenizer
+
+    reply = ("<|channel|>analysis<|message|>Four and four.<|end|><|start|>assistant to=functions.add<|channel|>"
+             'commentary json<|message|>{"a": 4}<|call|><|start|>assistant<|channel|>final<|message|>ANSWER: 8<|return|>')
+    assert split_harmony(reply) == ("ANSWER: 8", "Four and four.")
+    assert split_harmony("<|channel|>final<|message|>Hi") == ("Hi", None)  # cut short, no reasoning
+    assert split_harmony("") == ("", None)
+    srv = server(sft_checkpoint_tokenizer(bare_tok, "harmony", tmp_path / "ckpt-tok"))
+    tok = srv.tokenizer
+    detok = Detokenizer(tok, [], frozenset())  # skip_special_tokens off, as the server asks for harmony
+    ids = tok.encode(reply)
+    seen = {"content": "", "reasoning_content": ""}
+    for i, t in enumerate(ids):
+        detok.add(t, final=i == len(ids) - 1)
+        for key, value in srv._reply(detok.text).items():
+            assert value.startswith(seen[key])
+            seen[key] = value
+    assert detok.text == reply and seen == {"content": "ANSWER: 8", "reasoning_content": "Four and four."}
+    assert server(sft_checkpoint_tokenizer(bare_tok, "chatml", tmp_path / "chatml-tok"))._reply(reply) == \
+        {"content": reply}
