@@ -328,3 +328,12 @@ def test_harmony_replies_split_into_answer_and_reasoning(bare_tok, tmp_path):
     assert detok.text == reply and seen == {"content": "ANSWER: 8", "reasoning_content": "Four and four."}
     assert server(sft_checkpoint_tokenizer(bare_tok, "chatml", tmp_path / "chatml-tok"))._reply(reply) == \
         {"content": reply}
+    # RL samples harmony completions with their markers and scores their final channel
+    rl = RLConfig(task="arithmetic", chat_template="harmony")
+    _, _, renderer = RLRecipe(rl).parts(SimpleNamespace(rl=rl), load_tokenizer(bare_tok), 0)
+    assert renderer.channels and renderer.answer(reply) == "ANSWER: 8"
+    from megapipe.posttrain.rl.rollout import RolloutWorker
+
+    assert not RolloutWorker.sampling_params(SimpleNamespace(rl=rl, renderer=renderer)).skip_special_tokens
+    assert renderer.render("What is 4 plus 4?").endswith("<|start|>user<|message|>What is 4 plus 4?<|end|>"
+                                                         "<|start|>assistant")
