@@ -15,9 +15,10 @@ tokenized once.
 The tokens trained on are found from the rendered text itself: message i's span runs from the end of the
 conversation rendered up to message i with the generation prompt to the end of the conversation rendered up to and
 including message i (so the template's end-of-turn token is trained: the model learns to stop), and a token is
-trained when its character offsets overlap a span. Under the harmony template (GPT-OSS) only the messages after the
-last user message are trained: earlier turns are rendered as history, not as the model wrote them. Fragments are never tokenized apart, so the ids are exactly those
-the model sees when the conversation is rendered for inference.
+trained when its character offsets overlap a span. Fragments are never tokenized apart, so the ids are exactly those
+the model sees when the conversation is rendered for inference. Under the harmony template (GPT-OSS) only the
+messages after the last user message are trained: earlier turns are rendered as history, not as the model wrote
+them.
 """
 
 from __future__ import annotations

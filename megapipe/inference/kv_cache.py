@@ -27,8 +27,9 @@ block table as placeholders that only masked positions read. A model with window
 (GPT-OSS, ``split_window``) keeps its windowed layers' keys and values in blocks of their own (``windowed_layers``,
 ``windowed_blocks`` of the pool): each sequence has two block tables, given to ``plan`` as (full, windowed) pairs,
 and the windowed one gives back its blocks behind the window while the full one keeps them all; each window's plan
-holds its table's slots, so a layer stores and reads through its own. Attention sinks (``sinks`` [heads]): one more logit in every row's
-softmax denominator, on each path (the decode softmax, ``sink_attention`` for chunks, the kernel's running sum).
+holds its table's slots, so a layer stores and reads through its own. Attention sinks (``sinks`` [heads]): one more
+logit in every row's softmax denominator, on each path (the decode softmax, ``sink_attention`` for chunks, the
+kernel's running sum).
 
 A hybrid model's Mamba layers call ``ssm(layer_id, mixer, xbc, dt)`` instead: each sequence's conv window and SSM
 state live in a slot of the engine's StatePool (megapipe.inference.state_cache); the decodes take one step of the
@@ -170,8 +171,8 @@ class PagedBatch:
         self.decode_len = 0
         self.chunks: list[Chunk] = []
         self.runs: list[tuple[int, int, int]] = []  # (index of first chunk, chunks, n): plain chunks attended at once
-        # per distinct window of the layers: (chunks, runs, decode mask), planned once per step
-        self._plans: dict[Optional[int], tuple] = {}  # the PLANNED attributes of each window
+        # per distinct window of the layers: its PLANNED attributes, planned once per step
+        self._plans: dict[Optional[int], tuple] = {}
         self._sink_masks: dict[tuple, torch.Tensor] = {}
 
     def window_of(self, layer_id: int) -> Optional[int]:

@@ -311,7 +311,8 @@ def test_harmony_replies_split_into_answer_and_reasoning(bare_tok, tmp_path):
     from megapipe.inference.detokenize import Detokenizer
 
     reply = ("<|channel|>analysis<|message|>Four and four.<|end|><|start|>assistant to=functions.add<|channel|>"
-             'commentary json<|message|>{"a": 4}<|call|><|start|>assistant<|channel|>final<|message|>ANSWER: 8<|return|>')
+             'commentary json<|message|>{"a": 4}<|call|>'
+             "<|start|>assistant<|channel|>final<|message|>ANSWER: 8<|return|>")
     assert split_harmony(reply) == ("ANSWER: 8", "Four and four.")
     assert split_harmony("<|channel|>final<|message|>Hi") == ("Hi", None)  # cut short, no reasoning
     assert split_harmony("") == ("", None)
