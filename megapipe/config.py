@@ -529,8 +529,8 @@ class RLConfig:
     rollout_dtype: Optional[Literal["fp32", "bf16", "fp16"]] = opt(
         None, "--rollout-dtype", help="Engine weights (default: the training precision's dtype).")
     chat_template: Optional[str] = opt(
-        None, "--chat-template", help="chatml, llama3, a template name of the tokenizer's, FILE.jinja, or none for "
-                                      "raw prompts (default: the tokenizer's template).")
+        None, "--chat-template", help="chatml, llama3, harmony, a template name of the tokenizer's, FILE.jinja, or "
+                                      "none for raw prompts (default: the tokenizer's template).")
     system_prompt: Optional[str] = opt(None, "--system-prompt", help="A system message before every prompt.")
     prompt_field: str = opt("prompt", "--prompt-field", help="jsonl task: the prompt field.")
     answer_field: str = opt("answer", "--answer-field", help="jsonl task: the reference answer field.")
@@ -593,8 +593,8 @@ class SFTConfig:
                           help="SFT records: JSONL (.gz), parquet or saved HF datasets with 'messages', "
                                "'prompt'/'completion' or 'text'.")
     chat_template: Optional[str] = opt(
-        None, "--chat-template", help="chatml, llama3, a template name of the tokenizer's or FILE.jinja (default: "
-                                      "the tokenizer's own template).")
+        None, "--chat-template", help="chatml, llama3, harmony, a template name of the tokenizer's or FILE.jinja "
+                                      "(default: the tokenizer's own template).")
     train_on_prompt: bool = opt(False, "--train-on-prompt", help="Train on every token, not only the assistant's.")
     packing: bool = opt(False, "--packing", help="Pack several conversations per sequence (attention kept apart).")
     skip_bad_records: bool = opt(False, "--skip-bad-records", help="Leave out malformed records (counted) instead "

@@ -28,7 +28,7 @@ from megapipe.errors import ConfigError, MegapipeError
 from megapipe.inference.block_manager import BlockManager
 from megapipe.inference.detokenize import Detokenizer, special_ids
 from megapipe.inference.images import PromptImages
-from megapipe.inference.kv_cache import KVPool, eviction_window, kv_layout
+from megapipe.inference.kv_cache import KVPool, eviction_window, kv_layout, layer_windows, split_window
 from megapipe.inference.runner import ModelRunner, say_once
 from megapipe.inference.sampling import ParamError, SampleRow, SamplingParams, sample, top_logprobs
 from megapipe.inference.scheduler import FINISHED, Scheduler, now
@@ -156,29 +156,41 @@ class LLMEngine:
         if config.speculative_tokens:
             kv_layers += range(cfg.num_layers, cfg.num_layers + cfg.mtp_depth)
         per_block = KVPool.bytes_per_block(len(kv_layers), bs, dtype=p.dtype, **kv_layout(cfg))
-        num_blocks = config.num_blocks
+        # windowed layers beside full ones (GPT-OSS): blocks of their own, in a table of their own that gives back
+        # what falls behind the window, so they need only enough for every sequence's window and a step's chunks
+        window = split_window(cfg)
+        windowed = [i for i in kv_layers if window is not None and layer_windows(cfg).get(i) is not None]
+        per_windowed = KVPool.bytes_per_block(len(windowed), bs, dtype=p.dtype, **kv_layout(cfg))
+        windowed_need = (max_num_seqs * (-(-(window or 0) // bs) + 2)
+                         + -(-config.max_num_batched_tokens // bs)) if windowed else 0
+        num_blocks = windowed_blocks = config.num_blocks
         if num_blocks is None:
             want = max_num_seqs * ((self.max_model_len + bs - 1) // bs)
             memory = config.kv_cache_memory
             if memory is None:
-                memory = min(want * per_block, GiB) + state_bytes
+                memory = min(want * (per_block - per_windowed) + windowed_need * per_windowed, GiB) + state_bytes
             elif memory < state_bytes:
                 raise ConfigError(f"--kv-cache-memory = {memory} bytes does not hold the recurrent state of "
                                   f"--max-num-seqs {config.max_num_seqs} sequences ({state_bytes} bytes): give more "
                                   f"memory or fewer sequences")
-            num_blocks = (memory - state_bytes) // per_block if per_block else want
+            num_blocks = windowed_blocks = (memory - state_bytes) // per_block if per_block else want
+            if windowed and num_blocks > windowed_need:  # the windowed layers' share beyond their need to the rest
+                windowed_blocks = windowed_need
+                num_blocks = (memory - state_bytes - windowed_need * per_windowed) // (per_block - per_windowed)
         if num_blocks * bs < self.max_model_len:
             raise ConfigError(
                 f"the KV cache holds {num_blocks} blocks of {bs} tokens ({num_blocks * bs} tokens) but one sequence of"
                 f" --max-model-len {self.max_model_len} needs {-(-self.max_model_len // bs)}: give more "
                 f"--kv-cache-memory / --num-blocks or a smaller --max-model-len")
-        self.pool = KVPool(kv_layers, num_blocks, bs, dtype=p.dtype, device=p.device, **kv_layout(cfg))
+        self.pool = KVPool(kv_layers, num_blocks, bs, dtype=p.dtype, device=p.device, **kv_layout(cfg),
+                           windowed_layers=windowed, windowed_blocks=windowed_blocks if windowed else 0)
         # off where the capability table says so (a recurrent state is not cut at block boundaries: state_cache)
         self.prefix_caching = config.prefix_caching and "prefix_caching" in capabilities(cfg).engine
         self.blocks = BlockManager(num_blocks, bs, self.prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, config.max_num_batched_tokens,
                                    self._lookahead if config.speculative_tokens else None, self.states,
-                                   eviction_window(cfg))
+                                   window if windowed else eviction_window(cfg),
+                                   BlockManager(windowed_blocks, bs, self.prefix_caching) if windowed else None)
         self.runner = ModelRunner(model, self.pool, config.pack_weights, config.huge_pages,
                                   config.cpu_kernels, self.states, config.bf16_linear)
         self.speculator = None
@@ -338,8 +350,9 @@ class LLMEngine:
         work += [(s, s.tokens[s.num_computed:s.num_computed + n]) for s, n in chunks]
         state_slots = [s.state_slot for s in decodes] + [s.state_slot for s, _ in work] if self.states else None
         images = [s.request.images for s in decodes] + [s.request.images for s, _ in work]
-        logits = self.runner.run([(s.block_ids, s.num_computed, s.tokens[s.num_computed]) for s in decodes],
-                                 [(s.block_ids, s.num_computed, toks) for s, toks in work], rows,
+        table = self.scheduler.table
+        logits = self.runner.run([(table(s), s.num_computed, s.tokens[s.num_computed]) for s in decodes],
+                                 [(table(s), s.num_computed, toks) for s, toks in work], rows,
                                  hidden=self.speculator is not None, state_slots=state_slots,
                                  images=images if any(i is not None for i in images) else None)
         if self.speculator is not None:
@@ -526,7 +539,9 @@ class LLMEngine:
         prefixes were computed with the old weights, so the prefix cache is emptied; requests in flight continue
         with the new weights for the tokens not yet computed."""
         self.runner.load_weights(state)
-        self.blocks.reset_prefix_cache()
+        for blocks in (self.blocks, self.scheduler.window_blocks):
+            if blocks is not None:
+                blocks.reset_prefix_cache()
 
     def kv_cache_line(self) -> str:
         """The pool for the startup line: its blocks, and the bytes a token takes in it next to the per-head keys and
@@ -535,6 +550,8 @@ class LLMEngine:
         pool, cfg = self.pool, self.model_config
         stored = pool.bytes_per_token()
         line = f"{pool.num_blocks} KV blocks of {pool.block_size}, {stored} KV bytes/token"
+        if pool.windowed_layers:
+            line += f" ({pool.windowed_blocks} blocks for the windowed layers)"
         # per pool layer, so a pool with more layers than the model's (MTP modules' blocks) compares alike
         attending = attention_layers(cfg)
         equivalent = (kv_cache_values_per_token(cfg)[1] * pool.num_layers // attending * pool.element_size

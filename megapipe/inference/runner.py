@@ -301,9 +301,8 @@ class DecoderLayer:
                 q.copy_(rms_norm(q, self.q_norm))
                 k.copy_(rms_norm(k, self.k_norm))
             if self.ops is not None:
-                pool = batch.pool
-                self.ops.rope_and_cache(qkv, cos, sin, pool.k[self.layer_id], pool.v[self.layer_id], batch.slots,
-                                        nq, nk)
+                pool, layer = batch.pool, self.layer_id
+                self.ops.rope_and_cache(qkv, cos, sin, pool.k[layer], pool.v[layer], batch.slots_of(layer), nq, nk)
                 attended = batch.attend_flat(self.layer_id, q, k, v, stored=True, sinks=self.sinks)
             else:
                 rope_(qkv[:, :(nq + nk) * d].view(len(x), nq + nk, d), cos[:, None], sin[:, None])

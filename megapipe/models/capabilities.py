@@ -77,13 +77,13 @@ KINDS: dict[str, Capabilities] = {
     "mamba": Capabilities(layouts=frozenset(LAYOUTS) - {"cp"}, engine=frozenset(ENGINE) - {"prefix_caching",
                           "speculative"}, quant=frozenset(), trt=frozenset({"unified"}),
                           stages=frozenset(STAGES) - {"prune", "quantize"}),
-    # attention with learned sinks (GPT-OSS, megapipe.models.attention.sink_attention): trained on one process and plain
-# data parallelism (the sinks are one more replicated / FSDP-sharded parameter); tensor parallelism must shard the
-# sinks with the heads and pipeline / expert parallelism were not run with them yet, so they are refused; the ring
-# attention of cp has no sink term; the engine's paged attention applies them (torch paths and CPU kernel), speculative
-# decoding was not run with them; generate, serve, eval and RL run on the engine; distillation, pruning, ModelOpt and the TensorRT-LLM writers were not checked on them; HF export
-# writes GptOssForCausalLM (unquantized)
-    "sinks": Capabilities(layouts=frozenset({"dp_replicate", "dp_shard"}), engine=frozenset(ENGINE) - {"speculative"},
+    # attention with learned sinks (GPT-OSS, megapipe.models.attention.sink_attention): every layout
+    # (tests/parallel/test_dist_layouts.py: FSDP, DDP, HSDP, TP with and without SP, the sinks split with the heads,
+    # PP, EP, CP, whose ring attention adds the sink to each row's log-sum-exp, and their combinations); the engine's
+    # paged attention applies them (torch paths and CPU kernel), speculative decoding was not run with them;
+    # generate, serve, eval and RL run on the engine; distillation, pruning, ModelOpt and the TensorRT-LLM writers
+    # were not checked on them; HF export writes GptOssForCausalLM (unquantized)
+    "sinks": Capabilities(engine=frozenset(ENGINE) - {"speculative"},
                           quant=frozenset(), trt=frozenset(),
                           stages=frozenset({"pretrain", "sft", "export_hf", "generate", "serve", "eval", "rl"})),
     # DeepSeek Sparse Attention (megapipe.models.dsa) on top of MLA: its frozen indexer replicated under tp, every layout
@@ -101,8 +101,6 @@ KINDS["parallel_hybrid"] = KINDS["mamba"]
 FAMILIES: dict[str, Capabilities] = {
     # a GELU MLP has no up projection; learned positions: no MTP modules (they take rotary ones), nothing to draft with
     "gpt2": _without(lora={"up"}, engine={"speculative"}),
-    # a sliding window, which context parallelism's ring attention does not take
-    "mistral": _without(layouts={"cp"}),
     # no shared expert, every layer MoE: nothing but attention to adapt
     "mixtral": _without(lora={"gate", "up", "down"}),
     # no shared expert; peft (0.21 with transformers 5) retargets gate/up/down of a Qwen3-MoE to its fused experts,
@@ -130,9 +128,9 @@ FAMILIES: dict[str, Capabilities] = {
                                stages=frozenset({"pretrain", "eval", "generate", "serve", "export_hf"})),
 }
 # sliding-window layers among full-attention ones (model.window_attn_skip_freq): the engine's paged cache takes each
-# layer's window (speculative decoding was not run with them); the TensorRT-LLM writers take one window for every
-# layer, the ring attention of cp none
-MIXED_WINDOWS = _without(layouts={"cp"}, engine={"speculative"}, stages={"quantize", "export_trt"})
+# layer's window (speculative decoding was not run with them), and so does the ring attention of cp; the TensorRT-LLM
+# writers take one window for every layer
+MIXED_WINDOWS = _without(engine={"speculative"}, stages={"quantize", "export_trt"})
 
 # multi-token prediction modules (megapipe.models.mtp): every parallel layout (on the last pipeline stage, with a
 # replica of the embedding table; their shifted tokens and labels cut from whole rows under cp; V pipeline schedules,
