@@ -21,6 +21,8 @@ from megapipe.config import ModelConfig
 from megapipe.errors import ConfigError
 from megapipe.models.attention import Attention, DocumentMask, positions_from_documents
 from megapipe.models.blocks import block_spec
+from megapipe.models.compressed_attention import CompressedAttention, Compressor, v4_positions
+from megapipe.models.hyper_connections import HyperConnection, HyperHead, expand_streams
 from megapipe.models.mamba import Mamba2Mixer, scale_by
 from megapipe.models.moe import MoE
 from megapipe.models.mtp import MTPModule, tokens_ahead
@@ -28,7 +30,7 @@ from megapipe.models.norms import RMSNorm, build_norm, init_norm
 from megapipe.models.rope import model_inv_frequencies, model_rope
 
 # initialised with std / sqrt(2 * num_layers) (the routed experts' w2 too, see MoE.init_weights)
-OUTPUT_PROJECTIONS = ("attention.wo", "feed_forward.w2", "shared_experts.w2", "mixer.out_proj")
+OUTPUT_PROJECTIONS = ("attention.wo", "feed_forward.w2", "shared_experts.w2", "mixer.out_proj", "attention.wo_b")
 
 
 class Transformer(nn.Module):
@@ -42,6 +44,7 @@ class Transformer(nn.Module):
         self.pos_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size) if learned else None
         self.layers = nn.ModuleDict({str(i): block_spec(cfg, i).module(cfg, i) for i in range(cfg.num_layers)})
         self.norm = build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps)
+        self.hc_head = HyperHead(cfg) if cfg.hc_mult else None  # the hyper-connection streams -> one, before norm
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         depths = range(1, cfg.mtp_depth + 1)
         self.mtp = nn.ModuleList([MTPModule(cfg, k) for k in depths]) if cfg.mtp_depth else None
@@ -91,11 +94,15 @@ class Transformer(nn.Module):
             h = scale_by(self.tok_embeddings(tokens), self.cfg.embedding_multiplier)
             if self.pos_embeddings is not None:
                 h = h + self.pos_embeddings(positions)
-        rope = self._rope(positions, h)
+            if self.cfg.hc_mult:
+                h = expand_streams(h, self.cfg.hc_mult)
+        rope = self._rope(positions, h, None if tokens.is_floating_point() else tokens)
         for layer in self.layers.values():
             h = layer(h, rope, cache, mask)
         if self.norm is None:
             return h
+        if self.hc_head is not None:
+            h = self.hc_head(h)
         # Falcon-H1's logit multiplier on the normed states: the output projection, wherever it is applied, is linear
         h = scale_by(self.norm(h[:, -1:] if last_only and not mtp else h), self.cfg.lm_head_multiplier)
         extra = (self._mtp_states(tokens, h, rope, mask, mtp_tokens),) if mtp else ()
@@ -105,9 +112,13 @@ class Transformer(nn.Module):
             h, extra = self.logits(h), tuple([self.logits(s) for s in states] for states in extra)
         return (h, *extra) if mtp else h
 
-    def _rope(self, positions: torch.Tensor, h: torch.Tensor) -> Optional[tuple]:
+    def _rope(self, positions: torch.Tensor, h: torch.Tensor, tokens: Optional[torch.Tensor] = None):
+        """What every layer takes as its positions: (cos, sin), None, or DeepSeek-V4's ``V4Positions`` (both its
+        ropes, the positions, the ``tokens`` its hash-routed layers route by)."""
         if self.cfg.position_embedding != "rope":
             return None
+        if self.cfg.attention_layer_types is not None:
+            return v4_positions(self.cfg, positions, h.dtype, h.device, tokens)
         return model_rope(self.cfg, positions, h.dtype, h.device)
 
     def _mtp_states(self, tokens: torch.Tensor, h: torch.Tensor, rope, mask,
@@ -170,8 +181,12 @@ class Transformer(nn.Module):
                 module.init_weights(std, out_std)
             if isinstance(module, Mamba2Mixer):
                 module.init_weights()
-            if isinstance(module, Attention) and module.sinks is not None:
+            if isinstance(module, (Attention, CompressedAttention)) and module.sinks is not None:
                 nn.init.zeros_(module.sinks)  # one extra logit 0 per row: a learned "attend to nothing"
+            if isinstance(module, (HyperConnection, HyperHead)):
+                module.init_weights(std)
+            if isinstance(module, Compressor):
+                nn.init.zeros_(module.position_bias)
             if isinstance(module, nn.Linear):
                 scaled = name.endswith(OUTPUT_PROJECTIONS)
                 nn.init.normal_(module.weight, 0.0, out_std if scaled else std)
