@@ -86,6 +86,17 @@ KINDS: dict[str, Capabilities] = {
     "sinks": Capabilities(layouts=frozenset({"dp_replicate", "dp_shard"}), engine=frozenset(ENGINE) - {"speculative"},
                           quant=frozenset(), trt=frozenset(),
                           stages=frozenset({"pretrain", "sft", "export_hf", "generate", "serve", "eval", "rl"})),
+    # DeepSeek-V4's attention (megapipe.models.compressed_attention) with its hyper-connections: trained on one
+    # process and plain data parallelism (tensor parallelism would split its one KV head and the compressors, pipeline
+    # stages would have to pass the hyper-connection streams and the token ids of the hash-routed layers, expert and
+    # context parallelism were not run with it yet); no packed documents (a compressed block would straddle two); the
+    # engine recomputes each layer's attention from the stored attention inputs of the whole sequence (exact but
+    # O(context) per token: the compressed paged cache is not built), so no prefix caching, CPU kernels or MTP
+    # drafting; no LoRA targets, quantization, TensorRT-LLM writer, pruning rule, distillation or RL run with it yet
+    "compressed": Capabilities(layouts=frozenset({"dp_replicate", "dp_shard"}), packing=False,
+                               engine=frozenset({"paged_kv", "chunked_prefill"}), lora=frozenset(), quant=frozenset(),
+                               trt=frozenset(),
+                               stages=frozenset({"pretrain", "sft", "eval", "generate", "serve", "export_hf"})),
 }
 # Falcon-H1's layers (megapipe.models.parallel_hybrid): a Mamba-2 mixer beside the attention, so what Mamba layers allow
 KINDS["parallel_hybrid"] = KINDS["mamba"]
@@ -129,20 +140,21 @@ NO_MTP = _without(engine={"speculative"})
 
 LABELS = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "gpt2": "GPT-2",
           "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "deepseek_v3": "DeepSeek-V3",
-          "nemotron_h": "Nemotron-H", "falcon_h1": "Falcon-H1", "gpt_oss": "GPT-OSS"}
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss")
+          "nemotron_h": "Nemotron-H", "falcon_h1": "Falcon-H1", "gpt_oss": "GPT-OSS", "deepseek_v4": "DeepSeek-V4"}
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "deepseek_v4")
 MLA_FAMILIES = ("deepseek_v3",)
-SINK_FAMILIES = ("gpt_oss",)  # families whose attention has sinks (the "sinks" kind)
+SINK_FAMILIES = ("gpt_oss", "deepseek_v4")  # families whose attention has sinks (the "sinks" kind)
+COMPRESSED_FAMILIES = ("deepseek_v4",)  # families of DeepSeek-V4's attention (the "compressed" kind)
 # families whose layers are kinds the family name says: Nemotron-H's Mamba layers beside attention and MLP ones
 # (megapipe.models.hybrid), Falcon-H1's parallel hybrid layers (megapipe.models.parallel_hybrid)
 FAMILY_KINDS = {"nemotron_h": ["dense", "mamba"], "falcon_h1": ["parallel_hybrid"]}
 KIND_LABELS = {"moe": "MoE", "mla": "MLA", "mamba": "Mamba", "parallel_hybrid": "Mamba | attention",
-               "sinks": "attention sinks"}
+               "sinks": "attention sinks", "compressed": "compressed attention"}
 
 
 def kinds_of(cfg) -> list[str]:
     """The block kinds ``cfg`` builds, in layer order of first use (MLP kinds; a hybrid model's "mamba"), then its
-    attention kind when that is not the default one ("mla", "sinks")."""
+    attention kind when that is not the default one ("mla", "sinks", "compressed")."""
     moe = set(cfg.moe_layers)
     kinds = ["moe" if i in moe else "dense" for i in range(cfg.num_layers)]
     if cfg.layer_kinds is not None:  # a hybrid model: attention and MLP layers are what a dense block is made of
@@ -150,6 +162,7 @@ def kinds_of(cfg) -> list[str]:
         kinds = [symbols.get(symbol, "dense") for symbol in cfg.layer_kinds]
     attention = ["mla"] if cfg.multi_latent_attention else []
     attention += ["sinks"] if getattr(cfg, "attention_sinks", False) else []
+    attention += ["compressed"] if getattr(cfg, "attention_layer_types", None) is not None else []
     return list(dict.fromkeys(kinds)) + attention
 
 
@@ -181,6 +194,7 @@ def describe(cfg) -> str:
     mtp = " with MTP" if getattr(cfg, "mtp_depth", 0) else ""
     kinds = [k for k in kinds if not (k == "mla" and cfg.arch in MLA_FAMILIES)]  # the family name says MLA
     kinds = [k for k in kinds if not (k == "sinks" and cfg.arch in SINK_FAMILIES)]  # ... or the sinks
+    kinds = [k for k in kinds if not (k == "compressed" and cfg.arch in COMPRESSED_FAMILIES)]  # ... or V4's
     family = sorted(FAMILY_KINDS.get(cfg.arch, ()))  # in any layer order
     if kinds == ["dense"] or sorted(kinds) == family or (kinds == ["moe"] and cfg.arch in MOE_FAMILIES):
         return label + mtp
@@ -231,6 +245,7 @@ def family_row(arch: str) -> Capabilities:
     if arch in FAMILY_KINDS:
         return _row(arch, FAMILY_KINDS[arch])
     attention = (["mla"] if arch in MLA_FAMILIES else []) + (["sinks"] if arch in SINK_FAMILIES else [])
+    attention += ["compressed"] if arch in COMPRESSED_FAMILIES else []
     return _row(arch, ["moe" if arch in MOE_FAMILIES else "dense"] + attention)
 
 

@@ -19,8 +19,9 @@ Compressed layers use rope base ``compress_rope_theta`` with YaRN (its cos / sin
 entries, an entry at the position of its block's first token.
 
 The model reaches the layer through ``forward(x, positions, cache, mask)``: ``positions`` a ``V4Positions`` (both
-ropes, the positions, the token ids the hash-routed MoE layers read). Training and prefill-style forwards only:
-no KV cache (the engine's compressed cache is not built) and no packed documents (the blocks would straddle them).
+ropes, the positions, the token ids the hash-routed MoE layers read). No packed documents (the blocks would
+straddle them). Decoding: the engine's paged pool keeps each token's attention input and the layer recomputes its
+attention over the sequence's history (``PagedBatch.attend_inputs``): exact, not the compressed cache.
 """
 
 from __future__ import annotations
@@ -144,6 +145,8 @@ class Indexer(nn.Module):
 
 
 class CompressedAttention(nn.Module):
+    plain_linears = ("wo_a",)  # read as one weight per group: an engine that repacks linears keeps this one
+
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.layer_id, self.kind = layer_id, cfg.attention_layer_types[layer_id]
@@ -165,12 +168,22 @@ class CompressedAttention(nn.Module):
         self.cfg = cfg
 
     def forward(self, x: torch.Tensor, pos: V4Positions, cache=None, mask=None) -> torch.Tensor:
-        if cache is not None:
-            raise NotImplementedError("DeepSeek-V4 attention has no KV cache yet (the engine's compressed cache is not "
-                                      "built): run it without one")
         if mask is not None:
             raise NotImplementedError("DeepSeek-V4 attention takes no packed documents (its compressed blocks would "
                                       "straddle them)")
+        if cache is not None:
+            if not hasattr(cache, "attend_inputs"):
+                raise NotImplementedError(f"{type(cache).__name__} cannot hold DeepSeek-V4 attention: decode through "
+                                          "the engine's paged cache")
+            return cache.attend_inputs(self.layer_id, x, self._over_history)
+        return self._attend(x, pos)
+
+    def _over_history(self, x: torch.Tensor) -> torch.Tensor:
+        """The attention over a sequence's whole history x [1, L, H] (positions 0 .. L - 1)."""
+        positions = torch.arange(x.shape[1], device=x.device)
+        return self._attend(x, v4_positions(self.cfg, positions, x.dtype, x.device, None))
+
+    def _attend(self, x: torch.Tensor, pos: V4Positions) -> torch.Tensor:
         b, s = x.shape[0], x.shape[1]
         cos, sin = pos.main if self.compressor is None else pos.compress
         q_latent = self.q_norm(self.wq_a(x))

@@ -93,7 +93,7 @@ FALCON_H1 = dict(mamba_d_ssm=128, mamba_n_heads=8, mamba_n_groups=2, mamba_d_sta
 
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "nemotron_h",
-         "falcon_h1", "gpt_oss")
+         "falcon_h1", "gpt_oss", "deepseek_v4")
 
 
 def make_hf_dir(root: Path, arch: str, seed: int = 0, dtype=torch.float32, **config) -> tuple[Path, object]:
