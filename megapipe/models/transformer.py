@@ -294,10 +294,15 @@ def attention_dims(cfg: ModelConfig) -> tuple[int, int]:
     return cfg.dim_per_head, cfg.dim_per_head
 
 
-def kv_cache_values_per_token(cfg: ModelConfig) -> tuple[int, int]:
+def kv_cache_values_per_token(cfg: ModelConfig, context: Optional[int] = None) -> tuple[float, int]:
     """(values a KV cache stores per token over all layers, the same for the per-head keys and values attention
     reads): equal for multi-head / grouped-query attention; with MLA a latent cache stores kv_lora_rank + rope dims
-    per layer, the decompressed form heads x (qk + v) dims (its GQA equivalent)."""
+    per layer, the decompressed form heads x (qk + v) dims (its GQA equivalent). DeepSeek-V4 at ``context`` tokens
+    (default max_position_embeddings): ``compressed_kv_values`` per token, against its one shared key = value head
+    of every token (head_dim per layer)."""
+    if cfg.attention_layer_types is not None:
+        context = context or cfg.max_position_embeddings
+        return compressed_kv_values(cfg, context) / context, cfg.num_layers * cfg.dim_per_head
     if cfg.multi_latent_attention:
         qk, v = attention_dims(cfg)
         return cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim), cfg.num_layers * cfg.num_heads * (qk + v)
@@ -323,3 +328,18 @@ def attention_flops_per_token(cfg: ModelConfig, seq_length: int) -> int:
     """One attention layer's score and value matmuls per token, forward + backward, over the full S x S square."""
     qk, v = attention_dims(cfg)
     return 6 * cfg.num_heads * (qk + v) * seq_length
+
+
+def compressed_kv_values(cfg: ModelConfig, context: int) -> int:
+    """What DeepSeek-V4's compressed cache keeps for one sequence of ``context`` tokens, in values over all layers:
+    every layer the last sliding_window tokens' key = value head (head_dim); an HCA layer one entry of head_dim per
+    hca_compress_rate tokens; a CSA layer one of head_dim plus the indexer's key (index_head_dim) per
+    csa_compress_rate tokens (the compressors' partial blocks, under 2 rates of tokens, left out)."""
+    total = 0
+    for kind in cfg.attention_layer_types:
+        total += min(context, cfg.sliding_window) * cfg.dim_per_head
+        if kind == "heavily_compressed_attention":
+            total += context // cfg.hca_compress_rate * cfg.dim_per_head
+        elif kind == "compressed_sparse_attention":
+            total += context // cfg.csa_compress_rate * (cfg.dim_per_head + cfg.index_head_dim)
+    return total

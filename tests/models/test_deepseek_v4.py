@@ -92,3 +92,15 @@ def test_hyper_connections_need_v4_attention():
     cfg = dataclasses.replace(ModelConfig(), hc_mult=4)
     with pytest.raises(ConfigError, match="model.hc_mult"):
         load_config(overrides={f"model.{k}": v for k, v in {"hc_mult": cfg.hc_mult}.items()})
+
+
+def test_plan_kv_bytes_per_token_of_the_compressed_cache():
+    from megapipe.parallel.plan import kv_cache_bytes
+
+    # V4-Pro: 61 layers, each the last 128 tokens' 512-wide key = value head; 32 HCA layers one 512 entry per 128
+    # tokens, 29 CSA layers one 512 entry + a 128 indexer key per 4 tokens; bf16
+    pro = kv_cache_bytes(from_dict(ModelConfig, {"preset": "deepseek-v4-pro"}))
+    at_8k = (61 * 128 * 512 + 32 * (8192 // 128) * 512 + 29 * (8192 // 4) * 640) * 2 / 8192
+    assert pro["bytes_per_token_at"][8192] == at_8k == 10512
+    v3 = kv_cache_bytes(from_dict(ModelConfig, {"preset": "deepseek-v3"}))
+    assert v3["bytes_per_token"] == 61 * (512 + 64) * 2 and pro["bytes_per_token"] < v3["bytes_per_token"] / 7
