@@ -73,3 +73,59 @@ def test_hub_names_and_mtp_layer(hf_pair, tmp_path):
     tokens = torch.arange(16)[None]
     with torch.no_grad():
         close(loaded.model(tokens), hf_model(tokens).logits)
+
+
+def _fp8(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, fp32 scale per block x block, what they dequantize to)."""
+    scale = w.unflatten(0, (-1, block)).unflatten(2, (-1, block)).abs().amax(dim=(1, 3)) / 448.0
+    full = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)
+    q = (w / full).to(torch.float8_e4m3fn)
+    return q, scale, q.float() * full
+
+
+def _fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(int8 bytes of two e2m1 values, the low nibble first; an e8m0 exponent per 32 values; the dequantized)."""
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    groups = w.unflatten(-1, (-1, 32))
+    exponent = torch.ceil(torch.log2(groups.abs().amax(-1) / 6.0)).clamp(min=-127)
+    scaled = groups / torch.exp2(exponent)[..., None]
+    code = (scaled.abs()[..., None] - grid).abs().argmin(-1) + 8 * (scaled < 0)
+    packed = (code[..., 0::2] | code[..., 1::2] << 4).to(torch.uint8).flatten(-2).view(torch.int8)
+    values = grid[code % 8] * torch.where(code >= 8, -1.0, 1.0) * torch.exp2(exponent)[..., None]
+    return packed, (exponent + 127).to(torch.uint8).view(torch.float8_e8m0fnu), values.flatten(-2)
+
+
+def test_fp8_and_fp4_published_weights_import_dequantized(hf_pair, tmp_path):
+    """DeepSeek-V4's published layout: FP8 e4m3 linears with ``<module>.scale`` per 8 x 8 block here (128 x 128
+    there), FP4 experts (int8 bytes, one e8m0 scale per 32 values)."""
+    import json
+
+    hf_dir, hf_model = hf_pair
+    quant = tmp_path / "fp8"
+    quant.mkdir()
+    for f in hf_dir.iterdir():
+        if f.name != "model.safetensors":
+            (quant / f.name).write_bytes(f.read_bytes())
+    tensors, expected = load_file(hf_dir / "model.safetensors"), {}
+    for name in [n for n in tensors if n.endswith(".weight") and tensors[n].dim() == 2]:
+        module = name[: -len(".weight")]
+        if ".experts." in name:
+            tensors[name], tensors[module + ".scale"], expected[name] = _fp4(tensors[name])
+        elif any(p in name for p in (".attn.wq_", ".attn.wkv.", ".attn.wo_", "shared_experts")):
+            tensors[name], tensors[module + ".scale"], expected[name] = _fp8(tensors[name], 8)
+    save_file(tensors, quant / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((quant / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [8, 8], "scale_fmt": "ue8m0"}
+    (quant / "config.json").write_text(json.dumps(config))
+
+    loaded = load_hf_model(quant)
+    assert any("FP8" in n for n in loaded.notes) and any("FP4" in n for n in loaded.notes)
+    state = loaded.model.state_dict()
+    assert torch.equal(state["layers.1.attention.wq_a.weight"], expected["model.layers.1.attn.wq_a.weight"])
+    assert torch.equal(state["layers.2.moe.experts.w2"][3], expected["model.layers.2.ffn.experts.3.w2.weight"])
+    tokens = torch.arange(20)[None]
+    with torch.no_grad():  # FP4 keeps ~1 significant digit: the logits stay close to the unquantized model's
+        cos = torch.nn.functional.cosine_similarity(loaded.model(tokens).flatten(), hf_model(tokens).logits.flatten(),
+                                                    dim=0)
+    assert cos > 0.95
