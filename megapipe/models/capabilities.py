@@ -86,14 +86,15 @@ KINDS: dict[str, Capabilities] = {
     "sinks": Capabilities(layouts=frozenset({"dp_replicate", "dp_shard"}), engine=frozenset(ENGINE) - {"speculative"},
                           quant=frozenset(), trt=frozenset(),
                           stages=frozenset({"pretrain", "sft", "export_hf", "generate", "serve", "eval", "rl"})),
-    # DeepSeek-V4's attention (megapipe.models.compressed_attention) with its hyper-connections: trained on one
-    # process and plain data parallelism (tensor parallelism would split its one KV head and the compressors, pipeline
-    # stages would have to pass the hyper-connection streams and the token ids of the hash-routed layers, expert and
-    # context parallelism were not run with it yet); no packed documents (a compressed block would straddle two); the
-    # engine recomputes each layer's attention from the stored attention inputs of the whole sequence (exact but
-    # O(context) per token: the compressed paged cache is not built), so no prefix caching, CPU kernels or MTP
-    # drafting; no LoRA targets, quantization, TensorRT-LLM writer, pruning rule, distillation or RL run with it yet
-    "compressed": Capabilities(layouts=frozenset({"dp_replicate", "dp_shard"}), packing=False,
+    # DeepSeek-V4's attention (megapipe.models.compressed_attention, its sinks included) with its hyper-connections:
+    # trained on one process, FSDP, DDP and expert parallelism (tests/parallel/test_dist_layouts.py; tensor
+    # parallelism would split its one KV head and the compressors, pipeline stages would have to pass the
+    # hyper-connection streams and the token ids of the hash-routed layers, the ring attention of cp has no
+    # compressor); no packed documents (a compressed block would straddle two); the engine recomputes each layer's
+    # attention from the stored attention inputs of the whole sequence (exact but O(context) per token: the
+    # compressed paged cache is not built), so no prefix caching, CPU kernels or MTP drafting; no LoRA targets,
+    # quantization, TensorRT-LLM writer, pruning rule, distillation or RL run with it yet
+    "compressed": Capabilities(layouts=frozenset({"dp_replicate", "dp_shard", "ep"}), packing=False,
                                engine=frozenset({"paged_kv", "chunked_prefill"}), lora=frozenset(), quant=frozenset(),
                                trt=frozenset(),
                                stages=frozenset({"pretrain", "sft", "eval", "generate", "serve", "export_hf"})),
@@ -143,7 +144,7 @@ LABELS = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mist
           "nemotron_h": "Nemotron-H", "falcon_h1": "Falcon-H1", "gpt_oss": "GPT-OSS", "deepseek_v4": "DeepSeek-V4"}
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "deepseek_v4")
 MLA_FAMILIES = ("deepseek_v3",)
-SINK_FAMILIES = ("gpt_oss", "deepseek_v4")  # families whose attention has sinks (the "sinks" kind)
+SINK_FAMILIES = ("gpt_oss",)  # families whose attention has sinks (the "sinks" kind)
 COMPRESSED_FAMILIES = ("deepseek_v4",)  # families of DeepSeek-V4's attention (the "compressed" kind)
 # families whose layers are kinds the family name says: Nemotron-H's Mamba layers beside attention and MLP ones
 # (megapipe.models.hybrid), Falcon-H1's parallel hybrid layers (megapipe.models.parallel_hybrid)
@@ -161,8 +162,9 @@ def kinds_of(cfg) -> list[str]:
         symbols = {"M": "mamba", "E": "moe", "P": "parallel_hybrid"}
         kinds = [symbols.get(symbol, "dense") for symbol in cfg.layer_kinds]
     attention = ["mla"] if cfg.multi_latent_attention else []
-    attention += ["sinks"] if getattr(cfg, "attention_sinks", False) else []
-    attention += ["compressed"] if getattr(cfg, "attention_layer_types", None) is not None else []
+    compressed = getattr(cfg, "attention_layer_types", None) is not None  # its sinks are part of the kind
+    attention += ["sinks"] if getattr(cfg, "attention_sinks", False) and not compressed else []
+    attention += ["compressed"] if compressed else []
     return list(dict.fromkeys(kinds)) + attention
 
 

@@ -14,7 +14,8 @@ o_lora_rank block per group) then mixed (``wo_b``).
 - compressed_sparse_attention (CSA): every ``csa_compress_rate`` tokens one entry pooled over the block and the one
   before it (two projections per token, one for each), and each query sees only the ``index_topk`` complete entries
   the lightning indexer scores highest (its own compressor at ``index_head_dim``, ``index_n_heads`` query heads:
-  sum_h w_h relu(q_h . k)). The choice is not differentiable: the indexer's weights get no gradient from the LM loss.
+  sum_h w_h relu(q_h . k)). The choice is not differentiable: the LM loss does not reach the indexer, whose weights
+  are frozen (its own training loss is not implemented).
 Compressed layers use rope base ``compress_rope_theta`` with YaRN (its cos / sin not rescaled) for queries, keys and
 entries, an entry at the position of its block's first token.
 
@@ -127,6 +128,9 @@ class Indexer(nn.Module):
         self.compressor = Compressor(cfg.hidden_size, self.dim, self.rate, True, cfg.norm_eps)
         self.wq_b = nn.Linear(cfg.q_lora_rank, self.heads * self.dim, bias=False)
         self.weights_proj = nn.Linear(cfg.hidden_size, self.heads, bias=False)
+        # frozen: the LM loss does not reach a top-k choice, and DeepSeek's own loss for it (the indexer's scores
+        # against the attention's, V3.2's warm-up) is not implemented; so every layout updates the same weights
+        self.requires_grad_(False)
 
     def forward(self, x: torch.Tensor, q_latent: torch.Tensor, pos: V4Positions, entry_cos_sin) -> torch.Tensor:
         """-> [B, S, k] indices of the chosen entries, -1 where a query has fewer than k complete ones."""

@@ -62,8 +62,9 @@ def test_training_step_reaches_every_weight_but_the_indexers():
     loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.roll(-1, 1).flatten())
     loss.backward()
     missing = {n for n, p in model.named_parameters() if p.grad is None}
-    # the indexer only chooses entries (top-k), and layer 0's hash-routed gate is still weighted by the router
-    assert missing and all(".indexer." in n for n in missing)
+    # the indexer only chooses entries (top-k): frozen; layer 0's hash-routed experts are still weighted by the router
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert missing == frozen and frozen and all(".indexer." in n for n in frozen)
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
     table = model.layers["0"].moe.tid2eid
     assert table.shape == (256, 2) and bool((table[:, 0] != table[:, 1]).all())

@@ -66,6 +66,8 @@ CASES_2 = [
     "tp2:model=falcon", "tp2:sp=0:model=falcon", "pp2:model=falcon", "dp_shard2:model=falcon", "ddp2:model=falcon",
     # GPT-OSS-shaped (sinks, windowed and full layers, biased router, clamped-SwiGLU experts with biases): FSDP, DDP
     "dp_shard2:model=gptoss", "ddp2:model=gptoss",
+    # DeepSeek-V4-shaped (compressed attention, hyper-connections, hash routing; the frozen indexer): FSDP, DDP, EP
+    "dp_shard2:model=dsv4", "ddp2:model=dsv4", "ep2:model=dsv4",
     # Muon: FSDP / TP shards of a matrix gathered for Newton-Schulz, experts orthogonalised where ep put them
     "dp_shard2:optim=muon", "tp2:optim=muon", "ep2:model=moe:optim=muon", "pp2:optim=muon:schedule=GPipe",
 ]
