@@ -239,12 +239,10 @@ def layer_matmul_params(cfg: ModelConfig) -> list[int]:
     attn = h * (cfg.num_heads + 2 * cfg.kv_heads) * hd + cfg.num_heads * hd * h
     if cfg.multi_latent_attention:
         attn = mla_matmul_params(cfg)
+    if cfg.attention_layer_types is not None:
+        return [compressed_matmul_params(cfg, kind) + moe_matmul_params(cfg) for kind in cfg.attention_layer_types]
     mlp = (3 if cfg.activation == "swiglu" else 2) * h * cfg.intermediate_size
-    moe = 0
-    if cfg.is_moe:
-        shared = cfg.moe_shared_expert_intermediate_size or 0
-        moe = h * cfg.num_experts + 3 * h * (cfg.moe_router_topk * cfg.expert_ffn + shared)
-        moe += h if (shared and cfg.moe_shared_expert_gate) else 0
+    moe = moe_matmul_params(cfg)
     if cfg.layer_kinds is not None:  # hybrid: one mixer per layer
         per_kind = {"M": mamba_matmul_params(cfg), "*": attn, "-": mlp, "E": moe}
         per_kind["P"] = per_kind["M"] + attn + mlp  # Falcon-H1: Mamba and attention side by side, then the MLP
@@ -253,11 +251,52 @@ def layer_matmul_params(cfg: ModelConfig) -> list[int]:
     return [attn + (moe if i in moe_layers else mlp) for i in range(cfg.num_layers)]
 
 
+def moe_matmul_params(cfg: ModelConfig) -> int:
+    """One MoE layer's active matmul weights: the router, the shared experts, k routed experts (0: a dense model)."""
+    if not cfg.is_moe:
+        return 0
+    h, shared = cfg.hidden_size, cfg.moe_shared_expert_intermediate_size or 0
+    moe = h * cfg.num_experts + 3 * h * (cfg.moe_router_topk * cfg.expert_ffn + shared)
+    return moe + (h if (shared and cfg.moe_shared_expert_gate) else 0)
+
+
+def compressed_matmul_params(cfg: ModelConfig, kind: str) -> int:
+    """One DeepSeek-V4 attention layer's matmul weights per token: queries, the key = value head, the grouped output
+    projection, and a compressed layer's compressor (CSA: two series, and the indexer's compressor, queries and head
+    weights)."""
+    h, q, n, hd = cfg.hidden_size, cfg.q_lora_rank, cfg.num_heads, cfg.dim_per_head
+    total = h * q + q * n * hd + h * hd + n * hd * cfg.o_lora_rank + cfg.o_groups * cfg.o_lora_rank * h
+    if kind == "heavily_compressed_attention":
+        total += 2 * h * hd
+    elif kind == "compressed_sparse_attention":
+        ih, ihd = cfg.index_n_heads, cfg.index_head_dim
+        total += 4 * h * hd + 4 * h * ihd + q * ih * ihd + h * ih
+    return total
+
+
+def compressed_attention_flops(cfg: ModelConfig, kind: str, seq_length: int) -> int:
+    """One DeepSeek-V4 layer's score and value matmuls per token, forward + backward, as ``attention_flops_per_token``
+    counts them (no causal discount): the window's keys, every HCA entry, or CSA's index_topk entries and the
+    indexer's scores of every entry."""
+    n, hd, s = cfg.num_heads, cfg.dim_per_head, seq_length
+    keys = min(s, cfg.sliding_window)
+    if kind == "heavily_compressed_attention":
+        keys += s // cfg.hca_compress_rate
+    elif kind == "compressed_sparse_attention":
+        entries = s // cfg.csa_compress_rate
+        keys += min(entries, cfg.index_topk)
+        return 6 * n * 2 * hd * keys + 6 * cfg.index_n_heads * cfg.index_head_dim * entries
+    return 6 * n * 2 * hd * keys
+
+
 def layer_flops_per_token(cfg: ModelConfig, seq_length: int) -> list[int]:
     """Training FLOPs per token of each layer, what the pipeline split balances: ``flops_per_token``'s terms of the
     layer (its matmuls; the attention scores and values of a layer with attention) plus a Mamba layer's SSD scan
     (per head and token: the chunk's C.B and its weighting of x, the state's update and read-out; 6 FLOPs a
     multiply-add forward and backward), which MFU does not count."""
+    if cfg.attention_layer_types is not None:
+        return [6 * w + compressed_attention_flops(cfg, kind, seq_length)
+                for w, kind in zip(layer_matmul_params(cfg), cfg.attention_layer_types, strict=True)]
     kinds = cfg.layer_kinds or "*" * cfg.num_layers
     q = min(cfg.mamba_chunk_size, seq_length)
     n, p = cfg.mamba_state_dim, cfg.mamba_head_dim
@@ -321,6 +360,9 @@ def flops_per_token(cfg: ModelConfig, seq_length: int) -> float:
     """
     if cfg.vocab_size is None:
         raise ConfigError("model.vocab_size is not set: flops_per_token needs it")
+    if cfg.attention_layer_types is not None:  # DeepSeek-V4: each layer by its kind
+        scores = sum(compressed_attention_flops(cfg, k, seq_length) for k in cfg.attention_layer_types)
+        return float(6 * matmul_params(cfg) + scores)
     return float(6 * matmul_params(cfg) + attention_layers(cfg) * attention_flops_per_token(cfg, seq_length))
 
 

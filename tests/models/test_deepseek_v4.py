@@ -105,3 +105,18 @@ def test_plan_kv_bytes_per_token_of_the_compressed_cache():
     assert pro["bytes_per_token_at"][8192] == at_8k == 10512
     v3 = kv_cache_bytes(from_dict(ModelConfig, {"preset": "deepseek-v3"}))
     assert v3["bytes_per_token"] == 61 * (512 + 64) * 2 and pro["bytes_per_token"] < v3["bytes_per_token"] / 7
+
+
+def test_flops_count_the_compressed_layers():
+    from megapipe.models.transformer import flops_per_token, layer_flops_per_token, matmul_params
+
+    cfg = from_dict(ModelConfig, {"preset": "deepseek-v4-flash"})
+    counts = param_counts(cfg)
+    # the matmul weights a token uses: all active parameters but the embedding table, the norms and the
+    # hyper-connections' and compressors' small vectors / maps (0.3%)
+    assert abs(matmul_params(cfg) / (counts.active - counts.embedding) - 1) < 0.005
+    per_layer = layer_flops_per_token(cfg, 8192)
+    sliding, csa, hca = per_layer[0], per_layer[2], per_layer[3]
+    assert csa > hca > sliding  # the indexer and the top-k entries; the 64 HCA entries over the window alone
+    head = 6 * cfg.hidden_size * cfg.vocab_size
+    assert flops_per_token(cfg, 8192) == sum(per_layer) + head
