@@ -43,6 +43,7 @@ decodes at their positions, all new latents being stored before any row attends.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence, Union
@@ -75,9 +76,11 @@ def eviction_window(cfg) -> Optional[int]:
 
 def kv_layout(cfg) -> dict:
     """What a pool stores per token and layer for this model (ModelConfig): kv_heads x head_dim keys and as many
-    values, or with multi-latent attention one latent row of kv_lora_rank + rope dims, its keys and values alike."""
-    if cfg.multi_latent_attention:
-        return dict(kv_heads=1, head_dim=cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim, latent=True)
+    values, or with multi-latent attention one latent row of kv_lora_rank + rope dims, its keys and values alike
+    (with DeepSeek Sparse Attention the indexer's key after them)."""
+    if cfg.multi_latent_attention:  # DeepSeek Sparse Attention: the indexer's key per token beside the latent
+        index = cfg.dsa_indexer_head_dim if cfg.sparse_attention else 0
+        return dict(kv_heads=1, head_dim=cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim + index, latent=True)
     if cfg.attention_layer_types is not None:  # DeepSeek-V4: each token's attention input (``attend_inputs``)
         return dict(kv_heads=1, head_dim=cfg.hidden_size, latent=True)
     return dict(kv_heads=cfg.kv_heads, head_dim=cfg.dim_per_head, latent=False)
@@ -364,15 +367,19 @@ class PagedBatch:
             parts.append(y.reshape(1, count * n, *y.shape[2:]))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
-    def attend_latent(self, attention, q: torch.Tensor, c_kv: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:
+    def attend_latent(self, attention, q: torch.Tensor, c_kv: torch.Tensor, k_rope: torch.Tensor,
+                      index=None, index_keys: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Multi-latent attention over a latent pool for ``attention`` (the layer's MLAttention): q [1, heads, T, qk]
         (roped, the softmax scale folded in), c_kv [1, T, rank], k_rope [1, 1, T, rope] -> [1, heads, T, v]. Stores
-        each token's [c_kv, k_rope] row; see the module docstring for how decodes and chunks attend."""
+        each token's [c_kv, k_rope] row; see the module docstring for how decodes and chunks attend. DeepSeek Sparse
+        Attention: ``index`` (megapipe.models.dsa.IndexerQueries of the T rows) and ``index_keys`` [1, T, D], stored
+        after the latent: each row attends to its top-k keys by the indexer's scores over its sequence's keys."""
         if not self.pool.latent:
             raise ValueError("attend_latent needs a latent KV pool (kv_layout of a multi-latent attention model)")
         layer = self.pool.k[attention.layer_id]
         rank = c_kv.shape[-1]
-        latents = torch.cat((c_kv[0], k_rope[0, 0]), dim=-1)  # [T, rank + rope]
+        width = rank + k_rope.shape[-1]  # what attention reads of a row; the indexer's key follows
+        latents = torch.cat((c_kv[0], k_rope[0, 0]) + (() if index is None else (index_keys[0],)), dim=-1)
         layer.index_copy_(1, self.slots, latents[None].to(layer.dtype))
         q = q[0].transpose(0, 1)  # [T, heads, qk]
         total, heads, qk = q.shape
@@ -389,8 +396,10 @@ class PagedBatch:
                 self.kernel(absorbed, layer, layer, self.block_table, self.seq_of_row[:bd], self.context_lens[:bd],
                             self.pool.block_size, 0, scale, attended.view(bd, -1))
             else:
-                rows = self._gather(layer)  # [Bd, 1, L, rank + rope]
-                self._decode(absorbed, rows.transpose(-1, -2), rows[..., :rank], attended[:, None], scale)
+                rows = self._gather(layer)  # [Bd, 1, L, rank + rope (+ index)]
+                mask = None if index is None else self._decode_selection(index, rows[:, 0, :, width:])
+                self._decode(absorbed, rows[..., :width].transpose(-1, -2), rows[..., :rank], attended[:, None], scale,
+                             mask=mask)
             out[:bd] = torch.matmul(attended[..., :rank].transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
         def keys_values(c: Chunk, rows: slice, count: int):
@@ -398,16 +407,37 @@ class PagedBatch:
                 cached = latents[rows].view(count, c.n, -1)
             else:
                 cached = layer[0].index_select(0, c.key_slots)[None].to(q.dtype)
-            return attention.expand(cached[..., :rank], cached[:, None, :, rank:])
+            return attention.expand(cached[..., :rank], cached[:, None, :, rank:width])
 
-        self._attend_chunks(q, out, keys_values)
+        def selection(c: Chunk, rows: slice, count: int) -> torch.Tensor:
+            """The run's additive mask: its causal mask & each row's top-k keys by the indexer."""
+            if c.key_slots is None:
+                keys = latents[rows, width:].reshape(count, c.n, -1)
+            else:
+                keys = layer[0].index_select(0, c.key_slots)[None, :, width:]
+            keep = torch.ones(c.n, c.n, dtype=torch.bool, device=q.device).tril() if c.mask is None else c.mask == 0
+            part = _rows_of(index, rows, count)
+            with torch.no_grad():
+                return additive(part.select(keys, keep.expand(count, -1, -1))[:, None], q.dtype)
+
+        self._attend_chunks(q, out, keys_values, chunk_mask=None if index is None else selection)
         return out.transpose(0, 1)[None]
 
+    def _decode_selection(self, index, keys: torch.Tensor) -> torch.Tensor:
+        """The decodes' additive mask [Bd, 1, 1, L] (fp32): the decode mask & each row's top-k keys by the indexer
+        over its gathered keys [Bd, L, D]."""
+        bd = self.num_decodes
+        keep = self.decode_mask[:, 0] == 0  # [Bd, 1, L]
+        with torch.no_grad():
+            chosen = _rows_of(index, slice(0, bd), bd).select(keys, keep)
+        return additive(chosen[:, None], torch.float32)
+
     def _attend_chunks(self, q: torch.Tensor, out: torch.Tensor, keys_values: Callable,
-                       sinks: Optional[torch.Tensor] = None) -> None:
+                       sinks: Optional[torch.Tensor] = None, chunk_mask: Optional[Callable] = None) -> None:
         """The chunks' rows of q [T, heads, D] with SDPA into out [T, heads, Dv]; ``keys_values(chunk, rows, count)``
         gives a run's keys and values [count (or 1 for a continuation), kv_heads, S, D / Dv]; with ``sinks``
-        through ``sink_attention`` (its extra key every row sees)."""
+        through ``sink_attention`` (its extra key every row sees); ``chunk_mask(chunk, rows, count)``: the run's
+        additive mask [count, 1, n, S] in place of the causal one (DeepSeek Sparse Attention's selection)."""
         heads = q.shape[1]
         for first, count, n in self.runs:
             c = self.chunks[first]
@@ -418,6 +448,8 @@ class PagedBatch:
             if sinks is not None:
                 o = sink_attention(qc, kc.expand(count, -1, -1, -1), vc.expand(count, -1, -1, -1), sinks,
                                    self._sink_mask(first, qc.dtype))
+            elif chunk_mask is not None:
+                o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=chunk_mask(c, rows, count), enable_gqa=gqa)
             elif c.mask is None:
                 o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=gqa)
             else:
@@ -444,25 +476,28 @@ class PagedBatch:
         return rows.view(self.num_decodes, kvh, self.decode_len, dim)
 
     def _decode(self, q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, out: torch.Tensor,
-                scale: float, sinks: Optional[torch.Tensor] = None) -> None:
+                scale: float, sinks: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None) -> None:
         """q [Bd, heads, D] one token per sequence, keys_t [Bd, kv_heads, D, L] (transposed), values [Bd, kv_heads,
         L, Dv] -> out [Bd, kv_heads, group, Dv]; the matmuls in the model's dtype, the softmax in fp32 (as HF's eager
-        attention does); ``sinks`` [heads]: one more fp32 column in each row's softmax, dropped after it."""
+        attention does); ``sinks`` [heads]: one more fp32 column in each row's softmax, dropped after it; ``mask``:
+        an fp32 additive mask [Bd, 1, 1, L] in place of the decode mask."""
         bd, heads, dim = q.shape
         kvh = keys_t.shape[1]
         group = heads // kvh
         qg = q.reshape(bd, kvh, group, dim)  # head h reads kv head h // group, as SDPA's GQA
+        fp32_mask = self.decode_mask if mask is None else mask
         if sinks is not None:
-            scores = torch.matmul(qg, keys_t).float().mul_(scale).add_(self.decode_mask)
+            scores = torch.matmul(qg, keys_t).float().mul_(scale).add_(fp32_mask)
             column = sinks.float().view(1, kvh, group, 1).expand(bd, -1, -1, -1)
             probs = torch.cat([scores, column], dim=-1).softmax(dim=-1)[..., :-1]
         elif math.frexp(scale)[0] == 0.5:
             # a power of two: scaling q first is exact, and a 0 / -inf mask added in q's dtype is too, so this is
             # the same as scaling and masking the scores in fp32, with fewer passes over them
-            scores = torch.matmul(qg * scale, keys_t).add_(self.decode_mask_as(q.dtype))
+            scores = torch.matmul(qg * scale, keys_t).add_(self.decode_mask_as(q.dtype) if mask is None
+                                                           else mask.to(q.dtype))
             probs = scores.softmax(dim=-1, dtype=torch.float32)
         else:
-            scores = torch.matmul(qg, keys_t).float().mul_(scale).add_(self.decode_mask)
+            scores = torch.matmul(qg, keys_t).float().mul_(scale).add_(fp32_mask)
             probs = scores.softmax(dim=-1)
         out.copy_(torch.matmul(probs.to(values.dtype), values))
 
@@ -470,3 +505,10 @@ class PagedBatch:
         if self._mask_cast is None or self._mask_cast.dtype != dtype:
             self._mask_cast = self.decode_mask.to(dtype)
         return self._mask_cast
+
+
+def _rows_of(index, rows: slice, count: int):
+    """The indexer queries (megapipe.models.dsa.IndexerQueries) of the flattened batch's ``rows`` as ``count``
+    sequences of equal length."""
+    q, w = index.q[0, rows], index.weights[0, rows]
+    return dataclasses.replace(index, q=q.reshape(count, -1, *q.shape[1:]), weights=w.reshape(count, -1, w.shape[-1]))

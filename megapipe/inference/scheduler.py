@@ -67,7 +67,7 @@ class Sequence:
     def full_hashes(self, block_size: int) -> list[bytes]:
         while len(self.hashes) < len(self.tokens) // block_size:
             i = len(self.hashes)
-            parent = self.hashes[-1] if i else None
+            parent = self.hashes[-1] if i else getattr(self.request, "hash_seed", None)
             self.hashes.append(block_hash(parent, self.tokens[i * block_size:(i + 1) * block_size]))
         return self.hashes
 

@@ -142,6 +142,7 @@ class ParamCounts:
     mtp: int = 0
     mtp_experts: int = 0
     mtp_tp: int = 0  # of ``mtp``, what the blocks' TP plans split
+    vision: int = 0  # a vision-language model's vision tower and patch merger: replicated, on the first stage
 
     @property
     def num_layers(self) -> int:
@@ -179,7 +180,7 @@ class ParamCounts:
 
     @property
     def total(self) -> int:
-        return self.embedding + sum(lc.total for lc in self.layers) + self.head
+        return self.embedding + sum(lc.total for lc in self.layers) + self.head + self.vision
 
     @property
     def active(self) -> int:
@@ -233,6 +234,7 @@ def _count(m) -> ParamCounts:
         embedding_tp=numel(model.tok_embeddings), embedding_rep=numel(model.pos_embeddings), layers=layers,
         head_tp=numel(model.output), head_rep=numel(model.norm), tied=m.tie_embeddings,
         active_fraction=m.moe_router_topk / m.num_experts if m.is_moe else 1.0,
+        vision=numel(getattr(model, "visual", None)),
     )
 
 
@@ -411,7 +413,7 @@ def rank_memory(cfg, dims, seq_length: int, overhead: float = OVERHEAD_BYTES) ->
         expert_params = int(sum(lc.experts / ep for lc in mine))
         params = sum(lc.tp / tp + lc.rep for lc in mine)
         if first:
-            params += pc.embedding_tp / tp + pc.embedding_rep
+            params += pc.embedding_tp / tp + pc.embedding_rep + pc.vision
         if last:
             params += pc.head_rep + (pc.head_tp if not pc.tied else (0 if first else pc.embedding_tp)) / tp
             # the MTP modules (their blocks split as layers are) and, off the first stage, their embedding replica
@@ -659,7 +661,43 @@ def plan(cfg, gpus: int, gpu_type: str = "h100", mfu: float = DEFAULT_MFU, top: 
         "layouts_valid": n_valid,
         "layouts_fit": n_fit,
         "kv_cache": kv_cache_bytes(cfg.model),
+        "vision": vision_share(cfg, pc, this.ranks[0], dims.dp_shard * dims.cp if dims.dp_mode == "fsdp" else 1),
     }
+
+
+VISION_IMAGE = (448, 448)  # the image (height, width in pixels) the vision tower's FLOPs are given for
+
+
+def vision_flops_per_image(m, height: int = VISION_IMAGE[0], width: int = VISION_IMAGE[1]) -> float:
+    """Training FLOPs (forward + backward, 6 per multiply-add) of the vision tower on one image: the patch
+    embedding, each block's matmuls and its attention scores and values over the patches it sees (a window, or the
+    whole image in the full-attention blocks), the patch merger's MLP per merged token."""
+    d, p, merge = m.vision_hidden_size, m.vision_patch_size, m.vision_spatial_merge_size
+    patches = (height // p) * (width // p)
+    window = min((m.vision_window_size // p) ** 2, patches)
+    block = 4 * d * d + 3 * d * m.vision_intermediate_size
+    seen = sum(patches if i in m.vision_fullatt_block_indexes else window for i in range(m.vision_depth))
+    embed = m.vision_in_channels * m.vision_temporal_patch_size * p * p * d
+    wide = d * merge ** 2
+    merger = (wide * wide + wide * m.hidden_size) * patches // merge ** 2
+    return 6.0 * (patches * (embed + m.vision_depth * block) + merger) + 6.0 * 2 * d * patches * seen
+
+
+def vision_share(cfg, pc: ParamCounts, first_rank: RankMemory, fsdp: int) -> Optional[dict]:
+    """The vision tower's share of the parameters, of the first pipeline rank's memory (its weights, gradients and
+    optimizer state; its activations are not modelled) and of a sample's FLOPs with one VISION_IMAGE image."""
+    m = cfg.model
+    if not pc.vision:
+        return None
+    optim = {"adamw": 8, "muon": 4}.get(cfg.optim.optimizer, 0)
+    memory = (8.0 + optim) * math.ceil(pc.vision / fsdp)
+    image = vision_flops_per_image(m)
+    text = flops_per_token(m, cfg.data.seq_length) * cfg.data.seq_length
+    merge = m.vision_spatial_merge_size * m.vision_patch_size
+    return {"params": pc.vision, "params_share": pc.vision / pc.total, "memory_bytes": memory,
+            "memory_share": memory / first_rank.total(cfg.train.recompute), "image": list(VISION_IMAGE),
+            "image_tokens": (VISION_IMAGE[0] // merge) * (VISION_IMAGE[1] // merge), "flops_per_image": image,
+            "flops_share": image / (image + text)}
 
 
 KV_CONTEXTS = (8192, 131072)  # where a cache whose size per token depends on the context (DeepSeek-V4's) is shown

@@ -54,6 +54,9 @@ CASES_2 = [
     # DeepSeek-V3-shaped: MLA + MoE (+ MTP) in every layout (cp: k and v heads of different widths on the ring)
     "ddp2:model=mla", "tp2:model=mla_mtp:mask=1", "tp2:sp=0:model=mla_mtp", "ep2:model=mla_mtp",
     "pp2:model=mla_mtp:schedule=Interleaved1F1B", "cp2:model=mla_mtp:mask=1",
+    # DeepSeek-V3.2-shaped: MLA + MoE with the sparse attention's frozen indexer (replicated under tp); no cp
+    "dp_shard2:model=dsa", "ddp2:model=dsa", "tp2:model=dsa:mask=1", "tp2:sp=0:model=dsa", "ep2:model=dsa",
+    "pp2:model=dsa:schedule=GPipe",
     # TP without FSDP: replicated parameters (norms without SP, learned positions, MoE layers) are replicated DTensors
     # beside the sharded ones, as the trainer's foreach optimizer needs ("tp2:sp=0:model=gpt2" above too)
     "tp2:sp=0:model=moe",
@@ -92,6 +95,7 @@ CASES_4 = [
     "pp2,tp2:model=mtp_tied:schedule=Interleaved1F1B",
     "pp2,ep2:model=mla_mtp:save=ckpt_mla", "tp2,dp_shard2:model=mla_mtp:load=ckpt_mla",
     "ep2,cp2:model=mla_mtp:load=ckpt_mla",
+    "pp2,tp2:model=dsa", "dp_shard2,tp2:model=dsa",  # DeepSeek-V3.2-shaped
     # TP without FSDP (see CASES_2): a dense model with biases, and the ep-sharded MoE checkpoint resumed on pp x tp
     "pp2,tp2:sp=0:model=qk", "pp2,tp2:sp=0:model=moe:load=ckpt_ep2",
     # the hybrid on FSDP x TP, and saved on pp x tp, resumed exactly on FSDP x TP
