@@ -22,7 +22,7 @@ from typing import Any, Literal, Optional, Union
 import yaml
 
 from megapipe.errors import ConfigError, DataError
-from megapipe.presets import PRESETS
+from megapipe.presets import PRESET_DEFAULTS, PRESETS
 
 # --------------------------------------------------------------------------------------------------- sections
 
@@ -120,7 +120,8 @@ class ModelConfig:
     # fields of a named preset are applied first, then the ones given here
     preset: Optional[str] = opt(None, "--model", help="Model preset (tiny, llama3-1b, ...); other fields: --set model.*=.")
     arch: Literal["llama", "qwen2", "qwen3", "mistral", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe",
-                  "deepseek_v3", "deepseek_v32", "nemotron_h", "falcon_h1", "gpt_oss", "qwen2_5_vl"] = "llama"
+                  "deepseek_v3", "deepseek_v32", "nemotron_h", "falcon_h1", "gpt_oss", "qwen2_5_vl",
+                  "deepseek_v4"] = "llama"
     vocab_size: Optional[int] = None  # None: the tokenizer's size, padded to make_vocab_size_divisible_by
     make_vocab_size_divisible_by: int = 128
     hidden_size: int = 256
@@ -184,8 +185,9 @@ class ModelConfig:
     moe_ffn_hidden_size: Optional[int] = opt(
         None, "--moe-ffn-hidden-size", help="FFN width of each routed expert (default: intermediate_size).")
     moe_router_topk: int = opt(2, "--moe-router-topk", help="Experts each token is routed to.")
-    moe_router_score_function: Literal["softmax", "sigmoid"] = opt(
-        "softmax", "--moe-router-score-function", help="Router scores: softmax (Mixtral, Qwen) or sigmoid (DeepSeek-V3).")
+    moe_router_score_function: Literal["softmax", "sigmoid", "sqrtsoftplus"] = opt(
+        "softmax", "--moe-router-score-function",
+        help="Router scores: softmax (Mixtral, Qwen), sigmoid (DeepSeek-V3) or sqrt(softplus) (DeepSeek-V4).")
     moe_router_pre_softmax: bool = opt(
         False, "--moe-router-pre-softmax",
         help="softmax over all experts, then top-k (default: top-k of the logits, softmax over the k chosen).")
@@ -225,8 +227,9 @@ class ModelConfig:
     moe_router_bias: bool = False  # a learned bias on the router logits (GPT-OSS)
     moe_expert_bias: bool = False  # biases on each routed expert's gate, up and down projections (GPT-OSS)
     # the routed experts' activation: swiglu silu(gate) * up; clamped_swiglu (GPT-OSS) with gate <= limit and
-    # |up| <= limit: gate * sigmoid(alpha * gate) * (up + 1)
-    moe_activation: Literal["swiglu", "clamped_swiglu"] = "swiglu"
+    # |up| <= limit: gate * sigmoid(alpha * gate) * (up + 1); clamped_silu (DeepSeek-V4, its shared experts too):
+    # silu(gate) * up with gate <= limit and |up| <= limit
+    moe_activation: Literal["swiglu", "clamped_swiglu", "clamped_silu"] = "swiglu"
     moe_swiglu_alpha: float = 1.702
     moe_swiglu_limit: float = 7.0
     # Multi-token prediction (megapipe.models.mtp), Megatron's names; None or 0: off
@@ -234,6 +237,29 @@ class ModelConfig:
         None, "--mtp-num-layers", help="Multi-token prediction modules (DeepSeek-V3's MTP depth; 0 or unset: none).")
     mtp_loss_scaling_factor: float = opt(
         0.1, "--mtp-loss-scaling-factor", help="Weight of the MTP loss (the mean over depths) in the training loss.")
+
+    # DeepSeek-V4 (megapipe.models.compressed_attention, megapipe.models.hyper_connections), transformers' names.
+    # attention_layer_types: one per layer, sliding_attention / compressed_sparse_attention (CSA) /
+    # heavily_compressed_attention (HCA); None: not V4's attention. One KV head of head_dim over the last
+    # sliding_window tokens, plus on CSA / HCA layers entries pooled from csa_compress_rate / hca_compress_rate tokens
+    # each (CSA's chosen per query by the lightning indexer: index_n_heads heads of index_head_dim, the best
+    # index_topk); queries through q_lora_rank; rope on the last qk_pos_emb_head_dim dims of each head (rope_theta on
+    # sliding layers, compress_rope_theta with YaRN on CSA / HCA ones); the output through o_groups groups of
+    # o_lora_rank; attention sinks. hc_mult residual streams mixed by Sinkhorn-normalised matrices (0: the plain
+    # residual). The first moe_hash_layers MoE layers route by a fixed token -> experts table.
+    attention_layer_types: Optional[list[str]] = None
+    csa_compress_rate: int = 4
+    hca_compress_rate: int = 128
+    compress_rope_theta: float = 160000.0
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 512
+    hc_mult: int = 0
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    moe_hash_layers: int = 0
 
     # Hybrid Transformer-Mamba (megapipe.models.hybrid, megapipe.models.mamba), Megatron's names: one symbol per
     # layer (M Mamba-2, * attention, - MLP, E MoE), given or allocated from the two ratios (the rest Mamba)
@@ -859,6 +885,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict[str,
     for key, value in items:
         set_dotted(data, key, value)
         lines.pop(key, None)
+    model = data.get("model") if isinstance(data.get("model"), dict) else {}
+    for key, value in PRESET_DEFAULTS.get(model.get("preset"), {}).items():
+        section, name = key.split(".")
+        if isinstance(data.setdefault(section, {}), dict):
+            data[section].setdefault(name, value)
     cfg = from_dict(Config, data, "", where, lines)
     validate(cfg)
     return cfg
@@ -920,6 +951,7 @@ def validate(cfg: Config) -> None:
     validate_mtp(m)
     validate_mla(m)
     validate_hybrid(m)
+    validate_deepseek_v4(m)
     validate_vision(m)
     validate_posttrain(cfg)
 
@@ -1106,6 +1138,40 @@ def validate_dsa(m: ModelConfig) -> None:
     if m.mtp_depth:
         raise ConfigError(f"model.mtp_num_layers = {m.mtp_num_layers}: multi-token prediction is not supported with "
                           "model.experimental_attention_variant = 'dsa' yet")
+
+
+V4_LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+
+
+def validate_deepseek_v4(m: ModelConfig) -> None:
+    """DeepSeek-V4's attention, hyper-connection and hash-routing fields of ``m``."""
+    kinds = m.attention_layer_types
+    if kinds is None:
+        for name in ("hc_mult", "moe_hash_layers"):
+            if getattr(m, name):
+                raise ConfigError(f"model.{name} = {getattr(m, name)} needs DeepSeek-V4's attention "
+                                  "(model.attention_layer_types)")
+        return
+    if len(kinds) != m.num_layers or set(kinds) - set(V4_LAYER_TYPES):
+        raise ConfigError(f"model.attention_layer_types = {kinds} must hold one of {', '.join(V4_LAYER_TYPES)} per "
+                          f"layer (model.num_layers = {m.num_layers})")
+    for name in ("csa_compress_rate", "hca_compress_rate", "o_groups", "o_lora_rank", "index_n_heads",
+                 "index_head_dim", "index_topk", "hc_mult", "hc_sinkhorn_iters", "q_lora_rank", "sliding_window"):
+        if not getattr(m, name) or getattr(m, name) <= 0:
+            raise ConfigError(f"model.{name} = {getattr(m, name)} must be > 0 with model.attention_layer_types")
+    if m.num_heads * m.dim_per_head % m.o_groups:
+        raise ConfigError(f"model.o_groups = {m.o_groups} must divide num_heads x head_dim = "
+                          f"{m.num_heads * m.dim_per_head}")
+    rope = m.qk_pos_emb_head_dim
+    if rope % 2 or rope > min(m.dim_per_head, m.index_head_dim):
+        raise ConfigError(f"model.qk_pos_emb_head_dim = {rope} (the rotary dims) must be even and at most head_dim "
+                          f"= {m.dim_per_head} and index_head_dim = {m.index_head_dim}")
+    if m.multi_latent_attention or m.mtp_depth or m.window_attn_skip_freq is not None:
+        raise ConfigError("model.attention_layer_types (DeepSeek-V4's attention) does not go with "
+                          "multi_latent_attention, mtp_num_layers or window_attn_skip_freq")
+    if not 0 <= m.moe_hash_layers <= len(m.moe_layers):
+        raise ConfigError(f"model.moe_hash_layers = {m.moe_hash_layers} must be within [0, the number of MoE "
+                          f"layers = {len(m.moe_layers)}]")
 
 
 def validate_hybrid(m: ModelConfig) -> None:

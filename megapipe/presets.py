@@ -40,6 +40,30 @@ _GPT_OSS = dict(
 )
 
 
+# DeepSeek-V4 (transformers' DeepseekV4Config defaults, the published configs): one 512-wide KV head, 64 rope dims,
+# a 128-token window on every layer, CSA entries every 4 tokens (top 512 / 1024 by the indexer's 64 heads of 128),
+# HCA ones every 128, YaRN x16 from 64k on the compressed layers; 4 hyper-connection streams; every layer MoE with
+# sqrt-softplus scores, one shared expert, SwiGLU clamped at 10, the first 3 layers hash-routed
+_DEEPSEEK_V4 = dict(
+    arch="deepseek_v4", vocab_size=129280, num_kv_heads=1, head_dim=512, qk_pos_emb_head_dim=64,
+    max_position_embeddings=1048576, norm_eps=1e-6, tie_embeddings=False, rope_theta=10000.0,
+    compress_rope_theta=160000.0, rotary_scaling_factor=16.0, original_max_position_embeddings=65536, beta_fast=32.0,
+    beta_slow=1.0, mscale=0.0, sliding_window=128, attention_sinks=True, csa_compress_rate=4, hca_compress_rate=128,
+    index_n_heads=64, index_head_dim=128, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6,
+    moe_router_score_function="sqrtsoftplus", moe_router_enable_expert_bias=True, moe_router_topk=6,
+    moe_router_topk_scaling_factor=1.5, moe_activation="clamped_silu", moe_swiglu_limit=10.0, moe_hash_layers=3,
+    moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-4,
+)
+
+
+def _v4_layers(n: int, first: str) -> list[str]:
+    """Two ``first`` layers, then CSA and HCA alternating (V4-Flash: sliding first, CSA on even layers; V4-Pro,
+    transformers' default: HCA first, HCA on even layers)."""
+    csa, hca = "compressed_sparse_attention", "heavily_compressed_attention"
+    even = csa if first == "sliding_attention" else hca
+    return [first] * 2 + [even if i % 2 == 0 else (hca if even == csa else csa) for i in range(2, n)]
+
+
 # Qwen2.5-VL (megapipe.models.vision): a Qwen2 decoder with M-RoPE behind the vision tower (32 blocks, 112-pixel
 # windows, full attention every 8th block) and its 2 x 2 patch merger; the token ids are Qwen's
 _QWEN25_VL = dict(
@@ -150,6 +174,29 @@ PRESETS: dict[str, dict] = {
     "gpt-oss-20b": dict(_GPT_OSS, num_layers=24, num_experts=32),
     # openai/gpt-oss-120b (117 B parameters, 5.1 B active)
     "gpt-oss-120b": dict(_GPT_OSS, num_layers=36, num_experts=128, moe_aux_loss_coeff=1e-3 * 4 / 36),
+    # DeepSeek-V4 at CPU size: a sliding, two CSA (entries every 4 tokens, the indexer keeps 8) and an HCA layer
+    # (entries every 16), 4 streams, 8 experts top-2, the first layer hash-routed; Muon, as DeepSeek trained V4
+    "deepseek-v4-tiny": dict(
+        {**_DEEPSEEK_V4, "vocab_size": None}, hidden_size=128, intermediate_size=128, num_layers=4, num_heads=4,
+        head_dim=64, qk_pos_emb_head_dim=16, max_position_embeddings=4096, original_max_position_embeddings=256,
+        q_lora_rank=64, o_groups=2, o_lora_rank=64, index_n_heads=4, index_head_dim=32, index_topk=8,
+        sliding_window=16, hca_compress_rate=16, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=128,
+        moe_shared_expert_intermediate_size=128,
+        moe_hash_layers=1, attention_layer_types=["sliding_attention", "compressed_sparse_attention",
+                                                  "heavily_compressed_attention", "compressed_sparse_attention"],
+    ),
+    # deepseek-ai/DeepSeek-V4-Flash (284 B parameters, 13 B active; its MTP layer is not part of megapipe's model)
+    "deepseek-v4-flash": dict(
+        _DEEPSEEK_V4, hidden_size=4096, intermediate_size=2048, num_layers=43, num_heads=64, q_lora_rank=1024,
+        o_groups=8, o_lora_rank=1024, index_topk=512, num_experts=256, moe_ffn_hidden_size=2048,
+        moe_shared_expert_intermediate_size=2048, attention_layer_types=_v4_layers(43, "sliding_attention"),
+    ),
+    # deepseek-ai/DeepSeek-V4-Pro (1.6 T parameters, 49 B active; its MTP layer is not part of megapipe's model)
+    "deepseek-v4-pro": dict(
+        _DEEPSEEK_V4, hidden_size=7168, intermediate_size=3072, num_layers=61, num_heads=128, q_lora_rank=1536,
+        o_groups=16, o_lora_rank=1024, index_topk=1024, num_experts=384, moe_ffn_hidden_size=3072,
+        moe_shared_expert_intermediate_size=3072, attention_layer_types=_v4_layers(61, "heavily_compressed_attention"),
+    ),
     # Qwen2.5-VL at CPU size: the tiny decoder with M-RoPE, a 4-block tower (56-pixel windows of 2 x 2 merged patches,
     # blocks 1 and 3 full); the image token ids come with the tokenizer (model.image_token_id)
     "qwen2.5-vl-tiny": dict(
@@ -182,3 +229,9 @@ PRESETS["deepseek-v32-tiny"] = dict(PRESETS["deepseek-v3-tiny"], **{
     **_DSA, "dsa_indexer_n_heads": 4, "dsa_indexer_head_dim": 32, "dsa_indexer_topk": 64})
 # deepseek-ai/DeepSeek-V3.2 (-Exp; 671 B parameters, 37 B active): DeepSeek-V3 with the indexer in every layer
 PRESETS["deepseek-v32"] = dict(PRESETS["deepseek-v3"], **_DSA)
+
+# a preset's defaults outside the model section, applied where the config leaves them unset: DeepSeek-V4 was trained
+# with Muon
+PRESET_DEFAULTS: dict[str, dict] = {
+    name: {"optim.optimizer": "muon"} for name in ("deepseek-v4-tiny", "deepseek-v4-flash", "deepseek-v4-pro")
+}

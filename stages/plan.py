@@ -98,6 +98,9 @@ def show(r: dict) -> None:
     con.print(f"KV cache per token (bf16): {kv['bytes_per_token'] / 1024:,.1f} KiB"
               + (f" (per-head keys and values, the GQA equivalent: {kv['gqa_equivalent_bytes_per_token'] / 1024:,.1f}"
                  f" KiB, {ratio:.1f}x)" if ratio != 1 else ""))
+    if "bytes_per_token_at" in kv:  # DeepSeek-V4's compressed cache: its size per token depends on the context
+        con.print("  compressed, per token of context: " + ", ".join(
+            f"{n // 1024}k {b / 1024:,.2f} KiB" for n, b in kv["bytes_per_token_at"].items()))
     lay = r["layout"]
     t = Table(title=f"memory per rank, GB: layout {_layout(lay)} ({lay['dp_mode']}, "
                     f"{lay['microbatches']} micro-batches/step, recompute {r['recompute']})", title_justify="left")

@@ -110,7 +110,6 @@ def test_sft_with_lora_and_peft_parity(arch, capsys, one_thread):
     from megapipe.checkpoint.hf.peft import peft_targets
 
     caps, run = arch["caps"], arch["work"] / "sft"
-    targets = ",".join(peft_targets(arch["cfg"]))  # all a peft adapter directory can hold (not GPT-2's fused qkv)
     args = ["posttrain", "sft", "--load", arch["ckpt"], "--data", CHAT, "--seq-length", "64",
             "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2", "--lr", "1e-2",
             "--lr-warmup-iters", "0", "--eval-iters", "0", "--log-interval", "1", "--save", run, "--lora-rank", "4",
@@ -119,10 +118,19 @@ def test_sft_with_lora_and_peft_parity(arch, capsys, one_thread):
     if "sft" not in caps.stages:
         assert LABELS[arch["name"]] in refused(capsys, *args)
         return
+    if not caps.lora:  # no LoRA target declared: adapters are refused, full fine-tuning runs
+        err = refused(capsys, *args[:-1], "--lora-targets", "q", "--save", arch["work"] / "sft_bad")
+        assert LABELS[arch["name"]] in err and not (arch["work"] / "sft_bad").exists()
+        flags = ("--lora-rank", "--lora-alpha")
+        assert cli(*[a for i, a in enumerate(args) if a not in flags and args[i - 1] not in flags]) == 0
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert all(math.isfinite(r["loss"]) for r in records if r["kind"] == "train")
+        return
     if any(t not in caps.lora for t in ("gate", "up")):  # what the table does not declare is named and refused
         missing = next(t for t in ("gate", "up") if t not in caps.lora)
         err = refused(capsys, *args[:-1], "--lora-targets", f"q,{missing}", "--save", arch["work"] / "sft_bad")
         assert missing in err and not (arch["work"] / "sft_bad").exists()
+    targets = ",".join(peft_targets(arch["cfg"]))  # all a peft adapter directory can hold (not GPT-2's fused qkv)
     assert cli(*args, "--lora-targets", targets) == 0
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2]

@@ -37,6 +37,7 @@ from megapipe.inference.speculative import Speculator
 from megapipe.inference.state_cache import StatePool, state_bytes_per_sequence
 from megapipe.models.attention import Attention
 from megapipe.models.capabilities import capabilities, describe
+from megapipe.models.compressed_attention import CompressedAttention
 from megapipe.models.mla import MLAttention
 from megapipe.models.transformer import attention_layers, kv_cache_values_per_token
 
@@ -152,7 +153,8 @@ class LLMEngine:
         state_bytes = self.states.bytes_per_sequence() * max_num_seqs
         # keys and values of the layers that attend (a hybrid model's Mamba and MLP layers have none); speculative
         # decoding: the MTP blocks' too (pool layers num_layers + depth - 1)
-        kv_layers = sorted({m.layer_id for m in model.layers.modules() if isinstance(m, (Attention, MLAttention))})
+        kv_layers = sorted({m.layer_id for m in model.layers.modules()
+                            if isinstance(m, (Attention, MLAttention, CompressedAttention))})
         if config.speculative_tokens:
             kv_layers += range(cfg.num_layers, cfg.num_layers + cfg.mtp_depth)
         per_block = KVPool.bytes_per_block(len(kv_layers), bs, dtype=p.dtype, **kv_layout(cfg))

@@ -116,9 +116,10 @@ class PackedSwiGLU(nn.Module):
     @staticmethod
     def fits(ff: nn.Module) -> bool:
         """``ff`` computes exactly FeedForward's SwiGLU (not a subclass that scales inside it, as Falcon-H1's
-        multipliers do: its linears are packed one by one under its own forward)."""
+        multipliers do, nor DeepSeek-V4's clamped one: their linears are packed one by one under their own
+        forward)."""
         return (getattr(ff, "swiglu", False) and isinstance(getattr(ff, "w1", None), nn.Linear)
-                and type(ff).forward is FeedForward.forward)
+                and type(ff).forward is FeedForward.forward and getattr(ff, "limit", None) is None)
 
 
 class PackedQKV(nn.Module):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from megapipe.models.dense import DENSE
 from megapipe.models.dsa import DSA, DSA_MOE
 from megapipe.models.hybrid import HYBRID_BLOCKS
+from megapipe.models.hyper_connections import V4
 from megapipe.models.mla import MLA, MLA_MOE
 from megapipe.models.moe import MOE
 from megapipe.models.parallel_hybrid import PARALLEL_HYBRID
@@ -16,7 +17,10 @@ def block_spec(cfg, layer_id: int) -> BlockSpec:
     or a pattern, after the first K dense ones), dense elsewhere; with multi-latent attention their MLA twins, with
     DeepSeek Sparse Attention their DSA ones. A
     hybrid model's layers are single mixers, by their symbol in ``cfg.layer_kinds`` (megapipe.models.hybrid), or
-    Falcon-H1's parallel Mamba + attention layers (P, megapipe.models.parallel_hybrid)."""
+    Falcon-H1's parallel Mamba + attention layers (P, megapipe.models.parallel_hybrid); DeepSeek-V4's one kind
+    (megapipe.models.hyper_connections)."""
+    if cfg.attention_layer_types is not None:
+        return V4  # DeepSeek-V4: every layer MoE behind hyper-connections
     kinds = cfg.layer_kinds
     if kinds is not None:
         return PARALLEL_HYBRID if kinds[layer_id] == "P" else HYBRID_BLOCKS[kinds[layer_id]]

@@ -93,6 +93,18 @@ KINDS: dict[str, Capabilities] = {
     "dsa": Capabilities(layouts=frozenset(LAYOUTS) - {"cp"}, engine=frozenset(ENGINE) - {"cpu_kernels", "speculative"},
                         quant=frozenset(), trt=frozenset(),
                         stages=frozenset(STAGES) - {"prune", "quantize", "export_trt"}),
+    # DeepSeek-V4's attention (megapipe.models.compressed_attention, its sinks included) with its hyper-connections:
+    # trained on one process, FSDP, DDP and expert parallelism (tests/parallel/test_dist_layouts.py; tensor
+    # parallelism would split its one KV head and the compressors, pipeline stages would have to pass the
+    # hyper-connection streams and the token ids of the hash-routed layers, the ring attention of cp has no
+    # compressor); no packed documents (a compressed block would straddle two); the engine recomputes each layer's
+    # attention from the stored attention inputs of the whole sequence (exact but O(context) per token: the
+    # compressed paged cache is not built), so no prefix caching, CPU kernels or MTP drafting; no LoRA targets,
+    # quantization, TensorRT-LLM writer, pruning rule, distillation or RL run with it yet
+    "compressed": Capabilities(layouts=frozenset({"dp_replicate", "dp_shard", "ep"}), packing=False,
+                               engine=frozenset({"paged_kv", "chunked_prefill"}), lora=frozenset(), quant=frozenset(),
+                               trt=frozenset(),
+                               stages=frozenset({"pretrain", "sft", "eval", "generate", "serve", "export_hf"})),
 }
 # Falcon-H1's layers (megapipe.models.parallel_hybrid): a Mamba-2 mixer beside the attention, so what Mamba layers allow
 KINDS["parallel_hybrid"] = KINDS["mamba"]
@@ -145,21 +157,22 @@ NO_MTP = _without(engine={"speculative"})
 LABELS = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "gpt2": "GPT-2",
           "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "deepseek_v3": "DeepSeek-V3",
           "deepseek_v32": "DeepSeek-V3.2", "nemotron_h": "Nemotron-H", "falcon_h1": "Falcon-H1", "gpt_oss": "GPT-OSS",
-          "qwen2_5_vl": "Qwen2.5-VL"}
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v32", "gpt_oss")
+          "qwen2_5_vl": "Qwen2.5-VL", "deepseek_v4": "DeepSeek-V4"}
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v32", "gpt_oss", "deepseek_v4")
 MLA_FAMILIES = ("deepseek_v3", "deepseek_v32")
 DSA_FAMILIES = ("deepseek_v32",)  # families whose MLA is DeepSeek Sparse Attention (the "dsa" kind)
 SINK_FAMILIES = ("gpt_oss",)  # families whose attention has sinks (the "sinks" kind)
+COMPRESSED_FAMILIES = ("deepseek_v4",)  # families of DeepSeek-V4's attention (the "compressed" kind)
 # families whose layers are kinds the family name says: Nemotron-H's Mamba layers beside attention and MLP ones
 # (megapipe.models.hybrid), Falcon-H1's parallel hybrid layers (megapipe.models.parallel_hybrid)
 FAMILY_KINDS = {"nemotron_h": ["dense", "mamba"], "falcon_h1": ["parallel_hybrid"]}
 KIND_LABELS = {"moe": "MoE", "mla": "MLA", "dsa": "DSA", "mamba": "Mamba", "parallel_hybrid": "Mamba | attention",
-               "sinks": "attention sinks"}
+               "sinks": "attention sinks", "compressed": "compressed attention"}
 
 
 def kinds_of(cfg) -> list[str]:
     """The block kinds ``cfg`` builds, in layer order of first use (MLP kinds; a hybrid model's "mamba"), then its
-    attention kinds when not the default one ("mla", "dsa", "sinks")."""
+    attention kinds when not the default one ("mla", "dsa", "sinks", "compressed")."""
     moe = set(cfg.moe_layers)
     kinds = ["moe" if i in moe else "dense" for i in range(cfg.num_layers)]
     if cfg.layer_kinds is not None:  # a hybrid model: attention and MLP layers are what a dense block is made of
@@ -167,7 +180,9 @@ def kinds_of(cfg) -> list[str]:
         kinds = [symbols.get(symbol, "dense") for symbol in cfg.layer_kinds]
     attention = ["mla"] if cfg.multi_latent_attention else []
     attention += ["dsa"] if getattr(cfg, "sparse_attention", False) else []
-    attention += ["sinks"] if getattr(cfg, "attention_sinks", False) else []
+    compressed = getattr(cfg, "attention_layer_types", None) is not None  # its sinks are part of the kind
+    attention += ["sinks"] if getattr(cfg, "attention_sinks", False) and not compressed else []
+    attention += ["compressed"] if compressed else []
     return list(dict.fromkeys(kinds)) + attention
 
 
@@ -200,6 +215,7 @@ def describe(cfg) -> str:
     kinds = [k for k in kinds if not (k == "mla" and cfg.arch in MLA_FAMILIES)]  # the family name says MLA
     kinds = [k for k in kinds if not (k == "dsa" and cfg.arch in DSA_FAMILIES)]  # ... or DSA
     kinds = [k for k in kinds if not (k == "sinks" and cfg.arch in SINK_FAMILIES)]  # ... or the sinks
+    kinds = [k for k in kinds if not (k == "compressed" and cfg.arch in COMPRESSED_FAMILIES)]  # ... or V4's
     family = sorted(FAMILY_KINDS.get(cfg.arch, ()))  # in any layer order
     if kinds == ["dense"] or sorted(kinds) == family or (kinds == ["moe"] and cfg.arch in MOE_FAMILIES):
         return label + mtp
@@ -251,6 +267,7 @@ def family_row(arch: str) -> Capabilities:
         return _row(arch, FAMILY_KINDS[arch])
     attention = (["mla"] if arch in MLA_FAMILIES else []) + (["dsa"] if arch in DSA_FAMILIES else [])
     attention += ["sinks"] if arch in SINK_FAMILIES else []
+    attention += ["compressed"] if arch in COMPRESSED_FAMILIES else []
     return _row(arch, ["moe" if arch in MOE_FAMILIES else "dense"] + attention)
 
 

@@ -25,8 +25,13 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.w3 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias) if self.swiglu else None
+        # DeepSeek-V4's shared experts clamp like its routed ones (moe_activation clamped_silu)
+        self.limit = cfg.moe_swiglu_limit if cfg.moe_activation == "clamped_silu" and cfg.is_moe else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.limit is not None:
+            gate, up = self.w1(x).clamp(max=self.limit), self.w3(x).clamp(-self.limit, self.limit)
+            return self.w2(F.silu(gate) * up)
         if self.swiglu:
             return self.w2(F.silu(self.w1(x)) * self.w3(x))
         if self.activation == "relu2":

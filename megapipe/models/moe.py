@@ -61,12 +61,17 @@ def group_limited(scores: torch.Tensor, k: int, groups: int, group_topk: int) ->
     return per_group.masked_fill(~keep[..., None], float("-inf")).view(t, e)
 
 
-def route(logits: torch.Tensor, cfg: ModelConfig, bias: Optional[torch.Tensor] = None):
-    """Router logits [T, E] (fp32) -> (expert indices [T, k], routing weights [T, k], scores for the aux loss [T, E])."""
+def route(logits: torch.Tensor, cfg: ModelConfig, bias: Optional[torch.Tensor] = None,
+          fixed: Optional[torch.Tensor] = None):
+    """Router logits [T, E] (fp32) -> (expert indices [T, k], routing weights [T, k], scores for the aux loss [T, E]).
+    ``fixed`` [T, k]: the experts, chosen already (hash routing); the router only weighs them."""
     k = cfg.moe_router_topk
-    sigmoid = cfg.moe_router_score_function == "sigmoid"
+    sigmoid = cfg.moe_router_score_function != "softmax"  # sigmoid or sqrt(softplus): per-expert scores
     if sigmoid:
-        scores = torch.sigmoid(logits)
+        if cfg.moe_router_score_function == "sqrtsoftplus":
+            scores = torch.sqrt(F.softplus(logits))
+        else:
+            scores = torch.sigmoid(logits)
         aux_scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
     else:
         scores = aux_scores = torch.softmax(logits, dim=-1)
@@ -75,7 +80,7 @@ def route(logits: torch.Tensor, cfg: ModelConfig, bias: Optional[torch.Tensor] =
     select = basis if bias is None else basis + bias
     if cfg.moe_router_num_groups:
         select = group_limited(select, k, cfg.moe_router_num_groups, cfg.moe_router_group_topk)
-    idx = select.topk(k, dim=-1).indices
+    idx = select.topk(k, dim=-1).indices if fixed is None else fixed
     if sigmoid or cfg.moe_router_pre_softmax:
         weights = scores.gather(1, idx)
         if cfg.moe_router_norm_topk_prob and k > 1:
@@ -180,11 +185,14 @@ class GroupedExperts(nn.Module):
 
 def expert_activation(gate: torch.Tensor, up: torch.Tensor, activation: tuple = ("swiglu",)) -> torch.Tensor:
     """("swiglu",): silu(gate) * up; ("clamped_swiglu", alpha, limit), GPT-OSS's: gate clamped above at limit, up to
-    [-limit, limit], then gate * sigmoid(alpha * gate) * (up + 1)."""
+    [-limit, limit], then gate * sigmoid(alpha * gate) * (up + 1); ("clamped_silu", alpha, limit), DeepSeek-V4's:
+    the same clamps, then silu(gate) * up."""
     if activation[0] == "swiglu":
         return F.silu(gate) * up
-    _, alpha, limit = activation
+    kind, alpha, limit = activation
     gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    if kind == "clamped_silu":
+        return F.silu(gate) * up
     return gate * torch.sigmoid(alpha * gate) * (up + 1)
 
 
@@ -234,7 +242,7 @@ class AuxLossBackward(torch.autograd.Function):
 class MoE(nn.Module):
     plain_linears = ("gate",)  # the router is read as an fp32 weight: the engine's packing leaves it alone
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, hash_routed: bool = False):
         super().__init__()
         self.cfg = cfg
         e, h = cfg.num_experts, cfg.hidden_size
@@ -249,10 +257,13 @@ class MoE(nn.Module):
                 dataclasses.replace(cfg, intermediate_size=cfg.moe_shared_expert_intermediate_size, mlp_bias=False))
             if cfg.moe_shared_expert_gate:
                 self.shared_gate = nn.Linear(h, 1, bias=False)
-        if cfg.moe_router_enable_expert_bias:
+        if cfg.moe_router_enable_expert_bias and not hash_routed:
             self.register_buffer("expert_bias", torch.zeros(e, dtype=torch.float32))
         else:
             self.expert_bias = None
+        # hash routing (DeepSeek-V4's first layers): token id -> its k experts, fixed (init_weights: a round robin)
+        table = torch.zeros(cfg.vocab_size, cfg.moe_router_topk, dtype=torch.long) if hash_routed else None
+        self.register_buffer("tid2eid", table)
         self.register_buffer("tokens_per_expert", torch.zeros(e, dtype=torch.float64), persistent=False)
         self.register_buffer("stats", torch.zeros(len(STATS), dtype=torch.float64), persistent=False)
         self.dispatcher = LocalDispatch()
@@ -260,7 +271,8 @@ class MoE(nn.Module):
         self.sequence_shards = 1  # ranks a sequence is split over (context parallelism)
         self.aux_loss_scale = 1.0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, token_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [..., H]; ``token_ids`` [...] (the tokens of x's positions): what a hash-routed layer routes by."""
         cfg = self.cfg
         shape = x.shape
         x = x.reshape(-1, shape[-1])
@@ -268,7 +280,12 @@ class MoE(nn.Module):
             bias = None if self.gate.bias is None else local(self.gate.bias).float()
             logits = F.linear(x.float(), local(self.gate.weight).float(), bias)
         bias = None if self.expert_bias is None else self.expert_bias.detach()
-        idx, weights, aux_scores = route(logits, cfg, bias)
+        fixed = None
+        if self.tid2eid is not None:
+            if token_ids is None:
+                raise ValueError("a hash-routed MoE layer needs the token ids (it routes by them)")
+            fixed = self.tid2eid[token_ids.reshape(-1)]
+        idx, weights, aux_scores = route(logits, cfg, bias, fixed)
         t, k = idx.shape
         counts = torch.bincount(idx.flatten(), minlength=cfg.num_experts)
         keep = None
@@ -355,6 +372,10 @@ class MoE(nn.Module):
                 nn.init.zeros_(bias)
         if self.expert_bias is not None:
             self.expert_bias.zero_()
+        if self.tid2eid is not None:  # token t -> experts t k, t k + 1, ... (mod E): k distinct ones when k <= E
+            rows, k = self.tid2eid.shape
+            ids = torch.arange(rows * k, device=self.tid2eid.device).view(rows, k)
+            self.tid2eid.copy_(ids % self.cfg.num_experts)
         self.reset_stats()
 
 

@@ -128,3 +128,23 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     as ``apply_rope`` does. The result is in that de-interleaved order, for q and k alike, so their dot products are
     the interleaved rotation's (transformers' ``apply_rotary_pos_emb_interleave`` returns the same)."""
     return apply_rope(torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1), cos, sin)
+
+
+def pair_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """positions [S] or [B, S] -> cos, sin [1 or B, 1, S, rope_dims / 2]: one angle per rotated pair, for
+    ``rotate_trailing_pairs``."""
+    if positions.dim() == 1:
+        positions = positions[None]
+    freqs = positions[..., None].float() * inv_freq.to(positions.device)
+    return freqs.cos()[:, None].to(dtype), freqs.sin()[:, None].to(dtype)
+
+
+def rotate_trailing_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the last 2 * cos.shape[-1] dims of x [..., S, D] as interleaved pairs (x0, x1), (x2, x3)..., the
+    result in that same order (DeepSeek-V4, whose values are rotated too and rotated back after attention:
+    ``sin`` negated undoes it); the leading dims stay as they are. Computed in fp32, returned in x's dtype."""
+    r = 2 * cos.shape[-1]
+    even, odd = x[..., -r::2].float(), x[..., -r + 1::2].float()
+    cos, sin = cos.float(), sin.float()
+    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
+    return torch.cat((x[..., :-r], rotated.to(x.dtype)), dim=-1)

@@ -21,6 +21,8 @@ from megapipe.config import ModelConfig
 from megapipe.errors import ConfigError
 from megapipe.models.attention import Attention, DocumentMask, positions_from_documents
 from megapipe.models.blocks import block_spec
+from megapipe.models.compressed_attention import CompressedAttention, Compressor, v4_positions
+from megapipe.models.hyper_connections import HyperConnection, HyperHead, expand_streams
 from megapipe.models.mamba import Mamba2Mixer, scale_by
 from megapipe.models.moe import MoE
 from megapipe.models.mtp import MTPModule, tokens_ahead
@@ -28,7 +30,7 @@ from megapipe.models.norms import RMSNorm, build_norm, init_norm
 from megapipe.models.rope import model_inv_frequencies, model_rope
 
 # initialised with std / sqrt(2 * num_layers) (the routed experts' w2 too, see MoE.init_weights)
-OUTPUT_PROJECTIONS = ("attention.wo", "feed_forward.w2", "shared_experts.w2", "mixer.out_proj")
+OUTPUT_PROJECTIONS = ("attention.wo", "feed_forward.w2", "shared_experts.w2", "mixer.out_proj", "attention.wo_b")
 
 
 class Transformer(nn.Module):
@@ -42,6 +44,7 @@ class Transformer(nn.Module):
         self.pos_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size) if learned else None
         self.layers = nn.ModuleDict({str(i): block_spec(cfg, i).module(cfg, i) for i in range(cfg.num_layers)})
         self.norm = build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps)
+        self.hc_head = HyperHead(cfg) if cfg.hc_mult else None  # the hyper-connection streams -> one, before norm
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         depths = range(1, cfg.mtp_depth + 1)
         self.mtp = nn.ModuleList([MTPModule(cfg, k) for k in depths]) if cfg.mtp_depth else None
@@ -91,11 +94,15 @@ class Transformer(nn.Module):
             h = scale_by(self.tok_embeddings(tokens), self.cfg.embedding_multiplier)
             if self.pos_embeddings is not None:
                 h = h + self.pos_embeddings(positions)
-        rope = self._rope(positions, h)
+            if self.cfg.hc_mult:
+                h = expand_streams(h, self.cfg.hc_mult)
+        rope = self._rope(positions, h, None if tokens.is_floating_point() else tokens)
         for layer in self.layers.values():
             h = layer(h, rope, cache, mask)
         if self.norm is None:
             return h
+        if self.hc_head is not None:
+            h = self.hc_head(h)
         # Falcon-H1's logit multiplier on the normed states: the output projection, wherever it is applied, is linear
         h = scale_by(self.norm(h[:, -1:] if last_only and not mtp else h), self.cfg.lm_head_multiplier)
         extra = (self._mtp_states(tokens, h, rope, mask, mtp_tokens),) if mtp else ()
@@ -105,9 +112,13 @@ class Transformer(nn.Module):
             h, extra = self.logits(h), tuple([self.logits(s) for s in states] for states in extra)
         return (h, *extra) if mtp else h
 
-    def _rope(self, positions: torch.Tensor, h: torch.Tensor) -> Optional[tuple]:
+    def _rope(self, positions: torch.Tensor, h: torch.Tensor, tokens: Optional[torch.Tensor] = None):
+        """What every layer takes as its positions: (cos, sin), None, or DeepSeek-V4's ``V4Positions`` (both its
+        ropes, the positions, the ``tokens`` its hash-routed layers route by)."""
         if self.cfg.position_embedding != "rope":
             return None
+        if self.cfg.attention_layer_types is not None:
+            return v4_positions(self.cfg, positions, h.dtype, h.device, tokens)
         return model_rope(self.cfg, positions, h.dtype, h.device)
 
     def _mtp_states(self, tokens: torch.Tensor, h: torch.Tensor, rope, mask,
@@ -170,8 +181,12 @@ class Transformer(nn.Module):
                 module.init_weights(std, out_std)
             if isinstance(module, Mamba2Mixer):
                 module.init_weights()
-            if isinstance(module, Attention) and module.sinks is not None:
+            if isinstance(module, (Attention, CompressedAttention)) and module.sinks is not None:
                 nn.init.zeros_(module.sinks)  # one extra logit 0 per row: a learned "attend to nothing"
+            if isinstance(module, (HyperConnection, HyperHead)):
+                module.init_weights(std)
+            if isinstance(module, Compressor):
+                nn.init.zeros_(module.position_bias)
             if isinstance(module, nn.Linear):
                 scaled = name.endswith(OUTPUT_PROJECTIONS)
                 nn.init.normal_(module.weight, 0.0, out_std if scaled else std)
@@ -229,12 +244,10 @@ def layer_matmul_params(cfg: ModelConfig) -> list[int]:
     attn = h * (cfg.num_heads + 2 * cfg.kv_heads) * hd + cfg.num_heads * hd * h
     if cfg.multi_latent_attention:
         attn = mla_matmul_params(cfg)
+    if cfg.attention_layer_types is not None:
+        return [compressed_matmul_params(cfg, kind) + moe_matmul_params(cfg) for kind in cfg.attention_layer_types]
     mlp = (3 if cfg.activation == "swiglu" else 2) * h * cfg.intermediate_size
-    moe = 0
-    if cfg.is_moe:
-        shared = cfg.moe_shared_expert_intermediate_size or 0
-        moe = h * cfg.num_experts + 3 * h * (cfg.moe_router_topk * cfg.expert_ffn + shared)
-        moe += h if (shared and cfg.moe_shared_expert_gate) else 0
+    moe = moe_matmul_params(cfg)
     if cfg.layer_kinds is not None:  # hybrid: one mixer per layer
         per_kind = {"M": mamba_matmul_params(cfg), "*": attn, "-": mlp, "E": moe}
         per_kind["P"] = per_kind["M"] + attn + mlp  # Falcon-H1: Mamba and attention side by side, then the MLP
@@ -243,11 +256,52 @@ def layer_matmul_params(cfg: ModelConfig) -> list[int]:
     return [attn + (moe if i in moe_layers else mlp) for i in range(cfg.num_layers)]
 
 
+def moe_matmul_params(cfg: ModelConfig) -> int:
+    """One MoE layer's active matmul weights: the router, the shared experts, k routed experts (0: a dense model)."""
+    if not cfg.is_moe:
+        return 0
+    h, shared = cfg.hidden_size, cfg.moe_shared_expert_intermediate_size or 0
+    moe = h * cfg.num_experts + 3 * h * (cfg.moe_router_topk * cfg.expert_ffn + shared)
+    return moe + (h if (shared and cfg.moe_shared_expert_gate) else 0)
+
+
+def compressed_matmul_params(cfg: ModelConfig, kind: str) -> int:
+    """One DeepSeek-V4 attention layer's matmul weights per token: queries, the key = value head, the grouped output
+    projection, and a compressed layer's compressor (CSA: two series, and the indexer's compressor, queries and head
+    weights)."""
+    h, q, n, hd = cfg.hidden_size, cfg.q_lora_rank, cfg.num_heads, cfg.dim_per_head
+    total = h * q + q * n * hd + h * hd + n * hd * cfg.o_lora_rank + cfg.o_groups * cfg.o_lora_rank * h
+    if kind == "heavily_compressed_attention":
+        total += 2 * h * hd
+    elif kind == "compressed_sparse_attention":
+        ih, ihd = cfg.index_n_heads, cfg.index_head_dim
+        total += 4 * h * hd + 4 * h * ihd + q * ih * ihd + h * ih
+    return total
+
+
+def compressed_attention_flops(cfg: ModelConfig, kind: str, seq_length: int) -> int:
+    """One DeepSeek-V4 layer's score and value matmuls per token, forward + backward, as ``attention_flops_per_token``
+    counts them (no causal discount): the window's keys, every HCA entry, or CSA's index_topk entries and the
+    indexer's scores of every entry."""
+    n, hd, s = cfg.num_heads, cfg.dim_per_head, seq_length
+    keys = min(s, cfg.sliding_window)
+    if kind == "heavily_compressed_attention":
+        keys += s // cfg.hca_compress_rate
+    elif kind == "compressed_sparse_attention":
+        entries = s // cfg.csa_compress_rate
+        keys += min(entries, cfg.index_topk)
+        return 6 * n * 2 * hd * keys + 6 * cfg.index_n_heads * cfg.index_head_dim * entries
+    return 6 * n * 2 * hd * keys
+
+
 def layer_flops_per_token(cfg: ModelConfig, seq_length: int) -> list[int]:
     """Training FLOPs per token of each layer, what the pipeline split balances: ``flops_per_token``'s terms of the
     layer (its matmuls; the attention scores and values of a layer with attention) plus a Mamba layer's SSD scan
     (per head and token: the chunk's C.B and its weighting of x, the state's update and read-out; 6 FLOPs a
     multiply-add forward and backward), which MFU does not count."""
+    if cfg.attention_layer_types is not None:
+        return [6 * w + compressed_attention_flops(cfg, kind, seq_length)
+                for w, kind in zip(layer_matmul_params(cfg), cfg.attention_layer_types, strict=True)]
     kinds = cfg.layer_kinds or "*" * cfg.num_layers
     q = min(cfg.mamba_chunk_size, seq_length)
     n, p = cfg.mamba_state_dim, cfg.mamba_head_dim
@@ -284,11 +338,15 @@ def attention_dims(cfg: ModelConfig) -> tuple[int, int]:
     return cfg.dim_per_head, cfg.dim_per_head
 
 
-def kv_cache_values_per_token(cfg: ModelConfig) -> tuple[int, int]:
+def kv_cache_values_per_token(cfg: ModelConfig, context: Optional[int] = None) -> tuple[float, int]:
     """(values a KV cache stores per token over all layers, the same for the per-head keys and values attention
     reads): equal for multi-head / grouped-query attention; with MLA a latent cache stores kv_lora_rank + rope dims
     per layer (DeepSeek Sparse Attention: and the indexer's key), the decompressed form heads x (qk + v) dims (its
-    GQA equivalent)."""
+    GQA equivalent). DeepSeek-V4 at ``context`` tokens (default max_position_embeddings): ``compressed_kv_values``
+    per token, against its one shared key = value head of every token (head_dim per layer)."""
+    if cfg.attention_layer_types is not None:
+        context = context or cfg.max_position_embeddings
+        return compressed_kv_values(cfg, context) / context, cfg.num_layers * cfg.dim_per_head
     if cfg.multi_latent_attention:
         qk, v = attention_dims(cfg)
         index = cfg.dsa_indexer_head_dim if cfg.sparse_attention else 0
@@ -309,6 +367,9 @@ def flops_per_token(cfg: ModelConfig, seq_length: int) -> float:
     """
     if cfg.vocab_size is None:
         raise ConfigError("model.vocab_size is not set: flops_per_token needs it")
+    if cfg.attention_layer_types is not None:  # DeepSeek-V4: each layer by its kind
+        scores = sum(compressed_attention_flops(cfg, k, seq_length) for k in cfg.attention_layer_types)
+        return float(6 * matmul_params(cfg) + scores)
     return float(6 * matmul_params(cfg) + attention_layers(cfg) * attention_flops_per_token(cfg, seq_length))
 
 
@@ -316,3 +377,18 @@ def attention_flops_per_token(cfg: ModelConfig, seq_length: int) -> int:
     """One attention layer's score and value matmuls per token, forward + backward, over the full S x S square."""
     qk, v = attention_dims(cfg)
     return 6 * cfg.num_heads * (qk + v) * seq_length
+
+
+def compressed_kv_values(cfg: ModelConfig, context: int) -> int:
+    """What DeepSeek-V4's compressed cache keeps for one sequence of ``context`` tokens, in values over all layers:
+    every layer the last sliding_window tokens' key = value head (head_dim); an HCA layer one entry of head_dim per
+    hca_compress_rate tokens; a CSA layer one of head_dim plus the indexer's key (index_head_dim) per
+    csa_compress_rate tokens (the compressors' partial blocks, under 2 rates of tokens, left out)."""
+    total = 0
+    for kind in cfg.attention_layer_types:
+        total += min(context, cfg.sliding_window) * cfg.dim_per_head
+        if kind == "heavily_compressed_attention":
+            total += context // cfg.hca_compress_rate * cfg.dim_per_head
+        elif kind == "compressed_sparse_attention":
+            total += context // cfg.csa_compress_rate * (cfg.dim_per_head + cfg.index_head_dim)
+    return total

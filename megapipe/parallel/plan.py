@@ -832,11 +832,18 @@ def vision_share(cfg, pc: ParamCounts, first_rank: RankMemory, fsdp: int) -> Opt
             "flops_share": image / (image + text)}
 
 
+KV_CONTEXTS = (8192, 131072)  # where a cache whose size per token depends on the context (DeepSeek-V4's) is shown
+
+
 def kv_cache_bytes(m, bytes_per_value: int = 2) -> dict:
     """KV cache bytes per token (bf16): what the model's cache stores, and the per-head keys and values of the same
-    attention (multi-latent attention's decompressed form, its GQA equivalent)."""
-    stored, per_head = kv_cache_values_per_token(m)
-    return {"bytes_per_token": stored * bytes_per_value, "gqa_equivalent_bytes_per_token": per_head * bytes_per_value}
+    attention (multi-latent attention's decompressed form, its GQA equivalent); DeepSeek-V4's compressed cache at
+    each of ``KV_CONTEXTS`` tokens of context too (``bytes_per_token`` at the longest)."""
+    stored, per_head = kv_cache_values_per_token(m, KV_CONTEXTS[-1] if m.attention_layer_types else None)
+    out = {"bytes_per_token": stored * bytes_per_value, "gqa_equivalent_bytes_per_token": per_head * bytes_per_value}
+    if m.attention_layer_types is not None:
+        out["bytes_per_token_at"] = {n: kv_cache_values_per_token(m, n)[0] * bytes_per_value for n in KV_CONTEXTS}
+    return out
 
 
 def _rank_dict(r: RankMemory) -> dict:

@@ -133,6 +133,20 @@ MODELS["gptoss"] = dict(arch="gpt_oss", hidden_size=32, intermediate_size=32, nu
                         moe_ffn_hidden_size=16, moe_router_bias=True, moe_expert_bias=True,
                         moe_activation="clamped_swiglu", moe_swiglu_alpha=1.702, moe_swiglu_limit=1.5)
 
+# DeepSeek-V4-shaped: sliding, CSA (the indexer keeps 2 entries), HCA layers on the 16-token sequence, 2
+# hyper-connection streams, layer 0 hash-routed, sqrt-softplus routing with an expert bias, clamped SwiGLU
+MODELS["dsv4"] = dict(arch="deepseek_v4", hidden_size=32, intermediate_size=16, num_layers=4, num_heads=4,
+                      num_kv_heads=1, head_dim=16, qk_pos_emb_head_dim=8, vocab_size=128, attention_sinks=True,
+                      attention_layer_types=["sliding_attention", "compressed_sparse_attention",
+                                             "heavily_compressed_attention", "compressed_sparse_attention"],
+                      csa_compress_rate=2, hca_compress_rate=4, q_lora_rank=16, o_groups=2, o_lora_rank=8,
+                      index_n_heads=2, index_head_dim=8, index_topk=2, sliding_window=4, hc_mult=2,
+                      hc_sinkhorn_iters=5, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16,
+                      moe_shared_expert_intermediate_size=16, moe_router_score_function="sqrtsoftplus",
+                      moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=1.5,
+                      moe_activation="clamped_silu", moe_swiglu_limit=1.5, moe_hash_layers=1, norm_eps=1e-6)
+
+
 def parse_case(text: str) -> tuple[dict, dict]:
     layout, *opts = text.split(":")
     options = dict(o.split("=", 1) for o in opts)

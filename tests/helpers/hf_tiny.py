@@ -52,6 +52,20 @@ def _hf_config(arch: str):
             moe_intermediate_size=32, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8,
             v_head_dim=10, n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
             rms_norm_eps=1e-6, rope_parameters=yarn, num_nextn_predict_layers=0)
+    if arch == "deepseek_v4":  # sliding, CSA (the indexer keeps 2 of up to 12 entries), HCA layers; 3 hyper-connection
+        # streams; layer 0 hash-routed; YaRN on the compressed layers' rope
+        yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32.0,
+                "beta_slow": 1.0}
+        return transformers.DeepseekV4Config(
+            vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, head_dim=32,
+            max_position_embeddings=128, initializer_range=0.3, tie_word_embeddings=False,
+            attn_implementation="eager", q_lora_rank=24, partial_rotary_factor=0.25, o_groups=2, o_lora_rank=16,
+            index_n_heads=2, index_head_dim=16, index_topk=2, sliding_window=6, hc_mult=3, hc_sinkhorn_iters=5,
+            compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+            layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                         "compressed_sparse_attention"], mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+            n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, swiglu_limit=1.0,
+            rope_parameters=yarn, rms_norm_eps=1e-6)
     if arch == "deepseek_v32":  # DeepSeek-V3's shapes plus the sparse attention's indexer: 4 keys per query
         v3 = _hf_config("deepseek_v3").to_dict()
         fields = {k: v3[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -90,7 +104,7 @@ FALCON_H1 = dict(mamba_d_ssm=128, mamba_n_heads=8, mamba_n_groups=2, mamba_d_sta
 
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3",
-         "deepseek_v32", "nemotron_h", "falcon_h1", "gpt_oss", "qwen2_5_vl")
+         "deepseek_v32", "nemotron_h", "falcon_h1", "gpt_oss", "qwen2_5_vl", "deepseek_v4")
 
 
 def make_hf_dir(root: Path, arch: str, seed: int = 0, dtype=torch.float32, **config) -> tuple[Path, object]:
@@ -119,6 +133,17 @@ def make_hf_dir(root: Path, arch: str, seed: int = 0, dtype=torch.float32, **con
                 layer.mlp.gate.e_score_correction_bias.normal_(0, 0.3)
     if arch == "nemotron_h":  # transformers' init sets these to constants: random ones, so each copy is checked
         randomize_mamba(model)
+    if arch == "deepseek_v4":  # random sinks, position biases, hyper-connection biases, router biases, hash table
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("sinks", "position_bias", ".base", "hc_base", "scale", "hc_scale")):
+                    p.normal_(0, 0.5)
+            for layer in model.model.layers:
+                gate = layer.mlp.gate
+                if hasattr(gate, "tid2eid"):
+                    gate.tid2eid.copy_(torch.stack([torch.randperm(4)[:2] for _ in range(cfg.vocab_size)]))
+                else:
+                    gate.e_score_correction_bias.normal_(0, 0.3)
     if arch == "gpt_oss":  # random biases and sinks (transformers' init zeroes the experts' biases)
         with torch.no_grad():
             for name, p in model.named_parameters():

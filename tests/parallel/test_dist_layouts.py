@@ -73,6 +73,8 @@ CASES_2 = [
     # attention masks each pair of chunks by the window and adds the sinks to each row's log-sum-exp); Mistral on CP
     "dp_shard2:model=gptoss", "ddp2:model=gptoss", "tp2:model=gptoss", "tp2:sp=0:model=gptoss", "ep2:model=gptoss",
     "pp2:model=gptoss:schedule=GPipe", "cp2:model=gptoss", "cp2:model=mistral",
+    # DeepSeek-V4-shaped (compressed attention, hyper-connections, hash routing; the frozen indexer): FSDP, DDP, EP
+    "dp_shard2:model=dsv4", "ddp2:model=dsv4", "ep2:model=dsv4",
     # Muon: FSDP / TP shards of a matrix gathered for Newton-Schulz, experts orthogonalised where ep put them
     "dp_shard2:optim=muon", "tp2:optim=muon", "ep2:model=moe:optim=muon", "pp2:optim=muon:schedule=GPipe",
 ]

@@ -5,6 +5,7 @@ Adding an architecture: a module here with an ``Adapter`` subclass decorated wit
 
 from megapipe.checkpoint.hf import (  # noqa: F401  (registers the adapters)
     deepseek,
+    deepseek_v4,
     falcon_h1,
     gpt2,
     gpt_oss,

@@ -147,8 +147,8 @@ def load_hf_model(hf_dir: str | Path, progress: Progress = None, mtp_num_layers:
     block = block_fp8_config(hf, str(hf_dir / "config.json"))
     if block is not None:
         reader = DequantizingReader(reader, block)
-        notes.append(f"the FP8 weights (block-scaled {block[0]}x{block[1]}, weight_scale_inv) were dequantized to "
-                     "fp32 on import")
+        notes.append(f"the FP8 weights (block-scaled {block[0]}x{block[1]}, weight_scale_inv or .scale) were "
+                     "dequantized to fp32 on import")
     if is_mxfp4(hf):
         reader = Mxfp4Reader(reader)
         notes.append("the MXFP4 expert weights (*_blocks, *_scales: e2m1 values, one e8m0 scale per 32) were "
@@ -179,6 +179,9 @@ def load_hf_model(hf_dir: str | Path, progress: Progress = None, mtp_num_layers:
                 target.copy_(tensor)
             if progress:
                 progress(done, len(conversions))
+    if getattr(reader, "fp4", False):
+        notes.append("the FP4 expert weights (e2m1, two a byte, one e8m0 scale per 32 values) were dequantized to "
+                     "fp32 on import")
     return HFModel(adapter, cfg, hf, tok, model, reader, notes)
 
 
