@@ -36,8 +36,12 @@ def serve(
     max_num_batched_tokens: int = typer.Option(2048, "--max-num-batched-tokens",
                                                help="Token budget of one engine step (prefill is chunked to it)."),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Do not reuse cached prompt blocks."),
-    speculative_tokens: int = typer.Option(0, "--speculative-tokens",
-                                           help="Draft tokens per step from the model's MTP modules (0 = off)."),
+    speculative_tokens: int = typer.Option(0, "--speculative-tokens", "--num-speculative-tokens",
+                                           help="Draft tokens per decode step (0 = off)."),
+    speculative_method: str = typer.Option("mtp", "--speculative-method",
+                                           help="mtp (the model's MTP modules) or ngram (prompt lookup, any model)."),
+    prompt_lookup_max: int = typer.Option(4, "--prompt-lookup-max", help="ngram: the longest suffix looked up."),
+    prompt_lookup_min: int = typer.Option(2, "--prompt-lookup-min", help="ngram: the shortest suffix looked up."),
     max_body_size: str = typer.Option("8MiB", "--max-body-size", help="Largest request body; larger get 413."),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: torch's choice)."),
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level."),
@@ -68,6 +72,8 @@ def serve(
     if not 0 <= port <= 65535:
         raise MegapipeError(f"--port = {port} is not a port number (0-65535)")
     name = served_model_name or Path(model).expanduser().resolve().name
+    spec = dict(speculative_tokens=speculative_tokens, speculative_method=speculative_method,
+                prompt_lookup_max=prompt_lookup_max, prompt_lookup_min=prompt_lookup_min)
     memory = parse_size(kv_cache_memory, "--kv-cache-memory") if kv_cache_memory else None
     if not Path(model).expanduser().exists():
         raise MegapipeError(f"{model} does not exist (give a checkpoint, a run directory or a Hugging Face model dir)")
@@ -109,14 +115,17 @@ def serve(
         if threads < 1:
             raise MegapipeError(f"--threads = {threads} must be >= 1")
         torch.set_num_threads(threads)
+    engine_config = EngineConfig(
+        block_size=block_size, num_blocks=num_blocks, kv_cache_memory=memory, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+        prefix_caching=not no_prefix_caching, **spec)
+    engine_config.check()  # a bad value fails before the model loads
     sock = bind(host, port)  # before loading: a busy port fails in a second, not after the model loads
     try:
         loaded = load_model(model, resolve_device(device), resolve_dtype(dtype))
-        require(loaded.model.cfg, "serve", str(model), engine=["speculative"] if speculative_tokens else None)
-        llm = LLMEngine(loaded.model, loaded.tokenizer, EngineConfig(
-            block_size=block_size, num_blocks=num_blocks, kv_cache_memory=memory, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            prefix_caching=not no_prefix_caching, speculative_tokens=speculative_tokens), loaded.eos_ids)
+        drafter = "ngram_speculative" if speculative_method == "ngram" else "speculative"
+        require(loaded.model.cfg, "serve", str(model), engine=[drafter] if speculative_tokens else None)
+        llm = LLMEngine(loaded.model, loaded.tokenizer, engine_config, loaded.eos_ids)
     except BaseException:
         sock.close()
         raise

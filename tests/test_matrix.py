@@ -85,6 +85,28 @@ def test_generate_default_and_torch_path_equal_transformers(arch, capsys, one_th
     assert row["completion"] == text
 
 
+def test_ngram_speculation_keeps_greedy_output(arch, one_thread):
+    """Prompt-lookup drafts (on a prompt that repeats itself, so some are proposed) leave the greedy tokens as they
+    are; an architecture that does not declare it is refused in one sentence."""
+    from megapipe.errors import ConfigError
+    from megapipe.inference import LLMEngine, SamplingParams
+
+    spec = dict(speculative_tokens=3, speculative_method="ngram", prompt_lookup_min=1)
+    if "ngram_speculative" not in arch["caps"].engine:
+        with pytest.raises(ConfigError, match="--speculative-method ngram verifies drafts"):
+            LLMEngine.from_pretrained(arch["ckpt"], device="cpu", **spec)
+        return
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    plain = LLMEngine.from_pretrained(arch["ckpt"], device="cpu")
+    # the model's own continuation in the prompt: its next tokens are likely seen before
+    prompts = [PROMPTS[0] + plain.generate([PROMPTS[0]], params)[0].outputs[0].token_ids, PROMPTS[1]]
+    want = plain.generate(prompts, params)
+    engine = LLMEngine.from_pretrained(arch["ckpt"], device="cpu", **spec)
+    got = engine.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert engine.stats()["spec_decode_num_draft_tokens"] > 0
+
+
 def test_serve_completion_and_chat_equal_the_engine(arch, one_thread):
     from megapipe.data.chat_template import load_chat_template
     from megapipe.inference import LLMEngine, SamplingParams

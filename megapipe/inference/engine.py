@@ -33,7 +33,7 @@ from megapipe.inference.runner import ModelRunner, say_once
 from megapipe.inference.sampling import ParamError, SampleRow, SamplingParams, sample, top_logprobs
 from megapipe.inference.scheduler import FINISHED, Scheduler, now
 from megapipe.inference.scheduler import Sequence as Seq
-from megapipe.inference.speculative import Speculator
+from megapipe.inference.speculative import MTPSpeculator, NgramSpeculator
 from megapipe.inference.state_cache import StatePool, state_bytes_per_sequence
 from megapipe.models.attention import Attention
 from megapipe.models.capabilities import capabilities, describe
@@ -43,6 +43,7 @@ from megapipe.models.transformer import attention_layers, kv_cache_values_per_to
 
 GiB = 1 << 30
 STATE_MEMORY = GiB  # default memory for hybrid models' recurrent states (besides the KV cache's default GiB)
+SPECULATIVE_METHODS = ("mtp", "ngram")
 
 
 class EngineStalled(RuntimeError):
@@ -63,7 +64,10 @@ class EngineConfig:
     cpu_kernels: Optional[bool] = None  # CPU: megapipe's C++ kernels (kernels.py; default: where they build)
     bf16_linear: str = "auto"  # bf16 matmuls: "own" kernel, "onednn", or "auto" (measured at start: kernels.py)
     max_n: int = 128
-    speculative_tokens: int = 0  # drafts per decode step from the model's MTP modules (megapipe.inference.speculative)
+    speculative_tokens: int = 0  # drafts per decode step (megapipe.inference.speculative); 0: no speculation
+    speculative_method: str = "mtp"  # the drafter: the model's MTP modules, or "ngram" (prompt lookup)
+    prompt_lookup_max: int = 4  # ngram: the longest suffix looked up
+    prompt_lookup_min: int = 2  # ngram: the shortest
 
     def check(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -72,6 +76,16 @@ class EngineConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} = {value!r} must be an integer >= 1")
         if not isinstance(self.speculative_tokens, int) or self.speculative_tokens < 0:
             raise ConfigError(f"--speculative-tokens = {self.speculative_tokens!r} must be an integer >= 0 (0: off)")
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"--speculative-method = {self.speculative_method!r} is not one of "
+                              f"{', '.join(SPECULATIVE_METHODS)}")
+        for name in ("prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} = {value!r} must be an integer >= 1")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(f"--prompt-lookup-min = {self.prompt_lookup_min} exceeds --prompt-lookup-max = "
+                              f"{self.prompt_lookup_max}")
         for name in ("num_blocks", "kv_cache_memory", "max_model_len"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -141,7 +155,11 @@ class LLMEngine:
         if self.max_model_len > cfg.max_position_embeddings:
             raise ConfigError(f"--max-model-len = {self.max_model_len} exceeds the model's max_position_embeddings"
                               f" = {cfg.max_position_embeddings}")
-        if config.speculative_tokens and "speculative" not in capabilities(cfg).engine:
+        ngram = config.speculative_tokens and config.speculative_method == "ngram"
+        if ngram and "ngram_speculative" not in capabilities(cfg).engine:
+            raise ConfigError(f"--speculative-method ngram verifies drafts by computing them and rolling back the "
+                              f"rejected ones, which the recurrent state of this {describe(cfg)} model cannot take")
+        if config.speculative_tokens and not ngram and "speculative" not in capabilities(cfg).engine:
             raise ConfigError(f"--speculative-tokens {config.speculative_tokens} drafts with the model's multi-token "
                               f"prediction modules, and this {describe(cfg)} model has none (model.mtp_num_layers)")
         model.eval()
@@ -155,7 +173,7 @@ class LLMEngine:
         # decoding: the MTP blocks' too (pool layers num_layers + depth - 1)
         kv_layers = sorted({m.layer_id for m in model.layers.modules()
                             if isinstance(m, (Attention, MLAttention, CompressedAttention))})
-        if config.speculative_tokens:
+        if config.speculative_tokens and not ngram:
             kv_layers += range(cfg.num_layers, cfg.num_layers + cfg.mtp_depth)
         per_block = KVPool.bytes_per_block(len(kv_layers), bs, dtype=p.dtype, **kv_layout(cfg))
         # windowed layers beside full ones (GPT-OSS): blocks of their own, in a table of their own that gives back
@@ -196,8 +214,11 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.pool, config.pack_weights, config.huge_pages,
                                   config.cpu_kernels, self.states, config.bf16_linear)
         self.speculator = None
-        if config.speculative_tokens:
-            self.speculator = Speculator(self.runner, config.speculative_tokens, self.sample_row)
+        if ngram:
+            self.speculator = NgramSpeculator(config.speculative_tokens, self.sample_row, config.prompt_lookup_max,
+                                              config.prompt_lookup_min)
+        elif config.speculative_tokens:
+            self.speculator = MTPSpeculator(self.runner, config.speculative_tokens, self.sample_row)
         self.device = p.device
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -350,22 +371,24 @@ class LLMEngine:
                 samplers.append(seq)
             offset += n
         work += [(s, s.tokens[s.num_computed:s.num_computed + n]) for s, n in chunks]
+        want_hidden = self.speculator is not None and self.speculator.needs_hidden
+        hidden = None
         state_slots = [s.state_slot for s in decodes] + [s.state_slot for s, _ in work] if self.states else None
         images = [s.request.images for s in decodes] + [s.request.images for s, _ in work]
         table = self.scheduler.table
         logits = self.runner.run([(table(s), s.num_computed, s.tokens[s.num_computed]) for s in decodes],
                                  [(table(s), s.num_computed, toks) for s, toks in work], rows,
-                                 hidden=self.speculator is not None, state_slots=state_slots,
+                                 hidden=want_hidden, state_slots=state_slots,
                                  images=images if any(i is not None for i in images) else None)
-        if self.speculator is not None:
+        if want_hidden:
             logits, hidden = logits
         for i, seq in enumerate(decodes):
-            if self.speculator is not None:  # a decode without drafts (budget, last token) keeps the chain going
+            if want_hidden:  # a decode without drafts (budget, last token) keeps the chain going
                 self.speculator.record(seq, seq.num_computed, hidden[i:i + 1])
             seq.num_computed += 1
             self.scheduler.register_computed(seq)
         for (seq, n), at in zip(chunks, chunk_at, strict=True):
-            if self.speculator is not None:
+            if want_hidden:
                 self.speculator.record(seq, seq.num_computed, hidden[at:at + n])
             if seq.num_computed < seq.prompt_len:
                 self.num_prompt_tokens += min(n, seq.prompt_len - seq.num_computed)
@@ -375,7 +398,8 @@ class LLMEngine:
             self._prompt_logprobs(seq, logits[at:at + last - start], start)
         touched = {}
         for seq, (at, offset) in zip(verify, verify_at, strict=True):
-            self._accept(seq, logits[at:at + 1 + len(seq.draft.tokens)], hidden[offset:], now())
+            self._accept(seq, logits[at:at + 1 + len(seq.draft.tokens)], hidden[offset:] if want_hidden else None,
+                         now())
             touched[seq.request.request_id] = seq.request
         if samplers:
             self._sample(samplers, logits if len(sample_at) == len(rows) else logits[sample_at])
@@ -399,13 +423,13 @@ class LLMEngine:
             f"nothing scheduled (first: {len(first.tokens)} tokens, {first.num_computed} computed, "
             f"{len(first.block_ids)} blocks; {self.blocks.num_free()} of {self.blocks.num_blocks} blocks free)")
 
-    def _accept(self, seq: Seq, logits: torch.Tensor, hidden: torch.Tensor, t: float) -> None:
+    def _accept(self, seq: Seq, logits: torch.Tensor, hidden: Optional[torch.Tensor], t: float) -> None:
         """Verify ``seq``'s drafts (logits [1 + drafts, V] of its chunk), then emit the accepted tokens and the one
         after them (stopping where the sequence finishes), rolling the sequence back to what was accepted."""
         emitted = self.speculator.verify(seq, logits)
         start = seq.num_computed
         seq.num_computed += len(emitted)  # tokens[start] and the accepted drafts
-        self.speculator.keep(seq, start, hidden[:len(emitted)])
+        self.speculator.keep(seq, start, hidden[:len(emitted)] if hidden is not None else None)
         if seq.params.logprobs is not None:
             raw = logits[:len(emitted)].log_softmax(dim=-1)
             picked, tops = top_logprobs(raw, torch.tensor(emitted, device=raw.device), seq.params.logprobs)
