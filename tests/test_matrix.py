@@ -1,7 +1,8 @@
 """Every architecture the HF bridge knows through every stage, as a new user would take it: a small random
 transformers model -> `import hf` -> `generate` (the engine's default path and its torch path, both token for token
 transformers' `generate`) -> `serve` (a completion and a chat completion through the openai client, equal to the
-engine) -> `posttrain sft` with LoRA (finite loss; the adapters exported and loaded by peft give our logits) ->
+engine) -> `posttrain sft` with LoRA (finite loss; the adapters exported and loaded by peft give our logits; the run's
+adapters and their peft export served per request on the base give the merged model's tokens) ->
 `posttrain rl` -> `posttrain quantize --quant fp8` -> `export trt` (unified and legacy) -> `posttrain prune` (the
 FFN narrowed) -> `eval` perplexity ->
 `export hf` (the source tensors back, bit for bit).
@@ -174,6 +175,27 @@ def test_sft_with_lora_and_peft_parity(arch, capsys, one_thread):
         want = peft_model(tokens).logits
         got = merged.runner.model(tokens)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+    # the run's adapters and their peft export served on the base model, per request, give the merged model's tokens
+    from megapipe.errors import ConfigError
+    from megapipe.inference import SamplingParams
+
+    if "multi_lora" not in caps.engine:
+        with pytest.raises(ConfigError, match="serving LoRA adapters"):
+            LLMEngine.from_pretrained(arch["ckpt"], device="cpu", max_loras=2)
+        return
+    served = LLMEngine.from_pretrained(arch["ckpt"], device="cpu", max_loras=2)
+    served.load_lora("run", step)
+    served.load_lora("peft", adapter)
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    want = [o.outputs[0].token_ids for o in merged.generate(PROMPTS, params)]
+    for name in ("run", "peft"):
+        for i, prompt in enumerate(PROMPTS):
+            served.add_request(f"{name}{i}", prompt, params, lora=name)
+    done = {}
+    while served.has_unfinished():
+        done.update({o.request_id: o.outputs[0].token_ids for o in served.step() if o.finished})
+    assert [done[f"{name}{i}"] for name in ("run", "peft") for i in range(len(PROMPTS))] == want * 2
 
 
 def test_rl_two_steps(arch, capsys, one_thread):

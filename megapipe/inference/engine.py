@@ -29,6 +29,7 @@ from megapipe.inference.block_manager import BlockManager
 from megapipe.inference.detokenize import Detokenizer, special_ids
 from megapipe.inference.images import PromptImages
 from megapipe.inference.kv_cache import KVPool, eviction_window, kv_layout, layer_windows, split_window
+from megapipe.inference.lora import AdapterSlots
 from megapipe.inference.runner import ModelRunner, say_once
 from megapipe.inference.sampling import ParamError, SampleRow, SamplingParams, sample, top_logprobs
 from megapipe.inference.scheduler import FINISHED, Scheduler, now
@@ -68,6 +69,8 @@ class EngineConfig:
     speculative_method: str = "mtp"  # the drafter: the model's MTP modules, or "ngram" (prompt lookup)
     prompt_lookup_max: int = 4  # ngram: the longest suffix looked up
     prompt_lookup_min: int = 2  # ngram: the shortest
+    max_loras: int = 0  # LoRA adapters resident at once (megapipe.inference.lora); 0: none served
+    max_lora_rank: int = 16  # the largest rank an adapter may have
 
     def check(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -83,6 +86,10 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} = {value!r} must be an integer >= 1")
+        if not isinstance(self.max_loras, int) or self.max_loras < 0:
+            raise ConfigError(f"--max-loras = {self.max_loras!r} must be an integer >= 0 (0: no adapters)")
+        if not isinstance(self.max_lora_rank, int) or self.max_lora_rank < 1:
+            raise ConfigError(f"--max-lora-rank = {self.max_lora_rank!r} must be an integer >= 1")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ConfigError(f"--prompt-lookup-min = {self.prompt_lookup_min} exceeds --prompt-lookup-max = "
                               f"{self.prompt_lookup_max}")
@@ -131,6 +138,7 @@ class Request:
         self.first_token_time: Optional[float] = None
         self.images: Optional[PromptImages] = None  # a vision-language model's images of the prompt
         self.hash_seed: Optional[bytes] = None  # what the prompt's chain of block hashes starts from (its images)
+        self.lora: Optional[str] = None  # the LoRA adapter it runs with (megapipe.inference.lora)
 
     @property
     def finished(self) -> bool:
@@ -159,6 +167,9 @@ class LLMEngine:
         if ngram and "ngram_speculative" not in capabilities(cfg).engine:
             raise ConfigError(f"--speculative-method ngram verifies drafts by computing them and rolling back the "
                               f"rejected ones, which the recurrent state of this {describe(cfg)} model cannot take")
+        if config.max_loras and "multi_lora" not in capabilities(cfg).engine:
+            raise ConfigError(f"serving LoRA adapters (--max-loras / --lora-modules) does not support {describe(cfg)} "
+                              f"models yet (megapipe/models/capabilities.py)")
         if config.speculative_tokens and not ngram and "speculative" not in capabilities(cfg).engine:
             raise ConfigError(f"--speculative-tokens {config.speculative_tokens} drafts with the model's multi-token "
                               f"prediction modules, and this {describe(cfg)} model has none (model.mtp_num_layers)")
@@ -210,9 +221,12 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, max_num_seqs, config.max_num_batched_tokens,
                                    self._lookahead if config.speculative_tokens else None, self.states,
                                    window if windowed else eviction_window(cfg),
-                                   BlockManager(windowed_blocks, bs, self.prefix_caching) if windowed else None)
+                                   BlockManager(windowed_blocks, bs, self.prefix_caching) if windowed else None,
+                                   self._admit if config.max_loras else None)
         self.runner = ModelRunner(model, self.pool, config.pack_weights, config.huge_pages,
                                   config.cpu_kernels, self.states, config.bf16_linear)
+        self.adapters = AdapterSlots(model, config.max_loras, config.max_lora_rank) if config.max_loras else None
+        self.runner.adapters = self.adapters
         self.speculator = None
         if ngram:
             self.speculator = NgramSpeculator(config.speculative_tokens, self.sample_row, config.prompt_lookup_max,
@@ -278,17 +292,25 @@ class LLMEngine:
         return params
 
     def add_request(self, request_id: str, prompt: Union[str, Sequence[int]], params: SamplingParams,
-                    arrival: Optional[float] = None, images: Optional[dict] = None) -> Request:
+                    arrival: Optional[float] = None, images: Optional[dict] = None,
+                    lora: Optional[str] = None) -> Request:
         """Queue a request; ``arrival`` (time.monotonic) counts from when a server received it; ``images``: the
-        image processor's ``pixel_values`` and ``image_grid_thw`` of the images whose tokens the prompt holds."""
+        image processor's ``pixel_values`` and ``image_grid_thw`` of the images whose tokens the prompt holds;
+        ``lora``: the name of a registered LoRA adapter to run it with."""
         if request_id in self.requests:
             raise ParamError("request_id", f"request id {request_id!r} is already running")
+        if lora is not None and lora not in self.lora_adapters():
+            raise ParamError("model", f"no LoRA adapter {lora!r} is loaded (loaded: "
+                                      f"{', '.join(self.lora_adapters()) or 'none'})")
         text, ids = self.encode(prompt)
         params = self.check_request(ids, params)
         req = Request(request_id, text, ids, params, arrival)
         if images is not None:
             req.images = PromptImages(self.runner.model, ids, images["pixel_values"], images["image_grid_thw"])
             req.hash_seed = req.images.hash_seed
+        req.lora = lora
+        if lora is not None:  # KV computed under another adapter is never reused
+            req.hash_seed = (req.hash_seed or b"") + self.adapters.registered[lora].uid
         first = None
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
@@ -375,11 +397,16 @@ class LLMEngine:
         hidden = None
         state_slots = [s.state_slot for s in decodes] + [s.state_slot for s, _ in work] if self.states else None
         images = [s.request.images for s in decodes] + [s.request.images for s, _ in work]
+        lora_rows = None
+        if self.adapters is not None:  # each row's adapter slot
+            lora_rows = [self.adapters.slot(s.request.lora) for s in decodes]
+            for s, toks in work:
+                lora_rows += [self.adapters.slot(s.request.lora)] * len(toks)
         table = self.scheduler.table
         logits = self.runner.run([(table(s), s.num_computed, s.tokens[s.num_computed]) for s in decodes],
                                  [(table(s), s.num_computed, toks) for s, toks in work], rows,
                                  hidden=want_hidden, state_slots=state_slots,
-                                 images=images if any(i is not None for i in images) else None)
+                                 images=images if any(i is not None for i in images) else None, lora_rows=lora_rows)
         if want_hidden:
             logits, hidden = logits
         for i, seq in enumerate(decodes):
@@ -449,6 +476,42 @@ class LLMEngine:
         targets = torch.tensor(seq.tokens[start + 1:start + 1 + logits.shape[0]], device=logits.device)
         picked, tops = top_logprobs(logits.log_softmax(dim=-1), targets, seq.params.prompt_logprobs)
         seq.prompt_logprobs.extend(zip(picked, tops, strict=True))
+
+    # ----------------------------------------------------------------------------------------------- LoRA adapters
+
+    def lora_adapters(self) -> dict[str, str]:
+        """Registered adapters: name -> the path it was read from."""
+        return {n: a.path for n, a in self.adapters.registered.items()} if self.adapters is not None else {}
+
+    def add_lora(self, name: str, path, rank: int, scale: float, weights: dict) -> None:
+        """Register adapter ``name`` (``read_adapters(path, cfg)``'s rank, scale and weights); loaded into a slot
+        when a request for it is admitted."""
+        if self.adapters is None:
+            raise ConfigError("this engine serves no LoRA adapters: start it with --max-loras >= 1")
+        if name in self.adapters.registered:
+            raise ParamError("lora_name", f"a LoRA adapter named {name!r} is already loaded")
+        self.adapters.register(name, path, rank, scale, weights)
+
+    def load_lora(self, name: str, path) -> None:
+        """Read the adapter at ``path`` (a peft directory or a megapipe LoRA run) and register it as ``name``."""
+        from megapipe.checkpoint.hf.peft import read_adapters
+
+        self.add_lora(name, path, *read_adapters(path, self.model_config))
+
+    def remove_lora(self, name: str) -> None:
+        if name not in self.lora_adapters():
+            raise ParamError("lora_name", f"no LoRA adapter {name!r} is loaded")
+        users = sum(1 for r in self.requests.values() if r.lora == name)
+        if users:
+            raise ParamError("lora_name", f"LoRA adapter {name!r} serves {users} request(s) in flight: unload it "
+                                          f"when they have finished")
+        self.adapters.unregister(name)
+
+    def _admit(self, seq: Seq) -> bool:
+        """A waiting sequence may start when its adapter is resident or can be loaded into a slot no running
+        sequence holds."""
+        name = seq.request.lora
+        return name is None or self.adapters.acquire(name, {s.request.lora for s in self.scheduler.running})
 
     def sample_row(self, seq: Seq, ahead: Sequence[int] = ()) -> SampleRow:
         """What the sampler needs of ``seq`` for its next token, as if the ids ``ahead`` (drafts) were output."""
