@@ -71,19 +71,13 @@ class AdaptedLinear:
                 self.a[at:at + adapter.rank] = a
                 self.b[at:at + adapter.rank, self.offsets[j]:self.offsets[j + 1]] = b.T
 
-    def delta(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+    def forward(self, x: torch.Tensor, activation: str = "none") -> torch.Tensor:
         mask = self.slots.mask(self.band)
         if mask is None:
-            return None
-        rows = x.reshape(-1, self.in_features)
-        low = torch.matmul(rows, self.a.T).mul_(mask)
-        return torch.matmul(low, self.b).view(*x.shape[:-1], self.out_features)
-
-    def forward(self, x: torch.Tensor, activation: str = "none") -> torch.Tensor:
-        delta = self.delta(x)
-        if delta is None:
             return self.base_forward(x) if activation == "none" else self.base_forward(x, activation)
-        y = self.base_forward(x).add_(delta.to(x.dtype))
+        y = self.base_forward(x)
+        low = torch.matmul(x.reshape(-1, self.in_features), self.a.T).mul_(mask)
+        y.view(-1, self.out_features).addmm_(low, self.b)
         if activation == "swish":
             return F.silu(y)
         if activation != "none":
