@@ -330,7 +330,7 @@ class OpenAIServer:
             await self.engine.call(lambda engine: engine.add_lora(name, body.lora_path, *read))
         except ParamError as e:
             raise APIError(400, str(e), param=e.param) from None
-        except (MegapipeError, OSError, ValueError) as e:
+        except (MegapipeError, OSError, ValueError, KeyError) as e:  # KeyError: an adapter_config.json without "r"
             raise APIError(400, f"cannot load LoRA adapter `{name}` from {body.lora_path}: {e}",
                            param="lora_path") from None
         self.loras[name] = body.lora_path
