@@ -139,8 +139,9 @@ FAMILIES: dict[str, Capabilities] = {
     # the decoder (the vision tower idle): pretraining on one process, eval, generate and serve of text prompts (the
     # server refuses image content parts), the HF bridge with its images' logit parity; packed sequences, every
     # parallel layout, SFT / distillation / RL / pruning / quantization / the TensorRT-LLM writers were not run with
-    # the tower, so they are refused
-    "qwen2_5_vl": Capabilities(layouts=frozenset(), packing=False, engine=frozenset(ENGINE) - {"speculative"},
+    # the tower, so they are refused; no LoRA targets, so no adapters to serve
+    "qwen2_5_vl": Capabilities(layouts=frozenset(), packing=False, engine=frozenset(ENGINE) - {"speculative",
+                                                                                              "multi_lora"},
                                lora=frozenset(), quant=frozenset(), trt=frozenset(),
                                stages=frozenset({"pretrain", "eval", "generate", "serve", "export_hf"})),
 }
