@@ -1,13 +1,14 @@
 """Many LoRA adapters on one base model, mixed in one batch (``megapipe serve --lora-modules name=PATH``).
 
 Up to ``max_loras`` adapters are resident, each in a slot 1 .. max_loras (slot 0: the base model, no adapter); more
-can be registered, and one is loaded into the least recently used slot that no running sequence holds when a
-request for it is admitted (``acquire``). Every adapted linear layer of the base model keeps the resident adapters
-stacked: A as [slots * R, in] and B (times alpha / rank) as [slots * R, out], R = ``max_rank`` per adapted weight
-(a fused q/k/v matmul has three such bands side by side; a smaller rank and a weight an adapter leaves alone are
-zeros). A step computes, on every row x of the flattened batch, y = base(x) + ((x A^T) * mask) B, the mask keeping
-the row's own slot's band only (vLLM's punica idea, per-row gather, as two dense matmuls: rows of any adapter, or
-of none, batch together, and the cost is one low-rank matmul pair per layer whatever the mix).
+can be registered, and one is loaded into the least recently used slot that no running sequence holds when a request
+for it is admitted (``acquire``). Every adapted linear layer of the base model keeps the resident adapters stacked: A
+as [max_loras * R, in] and B (times alpha / rank) as [max_loras * R, out], R = ``max_rank`` per adapted weight (a
+fused q/k/v matmul has three such bands side by side; a smaller rank and a weight an adapter leaves alone are zeros).
+A step computes, on every row x of the flattened batch, y = base(x) + ((x A^T) * mask) B, the mask keeping the row's
+own slot's band only (vLLM's punica idea, per-row gather, as two dense matmuls: rows of any adapter, or of none, batch
+together, and the cost is one low-rank matmul pair per layer whatever the mix). Where the base layer runs on
+megapipe's bf16 kernel, so do the two low-rank matmuls (aten's small bf16 matmuls take several times as long).
 
 The layers stay the engine's (packed or not); their ``forward`` and ``times`` (PackedLinear's fused product) are
 wrapped on the instance, so the runner's fast path and the model's own forward both take the adapters. The rows'
@@ -48,8 +49,12 @@ class AdaptedLinear:
         self.offsets = list(itertools.accumulate([0] + rows))
         self.in_features, self.out_features = linear.in_features, self.offsets[-1]
         self.band = band = slots.max_rank * len(names)
-        self.a = torch.zeros(slots.num_slots * band, self.in_features, dtype=slots.dtype, device=slots.device)
-        self.b = torch.zeros(slots.num_slots * band, self.out_features, dtype=slots.dtype, device=slots.device)
+        # bands of slots 1 .. max_loras (slot 0, the base model, needs none)
+        self.a = torch.zeros(slots.max_loras * band, self.in_features, dtype=slots.dtype, device=slots.device)
+        self.b = torch.zeros(slots.max_loras * band, self.out_features, dtype=slots.dtype, device=slots.device)
+        # on megapipe's bf16 kernel where the base layer is: aten's small bf16 matmuls take several times as long
+        self.own = getattr(linear, "own", False)
+        self._pack()
         self.base_forward, self.base_times = linear.forward, getattr(linear, "times", None)
         linear.forward = self.forward  # the instance attribute wins over the class's method
         if self.base_times is not None:
@@ -59,25 +64,33 @@ class AdaptedLinear:
     def put(self, slot: int, adapter: Optional[Adapter]) -> None:
         """Write ``adapter``'s weights (or zeros) into ``slot``'s band."""
         rank = self.slots.max_rank
-        start = slot * self.band
+        start = (slot - 1) * self.band
         self.a[start:start + self.band].zero_()
         self.b[start:start + self.band].zero_()
-        if adapter is None:
-            return
         for j, name in enumerate(self.names):
-            if name in adapter.weights:
+            if adapter is not None and name in adapter.weights:
                 a, b = adapter.weights[name]
                 at = start + j * rank
                 self.a[at:at + adapter.rank] = a
                 self.b[at:at + adapter.rank, self.offsets[j]:self.offsets[j + 1]] = b.T
+        self._pack()
+
+    def _pack(self) -> None:
+        self.packed = (PackedLinear(self.a, own=True), PackedLinear(self.b.T.contiguous(), own=True)) if self.own \
+            else None
 
     def forward(self, x: torch.Tensor, activation: str = "none") -> torch.Tensor:
         mask = self.slots.mask(self.band)
         if mask is None:
             return self.base_forward(x) if activation == "none" else self.base_forward(x, activation)
         y = self.base_forward(x)
-        low = torch.matmul(x.reshape(-1, self.in_features), self.a.T).mul_(mask)
-        y.view(-1, self.out_features).addmm_(low, self.b)
+        rows = x.reshape(-1, self.in_features)
+        if self.packed is not None:
+            low = self.packed[0](rows).mul_(mask)
+            y.view(-1, self.out_features).add_(self.packed[1](low))
+        else:
+            low = torch.matmul(rows, self.a.T).mul_(mask)
+            y.view(-1, self.out_features).addmm_(low, self.b)
         if activation == "swish":
             return F.silu(y)
         if activation != "none":
@@ -176,10 +189,10 @@ class AdapterSlots:
             self._onehot = None
             return
         ids = torch.tensor(slots, dtype=torch.long, device=self.device)
-        self._onehot = F.one_hot(ids, self.num_slots).to(self.dtype)
+        self._onehot = F.one_hot(ids, self.num_slots)[:, 1:].to(self.dtype)  # slot 0 has no band
 
     def mask(self, band: int) -> Optional[torch.Tensor]:
-        """[rows, slots * band]: 1 on each row's own slot's band."""
+        """[rows, max_loras * band]: 1 on each row's own slot's band (none for slot 0)."""
         if self._onehot is None:
             return None
         mask = self._masks.get(band)

@@ -204,3 +204,29 @@ def test_server_routes(hf_llama, adapters, tmp_path):
         assert post("/v1/completions", {"model": "ad", "prompt": "x"}).status_code == 404
     finally:
         live.stop()
+
+
+def test_bf16_kernel_path_equals_the_plain_matmuls():
+    """On megapipe's bf16 kernel (where it builds) the adapted layer gives what bf16 matmuls give (round-off)."""
+    from megapipe.inference import kernels
+    from megapipe.inference.lora import AdaptedLinear, AdapterSlots
+    from megapipe.inference.runner import PackedLinear
+
+    if not kernels.bf16_linear_built():
+        pytest.skip("megapipe's bf16 kernel does not build here")
+    torch.manual_seed(0)
+    base = torch.nn.Linear(64, 48, bias=False).to(torch.bfloat16)
+    slots = AdapterSlots(base, max_loras=2, max_rank=4)
+    layer = AdaptedLinear(PackedLinear(base.weight, own=True), ["w.weight"], [48], slots)
+    assert layer.packed is not None
+    weights = {"w.weight": (torch.randn(4, 64).bfloat16(), torch.randn(48, 4).bfloat16())}
+    slots.registered["x"] = slots_adapter = type("A", (), {"rank": 4, "weights": weights})()
+    layer.put(2, slots_adapter)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    slots.set_rows([0, 2, 2, 0, 2])
+    with torch.inference_mode():
+        got = layer.forward(x).float()
+    a, b = weights["w.weight"]
+    want = (x @ base.weight.T).float()
+    want[[1, 2, 4]] += ((x[[1, 2, 4]] @ a.T) @ b.T).float()
+    torch.testing.assert_close(got, want, atol=0.1, rtol=0.02)
