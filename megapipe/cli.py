@@ -82,7 +82,7 @@ COMMANDS: dict[str, Entry] = {
     # megapipe eval CKPT --tasks ... --output DIR: DIR/results.json (lm-eval's results dict)
     "eval": Entry(evaluate.eval_command, Output("output", "eval", "dir", complete="results.json"),
                   multi_value_command("--data-path", "--include-path")),
-    "serve": Entry(serve.serve),
+    "serve": Entry(serve.serve, cls=multi_value_command("--lora-modules")),
     "serve-smoke": Entry(smoke.serve_smoke, Output("output", "smoke", "dir", complete="responses.json")),
     "checkpoint inspect": Entry(checkpoint.inspect),
     "checkpoint verify": Entry(checkpoint.verify),

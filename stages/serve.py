@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -36,8 +36,19 @@ def serve(
     max_num_batched_tokens: int = typer.Option(2048, "--max-num-batched-tokens",
                                                help="Token budget of one engine step (prefill is chunked to it)."),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Do not reuse cached prompt blocks."),
-    speculative_tokens: int = typer.Option(0, "--speculative-tokens",
-                                           help="Draft tokens per step from the model's MTP modules (0 = off)."),
+    speculative_tokens: int = typer.Option(0, "--speculative-tokens", "--num-speculative-tokens",
+                                           help="Draft tokens per decode step (0 = off)."),
+    speculative_method: str = typer.Option("mtp", "--speculative-method",
+                                           help="mtp (the model's MTP modules) or ngram (prompt lookup, any model)."),
+    prompt_lookup_max: int = typer.Option(4, "--prompt-lookup-max", help="ngram: the longest suffix looked up."),
+    prompt_lookup_min: int = typer.Option(2, "--prompt-lookup-min", help="ngram: the shortest suffix looked up."),
+    lora_modules: Optional[List[str]] = typer.Option(
+        None, "--lora-modules", help="LoRA adapters served beside the base model, name=PATH each (a peft directory or a "
+                                     "megapipe LoRA run); clients choose one by its name as the model."),
+    max_loras: Optional[int] = typer.Option(None, "--max-loras",
+                                            help="LoRA adapters resident at once, the rest loaded when asked (least "
+                                                 "recently used out; default: as many as --lora-modules)."),
+    max_lora_rank: int = typer.Option(16, "--max-lora-rank", help="The largest rank of a served LoRA adapter."),
     max_body_size: str = typer.Option("8MiB", "--max-body-size", help="Largest request body; larger get 413."),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: torch's choice)."),
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level."),
@@ -68,6 +79,12 @@ def serve(
     if not 0 <= port <= 65535:
         raise MegapipeError(f"--port = {port} is not a port number (0-65535)")
     name = served_model_name or Path(model).expanduser().resolve().name
+    loras = _lora_modules(lora_modules or [])
+    if name in loras:
+        raise MegapipeError(f"--lora-modules names {name!r}, the base model's name: give the adapter another")
+    spec = dict(max_loras=len(loras) if max_loras is None else max_loras, max_lora_rank=max_lora_rank,
+                speculative_tokens=speculative_tokens, speculative_method=speculative_method,
+                prompt_lookup_max=prompt_lookup_max, prompt_lookup_min=prompt_lookup_min)
     memory = parse_size(kv_cache_memory, "--kv-cache-memory") if kv_cache_memory else None
     if not Path(model).expanduser().exists():
         raise MegapipeError(f"{model} does not exist (give a checkpoint, a run directory or a Hugging Face model dir)")
@@ -109,14 +126,21 @@ def serve(
         if threads < 1:
             raise MegapipeError(f"--threads = {threads} must be >= 1")
         torch.set_num_threads(threads)
+    engine_config = EngineConfig(
+        block_size=block_size, num_blocks=num_blocks, kv_cache_memory=memory, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+        prefix_caching=not no_prefix_caching, **spec)
+    engine_config.check()  # a bad value fails before the model loads
     sock = bind(host, port)  # before loading: a busy port fails in a second, not after the model loads
     try:
         loaded = load_model(model, resolve_device(device), resolve_dtype(dtype))
-        require(loaded.model.cfg, "serve", str(model), engine=["speculative"] if speculative_tokens else None)
-        llm = LLMEngine(loaded.model, loaded.tokenizer, EngineConfig(
-            block_size=block_size, num_blocks=num_blocks, kv_cache_memory=memory, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            prefix_caching=not no_prefix_caching, speculative_tokens=speculative_tokens), loaded.eos_ids)
+        drafter = "ngram_speculative" if speculative_method == "ngram" else "speculative"
+        require(loaded.model.cfg, "serve", str(model), engine=[drafter] if speculative_tokens else None)
+        if loras:
+            require(loaded.model.cfg, "serve", str(model), engine=["multi_lora"])
+        llm = LLMEngine(loaded.model, loaded.tokenizer, engine_config, loaded.eos_ids)
+        for lora_name, path in loras.items():
+            llm.load_lora(lora_name, path)
     except BaseException:
         sock.close()
         raise
@@ -130,6 +154,23 @@ def serve(
               f"{llm.max_model_len}, {llm.kv_cache_line()})", file=sys.stderr, flush=True)
 
     run_server(AsyncEngine(llm, config.max_queue), config, sock, log_level=log_level, on_ready=ready)
+
+
+def _lora_modules(items: List[str]) -> dict[str, str]:
+    """--lora-modules name=PATH ... -> {name: PATH}; each path must exist."""
+    from pathlib import Path
+
+    out = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise MegapipeError(f"--lora-modules {item!r} is not name=PATH")
+        if name in out:
+            raise MegapipeError(f"--lora-modules names {name!r} twice")
+        if not Path(path).expanduser().exists():
+            raise MegapipeError(f"--lora-modules {name}={path}: {path} does not exist")
+        out[name] = path
+    return out
 
 
 def _check_api_key(api_key: Optional[str]) -> None:

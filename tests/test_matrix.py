@@ -1,7 +1,8 @@
 """Every architecture the HF bridge knows through every stage, as a new user would take it: a small random
 transformers model -> `import hf` -> `generate` (the engine's default path and its torch path, both token for token
 transformers' `generate`) -> `serve` (a completion and a chat completion through the openai client, equal to the
-engine) -> `posttrain sft` with LoRA (finite loss; the adapters exported and loaded by peft give our logits) ->
+engine) -> `posttrain sft` with LoRA (finite loss; the adapters exported and loaded by peft give our logits; the run's
+adapters and their peft export served per request on the base give the merged model's tokens) ->
 `posttrain rl` -> `posttrain quantize --quant fp8` -> `export trt` (unified and legacy) -> `posttrain prune` (the
 FFN narrowed) -> `eval` perplexity ->
 `export hf` (the source tensors back, bit for bit).
@@ -85,6 +86,28 @@ def test_generate_default_and_torch_path_equal_transformers(arch, capsys, one_th
     assert row["completion"] == text
 
 
+def test_ngram_speculation_keeps_greedy_output(arch, one_thread):
+    """Prompt-lookup drafts (on a prompt that repeats itself, so some are proposed) leave the greedy tokens as they
+    are; an architecture that does not declare it is refused in one sentence."""
+    from megapipe.errors import ConfigError
+    from megapipe.inference import LLMEngine, SamplingParams
+
+    spec = dict(speculative_tokens=3, speculative_method="ngram", prompt_lookup_min=1)
+    if "ngram_speculative" not in arch["caps"].engine:
+        with pytest.raises(ConfigError, match="--speculative-method ngram verifies drafts"):
+            LLMEngine.from_pretrained(arch["ckpt"], device="cpu", **spec)
+        return
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    plain = LLMEngine.from_pretrained(arch["ckpt"], device="cpu")
+    # the model's own continuation in the prompt: its next tokens are likely seen before
+    prompts = [PROMPTS[0] + plain.generate([PROMPTS[0]], params)[0].outputs[0].token_ids, PROMPTS[1]]
+    want = plain.generate(prompts, params)
+    engine = LLMEngine.from_pretrained(arch["ckpt"], device="cpu", **spec)
+    got = engine.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert engine.stats()["spec_decode_num_draft_tokens"] > 0
+
+
 def test_serve_completion_and_chat_equal_the_engine(arch, one_thread):
     from megapipe.data.chat_template import load_chat_template
     from megapipe.inference import LLMEngine, SamplingParams
@@ -152,6 +175,27 @@ def test_sft_with_lora_and_peft_parity(arch, capsys, one_thread):
         want = peft_model(tokens).logits
         got = merged.runner.model(tokens)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+    # the run's adapters and their peft export served on the base model, per request, give the merged model's tokens
+    from megapipe.errors import ConfigError
+    from megapipe.inference import SamplingParams
+
+    if "multi_lora" not in caps.engine:
+        with pytest.raises(ConfigError, match="serving LoRA adapters"):
+            LLMEngine.from_pretrained(arch["ckpt"], device="cpu", max_loras=2)
+        return
+    served = LLMEngine.from_pretrained(arch["ckpt"], device="cpu", max_loras=2)
+    served.load_lora("run", step)
+    served.load_lora("peft", adapter)
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    want = [o.outputs[0].token_ids for o in merged.generate(PROMPTS, params)]
+    for name in ("run", "peft"):
+        for i, prompt in enumerate(PROMPTS):
+            served.add_request(f"{name}{i}", prompt, params, lora=name)
+    done = {}
+    while served.has_unfinished():
+        done.update({o.request_id: o.outputs[0].token_ids for o in served.step() if o.finished})
+    assert [done[f"{name}{i}"] for name in ("run", "peft") for i in range(len(PROMPTS))] == want * 2
 
 
 def test_rl_two_steps(arch, capsys, one_thread):

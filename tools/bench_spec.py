@@ -11,11 +11,20 @@ drafts; the greedy texts must be identical.
     .venv/bin/python tools/bench_spec.py                      # a few minutes on 2 CPU cores
     .venv/bin/python tools/bench_spec.py --steps 600 --k 1,2,3
     .venv/bin/python tools/bench_spec.py --num-layers 12   # the draft a smaller share of a decode step
+
+``--method ngram``: prompt-lookup drafts (``--speculative-method ngram``) on a repetitive-document workload instead:
+the real SmolLM2-135M (``MEGAPIPE_SMOLLM2_DIR``, default ~/.cache/megapipe/smollm2, tools/prepare_smollm2.py) is
+given Shakespeare passages (tests/fixtures/shakespeare_excerpt.jsonl) and asked to write each out again; the same
+timing, identity check and ratio, for each K of ``--k``. Without SmolLM2 the model pretrained above serves (the
+default ``--model`` for this mode is then ``tiny``).
+
+    .venv/bin/python tools/bench_spec.py --method ngram --k 3,5
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -52,7 +61,15 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--fresh", action="store_true", help="pretrain again")
+    ap.add_argument("--method", default="mtp", choices=["mtp", "ngram"], help="the drafter")
+    ap.add_argument("--lookup", default="4,2", help="ngram: --prompt-lookup-max,--prompt-lookup-min")
     args = ap.parse_args()
+    if args.method == "ngram":
+        smollm2 = Path(os.environ.get("MEGAPIPE_SMOLLM2_DIR", "~/.cache/megapipe/smollm2")).expanduser()
+        if (smollm2 / "config.json").is_file():
+            return ngram_bench(args, smollm2, "SmolLM2-135M")
+        if args.model == "deepseek-v3-tiny":
+            args.model, args.mtp_num_layers = "tiny", 0
     import shutil
 
     import torch
@@ -74,7 +91,8 @@ def main() -> int:
         shutil.rmtree(run, ignore_errors=True)
     t0 = time.perf_counter()
     if not list_checkpoints(run):
-        assert megapipe(["pretrain", "--model", args.model, "--mtp-num-layers", str(args.mtp_num_layers),
+        mtp = ["--mtp-num-layers", str(args.mtp_num_layers)] if args.mtp_num_layers else []
+        assert megapipe(["pretrain", "--model", args.model, *mtp,
                          "--data-path", prefix, "--tokenizer", str(tok_dir), "--seq-length", str(args.seq),
                          "--micro-batch-size", str(args.batch), "--global-batch-size", str(args.batch),
                          "--train-iters", str(args.steps), "--lr", "2e-3", "--lr-warmup-iters", "20",
@@ -82,6 +100,8 @@ def main() -> int:
                         + (["--set", f"model.num_layers={args.num_layers}"] if args.num_layers else [])) == 0
     train_s = time.perf_counter() - t0
 
+    if args.method == "ngram":
+        return ngram_bench(args, list_checkpoints(run)[-1][1], f"{args.model} ({args.steps} pretraining steps)")
     torch.set_num_threads(args.threads)
     loaded = load_model(list_checkpoints(run)[-1][1], torch.device("cpu"))
     tok = load_tokenizer(tok_dir)
@@ -91,22 +111,7 @@ def main() -> int:
     engines = {k: LLMEngine(loaded.model, tok, EngineConfig(max_num_seqs=1, speculative_tokens=k), loaded.eos_ids)
                for k in ks}
 
-    def decode(k: int) -> tuple[float, list[list[int]]]:
-        """Seconds to generate every prompt's tokens one prompt at a time (batch 1), and the tokens."""
-        started, out = time.perf_counter(), []
-        for p in prompts:
-            out.append(engines[k].generate([p], params)[0].outputs[0].token_ids)
-        return time.perf_counter() - started, out
-
-    for k in ks:  # warm-up (oneDNN kernels, caches)
-        decode(k)
-    times = {k: [] for k in ks}
-    texts = {}
-    for _ in range(args.reps):
-        for k in ks:
-            engines[k].blocks.reset_prefix_cache()  # every repetition computes its prompts
-            seconds, texts[k] = decode(k)
-            times[k].append(seconds)
+    times, texts = timed_turns(engines, prompts, params, args.reps)
     tokens = len(prompts) * args.new_tokens
     speed = {k: tokens / statistics.median(times[k]) for k in ks}
     print(f"{args.model} ({loaded.model.cfg.num_layers} layers) + {args.mtp_num_layers} MTP module(s), {args.steps} pretraining steps ({train_s:.0f} s); "
@@ -119,6 +124,76 @@ def main() -> int:
         print(f"  --speculative-tokens {k}: {speed[k]:.1f} tokens/s = {speed[k] / speed[0]:.2f}x; acceptance rate "
               f"{s['spec_decode_acceptance_rate']:.2f} (per draft position: {per_pos}); greedy text identical")
     return 0
+
+
+def repeat_prompts(tok, count: int) -> list[list[int]]:
+    """Shakespeare passages of a few hundred tokens, each followed by the request to write it out again."""
+    import json
+
+    texts = [json.loads(line)["text"] for line in (ROOT / "tests/fixtures/shakespeare_excerpt.jsonl").open()]
+    prompts, doc = [], []
+    for t in texts:
+        doc.append(t)
+        if len(" ".join(doc).split()) > 150:
+            text = "\n\n".join(doc)
+            prompts.append(list(tok.encode(f"{text}\n\nThe same passage again, word for word:\n\n{doc[0][:40]}")))
+            doc = []
+        if len(prompts) == count:
+            break
+    return prompts
+
+
+def ngram_bench(args, path, label: str) -> int:
+    """Batch-1 greedy decode of the repeat-the-passage prompts without drafts and with n-gram drafts of each K."""
+    import torch
+
+    from megapipe.checkpoint.load import load_model
+    from megapipe.inference import LLMEngine, SamplingParams
+    from megapipe.inference.engine import EngineConfig
+
+    torch.set_num_threads(args.threads)
+    loaded = load_model(path, torch.device("cpu"))
+    prompts = repeat_prompts(loaded.tokenizer, args.prompts)
+    longest, shortest = (int(x) for x in args.lookup.split(","))
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
+    ks = [0] + [int(k) for k in args.k.split(",")]
+    engines = {k: LLMEngine(loaded.model, loaded.tokenizer, EngineConfig(
+        max_num_seqs=1, speculative_tokens=k, speculative_method="ngram", prompt_lookup_max=longest,
+        prompt_lookup_min=shortest, max_model_len=2048), loaded.eos_ids) for k in ks}
+    times, texts = timed_turns(engines, prompts, params, args.reps)
+    tokens = len(prompts) * args.new_tokens
+    speed = {k: tokens / statistics.median(times[k]) for k in ks}
+    print(f"{label}, n-gram drafts (prompt lookup {longest}..{shortest}): {len(prompts)} repeat-the-passage prompts "
+          f"({sum(map(len, prompts)) // len(prompts)} tokens on average) x {args.new_tokens} new tokens, batch 1, "
+          f"{args.threads} thread(s), median of {args.reps}")
+    print(f"  no drafts: {speed[0]:.1f} tokens/s")
+    for k in ks[1:]:
+        assert texts[k] == texts[0], f"--speculative-tokens {k} changed the greedy output"
+        s = engines[k].stats()
+        print(f"  --speculative-method ngram --speculative-tokens {k}: {speed[k]:.1f} tokens/s = "
+              f"{speed[k] / speed[0]:.2f}x; acceptance rate {s['spec_decode_acceptance_rate']:.2f}, "
+              f"{engines[k].num_generation_tokens / max(1, engines[k].num_steps):.2f} tokens per step; greedy text "
+              f"identical")
+    return 0
+
+
+def timed_turns(engines: dict, prompts, params, reps: int) -> tuple[dict, dict]:
+    """Seconds per repetition of each engine generating every prompt one at a time (batch 1), taking turns after a
+    warm-up; and each engine's tokens."""
+    def decode(e) -> tuple[float, list[list[int]]]:
+        started = time.perf_counter()
+        out = [e.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+        return time.perf_counter() - started, out
+
+    for e in engines.values():  # warm-up (oneDNN kernels, caches)
+        decode(e)
+    times, texts = {k: [] for k in engines}, {}
+    for _ in range(reps):
+        for k, e in engines.items():
+            e.blocks.reset_prefix_cache()  # every repetition computes its prompts
+            seconds, texts[k] = decode(e)
+            times[k].append(seconds)
+    return times, texts
 
 
 if __name__ == "__main__":

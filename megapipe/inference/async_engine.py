@@ -56,8 +56,9 @@ class AsyncEngine:
         return self.engine.num_waiting() + self.pending
 
     async def generate(self, prompt: Union[str, Sequence[int]], params: SamplingParams,
-                       request_id: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+                       request_id: Optional[str] = None, lora: Optional[str] = None) -> AsyncIterator[RequestOutput]:
         """Outputs as the request progresses (each holds everything so far); the last one has finished=True.
+        ``lora``: the registered LoRA adapter to run it with (megapipe.inference.lora).
 
         Parameter errors (ParamError) are raised here, before anything is queued.
         """
@@ -73,7 +74,7 @@ class AsyncEngine:
         with self._lock:
             self._streams[rid] = (loop, stream)
             self.pending += 1
-        self._inbox.put(("add", rid, ids, text, params, now()))
+        self._inbox.put(("add", rid, ids, text, params, now(), lora))
         self._wake.set()
         finished = False
         try:
@@ -90,6 +91,16 @@ class AsyncEngine:
                 self._streams.pop(rid, None)
             if not finished:
                 self.abort(rid)
+
+    async def call(self, fn: Callable[[LLMEngine], object]):
+        """``fn(engine)`` run by the engine thread between steps (loading an adapter, ...); its result, or its
+        exception raised here."""
+        if not self.alive:
+            raise EngineDead(f"the engine stopped: {self.error}")
+        done = asyncio.get_running_loop().create_future()
+        self._inbox.put(("call", fn, done))
+        self._wake.set()
+        return await done
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -123,15 +134,26 @@ class AsyncEngine:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if msg[0] == "add":
-                _, rid, ids, text, params, arrival = msg
+            if msg[0] == "call":
+                _, fn, done = msg
+                try:
+                    result, error = fn(self.engine), None
+                except Exception as e:  # noqa: BLE001 - handed to the caller, who raises it
+                    result, error = None, e
+                loop = done.get_loop()
+                try:
+                    loop.call_soon_threadsafe(_settle, done, result, error)
+                except RuntimeError:  # the loop is closed (server shutting down)
+                    pass
+            elif msg[0] == "add":
+                _, rid, ids, text, params, arrival, lora = msg
                 with self._lock:
                     self.pending -= 1
                     gone = rid not in self._streams
                 if gone:
                     continue  # cancelled before the engine saw it
                 try:
-                    req = self.engine.add_request(rid, ids, params, arrival)
+                    req = self.engine.add_request(rid, ids, params, arrival, lora=lora)
                     req.prompt = text
                 except MegapipeError as e:
                     self._deliver(rid, e)
@@ -159,3 +181,12 @@ class AsyncEngine:
                 rids = list(self._streams)
             for rid in rids:
                 self._deliver(rid, EngineDead(f"the engine stopped on an internal error: {e}"))
+
+
+def _settle(done: asyncio.Future, result, error: Optional[BaseException]) -> None:
+    if done.cancelled():
+        return
+    if error is not None:
+        done.set_exception(error)
+    else:
+        done.set_result(result)

@@ -29,11 +29,12 @@ from megapipe.inference.block_manager import BlockManager
 from megapipe.inference.detokenize import Detokenizer, special_ids
 from megapipe.inference.images import PromptImages
 from megapipe.inference.kv_cache import KVPool, eviction_window, kv_layout, layer_windows, split_window
+from megapipe.inference.lora import AdapterSlots
 from megapipe.inference.runner import ModelRunner, say_once
 from megapipe.inference.sampling import ParamError, SampleRow, SamplingParams, sample, top_logprobs
 from megapipe.inference.scheduler import FINISHED, Scheduler, now
 from megapipe.inference.scheduler import Sequence as Seq
-from megapipe.inference.speculative import Speculator
+from megapipe.inference.speculative import MTPSpeculator, NgramSpeculator
 from megapipe.inference.state_cache import StatePool, state_bytes_per_sequence
 from megapipe.models.attention import Attention
 from megapipe.models.capabilities import capabilities, describe
@@ -43,6 +44,7 @@ from megapipe.models.transformer import attention_layers, kv_cache_values_per_to
 
 GiB = 1 << 30
 STATE_MEMORY = GiB  # default memory for hybrid models' recurrent states (besides the KV cache's default GiB)
+SPECULATIVE_METHODS = ("mtp", "ngram")
 
 
 class EngineStalled(RuntimeError):
@@ -63,7 +65,12 @@ class EngineConfig:
     cpu_kernels: Optional[bool] = None  # CPU: megapipe's C++ kernels (kernels.py; default: where they build)
     bf16_linear: str = "auto"  # bf16 matmuls: "own" kernel, "onednn", or "auto" (measured at start: kernels.py)
     max_n: int = 128
-    speculative_tokens: int = 0  # drafts per decode step from the model's MTP modules (megapipe.inference.speculative)
+    speculative_tokens: int = 0  # drafts per decode step (megapipe.inference.speculative); 0: no speculation
+    speculative_method: str = "mtp"  # the drafter: the model's MTP modules, or "ngram" (prompt lookup)
+    prompt_lookup_max: int = 4  # ngram: the longest suffix looked up
+    prompt_lookup_min: int = 2  # ngram: the shortest
+    max_loras: int = 0  # LoRA adapters resident at once (megapipe.inference.lora); 0: none served
+    max_lora_rank: int = 16  # the largest rank an adapter may have
 
     def check(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -72,6 +79,20 @@ class EngineConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} = {value!r} must be an integer >= 1")
         if not isinstance(self.speculative_tokens, int) or self.speculative_tokens < 0:
             raise ConfigError(f"--speculative-tokens = {self.speculative_tokens!r} must be an integer >= 0 (0: off)")
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"--speculative-method = {self.speculative_method!r} is not one of "
+                              f"{', '.join(SPECULATIVE_METHODS)}")
+        for name in ("prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} = {value!r} must be an integer >= 1")
+        if not isinstance(self.max_loras, int) or self.max_loras < 0:
+            raise ConfigError(f"--max-loras = {self.max_loras!r} must be an integer >= 0 (0: no adapters)")
+        if not isinstance(self.max_lora_rank, int) or self.max_lora_rank < 1:
+            raise ConfigError(f"--max-lora-rank = {self.max_lora_rank!r} must be an integer >= 1")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(f"--prompt-lookup-min = {self.prompt_lookup_min} exceeds --prompt-lookup-max = "
+                              f"{self.prompt_lookup_max}")
         for name in ("num_blocks", "kv_cache_memory", "max_model_len"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -117,6 +138,7 @@ class Request:
         self.first_token_time: Optional[float] = None
         self.images: Optional[PromptImages] = None  # a vision-language model's images of the prompt
         self.hash_seed: Optional[bytes] = None  # what the prompt's chain of block hashes starts from (its images)
+        self.lora: Optional[str] = None  # the LoRA adapter it runs with (megapipe.inference.lora)
 
     @property
     def finished(self) -> bool:
@@ -141,7 +163,14 @@ class LLMEngine:
         if self.max_model_len > cfg.max_position_embeddings:
             raise ConfigError(f"--max-model-len = {self.max_model_len} exceeds the model's max_position_embeddings"
                               f" = {cfg.max_position_embeddings}")
-        if config.speculative_tokens and "speculative" not in capabilities(cfg).engine:
+        ngram = config.speculative_tokens and config.speculative_method == "ngram"
+        if ngram and "ngram_speculative" not in capabilities(cfg).engine:
+            raise ConfigError(f"--speculative-method ngram verifies drafts by computing them and rolling back the "
+                              f"rejected ones, which the recurrent state of this {describe(cfg)} model cannot take")
+        if config.max_loras and "multi_lora" not in capabilities(cfg).engine:
+            raise ConfigError(f"serving LoRA adapters (--max-loras / --lora-modules) does not support {describe(cfg)} "
+                              f"models yet (megapipe/models/capabilities.py)")
+        if config.speculative_tokens and not ngram and "speculative" not in capabilities(cfg).engine:
             raise ConfigError(f"--speculative-tokens {config.speculative_tokens} drafts with the model's multi-token "
                               f"prediction modules, and this {describe(cfg)} model has none (model.mtp_num_layers)")
         model.eval()
@@ -155,7 +184,7 @@ class LLMEngine:
         # decoding: the MTP blocks' too (pool layers num_layers + depth - 1)
         kv_layers = sorted({m.layer_id for m in model.layers.modules()
                             if isinstance(m, (Attention, MLAttention, CompressedAttention))})
-        if config.speculative_tokens:
+        if config.speculative_tokens and not ngram:
             kv_layers += range(cfg.num_layers, cfg.num_layers + cfg.mtp_depth)
         per_block = KVPool.bytes_per_block(len(kv_layers), bs, dtype=p.dtype, **kv_layout(cfg))
         # windowed layers beside full ones (GPT-OSS): blocks of their own, in a table of their own that gives back
@@ -192,12 +221,18 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, max_num_seqs, config.max_num_batched_tokens,
                                    self._lookahead if config.speculative_tokens else None, self.states,
                                    window if windowed else eviction_window(cfg),
-                                   BlockManager(windowed_blocks, bs, self.prefix_caching) if windowed else None)
+                                   BlockManager(windowed_blocks, bs, self.prefix_caching) if windowed else None,
+                                   self._admit if config.max_loras else None)
         self.runner = ModelRunner(model, self.pool, config.pack_weights, config.huge_pages,
                                   config.cpu_kernels, self.states, config.bf16_linear)
+        self.adapters = AdapterSlots(model, config.max_loras, config.max_lora_rank) if config.max_loras else None
+        self.runner.adapters = self.adapters
         self.speculator = None
-        if config.speculative_tokens:
-            self.speculator = Speculator(self.runner, config.speculative_tokens, self.sample_row)
+        if ngram:
+            self.speculator = NgramSpeculator(config.speculative_tokens, self.sample_row, config.prompt_lookup_max,
+                                              config.prompt_lookup_min)
+        elif config.speculative_tokens:
+            self.speculator = MTPSpeculator(self.runner, config.speculative_tokens, self.sample_row)
         self.device = p.device
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -257,17 +292,25 @@ class LLMEngine:
         return params
 
     def add_request(self, request_id: str, prompt: Union[str, Sequence[int]], params: SamplingParams,
-                    arrival: Optional[float] = None, images: Optional[dict] = None) -> Request:
+                    arrival: Optional[float] = None, images: Optional[dict] = None,
+                    lora: Optional[str] = None) -> Request:
         """Queue a request; ``arrival`` (time.monotonic) counts from when a server received it; ``images``: the
-        image processor's ``pixel_values`` and ``image_grid_thw`` of the images whose tokens the prompt holds."""
+        image processor's ``pixel_values`` and ``image_grid_thw`` of the images whose tokens the prompt holds;
+        ``lora``: the name of a registered LoRA adapter to run it with."""
         if request_id in self.requests:
             raise ParamError("request_id", f"request id {request_id!r} is already running")
+        if lora is not None and lora not in self.lora_adapters():
+            raise ParamError("model", f"no LoRA adapter {lora!r} is loaded (loaded: "
+                                      f"{', '.join(self.lora_adapters()) or 'none'})")
         text, ids = self.encode(prompt)
         params = self.check_request(ids, params)
         req = Request(request_id, text, ids, params, arrival)
         if images is not None:
             req.images = PromptImages(self.runner.model, ids, images["pixel_values"], images["image_grid_thw"])
             req.hash_seed = req.images.hash_seed
+        req.lora = lora
+        if lora is not None:  # KV computed under another adapter is never reused
+            req.hash_seed = (req.hash_seed or b"") + self.adapters.registered[lora].uid
         first = None
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
@@ -350,22 +393,29 @@ class LLMEngine:
                 samplers.append(seq)
             offset += n
         work += [(s, s.tokens[s.num_computed:s.num_computed + n]) for s, n in chunks]
+        want_hidden = self.speculator is not None and self.speculator.needs_hidden
+        hidden = None
         state_slots = [s.state_slot for s in decodes] + [s.state_slot for s, _ in work] if self.states else None
         images = [s.request.images for s in decodes] + [s.request.images for s, _ in work]
+        lora_rows = None
+        if self.adapters is not None:  # each row's adapter slot
+            lora_rows = [self.adapters.slot(s.request.lora) for s in decodes]
+            for s, toks in work:
+                lora_rows += [self.adapters.slot(s.request.lora)] * len(toks)
         table = self.scheduler.table
         logits = self.runner.run([(table(s), s.num_computed, s.tokens[s.num_computed]) for s in decodes],
                                  [(table(s), s.num_computed, toks) for s, toks in work], rows,
-                                 hidden=self.speculator is not None, state_slots=state_slots,
-                                 images=images if any(i is not None for i in images) else None)
-        if self.speculator is not None:
+                                 hidden=want_hidden, state_slots=state_slots,
+                                 images=images if any(i is not None for i in images) else None, lora_rows=lora_rows)
+        if want_hidden:
             logits, hidden = logits
         for i, seq in enumerate(decodes):
-            if self.speculator is not None:  # a decode without drafts (budget, last token) keeps the chain going
+            if want_hidden:  # a decode without drafts (budget, last token) keeps the chain going
                 self.speculator.record(seq, seq.num_computed, hidden[i:i + 1])
             seq.num_computed += 1
             self.scheduler.register_computed(seq)
         for (seq, n), at in zip(chunks, chunk_at, strict=True):
-            if self.speculator is not None:
+            if want_hidden:
                 self.speculator.record(seq, seq.num_computed, hidden[at:at + n])
             if seq.num_computed < seq.prompt_len:
                 self.num_prompt_tokens += min(n, seq.prompt_len - seq.num_computed)
@@ -375,7 +425,8 @@ class LLMEngine:
             self._prompt_logprobs(seq, logits[at:at + last - start], start)
         touched = {}
         for seq, (at, offset) in zip(verify, verify_at, strict=True):
-            self._accept(seq, logits[at:at + 1 + len(seq.draft.tokens)], hidden[offset:], now())
+            self._accept(seq, logits[at:at + 1 + len(seq.draft.tokens)], hidden[offset:] if want_hidden else None,
+                         now())
             touched[seq.request.request_id] = seq.request
         if samplers:
             self._sample(samplers, logits if len(sample_at) == len(rows) else logits[sample_at])
@@ -399,13 +450,13 @@ class LLMEngine:
             f"nothing scheduled (first: {len(first.tokens)} tokens, {first.num_computed} computed, "
             f"{len(first.block_ids)} blocks; {self.blocks.num_free()} of {self.blocks.num_blocks} blocks free)")
 
-    def _accept(self, seq: Seq, logits: torch.Tensor, hidden: torch.Tensor, t: float) -> None:
+    def _accept(self, seq: Seq, logits: torch.Tensor, hidden: Optional[torch.Tensor], t: float) -> None:
         """Verify ``seq``'s drafts (logits [1 + drafts, V] of its chunk), then emit the accepted tokens and the one
         after them (stopping where the sequence finishes), rolling the sequence back to what was accepted."""
         emitted = self.speculator.verify(seq, logits)
         start = seq.num_computed
         seq.num_computed += len(emitted)  # tokens[start] and the accepted drafts
-        self.speculator.keep(seq, start, hidden[:len(emitted)])
+        self.speculator.keep(seq, start, hidden[:len(emitted)] if hidden is not None else None)
         if seq.params.logprobs is not None:
             raw = logits[:len(emitted)].log_softmax(dim=-1)
             picked, tops = top_logprobs(raw, torch.tensor(emitted, device=raw.device), seq.params.logprobs)
@@ -425,6 +476,42 @@ class LLMEngine:
         targets = torch.tensor(seq.tokens[start + 1:start + 1 + logits.shape[0]], device=logits.device)
         picked, tops = top_logprobs(logits.log_softmax(dim=-1), targets, seq.params.prompt_logprobs)
         seq.prompt_logprobs.extend(zip(picked, tops, strict=True))
+
+    # ----------------------------------------------------------------------------------------------- LoRA adapters
+
+    def lora_adapters(self) -> dict[str, str]:
+        """Registered adapters: name -> the path it was read from."""
+        return {n: a.path for n, a in self.adapters.registered.items()} if self.adapters is not None else {}
+
+    def add_lora(self, name: str, path, rank: int, scale: float, weights: dict) -> None:
+        """Register adapter ``name`` (``read_adapters(path, cfg)``'s rank, scale and weights); loaded into a slot
+        when a request for it is admitted."""
+        if self.adapters is None:
+            raise ConfigError("this engine serves no LoRA adapters: start it with --max-loras >= 1")
+        if name in self.adapters.registered:
+            raise ParamError("lora_name", f"a LoRA adapter named {name!r} is already loaded")
+        self.adapters.register(name, path, rank, scale, weights)
+
+    def load_lora(self, name: str, path) -> None:
+        """Read the adapter at ``path`` (a peft directory or a megapipe LoRA run) and register it as ``name``."""
+        from megapipe.checkpoint.hf.peft import read_adapters
+
+        self.add_lora(name, path, *read_adapters(path, self.model_config))
+
+    def remove_lora(self, name: str) -> None:
+        if name not in self.lora_adapters():
+            raise ParamError("lora_name", f"no LoRA adapter {name!r} is loaded")
+        users = sum(1 for r in self.requests.values() if r.lora == name)
+        if users:
+            raise ParamError("lora_name", f"LoRA adapter {name!r} serves {users} request(s) in flight: unload it "
+                                          f"when they have finished")
+        self.adapters.unregister(name)
+
+    def _admit(self, seq: Seq) -> bool:
+        """A waiting sequence may start when its adapter is resident or can be loaded into a slot no running
+        sequence holds."""
+        name = seq.request.lora
+        return name is None or self.adapters.acquire(name, {s.request.lora for s in self.scheduler.running})
 
     def sample_row(self, seq: Seq, ahead: Sequence[int] = ()) -> SampleRow:
         """What the sampler needs of ``seq`` for its next token, as if the ids ``ahead`` (drafts) were output."""

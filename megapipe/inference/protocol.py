@@ -111,3 +111,16 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: Optional[str] = None
     tokens: list[int]
+
+
+class LoadLoRARequest(_Body):
+    """vLLM's /v1/load_lora_adapter body."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRARequest(_Body):
+    """vLLM's /v1/unload_lora_adapter body."""
+
+    lora_name: str = Field(min_length=1)

@@ -398,6 +398,7 @@ class ModelRunner:
             self.head = PackedLinear(head, own=self.own_linears)
         self.head_weight = head
         self.window = layer_windows(model.cfg)
+        self.adapters = None  # LoRA adapters the engine serves (megapipe.inference.lora.AdapterSlots)
         self._build_fast_path()
         if huge_pages is None:
             huge_pages = weight_bytes >= HUGE_PAGES_MIN_WEIGHTS
@@ -450,12 +451,13 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, decodes: Sequence[tuple[Sequence[int], int, int]],
             chunks: Sequence[tuple[Sequence[int], int, Sequence[int]]], rows: Sequence[int],
-            hidden: bool = False, state_slots: Optional[Sequence[int]] = None, images: Optional[Sequence] = None):
+            hidden: bool = False, state_slots: Optional[Sequence[int]] = None, images: Optional[Sequence] = None,
+            lora_rows: Optional[Sequence[int]] = None):
         """decodes: (block ids, position, token); chunks: (block ids, start, tokens); state_slots: each one's slot
-        in the state pool (a hybrid model's); images: each one's PromptImages or None (megapipe.inference.images).
-        Returns fp32 logits of the batch rows ``rows`` (indices into the flattened batch: decodes first, then the
-        chunks in order); with ``hidden``, also the final normed hidden states of every row (what MTP drafting
-        starts from)."""
+        in the state pool (a hybrid model's); images: each one's PromptImages or None (megapipe.inference.images);
+        lora_rows: each row's LoRA adapter slot (``adapters``, 0: none). Returns fp32 logits of the batch rows
+        ``rows`` (indices into the flattened batch: decodes first, then the chunks in order); with ``hidden``, also
+        the final normed hidden states of every row (what MTP drafting starts from)."""
         batch = PagedBatch(self.pool, self.window, self.attention_kernel, self.states)
         positions = batch.plan([(b, pos) for b, pos, _ in decodes], [(b, s, len(t)) for b, s, t in chunks],
                                state_slots)
@@ -463,6 +465,8 @@ class ModelRunner:
         for _, _, toks in chunks:
             ids.extend(toks)
         tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
+        if self.adapters is not None:
+            self.adapters.set_rows(lora_rows)
         select = None if len(rows) == len(ids) else torch.tensor(rows, dtype=torch.long, device=self.device)
         if self.layers is None:
             if images is not None:

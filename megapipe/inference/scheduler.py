@@ -77,13 +77,16 @@ class Sequence:
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  lookahead: Optional[Callable[[Sequence], int]] = None, states: Optional[StatePool] = None,
-                 window: Optional[int] = None, window_blocks: Optional[BlockManager] = None):
+                 window: Optional[int] = None, window_blocks: Optional[BlockManager] = None,
+                 admit: Optional[Callable[[Sequence], bool]] = None):
         """``window``: every layer attends at most this many positions back, so the blocks wholly behind it are
         given back as a sequence advances (its KV memory stays about one window). With ``window_blocks``, only the
         windowed layers do (a model with full-attention layers too, GPT-OSS): those layers have their own block table
         (``seq.window_ids``, blocks of ``window_blocks``) whose blocks behind the window are given back, while
-        ``seq.block_ids`` (the full layers') keep every block."""
+        ``seq.block_ids`` (the full layers') keep every block. ``admit(seq)``: whether the next waiting sequence may
+        start now (its LoRA adapter resident); admission stops at the first that may not."""
         self.blocks, self.lookahead, self.window, self.window_blocks = blocks, lookahead, window, window_blocks
+        self.admit = admit
         self.states = states if states else None  # an empty pool (no Mamba layers): no slots to hand out
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -210,6 +213,8 @@ class Scheduler:
             return decodes, chunks  # the pool is short: admit nobody this step
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if self.admit is not None and not self.admit(seq):
+                break
             first = seq.after
             if first is not None and first.status != FINISHED and first.num_computed < first.prompt_len:
                 break  # its sibling's prompt blocks will be cached in a moment: wait for them

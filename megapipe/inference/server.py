@@ -1,6 +1,8 @@
 """``megapipe serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the async engine.
 
-Routes: /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize, /health, /version, /metrics.
+Routes: /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize, /health, /version, /metrics,
+and vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter: each LoRA adapter the engine holds is a model of its
+own in /v1/models, chosen per request by ``model`` (megapipe.inference.lora).
 Safe by default: binds 127.0.0.1; an API key (when set) guards every route but /health; bodies, queue, ``n`` and
 ``max_tokens`` are bounded; every error has OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` and
 a user's mistake is never a 500. A client that goes away aborts its request (its KV blocks are freed at once);
@@ -10,6 +12,7 @@ SIGTERM stops accepting connections, lets in-flight requests finish for up to ``
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hmac
 import json
 import logging
@@ -34,12 +37,15 @@ from megapipe.inference.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRARequest,
     TokenizeRequest,
+    UnloadLoRARequest,
 )
 from megapipe.inference.sampling import ParamError
 
 log = logging.getLogger("megapipe.serve")
 MiB = 1 << 20
+_LORA: contextvars.ContextVar = contextvars.ContextVar("lora", default=None)  # the adapter a request asked for
 
 
 @dataclass
@@ -106,6 +112,7 @@ class OpenAIServer:
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
         self.chat_template, self.no_chat_template = self._load_chat_template()
+        self.loras = dict(engine.engine.lora_adapters())  # name -> path; changed only by the two routes below
         self.metrics = ServerMetrics(engine.stats, config.model_name)
         engine.on_output = self.metrics.observe
         self.created = int(time.time())
@@ -166,6 +173,8 @@ class OpenAIServer:
         app.post("/v1/chat/completions")(self.chat_completions)
         app.post("/tokenize")(self.tokenize)
         app.post("/detokenize")(self.detokenize)
+        app.post("/v1/load_lora_adapter")(self.load_lora_adapter)
+        app.post("/v1/unload_lora_adapter")(self.unload_lora_adapter)
         return app
 
     async def _body(self, request: Request, model_cls):
@@ -197,9 +206,15 @@ class OpenAIServer:
             raise APIError(400, msg, param=param) from None
 
     def _check_model(self, name: Optional[str]) -> None:
-        if name is not None and name != self.config.model_name:
-            raise APIError(404, f"The model `{name}` does not exist (this server serves `{self.config.model_name}`)",
+        """The base model or one of the LoRA adapters (which this request then runs with)."""
+        if name is not None and name != self.config.model_name and name not in self.loras:
+            served = ", ".join(f"`{n}`" for n in [self.config.model_name, *self.loras])
+            raise APIError(404, f"The model `{name}` does not exist (this server serves {served})",
                            param="model", code="model_not_found")
+        _LORA.set(name if name in self.loras else None)
+
+    def _model_name(self) -> str:
+        return _LORA.get() or self.config.model_name
 
     def _need_tokenizer(self):
         if self.tokenizer is None:
@@ -210,7 +225,7 @@ class OpenAIServer:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else f"token_id:{token}"
 
     async def _stream(self, request: Request, prompt, params) -> AsyncIterator[RequestOutput]:
-        outputs = self.engine.generate(prompt, params)
+        outputs = self.engine.generate(prompt, params, lora=_LORA.get())
         try:
             async for out in outputs:
                 yield out
@@ -292,9 +307,47 @@ class OpenAIServer:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def models(self):
-        return {"object": "list", "data": [{
-            "id": self.config.model_name, "object": "model", "created": self.created, "owned_by": "megapipe",
-            "root": self.config.model_path, "parent": None, "max_model_len": self.max_model_len}]}
+        def card(name, root, parent):
+            return {"id": name, "object": "model", "created": self.created, "owned_by": "megapipe", "root": root,
+                    "parent": parent, "max_model_len": self.max_model_len}
+
+        return {"object": "list", "data": [card(self.config.model_name, self.config.model_path, None)] + [
+            card(name, path, self.config.model_name) for name, path in self.loras.items()]}
+
+    async def load_lora_adapter(self, request: Request):
+        """vLLM's shape: {"lora_name", "lora_path"} (a peft adapter directory or a megapipe LoRA run)."""
+        from megapipe.checkpoint.hf.peft import read_adapters
+
+        body = await self._body(request, LoadLoRARequest)
+        name = body.lora_name
+        if name == self.config.model_name or name in self.loras:
+            raise APIError(400, f"a model named `{name}` is already served", param="lora_name")
+        if self.engine.engine.adapters is None:
+            raise APIError(400, "this server serves no LoRA adapters: start it with --max-loras >= 1 or "
+                                "--lora-modules", param="lora_name")
+        try:  # reading the files does not touch the engine: off the event loop, beside the engine thread
+            read = await asyncio.to_thread(read_adapters, body.lora_path, self.engine.engine.model_config)
+            await self.engine.call(lambda engine: engine.add_lora(name, body.lora_path, *read))
+        except ParamError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        except (MegapipeError, OSError, ValueError, KeyError) as e:  # KeyError: an adapter_config.json without "r"
+            raise APIError(400, f"cannot load LoRA adapter `{name}` from {body.lora_path}: {e}",
+                           param="lora_path") from None
+        self.loras[name] = body.lora_path
+        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+
+    async def unload_lora_adapter(self, request: Request):
+        """vLLM's shape: {"lora_name"}."""
+        body = await self._body(request, UnloadLoRARequest)
+        name = body.lora_name
+        if name not in self.loras:
+            raise APIError(404, f"no LoRA adapter `{name}` is loaded", param="lora_name", code="model_not_found")
+        try:
+            await self.engine.call(lambda engine: engine.remove_lora(name))
+        except ParamError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        del self.loras[name]
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
 
     async def tokenize(self, request: Request):
         body = await self._body(request, TokenizeRequest)
@@ -409,7 +462,7 @@ class OpenAIServer:
         if echo_only:
             usage["completion_tokens"] = 0
             usage["total_tokens"] = usage["prompt_tokens"]
-        return {"id": rid, "object": "text_completion", "created": created, "model": self.config.model_name,
+        return {"id": rid, "object": "text_completion", "created": created, "model": self._model_name(),
                 "choices": choices, "usage": usage}
 
     async def _merged(self, request, prompts, params):
@@ -441,7 +494,7 @@ class OpenAIServer:
                 t.cancel()
 
     async def _stream_completion(self, request, body, prompts, params, rid, created, echo_only):
-        name, n = self.config.model_name, body.n
+        name, n = self._model_name(), body.n
         sent_text: dict[int, int] = {}
         sent_ids: dict[int, int] = {}
         finals: dict[int, RequestOutput] = {}
@@ -519,7 +572,7 @@ class OpenAIServer:
         choices = [{"index": c.index, "message": {"role": "assistant", **self._reply(c.text)},
                     "logprobs": self._chat_logprobs(c.token_ids, c.logprobs) if body.logprobs else None,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
-        return {"id": rid, "object": "chat.completion", "created": created, "model": self.config.model_name,
+        return {"id": rid, "object": "chat.completion", "created": created, "model": self._model_name(),
                 "choices": choices, "usage": self._usage([out])}
 
     def _reply(self, text: str) -> dict:
@@ -542,7 +595,7 @@ class OpenAIServer:
         return {"content": content}
 
     async def _stream_chat(self, request, body, text, params, rid, created):
-        name = self.config.model_name
+        name = self._model_name()
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         sent_text: dict[int, dict] = {}  # per choice: how much of each reply field was sent
         sent_ids: dict[int, int] = {}

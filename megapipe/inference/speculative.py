@@ -1,32 +1,39 @@
-"""Speculative decoding with the model's own multi-token prediction modules (``--speculative-tokens K``).
+"""Speculative decoding (``--speculative-tokens K``): drafts from the model's own multi-token prediction modules
+(``--speculative-method mtp``) or from the sequence itself (``ngram``, prompt lookup), one verification for both.
 
-Each engine step, a decoding sequence whose last token ``tokens[A]`` is not yet computed gets K draft tokens for
-positions A + 1 .. A + K from the MTP modules (megapipe.models.mtp, ``Transformer.mtp_step``), the main model then
-computes ``tokens[A]`` and the K drafts as one chunk of the paged batch (K + 1 rows of logits), and the drafts are
-accepted by the standard rule: greedy, while each equals the main model's choice at its row; sampled, draft x at a
-row with target distribution p and draft distribution q with probability min(1, p(x) / q(x)), and on the first
-rejection a token drawn from norm(max(p - q, 0)) (Leviathan et al. 2023): every emitted token follows the main
-model's distribution exactly. The row after the last accepted draft gives one more token (the correction, or a bonus
-when all K were accepted), so a step emits 1 .. K + 1 tokens. The target distribution of a row is the one the engine
-samples from without speculation (megapipe.inference.sampling: penalties, min_tokens suppression, temperature,
-top-k / top-p / min-p), computed as if the drafts before it were already output; a seeded request is reproducible
-but draws its random numbers in another order than without speculation.
+Each engine step, a decoding sequence whose last token ``tokens[A]`` is not yet computed gets up to K draft tokens for
+positions A + 1 .. A + K, the main model then computes ``tokens[A]`` and the drafts as one chunk of the paged batch (1
++ drafts rows of logits), and the drafts are accepted by the standard rule: greedy, while each equals the main model's
+choice at its row; sampled, draft x at a row with target distribution p and draft distribution q with probability
+min(1, p(x) / q(x)), and on the first rejection a token drawn from norm(max(p - q, 0)) (Leviathan et al. 2023): every
+emitted token follows the main model's distribution exactly. An n-gram draft is deterministic (q one-hot at x): kept
+with probability p(x), else replaced by a draw from p without x. The row after the last accepted draft gives one more
+token (the correction, or a bonus when all were accepted), so a step emits 1 .. K + 1 tokens. The target distribution
+of a row is the one the engine samples from without speculation (megapipe.inference.sampling: penalties, min_tokens
+suppression, temperature, top-k / top-p / min-p), computed as if the drafts before it were already output; a seeded
+request is reproducible but draws its random numbers in another order than without speculation. Rejected positions
+need no undo: their keys lie beyond the sequence's computed length and are overwritten, and the blocks allocated for
+them are returned (``Scheduler.rollback``).
 
-Drafting (DeepSeek-V3's chain): MTP depth 1 at position A - 1 takes the main model's final normed hidden state there
-and the embedding of ``tokens[A]`` and predicts token A + 1; depth d takes depth d - 1's output at the same position
-and the draft before it. With K above the number of modules N, the last module is used again one position further
-each time, on its own previous output (as vLLM runs DeepSeek's single MTP module for K > 1): its output at t and
-depth N - 1's at t + 1 both predict token t + N + 1.
+N-gram drafting (vLLM's ``ngram`` method): the longest suffix of the sequence's tokens, from ``prompt_lookup_max``
+down to ``prompt_lookup_min`` tokens, that occurred before in the sequence (prompt and output), its latest earlier
+occurrence with K tokens after it (else the latest), proposes the K tokens that followed it there. It needs nothing
+of the model, so every model whose steps can be rolled back takes it (not the recurrent state of a hybrid model).
+
+MTP drafting (DeepSeek-V3's chain): MTP depth 1 at position A - 1 takes the main model's final normed hidden state
+there and the embedding of ``tokens[A]`` and predicts token A + 1; depth d takes depth d - 1's output at the same
+position and the draft before it. With K above the number of modules N, the last module is used again one position
+further each time, on its own previous output (as vLLM runs DeepSeek's single MTP module for K > 1): its output at t
+and depth N - 1's at t + 1 both predict token t + N + 1.
 
 The MTP blocks attend over their own KV cache (pool layers num_layers + d - 1, the main layers' blocks and slots).
 Depth d's entry at position t depends on tokens up to t + d, so each step every depth (re)computes the positions
 from ``SpecState.start`` to A - 1 in one chunk: those whose tokens were not all accepted yet are written again
 next step. The main model's hidden states of those positions are kept per sequence (``SpecState``); after prefill
-they are the prompt's (the first step fills the MTP cache over the whole prompt). Rejected positions need no undo:
-their keys lie beyond the sequence's computed length and are overwritten, and the blocks allocated for them are
-returned (``Scheduler.rollback``). A prompt whose first blocks come from the prefix cache starts its MTP positions
-after them: the MTP entries of a cached block's last N positions were computed with whatever followed it in the
-sequence that wrote it, which changes drafts only, never what the engine outputs.
+they are the prompt's (the first step fills the MTP cache over the whole prompt). A prompt whose first blocks come
+from the prefix cache starts its MTP positions after them: the MTP entries of a cached block's last N positions were
+computed with whatever followed it in the sequence that wrote it, which changes drafts only, never what the engine
+outputs.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Callable, Optional, Sequence
 
+import numpy as np
 import torch
 
 from megapipe.inference.kv_cache import PagedBatch
@@ -57,7 +65,8 @@ class SpecState:
 @dataclass
 class Draft:
     tokens: list[int] = field(default_factory=list)
-    probs: list[Optional[torch.Tensor]] = field(default_factory=list)  # q per draft (sampled requests), else None
+    # q per draft (sampled requests), else None; empty for deterministic drafts (n-gram: q one-hot at the draft)
+    probs: list[Optional[torch.Tensor]] = field(default_factory=list)
 
 
 def accept_greedy(draft: Sequence[int], targets: Sequence[int]) -> list[int]:
@@ -89,13 +98,73 @@ def accept_sampled(draft: Sequence[int], q: torch.Tensor, p: torch.Tensor,
 
 
 class Speculator:
-    """Drafts with the MTP modules of ``model`` into ``pool`` (which holds their layers) and accepts drafts; keeps the
-    acceptance counts (``stats``). ``sample_row(seq, ahead)`` is the engine's SampleRow of a sequence as if the ids
-    ``ahead`` were already output."""
+    """Verifies the drafts each sequence was given (``propose``, by a subclass) and keeps the acceptance counts
+    (``stats``). ``sample_row(seq, ahead)`` is the engine's SampleRow of a sequence as if the ids ``ahead`` were
+    already output. ``needs_hidden``: the drafter reads the main model's final hidden states (``record``, ``keep``)."""
+
+    needs_hidden = False
+
+    def __init__(self, tokens: int, sample_row: Callable[..., SampleRow]):
+        self.k, self.sample_row = tokens, sample_row
+        self.num_drafts = 0  # verification steps with at least one draft
+        self.drafted = [0] * tokens  # drafts proposed at each position 1..K
+        self.accepted = [0] * tokens  # of which accepted
+
+    def propose(self, seqs: Sequence) -> None:
+        """Sets ``seq.draft`` (a Draft of ``seq.num_lookahead`` tokens at most) for every sequence in ``seqs``."""
+        raise NotImplementedError
+
+    def record(self, seq, start: int, hidden: Optional[torch.Tensor]) -> None:
+        """The main model computed positions start .. of ``seq``: their hidden states, for a drafter that reads them."""
+
+    def keep(self, seq, start: int, hidden: Optional[torch.Tensor]) -> None:
+        """After a verification at position ``start`` that accepted len(hidden) - 1 drafts."""
+
+    # ------------------------------------------------------------------------------------------------ verifying
+
+    def verify(self, seq, logits: torch.Tensor) -> list[int]:
+        """The tokens ``seq`` emits from the main model's logits [1 + len(draft), V] at tokens[A] and its drafts;
+        counts the acceptances."""
+        draft = seq.draft.tokens
+        rows = [self.sample_row(seq, draft[:i]) for i in range(len(draft) + 1)]
+        logits = penalised(logits, rows)
+        if rows[0].params.greedy:
+            out = accept_greedy(draft, logits.argmax(dim=-1).tolist())
+        else:
+            p = distribution(logits, rows)
+            if seq.draft.probs:
+                q = torch.stack(seq.draft.probs)
+            else:  # deterministic drafts
+                q = torch.zeros(len(draft), p.shape[-1], dtype=p.dtype, device=p.device)
+                q[torch.arange(len(draft)), torch.tensor(draft, dtype=torch.long)] = 1.0
+            out = accept_sampled(draft, q, p, rows[0].generator)
+        if draft:
+            self.num_drafts += 1
+            for i in range(len(draft)):
+                self.drafted[i] += 1
+                self.accepted[i] += i < len(out) - 1
+        return out
+
+    def stats(self) -> dict:
+        drafted, accepted = sum(self.drafted), sum(self.accepted)
+        return {"spec_decode_num_drafts": self.num_drafts, "spec_decode_num_draft_tokens": drafted,
+                "spec_decode_num_accepted_tokens": accepted,
+                "spec_decode_acceptance_rate": accepted / drafted if drafted else 0.0,
+                "spec_decode_num_draft_tokens_per_pos": list(self.drafted),
+                "spec_decode_num_accepted_tokens_per_pos": list(self.accepted),
+                "spec_decode_acceptance_rate_per_pos": [a / d if d else 0.0
+                                                        for a, d in zip(self.accepted, self.drafted, strict=True)]}
+
+
+class MTPSpeculator(Speculator):
+    """Drafts with the MTP modules of ``runner.model`` into the runner's pool (which holds their layers)."""
+
+    needs_hidden = True
 
     def __init__(self, runner, tokens: int, sample_row: Callable[..., SampleRow]):
+        super().__init__(tokens, sample_row)
         model = runner.model
-        self.model, self.runner, self.pool, self.k, self.sample_row = model, runner, runner.pool, tokens, sample_row
+        self.model, self.runner, self.pool = model, runner, runner.pool
         self.depth = model.cfg.mtp_depth
         self.window, self.kernel = runner.window, runner.attention_kernel
         if runner.packed:  # the MTP modules' matmuls packed as the main layers' are
@@ -104,14 +173,10 @@ class Speculator:
         self.layers = None
         if runner.layers is not None and all(DecoderLayer.supports(m.block) for m in model.mtp):
             self.layers = [DecoderLayer(m.block, runner.ops) for m in model.mtp]
-        self.num_drafts = 0  # verification steps with at least one draft
-        self.drafted = [0] * tokens  # drafts proposed at each position 1..K
-        self.accepted = [0] * tokens  # of which accepted
 
     # ------------------------------------------------------------------------------------------------ state
 
-    @staticmethod
-    def record(seq, start: int, hidden: torch.Tensor) -> None:
+    def record(self, seq, start: int, hidden: torch.Tensor) -> None:
         """The main model computed positions start .. start + len(hidden) - 1 of ``seq``: keep their hidden states
         (after the kept ones when they continue them, else in their place: a new prompt, a recompute)."""
         state = getattr(seq, "spec", None)
@@ -124,7 +189,6 @@ class Speculator:
 
     @torch.inference_mode()
     def propose(self, seqs: Sequence) -> None:
-        """Sets ``seq.draft`` (a Draft of ``seq.num_lookahead`` tokens at most) for every sequence in ``seqs``."""
         for seq in seqs:
             seq.draft = Draft()
         ready = [s for s in seqs if getattr(s, "spec", None) is not None and s.spec.end == len(s.tokens) - 1]
@@ -186,26 +250,6 @@ class Speculator:
                 s.draft.tokens.append(int(draw(q, [row.generator])[0]))
                 s.draft.probs.append(q[0])
 
-    # ------------------------------------------------------------------------------------------------ verifying
-
-    def verify(self, seq, logits: torch.Tensor) -> list[int]:
-        """The tokens ``seq`` emits from the main model's logits [1 + len(draft), V] at tokens[A] and its drafts;
-        counts the acceptances."""
-        draft = seq.draft.tokens
-        rows = [self.sample_row(seq, draft[:i]) for i in range(len(draft) + 1)]
-        logits = penalised(logits, rows)
-        if rows[0].params.greedy:
-            out = accept_greedy(draft, logits.argmax(dim=-1).tolist())
-        else:
-            p = distribution(logits, rows)
-            out = accept_sampled(draft, torch.stack(seq.draft.probs) if draft else p[:0], p, rows[0].generator)
-        if draft:
-            self.num_drafts += 1
-            for i in range(len(draft)):
-                self.drafted[i] += 1
-                self.accepted[i] += i < len(out) - 1
-        return out
-
     def keep(self, seq, start: int, hidden: torch.Tensor) -> None:
         """After a verification at position ``start`` (= A) that accepted len(hidden) - 1 drafts: drop the kept
         hidden states of positions whose MTP entries are now final at every depth, keep those of the rest, and add
@@ -216,15 +260,36 @@ class Speculator:
             state.hidden, state.start = state.hidden[max(0, first - state.start):], max(state.start, first)
         self.record(seq, start, hidden)
 
-    def stats(self) -> dict:
-        drafted, accepted = sum(self.drafted), sum(self.accepted)
-        return {"spec_decode_num_drafts": self.num_drafts, "spec_decode_num_draft_tokens": drafted,
-                "spec_decode_num_accepted_tokens": accepted,
-                "spec_decode_acceptance_rate": accepted / drafted if drafted else 0.0,
-                "spec_decode_num_draft_tokens_per_pos": list(self.drafted),
-                "spec_decode_num_accepted_tokens_per_pos": list(self.accepted),
-                "spec_decode_acceptance_rate_per_pos": [a / d if d else 0.0
-                                                        for a, d in zip(self.accepted, self.drafted, strict=True)]}
+
+class NgramSpeculator(Speculator):
+    """Prompt lookup: drafts copied from where the sequence's last n tokens (``longest`` .. ``shortest``) occurred
+    before."""
+
+    def __init__(self, tokens: int, sample_row: Callable[..., SampleRow], longest: int, shortest: int):
+        super().__init__(tokens, sample_row)
+        self.longest, self.shortest = longest, shortest
+
+    def propose(self, seqs: Sequence) -> None:
+        for seq in seqs:
+            seq.draft = Draft(lookup(seq.tokens, seq.num_lookahead, self.longest, self.shortest))
+
+
+def lookup(tokens: Sequence[int], k: int, longest: int, shortest: int) -> list[int]:
+    """Up to ``k`` tokens that followed the latest earlier occurrence of the longest suffix of ``tokens`` (of
+    ``longest`` down to ``shortest`` tokens) that has one: the latest with k tokens after it, else the latest."""
+    if k <= 0 or len(tokens) <= shortest:
+        return []
+    arr = np.asarray(tokens, dtype=np.int64)
+    size = len(arr)
+    for n in range(min(longest, size - 1), shortest - 1, -1):
+        # windows starting at 0 .. size - n - 1: every earlier occurrence, not the suffix itself
+        windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)
+        starts = np.flatnonzero((windows == arr[-n:]).all(axis=1))
+        if len(starts):
+            full = starts[starts + n + k <= size]
+            at = int(full[-1] if len(full) else starts[-1]) + n
+            return arr[at:at + k].tolist()
+    return []
 
 
 def _ahead(seq, start: int, n: int, depth: int) -> list[int]:

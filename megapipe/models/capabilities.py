@@ -17,7 +17,8 @@ from typing import Optional
 from megapipe.errors import MegapipeError
 
 LAYOUTS = ("dp_replicate", "dp_shard", "tp", "sp", "pp", "cp", "ep")
-ENGINE = ("paged_kv", "prefix_caching", "chunked_prefill", "cpu_kernels", "speculative")
+ENGINE = ("paged_kv", "prefix_caching", "chunked_prefill", "cpu_kernels", "speculative", "ngram_speculative",
+          "multi_lora")
 LORA = ("q", "k", "v", "o", "gate", "up", "down", "q_a", "kv_a", "kv_b")
 MLA_LORA = ("q_a", "kv_a", "kv_b")  # multi-latent attention's down / up projections (megapipe.models.lora.TARGETS)
 QUANT = ("fp8", "int8_sq", "int4_awq", "w4a8_awq", "nvfp4")
@@ -66,16 +67,20 @@ KINDS: dict[str, Capabilities] = {
     # width rule for MLA heads; every parallel layout (tests/parallel/test_dist_layouts.py: the ring attention of cp
     # carries its narrower values beside its keys); LoRA adapts the query (q: wq or wq_b), its down projection (q_a),
     # the latent's down (kv_a) and up (kv_b) projections and the output (o), under peft's names on
-    # DeepseekV3ForCausalLM
-    "mla": Capabilities(lora=frozenset(LORA) - {"k", "v"}, quant=frozenset({"fp8"}), trt=frozenset({"unified"}),
+    # DeepseekV3ForCausalLM; the engine serves no LoRA adapters on it (its decode absorbs kv_b into the query, which
+    # the per-row adapters do not reach)
+    "mla": Capabilities(lora=frozenset(LORA) - {"k", "v"}, engine=frozenset(ENGINE) - {"multi_lora"},
+                        quant=frozenset({"fp8"}), trt=frozenset({"unified"}),
                         stages=frozenset(STAGES) - {"prune"}),
     # Mamba-2 layers of a hybrid model (megapipe.models.mamba): packed documents reset the conv window and the SSM
     # state (megapipe.models.ssd); no context parallelism (the state would have to pass between ranks); the engine
-    # keeps a recurrent state per sequence, so no prefix caching (no state snapshots) and no MTP drafting; no
-    # pruning rule for Mamba heads; no quantization checked for them yet (ModelOpt's export of the HF twin is the
-    # reference the quantized writers are held to); TensorRT-LLM loads them unquantized from the unified (HF) layout
-    "mamba": Capabilities(layouts=frozenset(LAYOUTS) - {"cp"}, engine=frozenset(ENGINE) - {"prefix_caching",
-                          "speculative"}, quant=frozenset(), trt=frozenset({"unified"}),
+    # keeps a recurrent state per sequence, so no prefix caching and no speculative decoding (no state snapshots to
+    # cut back to after rejected drafts), and serves no LoRA adapters (not checked with the mixers); no pruning rule
+    # for Mamba heads; no quantization checked for them yet (ModelOpt's export of the HF twin is the reference the
+    # quantized writers are held to); TensorRT-LLM loads them unquantized from the unified (HF) layout
+    "mamba": Capabilities(layouts=frozenset(LAYOUTS) - {"cp"}, engine=frozenset(ENGINE) - {
+                          "prefix_caching", "speculative", "ngram_speculative", "multi_lora"},
+                          quant=frozenset(), trt=frozenset({"unified"}),
                           stages=frozenset(STAGES) - {"prune", "quantize"}),
     # attention with learned sinks (GPT-OSS, megapipe.models.attention.sink_attention): every layout
     # (tests/parallel/test_dist_layouts.py: FSDP, DDP, HSDP, TP with and without SP, the sinks split with the heads,
@@ -134,8 +139,9 @@ FAMILIES: dict[str, Capabilities] = {
     # the decoder (the vision tower idle): pretraining on one process, eval, generate and serve of text prompts (the
     # server refuses image content parts), the HF bridge with its images' logit parity; packed sequences, every
     # parallel layout, SFT / distillation / RL / pruning / quantization / the TensorRT-LLM writers were not run with
-    # the tower, so they are refused
-    "qwen2_5_vl": Capabilities(layouts=frozenset(), packing=False, engine=frozenset(ENGINE) - {"speculative"},
+    # the tower, so they are refused; no LoRA targets, so no adapters to serve
+    "qwen2_5_vl": Capabilities(layouts=frozenset(), packing=False, engine=frozenset(ENGINE) - {"speculative",
+                                                                                              "multi_lora"},
                                lora=frozenset(), quant=frozenset(), trt=frozenset(),
                                stages=frozenset({"pretrain", "eval", "generate", "serve", "export_hf"})),
 }

@@ -333,6 +333,15 @@ def test_serve_cli_refusals_are_one_sentence(hf_llama, tmp_path, capsys):
             (["serve", str(hf_llama[0]), "--kv-cache-memory", "lots"], "--kv-cache-memory 'lots' is not a size"),
             (["serve", str(hf_llama[0]), "--speculative-tokens", "2"],
              "serve of Llama models does not support engine speculative"),
+            (["serve", str(hf_llama[0]), "--lora-modules", "plain"], "--lora-modules 'plain' is not name=PATH"),
+            (["serve", str(hf_llama[0]), "--lora-modules", f"a={hf_llama[0]}", f"b={tmp_path / 'no'}"],
+             f"--lora-modules b={tmp_path / 'no'}: {tmp_path / 'no'} does not exist"),
+            (["serve", str(hf_llama[0]), "--port", "0", "--lora-modules", f"a={tmp_path}"],
+             f"{tmp_path} is not a megapipe checkpoint"),
+            (["serve", str(hf_llama[0]), "--speculative-method", "eagle"],
+             "--speculative-method = 'eagle' is not one of mtp, ngram"),
+            (["serve", str(hf_llama[0]), "--prompt-lookup-min", "5"], "--prompt-lookup-min = 5 exceeds "
+             "--prompt-lookup-max = 4"),
             (["serve", str(hf_llama[0]), "--engine", "vllm", "--vllm-python", str(tmp_path / "py")],
              "no executable Python there"),
         ]

@@ -42,11 +42,16 @@ def mla_model():
 def trained_model():
     """Trained a few dozen steps on one periodic sequence: main model and MTP modules predict it, so most drafts are
     accepted (the paths where a whole draft and its bonus token are emitted)."""
+    return periodic_model(CFG)
+
+
+def periodic_model(cfg: ModelConfig):
+    """A model of ``cfg`` trained 60 steps to continue PERIOD."""
     from megapipe.parallel.dims import ParallelDims
     from megapipe.parallel.step import train_step
 
     torch.manual_seed(0)
-    model = build_model(CFG, seed=1)
+    model = build_model(cfg, seed=1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     row = torch.tensor(PERIOD * 5)
     mb = {"tokens": row[None, :-1].repeat(2, 1), "labels": row[None, 1:].repeat(2, 1)}
@@ -97,26 +102,32 @@ def test_greedy_output_is_token_identical(model_name, k, request):
     """A continuous batch of mixed prompt lengths (two sharing a cached prefix, staggered by max_num_seqs), with
     penalties, min_tokens, EOS and stop ids, logprobs; k = 4 reuses the last of the 2 MTP modules."""
     model = request.getfixturevalue(model_name)
-    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2),
-              SamplingParams(max_tokens=17, temperature=0, repetition_penalty=1.3, min_tokens=5),
-              SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[11], frequency_penalty=0.5),
-              SamplingParams(max_tokens=9, temperature=0, ignore_eos=True),
-              SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, presence_penalty=0.7, logprobs=0)]
-    want = engine(model, max_num_seqs=3).generate(PROMPTS, params)
     spec = engine(model, k, max_num_seqs=3)
-    got = spec.generate(PROMPTS, params)
+    assert_same_greedy(engine(model, max_num_seqs=3), spec)
+    stats = spec.stats()
+    assert stats["prefix_cache_hits"] > 0 and stats["spec_decode_num_draft_tokens"] > 0
+    assert spec.blocks.usage() == 0.0  # every block rolled back or returned
+    if model_name == "trained_model":  # the drafts are worth something, and steps emit several tokens
+        assert stats["spec_decode_acceptance_rate_per_pos"][0] > 0.5
+        assert spec.num_steps < engine_steps(model, MIXED)
+
+
+MIXED = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2),
+         SamplingParams(max_tokens=17, temperature=0, repetition_penalty=1.3, min_tokens=5),
+         SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[11], frequency_penalty=0.5),
+         SamplingParams(max_tokens=9, temperature=0, ignore_eos=True),
+         SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, presence_penalty=0.7, logprobs=0)]
+
+
+def assert_same_greedy(plain, spec) -> None:
+    """PROMPTS with the MIXED parameters through both engines: the same tokens, finish reasons and logprobs."""
+    want, got = plain.generate(PROMPTS, MIXED), spec.generate(PROMPTS, MIXED)
     for w, g in zip(want, got, strict=True):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
         assert g.outputs[0].finish_reason == w.outputs[0].finish_reason
         if w.outputs[0].logprobs is not None:
             for (lw, tw), (lg, tg) in zip(w.outputs[0].logprobs, g.outputs[0].logprobs, strict=True):
                 assert abs(lw - lg) < 1e-4 and [i for i, _ in tw] == [i for i, _ in tg]
-    stats = spec.stats()
-    assert stats["prefix_cache_hits"] > 0 and stats["spec_decode_num_draft_tokens"] > 0
-    assert spec.blocks.usage() == 0.0  # every block rolled back or returned
-    if model_name == "trained_model":  # the drafts are worth something, and steps emit several tokens
-        assert stats["spec_decode_acceptance_rate_per_pos"][0] > 0.5
-        assert spec.num_steps < engine_steps(model, params)
 
 
 def engine_steps(model, params) -> int:
@@ -161,23 +172,33 @@ def exact_pair_distribution(model, prompt: list[int], temperature: float) -> tor
 def test_sampled_output_has_the_target_distribution(random_model):
     """Many samples of the first three tokens of one prompt (tokens 2 and 3 are the first the drafts verify): the
     frequencies of t2 and of t3 match the model's exact marginals with speculation as without it."""
-    prompt, temperature, n = [3, 1, 4, 1, 5], 1.5, 2048
-    exact = exact_pair_distribution(random_model, prompt, temperature)
+    stats = check_sampled_marginals(random_model, lambda k: engine(random_model, k, max_num_seqs=512,
+                                                                    max_num_batched_tokens=4096), [3, 1, 4, 1, 5], 1.5)
+    assert stats["spec_decode_num_draft_tokens"] >= SAMPLES
+
+
+SAMPLES = 2048
+
+
+def check_sampled_marginals(model, make_engine, prompt: list[int], temperature: float) -> dict:
+    """SAMPLES draws of the first three tokens from ``make_engine(k)`` without drafts (k = 0) and with 2: the
+    frequencies of t2 and t3 within sampling noise of the model's exact marginals; the speculating engine's stats."""
+    exact = exact_pair_distribution(model, prompt, temperature)
     marginals = [exact.sum(dim=(0, 2)), exact.sum(dim=(0, 1))]
     params = [SamplingParams(n=512, max_tokens=3, temperature=temperature, seed=r * 512, ignore_eos=True)
-              for r in range(n // 512)]  # sample i of request r seeded r * 512 + i: every draw its own
+              for r in range(SAMPLES // 512)]  # sample i of request r seeded r * 512 + i: every draw its own
     for k in (0, 2):
-        e = engine(random_model, k, max_num_seqs=512, max_num_batched_tokens=4096)
+        e = make_engine(k)
         counts = torch.zeros(2, V)
         for out in e.generate([prompt] * len(params), params):
             for o in out.outputs:
                 counts[0, o.token_ids[1]] += 1
                 counts[1, o.token_ids[2]] += 1
-        # TV of 2048 draws over 16 ids is ~0.035 (sd ~0.008); accepting every draft is off by far more
+        # TV of 2048 draws over 16 ids is ~0.035 (sd ~0.008); accepting every draft, or dropping the residual, is
+        # off by far more
         for c, m in zip(counts, marginals, strict=True):
-            assert tv(c / n, m) < 0.075, (k, tv(c / n, m))
-        if k:
-            assert e.stats()["spec_decode_num_draft_tokens"] >= n
+            assert tv(c / SAMPLES, m) < 0.075, (k, tv(c / SAMPLES, m))
+    return e.stats()
 
 
 def test_refusals_and_stats(random_model):

@@ -41,16 +41,8 @@ def write_peft_adapter(ckpt, out_dir, overwrite: bool = False, tokenizer_dir: Op
         raise MegapipeError(f"{out_dir} already exists: pick another output or pass --overwrite")
     ckpt = resolve_checkpoint(given)
     refuse_overlap([out_dir], [ckpt])
-    manifest = read_manifest(ckpt)
-    if not manifest.get("lora"):
-        raise MegapipeError(f"{ckpt} holds no LoRA adapters (its manifest has no 'lora'): --lora-adapter-only "
-                            "needs a checkpoint of a --lora-rank run")
-    spec = LoRASpec.from_manifest(manifest["lora"])
-    cfg = from_dict(ModelConfig, manifest["model"], "model.", f"{ckpt / 'megapipe.json'}: ")
+    manifest, spec, cfg, stored = _adapter_checkpoint(ckpt, "--lora-adapter-only needs a checkpoint of a --lora-rank run")
     adapter = adapter_for_arch(cfg.arch)
-    verify_checkpoint(ckpt, manifest, ["model/"])  # before its metadata is read
-    stored = {k: m for k, m in read_metadata(ckpt / "model").state_dict_metadata.items()
-              if isinstance(m, TensorStorageMetadata) and is_adapter(k)}
     names: dict[str, str] = {}  # megapipe adapter tensor -> peft key
     modules = set()  # the HF modules adapted, by their full names
     for conv in adapter.conversions(cfg):
@@ -66,9 +58,7 @@ def write_peft_adapter(ckpt, out_dir, overwrite: bool = False, tokenizer_dir: Op
         modules.add(hf_module)
         for mp_name, part in zip(adapter_names(conv.mp[0]), ("lora_A", "lora_B"), strict=True):
             names[mp_name] = f"base_model.model.{hf_module}.{part}.weight"
-    state = {k: torch.empty(tuple(stored[k].size), dtype=stored[k].properties.dtype) for k in names}
-    dcp_load(state, ckpt / "model", "model", strict=False)
-    tensors = {names[k]: v.float().contiguous() for k, v in state.items()}
+    tensors = {names[k]: v.float().contiguous() for k, v in _load_adapters(ckpt, stored, names).items()}
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.alpha,
         "lora_dropout": spec.dropout, "target_modules": exact_modules(modules), "bias": "none", "fan_in_fan_out": False,
@@ -91,6 +81,78 @@ def write_peft_adapter(ckpt, out_dir, overwrite: bool = False, tokenizer_dir: Op
         raise
     return {"output": str(out_dir), "adapters": len(tensors) // 2, "rank": spec.rank, "alpha": spec.alpha,
             "target_modules": ", ".join(sorted({m.rsplit(".", 1)[-1] for m in modules}))}
+
+
+def _adapter_checkpoint(ckpt: Path, why: str) -> tuple[dict, LoRASpec, ModelConfig, dict]:
+    """A LoRA checkpoint's manifest, LoRA spec, model config and the metadata of its adapter tensors (checked)."""
+    manifest = read_manifest(ckpt)
+    if not manifest.get("lora"):
+        raise MegapipeError(f"{ckpt} holds no LoRA adapters (its manifest has no 'lora'): {why}")
+    spec = LoRASpec.from_manifest(manifest["lora"])
+    cfg = from_dict(ModelConfig, manifest["model"], "model.", f"{ckpt / 'megapipe.json'}: ")
+    verify_checkpoint(ckpt, manifest, ["model/"])  # before its metadata is read
+    stored = {k: m for k, m in read_metadata(ckpt / "model").state_dict_metadata.items()
+              if isinstance(m, TensorStorageMetadata) and is_adapter(k)}
+    return manifest, spec, cfg, stored
+
+
+def _load_adapters(ckpt: Path, stored: dict, names) -> dict[str, torch.Tensor]:
+    state = {k: torch.empty(tuple(stored[k].size), dtype=stored[k].properties.dtype) for k in names}
+    dcp_load(state, ckpt / "model", "model", strict=False)
+    return state
+
+
+def read_adapters(path, cfg: ModelConfig) -> tuple[int, float, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """The LoRA adapters of a peft adapter directory or of a megapipe LoRA checkpoint / run directory, for a base
+    model of ``cfg``: (rank, scale alpha / rank, {megapipe weight name: (A [rank, in], B [out, rank])}), fp32."""
+    path = Path(path).expanduser()
+    if (path / ADAPTER_CONFIG).is_file():
+        return _read_peft(path, cfg)
+    if not path.exists():
+        raise MegapipeError(f"LoRA adapter {path} does not exist (give a peft adapter directory or a LoRA run)")
+    ckpt = resolve_checkpoint(path)
+    _, spec, _, stored = _adapter_checkpoint(ckpt, "give a checkpoint of a --lora-rank run or a peft directory")
+    state = _load_adapters(ckpt, stored, list(stored))
+    pairs = {}
+    for name in stored:
+        if ".lora_A." in name:
+            base = name.replace(".lora_A.", ".").removesuffix(".weight") + ".weight"
+            pairs[base] = (state[name].float(), state[adapter_names(base)[1]].float())
+    return spec.rank, spec.scale, pairs
+
+
+def _read_peft(path: Path, cfg: ModelConfig) -> tuple[int, float, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    from safetensors.torch import load_file
+
+    config = json.loads((path / ADAPTER_CONFIG).read_text())
+    where = path / ADAPTER_CONFIG
+    if config.get("peft_type", "LORA") != "LORA":
+        raise MegapipeError(f"{where}: peft_type {config.get('peft_type')!r} is not LORA")
+    for key, plain in (("use_dora", False), ("use_rslora", False), ("fan_in_fan_out", False), ("bias", "none"),
+                       ("modules_to_save", None), ("rank_pattern", {}), ("alpha_pattern", {})):
+        if config.get(key, plain) not in (plain, None, {}, False):
+            raise MegapipeError(f"{where}: {key} = {config[key]!r} is not supported (only plain LoRA: {key} "
+                                f"{plain!r})")
+    weights = path / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        raise MegapipeError(f"{path} has {ADAPTER_CONFIG} but no {ADAPTER_WEIGHTS}")
+    tensors = load_file(str(weights))
+    rank = int(config["r"])
+    adapter = adapter_for_arch(cfg.arch)
+    pairs, used = {}, set()
+    for conv in adapter.conversions(cfg):
+        if len(conv.mp) != 1 or len(conv.hf) != 1 or not conv.mp[0].endswith(".weight"):  # a bias: its module's
+            continue
+        module = f"base_model.model.{adapter.module_name(conv.hf[0])}"
+        a, b = f"{module}.lora_A.weight", f"{module}.lora_B.weight"
+        if a in tensors and b in tensors:
+            pairs[conv.mp[0]] = (tensors[a].float(), tensors[b].float())
+            used |= {a, b}
+    unknown = sorted(set(tensors) - used)
+    if unknown:
+        raise MegapipeError(f"{weights}: tensor {unknown[0]} adapts no layer of this {cfg.arch} model that megapipe "
+                            f"adapts ({len(unknown)} such tensors)")
+    return rank, float(config.get("lora_alpha", rank)) / rank, pairs
 
 
 def exact_modules(modules: set[str]) -> str:

@@ -1,0 +1,232 @@
+"""Many LoRA adapters on one base in one batch (megapipe/inference/lora.py): a peft adapter directory (made by peft)
+and a megapipe LoRA checkpoint, served together with the base model, each row giving what the merged model gives
+(fp32: the same greedy tokens, logprobs within 1e-5 relative); the peft directory read as peft merges it; LRU residency;
+refusals; the server's /v1/models, per-request ``model``, 404, and the load / unload routes."""
+
+from __future__ import annotations
+
+import copy
+
+import httpx
+import pytest
+import torch
+
+from megapipe.checkpoint.hf.peft import read_adapters
+from megapipe.checkpoint.load import load_model
+from megapipe.errors import ConfigError, MegapipeError
+from megapipe.inference import LLMEngine, SamplingParams
+from megapipe.inference.engine import EngineConfig
+from megapipe.inference.sampling import ParamError
+
+PROMPTS = [[5, 17, 9, 33, 2, 71, 8, 19], [44, 3, 120], [7, 7, 8, 9, 200, 31, 64, 64, 12, 5, 77, 3, 90, 14, 2, 6, 8]]
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+
+
+@pytest.fixture(scope="module")
+def adapters(hf_llama, tmp_path_factory):
+    """{"peft": a peft directory (rank 4 on every projection, made by peft itself), "run": a megapipe LoRA checkpoint
+    (rank 8 on q, v, down)}, and peft's merged transformers model of the first."""
+    import peft
+
+    from megapipe.checkpoint import write_checkpoint
+    from megapipe.models.lora import LoRASpec, apply_lora, lora_layers
+
+    hf_dir, hf_model = hf_llama
+    root = tmp_path_factory.mktemp("loras")
+    torch.manual_seed(3)
+    config = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    with_peft = peft.get_peft_model(copy.deepcopy(hf_model), config)
+    with_peft.save_pretrained(root / "peft")
+    merged_hf = with_peft.merge_and_unload().eval()
+
+    loaded = load_model(hf_dir, torch.device("cpu"), torch.float32)
+    spec = LoRASpec(rank=8, alpha=4.0, dropout=0.0, targets=("q", "v", "down"))
+    model = apply_lora(loaded.model, spec, seed=0)
+    with torch.no_grad():
+        for _, m in lora_layers(model):
+            m.lora_B.weight.normal_(0, 0.2)
+    write_checkpoint(root / "run", model, manifest={"model": model.cfg, "stage": "sft", "lora": spec.to_manifest()})
+    return {"peft": root / "peft", "run": root / "run"}, merged_hf
+
+
+def merged_engine(hf_dir, path=None) -> LLMEngine:
+    """An engine on the base model with the adapter at ``path`` folded into its weights (fp32)."""
+    loaded = load_model(hf_dir, torch.device("cpu"), torch.float32)
+    if path is not None:
+        _, scale, weights = read_adapters(path, loaded.model.cfg)
+        state = loaded.model.state_dict()
+        with torch.no_grad():
+            for name, (a, b) in weights.items():
+                state[name].add_(scale * b @ a)
+    return LLMEngine(loaded.model, None, EngineConfig(block_size=4, num_blocks=256), eos_token_ids=[0])
+
+
+def lora_engine(hf_dir, loras: dict, **config) -> LLMEngine:
+    loaded = load_model(hf_dir, torch.device("cpu"), torch.float32)
+    e = LLMEngine(loaded.model, None, EngineConfig(block_size=4, num_blocks=256, **config), eos_token_ids=[0])
+    for name, path in loras.items():
+        e.load_lora(name, path)
+    return e
+
+
+def run(engine: LLMEngine, requests: list[tuple[list[int], object]]) -> list:
+    """Every (prompt, adapter name or None) as one continuous batch; the outputs in order."""
+    for i, (prompt, lora) in enumerate(requests):
+        engine.add_request(f"r{i}", prompt, GREEDY, lora=lora)
+    done = {}
+    while len(done) < len(requests):
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0]
+    return [done[f"r{i}"] for i in range(len(requests))]
+
+
+def same(got, want) -> None:
+    """The same tokens; every logprob (the chosen token's and the top 3) within 1e-5 relative: fp32 round-off of
+    W x + s B (A x) against (W + s B A) x."""
+    assert got.token_ids == want.token_ids
+    for (lg, tg), (lw, tw) in zip(got.logprobs, want.logprobs, strict=True):
+        assert [i for i, _ in tg] == [i for i, _ in tw]
+        for a, b in [(lg, lw)] + [(a, b) for (_, a), (_, b) in zip(tg, tw, strict=True)]:
+            assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (a, b)
+
+
+def test_peft_directory_reads_as_peft_merges_it(hf_llama, adapters):
+    paths, merged_hf = adapters
+    engine = merged_engine(hf_llama[0], paths["peft"])
+    with torch.no_grad():
+        want = merged_hf(torch.tensor([PROMPTS[0]])).logits[0]
+        got = engine.runner.model(torch.tensor([PROMPTS[0]]))[0]
+    assert (got - want).abs().max() < 1e-4
+    rank, scale, weights = read_adapters(paths["peft"], engine.model_config)
+    assert (rank, scale, len(weights)) == (4, 2.0, 7 * engine.model_config.num_layers)
+
+
+@pytest.mark.parametrize("pack", [None, False], ids=["packed", "torch_path"])
+def test_a_batch_mixing_base_and_two_adapters_equals_the_merged_models(hf_llama, adapters, pack):
+    """Every prompt under the base and both adapters, all in one continuous batch (shared prompts: the prefix cache
+    must keep each adapter's KV apart), equals each merged model on its own."""
+    paths, _ = adapters
+    hf_dir = hf_llama[0]
+    want = {None: merged_engine(hf_dir).generate(PROMPTS, GREEDY)}
+    for name in ("peft", "run"):
+        want[name] = merged_engine(hf_dir, paths[name]).generate(PROMPTS, GREEDY)
+    engine = lora_engine(hf_dir, paths, max_loras=2, pack_weights=pack, cpu_kernels=pack)
+    requests = [(p, name) for p in PROMPTS for name in (None, "peft", "run")]
+    got = run(engine, requests)
+    for (prompt, name), out in zip(requests, got, strict=True):
+        same(out, want[name][PROMPTS.index(prompt)].outputs[0])
+    assert want["peft"][0].outputs[0].token_ids != want[None][0].outputs[0].token_ids  # the adapters do something
+    assert engine.blocks.usage() == 0.0
+    # a prompt's blocks cached under the base are found again by the base only, under an adapter by that adapter
+    engine.blocks.reset_prefix_cache()
+    same(run(engine, [(PROMPTS[2], None)])[0], want[None][2].outputs[0])
+    hits = engine.blocks.hit_tokens
+    same(run(engine, [(PROMPTS[2], "run")])[0], want["run"][2].outputs[0])
+    assert engine.blocks.hit_tokens == hits
+    same(run(engine, [(PROMPTS[2], "run")])[0], want["run"][2].outputs[0])
+    assert engine.blocks.hit_tokens > hits
+
+
+def test_lru_residency(hf_llama, adapters):
+    """One slot for two adapters: each is loaded when its request is admitted, over the other when that one no longer
+    runs; the outputs stay those of the merged models."""
+    paths, _ = adapters
+    engine = lora_engine(hf_llama[0], paths, max_loras=1)
+    slots = engine.adapters
+    want = {name: merged_engine(hf_llama[0], paths[name]).generate(PROMPTS[:2], GREEDY) for name in paths}
+    got = run(engine, [(PROMPTS[0], "peft"), (PROMPTS[0], "run"), (PROMPTS[1], "peft"), (PROMPTS[1], "run")])
+    for out, (i, name) in zip(got, [(0, "peft"), (0, "run"), (1, "peft"), (1, "run")], strict=True):
+        same(out, want[name][i].outputs[0])
+    assert slots.num_loads >= 3 and len(slots.resident) == 1
+    # the least recently used adapter no running sequence holds is the one replaced
+    engine = lora_engine(hf_llama[0], {"a": paths["peft"], "b": paths["run"], "c": paths["peft"]}, max_loras=2)
+    slots = engine.adapters
+    assert slots.acquire("a", set()) and slots.acquire("b", set()) and slots.acquire("a", set())
+    assert not slots.acquire("c", {"a", "b"})
+    assert slots.acquire("c", {"a"}) and list(slots.resident) == ["a", "c"]
+
+
+def test_refusals(hf_llama, adapters, tmp_path):
+    paths, _ = adapters
+    engine = lora_engine(hf_llama[0], {"peft": paths["peft"]}, max_loras=1, max_lora_rank=4)
+    with pytest.raises(ParamError, match="no LoRA adapter 'nope' is loaded"):
+        engine.add_request("x", PROMPTS[0], GREEDY, lora="nope")
+    with pytest.raises(MegapipeError, match="has rank 8, more than --max-lora-rank 4"):
+        engine.load_lora("big", paths["run"])
+    with pytest.raises(MegapipeError, match="does not exist"):
+        engine.load_lora("gone", tmp_path / "nothing")
+    with pytest.raises(ParamError, match="already loaded"):
+        engine.load_lora("peft", paths["peft"])
+    engine.add_request("busy", PROMPTS[0], GREEDY, lora="peft")
+    with pytest.raises(ParamError, match="serves 1 request"):
+        engine.remove_lora("peft")
+    engine.abort("busy")
+    engine.remove_lora("peft")
+    assert engine.lora_adapters() == {}
+    with pytest.raises(ConfigError, match="this engine serves no LoRA adapters"):
+        lora_engine(hf_llama[0], {"peft": paths["peft"]})
+    with pytest.raises(ConfigError, match="--max-loras = -1 must be an integer >= 0"):
+        lora_engine(hf_llama[0], {}, max_loras=-1)
+
+
+def test_server_routes(hf_llama, adapters, tmp_path):
+    from tests.inference.test_server import KEY, NAME, LiveServer
+
+    paths, _ = adapters
+    live = LiveServer(hf_llama[0], max_loras=2)
+    try:
+        auth = {"Authorization": f"Bearer {KEY}"}
+        post = lambda route, body: httpx.post(live.url + route, json=body, headers=auth, timeout=60)  # noqa: E731
+        r = post("/v1/load_lora_adapter", {"lora_name": "ad", "lora_path": str(paths["run"])})
+        assert r.status_code == 200, r.text
+        assert httpx.post(live.url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "y"}).status_code \
+            == 401  # behind the API key
+        r = post("/v1/load_lora_adapter", {"lora_name": "bad", "lora_path": str(tmp_path / "missing")})
+        assert r.status_code == 400 and "does not exist" in r.json()["error"]["message"]
+        models = httpx.get(live.url + "/v1/models", headers=auth).json()["data"]
+        assert [(m["id"], m["parent"]) for m in models] == [(NAME, None), ("ad", NAME)]
+        want = merged_engine(hf_llama[0], paths["run"]).generate([PROMPTS[1]], GREEDY)[0].outputs[0].token_ids
+        base = merged_engine(hf_llama[0]).generate([PROMPTS[1]], GREEDY)[0].outputs[0].token_ids
+        for model, tokens in (("ad", want), (NAME, base)):
+            body = {"model": model, "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+            r = post("/v1/completions", body)
+            assert r.status_code == 200 and r.json()["model"] == model
+            assert r.json()["choices"][0]["text"] == live.engine.tokenizer.decode(tokens)
+            stream = httpx.post(live.url + "/v1/completions", json={**body, "stream": True}, headers=auth, timeout=60)
+            assert stream.status_code == 200 and f'"model": "{model}"' in stream.text
+        r = post("/v1/completions", {"model": "other", "prompt": "x"})
+        assert r.status_code == 404 and "`other` does not exist" in r.json()["error"]["message"]
+        assert post("/v1/unload_lora_adapter", {"lora_name": "ad"}).status_code == 200
+        assert post("/v1/unload_lora_adapter", {"lora_name": "ad"}).status_code == 404
+        assert [m["id"] for m in httpx.get(live.url + "/v1/models", headers=auth).json()["data"]] == [NAME]
+        assert post("/v1/completions", {"model": "ad", "prompt": "x"}).status_code == 404
+    finally:
+        live.stop()
+
+
+def test_bf16_kernel_path_equals_the_plain_matmuls():
+    """On megapipe's bf16 kernel (where it builds) the adapted layer gives what bf16 matmuls give (round-off)."""
+    from megapipe.inference import kernels
+    from megapipe.inference.lora import AdaptedLinear, AdapterSlots
+    from megapipe.inference.runner import PackedLinear
+
+    if not kernels.bf16_linear_built():
+        pytest.skip("megapipe's bf16 kernel does not build here")
+    torch.manual_seed(0)
+    base = torch.nn.Linear(64, 48, bias=False).to(torch.bfloat16)
+    slots = AdapterSlots(base, max_loras=2, max_rank=4)
+    layer = AdaptedLinear(PackedLinear(base.weight, own=True), ["w.weight"], [48], slots)
+    assert layer.packed is not None
+    weights = {"w.weight": (torch.randn(4, 64).bfloat16(), torch.randn(48, 4).bfloat16())}
+    slots.registered["x"] = slots_adapter = type("A", (), {"rank": 4, "weights": weights})()
+    layer.put(2, slots_adapter)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    slots.set_rows([0, 2, 2, 0, 2])
+    with torch.inference_mode():
+        got = layer.forward(x).float()
+    a, b = weights["w.weight"]
+    want = (x @ base.weight.T).float()
+    want[[1, 2, 4]] += ((x[[1, 2, 4]] @ a.T) @ b.T).float()
+    torch.testing.assert_close(got, want, atol=0.1, rtol=0.02)
