@@ -56,8 +56,9 @@ class AsyncEngine:
         return self.engine.num_waiting() + self.pending
 
     async def generate(self, prompt: Union[str, Sequence[int]], params: SamplingParams,
-                       request_id: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+                       request_id: Optional[str] = None, images=None) -> AsyncIterator[RequestOutput]:
         """Outputs as the request progresses (each holds everything so far); the last one has finished=True.
+        ``images``: as LLMEngine.add_request takes them.
 
         Parameter errors (ParamError) are raised here, before anything is queued.
         """
@@ -73,7 +74,7 @@ class AsyncEngine:
         with self._lock:
             self._streams[rid] = (loop, stream)
             self.pending += 1
-        self._inbox.put(("add", rid, ids, text, params, now()))
+        self._inbox.put(("add", rid, ids, text, params, now(), images))
         self._wake.set()
         finished = False
         try:
@@ -124,14 +125,14 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if msg[0] == "add":
-                _, rid, ids, text, params, arrival = msg
+                _, rid, ids, text, params, arrival, images = msg
                 with self._lock:
                     self.pending -= 1
                     gone = rid not in self._streams
                 if gone:
                     continue  # cancelled before the engine saw it
                 try:
-                    req = self.engine.add_request(rid, ids, params, arrival)
+                    req = self.engine.add_request(rid, ids, params, arrival, images=images)
                     req.prompt = text
                 except MegapipeError as e:
                     self._deliver(rid, e)

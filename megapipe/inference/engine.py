@@ -255,16 +255,19 @@ class LLMEngine:
         return params
 
     def add_request(self, request_id: str, prompt: Union[str, Sequence[int]], params: SamplingParams,
-                    arrival: Optional[float] = None, images: Optional[dict] = None) -> Request:
+                    arrival: Optional[float] = None, images: Union[dict, PromptImages, None] = None) -> Request:
         """Queue a request; ``arrival`` (time.monotonic) counts from when a server received it; ``images``: the
-        image processor's ``pixel_values`` and ``image_grid_thw`` of the images whose tokens the prompt holds."""
+        image processor's ``pixel_values`` and ``image_grid_thw`` of the images whose tokens the prompt holds (or
+        their PromptImages, made and checked by the caller)."""
         if request_id in self.requests:
             raise ParamError("request_id", f"request id {request_id!r} is already running")
         text, ids = self.encode(prompt)
         params = self.check_request(ids, params)
         req = Request(request_id, text, ids, params, arrival)
+        if isinstance(images, dict):
+            images = PromptImages(self.runner.model, ids, images["pixel_values"], images["image_grid_thw"])
         if images is not None:
-            req.images = PromptImages(self.runner.model, ids, images["pixel_values"], images["image_grid_thw"])
+            req.images = images
             req.hash_seed = req.images.hash_seed
         first = None
         for i in range(params.n):
