@@ -119,6 +119,11 @@ def test_sft_with_lora_and_peft_parity(arch, capsys, one_thread):
     if "sft" not in caps.stages:
         assert LABELS[arch["name"]] in refused(capsys, *args)
         return
+    if not caps.lora:  # full fine-tuning only: LoRA is refused, the run without it trains
+        assert LABELS[arch["name"]] in refused(capsys, *args[:-1], "--save", arch["work"] / "sft_bad")
+        full = [a for a in args if a not in ("--lora-rank", "4", "--lora-alpha", "8")]
+        assert cli(*full) == 0 and not (arch["work"] / "sft_bad").exists()
+        return
     if any(t not in caps.lora for t in ("gate", "up")):  # what the table does not declare is named and refused
         missing = next(t for t in ("gate", "up") if t not in caps.lora)
         err = refused(capsys, *args[:-1], "--lora-targets", f"q,{missing}", "--save", arch["work"] / "sft_bad")

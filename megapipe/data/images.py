@@ -183,16 +183,18 @@ class ImageProcessor:
         return np.ascontiguousarray(x.reshape(gh * gw, c * t * p * p)), [1, gh, gw]
 
 
+def placeholder_repeats(ids, image_token_id: int, counts: Sequence[int]) -> np.ndarray:
+    """How many times each token of ``ids`` stands in the expanded prompt: its i-th image token ``counts[i]`` times
+    (a rendered prompt holds one per image), every other token once."""
+    ids = np.asarray(ids)
+    slots = ids == image_token_id
+    if int(slots.sum()) != len(counts):
+        raise ImageError(f"the prompt holds {int(slots.sum())} image placeholders but {len(counts)} images were given")
+    repeats = np.ones(len(ids), dtype=np.int64)
+    repeats[slots] = counts
+    return repeats
+
+
 def expand_image_tokens(ids: Sequence[int], image_token_id: int, counts: Sequence[int]) -> list[int]:
-    """``ids`` with its i-th image token repeated ``counts[i]`` times (a rendered prompt holds one per image)."""
-    found = sum(1 for t in ids if t == image_token_id)
-    if found != len(counts):
-        raise ImageError(f"the prompt holds {found} image placeholders but {len(counts)} images were given")
-    out, i = [], 0
-    for t in ids:
-        if t == image_token_id:
-            out.extend([t] * counts[i])
-            i += 1
-        else:
-            out.append(t)
-    return out
+    """``ids`` with its i-th image token repeated ``counts[i]`` times."""
+    return np.repeat(np.asarray(ids, dtype=np.int64), placeholder_repeats(ids, image_token_id, counts)).tolist()

@@ -15,8 +15,9 @@ from typing import Optional
 
 from megapipe.data.chat_template import OWN
 from megapipe.data.gpt_dataset import parse_split
+from megapipe.data.images import ImageProcessor
 from megapipe.data.sft import ChatEncoder
-from megapipe.data.sft_dataset import SFTLoader, build_sft_datasets, prepare_sft_index, progress_printer
+from megapipe.data.sft_dataset import SFTImages, SFTLoader, build_sft_datasets, prepare_sft_index, progress_printer
 from megapipe.data.tokenizer import load_tokenizer
 from megapipe.errors import ConfigError
 from megapipe.models.lora import apply_lora
@@ -51,6 +52,20 @@ class SFTRecipe(LoRARecipe):
 
     # ------------------------------------------------------------------------------------------- checks
 
+    def prepare_model(self, ctx: RunContext, model):
+        model = super().prepare_model(ctx, model)
+        freeze = {"--freeze-vision": ctx.cfg.sft.freeze_vision, "--freeze-projector": ctx.cfg.sft.freeze_projector}
+        visual = getattr(model, "visual", None)
+        for flag, on in freeze.items():
+            if on and visual is None:
+                raise ConfigError(f"{flag} needs a vision-language model; this model has no vision tower")
+        if ctx.cfg.sft.freeze_vision:
+            for p in [*visual.patch_embed.parameters(), *visual.blocks.parameters()]:
+                p.requires_grad_(False)
+        if ctx.cfg.sft.freeze_projector:
+            visual.merger.requires_grad_(False)
+        return model
+
     def packed_sequences(self, cfg) -> bool:
         return cfg.sft.packing
 
@@ -63,15 +78,18 @@ class SFTRecipe(LoRARecipe):
 
     def encoder(self, cfg, tokenizer):
         if self._encoder is None:
-            self._encoder = ChatEncoder(tokenizer.path, cfg.sft.chat_template, cfg.sft.train_on_prompt)
+            self._encoder = ChatEncoder(tokenizer.path, cfg.sft.chat_template, cfg.sft.train_on_prompt,
+                                        image_markers(cfg.model, tokenizer))
         return self._encoder
 
     def index(self, cfg, tokenizer):
         if self._index is None:
             encoder = self.encoder(cfg, tokenizer)
             with progress_printer(enabled=True) as progress:
+                images = (SFTImages(ImageProcessor.from_dir(tokenizer.path), cfg.model.image_token_id)
+                          if encoder.image_text is not None else None)
                 self._index = prepare_sft_index(cfg.sft.data, encoder, cfg.sft.skip_bad_records, cfg.data.cache_dir,
-                                                progress)
+                                                progress, images)
         return self._index
 
     # ------------------------------------------------------------------------------------------- model and data
@@ -149,6 +167,14 @@ class SFTRecipe(LoRARecipe):
             self._tokenizer_dir = tempfile.TemporaryDirectory(prefix="megapipe-sft-tokenizer-")
             write_tokenizer_with_template(source, Path(self._tokenizer_dir.name), enc.template)
         return Path(self._tokenizer_dir.name)
+
+
+def image_markers(model_cfg, tokenizer) -> Optional[str]:
+    """The text of one image's markers (vision start, image token, vision end) of a vision-language model."""
+    if not model_cfg.vision_depth or model_cfg.image_token_id is None:
+        return None
+    marks = [model_cfg.vision_start_token_id, model_cfg.image_token_id, model_cfg.vision_end_token_id]
+    return tokenizer.decode([t for t in marks if t is not None])
 
 
 def write_tokenizer_with_template(source, out: Path, template: str) -> Path:
