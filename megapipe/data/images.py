@@ -183,6 +183,15 @@ class ImageProcessor:
         return np.ascontiguousarray(x.reshape(gh * gw, c * t * p * p)), [1, gh, gw]
 
 
+def image_markers(model_cfg, tokenizer) -> Optional[str]:
+    """The text of one image in a prompt of a vision-language model (vision start, image token, vision end, as
+    Qwen2-VL's chat template writes an image part); None for a model that takes text only."""
+    if not model_cfg.vision_depth or model_cfg.image_token_id is None or tokenizer is None:
+        return None
+    marks = [model_cfg.vision_start_token_id, model_cfg.image_token_id, model_cfg.vision_end_token_id]
+    return tokenizer.decode([t for t in marks if t is not None])
+
+
 def placeholder_repeats(ids, image_token_id: int, counts: Sequence[int]) -> np.ndarray:
     """How many times each token of ``ids`` stands in the expanded prompt: its i-th image token ``counts[i]`` times
     (a rendered prompt holds one per image), every other token once."""

@@ -26,7 +26,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from megapipe import __version__
 from megapipe.data.chat_template import ChatTemplateError, load_chat_template, split_harmony
-from megapipe.data.images import ImageError, ImageLimits, ImageProcessor, expand_image_tokens, open_image
+from megapipe.data.images import (
+    ImageError,
+    ImageLimits,
+    ImageProcessor,
+    expand_image_tokens,
+    image_markers,
+    open_image,
+)
 from megapipe.errors import DataError, MegapipeError
 from megapipe.inference.async_engine import AsyncEngine, EngineDead, QueueFull
 from megapipe.inference.engine import RequestOutput
@@ -336,12 +343,8 @@ class OpenAIServer:
 
     def _image_inputs(self) -> tuple[Optional[str], Optional[ImageProcessor]]:
         """(the text of one image's markers, the image processor) of a vision-language model; (None, None) else."""
-        cfg = self.engine.engine.runner.model.cfg
-        if getattr(self.engine.engine.runner.model, "visual", None) is None or self.tokenizer is None:
-            return None, None
-        marks = [cfg.vision_start_token_id, cfg.image_token_id, cfg.vision_end_token_id]
-        text = self.tokenizer.decode([t for t in marks if t is not None])
-        return text, ImageProcessor.from_dir(self.tokenizer.path)
+        text = image_markers(self.engine.engine.runner.model.cfg, self.tokenizer)
+        return (text, ImageProcessor.from_dir(self.tokenizer.path)) if text is not None else (None, None)
 
     def _with_images(self, text: str, urls: list[str]) -> tuple[list[int], PromptImages]:
         """The rendered prompt's tokens, each image's placeholder repeated for its patches, and its images."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 
 import openai
 import pytest
@@ -108,3 +109,26 @@ def test_image_mistakes_are_400s(vl_server):
     with pytest.raises(openai.BadRequestError, match="210 x 200 = 42000 pixels, over the limit of 40000 pixels per image"):
         c.chat.completions.create(model="tiny", messages=messages([small, data_url(Image.new("RGB", (210, 200)))]),
                                   max_tokens=2)
+
+
+def test_generate_stage_with_an_image_equals_transformers(vl_server, tmp_path, capsys, one_thread):
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    _, hf_dir, hf_model = vl_server
+    image = draw_images()[0]
+    image.save(tmp_path / "a.png")
+    pixels = Qwen2VLImageProcessorPil.from_pretrained(hf_dir)(image, return_tensors="pt")
+    count = int(pixels["image_grid_thw"].prod()) // 4
+    text = "Look: <|vision_start|>" + "<|image_pad|>" * count + "<|vision_end|> what is it?"
+    ids = AutoTokenizer.from_pretrained(hf_dir)(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    out = hf_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=(
+        ids == CHAT_IDS[0]).int(), max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=1, **pixels)
+    want = AutoTokenizer.from_pretrained(hf_dir).decode(out[0, ids.shape[1]:])
+    capsys.readouterr()
+    args = ["generate", str(hf_dir.parent / "ckpt"), "--prompt", "Look: <image> what is it?", "--max-new-tokens", "6",
+            "--json"]
+    assert main([*args, "--image", str(tmp_path / "a.png")]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["completion"] == want
+    assert main([*args, "--image", str(tmp_path / "gone.png")]) != 0
+    assert f"--image {tmp_path / 'gone.png'}: image file" in " ".join(capsys.readouterr().err.split())

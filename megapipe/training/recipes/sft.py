@@ -15,7 +15,7 @@ from typing import Optional
 
 from megapipe.data.chat_template import OWN
 from megapipe.data.gpt_dataset import parse_split
-from megapipe.data.images import ImageProcessor
+from megapipe.data.images import ImageProcessor, image_markers
 from megapipe.data.sft import ChatEncoder
 from megapipe.data.sft_dataset import SFTImages, SFTLoader, build_sft_datasets, prepare_sft_index, progress_printer
 from megapipe.data.tokenizer import load_tokenizer
@@ -167,14 +167,6 @@ class SFTRecipe(LoRARecipe):
             self._tokenizer_dir = tempfile.TemporaryDirectory(prefix="megapipe-sft-tokenizer-")
             write_tokenizer_with_template(source, Path(self._tokenizer_dir.name), enc.template)
         return Path(self._tokenizer_dir.name)
-
-
-def image_markers(model_cfg, tokenizer) -> Optional[str]:
-    """The text of one image's markers (vision start, image token, vision end) of a vision-language model."""
-    if not model_cfg.vision_depth or model_cfg.image_token_id is None:
-        return None
-    marks = [model_cfg.vision_start_token_id, model_cfg.image_token_id, model_cfg.vision_end_token_id]
-    return tokenizer.decode([t for t in marks if t is not None])
 
 
 def write_tokenizer_with_template(source, out: Path, template: str) -> Path:
