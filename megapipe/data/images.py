@@ -186,7 +186,7 @@ class ImageProcessor:
 def image_markers(model_cfg, tokenizer) -> Optional[str]:
     """The text of one image in a prompt of a vision-language model (vision start, image token, vision end, as
     Qwen2-VL's chat template writes an image part); None for a model that takes text only."""
-    if not model_cfg.vision_depth or model_cfg.image_token_id is None or tokenizer is None:
+    if model_cfg is None or not model_cfg.vision_depth or model_cfg.image_token_id is None or tokenizer is None:
         return None
     marks = [model_cfg.vision_start_token_id, model_cfg.image_token_id, model_cfg.vision_end_token_id]
     return tokenizer.decode([t for t in marks if t is not None])

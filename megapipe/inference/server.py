@@ -343,7 +343,8 @@ class OpenAIServer:
 
     def _image_inputs(self) -> tuple[Optional[str], Optional[ImageProcessor]]:
         """(the text of one image's markers, the image processor) of a vision-language model; (None, None) else."""
-        text = image_markers(self.engine.engine.runner.model.cfg, self.tokenizer)
+        model = getattr(getattr(self.engine.engine, "runner", None), "model", None)
+        text = image_markers(getattr(model, "cfg", None), self.tokenizer)
         return (text, ImageProcessor.from_dir(self.tokenizer.path)) if text is not None else (None, None)
 
     def _with_images(self, text: str, urls: list[str]) -> tuple[list[int], PromptImages]:

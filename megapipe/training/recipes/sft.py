@@ -79,7 +79,7 @@ class SFTRecipe(LoRARecipe):
     def encoder(self, cfg, tokenizer):
         if self._encoder is None:
             self._encoder = ChatEncoder(tokenizer.path, cfg.sft.chat_template, cfg.sft.train_on_prompt,
-                                        image_markers(cfg.model, tokenizer))
+                                        image_markers(getattr(cfg, "model", None), tokenizer))
         return self._encoder
 
     def index(self, cfg, tokenizer):
