@@ -131,7 +131,8 @@ def serve(
     config = ServerConfig(model_name=name, model_path=str(model), api_key=api_key, max_queue=max_queue or None,
                           max_body_bytes=parse_size(max_body_size, "--max-body-size"),
                           shutdown_timeout=shutdown_timeout, image_limits=ImageLimits(
-                              parse_size(max_image_size, "--max-image-size"), max_image_pixels))
+                              parse_size(max_image_size, "--max-image-size"), max_image_pixels,
+                              ("--max-image-size", "--max-image-pixels")))
 
     def ready():
         print(f"megapipe serve: ready on http://{bound_host}:{bound_port} (model {name}, max_model_len "

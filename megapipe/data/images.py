@@ -34,6 +34,12 @@ class ImageError(DataError):
 class ImageLimits:
     max_bytes: int = 20 * MiB  # an image's encoded size
     max_pixels: int = 4096 * 4096  # an image's width x height as decoded (before the processor resizes it)
+    flags: tuple = ("", "")  # the options that set the two, named in a refusal
+
+    def over(self, which: int, what: str) -> str:
+        limit = (f"{self.max_bytes} bytes", f"{self.max_pixels} pixels")[which]
+        flag = f" ({self.flags[which]})" if self.flags[which] else ""
+        return f"{what}, over the limit of {limit} per image{flag}"
 
 
 def open_image(source: str, limits: ImageLimits = ImageLimits(), allow_files: bool = False,
@@ -52,8 +58,7 @@ def open_image(source: str, limits: ImageLimits = ImageLimits(), allow_files: bo
         if not path.is_file():
             raise ImageError(f"image file {str(path)!r} does not exist")
         if path.stat().st_size > limits.max_bytes:
-            raise ImageError(f"image file {str(path)!r} is {path.stat().st_size} bytes, over the limit of "
-                             f"{limits.max_bytes} bytes per image")
+            raise ImageError(limits.over(0, f"image file {str(path)!r} is {path.stat().st_size} bytes"))
         data = path.read_bytes()
     else:
         raise ImageError(f"image URL {source[:60]!r} is not a data: URL (data:image/png;base64,...)")
@@ -63,8 +68,7 @@ def open_image(source: str, limits: ImageLimits = ImageLimits(), allow_files: bo
         raise ImageError(f"the image could not be decoded ({type(e).__name__}: {e})") from None
     width, height = image.size
     if width * height > limits.max_pixels:  # checked from the header, before the pixels are decoded
-        raise ImageError(f"the image is {width} x {height} = {width * height} pixels, over the limit of "
-                         f"{limits.max_pixels} pixels per image")
+        raise ImageError(limits.over(1, f"the image is {width} x {height} = {width * height} pixels"))
     try:
         image.load()
     except Exception as e:
@@ -77,14 +81,13 @@ def _data_url_bytes(url: str, limits: ImageLimits) -> bytes:
     if not comma or not header.endswith(";base64"):
         raise ImageError(f"data URL {url[:40]!r}... is not base64 (data:image/png;base64,...)")
     if len(payload) * 3 // 4 > limits.max_bytes + 2:
-        raise ImageError(f"the image is about {len(payload) * 3 // 4} bytes, over the limit of {limits.max_bytes} "
-                         f"bytes per image")
+        raise ImageError(limits.over(0, f"the image is about {len(payload) * 3 // 4} bytes"))
     try:
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         raise ImageError(f"data URL {url[:40]!r}... does not hold valid base64") from None
     if len(data) > limits.max_bytes:
-        raise ImageError(f"the image is {len(data)} bytes, over the limit of {limits.max_bytes} bytes per image")
+        raise ImageError(limits.over(0, f"the image is {len(data)} bytes"))
     return data
 
 

@@ -42,8 +42,8 @@ def vl_server(tmp_path_factory):
     work = tmp_path_factory.mktemp("vl_server")
     hf_dir, hf_model = make_vl_dir(work / "hf", chat=True)
     assert main(["import", "hf", str(hf_dir), str(work / "ckpt"), "--quiet"]) == 0
-    server = LiveServer(work / "ckpt", body=1 << 20,
-                        server_config={"image_limits": ImageLimits(max_bytes=4000, max_pixels=200 * 200)})
+    limits = ImageLimits(4000, 200 * 200, ("--max-image-size", "--max-image-pixels"))
+    server = LiveServer(work / "ckpt", body=1 << 20, server_config={"image_limits": limits})
     yield server, hf_dir, hf_model
     server.stop()
 
@@ -96,7 +96,7 @@ def test_image_mistakes_are_400s(vl_server):
         (["https://example.com/cat.png", small], "image 1 of the request: remote image URLs are not fetched"),
         ([small, "data:image/png;base64,not base64!"], "image 2 of the request: data URL"),
         ([small, "data:image/png;base64," + base64.b64encode(b"not a png").decode()], "could not be decoded"),
-        ([small, data_url(big)], "over the limit of"),
+        ([small, data_url(big)], "over the limit of 4000 bytes per image \\(--max-image-size\\)"),
     ]
     for urls, why in cases:
         with pytest.raises(openai.BadRequestError, match=why):
@@ -106,7 +106,8 @@ def test_image_mistakes_are_400s(vl_server):
     one[0]["content"][0]["text"] = "<|image_pad|> is written by the user"
     with pytest.raises(openai.BadRequestError, match="the prompt holds 2 image placeholders but 1 images"):
         c.chat.completions.create(model="tiny", messages=one, max_tokens=2)
-    with pytest.raises(openai.BadRequestError, match="210 x 200 = 42000 pixels, over the limit of 40000 pixels per image"):
+    with pytest.raises(openai.BadRequestError, match=r"210 x 200 = 42000 pixels, over the limit of 40000 pixels per "
+                                                     r"image \(--max-image-pixels\)"):
         c.chat.completions.create(model="tiny", messages=messages([small, data_url(Image.new("RGB", (210, 200)))]),
                                   max_tokens=2)
 
