@@ -627,6 +627,10 @@ class SFTConfig:
                                                                    "of stopping at the first.")
     overlong: Literal["truncate", "drop"] = opt(
         "truncate", "--overlong", help="Conversations longer than --seq-length: cut at the end, or leave out.")
+    freeze_vision: bool = opt(False, "--freeze-vision", help="A vision-language model's vision tower (patch "
+                                                             "embedding and blocks) is not trained.")
+    freeze_projector: bool = opt(False, "--freeze-projector", help="A vision-language model's patch merger "
+                                                                   "(projector) is not trained.")
 
 
 @dataclass

@@ -22,6 +22,9 @@ def generate(
     device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:1 ...; default: cuda if present."),
     bf16: bool = typer.Option(False, "--bf16", help="Run the model in bfloat16 (= --dtype bfloat16)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (as stored), float32, bfloat16 or float16."),
+    image: Optional[List[str]] = typer.Option(None, "--image", help="Image file of a vision-language model: one per "
+                                              "--prompt or one for all; it goes where the prompt writes <image>, "
+                                              "else first."),
     json_output: bool = typer.Option(False, "--json", help="Print a JSON list of {prompt, completion}."),
     speculative_tokens: int = typer.Option(0, "--speculative-tokens",
                                            help="Draft tokens per step from the model's MTP modules (0 = off)."),
@@ -52,7 +55,7 @@ def generate(
     # the checkpoint's generation config ends a completion as the engine's from_pretrained does
     eos = eos_ids_of(loaded.generation_config.get("eos_token_id"), tok)
     completions = run_generate(loaded.model, tok, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop,
-                               speculative_tokens, eos)
+                               speculative_tokens, eos, image)
     if json_output:
         typer.echo(json.dumps([{"prompt": p, "completion": c} for p, c in zip(prompt, completions, strict=True)]))
         return

@@ -50,6 +50,10 @@ def serve(
                                                  "recently used out; default: as many as --lora-modules)."),
     max_lora_rank: int = typer.Option(16, "--max-lora-rank", help="The largest rank of a served LoRA adapter."),
     max_body_size: str = typer.Option("8MiB", "--max-body-size", help="Largest request body; larger get 413."),
+    max_image_size: str = typer.Option("20MiB", "--max-image-size",
+                                       help="Largest image (encoded) in a chat request; larger get 400."),
+    max_image_pixels: int = typer.Option(4096 * 4096, "--max-image-pixels",
+                                         help="Most pixels (width x height) of an image in a chat request."),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: torch's choice)."),
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level."),
 ) -> None:
@@ -72,6 +76,8 @@ def serve(
             raise MegapipeError(f"{flag} = {value} must be >= 1")
     if speculative_tokens < 0:
         raise MegapipeError(f"--speculative-tokens = {speculative_tokens} must be >= 0 (0: off)")
+    if max_image_pixels < 1:
+        raise MegapipeError(f"--max-image-pixels = {max_image_pixels} must be >= 1")
     if max_queue < 0:
         raise MegapipeError(f"--max-queue = {max_queue} must be >= 0 (0: no limit)")
     if not 0 <= shutdown_timeout < float("inf"):
@@ -115,6 +121,7 @@ def serve(
 
     # lazy: imports fastapi and torch; megapipe --help stays fast
     from megapipe.checkpoint.load import load_model
+    from megapipe.data.images import ImageLimits
     from megapipe.dtypes import resolve_device, resolve_dtype
     from megapipe.inference import LLMEngine
     from megapipe.inference.async_engine import AsyncEngine
@@ -147,7 +154,9 @@ def serve(
     bound_host, bound_port = sock.getsockname()[:2]
     config = ServerConfig(model_name=name, model_path=str(model), api_key=api_key, max_queue=max_queue or None,
                           max_body_bytes=parse_size(max_body_size, "--max-body-size"),
-                          shutdown_timeout=shutdown_timeout)
+                          shutdown_timeout=shutdown_timeout, image_limits=ImageLimits(
+                              parse_size(max_image_size, "--max-image-size"), max_image_pixels,
+                              ("--max-image-size", "--max-image-pixels")))
 
     def ready():
         print(f"megapipe serve: ready on http://{bound_host}:{bound_port} (model {name}, max_model_len "

@@ -27,7 +27,7 @@ import gzip
 import hashlib
 import json
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -39,6 +39,8 @@ from megapipe.data.tokenizer import load_tokenizer, tokenizer_files
 from megapipe.errors import DataError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+# where an image part of a message stood; the encoder writes the model's image markers there
+IMAGE_PART = "<|megapipe:image|>"
 TRAINED_ROLES = ("assistant",)
 
 
@@ -61,28 +63,49 @@ class Example:
     prompt: str = ""
     completion: str = ""
     text: str = ""
+    images: list = field(default_factory=list)  # image sources (paths, data: URLs) in the order they appear
 
 
 def _type(value) -> str:
     return JSON_TYPES.get(type(value), type(value).__name__)
 
 
-def _content(value, where: str, key: str):
-    """Message content: a string, or a list of text parts (joined); None only where the caller allows it."""
+def _image_source(part: dict):
+    """The path or URL of an image part (OpenAI's image_url, HF's image), None for another part."""
+    if part.get("type") == "image_url":
+        url = part.get("image_url")
+        return url.get("url") if isinstance(url, dict) else url
+    if part.get("type") == "image":
+        return part.get("image", part.get("url", part.get("path")))
+    return None
+
+
+def _content(value, where: str, key: str, images: Optional[list] = None):
+    """Message content: a string, or a list of text parts (joined) and, where ``images`` collects their sources,
+    image parts (IMAGE_PART in the text); None only where the caller allows it."""
     if value is None or isinstance(value, str):
         return value
     if isinstance(value, list):
         parts = []
         for i, part in enumerate(value):
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise DataError(f"{where}: {key}[{i}] is not a text part ({{'type': 'text', 'text': ...}}); only "
-                                "text content is supported")
+            is_dict = isinstance(part, dict)
+            if is_dict and part.get("type") in ("image_url", "image") and images is not None:
+                source = _image_source(part)
+                if not isinstance(source, str) or not source:
+                    raise DataError(f"{where}: {key}[{i}] is an image part without a path or URL string")
+                images.append(source)
+                parts.append(IMAGE_PART)
+                continue
+            if not (is_dict and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                allowed = "text and image parts" if images is not None else "only text content"
+                raise DataError(f"{where}: {key}[{i}] is not a text part ({{'type': 'text', 'text': ...}}); "
+                                f"{allowed} are supported here")
             parts.append(part["text"])
         return "".join(parts)
     raise DataError(f"{where}: {key} is a {_type(value)}, not a string")
 
 
-def _messages(value, where: str, key: str) -> list[dict]:
+def _messages(value, where: str, key: str, images: Optional[list] = None) -> list[dict]:
     if not isinstance(value, list) or not value:
         what = "an empty list" if isinstance(value, list) else f"a {_type(value)}"
         raise DataError(f"{where}: '{key}' is {what}, not a list of messages")
@@ -95,7 +118,7 @@ def _messages(value, where: str, key: str) -> list[dict]:
         if role not in ROLES:
             raise DataError(f"{where}: {k}.role = {role!r} is not one of {', '.join(ROLES)}")
         msg = dict(m)
-        msg["content"] = _content(m.get("content"), where, f"{k}.content")
+        msg["content"] = _content(m.get("content"), where, f"{k}.content", images if role == "user" else None)
         calls = m.get("tool_calls")
         if calls is not None and not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
             raise DataError(f"{where}: {k}.tool_calls is not a list of objects")
@@ -123,13 +146,14 @@ def parse_record(record: Any, where: str) -> Example:
     """A decoded record -> Example; a DataError names ``where`` (file:line) and what is wrong."""
     if not isinstance(record, dict):
         raise DataError(f"{where}: the record is a JSON {_type(record)}, not an object")
+    images: list = []
     if "messages" in record:
-        msgs = _messages(record["messages"], where, "messages")
+        msgs = _messages(record["messages"], where, "messages", images)
         trained = [m["role"] in TRAINED_ROLES and m["_weight"] == 1 for m in msgs]
         _without_weights(msgs)
         if not any(trained):
             raise DataError(f"{where}: the conversation has no assistant message to train on")
-        return Example("chat", where, msgs, trained, _tools(record.get("tools"), where))
+        return Example("chat", where, msgs, trained, _tools(record.get("tools"), where), images=images)
     if "prompt" in record or "completion" in record:
         for key in ("prompt", "completion"):
             if key not in record:
@@ -141,9 +165,9 @@ def parse_record(record: Any, where: str) -> Example:
                 raise DataError(f"{where}: 'completion' is empty: there is nothing to train on")
             return Example("pair", where, prompt=p, completion=c)
         if isinstance(p, list) and isinstance(c, list):
-            msgs = _without_weights(_messages(p, where, "prompt") + _messages(c, where, "completion"))
+            msgs = _without_weights(_messages(p, where, "prompt", images) + _messages(c, where, "completion"))
             trained = [False] * len(p) + [True] * len(c)
-            return Example("chat", where, msgs, trained, _tools(record.get("tools"), where))
+            return Example("chat", where, msgs, trained, _tools(record.get("tools"), where), images=images)
         raise DataError(f"{where}: 'prompt' and 'completion' must both be strings or both lists of messages "
                         f"(got a {_type(p)} and a {_type(c)})")
     if "text" in record:
@@ -263,7 +287,8 @@ class ChatEncoder:
     """Renders and tokenizes records: ``encode(example) -> (ids int64 [n], trained bool [n])`` where ``trained[t]``
     says whether token t is a target the loss counts."""
 
-    def __init__(self, tokenizer_path: str | Path, chat_template: Optional[str] = None, train_on_prompt: bool = False):
+    def __init__(self, tokenizer_path: str | Path, chat_template: Optional[str] = None, train_on_prompt: bool = False,
+                 image_text: Optional[str] = None):
         from transformers import PreTrainedTokenizerFast
 
         file, config = tokenizer_files(tokenizer_path)
@@ -276,6 +301,7 @@ class ChatEncoder:
         self.template_option = chat_template
         self.train_on_prompt = train_on_prompt
         self.eod_id = load_tokenizer(tokenizer_path).eod_id
+        self.image_text = image_text  # a vision-language model's markers of one image; None: text only
 
     @property
     def template(self) -> Optional[str]:
@@ -323,6 +349,15 @@ class ChatEncoder:
                 spans.append((len(before), len(upto)))
         return full, spans
 
+    def _with_image_markers(self, ex: Example) -> Example:
+        if not ex.images:
+            return ex
+        if self.image_text is None:
+            raise DataError(f"{ex.where}: the record holds {len(ex.images)} image(s) but the model takes text only")
+        msgs = [dict(m, content=m["content"].replace(IMAGE_PART, self.image_text)) if isinstance(m.get("content"), str)
+                else m for m in ex.messages]
+        return replace(ex, messages=msgs)
+
     def encode(self, ex: Example) -> tuple[np.ndarray, np.ndarray]:
         _, ids, _, trained = self.encode_detailed(ex)
         return ids, trained
@@ -336,7 +371,7 @@ class ChatEncoder:
             text = ex.prompt + ex.completion
             spans, eod = [(len(ex.prompt), len(text))], True
         else:
-            (text, spans), eod = self.spans(ex), False
+            (text, spans), eod = self.spans(self._with_image_markers(ex)), False
         enc = self.hf(text, add_special_tokens=False, return_offsets_mapping=True)
         ids = np.asarray(enc["input_ids"], dtype=np.int64)
         offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)

@@ -26,7 +26,7 @@ import logging
 import os
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from megapipe.data.gpt_dataset import parse_split, split_document_ranges
+from megapipe.data.images import ImageError, ImageLimits, ImageProcessor, open_image, placeholder_repeats
 from megapipe.data.indexed import IndexedDataset, IndexedDatasetWriter, optimal_dtype
 from megapipe.data.loader import PretrainingLoader
 from megapipe.data.readers import expand_inputs
@@ -61,6 +62,8 @@ class SFTIndex:
     first_target: np.ndarray
     meta: dict
     cache_hit: bool = False
+    pixels: Optional[IndexedDataset] = None  # a vision-language model's: each conversation's image patches, flat
+    grids: Optional[IndexedDataset] = None  # and their (frames, height, width) patch grids, flat
 
     @property
     def num_conversations(self) -> int:
@@ -88,19 +91,55 @@ def cache_root(paths: list[Path], cache_dir: Optional[str]) -> Path:
     return Path.home() / ".cache" / "megapipe" / CACHE_NAME
 
 
-def index_key(paths: list[Path], encoder: ChatEncoder, skip_bad: bool) -> dict:
-    return {"format_version": FORMAT_VERSION, "inputs": input_identity(paths), "tokenizer": encoder.tokenizer_sha,
-            "chat_template": encoder.template_sha, "train_on_prompt": encoder.train_on_prompt,
-            "skip_bad_records": skip_bad}
+@dataclass(frozen=True)
+class SFTImages:
+    """How a vision-language model's SFT records take images: decoded (paths relative to the record's file),
+    processed into patches and their grids, each image token of the rendered conversation repeated for its
+    patches (never trained on)."""
+
+    processor: ImageProcessor
+    image_token_id: int
+    limits: ImageLimits = ImageLimits()
+
+    def key(self) -> dict:
+        return {"processor": asdict(self.processor), "image_token_id": self.image_token_id}
+
+    def encode(self, ex, ids: np.ndarray, trained: np.ndarray):
+        """(ids, trained, pixel_values float32 [patches, D], grids int64 [images, 3]) with the images of ``ex``."""
+        base = Path(ex.where.rsplit(":", 1)[0]).parent
+        images = []
+        for i, source in enumerate(ex.images):
+            try:
+                images.append(open_image(source, self.limits, allow_files=True, base=base))
+            except ImageError as e:
+                raise DataError(f"{ex.where}: image {i + 1}: {e}") from None
+        if not images:
+            return ids, trained, None, None
+        try:
+            pixels, grids = self.processor(images)
+            repeats = placeholder_repeats(ids, self.image_token_id, [self.processor.token_count(g) for g in grids])
+        except ImageError as e:
+            raise DataError(f"{ex.where}: {e}") from None
+        ids, trained = np.repeat(ids, repeats), np.repeat(trained, repeats)
+        return ids, trained & (ids != self.image_token_id), pixels.numpy(), grids.numpy()
+
+
+def index_key(paths: list[Path], encoder: ChatEncoder, skip_bad: bool, images: Optional[SFTImages] = None) -> dict:
+    key = {"format_version": FORMAT_VERSION, "inputs": input_identity(paths), "tokenizer": encoder.tokenizer_sha,
+           "chat_template": encoder.template_sha, "train_on_prompt": encoder.train_on_prompt,
+           "skip_bad_records": skip_bad}
+    return key if images is None else {**key, "images": images.key()}
 
 
 def prepare_sft_index(inputs: list[str], encoder: ChatEncoder, skip_bad: bool = False,
-                      cache_dir: Optional[str] = None, progress: Optional[Callable[[int], None]] = None) -> SFTIndex:
-    """The tokenized store of ``inputs`` (built now, or found in the cache)."""
+                      cache_dir: Optional[str] = None, progress: Optional[Callable[[int], None]] = None,
+                      images: Optional[SFTImages] = None) -> SFTIndex:
+    """The tokenized store of ``inputs`` (built now, or found in the cache); ``images``: a vision-language model's
+    records keep their images' patches beside their tokens."""
     paths = expand_sft_inputs(inputs)
-    key = index_key(paths, encoder, skip_bad)
+    key = index_key(paths, encoder, skip_bad, images)
     return cached_index("sft", key, cache_root(paths, cache_dir), cache_dir is not None,
-                        lambda entry: _build(paths, encoder, skip_bad, entry, key, progress), _load)
+                        lambda entry: _build(paths, encoder, skip_bad, entry, key, progress, images), _load)
 
 
 def cached_index(kind: str, key: dict, root: Path, explicit: bool, build: Callable[[Path], None],
@@ -129,8 +168,10 @@ def cached_index(kind: str, key: dict, root: Path, explicit: bool, build: Callab
 
 def _load(entry: Path, hit: bool) -> SFTIndex:
     meta = json.loads((entry / "meta.json").read_text())
+    pixels, grids = ((IndexedDataset(entry / "pixels"), IndexedDataset(entry / "grids"))
+                     if (entry / "grids.idx").is_file() else (None, None))
     return SFTIndex(entry, IndexedDataset(entry / "tokens"), IndexedDataset(entry / "mask"),
-                    np.load(entry / "first_target.npy", mmap_mode="r").view(np.ndarray), meta, hit)
+                    np.load(entry / "first_target.npy", mmap_mode="r").view(np.ndarray), meta, hit, pixels, grids)
 
 
 @contextlib.contextmanager
@@ -199,18 +240,34 @@ def write_index(paths: list[Path], encoder: ChatEncoder, skip_bad: bool, entry: 
         raise
 
 
-def _build(paths: list[Path], encoder: ChatEncoder, skip_bad: bool, entry: Path, key: dict, progress) -> None:
+def _build(paths: list[Path], encoder: ChatEncoder, skip_bad: bool, entry: Path, key: dict, progress,
+           images: Optional[SFTImages] = None) -> None:
     first: list[int] = []  # each conversation's first trained target
+    pixels: list[np.ndarray] = []  # each conversation's image patches and grids (empty without images)
+    grids: list[np.ndarray] = []
 
     def encode(record, where: str):
-        ids, trained = encoder.encode(parse_record(record, where))
+        ex = parse_record(record, where)
+        ids, trained = encoder.encode(ex)
+        if images is not None:
+            ids, trained, pix, grid = images.encode(ex, ids, trained)
+            pixels.append(pix.reshape(-1) if pix is not None else np.zeros(0, np.float32))
+            grids.append(grid.reshape(-1) if grid is not None else np.zeros(0, np.int64))
         if len(ids) < 2 or not trained[1:].any():
+            if images is not None:
+                pixels.pop(), grids.pop()
             raise DataError(f"{where}: the record renders to no token to train on")
         return [(ids, trained)]
 
     def extra(documents, counts):
         if documents is None:
             np.save(counts / "first_target.npy", np.asarray(first, dtype=np.int64), allow_pickle=False)
+            if images is not None:
+                with IndexedDatasetWriter(counts / "pixels", np.float32) as pix, \
+                        IndexedDatasetWriter(counts / "grids", np.int64) as grid:
+                    for p, g in zip(pixels, grids, strict=True):
+                        pix.add_document(p)
+                        grid.add_document(g)
             return
         ids, trained = documents[0]
         first.append(1 + int(np.argmax(trained[1:])))
@@ -262,6 +319,8 @@ class SFTSamples:
         sizes = np.asarray(index.tokens.sizes, dtype=np.int64)[conv_ids]
         lengths = np.minimum(sizes, seq_length)
         keep = np.asarray(index.first_target)[conv_ids] < lengths
+        if index.grids is not None:  # an image is never cut: a conversation with images is whole or left out
+            keep &= (np.asarray(index.grids.sizes, dtype=np.int64)[conv_ids] == 0) | (sizes <= seq_length)
         self.truncated = int(((sizes > seq_length) & keep).sum()) if overlong == "truncate" else 0
         if overlong == "drop":
             keep &= sizes <= seq_length
@@ -317,12 +376,29 @@ class SFTSamples:
             docs[pos: pos + n] = d
             pos += n
         out = {"tokens": tokens, "labels": labels, "loss_mask": mask}
+        if self.index.grids is not None:
+            out.update(self._images(self.row_members[self.row_start[r]: self.row_start[r + 1]].tolist()))
         if self.packing:
             docs[pos:] = docs[pos - 1] + 1  # the padding is a document of its own
             starts = np.flatnonzero(np.r_[True, docs[1:] != docs[:-1]])
             out["document_ids"] = docs
             out["position_ids"] = np.arange(s) - np.repeat(starts, np.diff(np.r_[starts, s]))
         return out
+
+
+    def _images(self, members: list[int]) -> dict[str, np.ndarray]:
+        """The images of a row's conversations: pixel_values [patches, D], image_grid_thw [images, 3]."""
+        pixels, grids = [], []
+        for m in members:
+            c = int(self.conv_ids[m])
+            grid = self.index.grids.get(c).reshape(-1, 3)
+            flat = self.index.pixels.get(c)
+            pixels.append(flat.reshape(int(grid.prod(-1).sum()), -1) if len(grid) else None)
+            grids.append(grid)
+        width = next((p.shape[1] for p in pixels if p is not None), 0)
+        return {"pixel_values": np.concatenate([p if p is not None else np.zeros((0, width), np.float32)
+                                                for p in pixels]),
+                "image_grid_thw": np.concatenate(grids).astype(np.int64)}
 
 
 def split_samples(count: int, what: str, split: str, num_samples: dict[str, int], make) -> dict:
@@ -350,6 +426,9 @@ def build_sft_datasets(index: SFTIndex, split: str, seq_length: int, num_samples
         index, ids, seq_length, pad_id, packing, overlong, seed, wanted, shuffle=name == "train", split_name=name))
 
 
+IMAGE_KEYS = ("pixel_values", "image_grid_thw")  # a sample's images: concatenated over a batch's rows, not stacked
+
+
 class SFTLoader(PretrainingLoader):
     """PretrainingLoader's batching and exact-resume position (consumed samples), over SFT sample dicts."""
 
@@ -359,7 +438,14 @@ class SFTLoader(PretrainingLoader):
             raise StopIteration
         rows = [self.dataset[i] for i in self.sample_ids()]
         self.consumed_samples += self.micro_batch_size * self.dp_size
-        return {k: torch.from_numpy(np.stack([r[k] for r in rows])) for k in rows[0]}
+        batch = {k: torch.from_numpy(np.stack([r[k] for r in rows])) for k in rows[0] if k not in IMAGE_KEYS}
+        if "image_grid_thw" in rows[0]:  # the rows' images, in row order (as M-RoPE meets them)
+            grids = [r["image_grid_thw"] for r in rows]
+            if sum(len(g) for g in grids):
+                pixels = [r["pixel_values"] for r in rows if len(r["pixel_values"])]
+                batch["pixel_values"] = torch.from_numpy(np.concatenate(pixels))
+                batch["image_grid_thw"] = torch.from_numpy(np.concatenate(grids))
+        return batch
 
 
 def progress_printer(enabled: bool):

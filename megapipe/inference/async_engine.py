@@ -56,9 +56,11 @@ class AsyncEngine:
         return self.engine.num_waiting() + self.pending
 
     async def generate(self, prompt: Union[str, Sequence[int]], params: SamplingParams,
-                       request_id: Optional[str] = None, lora: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+                       request_id: Optional[str] = None, lora: Optional[str] = None,
+                       images=None) -> AsyncIterator[RequestOutput]:
         """Outputs as the request progresses (each holds everything so far); the last one has finished=True.
-        ``lora``: the registered LoRA adapter to run it with (megapipe.inference.lora).
+        ``lora``: the registered LoRA adapter to run it with (megapipe.inference.lora); ``images``: as
+        LLMEngine.add_request takes them.
 
         Parameter errors (ParamError) are raised here, before anything is queued.
         """
@@ -74,7 +76,7 @@ class AsyncEngine:
         with self._lock:
             self._streams[rid] = (loop, stream)
             self.pending += 1
-        self._inbox.put(("add", rid, ids, text, params, now(), lora))
+        self._inbox.put(("add", rid, ids, text, params, now(), lora, images))
         self._wake.set()
         finished = False
         try:
@@ -146,14 +148,14 @@ class AsyncEngine:
                 except RuntimeError:  # the loop is closed (server shutting down)
                     pass
             elif msg[0] == "add":
-                _, rid, ids, text, params, arrival, lora = msg
+                _, rid, ids, text, params, arrival, lora, images = msg
                 with self._lock:
                     self.pending -= 1
                     gone = rid not in self._streams
                 if gone:
                     continue  # cancelled before the engine saw it
                 try:
-                    req = self.engine.add_request(rid, ids, params, arrival, lora=lora)
+                    req = self.engine.add_request(rid, ids, params, arrival, lora=lora, images=images)
                     req.prompt = text
                 except MegapipeError as e:
                     self._deliver(rid, e)

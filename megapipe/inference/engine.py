@@ -292,11 +292,12 @@ class LLMEngine:
         return params
 
     def add_request(self, request_id: str, prompt: Union[str, Sequence[int]], params: SamplingParams,
-                    arrival: Optional[float] = None, images: Optional[dict] = None,
+                    arrival: Optional[float] = None, images: Union[dict, PromptImages, None] = None,
                     lora: Optional[str] = None) -> Request:
         """Queue a request; ``arrival`` (time.monotonic) counts from when a server received it; ``images``: the
-        image processor's ``pixel_values`` and ``image_grid_thw`` of the images whose tokens the prompt holds;
-        ``lora``: the name of a registered LoRA adapter to run it with."""
+        image processor's ``pixel_values`` and ``image_grid_thw`` of the images whose tokens the prompt holds (or
+        their PromptImages, made and checked by the caller); ``lora``: the name of a registered LoRA adapter to run
+        it with."""
         if request_id in self.requests:
             raise ParamError("request_id", f"request id {request_id!r} is already running")
         if lora is not None and lora not in self.lora_adapters():
@@ -305,8 +306,10 @@ class LLMEngine:
         text, ids = self.encode(prompt)
         params = self.check_request(ids, params)
         req = Request(request_id, text, ids, params, arrival)
+        if isinstance(images, dict):
+            images = PromptImages(self.runner.model, ids, images["pixel_values"], images["image_grid_thw"])
         if images is not None:
-            req.images = PromptImages(self.runner.model, ids, images["pixel_values"], images["image_grid_thw"])
+            req.images = images
             req.hash_seed = req.images.hash_seed
         req.lora = lora
         if lora is not None:  # KV computed under another adapter is never reused

@@ -37,10 +37,10 @@ def _params(max_new_tokens: int, temperature: float, top_k: int, top_p: float, s
                           stop=list(stop or []))
 
 
-def _run(engine, prompts, params):
+def _run(engine, prompts, params, images=None):
     """engine.generate with the CLI's flag names in parameter errors."""
     try:
-        return engine.generate(prompts, params)
+        return engine.generate(prompts, params, images=images)
     except ParamError as e:
         flag = "--max-new-tokens" if e.param == "max_tokens" else "--" + e.param.replace("_", "-")
         raise MegapipeError(str(e).replace(e.param, flag, 1)) from None
@@ -62,18 +62,46 @@ def generate_ids(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, t
 def generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None,
              stop: Optional[Sequence[str]] = None, speculative_tokens: int = 0,
-             eos_ids: Optional[Sequence[int]] = None) -> list[str]:
+             eos_ids: Optional[Sequence[int]] = None, images: Optional[Sequence[str]] = None) -> list[str]:
     """Completions of ``prompts`` (without the prompt), ending at EOS, a stop string (excluded) or the limit;
     ``speculative_tokens``: drafts per step from the model's MTP modules (megapipe.inference.speculative);
-    ``eos_ids``: the ids that end a completion (default: the tokenizer's end-of-document id)."""
+    ``eos_ids``: the ids that end a completion (default: the tokenizer's end-of-document id); ``images``: image
+    files of a vision-language model, one per prompt or one for all (``with_images``)."""
     if isinstance(stop, str):
         stop = [stop]
     if max_new_tokens < 0:
         raise MegapipeError(f"--max-new-tokens = {max_new_tokens} must be >= 0")
     ids = [list(tokenizer.encode(p)) for p in prompts]
+    pixels = None
+    if images:
+        ids, pixels = with_images(model, tokenizer, prompts, images)
     eos = list(eos_ids) if eos_ids is not None else eos_ids_of(None, tokenizer)
     engine = _engine_for(model, tokenizer, ids, max_new_tokens, eos, speculative_tokens)
     if max_new_tokens == 0:
         return ["" for _ in prompts]
-    outs = _run(engine, ids, _params(max_new_tokens, temperature, top_k, top_p, seed, stop))
+    outs = _run(engine, ids, _params(max_new_tokens, temperature, top_k, top_p, seed, stop), pixels)
     return [o.outputs[0].text for o in outs]
+
+
+def with_images(model, tokenizer, prompts: Sequence[str], images: Sequence[str]) -> tuple[list, list]:
+    """The prompts' tokens and images: image i goes where prompt i writes ``<image>`` (else before its text), its
+    placeholder repeated for its patches; one image serves every prompt."""
+    from megapipe.data.images import ImageError, ImageProcessor, expand_image_tokens, image_markers, open_image
+
+    markers = image_markers(model.cfg, tokenizer)
+    if markers is None:
+        raise MegapipeError("--image needs a vision-language model with a tokenizer; this model takes text only")
+    if len(images) not in (1, len(prompts)):
+        raise MegapipeError(f"{len(images)} --image for {len(prompts)} --prompt: give one per prompt or one for all")
+    processor = ImageProcessor.from_dir(tokenizer.path)
+    ids, pixels = [], []
+    for prompt, path in zip(prompts, list(images) * len(prompts) if len(images) == 1 else images, strict=True):
+        try:
+            values, grid = processor([open_image(path, allow_files=True)])
+            text = prompt.replace("<image>", markers, 1) if "<image>" in prompt else markers + prompt
+            ids.append(expand_image_tokens(tokenizer.encode(text), model.cfg.image_token_id,
+                                           [processor.token_count(grid[0])]))
+        except ImageError as e:
+            raise MegapipeError(f"--image {path}: {e}") from None
+        pixels.append({"pixel_values": values, "image_grid_thw": grid})
+    return ids, pixels

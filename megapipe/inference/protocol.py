@@ -73,15 +73,35 @@ class ChatMessage(_Body):
     content: Optional[Union[str, list[dict[str, Any]]]] = None
     name: Optional[str] = None
 
-    def as_template_input(self) -> dict:
+    def image_urls(self) -> list[str]:
+        """The URLs of this message's image parts, in order."""
+        if not isinstance(self.content, list):
+            return []
+        urls = []
+        for part in self.content:
+            if part.get("type") == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, str):
+                    raise ParamError("messages", "an image_url content part needs image_url.url, a string")
+                urls.append(url)
+        return urls
+
+    def as_template_input(self, image_text: Optional[str] = None) -> dict:
+        """The message for the chat template: text parts joined, each image part as ``image_text`` (the model's
+        image markers, as Qwen2-VL's template writes them), which is None for a model that takes text only."""
         content = self.content
-        if isinstance(content, list):  # content parts: only text parts are understood
+        if isinstance(content, list):
             texts = []
             for part in content:
-                if part.get("type") != "text":
-                    raise ParamError("messages", f"content part of type {part.get('type')!r} is not supported "
-                                                 f"(only 'text')")
-                texts.append(str(part.get("text", "")))
+                kind = part.get("type")
+                if kind == "image_url" and image_text is not None:
+                    texts.append(image_text)
+                elif kind != "text":
+                    allowed = "'text' and 'image_url'" if image_text is not None else "only 'text'"
+                    raise ParamError("messages", f"content part of type {kind!r} is not supported ({allowed})")
+                else:
+                    texts.append(str(part.get("text", "")))
             content = "".join(texts)
         out = {"role": self.role, "content": content or ""}
         if self.name:

@@ -19,7 +19,7 @@ import logging
 import signal
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
 from fastapi import FastAPI, Request
@@ -29,9 +29,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from megapipe import __version__
 from megapipe.data.chat_template import ChatTemplateError, load_chat_template, split_harmony
+from megapipe.data.images import (
+    ImageError,
+    ImageLimits,
+    ImageProcessor,
+    expand_image_tokens,
+    image_markers,
+    open_image,
+)
 from megapipe.errors import DataError, MegapipeError
 from megapipe.inference.async_engine import AsyncEngine, EngineDead, QueueFull
 from megapipe.inference.engine import RequestOutput
+from megapipe.inference.images import PromptImages
 from megapipe.inference.metrics import ServerMetrics
 from megapipe.inference.protocol import (
     ChatCompletionRequest,
@@ -57,6 +66,7 @@ class ServerConfig:
     max_body_bytes: int = 8 * MiB
     shutdown_timeout: float = 30.0
     disconnect_poll_s: float = 0.2
+    image_limits: ImageLimits = field(default_factory=ImageLimits)
 
 
 class APIError(Exception):
@@ -113,6 +123,7 @@ class OpenAIServer:
         self.max_model_len = engine.engine.max_model_len
         self.chat_template, self.no_chat_template = self._load_chat_template()
         self.loras = dict(engine.engine.lora_adapters())  # name -> path; changed only by the two routes below
+        self.image_text, self.image_processor = self._image_inputs()
         self.metrics = ServerMetrics(engine.stats, config.model_name)
         engine.on_output = self.metrics.observe
         self.created = int(time.time())
@@ -224,8 +235,8 @@ class OpenAIServer:
     def _token_text(self, token: int) -> str:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else f"token_id:{token}"
 
-    async def _stream(self, request: Request, prompt, params) -> AsyncIterator[RequestOutput]:
-        outputs = self.engine.generate(prompt, params, lora=_LORA.get())
+    async def _stream(self, request: Request, prompt, params, images=None) -> AsyncIterator[RequestOutput]:
+        outputs = self.engine.generate(prompt, params, lora=_LORA.get(), images=images)
         try:
             async for out in outputs:
                 yield out
@@ -240,9 +251,9 @@ class OpenAIServer:
         finally:
             await outputs.aclose()  # an unfinished request is aborted, its blocks freed
 
-    async def _final(self, request: Request, prompt, params) -> RequestOutput:
+    async def _final(self, request: Request, prompt, params, images=None) -> RequestOutput:
         last = None
-        async for out in self._stream(request, prompt, params):
+        async for out in self._stream(request, prompt, params, images):
             last = out
         return last
 
@@ -355,6 +366,9 @@ class OpenAIServer:
         tok = self._need_tokenizer()
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+        if body.messages is not None and any(m.image_urls() for m in body.messages):
+            raise APIError(400, "/tokenize takes messages of text only (image parts are not counted here)",
+                           param="messages")
         text = body.prompt if body.prompt is not None else self._render(body.messages, body.add_generation_prompt)
         ids = tok.encode(text)
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
@@ -380,11 +394,39 @@ class OpenAIServer:
             return None, "this model's tokenizer has no chat template: use /v1/completions"
         return template, None
 
+    def _image_inputs(self) -> tuple[Optional[str], Optional[ImageProcessor]]:
+        """(the text of one image's markers, the image processor) of a vision-language model; (None, None) else."""
+        model = getattr(getattr(self.engine.engine, "runner", None), "model", None)
+        text = image_markers(getattr(model, "cfg", None), self.tokenizer)
+        return (text, ImageProcessor.from_dir(self.tokenizer.path)) if text is not None else (None, None)
+
+    def _with_images(self, text: str, urls: list[str]) -> tuple[list[int], PromptImages]:
+        """The rendered prompt's tokens, each image's placeholder repeated for its patches, and its images."""
+        pil = []
+        for i, url in enumerate(urls):
+            try:
+                pil.append(open_image(url, self.config.image_limits))
+            except ImageError as e:
+                raise APIError(400, f"image {i + 1} of the request: {e}", param="messages") from None
+        try:
+            pixels, grids = self.image_processor(pil)
+        except ImageError as e:
+            raise APIError(400, str(e), param="messages") from None
+        model = self.engine.engine.runner.model
+        counts = [self.image_processor.token_count(g) for g in grids]
+        try:
+            ids = expand_image_tokens(self.tokenizer.encode(text), model.cfg.image_token_id, counts)
+            return ids, PromptImages(model, ids, pixels, grids)
+        except ImageError as e:
+            raise APIError(400, str(e), param="messages") from None
+        except ParamError as e:
+            raise APIError(400, str(e), param=e.param) from None
+
     def _render(self, messages, add_generation_prompt: bool = True) -> str:
         if self.chat_template is None:
             raise APIError(400, self.no_chat_template, param="messages")
         try:
-            return self.chat_template.render([m.as_template_input() for m in messages],
+            return self.chat_template.render([m.as_template_input(self.image_text) for m in messages],
                                              add_generation_prompt=add_generation_prompt)
         except ChatTemplateError as e:
             raise APIError(400, str(e), param="messages") from None
@@ -553,6 +595,8 @@ class OpenAIServer:
             raise APIError(400, "only response_format type 'text' is supported", param="response_format")
         self._need_tokenizer()
         text = self._render(body.messages, body.add_generation_prompt)
+        urls = [url for m in body.messages for url in m.image_urls()]
+        prompt, images = (await asyncio.to_thread(self._with_images, text, urls)) if urls else (text, None)
         top = body.top_logprobs
         if top is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
@@ -563,12 +607,12 @@ class OpenAIServer:
             raise APIError(400, str(e), param=e.param) from None
         if self.chat_template.has_channels:  # harmony: the channel markers split the reply
             params.skip_special_tokens = False
-        await self._validate_all([text], params)
+        await self._validate_all([prompt], params)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            return StreamingResponse(self._stream_chat(request, body, text, params, rid, created),
+            return StreamingResponse(self._stream_chat(request, body, prompt, params, rid, created, images),
                                      media_type="text/event-stream")
-        (out,) = await self._until_done(request, [self._final(request, text, params)])
+        (out,) = await self._until_done(request, [self._final(request, prompt, params, images)])
         choices = [{"index": c.index, "message": {"role": "assistant", **self._reply(c.text)},
                     "logprobs": self._chat_logprobs(c.token_ids, c.logprobs) if body.logprobs else None,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
@@ -594,7 +638,7 @@ class OpenAIServer:
             content.append(item)
         return {"content": content}
 
-    async def _stream_chat(self, request, body, text, params, rid, created):
+    async def _stream_chat(self, request, body, prompt, params, rid, created, images=None):
         name = self._model_name()
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         sent_text: dict[int, dict] = {}  # per choice: how much of each reply field was sent
@@ -607,7 +651,7 @@ class OpenAIServer:
                                       "finish_reason": finish}]})
 
         try:
-            async for out in self._stream(request, text, params):
+            async for out in self._stream(request, prompt, params, images):
                 last = out
                 for c in out.outputs:
                     if c.index not in sent_text:

@@ -134,16 +134,15 @@ FAMILIES: dict[str, Capabilities] = {
                            stages={"prune", "quantize"}),
     # no shared expert, every layer MoE: LoRA adapts the attention only
     "gpt_oss": _without(lora={"gate", "up", "down"}),
-    # Qwen2.5-VL (megapipe.models.vision): the model's forward and the engine's API (LLMEngine.generate(images=...),
-    # megapipe.inference.images) take images, no stage command feeds them yet, so what is declared runs text through
-    # the decoder (the vision tower idle): pretraining on one process, eval, generate and serve of text prompts (the
-    # server refuses image content parts), the HF bridge with its images' logit parity; packed sequences, every
-    # parallel layout, SFT / distillation / RL / pruning / quantization / the TensorRT-LLM writers were not run with
-    # the tower, so they are refused; no LoRA targets, so no adapters to serve
+    # Qwen2.5-VL (megapipe.models.vision): images through serve (chat image_url parts, megapipe.data.images) and SFT
+    # (conversations with images, pixels in the cached index, --freeze-vision / --freeze-projector) on one process;
+    # pretraining, eval and generate run text through the decoder (the tower idle); the HF bridge with its images'
+    # logit parity; packed sequences, every parallel layout, LoRA (its peft twin was not checked; so no adapters to serve), distillation / RL /
+    # pruning / quantization / the TensorRT-LLM writers were not run with the tower, so they are refused
     "qwen2_5_vl": Capabilities(layouts=frozenset(), packing=False, engine=frozenset(ENGINE) - {"speculative",
                                                                                               "multi_lora"},
                                lora=frozenset(), quant=frozenset(), trt=frozenset(),
-                               stages=frozenset({"pretrain", "eval", "generate", "serve", "export_hf"})),
+                               stages=frozenset({"pretrain", "sft", "eval", "generate", "serve", "export_hf"})),
 }
 # sliding-window layers among full-attention ones (model.window_attn_skip_freq): the engine's paged cache takes each
 # layer's window (speculative decoding was not run with them), and so does the ring attention of cp; the TensorRT-LLM

@@ -73,6 +73,9 @@ def present_targets(model_cfg) -> list[str]:
 def parse_targets(text: str, model_cfg) -> tuple[str, ...]:
     """``all-linear`` (every projection the model has) or ``q,k,v,...``; unknown or absent names are errors."""
     present = present_targets(model_cfg)
+    if not present:
+        raise ConfigError(f"LoRA (--lora-rank) is not supported for {describe(model_cfg)} models yet: no layer of "
+                          f"theirs is declared a LoRA target")
     if text.strip() == "all-linear":
         return tuple(present)
     names = [t.strip() for t in text.split(",") if t.strip()]

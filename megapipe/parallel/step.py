@@ -100,7 +100,8 @@ def count_units(loss: Loss, microbatches: list[dict], dims: ParallelDims, device
     return int(total.item())
 
 
-MODEL_INPUTS = (("position_ids", "positions"), ("document_ids", "document_ids"), ("prefix_ids", "prefix_ids"))
+MODEL_INPUTS = (("position_ids", "positions"), ("document_ids", "document_ids"), ("prefix_ids", "prefix_ids"),
+                ("pixel_values", "pixel_values"), ("image_grid_thw", "image_grid_thw"))
 
 
 def model_kwargs(mb: dict) -> dict:

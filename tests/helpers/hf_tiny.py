@@ -154,14 +154,15 @@ def make_hf_dir(root: Path, arch: str, seed: int = 0, dtype=torch.float32, **con
     return root, model.to(dtype)
 
 
-def save_tokenizer(root: Path) -> None:
-    """A trained byte-level BPE of VOCAB ids (0 = <|endoftext|>) with CHAT_TEMPLATE, in ``root``."""
+def save_tokenizer(root: Path, special_tokens: tuple = (), chat_template: str = CHAT_TEMPLATE) -> None:
+    """A trained byte-level BPE of VOCAB ids (0 = <|endoftext|>, ``special_tokens`` from id 2) with a chat template,
+    in ``root``."""
     from megapipe.data.tokenizer import train_tokenizer
 
-    train_tokenizer(TEXTS, vocab_size=VOCAB, output=root)
+    train_tokenizer(TEXTS, vocab_size=VOCAB, output=root, special_tokens=special_tokens)
     config_file = root / "tokenizer_config.json"
     tok_cfg = json.loads(config_file.read_text()) if config_file.is_file() else {}
-    tok_cfg["chat_template"] = CHAT_TEMPLATE
+    tok_cfg["chat_template"] = chat_template
     config_file.write_text(json.dumps(tok_cfg))
 
 def export_round_trip(hf_dir: Path, work: Path) -> Path:

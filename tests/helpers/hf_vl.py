@@ -21,22 +21,37 @@ VISION = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hi
 SIZES = [(112, 84), (56, 56)]  # (height, width) of the images drawn: 4 x 3 and 2 x 2 merged patches
 
 
-def hf_vl_config(**changes):
+# a chat directory's tokenizer holds Qwen2-VL's markers as special tokens (ids 2..5, after end-of-text and pad), and
+# a chat template that writes an image part as Qwen2-VL's does
+MARKERS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+CHAT_IDS = (4, 5, 2, 3)  # image, video, vision start, vision end
+VL_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for c in m['content'] %}{% if c['type'] == 'image' or 'image_url' in c %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif 'text' in c %}{{ c['text'] }}{% endif %}{% endfor %}"
+    "{% endif %}{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def hf_vl_config(ids=(IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END), **changes):
     from transformers import Qwen2_5_VLConfig
 
-    return Qwen2_5_VLConfig(text_config=dict(TEXT), vision_config=dict(VISION), image_token_id=IMAGE_TOKEN,
-                            video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
-                            vision_end_token_id=VISION_END, tie_word_embeddings=False, **changes)
+    image, video, start, end = ids
+    return Qwen2_5_VLConfig(text_config=dict(TEXT), vision_config=dict(VISION), image_token_id=image,
+                            video_token_id=video, vision_start_token_id=start, vision_end_token_id=end,
+                            tie_word_embeddings=False, **changes)
 
 
-def make_vl_dir(root: Path, seed: int = 0):
-    """A random Qwen2_5_VLForConditionalGeneration (random biases and norms too) + tokenizer + image processor."""
+def make_vl_dir(root: Path, seed: int = 0, chat: bool = False):
+    """A random Qwen2_5_VLForConditionalGeneration (random biases and norms too) + tokenizer + image processor;
+    ``chat``: the tokenizer knows the image markers as special tokens and has VL_CHAT_TEMPLATE."""
     from transformers import Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     root.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(hf_vl_config()).eval()
+    config = hf_vl_config(CHAT_IDS) if chat else hf_vl_config()
+    model = Qwen2_5_VLForConditionalGeneration(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
@@ -44,7 +59,7 @@ def make_vl_dir(root: Path, seed: int = 0):
             elif name.endswith(("norm.weight", "norm1.weight", "norm2.weight", "ln_q.weight", "layernorm.weight")):
                 p.copy_(1 + 0.2 * torch.randn_like(p))
     model.save_pretrained(root)
-    save_tokenizer(root)
+    save_tokenizer(root, MARKERS, VL_CHAT_TEMPLATE) if chat else save_tokenizer(root)
     Qwen2VLImageProcessorPil().save_pretrained(root)
     return root, model
 

@@ -15,8 +15,9 @@ from typing import Optional
 
 from megapipe.data.chat_template import OWN
 from megapipe.data.gpt_dataset import parse_split
+from megapipe.data.images import ImageProcessor, image_markers
 from megapipe.data.sft import ChatEncoder
-from megapipe.data.sft_dataset import SFTLoader, build_sft_datasets, prepare_sft_index, progress_printer
+from megapipe.data.sft_dataset import SFTImages, SFTLoader, build_sft_datasets, prepare_sft_index, progress_printer
 from megapipe.data.tokenizer import load_tokenizer
 from megapipe.errors import ConfigError
 from megapipe.models.lora import apply_lora
@@ -51,6 +52,20 @@ class SFTRecipe(LoRARecipe):
 
     # ------------------------------------------------------------------------------------------- checks
 
+    def prepare_model(self, ctx: RunContext, model):
+        model = super().prepare_model(ctx, model)
+        freeze = {"--freeze-vision": ctx.cfg.sft.freeze_vision, "--freeze-projector": ctx.cfg.sft.freeze_projector}
+        visual = getattr(model, "visual", None)
+        for flag, on in freeze.items():
+            if on and visual is None:
+                raise ConfigError(f"{flag} needs a vision-language model; this model has no vision tower")
+        if ctx.cfg.sft.freeze_vision:
+            for p in [*visual.patch_embed.parameters(), *visual.blocks.parameters()]:
+                p.requires_grad_(False)
+        if ctx.cfg.sft.freeze_projector:
+            visual.merger.requires_grad_(False)
+        return model
+
     def packed_sequences(self, cfg) -> bool:
         return cfg.sft.packing
 
@@ -63,15 +78,18 @@ class SFTRecipe(LoRARecipe):
 
     def encoder(self, cfg, tokenizer):
         if self._encoder is None:
-            self._encoder = ChatEncoder(tokenizer.path, cfg.sft.chat_template, cfg.sft.train_on_prompt)
+            self._encoder = ChatEncoder(tokenizer.path, cfg.sft.chat_template, cfg.sft.train_on_prompt,
+                                        image_markers(getattr(cfg, "model", None), tokenizer))
         return self._encoder
 
     def index(self, cfg, tokenizer):
         if self._index is None:
             encoder = self.encoder(cfg, tokenizer)
             with progress_printer(enabled=True) as progress:
+                images = (SFTImages(ImageProcessor.from_dir(tokenizer.path), cfg.model.image_token_id)
+                          if encoder.image_text is not None else None)
                 self._index = prepare_sft_index(cfg.sft.data, encoder, cfg.sft.skip_bad_records, cfg.data.cache_dir,
-                                                progress)
+                                                progress, images)
         return self._index
 
     # ------------------------------------------------------------------------------------------- model and data

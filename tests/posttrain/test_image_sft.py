@@ -1,0 +1,126 @@
+"""Image SFT (posttrain sft on a tiny random Qwen2.5-VL whose tokenizer knows Qwen2-VL's image markers):
+conversations with images (OpenAI image_url parts with a relative path or a data: URL, HF's image parts) are
+rendered with the image markers, each image token repeated for its patches and never trained on, the pixels stored
+beside the tokens exactly as transformers' image processor makes them; the first step's loss is the model's own
+loss on those inputs; --freeze-vision / --freeze-projector keep those weights; a missing image is named with its
+record's file:line."""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from megapipe.cli import main
+from tests.helpers.hf_vl import CHAT_IDS, draw_images, make_vl_dir
+
+transformers = pytest.importorskip("transformers")
+IMAGE = CHAT_IDS[0]
+
+
+@pytest.fixture(scope="module")
+def vl_sft(tmp_path_factory):
+    work = tmp_path_factory.mktemp("vl_sft")
+    hf_dir, _ = make_vl_dir(work / "hf", chat=True)
+    assert main(["import", "hf", str(hf_dir), str(work / "ckpt"), "--quiet"]) == 0
+    data = work / "data"
+    (data / "img").mkdir(parents=True)
+    images = draw_images()
+    images[0].save(data / "img" / "a.png")
+    images[1].save(data / "b.png")
+    url = "data:image/png;base64," + base64.b64encode((data / "b.png").read_bytes()).decode()
+    record = {"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "What is this? "},
+                                     {"type": "image_url", "image_url": {"url": "img/a.png"}}]},
+        {"role": "assistant", "content": "A red ball."},
+        {"role": "user", "content": [{"type": "image", "image": "b.png"}, {"type": "text", "text": " and this?"},
+                                     {"type": "image_url", "image_url": url}]},
+        {"role": "assistant", "content": "Two green boxes."}]}
+    (data / "chat.jsonl").write_text("\n".join([json.dumps(record)] * 2) + "\n")
+    return work, data, images
+
+
+def test_index_holds_expanded_tokens_and_exact_pixels(vl_sft):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from megapipe.data.images import ImageProcessor
+    from megapipe.data.sft import ChatEncoder
+    from megapipe.data.sft_dataset import SFTImages, prepare_sft_index
+    from megapipe.data.tokenizer import load_tokenizer
+
+    work, data, images = vl_sft
+    tok_dir = work / "ckpt" / "tokenizer"
+    markers = "<|vision_start|><|image_pad|><|vision_end|>"
+    encoder = ChatEncoder(tok_dir, image_text=markers)
+    index = prepare_sft_index([str(data / "chat.jsonl")], encoder, cache_dir=str(work / "cache"),
+                              images=SFTImages(ImageProcessor.from_dir(tok_dir), IMAGE))
+    want = Qwen2VLImageProcessorPil.from_pretrained(work / "hf")([images[0], images[1], images[1]],
+                                                                 return_tensors="pt")
+    grids = index.grids.get(0).reshape(-1, 3)
+    assert np.array_equal(grids, want["image_grid_thw"].numpy())
+    assert np.array_equal(index.pixels.get(0), want["pixel_values"].numpy().reshape(-1))
+    text = ("user: What is this? M\nassistant: A red ball.\nuser: M and this?M\nassistant: Two green boxes.\n"
+            .replace("M", markers))
+    counts = iter([int(g.prod()) // 4 for g in want["image_grid_thw"]])
+    expected = []
+    for t in load_tokenizer(tok_dir).encode(text):
+        expected += [t] * (next(counts) if t == IMAGE else 1)
+    tokens, mask = index.tokens.get(0), index.mask.get(0).astype(bool)
+    assert tokens.tolist() == expected and int((tokens == IMAGE).sum()) == 12 + 4 + 4
+    assert not mask[tokens == IMAGE].any() and mask.sum() > 0
+    trained = load_tokenizer(tok_dir).decode(tokens[mask].tolist())
+    assert "A red ball." in trained and "Two green boxes." in trained and "What is" not in trained
+
+
+def test_image_sft_trains_with_the_models_loss_and_freezes(vl_sft, one_thread):
+    from megapipe.checkpoint.load import load_model
+
+    work, data, _ = vl_sft
+    run = work / "run"
+    args = ["posttrain", "sft", "--load", str(work / "ckpt"), "--data", str(data / "chat.jsonl"), "--seq-length",
+            "256", "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "2", "--lr", "1e-2",
+            "--lr-warmup-iters", "0", "--eval-iters", "0", "--log-interval", "1", "--data-cache-path",
+            str(work / "cache2"), "--quiet"]
+    assert main([*args, "--save", str(run), "--freeze-vision"]) == 0
+    losses = [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+              if r["kind"] == "train"]
+    base, tuned = load_model(work / "ckpt").model, load_model(run).model
+    # the model's own loss on the sample (every sample is the one conversation)
+    from megapipe.data.images import ImageProcessor
+    from megapipe.data.sft import ChatEncoder
+    from megapipe.data.sft_dataset import SFTImages, SFTSamples, prepare_sft_index
+
+    tok_dir = work / "ckpt" / "tokenizer"
+    index = prepare_sft_index([str(data / "chat.jsonl")], ChatEncoder(
+        tok_dir, image_text="<|vision_start|><|image_pad|><|vision_end|>"), cache_dir=str(work / "cache"),
+        images=SFTImages(ImageProcessor.from_dir(tok_dir), IMAGE))
+    sample = SFTSamples(index, np.arange(1), 256, 1, False, "truncate", 0, 1, False)[0]
+    with torch.no_grad():
+        logits = base(torch.from_numpy(sample["tokens"])[None], pixel_values=torch.from_numpy(
+            sample["pixel_values"]), image_grid_thw=torch.from_numpy(sample["image_grid_thw"]))
+    ce = torch.nn.functional.cross_entropy(logits[0].float(), torch.from_numpy(sample["labels"]), reduction="none")
+    mask = torch.from_numpy(sample["loss_mask"])
+    assert math.isclose(losses[0], float(ce[mask].mean()), rel_tol=1e-4)
+    b, t = dict(base.named_parameters()), dict(tuned.named_parameters())
+    assert all(torch.equal(b[n], t[n]) for n in b if n.startswith(("visual.blocks", "visual.patch_embed")))
+    assert not all(torch.equal(b[n], t[n]) for n in b if n.startswith("visual.merger"))  # the projector trains
+    assert not all(torch.equal(b[n], t[n]) for n in b if n.startswith("layers"))
+    assert main([*args, "--save", str(work / "run2"), "--freeze-vision", "--freeze-projector"]) == 0
+    t2 = dict(load_model(work / "run2").model.named_parameters())
+    assert all(torch.equal(b[n], t2[n]) for n in b if n.startswith("visual"))
+
+
+def test_a_missing_image_is_named_with_its_record(vl_sft, capsys):
+    work, data, _ = vl_sft
+    bad = data / "bad.jsonl"
+    lines = (data / "chat.jsonl").read_text().splitlines()
+    bad.write_text(lines[0] + "\n" + lines[1].replace("img/a.png", "img/gone.png") + "\n")
+    assert main(["posttrain", "sft", "--load", str(work / "ckpt"), "--data", str(bad), "--seq-length", "96",
+                 "--train-iters", "1", "--save", str(work / "bad_run"), "--data-cache-path", str(work / "cache3"),
+                 "--quiet"]) != 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{bad}:2: image 1: image file '{data / 'img' / 'gone.png'}' does not exist" in err
