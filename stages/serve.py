@@ -110,6 +110,9 @@ def serve(
     try:
         loaded = load_model(model, resolve_device(device), resolve_dtype(dtype))
         require(loaded.model.cfg, "serve", str(model), engine=["speculative"] if speculative_tokens else None)
+        if loaded.model.cfg.num_labels:  # a reward model: scores on /pooling, no engine
+            return _serve_reward_model(loaded, model, name, api_key, max_body_size, shutdown_timeout, sock,
+                                       log_level)
         llm = LLMEngine(loaded.model, loaded.tokenizer, EngineConfig(
             block_size=block_size, num_blocks=num_blocks, kv_cache_memory=memory, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
@@ -127,6 +130,29 @@ def serve(
               f"{llm.max_model_len}, {llm.kv_cache_line()})", file=sys.stderr, flush=True)
 
     run_server(AsyncEngine(llm, config.max_queue), config, sock, log_level=log_level, on_ready=ready)
+
+
+def _serve_reward_model(loaded, model: str, name: str, api_key, max_body_size: str, shutdown_timeout: float, sock,
+                        log_level: str) -> None:
+    import sys
+
+    # lazy: imports fastapi and torch; megapipe --help stays fast
+    from megapipe.checkpoint.hf.files import parse_size
+    from megapipe.inference.pooling import run_pooling_server
+    from megapipe.inference.server import ServerConfig
+    from megapipe.posttrain.reward_model import RewardModel
+
+    scorer = RewardModel(loaded, model)
+    config = ServerConfig(model_name=name, model_path=str(model), api_key=api_key,
+                          max_body_bytes=parse_size(max_body_size, "--max-body-size"),
+                          shutdown_timeout=shutdown_timeout)
+    host, port = sock.getsockname()[:2]
+
+    def ready():
+        print(f"megapipe serve: ready on http://{host}:{port} (reward model {name}: POST /pooling)", file=sys.stderr,
+              flush=True)
+
+    run_pooling_server(scorer, config, sock, log_level=log_level, on_ready=ready)
 
 
 def _check_api_key(api_key: Optional[str]) -> None:

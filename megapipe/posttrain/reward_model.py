@@ -15,7 +15,7 @@ import torch
 from megapipe.data.chat_template import OWN
 from megapipe.data.preference import score_position
 from megapipe.data.sft import ChatEncoder, Example
-from megapipe.errors import ConfigError
+from megapipe.errors import ConfigError, DataError
 
 MANIFEST_KEY = "reward_model"
 
@@ -67,11 +67,15 @@ class RewardModel:
     def encode(self, prompt, completion: str) -> np.ndarray:
         """A prompt (a string, or chat messages) and its completion as the reward model's training pairs render."""
         if isinstance(prompt, str):
-            example = Example("pair", "reward model", prompt=prompt, completion=completion)
-        else:
-            messages = [*prompt, {"role": "assistant", "content": completion}]
-            example = Example("chat", "reward model", messages, [False] * len(prompt) + [True])
-        return self.encoder.encode(example)[0]
+            return self.encoder.encode(Example("pair", "reward model", prompt=prompt, completion=completion))[0]
+        return self.encode_messages([*prompt, {"role": "assistant", "content": completion}])
+
+    def encode_messages(self, messages: list[dict]) -> np.ndarray:
+        """A conversation ending with the assistant's answer, rendered as the training pairs were."""
+        if not messages or messages[-1].get("role") != "assistant":
+            raise DataError("the conversation must end with the assistant's answer the reward model scores")
+        trained = [m.get("role") == "assistant" for m in messages]
+        return self.encoder.encode(Example("chat", "reward model", list(messages), trained))[0]
 
     def score(self, prompts: Sequence, completions: Sequence[str]) -> list[float]:
         return self.score_ids([self.encode(p, c) for p, c in zip(prompts, completions, strict=True)])

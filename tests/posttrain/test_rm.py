@@ -157,3 +157,56 @@ def test_export_hf_sequence_classifier_gives_the_same_scores(arch, base_ckpt, ch
         want = hf(input_ids=ids, attention_mask=(ids != rm.pad_id).long()).logits[:, 0]
     got = torch.tensor(rm.score_ids(seqs))
     torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
+
+
+def test_serve_answers_pooling_with_the_reward_models_scores(trained_rm):
+    """`megapipe serve RM`: vLLM's /pooling shape, one reward per input (text, token ids, a conversation), equal to
+    RewardModel's; the generation routes are not there; mistakes are 4xx in OpenAI's error shape."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from megapipe.posttrain.reward_model import RewardModel
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "megapipe.cli", "serve", str(trained_rm), "--port", str(port),
+                             "--served-model-name", "rm"], stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line, deadline = "", time.time() + 300
+        while "ready on" not in line and time.time() < deadline and proc.poll() is None:
+            line = proc.stderr.readline()
+        assert "POST /pooling" in line
+        url = f"http://127.0.0.1:{port}"
+        rm = RewardModel.load(trained_rm)
+        chat = [{"role": "user", "content": "What is 2 plus 2?"}, {"role": "assistant", "content": "ANSWER: 4"}]
+        r = httpx.post(url + "/pooling", json={"model": "rm", "input": ["Hello there", "Hi"]}).json()
+        assert r["object"] == "list" and [d["object"] for d in r["data"]] == ["pooling", "pooling"], r
+        texts = [rm.tokenizer.encode("Hello there"), rm.tokenizer.encode("Hi")]
+        assert [d["data"][0] for d in r["data"]] == pytest.approx(rm.score_ids(texts), abs=1e-5)
+        assert r["usage"]["prompt_tokens"] == sum(map(len, texts))
+        r = httpx.post(url + "/pooling", json={"input": [[5, 17, 9], [4]]}).json()
+        assert [d["data"][0] for d in r["data"]] == pytest.approx(rm.score_ids([[5, 17, 9], [4]]), abs=1e-5)
+        r = httpx.post(url + "/pooling", json={"messages": chat}).json()
+        assert r["data"][0]["data"][0] == pytest.approx(rm.score([chat[:1]], ["ANSWER: 4"])[0], abs=1e-5)
+        for body, status, message in (({"model": "other", "input": "x"}, 404, "does not exist"),
+                                      ({"input": []}, 400, "input is empty"),
+                                      ({"input": [10 ** 6]}, 400, "outside the vocabulary"),
+                                      ({"messages": chat[:1]}, 400, "end with the assistant's answer")):
+            bad = httpx.post(url + "/pooling", json=body)
+            assert bad.status_code == status and message in bad.json()["error"]["message"]
+        assert httpx.post(url + "/v1/completions", json={"prompt": "x"}).status_code == 404
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def test_a_reward_model_does_not_generate(trained_rm, capsys):
+    assert main(["generate", str(trained_rm), "--prompt", "Hi", "--max-new-tokens", "2"]) != 0
+    assert "is a reward model" in capsys.readouterr().err
