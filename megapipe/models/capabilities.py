@@ -22,8 +22,8 @@ LORA = ("q", "k", "v", "o", "gate", "up", "down", "q_a", "kv_a", "kv_b")
 MLA_LORA = ("q_a", "kv_a", "kv_b")  # multi-latent attention's down / up projections (megapipe.models.lora.TARGETS)
 QUANT = ("fp8", "int8_sq", "int4_awq", "w4a8_awq", "nvfp4")
 TRT = ("unified", "legacy")
-STAGES = ("pretrain", "sft", "distill", "prune", "rl", "eval", "generate", "serve", "quantize", "export_hf",
-          "export_trt")
+STAGES = ("pretrain", "sft", "distill", "dpo", "rm", "prune", "rl", "eval", "generate", "serve", "quantize",
+          "export_hf", "export_trt")
 
 
 @dataclass(frozen=True)
@@ -81,8 +81,9 @@ KINDS: dict[str, Capabilities] = {
 # data parallelism (the sinks are one more replicated / FSDP-sharded parameter); tensor parallelism must shard the
 # sinks with the heads and pipeline / expert parallelism were not run with them yet, so they are refused; the ring
 # attention of cp has no sink term; the engine's paged attention applies them (torch paths and CPU kernel), speculative
-# decoding was not run with them; generate, serve, eval and RL run on the engine; distillation, pruning, ModelOpt and the TensorRT-LLM writers were not checked on them; HF export
-# writes GptOssForCausalLM (unquantized)
+# decoding was not run with them; generate, serve, eval and RL run on the engine; distillation, DPO, reward models,
+# pruning, ModelOpt and the TensorRT-LLM writers were not checked on them; HF export writes GptOssForCausalLM
+# (unquantized)
     "sinks": Capabilities(layouts=frozenset({"dp_replicate", "dp_shard"}), engine=frozenset(ENGINE) - {"speculative"},
                           quant=frozenset(), trt=frozenset(),
                           stages=frozenset({"pretrain", "sft", "export_hf", "generate", "serve", "eval", "rl"})),
@@ -106,9 +107,12 @@ FAMILIES: dict[str, Capabilities] = {
     "deepseek_v3": _without(lora={"gate", "up", "down"}),
     # squared-ReLU MLP: no up projection (w1, transformers' up_proj, is the "gate" target, as GPT-2's c_fc); no MTP
     # modules to draft with; not quantized, pruned or written in TensorRT-LLM's legacy format, even with a pattern of
-    # attention and MLP layers only: ModelOpt, the legacy writer and the pruning rules were not checked on Nemotron-H
+    # attention and MLP layers only: ModelOpt, the legacy writer and the pruning rules were not checked on Nemotron-H;
+    # no reward model: transformers has no NemotronHForSequenceClassification to export one as
     "nemotron_h": _without(lora={"up"}, engine={"speculative"}, quant=QUANT, trt={"legacy"},
-                           stages={"prune", "quantize"}),
+                           stages={"prune", "quantize", "rm"}),
+    # no reward model: transformers has no FalconH1ForSequenceClassification to export one as
+    "falcon_h1": _without(stages={"rm"}),
     # no shared expert, every layer MoE: LoRA adapts the attention only
     "gpt_oss": _without(lora={"gate", "up", "down"}),
 }
