@@ -107,6 +107,14 @@ def _on_first_tokens(sums: torch.Tensor, mb: dict) -> torch.Tensor:
     return out
 
 
+def trim_padding(mb: dict) -> dict:
+    """The micro-batch cut after its last position that counts (``side``: the last answer token, or the last
+    reward read): what follows is padding, which no earlier position attends to (causal)."""
+    used = (mb["side"] > 0).any(0).nonzero()
+    width = int(used[-1]) + 1 if len(used) else 1
+    return {k: v[:, :width] if v.dim() == 2 else v for k, v in mb.items()}
+
+
 class PreferenceStream:
     """Micro-batches of pairs (two-row pairs flattened to rows) with the reference's log-probs attached."""
 
@@ -119,7 +127,7 @@ class PreferenceStream:
     def __next__(self) -> dict:
         rows = [self.loader.dataset.row_of(i) for i in self.loader.sample_ids()]
         mb = next(self.loader)
-        mb = {k: v.flatten(0, 1) if v.dim() == 3 else v for k, v in mb.items()}
+        mb = trim_padding({k: v.flatten(0, 1) if v.dim() == 3 else v for k, v in mb.items()})
         if self.table is not None:
             mb["ref_logps"] = _on_first_tokens(self.table[rows], mb)
         elif self.reference is not None:
