@@ -24,6 +24,8 @@ QUANT = ("fp8", "int8_sq", "int4_awq", "w4a8_awq", "nvfp4")
 TRT = ("unified", "legacy")
 STAGES = ("pretrain", "sft", "distill", "dpo", "rm", "prune", "rl", "eval", "generate", "serve", "quantize",
           "export_hf", "export_trt")
+# what a reward model (model.num_labels, a scalar head instead of the vocabulary) goes through
+REWARD_MODEL_STAGES = ("rm", "export_hf", "serve")
 
 
 @dataclass(frozen=True)
@@ -200,6 +202,10 @@ def require(cfg, stage: str, where: str = "", **features: Optional[object]) -> N
     row = capabilities(cfg)
     prefix = f"{where}: " if where else ""
     name, what = describe(cfg), stage.replace("_", " ")
+    if getattr(cfg, "num_labels", None) and stage not in REWARD_MODEL_STAGES:
+        raise MegapipeError(f"{prefix}{what} does not take reward models (model.num_labels = {cfg.num_labels}): a "
+                            "reward model is trained (posttrain rm), exported (export hf), served on /pooling or "
+                            "used by posttrain rl --reward-model")
     if stage not in row.stages:
         raise MegapipeError(f"{prefix}{what} does not support {name} models (megapipe/models/capabilities.py)")
     for key, value in features.items():

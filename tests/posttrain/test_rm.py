@@ -184,29 +184,44 @@ def test_serve_answers_pooling_with_the_reward_models_scores(trained_rm):
             line = proc.stderr.readline()
         assert "POST /pooling" in line
         url = f"http://127.0.0.1:{port}"
+        client = httpx.Client(timeout=300)  # a loaded machine can be slow
         rm = RewardModel.load(trained_rm)
         chat = [{"role": "user", "content": "What is 2 plus 2?"}, {"role": "assistant", "content": "ANSWER: 4"}]
-        r = httpx.post(url + "/pooling", json={"model": "rm", "input": ["Hello there", "Hi"]}).json()
+        r = client.post(url + "/pooling", json={"model": "rm", "input": ["Hello there", "Hi"]}).json()
         assert r["object"] == "list" and [d["object"] for d in r["data"]] == ["pooling", "pooling"], r
         texts = [rm.tokenizer.encode("Hello there"), rm.tokenizer.encode("Hi")]
         assert [d["data"][0] for d in r["data"]] == pytest.approx(rm.score_ids(texts), abs=1e-5)
         assert r["usage"]["prompt_tokens"] == sum(map(len, texts))
-        r = httpx.post(url + "/pooling", json={"input": [[5, 17, 9], [4]]}).json()
+        r = client.post(url + "/pooling", json={"input": [[5, 17, 9], [4]]}).json()
         assert [d["data"][0] for d in r["data"]] == pytest.approx(rm.score_ids([[5, 17, 9], [4]]), abs=1e-5)
-        r = httpx.post(url + "/pooling", json={"messages": chat}).json()
+        r = client.post(url + "/pooling", json={"messages": chat}).json()
         assert r["data"][0]["data"][0] == pytest.approx(rm.score([chat[:1]], ["ANSWER: 4"])[0], abs=1e-5)
         for body, status, message in (({"model": "other", "input": "x"}, 404, "does not exist"),
                                       ({"input": []}, 400, "input is empty"),
                                       ({"input": [10 ** 6]}, 400, "outside the vocabulary"),
                                       ({"messages": chat[:1]}, 400, "end with the assistant's answer")):
-            bad = httpx.post(url + "/pooling", json=body)
+            bad = client.post(url + "/pooling", json=body)
             assert bad.status_code == status and message in bad.json()["error"]["message"]
-        assert httpx.post(url + "/v1/completions", json={"prompt": "x"}).status_code == 404
+        assert client.post(url + "/v1/completions", json={"prompt": "x"}).status_code == 404
     finally:
         proc.terminate()
         proc.wait(60)
 
 
-def test_a_reward_model_does_not_generate(trained_rm, capsys):
+def test_a_reward_model_does_not_generate_or_train_as_a_language_model(trained_rm, tmp_path, capsys):
     assert main(["generate", str(trained_rm), "--prompt", "Hi", "--max-new-tokens", "2"]) != 0
-    assert "is a reward model" in capsys.readouterr().err
+    assert "generate does not take reward models (model.num_labels = 1)" in capsys.readouterr().err
+    args = ["posttrain", "dpo", "--load", str(trained_rm), "--data", str(write_pairs(tmp_path / "p.jsonl")),
+            "--chat-template", "chatml", "--train-iters", "1", "--save", str(tmp_path / "dpo"), "--quiet"]
+    assert main(args) != 0
+    assert "dpo does not take reward models" in capsys.readouterr().err
+
+
+def test_the_engine_refuses_a_reward_model(trained_rm):
+    from megapipe.checkpoint.load import load_model
+    from megapipe.errors import MegapipeError
+    from megapipe.inference import LLMEngine
+
+    loaded = load_model(str(trained_rm))
+    with pytest.raises(MegapipeError, match="is a reward model"):
+        LLMEngine(loaded.model, loaded.tokenizer)
