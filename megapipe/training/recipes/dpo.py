@@ -145,8 +145,9 @@ class DPORecipe(LoRARecipe):
     command = "posttrain dpo"
 
     def __init__(self, dpo_cfg, quiet: bool = False):
+        """``dpo_cfg`` None: no preference loss (a subclass brings its own)."""
         self.quiet = quiet
-        self.spec = PreferenceSpec.from_config(dpo_cfg)
+        self.spec = PreferenceSpec.from_config(dpo_cfg) if dpo_cfg is not None else None
         self._encoder = self._index = self._datasets = self._reference = None
         self._tables: dict = {}
 

@@ -65,10 +65,8 @@ class RewardModelRecipe(DPORecipe):
     command = "posttrain rm"
 
     def __init__(self, rm_cfg, quiet: bool = False):
-        self.quiet, self.center = quiet, rm_cfg.center_rewards_coefficient
-        self.spec = None
-        self._encoder = self._index = self._datasets = self._reference = None
-        self._tables: dict = {}
+        super().__init__(None, quiet)
+        self.center = rm_cfg.center_rewards_coefficient
 
     def loss(self) -> RewardLoss:
         return RewardLoss(self.center)
