@@ -120,7 +120,7 @@ class ModelConfig:
     # fields of a named preset are applied first, then the ones given here
     preset: Optional[str] = opt(None, "--model", help="Model preset (tiny, llama3-1b, ...); other fields: --set model.*=.")
     arch: Literal["llama", "qwen2", "qwen3", "mistral", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe",
-                  "deepseek_v3", "nemotron_h", "falcon_h1", "gpt_oss"] = "llama"
+                  "deepseek_v3", "deepseek_v32", "nemotron_h", "falcon_h1", "gpt_oss", "qwen2_5_vl"] = "llama"
     vocab_size: Optional[int] = None  # None: the tokenizer's size, padded to make_vocab_size_divisible_by
     make_vocab_size_divisible_by: int = 128
     hidden_size: int = 256
@@ -165,6 +165,13 @@ class ModelConfig:
     qk_pos_emb_head_dim: int = opt(64, "--qk-pos-emb-head-dim", help="MLA per-head q/k dims with rope.")
     v_head_dim: int = opt(128, "--v-head-dim", help="MLA per-head value dims.")
     rope_interleave: bool = False  # rotary pairs (x0, x1), (x2, x3)... as DeepSeek's weights lay them out
+    # DeepSeek Sparse Attention on top of MLA (megapipe.models.dsa), Megatron's names: a lightning indexer of its own
+    # small heads scores the earlier tokens and each query attends to its top dsa_indexer_topk keys only
+    experimental_attention_variant: Optional[Literal["dsa"]] = opt(
+        None, "--experimental-attention-variant", help="dsa: DeepSeek Sparse Attention on top of MLA (DeepSeek-V3.2).")
+    dsa_indexer_n_heads: int = opt(64, "--dsa-indexer-n-heads", help="DSA: the lightning indexer's heads.")
+    dsa_indexer_head_dim: int = opt(128, "--dsa-indexer-head-dim", help="DSA: the lightning indexer's head dims.")
+    dsa_indexer_topk: int = opt(2048, "--dsa-indexer-topk", help="DSA: keys each query attends to.")
     # YaRN (megapipe.models.rope), on when rotary_scaling_factor != 1; transformers' rope_type "yarn"
     rotary_scaling_factor: float = opt(1.0, "--rotary-scaling-factor", help="YaRN context extension factor (1: off).")
     original_max_position_embeddings: Optional[int] = opt(
@@ -268,6 +275,27 @@ class ModelConfig:
     mamba_out_multiplier: float = 1.0
     mamba_proj_multipliers: list[float] = field(default_factory=lambda: [1.0] * 5)
     mlp_multipliers: list[float] = field(default_factory=lambda: [1.0] * 2)
+    # Vision-language (megapipe.models.vision, Qwen2.5-VL's vision tower and patch merger; transformers' vision_config
+    # names after vision_): vision_depth 0 is a text-only model. Windows of vision_window_size pixels, full attention in
+    # the vision_fullatt_block_indexes blocks; mrope_section: rotary frequencies per axis (temporal, height, width) of
+    # the decoder's M-RoPE (None: 1-D rope); the *_token_id: the chat template's image / video placeholders
+    vision_depth: int = 0  # vision blocks
+    vision_hidden_size: int = 1280
+    vision_intermediate_size: int = 3420
+    vision_num_heads: int = 16
+    vision_patch_size: int = 14  # pixels a patch's side
+    vision_temporal_patch_size: int = 2  # frames a patch spans (an image is repeated)
+    vision_in_channels: int = 3
+    vision_spatial_merge_size: int = 2  # merge x merge patches make one decoder token
+    vision_window_size: int = 112  # pixels a window's side
+    vision_fullatt_block_indexes: list[int] = field(default_factory=lambda: [7, 15, 23, 31])
+    vision_tokens_per_second: int = 4
+    vision_rope_theta: float = 10000.0
+    mrope_section: Optional[list[int]] = None
+    image_token_id: Optional[int] = None
+    video_token_id: Optional[int] = None
+    vision_start_token_id: Optional[int] = None
+    vision_end_token_id: Optional[int] = None
 
     @property
     def is_moe(self) -> bool:
@@ -341,6 +369,11 @@ class ModelConfig:
     def mtp_depth(self) -> int:
         """Number of multi-token prediction modules (0: none)."""
         return self.mtp_num_layers or 0
+
+    @property
+    def sparse_attention(self) -> bool:
+        """DeepSeek Sparse Attention (the lightning indexer's top-k keys per query) on top of MLA."""
+        return self.multi_latent_attention and self.experimental_attention_variant == "dsa"
 
     @property
     def expert_ffn(self) -> int:
@@ -499,8 +532,8 @@ class RLConfig:
     rollout_dtype: Optional[Literal["fp32", "bf16", "fp16"]] = opt(
         None, "--rollout-dtype", help="Engine weights (default: the training precision's dtype).")
     chat_template: Optional[str] = opt(
-        None, "--chat-template", help="chatml, llama3, a template name of the tokenizer's, FILE.jinja, or none for "
-                                      "raw prompts (default: the tokenizer's template).")
+        None, "--chat-template", help="chatml, llama3, harmony, a template name of the tokenizer's, FILE.jinja, or "
+                                      "none for raw prompts (default: the tokenizer's template).")
     system_prompt: Optional[str] = opt(None, "--system-prompt", help="A system message before every prompt.")
     prompt_field: str = opt("prompt", "--prompt-field", help="jsonl task: the prompt field.")
     answer_field: str = opt("answer", "--answer-field", help="jsonl task: the reference answer field.")
@@ -565,8 +598,8 @@ class SFTConfig:
                           help="SFT records: JSONL (.gz), parquet or saved HF datasets with 'messages', "
                                "'prompt'/'completion' or 'text'.")
     chat_template: Optional[str] = opt(
-        None, "--chat-template", help="chatml, llama3, a template name of the tokenizer's or FILE.jinja (default: "
-                                      "the tokenizer's own template).")
+        None, "--chat-template", help="chatml, llama3, harmony, a template name of the tokenizer's or FILE.jinja "
+                                      "(default: the tokenizer's own template).")
     train_on_prompt: bool = opt(False, "--train-on-prompt", help="Train on every token, not only the assistant's.")
     packing: bool = opt(False, "--packing", help="Pack several conversations per sequence (attention kept apart).")
     skip_bad_records: bool = opt(False, "--skip-bad-records", help="Leave out malformed records (counted) instead "
@@ -900,6 +933,7 @@ def validate(cfg: Config) -> None:
     validate_mtp(m)
     validate_mla(m)
     validate_hybrid(m)
+    validate_vision(m)
     validate_posttrain(cfg)
 
 
@@ -923,6 +957,31 @@ def validate_attention(m: ModelConfig) -> None:
     if m.moe_swiglu_limit <= 0 or m.moe_swiglu_alpha <= 0:
         raise ConfigError(f"model.moe_swiglu_limit = {m.moe_swiglu_limit} and model.moe_swiglu_alpha = "
                           f"{m.moe_swiglu_alpha} must be > 0")
+
+
+def validate_vision(m: ModelConfig) -> None:
+    """The vision tower's shapes and the M-RoPE sections."""
+    if m.mrope_section is not None and (len(m.mrope_section) != 3 or 2 * sum(m.mrope_section) != m.dim_per_head):
+        raise ConfigError(f"model.mrope_section = {m.mrope_section} must be 3 numbers (temporal, height, width) "
+                          f"summing to half the head dim ({m.dim_per_head // 2})")
+    if m.vision_depth < 0:
+        raise ConfigError(f"model.vision_depth = {m.vision_depth} must be >= 0 (0: no vision tower)")
+    if not m.vision_depth:
+        return
+    if m.position_embedding != "rope" or m.mrope_section is None:
+        raise ConfigError("model.vision_depth > 0 needs the decoder's M-RoPE: model.position_embedding = 'rope' and "
+                          "model.mrope_section set")
+    if m.vision_hidden_size % (4 * m.vision_num_heads):
+        raise ConfigError(f"model.vision_hidden_size = {m.vision_hidden_size} must be divisible by 4 x "
+                          f"model.vision_num_heads = {m.vision_num_heads} (2-D rotary over each head)")
+    unit = m.vision_patch_size * m.vision_spatial_merge_size
+    if m.vision_window_size < unit:
+        raise ConfigError(f"model.vision_window_size = {m.vision_window_size} must be at least one merged patch "
+                          f"(vision_patch_size x vision_spatial_merge_size = {unit} pixels)")
+    late = [i for i in m.vision_fullatt_block_indexes if not 0 <= i < m.vision_depth]
+    if late:
+        raise ConfigError(f"model.vision_fullatt_block_indexes holds {late}, outside the "
+                          f"model.vision_depth = {m.vision_depth} blocks")
 
 
 def validate_muon(o: OptimConfig) -> None:
@@ -1016,8 +1075,11 @@ def validate_mla(m: ModelConfig) -> None:
     if m.original_max_position_embeddings is not None and m.original_max_position_embeddings <= 0:
         raise ConfigError(f"model.original_max_position_embeddings = {m.original_max_position_embeddings} must be > 0")
     if not m.multi_latent_attention:
-        if m.arch == "deepseek_v3":
-            raise ConfigError("model.arch = 'deepseek_v3' needs model.multi_latent_attention = true")
+        if m.experimental_attention_variant is not None:
+            raise ConfigError(f"model.experimental_attention_variant = {m.experimental_attention_variant!r} needs "
+                              "model.multi_latent_attention = true")
+        if m.arch in ("deepseek_v3", "deepseek_v32"):
+            raise ConfigError(f"model.arch = {m.arch!r} needs model.multi_latent_attention = true")
         return
     if m.q_lora_rank is not None and m.q_lora_rank < 0:
         raise ConfigError(f"model.q_lora_rank = {m.q_lora_rank} must be >= 0 (0 or none: a plain query projection)")
@@ -1036,6 +1098,27 @@ def validate_mla(m: ModelConfig) -> None:
                               "(its heads are set by qk_head_dim, qk_pos_emb_head_dim and v_head_dim): leave it unset")
     if m.qk_norm:
         raise ConfigError("model.qk_norm = true does not apply to multi-latent attention (its latents are normed)")
+    validate_dsa(m)
+
+
+def validate_dsa(m: ModelConfig) -> None:
+    """DeepSeek Sparse Attention's fields (MLA's are checked already)."""
+    if m.experimental_attention_variant != "dsa":
+        if m.arch == "deepseek_v32":
+            raise ConfigError("model.arch = 'deepseek_v32' needs model.experimental_attention_variant = 'dsa'")
+        return
+    if not m.q_lora_rank:
+        raise ConfigError("model.experimental_attention_variant = 'dsa' needs model.q_lora_rank (the indexer's "
+                          "queries come from the query latent)")
+    for name in ("dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk"):
+        if getattr(m, name) <= 0:
+            raise ConfigError(f"model.{name} = {getattr(m, name)} must be > 0")
+    if m.dsa_indexer_head_dim < m.qk_pos_emb_head_dim:
+        raise ConfigError(f"model.dsa_indexer_head_dim = {m.dsa_indexer_head_dim} must be >= model.qk_pos_emb_head_dim "
+                          f"= {m.qk_pos_emb_head_dim} (the indexer ropes that many of its dims)")
+    if m.mtp_depth:
+        raise ConfigError(f"model.mtp_num_layers = {m.mtp_num_layers}: multi-token prediction is not supported with "
+                          "model.experimental_attention_variant = 'dsa' yet")
 
 
 def validate_hybrid(m: ModelConfig) -> None:

@@ -40,6 +40,16 @@ _GPT_OSS = dict(
 )
 
 
+# Qwen2.5-VL (megapipe.models.vision): a Qwen2 decoder with M-RoPE behind the vision tower (32 blocks, 112-pixel
+# windows, full attention every 8th block) and its 2 x 2 patch merger; the token ids are Qwen's
+_QWEN25_VL = dict(
+    arch="qwen2_5_vl", qkv_bias=True, rope_theta=1000000.0, norm_eps=1e-6, tie_embeddings=False, vision_depth=32,
+    vision_hidden_size=1280, vision_intermediate_size=3420, vision_num_heads=16, vision_patch_size=14,
+    vision_temporal_patch_size=2, vision_spatial_merge_size=2, vision_window_size=112,
+    vision_fullatt_block_indexes=[7, 15, 23, 31], vision_tokens_per_second=2, image_token_id=151655,
+    video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653,
+)
+
 PRESETS: dict[str, dict] = {
     # Small enough to train a few hundred steps on 2 CPU cores in minutes; vocab comes from the tokenizer.
     "tiny": dict(
@@ -140,6 +150,20 @@ PRESETS: dict[str, dict] = {
     "gpt-oss-20b": dict(_GPT_OSS, num_layers=24, num_experts=32),
     # openai/gpt-oss-120b (117 B parameters, 5.1 B active)
     "gpt-oss-120b": dict(_GPT_OSS, num_layers=36, num_experts=128, moe_aux_loss_coeff=1e-3 * 4 / 36),
+    # Qwen2.5-VL at CPU size: the tiny decoder with M-RoPE, a 4-block tower (56-pixel windows of 2 x 2 merged patches,
+    # blocks 1 and 3 full); the image token ids come with the tokenizer (model.image_token_id)
+    "qwen2.5-vl-tiny": dict(
+        {**_QWEN25_VL, "image_token_id": None, "video_token_id": None, "vision_start_token_id": None,
+         "vision_end_token_id": None}, hidden_size=256, intermediate_size=688, num_layers=4, num_heads=8,
+        num_kv_heads=4, max_position_embeddings=2048, rope_theta=10000.0, mrope_section=[4, 6, 6], vision_depth=4,
+        vision_hidden_size=128, vision_intermediate_size=256, vision_num_heads=4, vision_window_size=56,
+        vision_fullatt_block_indexes=[1, 3],
+    ),
+    # Qwen/Qwen2.5-VL-7B-Instruct (8.3 B parameters, the vision tower's 0.68 B included)
+    "qwen2.5-vl-7b": dict(
+        _QWEN25_VL, vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28, num_heads=28,
+        num_kv_heads=4, max_position_embeddings=128000, mrope_section=[16, 24, 24],
+    ),
     # moonshotai/Kimi-K2-Instruct (1.04 T parameters, 32 B active): DeepSeek-V3's architecture, half the heads, 384
     # experts in one group, one dense layer
     "kimi-k2": dict(
@@ -148,3 +172,13 @@ PRESETS: dict[str, dict] = {
         num_experts=384, moe_router_topk=8, moe_router_topk_scaling_factor=2.827, moe_first_k_dense_replace=1,
     ),
 }
+
+# DeepSeek-V3.2's sparse attention (megapipe.models.dsa) on DeepSeek-V3's shapes: a lightning indexer of 64 heads of
+# 128 dims, 2048 keys per query
+_DSA = dict(arch="deepseek_v32", experimental_attention_variant="dsa", dsa_indexer_n_heads=64,
+            dsa_indexer_head_dim=128, dsa_indexer_topk=2048)
+# deepseek-v3-tiny with an indexer of 4 heads of 32 dims, 64 keys per query (so a 256-token window is sparse)
+PRESETS["deepseek-v32-tiny"] = dict(PRESETS["deepseek-v3-tiny"], **{
+    **_DSA, "dsa_indexer_n_heads": 4, "dsa_indexer_head_dim": 32, "dsa_indexer_topk": 64})
+# deepseek-ai/DeepSeek-V3.2 (-Exp; 671 B parameters, 37 B active): DeepSeek-V3 with the indexer in every layer
+PRESETS["deepseek-v32"] = dict(PRESETS["deepseek-v3"], **_DSA)

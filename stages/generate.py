@@ -29,10 +29,13 @@ def generate(
     """Complete each --prompt with the model of CKPT and print the completions."""
     import json
 
+    from megapipe.omp import prefer_passive_wait
+
+    prefer_passive_wait()  # before torch loads OpenMP
     import torch
 
     # lazy: imports torch; megapipe --help stays fast
-    from megapipe.checkpoint.load import load_model
+    from megapipe.checkpoint.load import eos_ids_of, load_model
     from megapipe.data.tokenizer import load_tokenizer
     from megapipe.dtypes import resolve_device, resolve_dtype
     from megapipe.inference import generate as run_generate
@@ -46,8 +49,10 @@ def generate(
     tok = load_tokenizer(tokenizer) if tokenizer is not None else loaded.tokenizer
     if tok is None:
         raise MegapipeError(f"checkpoint {ckpt} holds no tokenizer/: give one with --tokenizer")
+    # the checkpoint's generation config ends a completion as the engine's from_pretrained does
+    eos = eos_ids_of(loaded.generation_config.get("eos_token_id"), tok)
     completions = run_generate(loaded.model, tok, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop,
-                               speculative_tokens)
+                               speculative_tokens, eos)
     if json_output:
         typer.echo(json.dumps([{"prompt": p, "completion": c} for p, c in zip(prompt, completions, strict=True)]))
         return

@@ -14,8 +14,8 @@ def inspect_sft(
     file: str = typer.Argument(..., help="SFT records: JSONL (.gz), parquet or a saved Hugging Face dataset."),
     tokenizer: str = typer.Option(..., "--tokenizer", help="Tokenizer directory or tokenizer.json (or a checkpoint)."),
     chat_template: Optional[str] = typer.Option(
-        None, "--chat-template", help="chatml, llama3, a template name of the tokenizer's or FILE.jinja (default: "
-                                      "the tokenizer's own template)."),
+        None, "--chat-template", help="chatml, llama3, harmony, a template name of the tokenizer's or FILE.jinja "
+                                      "(default: the tokenizer's own template)."),
     train_on_prompt: bool = typer.Option(False, "--train-on-prompt", help="Train on every token."),
     record: int = typer.Option(1, "--record", help="First record to show (1-based)."),
     count: int = typer.Option(1, "--count", help="How many records to show."),

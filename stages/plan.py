@@ -86,6 +86,13 @@ def show(r: dict) -> None:
         f"{layers}, head {p['head'] / 1e6:,.1f} M{', tied' if p['tied'] else ''})"
         + (f" + MTP {p['mtp'] / 1e6:,.1f} M ({p['total_with_mtp'] / 1e9:.3f} B with MTP)" if p["mtp"] else "")
     )
+    vision = r.get("vision")
+    if vision:
+        con.print(f"vision tower: {vision['params'] / 1e6:,.1f} M parameters ({vision['params_share']:.1%}), "
+                  f"{_gb(vision['memory_bytes'])} GB of the first rank's weights, gradients and optimizer state "
+                  f"({vision['memory_share']:.1%}), {_flop(vision['flops_per_image'])} per "
+                  f"{vision['image'][0]}x{vision['image'][1]} image ({vision['image_tokens']} tokens; "
+                  f"{vision['flops_share']:.1%} of a sample's FLOPs with one image)")
     kv = r["kv_cache"]
     ratio = kv["gqa_equivalent_bytes_per_token"] / kv["bytes_per_token"]
     con.print(f"KV cache per token (bf16): {kv['bytes_per_token'] / 1024:,.1f} KiB"

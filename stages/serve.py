@@ -46,6 +46,9 @@ def serve(
     import sys
     from pathlib import Path
 
+    from megapipe.omp import prefer_passive_wait
+
+    prefer_passive_wait()  # before torch loads OpenMP
     # lazy: imports torch; megapipe --help stays fast
     from megapipe.checkpoint.hf.files import parse_size
 

@@ -18,8 +18,8 @@ PACKAGES = ("megapipe", "stages")
 # The layers, bottom to top, by part: a sub-package or top-level module of megapipe, "megapipe" for its __init__.py,
 # "stages" for stages/. A module imports its own layer and those below it.
 LAYERS = [
-    {"megapipe", "errors", "dtypes", "fileio", "plot", "torch_compat"},  # leaf helpers: exceptions, dtypes, atomic files,
-    # plots, the private torch APIs
+    {"megapipe", "errors", "dtypes", "fileio", "omp", "plot", "torch_compat"},  # leaf helpers: exceptions, dtypes, files,
+    # OpenMP's wait policy, plots, the private torch APIs
     {"config", "presets"},  # the run configuration and its model presets
     {"data"},  # tokenizers, corpora, datasets, loaders, the chat-template renderer
     {"models"},  # block kinds, LoRA surgery, the loss contract

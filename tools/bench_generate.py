@@ -155,8 +155,34 @@ def main() -> None:
     ap.add_argument("--vllm-python", default=os.environ.get("MEGAPIPE_VLLM_PYTHON", str(ROOT / ".venv-vllm/bin/python")))
     ap.add_argument("--skip", nargs="*", default=[], choices=["hf", "vllm"])
     ap.add_argument("--json", help="also write the figures here")
+    ap.add_argument("--co-runner", action="store_true",
+                    help="run the whole benchmark next to one CPU-bound process (a busy loop), as a shared machine has")
+    ap.add_argument("--omp-wait-policy", choices=["active", "passive"],
+                    help="OpenMP's wait policy for this process (default: what megapipe's serve/generate set)")
     args = ap.parse_args()
+    if args.omp_wait_policy:  # read by the OpenMP runtime when torch loads it: before the import
+        os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.co_runner else None
+    try:
+        run(args)
+    finally:
+        if busy is not None:
+            busy.kill()
 
+
+def cpu_description() -> str:
+    """The CPU's model name and the ISA extensions the kernels care about (from /proc/cpuinfo where it exists)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown CPU"
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
+    return f"{model} ({', '.join(isa) or 'no AVX2'})"
+
+
+def run(args) -> None:
     import torch
 
     load_start = os.getloadavg()[0]
@@ -209,6 +235,8 @@ def main() -> None:
     print(f"\n{describe(args.model)} greedy, {args.prompt_len}-token prompts, {args.new_tokens} new tokens, {args.dtype}, "
           f"{args.threads} threads, median of {args.reps}; load average at start {load_start:.1f}, at end "
           f"{os.getloadavg()[0]:.1f} ({os.cpu_count()} CPUs)")
+    print(f"CPU: {cpu_description()}; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}"
+          f"{'; next to one CPU-bound process' if args.co_runner else ''}")
     for label, tok, ttft in (("wall clock", "tok_s", "ttft_ms"), ("CPU seconds", "cpu_tok_s", "cpu_ttft_ms")):
         print(f"by {label}:")
         print(f"{'batch':>5} | " + " | ".join(f"{n + ' tok/s':>14} {n + ' TTFT ms':>15}" for n in raw))
@@ -233,7 +261,8 @@ def main() -> None:
                   f"identical greedy outputs {same}/{total}")
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": {f"{n}:b{b}": v for (n, b), v in rows.items()},
-                                               "ratios": summary, "args": vars(args)}, indent=2))
+                                               "ratios": summary, "args": vars(args), "cpu": cpu_description(),
+                                               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}, indent=2))
 
 
 if __name__ == "__main__":

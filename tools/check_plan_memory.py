@@ -21,6 +21,13 @@ micro-batches -3.8% (the last stage; it was -17.4% before the planner counted wh
 in-flight micro-batch: the last stage's logits and the other stages' outputs; the first stage is -7.9%: send/recv
 buffers and the embedding gradient's accumulation copy are not modelled), MoE (8 experts of FFN 176, top-2) -0.4%,
 MoE with ep2 x dp_shard2 +6.0%. Saved activations: -0.1% dense, -0.0% MoE (the unmodelled RoPE cos/sin tables).
+Hybrid Transformer-Mamba (2026-12-02, same machine, ``--cases hybrid`` / ``--cases Falcon``; h256 x 4, Mamba 16 heads
+x 32 (Falcon-H1: x 16), 2 groups x 32 state, chunk 64): Nemotron-H kinds ``M*M-`` fp32 -0.9%, bf16 -4.8%, selective -1.5%, full
+-1.7%, TP+SP tp2 -1.5%; Falcon-H1's parallel layers ``PPPP`` fp32 -0.7%, bf16 -3.4% (before the planner counted
+layers by kind, as attention + MLP each: -20%, -22%, -0.9%, -1.7%, -16%, -32%, -29%). Saved activations -0.02% /
+-0.01% (Nemotron-H fp32 / bf16), -0.05% / -0.06% (Falcon-H1).
+
+    .venv/bin/python tools/check_plan_memory.py --cases hybrid   # only the cases whose name contains "hybrid"
 """
 
 from __future__ import annotations
@@ -43,10 +50,23 @@ CASES = [
     ("fp32 PP 1F1B pp2, 4 micro-batches", "fp32", "none", 2, 8, {"pp": 2, "dp_shard": 1}),
     ("fp32 MoE (8 experts, top-2)", "fp32", "none", 4, 4, None, "moe"),
     ("fp32 MoE EP ep2 (dp_shard2)", "fp32", "none", 2, 4, {"dp_shard": 2, "ep": 2}, "moe"),
+    ("fp32 hybrid M*M-", "fp32", "none", 4, 4, None, "hybrid"),
+    ("bf16 hybrid M*M-", "bf16", "none", 4, 4, None, "hybrid"),
+    ("fp32 hybrid M*M- selective", "fp32", "selective", 4, 4, None, "hybrid"),
+    ("fp32 hybrid M*M- full", "fp32", "full", 4, 4, None, "hybrid"),
+    ("fp32 hybrid M*M- TP+SP tp2", "fp32", "none", 4, 4, {"tp": 2, "dp_shard": 1}, "hybrid"),
+    ("fp32 Falcon-H1 parallel PPPP", "fp32", "none", 4, 4, None, "falcon"),
+    ("bf16 Falcon-H1 parallel PPPP", "bf16", "none", 4, 4, None, "falcon"),
 ]
 MODEL = dict(vocab_size=8192, hidden_size=256, intermediate_size=688, num_layers=4, num_heads=8, num_kv_heads=4,
              tie_embeddings=False)
 MOE_MODEL = dict(MODEL, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=176, moe_aux_loss_coeff=0.01)
+_MAMBA = dict(mamba_state_dim=32, mamba_head_dim=32, mamba_num_groups=2, mamba_num_heads=16, mamba_chunk_size=64)
+# Nemotron-H's layer kinds (Mamba-2, attention, squared-ReLU MLP, one mixer per layer) and Falcon-H1's parallel layer
+HYBRID_MODEL = dict(MODEL, arch="nemotron_h", hybrid_override_pattern="M*M-", activation="relu2",
+                    position_embedding="none", **_MAMBA)
+FALCON_MODEL = dict(MODEL, arch="falcon_h1", mamba_gated_norm=False, **dict(_MAMBA, mamba_head_dim=16))
+MODELS = {"moe": MOE_MODEL, "hybrid": HYBRID_MODEL, "falcon": FALCON_MODEL}
 SEQ = 512
 
 
@@ -98,21 +118,64 @@ def _rss(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def _saved_bytes(model, tokens, ctx) -> int:
+def _saved_bytes(model, inputs: tuple, ctx) -> int:
     import torch
 
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
+    seen: dict = {}
 
     def pack(t):
         s = t.untyped_storage()
         if s.data_ptr() not in params and t.dtype != torch.int64:
-            seen[s.data_ptr()] = s.nbytes()
+            seen[s.data_ptr()] = s  # held, so that no later tensor reuses the address of one freed meanwhile
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx():
-        model(tokens)
-    return sum(seen.values())
+        model(*inputs)
+    return sum(s.nbytes() for s in seen.values())
+
+
+def block_saved_bytes_per_token(block, hidden: int, seq: int, ctx, rope=None) -> float:
+    """What one block's forward saves for backward per token of its input, parameters and anything that does not
+    grow with the batch (cast or concatenated weights) left out: the saved bytes at batch 2 minus batch 1, / seq.
+    ``rope(batch) -> rope tables`` for blocks with attention."""
+    import torch
+
+    sizes = []
+    for batch in (1, 2):
+        x = torch.randn(batch, seq, hidden, requires_grad=True)
+        sizes.append(_saved_bytes(block, (x, None if rope is None else rope(batch)), ctx))
+    return (sizes[1] - sizes[0]) / seq
+
+
+def selective_kept_bytes_per_token(block, hidden: int, seq: int, ctx, rope=None) -> float:
+    """What selective recompute keeps of one block per token: its fp32 input and the outputs of the ops the
+    recompute policy saves (megapipe.parallel.recompute: matmuls, attention kernels), recorded as the forward runs
+    them (batch 2 minus batch 1, / seq)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megapipe.parallel.recompute import _save_ops
+
+    save = _save_ops()
+
+    class Record(TorchDispatchMode):
+        kept = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in save:
+                self.kept += sum(o.numel() * o.element_size() for o in (out if isinstance(out, (tuple, list))
+                                                                       else (out,)) if isinstance(o, torch.Tensor))
+            return out
+
+    sizes = []
+    for batch in (1, 2):
+        x = torch.randn(batch, seq, hidden, requires_grad=True)
+        with ctx(), Record() as record:
+            block(x, None if rope is None else rope(batch))
+        sizes.append(record.kept)
+    return (sizes[1] - sizes[0]) / seq + 4 * hidden
 
 
 def child(case: dict) -> dict:
@@ -170,7 +233,7 @@ def child(case: dict) -> dict:
     peak = _rss("VmHWM") - before
     out = {"peak": peak}
     if t.recompute == "none" and world == 1:
-        out["saved_activations"] = _saved_bytes(model, batches[0][:, :-1], ctx)
+        out["saved_activations"] = _saved_bytes(model, (batches[0][:, :-1],), ctx)
     if world > 1:
         import torch.distributed as dist
 
@@ -229,13 +292,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--cases", help="only the cases whose name contains this (e.g. hybrid)")
     args = ap.parse_args(argv)
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return 0
     rows = [compare(dict(name=c[0], precision=c[1], recompute=c[2], micro=c[3], layout=c[5] if len(c) > 5 else None,
-                         model=MOE_MODEL if len(c) > 6 else None, **{"global": c[4]}))
-            for c in CASES]
+                         model=MODELS[c[6]] if len(c) > 6 else None, **{"global": c[4]}))
+            for c in CASES if args.cases is None or args.cases in c[0]]
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0

@@ -4,8 +4,8 @@ the demos), so a model is served in the format it was trained on.
 
 Which template (one rule for every path):
 
-1. an explicit choice (``--chat-template``): ``chatml`` or ``llama3`` (megapipe's own), the name of one of the
-   tokenizer's named templates, or a ``FILE.jinja``;
+1. an explicit choice (``--chat-template``): ``chatml``, ``llama3`` or ``harmony`` (megapipe's own), the name of one
+   of the tokenizer's named templates, or a ``FILE.jinja``;
 2. else the tokenizer's template named ``default`` (a plain template counts as ``default``);
 3. else its only template;
 4. several named templates and none called ``default``: refused, in a sentence naming the tokenizer and the names,
@@ -56,12 +56,83 @@ LLAMA3 = (
     "{{ '<|eot_id|>' }}{%- endfor %}"
     "{%- if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
 )
-BUILTIN_TEMPLATES = {"chatml": CHATML, "llama3": LLAMA3}
+# OpenAI's harmony format (GPT-OSS), written for megapipe from the harmony spec and the published gpt-oss template's
+# format: the system message (identity, knowledge cutoff, reasoning effort medium, the valid channels; no "Current
+# date" line, which the spec makes optional, so a conversation renders the same text every day), a system or developer
+# first message as the developer's "# Instructions", tools as TypeScript signatures in the "functions" namespace
+# (nested object parameters written `object`), tool calls on the commentary channel ending in <|call|>, tool results
+# from "functions.NAME", answers on the final channel. Reasoning (``thinking`` or ``reasoning_content``) goes to the
+# analysis channel for the messages after the last user message only (the current turn: earlier turns' reasoning is
+# dropped, as the spec drops it once a final answer follows), on a final answer only when it is the conversation's
+# last message; that last answer ends in <|return|> (the token the model stops on), every earlier one in <|end|>.
+HARMONY_TOOL_TYPE = (
+    "{%- macro ts_type(s) -%}"
+    "{%- if s.get('enum') -%}{{ '\"' + s['enum'] | join('\" | \"') + '\"' }}"
+    "{%- elif s.get('type') == 'array' -%}{{ (ts_type(s['items']) if s.get('items') else 'any') + '[]' }}"
+    "{%- elif s.get('type') in ('number', 'integer') -%}number"
+    "{%- elif s.get('type') in ('string', 'boolean', 'object') -%}{{ s['type'] }}"
+    "{%- else -%}any{%- endif -%}{%- endmacro -%}"
+)
+HARMONY_TOOLS = (
+    "{{- '# Tools\\n\\n## functions\\n\\nnamespace functions {\\n\\n' }}"
+    "{%- for tool in tools %}{%- set f = tool.get('function') or tool %}"
+    "{%- if f.get('description') %}{{- '// ' + f['description'] + '\\n' }}{%- endif %}"
+    "{{- 'type ' + f['name'] + ' = ' }}{%- set props = (f.get('parameters') or {}).get('properties') %}"
+    "{%- if props %}{{- '(_: {\\n' }}{%- for name, spec in props.items() %}"
+    "{%- if spec.get('description') %}{{- '// ' + spec['description'] + '\\n' }}{%- endif %}"
+    "{{- name + ('' if name in (f['parameters'].get('required') or []) else '?') + ': ' + ts_type(spec) }}"
+    "{%- if spec.get('default') is not none %}"
+    "{{- ', // default: ' + (spec['default'] | string if spec.get('enum') else spec['default'] | tojson) }}"
+    "{%- endif %}{{- ',\\n' }}{%- endfor %}{{- '}) => any;\\n\\n' }}"
+    "{%- else %}{{- '() => any;\\n\\n' }}{%- endif %}{%- endfor %}{{- '} // namespace functions' }}"
+)
+HARMONY = (
+    HARMONY_TOOL_TYPE
+    + "{%- set ns = namespace(last_user=-1, tool=none) %}"
+    "{%- for m in messages %}{%- if m['role'] == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}"
+    "{%- endfor %}"
+    "{{- '<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\\n"
+    "Knowledge cutoff: 2024-06\\n\\nReasoning: medium\\n\\n# Valid channels: analysis, commentary, final. Channel must "
+    "be included for every message.' }}"
+    "{%- if tools %}{{- '\\nCalls to these tools must go to the commentary channel: \\'functions\\'.' }}"
+    "{%- endif %}{{- '<|end|>' }}"
+    "{%- set instructions = messages[0]['content'] if messages and messages[0]['role'] in ('system', 'developer') "
+    "else '' %}"
+    "{%- if instructions or tools %}{{- '<|start|>developer<|message|>' }}"
+    "{%- if instructions %}{{- '# Instructions\\n\\n' + instructions + '\\n\\n' }}{%- endif %}"
+    "{%- if tools %}" + HARMONY_TOOLS + "{%- endif %}{{- '<|end|>' }}{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- set reasoning = m.get('thinking') or m.get('reasoning_content') %}"
+    "{%- set last = loop.last and not add_generation_prompt %}"
+    "{%- if loop.first and m['role'] in ('system', 'developer') %}"
+    "{%- elif m['role'] == 'user' %}{{- '<|start|>user<|message|>' + m['content'] + '<|end|>' }}"
+    "{%- elif m['role'] == 'assistant' and m.get('tool_calls') %}"
+    "{%- set reasoning = reasoning or m.get('content') %}"
+    "{%- if reasoning and loop.index0 > ns.last_user %}"
+    "{{- '<|start|>assistant<|channel|>analysis<|message|>' + reasoning + '<|end|>' }}{%- endif %}"
+    "{%- for call in m['tool_calls'] %}{%- set call = call.get('function') or call %}"
+    "{%- set args = call.get('arguments') %}{%- set ns.tool = call['name'] %}"
+    "{{- '<|start|>assistant to=functions.' + call['name'] + '<|channel|>commentary json<|message|>' }}"
+    "{{- (args if args is string else (args or {}) | tojson) + '<|call|>' }}{%- endfor %}"
+    "{%- elif m['role'] == 'assistant' %}"
+    "{%- if reasoning and last %}"
+    "{{- '<|start|>assistant<|channel|>analysis<|message|>' + reasoning + '<|end|>' }}{%- endif %}"
+    "{{- '<|start|>assistant<|channel|>final<|message|>' + m['content'] + ('<|return|>' if last else '<|end|>') }}"
+    "{%- elif m['role'] == 'tool' %}{%- set name = m.get('name') or ns.tool %}"
+    "{%- if not name %}{{- raise_exception('a tool message follows no tool call') }}{%- endif %}"
+    "{{- '<|start|>functions.' + name + ' to=assistant<|channel|>commentary<|message|>' + m['content'] + '<|end|>' }}"
+    "{%- else %}{{- raise_exception('harmony has no role ' + m['role'] + ' after the first message') }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}"
+)
+HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>")
+BUILTIN_TEMPLATES = {"chatml": CHATML, "llama3": LLAMA3, "harmony": HARMONY}
 TEMPLATE_TOKENS = {
     "chatml": ("<|im_start|>", "<|im_end|>"),
     "llama3": ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+    "harmony": ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>"),
 }
-TEMPLATE_CHOICES = "chatml, llama3 or a FILE.jinja"
+TEMPLATE_CHOICES = "chatml, llama3, harmony or a FILE.jinja"
 OWN = "tokenizer"  # the name of a tokenizer's own template chosen by the rule, not by name
 # The special tokens transformers gives a template as variables (its SPECIAL_TOKENS_ATTRIBUTES).
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -79,6 +150,17 @@ class ChatTemplate:
     source: str
     name: str
     special_tokens: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def trains_current_turn_only(self) -> bool:
+        """Harmony renders the turns before the last user message as history (their reasoning dropped, an answer's
+        <|return|> written <|end|>), so only the messages after it are trained as the model produced them."""
+        return self.source == HARMONY
+
+    @property
+    def has_channels(self) -> bool:
+        """Replies are harmony messages on channels, split by ``split_harmony`` (their special tokens kept)."""
+        return self.source == HARMONY
 
     def render(self, messages: list[dict], tools: Optional[list] = None, add_generation_prompt: bool = False,
                continue_final_message: bool = False) -> str:
@@ -98,6 +180,26 @@ class ChatTemplate:
             raise ChatTemplateError(f"the chat template {self.name} cannot render the conversation "
                                     f"({type(e).__name__}: {first_line(e)})") from None
         return texts[0]
+
+
+def split_harmony(text: str) -> tuple[str, Optional[str]]:
+    """A harmony reply (what the model writes after the generation prompt ``<|start|>assistant``, special tokens
+    kept) -> (its final channel's text, its analysis channel's text or None when it has none): the answer and the
+    reasoning (an OpenAI-style server's content and reasoning_content). A message cut short counts up to where it
+    stops; commentary (tool calls) is left out. Grows only by appending as the reply grows (streaming deltas)."""
+    content, reasoning = [], []
+    for message in text.split("<|start|>"):
+        header, found, body = message.partition("<|message|>")
+        if not found:
+            continue
+        for end in HARMONY_ENDS:
+            body = body.split(end, 1)[0]
+        channel = header.partition("<|channel|>")[2].split(" ", 1)[0]
+        if channel == "final":
+            content.append(body)
+        elif channel == "analysis":
+            reasoning.append(body)
+    return "".join(content), "".join(reasoning) if reasoning else None
 
 
 def load_chat_template(tokenizer: str | Path, choice: Optional[str] = None) -> Optional[ChatTemplate]:

@@ -10,12 +10,15 @@ Records come from JSONL (also .gz), parquet or saved Hugging Face datasets, one 
 - ``{"text": ...}``: every token is trained on, an end-of-document token appended.
 
 A conversation is rendered by a chat template (megapipe.data.chat_template: the tokenizer's own, ``chatml``,
-``llama3``, one of the tokenizer's named templates or a ``.jinja`` file) into one text, which is tokenized once.
+``llama3``, ``harmony``, one of the tokenizer's named templates or a ``.jinja`` file) into one text, which is
+tokenized once.
 The tokens trained on are found from the rendered text itself: message i's span runs from the end of the
 conversation rendered up to message i with the generation prompt to the end of the conversation rendered up to and
 including message i (so the template's end-of-turn token is trained: the model learns to stop), and a token is
 trained when its character offsets overlap a span. Fragments are never tokenized apart, so the ids are exactly those
-the model sees when the conversation is rendered for inference.
+the model sees when the conversation is rendered for inference. Under the harmony template (GPT-OSS) only the
+messages after the last user message are trained: earlier turns are rendered as history, not as the model wrote
+them.
 """
 
 from __future__ import annotations
@@ -300,8 +303,11 @@ class ChatEncoder:
     def spans(self, ex: Example) -> tuple[str, list[tuple[int, int]]]:
         """The rendered conversation and the character spans of its trained messages."""
         full = self.render(ex.messages, ex.tools, where=ex.where)
-        spans = []
-        for i, trained in enumerate(ex.trained):
+        spans, trained_flags = [], ex.trained
+        if self.chat.trains_current_turn_only:
+            last_user = max((i for i, m in enumerate(ex.messages) if m.get("role") == "user"), default=-1)
+            trained_flags = [t and i > last_user for i, t in enumerate(trained_flags)]
+        for i, trained in enumerate(trained_flags):
             if not trained:
                 continue
             before = self.render(ex.messages[:i], ex.tools, add_generation_prompt=True, where=ex.where) if i else ""

@@ -22,8 +22,10 @@ TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_MAP_FILE = "special_tokens_map.json"
 # Files a Hugging Face tokenizer directory may hold; save() copies the ones present.
+# a vision-language model's image / video processor settings travel with its tokenizer
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
 HF_FILES = (TOKENIZER_FILE, CONFIG_FILE, SPECIAL_MAP_FILE, "added_tokens.json", "vocab.json", "merges.txt",
-            "chat_template.jinja", "chat_template.json")
+            "chat_template.jinja", "chat_template.json", *PROCESSOR_FILES)
 
 EOD_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"

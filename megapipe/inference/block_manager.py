@@ -63,11 +63,22 @@ class BlockManager:
                 if b is None:
                     break
                 hits.append(b)
-        for b in hits:
+        self._acquire(hits)
+        return hits
+
+    def lookup_all(self, hashes: Sequence[bytes]) -> Optional[list[int]]:
+        """The blocks holding every one of ``hashes``, acquired; None (nothing taken) when one is not cached."""
+        hits = [self.cached.get(h) for h in hashes] if self.prefix_caching else [None]
+        if None in hits:
+            return None
+        self._acquire(hits)
+        return hits
+
+    def _acquire(self, blocks: Sequence[int]) -> None:
+        for b in blocks:
             if self.ref[b] == 0:
                 del self.evictable[b]
             self.ref[b] += 1
-        return hits
 
     def register(self, block: int, h: bytes) -> None:
         """``block`` now holds the full block whose chained hash is ``h``."""

@@ -21,24 +21,27 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+import megapipe.inference.kernels as kernels
 from megapipe.checkpoint.load import eos_ids_of, load_model
 from megapipe.dtypes import resolve_device, resolve_dtype
 from megapipe.errors import ConfigError, MegapipeError
 from megapipe.inference.block_manager import BlockManager
 from megapipe.inference.detokenize import Detokenizer, special_ids
-from megapipe.inference.kv_cache import KVPool, eviction_window, kv_layout
-from megapipe.inference.runner import ModelRunner
+from megapipe.inference.images import PromptImages
+from megapipe.inference.kv_cache import KVPool, eviction_window, kv_layout, layer_windows, split_window
+from megapipe.inference.runner import ModelRunner, say_once
 from megapipe.inference.sampling import ParamError, SampleRow, SamplingParams, sample, top_logprobs
 from megapipe.inference.scheduler import FINISHED, Scheduler, now
 from megapipe.inference.scheduler import Sequence as Seq
 from megapipe.inference.speculative import Speculator
-from megapipe.inference.state_cache import StatePool
+from megapipe.inference.state_cache import StatePool, state_bytes_per_sequence
 from megapipe.models.attention import Attention
 from megapipe.models.capabilities import capabilities, describe
 from megapipe.models.mla import MLAttention
 from megapipe.models.transformer import attention_layers, kv_cache_values_per_token
 
 GiB = 1 << 30
+STATE_MEMORY = GiB  # default memory for hybrid models' recurrent states (besides the KV cache's default GiB)
 
 
 class EngineStalled(RuntimeError):
@@ -57,6 +60,7 @@ class EngineConfig:
     pack_weights: Optional[bool] = None  # oneDNN pre-packed linears (default: on CPU)
     huge_pages: Optional[bool] = None  # CPU: weights and KV pool on transparent huge pages (default: >= 64 MiB)
     cpu_kernels: Optional[bool] = None  # CPU: megapipe's C++ kernels (kernels.py; default: where they build)
+    bf16_linear: str = "auto"  # bf16 matmuls: "own" kernel, "onednn", or "auto" (measured at start: kernels.py)
     max_n: int = 128
     speculative_tokens: int = 0  # drafts per decode step from the model's MTP modules (megapipe.inference.speculative)
 
@@ -75,6 +79,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value not in (None, True, False):
                 raise ConfigError(f"EngineConfig.{name} = {value!r} must be True, False or None (automatic)")
+        if self.bf16_linear not in kernels.BF16_LINEAR_CHOICES:
+            raise ConfigError(f"--bf16-linear = {self.bf16_linear!r} must be one of "
+                              f"{', '.join(kernels.BF16_LINEAR_CHOICES)}")
 
 
 @dataclass
@@ -107,6 +114,8 @@ class Request:
         self.arrival = now() if arrival is None else arrival
         self.seqs: list[Seq] = []
         self.first_token_time: Optional[float] = None
+        self.images: Optional[PromptImages] = None  # a vision-language model's images of the prompt
+        self.hash_seed: Optional[bytes] = None  # what the prompt's chain of block hashes starts from (its images)
 
     @property
     def finished(self) -> bool:
@@ -140,40 +149,53 @@ class LLMEngine:
         model.eval()
         p = next(model.parameters())
         bs = config.block_size
-        # the Mamba layers' recurrent state of max_num_seqs sequences (hybrid models; empty otherwise)
-        self.states = StatePool(model, config.max_num_seqs, p.dtype, p.device)
-        state_bytes = self.states.bytes_per_sequence() * config.max_num_seqs
+        # the Mamba layers' recurrent state of the sequences decoded at once (hybrid models; empty otherwise)
+        max_num_seqs = self._state_slots(model, config, p.dtype)
+        self.states = StatePool(model, max_num_seqs, p.dtype, p.device)
+        state_bytes = self.states.bytes_per_sequence() * max_num_seqs
         # keys and values of the layers that attend (a hybrid model's Mamba and MLP layers have none); speculative
         # decoding: the MTP blocks' too (pool layers num_layers + depth - 1)
         kv_layers = sorted({m.layer_id for m in model.layers.modules() if isinstance(m, (Attention, MLAttention))})
         if config.speculative_tokens:
             kv_layers += range(cfg.num_layers, cfg.num_layers + cfg.mtp_depth)
         per_block = KVPool.bytes_per_block(len(kv_layers), bs, dtype=p.dtype, **kv_layout(cfg))
-        num_blocks = config.num_blocks
+        # windowed layers beside full ones (GPT-OSS): blocks of their own, in a table of their own that gives back
+        # what falls behind the window, so they need only enough for every sequence's window and a step's chunks
+        window = split_window(cfg)
+        windowed = [i for i in kv_layers if window is not None and layer_windows(cfg).get(i) is not None]
+        per_windowed = KVPool.bytes_per_block(len(windowed), bs, dtype=p.dtype, **kv_layout(cfg))
+        windowed_need = (max_num_seqs * (-(-(window or 0) // bs) + 2)
+                         + -(-config.max_num_batched_tokens // bs)) if windowed else 0
+        num_blocks = windowed_blocks = config.num_blocks
         if num_blocks is None:
-            want = config.max_num_seqs * ((self.max_model_len + bs - 1) // bs)
+            want = max_num_seqs * ((self.max_model_len + bs - 1) // bs)
             memory = config.kv_cache_memory
             if memory is None:
-                memory = min(want * per_block, GiB) + state_bytes
+                memory = min(want * (per_block - per_windowed) + windowed_need * per_windowed, GiB) + state_bytes
             elif memory < state_bytes:
                 raise ConfigError(f"--kv-cache-memory = {memory} bytes does not hold the recurrent state of "
                                   f"--max-num-seqs {config.max_num_seqs} sequences ({state_bytes} bytes): give more "
                                   f"memory or fewer sequences")
-            num_blocks = (memory - state_bytes) // per_block if per_block else want
+            num_blocks = windowed_blocks = (memory - state_bytes) // per_block if per_block else want
+            if windowed and num_blocks > windowed_need:  # the windowed layers' share beyond their need to the rest
+                windowed_blocks = windowed_need
+                num_blocks = (memory - state_bytes - windowed_need * per_windowed) // (per_block - per_windowed)
         if num_blocks * bs < self.max_model_len:
             raise ConfigError(
                 f"the KV cache holds {num_blocks} blocks of {bs} tokens ({num_blocks * bs} tokens) but one sequence of"
                 f" --max-model-len {self.max_model_len} needs {-(-self.max_model_len // bs)}: give more "
                 f"--kv-cache-memory / --num-blocks or a smaller --max-model-len")
-        self.pool = KVPool(kv_layers, num_blocks, bs, dtype=p.dtype, device=p.device, **kv_layout(cfg))
+        self.pool = KVPool(kv_layers, num_blocks, bs, dtype=p.dtype, device=p.device, **kv_layout(cfg),
+                           windowed_layers=windowed, windowed_blocks=windowed_blocks if windowed else 0)
         # off where the capability table says so (a recurrent state is not cut at block boundaries: state_cache)
         self.prefix_caching = config.prefix_caching and "prefix_caching" in capabilities(cfg).engine
         self.blocks = BlockManager(num_blocks, bs, self.prefix_caching)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, config.max_num_batched_tokens,
                                    self._lookahead if config.speculative_tokens else None, self.states,
-                                   eviction_window(cfg))
+                                   window if windowed else eviction_window(cfg),
+                                   BlockManager(windowed_blocks, bs, self.prefix_caching) if windowed else None)
         self.runner = ModelRunner(model, self.pool, config.pack_weights, config.huge_pages,
-                                  config.cpu_kernels, self.states)
+                                  config.cpu_kernels, self.states, config.bf16_linear)
         self.speculator = None
         if config.speculative_tokens:
             self.speculator = Speculator(self.runner, config.speculative_tokens, self.sample_row)
@@ -183,6 +205,22 @@ class LLMEngine:
         self.num_prompt_tokens = 0  # computed prompt tokens (prefix-cache hits excluded)
         self.num_generation_tokens = 0
         self.num_steps = 0
+
+    @staticmethod
+    def _state_slots(model, config: EngineConfig, dtype: torch.dtype) -> int:
+        """How many sequences run at once: --max-num-seqs, unless the default memory (no --kv-cache-memory) cannot
+        hold that many recurrent states (an 8B hybrid's are ~100 MiB per sequence): then as many as STATE_MEMORY
+        holds, said once."""
+        per_sequence = state_bytes_per_sequence(model, dtype)
+        if not per_sequence or config.kv_cache_memory is not None:
+            return config.max_num_seqs
+        fit = max(1, STATE_MEMORY // per_sequence)
+        if fit < config.max_num_seqs:
+            say_once(f"the recurrent state of --max-num-seqs {config.max_num_seqs} sequences would take "
+                     f"{per_sequence * config.max_num_seqs / GiB:.1f} GiB ({per_sequence / 2**20:.1f} MiB each): "
+                     f"decoding {fit} at once (set --kv-cache-memory to choose)")
+            return fit
+        return config.max_num_seqs
 
     @classmethod
     def from_pretrained(cls, path: Union[str, Path], device=None, dtype=None, **config) -> "LLMEngine":
@@ -220,13 +258,17 @@ class LLMEngine:
         return params
 
     def add_request(self, request_id: str, prompt: Union[str, Sequence[int]], params: SamplingParams,
-                    arrival: Optional[float] = None) -> Request:
-        """Queue a request; ``arrival`` (time.monotonic) counts from when a server received it."""
+                    arrival: Optional[float] = None, images: Optional[dict] = None) -> Request:
+        """Queue a request; ``arrival`` (time.monotonic) counts from when a server received it; ``images``: the
+        image processor's ``pixel_values`` and ``image_grid_thw`` of the images whose tokens the prompt holds."""
         if request_id in self.requests:
             raise ParamError("request_id", f"request id {request_id!r} is already running")
         text, ids = self.encode(prompt)
         params = self.check_request(ids, params)
         req = Request(request_id, text, ids, params, arrival)
+        if images is not None:
+            req.images = PromptImages(self.runner.model, ids, images["pixel_values"], images["image_grid_thw"])
+            req.hash_seed = req.images.hash_seed
         first = None
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
@@ -310,9 +352,12 @@ class LLMEngine:
             offset += n
         work += [(s, s.tokens[s.num_computed:s.num_computed + n]) for s, n in chunks]
         state_slots = [s.state_slot for s in decodes] + [s.state_slot for s, _ in work] if self.states else None
-        logits = self.runner.run([(s.block_ids, s.num_computed, s.tokens[s.num_computed]) for s in decodes],
-                                 [(s.block_ids, s.num_computed, toks) for s, toks in work], rows,
-                                 hidden=self.speculator is not None, state_slots=state_slots)
+        images = [s.request.images for s in decodes] + [s.request.images for s, _ in work]
+        table = self.scheduler.table
+        logits = self.runner.run([(table(s), s.num_computed, s.tokens[s.num_computed]) for s in decodes],
+                                 [(table(s), s.num_computed, toks) for s, toks in work], rows,
+                                 hidden=self.speculator is not None, state_slots=state_slots,
+                                 images=images if any(i is not None for i in images) else None)
         if self.speculator is not None:
             logits, hidden = logits
         for i, seq in enumerate(decodes):
@@ -461,23 +506,27 @@ class LLMEngine:
     # ----------------------------------------------------------------------------------------------- batch API
 
     def generate(self, prompts: Sequence[Union[str, Sequence[int]]],
-                 params: Union[SamplingParams, Sequence[SamplingParams], None] = None) -> list[RequestOutput]:
-        """Run every prompt to completion (all in one continuous batch); outputs in prompt order."""
+                 params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 images: Optional[Sequence[Optional[dict]]] = None) -> list[RequestOutput]:
+        """Run every prompt to completion (all in one continuous batch); outputs in prompt order. ``images``: each
+        prompt's (None, or as ``add_request`` takes them)."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise MegapipeError(f"{len(prompts)} prompts but {len(params)} sampling parameter sets")
+        images = list(images) if images is not None else [None] * len(prompts)
+        if len(images) != len(prompts):
+            raise MegapipeError(f"{len(prompts)} prompts but {len(images)} entries of images")
         ids = [f"generate-{next(self._ids)}" for _ in prompts]
-        return [out for _, out in self.run_to_completion(list(zip(ids, prompts, params, strict=True)))]
+        return [out for _, out in self.run_to_completion(list(zip(ids, prompts, params, images, strict=True)))]
 
-    def run_to_completion(self, requests: Sequence[tuple[str, Union[str, Sequence[int]], SamplingParams]]
-                          ) -> list[tuple[Request, RequestOutput]]:
-        """Add every (request_id, prompt, params), step until all have finished, and return each request with its
-        final output, in the given order; the requests are aborted on the way out (an error included)."""
+    def run_to_completion(self, requests: Sequence[tuple]) -> list[tuple[Request, RequestOutput]]:
+        """Add every (request_id, prompt, params[, images]), step until all have finished, and return each request
+        with its final output, in the given order; the requests are aborted on the way out (an error included)."""
         added: list[Request] = []
         try:
-            for rid, prompt, p in requests:
-                added.append(self.add_request(rid, prompt, p))
+            for rid, prompt, p, *images in requests:
+                added.append(self.add_request(rid, prompt, p, images=images[0] if images else None))
             done: dict[str, RequestOutput] = {}
             while len(done) < len(added):
                 for out in self.step():
@@ -493,7 +542,9 @@ class LLMEngine:
         prefixes were computed with the old weights, so the prefix cache is emptied; requests in flight continue
         with the new weights for the tokens not yet computed."""
         self.runner.load_weights(state)
-        self.blocks.reset_prefix_cache()
+        for blocks in (self.blocks, self.scheduler.window_blocks):
+            if blocks is not None:
+                blocks.reset_prefix_cache()
 
     def kv_cache_line(self) -> str:
         """The pool for the startup line: its blocks, and the bytes a token takes in it next to the per-head keys and
@@ -502,6 +553,8 @@ class LLMEngine:
         pool, cfg = self.pool, self.model_config
         stored = pool.bytes_per_token()
         line = f"{pool.num_blocks} KV blocks of {pool.block_size}, {stored} KV bytes/token"
+        if pool.windowed_layers:
+            line += f" ({pool.windowed_blocks} blocks for the windowed layers)"
         # per pool layer, so a pool with more layers than the model's (MTP modules' blocks) compares alike
         attending = attention_layers(cfg)
         equivalent = (kv_cache_values_per_token(cfg)[1] * pool.num_layers // attending * pool.element_size

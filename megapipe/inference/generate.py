@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from megapipe.checkpoint.load import eos_ids_of
 from megapipe.errors import MegapipeError
 from megapipe.inference.engine import EngineConfig, LLMEngine
 from megapipe.inference.sampling import ParamError, SamplingParams
@@ -60,15 +61,17 @@ def generate_ids(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, t
 
 def generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None,
-             stop: Optional[Sequence[str]] = None, speculative_tokens: int = 0) -> list[str]:
+             stop: Optional[Sequence[str]] = None, speculative_tokens: int = 0,
+             eos_ids: Optional[Sequence[int]] = None) -> list[str]:
     """Completions of ``prompts`` (without the prompt), ending at EOS, a stop string (excluded) or the limit;
-    ``speculative_tokens``: drafts per step from the model's MTP modules (megapipe.inference.speculative)."""
+    ``speculative_tokens``: drafts per step from the model's MTP modules (megapipe.inference.speculative);
+    ``eos_ids``: the ids that end a completion (default: the tokenizer's end-of-document id)."""
     if isinstance(stop, str):
         stop = [stop]
     if max_new_tokens < 0:
         raise MegapipeError(f"--max-new-tokens = {max_new_tokens} must be >= 0")
     ids = [list(tokenizer.encode(p)) for p in prompts]
-    eos = [tokenizer.eod_id] if getattr(tokenizer, "eod_id", None) is not None else []
+    eos = list(eos_ids) if eos_ids is not None else eos_ids_of(None, tokenizer)
     engine = _engine_for(model, tokenizer, ids, max_new_tokens, eos, speculative_tokens)
     if max_new_tokens == 0:
         return ["" for _ in prompts]

@@ -142,6 +142,69 @@ def has_avx512_bf16() -> bool:
     return capability() == "AVX512" and bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
 
 
+def has_amx() -> bool:
+    """The CPU has AMX tiles (oneDNN then runs bf16 matmuls on them)."""
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
+def isa_summary() -> str:
+    """What decides the kernels here, for logs and benchmark output: torch's capability plus the bf16 extensions."""
+    extras = [name for name, present in (("avx512_bf16", has_avx512_bf16()), ("amx", has_amx())) if present]
+    return "+".join([capability()] + extras)
+
+
+BF16_LINEAR_CHOICES = ("auto", "own", "onednn")
+CHOICE_ROWS = (1, 8, 32)  # the decode batch sizes the choice is measured at: where the engine spends its steps
+
+
+def _median_seconds(fn: Callable[[], object], reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def measure_bf16_linear(n: int, k: int, reps: int = 9) -> dict[str, float]:
+    """Seconds one bf16 matmul on an [n, k] weight takes, summed over CHOICE_ROWS rows, on megapipe's kernel
+    (``own``) and on oneDNN's packed matmul (``onednn``); the two interleaved so a load change hits both."""
+    from megapipe import torch_compat
+
+    weight = torch.randn(n, k).bfloat16()
+    own_w, onednn_w = pack_bf16_weight(weight), torch_compat.reorder_linear_weight(weight, 16)
+    totals = {"own": 0.0, "onednn": 0.0}
+    with torch.inference_mode():
+        for m in CHOICE_ROWS:
+            x = torch.randn(m, k).bfloat16()
+            out = torch.empty(m, n, dtype=torch.bfloat16)
+            runs = {"own": functools.partial(ops().linear_bf16, x, own_w, n, None, False, None, out),
+                    "onednn": functools.partial(torch_compat.linear_pointwise, x, onednn_w, None, "none")}
+            for fn in runs.values():
+                fn()  # first call: oneDNN builds its primitive
+            for name, fn in runs.items():
+                totals[name] += _median_seconds(fn, reps)
+    return totals
+
+
+def choose_bf16_linear(setting: str, n: int, k: int) -> tuple[bool, str]:
+    """Whether the engine's bf16 matmuls run on megapipe's kernel (True) or oneDNN's (False), and why in one line.
+    ``auto`` measures both on the model's widest layer weight [n, k]: on AMX CPUs oneDNN's tiles win, on
+    AVX512-BF16 CPUs without AMX the bandwidth-bound own kernel usually does, and a measurement settles it on
+    whatever CPU this is."""
+    if setting not in BF16_LINEAR_CHOICES:
+        raise ValueError(f"bf16_linear = {setting!r} must be one of {', '.join(BF16_LINEAR_CHOICES)}")
+    if not bf16_linear_built():
+        return False, f"bf16 matmuls on oneDNN (megapipe's kernel needs AVX512-BF16; this CPU: {isa_summary()})"
+    if setting != "auto":
+        return setting == "own", f"bf16 matmuls on {'megapipe' if setting == 'own' else 'oneDNN'} (as set)"
+    t = measure_bf16_linear(n, k)
+    own = t["own"] < t["onednn"]
+    rows = ",".join(map(str, CHOICE_ROWS))
+    return own, (f"bf16 matmuls on {'megapipe' if own else 'oneDNN'} ({isa_summary()}; measured on a {n}x{k} "
+                 f"weight at {rows} rows: megapipe {t['own'] * 1e6:.0f} us, oneDNN {t['onednn'] * 1e6:.0f} us)")
+
+
 def bf16_linear_built() -> bool:
     """``linear_bf16`` is built and loaded here (it reads its inputs in pairs: even in_features only)."""
     return has_avx512_bf16() and ops() is not None and hasattr(ops(), "linear_bf16")

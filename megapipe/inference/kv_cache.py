@@ -23,9 +23,13 @@ Per-layer windows (GPT-OSS's windowed and full layers): ``sliding_window`` may m
 (``layer_windows``); the decode masks and chunk masks are planned once per distinct window and each layer attends
 with its own. KV is stored per token whatever the window, so prefix caching is unchanged. When every layer is windowed
 (``eviction_window``) the scheduler gives back a sequence's blocks wholly behind the window, their ids left in its
-block table as placeholders that only masked positions read; with a full-attention layer (GPT-OSS) a sequence keeps
-all its blocks (one block table serves every layer). Attention sinks (``sinks`` [heads]): one more logit in every row's
-softmax denominator, on each path (the decode softmax, ``sink_attention`` for chunks, the kernel's running sum).
+block table as placeholders that only masked positions read. A model with windowed and full-attention layers
+(GPT-OSS, ``split_window``) keeps its windowed layers' keys and values in blocks of their own (``windowed_layers``,
+``windowed_blocks`` of the pool): each sequence has two block tables, given to ``plan`` as (full, windowed) pairs,
+and the windowed one gives back its blocks behind the window while the full one keeps them all; each window's plan
+holds its table's slots, so a layer stores and reads through its own. Attention sinks (``sinks`` [heads]): one more
+logit in every row's softmax denominator, on each path (the decode softmax, ``sink_attention`` for chunks, the
+kernel's running sum).
 
 A hybrid model's Mamba layers call ``ssm(layer_id, mixer, xbc, dt)`` instead: each sequence's conv window and SSM
 state live in a slot of the engine's StatePool (megapipe.inference.state_cache); the decodes take one step of the
@@ -43,6 +47,7 @@ decodes at their positions, all new latents being stored before any row attends.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence, Union
@@ -70,29 +75,44 @@ def eviction_window(cfg) -> Optional[int]:
     return None if None in windows else max(windows)
 
 
+def split_window(cfg) -> Optional[int]:
+    """A model with windowed and full-attention layers: how far back its windowed layers attend (their own block
+    table gives back what is behind it); None when every layer is alike (full, or windowed: ``eviction_window``)."""
+    windows = set(layer_windows(cfg).values())
+    return max(w for w in windows if w is not None) if None in windows and len(windows) > 1 else None
+
+
 def kv_layout(cfg) -> dict:
     """What a pool stores per token and layer for this model (ModelConfig): kv_heads x head_dim keys and as many
-    values, or with multi-latent attention one latent row of kv_lora_rank + rope dims, its keys and values alike."""
-    if cfg.multi_latent_attention:
-        return dict(kv_heads=1, head_dim=cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim, latent=True)
+    values, or with multi-latent attention one latent row of kv_lora_rank + rope dims, its keys and values alike
+    (with DeepSeek Sparse Attention the indexer's key after them)."""
+    if cfg.multi_latent_attention:  # DeepSeek Sparse Attention: the indexer's key per token beside the latent
+        index = cfg.dsa_indexer_head_dim if cfg.sparse_attention else 0
+        return dict(kv_heads=1, head_dim=cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim + index, latent=True)
     return dict(kv_heads=cfg.kv_heads, head_dim=cfg.dim_per_head, latent=False)
 
 
 class KVPool:
     """``layers``: how many layers (ids 0..n-1), or the ids of the layers that attend (a hybrid model's attention
-    layers: its Mamba and MLP layers get no KV memory); ``k[layer_id]`` / ``v[layer_id]`` either way."""
+    layers: its Mamba and MLP layers get no KV memory); ``k[layer_id]`` / ``v[layer_id]`` either way. Those of
+    ``windowed_layers`` hold ``windowed_blocks`` blocks, addressed by the sequences' windowed block tables."""
 
     def __init__(self, layers: Union[int, Sequence[int]], num_blocks: int, block_size: int, kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device, latent: bool = False):
+                 head_dim: int, dtype: torch.dtype, device, latent: bool = False,
+                 windowed_layers: Sequence[int] = (), windowed_blocks: int = 0):
         if latent and kv_heads != 1:
             raise ValueError(f"a latent KV pool has one row per token and layer, not {kv_heads} kv heads")
         self.num_blocks, self.block_size, self.latent = num_blocks, block_size, latent
         self.kv_heads, self.head_dim, self.dtype, self.device = kv_heads, head_dim, dtype, torch.device(device)
         ids = range(layers) if isinstance(layers, int) else list(layers)
-        shape = (kv_heads, num_blocks * block_size, head_dim)
-        # zeros, not empty: a padded (masked) key must still be finite, or 0 * inf poisons the softmax
-        self.k = {i: torch.zeros(shape, dtype=dtype, device=device) for i in ids}
-        self.v = self.k if latent else {i: torch.zeros(shape, dtype=dtype, device=device) for i in ids}
+        self.windowed_layers, self.windowed_blocks = frozenset(windowed_layers), windowed_blocks
+
+        def zeros(i):  # zeros, not empty: a padded (masked) key must still be finite, or 0 * inf poisons the softmax
+            blocks = windowed_blocks if i in self.windowed_layers else num_blocks
+            return torch.zeros((kv_heads, blocks * block_size, head_dim), dtype=dtype, device=device)
+
+        self.k = {i: zeros(i) for i in ids}
+        self.v = self.k if latent else {i: zeros(i) for i in ids}
         self.num_layers = len(ids)
         self.element_size = torch.empty(0, dtype=dtype).element_size() if ids else 0
 
@@ -116,6 +136,10 @@ class Chunk:
     n: int
     key_slots: Optional[torch.Tensor]  # slots of positions [0, start + n), or None when start == 0 (keys are local)
     mask: Optional[torch.Tensor]  # additive [n, start + n] when plain causal does not describe it
+
+
+# what PagedBatch plans per window: the chunks and masks, and the slots and block tables of the window's block table
+PLANNED = ("chunks", "runs", "decode_mask", "_mask_cast", "slots", "block_table", "decode_index", "decode_len")
 
 
 def _as_batch(t: torch.Tensor, count: int) -> torch.Tensor:
@@ -150,7 +174,7 @@ class PagedBatch:
         self.decode_len = 0
         self.chunks: list[Chunk] = []
         self.runs: list[tuple[int, int, int]] = []  # (index of first chunk, chunks, n): plain chunks attended at once
-        # per distinct window of the layers: (chunks, runs, decode mask), planned once per step
+        # per distinct window of the layers: its PLANNED attributes, planned once per step
         self._plans: dict[Optional[int], tuple] = {}
         self._sink_masks: dict[tuple, torch.Tensor] = {}
 
@@ -158,38 +182,55 @@ class PagedBatch:
         return self.window if self.windows is None else self.windows.get(layer_id)
 
     def _use_window(self, layer_id: int) -> None:
-        """Point chunks, runs and the decode mask at the plan of this layer's window."""
+        """Point the planned attributes (PLANNED) at the plan of this layer's window."""
         window = self.window_of(layer_id)
         if window != self.window and window in self._plans:
-            self._plans[self.window] = (self.chunks, self.runs, self.decode_mask, self._mask_cast)
+            self._plans[self.window] = tuple(getattr(self, name) for name in PLANNED)
             self.window = window
-            self.chunks, self.runs, self.decode_mask, self._mask_cast = self._plans[window]
+            for name, value in zip(PLANNED, self._plans[window], strict=True):
+                setattr(self, name, value)
+
+    def slots_of(self, layer_id: int) -> torch.Tensor:
+        """[T] the slots where layer ``layer_id`` stores the batch's keys and values (its window's block table)."""
+        self._use_window(layer_id)
+        return self.slots
+
+    def _table(self, blocks, window: Optional[int]):
+        """A sequence's block table for the layers of ``window``: under a split pool it gives (full, windowed)."""
+        if not self.pool.windowed_layers:
+            return blocks
+        return blocks[0] if window is None else blocks[1]
 
     def plan(self, decodes: Sequence[tuple[Sequence[int], int]], chunks: Sequence[tuple[Sequence[int], int, int]],
              state_slots: Optional[Sequence[int]] = None):
         """decodes: (block ids, position) of each one-token query; chunks: (block ids, start, n); state_slots: each
-        one's slot in the state pool (decodes, then chunks; hybrid models). Returns the positions [1, T] of the
-        flattened batch in that order."""
+        one's slot in the state pool (decodes, then chunks; hybrid models); block ids are (full, windowed) pairs
+        under a split pool. Returns the positions [1, T] of the flattened batch in that order."""
         bs, dev = self.pool.block_size, self.pool.device
         if self.pool.latent and chunks and all(n <= ABSORB_ROWS for _, _, n in chunks):
             # short chunks (speculative verification, MTP drafting): each row attends to the latents like a decode
             # at its position, cheaper than expanding every earlier latent to per-head keys and values
             decodes = list(decodes) + [(blocks, p) for blocks, start, n in chunks for p in range(start, start + n)]
             chunks = []
-        slots = [blocks[pos // bs] * bs + pos % bs for blocks, pos in decodes]
-        positions = [pos for _, pos in decodes]
+        positions = [pos for _, pos in decodes] + [p for _, start, n in chunks for p in range(start, start + n)]
         self.num_decodes = len(decodes)
         # the kernel attends to every row at once, except a latent pool's chunks: those are expanded for SDPA
         plan_chunks = self.kernel is None or self.pool.latent
-        seq_slots_of = []
-        for blocks, start, n in chunks:
-            seq_slots = _slots(blocks, bs, start + n)
-            slots.extend(seq_slots[start:])
-            positions.extend(range(start, start + n))
-            seq_slots_of.append(seq_slots)
         windows = [self.window] if self.windows is None else sorted(set(self.windows.values()), key=str)
+        tables = None
         for window in windows:
             self.window, self.chunks, self.runs, self.decode_mask, self._mask_cast = window, [], [], None, None
+            if tables is None or self.pool.windowed_layers:  # one table for every window unless the pool is split
+                tables = ([(self._table(b, window), pos) for b, pos in decodes],
+                          [(self._table(b, window), start, n) for b, start, n in chunks])
+                slots = [blocks[pos // bs] * bs + pos % bs for blocks, pos in tables[0]]
+                seq_slots_of = []
+                for blocks, start, n in tables[1]:
+                    seq_slots_of.append(_slots(blocks, bs, start + n))
+                    slots.extend(seq_slots_of[-1][start:])
+                self.slots = torch.tensor(slots, dtype=torch.long, device=dev)
+                if self.kernel is not None:
+                    self._plan_kernel(*tables)
             offset = len(decodes)
             for (_, start, n), seq_slots in zip(chunks, seq_slots_of, strict=True):
                 if plan_chunks:
@@ -202,13 +243,11 @@ class PagedBatch:
                 else:
                     self.runs.append((i, 1, c.n))
             if self.kernel is None and decodes:
-                self._plan_decodes(decodes)
-            self._plans[window] = (self.chunks, self.runs, self.decode_mask, self._mask_cast)
-        if self.kernel is not None:
-            self._plan_kernel(decodes, chunks)
+                blocks = self.pool.windowed_blocks if window is not None and self.pool.windowed_layers else None
+                self._plan_decodes(tables[0], blocks or self.pool.num_blocks)
+            self._plans[window] = tuple(getattr(self, name) for name in PLANNED)
         if state_slots is not None:
             self._plan_states(len(decodes), [(start, n) for _, start, n in chunks], state_slots)
-        self.slots = torch.tensor(slots, dtype=torch.long, device=dev)
         return torch.tensor([positions], dtype=torch.long, device=dev)
 
     def _plan_states(self, num_decodes: int, chunks: Sequence[tuple[int, int]], state_slots: Sequence[int]) -> None:
@@ -240,7 +279,8 @@ class PagedBatch:
             mask = torch.zeros(allowed.shape, dtype=self.pool.dtype).masked_fill_(~allowed, float("-inf")).to(dev)
         return Chunk(offset, start, n, key_slots, mask)
 
-    def _plan_decodes(self, decodes) -> None:
+    def _plan_decodes(self, decodes, num_blocks: int) -> None:
+        """``num_blocks``: how many blocks the pool's tensors of these decodes' layers hold."""
         bs, dev = self.pool.block_size, self.pool.device
         # keys padded to a multiple of 16 (masked): oneDNN builds a kernel per matmul shape (~1 ms in bf16), so a
         # length that grew by one every step would build two new ones every step; 16 keeps the padding small
@@ -259,7 +299,7 @@ class PagedBatch:
         # the pool viewed as rows [kv_heads * slots, D]: row h * slots + s holds kv head h of slot s, so one
         # index_select over dim 0 (a parallel copy of whole rows, unlike one over dim 1) gathers every decode's
         # keys straight into the [Bd, kv_heads, L, D] the matmuls read
-        heads = torch.arange(self.pool.kv_heads)[None, :, None] * (self.pool.num_blocks * bs)
+        heads = torch.arange(self.pool.kv_heads)[None, :, None] * (num_blocks * bs)
         self.decode_index = (heads + key_slots[:, None, :]).reshape(-1).to(dev)
 
     def _plan_kernel(self, decodes, chunks) -> None:
@@ -294,6 +334,7 @@ class PagedBatch:
         in their slots (unless the caller has: ``stored``), then attends (with ``sinks`` [heads], see ``attend``).
         The token-major form the engine's decode path calls directly."""
         pk, pv = self.pool.k[layer_id], self.pool.v[layer_id]
+        self._use_window(layer_id)
         if not stored:
             pk.index_copy_(1, self.slots, k.transpose(0, 1).to(pk.dtype))
             pv.index_copy_(1, self.slots, v.transpose(0, 1).to(pv.dtype))
@@ -303,7 +344,6 @@ class PagedBatch:
             self.kernel(q, pk, pv, self.block_table, self.seq_of_row, self.context_lens, self.pool.block_size,
                         self.window_of(layer_id) or 0, dim ** -0.5, out, sinks)
             return out
-        self._use_window(layer_id)
         if self.num_decodes:
             bd = self.num_decodes
             keys_t, values = self._gather(pk).transpose(-1, -2), self._gather(pv)
@@ -338,15 +378,19 @@ class PagedBatch:
             parts.append(y.reshape(1, count * n, *y.shape[2:]))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
-    def attend_latent(self, attention, q: torch.Tensor, c_kv: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:
+    def attend_latent(self, attention, q: torch.Tensor, c_kv: torch.Tensor, k_rope: torch.Tensor,
+                      index=None, index_keys: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Multi-latent attention over a latent pool for ``attention`` (the layer's MLAttention): q [1, heads, T, qk]
         (roped, the softmax scale folded in), c_kv [1, T, rank], k_rope [1, 1, T, rope] -> [1, heads, T, v]. Stores
-        each token's [c_kv, k_rope] row; see the module docstring for how decodes and chunks attend."""
+        each token's [c_kv, k_rope] row; see the module docstring for how decodes and chunks attend. DeepSeek Sparse
+        Attention: ``index`` (megapipe.models.dsa.IndexerQueries of the T rows) and ``index_keys`` [1, T, D], stored
+        after the latent: each row attends to its top-k keys by the indexer's scores over its sequence's keys."""
         if not self.pool.latent:
             raise ValueError("attend_latent needs a latent KV pool (kv_layout of a multi-latent attention model)")
         layer = self.pool.k[attention.layer_id]
         rank = c_kv.shape[-1]
-        latents = torch.cat((c_kv[0], k_rope[0, 0]), dim=-1)  # [T, rank + rope]
+        width = rank + k_rope.shape[-1]  # what attention reads of a row; the indexer's key follows
+        latents = torch.cat((c_kv[0], k_rope[0, 0]) + (() if index is None else (index_keys[0],)), dim=-1)
         layer.index_copy_(1, self.slots, latents[None].to(layer.dtype))
         q = q[0].transpose(0, 1)  # [T, heads, qk]
         total, heads, qk = q.shape
@@ -363,8 +407,10 @@ class PagedBatch:
                 self.kernel(absorbed, layer, layer, self.block_table, self.seq_of_row[:bd], self.context_lens[:bd],
                             self.pool.block_size, 0, scale, attended.view(bd, -1))
             else:
-                rows = self._gather(layer)  # [Bd, 1, L, rank + rope]
-                self._decode(absorbed, rows.transpose(-1, -2), rows[..., :rank], attended[:, None], scale)
+                rows = self._gather(layer)  # [Bd, 1, L, rank + rope (+ index)]
+                mask = None if index is None else self._decode_selection(index, rows[:, 0, :, width:])
+                self._decode(absorbed, rows[..., :width].transpose(-1, -2), rows[..., :rank], attended[:, None], scale,
+                             mask=mask)
             out[:bd] = torch.matmul(attended[..., :rank].transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
         def keys_values(c: Chunk, rows: slice, count: int):
@@ -372,16 +418,37 @@ class PagedBatch:
                 cached = latents[rows].view(count, c.n, -1)
             else:
                 cached = layer[0].index_select(0, c.key_slots)[None].to(q.dtype)
-            return attention.expand(cached[..., :rank], cached[:, None, :, rank:])
+            return attention.expand(cached[..., :rank], cached[:, None, :, rank:width])
 
-        self._attend_chunks(q, out, keys_values)
+        def selection(c: Chunk, rows: slice, count: int) -> torch.Tensor:
+            """The run's additive mask: its causal mask & each row's top-k keys by the indexer."""
+            if c.key_slots is None:
+                keys = latents[rows, width:].reshape(count, c.n, -1)
+            else:
+                keys = layer[0].index_select(0, c.key_slots)[None, :, width:]
+            keep = torch.ones(c.n, c.n, dtype=torch.bool, device=q.device).tril() if c.mask is None else c.mask == 0
+            part = _rows_of(index, rows, count)
+            with torch.no_grad():
+                return additive(part.select(keys, keep.expand(count, -1, -1))[:, None], q.dtype)
+
+        self._attend_chunks(q, out, keys_values, chunk_mask=None if index is None else selection)
         return out.transpose(0, 1)[None]
 
+    def _decode_selection(self, index, keys: torch.Tensor) -> torch.Tensor:
+        """The decodes' additive mask [Bd, 1, 1, L] (fp32): the decode mask & each row's top-k keys by the indexer
+        over its gathered keys [Bd, L, D]."""
+        bd = self.num_decodes
+        keep = self.decode_mask[:, 0] == 0  # [Bd, 1, L]
+        with torch.no_grad():
+            chosen = _rows_of(index, slice(0, bd), bd).select(keys, keep)
+        return additive(chosen[:, None], torch.float32)
+
     def _attend_chunks(self, q: torch.Tensor, out: torch.Tensor, keys_values: Callable,
-                       sinks: Optional[torch.Tensor] = None) -> None:
+                       sinks: Optional[torch.Tensor] = None, chunk_mask: Optional[Callable] = None) -> None:
         """The chunks' rows of q [T, heads, D] with SDPA into out [T, heads, Dv]; ``keys_values(chunk, rows, count)``
         gives a run's keys and values [count (or 1 for a continuation), kv_heads, S, D / Dv]; with ``sinks``
-        through ``sink_attention`` (its extra key every row sees)."""
+        through ``sink_attention`` (its extra key every row sees); ``chunk_mask(chunk, rows, count)``: the run's
+        additive mask [count, 1, n, S] in place of the causal one (DeepSeek Sparse Attention's selection)."""
         heads = q.shape[1]
         for first, count, n in self.runs:
             c = self.chunks[first]
@@ -392,6 +459,8 @@ class PagedBatch:
             if sinks is not None:
                 o = sink_attention(qc, kc.expand(count, -1, -1, -1), vc.expand(count, -1, -1, -1), sinks,
                                    self._sink_mask(first, qc.dtype))
+            elif chunk_mask is not None:
+                o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=chunk_mask(c, rows, count), enable_gqa=gqa)
             elif c.mask is None:
                 o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=gqa)
             else:
@@ -418,25 +487,28 @@ class PagedBatch:
         return rows.view(self.num_decodes, kvh, self.decode_len, dim)
 
     def _decode(self, q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, out: torch.Tensor,
-                scale: float, sinks: Optional[torch.Tensor] = None) -> None:
+                scale: float, sinks: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None) -> None:
         """q [Bd, heads, D] one token per sequence, keys_t [Bd, kv_heads, D, L] (transposed), values [Bd, kv_heads,
         L, Dv] -> out [Bd, kv_heads, group, Dv]; the matmuls in the model's dtype, the softmax in fp32 (as HF's eager
-        attention does); ``sinks`` [heads]: one more fp32 column in each row's softmax, dropped after it."""
+        attention does); ``sinks`` [heads]: one more fp32 column in each row's softmax, dropped after it; ``mask``:
+        an fp32 additive mask [Bd, 1, 1, L] in place of the decode mask."""
         bd, heads, dim = q.shape
         kvh = keys_t.shape[1]
         group = heads // kvh
         qg = q.reshape(bd, kvh, group, dim)  # head h reads kv head h // group, as SDPA's GQA
+        fp32_mask = self.decode_mask if mask is None else mask
         if sinks is not None:
-            scores = torch.matmul(qg, keys_t).float().mul_(scale).add_(self.decode_mask)
+            scores = torch.matmul(qg, keys_t).float().mul_(scale).add_(fp32_mask)
             column = sinks.float().view(1, kvh, group, 1).expand(bd, -1, -1, -1)
             probs = torch.cat([scores, column], dim=-1).softmax(dim=-1)[..., :-1]
         elif math.frexp(scale)[0] == 0.5:
             # a power of two: scaling q first is exact, and a 0 / -inf mask added in q's dtype is too, so this is
             # the same as scaling and masking the scores in fp32, with fewer passes over them
-            scores = torch.matmul(qg * scale, keys_t).add_(self.decode_mask_as(q.dtype))
+            scores = torch.matmul(qg * scale, keys_t).add_(self.decode_mask_as(q.dtype) if mask is None
+                                                           else mask.to(q.dtype))
             probs = scores.softmax(dim=-1, dtype=torch.float32)
         else:
-            scores = torch.matmul(qg, keys_t).float().mul_(scale).add_(self.decode_mask)
+            scores = torch.matmul(qg, keys_t).float().mul_(scale).add_(fp32_mask)
             probs = scores.softmax(dim=-1)
         out.copy_(torch.matmul(probs.to(values.dtype), values))
 
@@ -444,3 +516,10 @@ class PagedBatch:
         if self._mask_cast is None or self._mask_cast.dtype != dtype:
             self._mask_cast = self.decode_mask.to(dtype)
         return self._mask_cast
+
+
+def _rows_of(index, rows: slice, count: int):
+    """The indexer queries (megapipe.models.dsa.IndexerQueries) of the flattened batch's ``rows`` as ``count``
+    sequences of equal length."""
+    q, w = index.q[0, rows], index.weights[0, rows]
+    return dataclasses.replace(index, q=q.reshape(count, -1, *q.shape[1:]), weights=w.reshape(count, -1, w.shape[-1]))

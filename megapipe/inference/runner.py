@@ -18,6 +18,8 @@ forward, their linears packed all the same (the Mamba mixer calls its projection
 
 from __future__ import annotations
 
+import functools
+import sys
 from typing import Optional, Sequence
 
 import torch
@@ -26,10 +28,12 @@ from torch import nn
 
 import megapipe.inference.kernels as kernels  # the module alone: the package's __init__ imports the engine
 from megapipe import torch_compat
-from megapipe.errors import ConfigError
+from megapipe.errors import ConfigError, MegapipeError
 from megapipe.inference.host_memory import collapse_resident_memory, keep_freed_buffers
+from megapipe.inference.images import multimodal_step
 from megapipe.inference.kv_cache import KVPool, PagedBatch, layer_windows
 from megapipe.inference.state_cache import StatePool
+from megapipe.models.capabilities import capabilities, describe
 from megapipe.models.dense import FeedForward, TransformerBlock
 from megapipe.models.moe import GroupedExperts, MoEBlock
 from megapipe.models.norms import RMSNorm
@@ -297,9 +301,8 @@ class DecoderLayer:
                 q.copy_(rms_norm(q, self.q_norm))
                 k.copy_(rms_norm(k, self.k_norm))
             if self.ops is not None:
-                pool = batch.pool
-                self.ops.rope_and_cache(qkv, cos, sin, pool.k[self.layer_id], pool.v[self.layer_id], batch.slots,
-                                        nq, nk)
+                pool, layer = batch.pool, self.layer_id
+                self.ops.rope_and_cache(qkv, cos, sin, pool.k[layer], pool.v[layer], batch.slots_of(layer), nq, nk)
                 attended = batch.attend_flat(self.layer_id, q, k, v, stored=True, sinks=self.sinks)
             else:
                 rope_(qkv[:, :(nq + nk) * d].view(len(x), nq + nk, d), cos[:, None], sin[:, None])
@@ -341,9 +344,22 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
 HUGE_PAGES_MIN_WEIGHTS = 64 << 20  # below this the weights stay in the CPU's caches: huge pages gain nothing
 
 
+def widest_linear(model: nn.Module) -> tuple[int, int]:
+    """[out, in] of the largest nn.Linear in the model's first layer: the matmul a kernel choice is measured on."""
+    first = next(iter(model.layers.values()))
+    return max((m.weight.shape for m in first.modules() if isinstance(m, nn.Linear)), key=lambda s: s[0] * s[1],
+               default=(256, 256))
+
+
+@functools.lru_cache(maxsize=None)
+def say_once(message: str) -> None:
+    print(f"megapipe: {message}", file=sys.stderr, flush=True)
+
+
 class ModelRunner:
     def __init__(self, model, pool: KVPool, pack: Optional[bool] = None, huge_pages: Optional[bool] = None,
-                 cpu_kernels: Optional[bool] = None, states: Optional[StatePool] = None):
+                 cpu_kernels: Optional[bool] = None, states: Optional[StatePool] = None,
+                 bf16_linear: str = "auto"):
         self.model, self.pool, self.states = model, pool, states
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -363,11 +379,17 @@ class ModelRunner:
                 raise ConfigError(f"EngineConfig.cpu_kernels = True but megapipe's CPU kernels do not run here "
                                   f"({self.device.type}, {self.dtype}, {kernels.capability()}; see the log)")
         self.attention_kernel = None
-        if self.ops is not None:
+        if cpu_kernels and "cpu_kernels" not in capabilities(model.cfg).engine:
+            raise ConfigError(f"EngineConfig.cpu_kernels = True: megapipe's CPU attention kernel does not serve "
+                              f"{describe(model.cfg)} models (megapipe/models/capabilities.py)")
+        if self.ops is not None and "cpu_kernels" in capabilities(model.cfg).engine:
             self.attention_kernel = kernels.attention_kernel_for(pool.head_dim, self.dtype, self.device)
-        # bf16 matmuls on megapipe's own kernel where the CPU has AVX512-BF16, else oneDNN's
-        self.own_linears = (self.packed and self.ops is not None and self.dtype == torch.bfloat16
-                            and kernels.bf16_linear_built())
+        # bf16 matmuls on megapipe's own kernel or oneDNN's, whichever is faster on this CPU (kernels.py)
+        self.own_linears = False
+        if self.packed and self.ops is not None and self.dtype == torch.bfloat16:
+            n, k = widest_linear(model)
+            self.own_linears, why = kernels.choose_bf16_linear(bf16_linear, n, k)
+            say_once(why)
         head = model.output_weight().detach()
         self.head = None
         if self.packed:
@@ -427,11 +449,12 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, decodes: Sequence[tuple[Sequence[int], int, int]],
             chunks: Sequence[tuple[Sequence[int], int, Sequence[int]]], rows: Sequence[int],
-            hidden: bool = False, state_slots: Optional[Sequence[int]] = None):
+            hidden: bool = False, state_slots: Optional[Sequence[int]] = None, images: Optional[Sequence] = None):
         """decodes: (block ids, position, token); chunks: (block ids, start, tokens); state_slots: each one's slot
-        in the state pool (a hybrid model's). Returns fp32 logits of the batch rows ``rows`` (indices into the
-        flattened batch: decodes first, then the chunks in order); with ``hidden``, also the final normed hidden
-        states of every row (what MTP drafting starts from)."""
+        in the state pool (a hybrid model's); images: each one's PromptImages or None (megapipe.inference.images).
+        Returns fp32 logits of the batch rows ``rows`` (indices into the flattened batch: decodes first, then the
+        chunks in order); with ``hidden``, also the final normed hidden states of every row (what MTP drafting
+        starts from)."""
         batch = PagedBatch(self.pool, self.window, self.attention_kernel, self.states)
         positions = batch.plan([(b, pos) for b, pos, _ in decodes], [(b, s, len(t)) for b, s, t in chunks],
                                state_slots)
@@ -441,10 +464,18 @@ class ModelRunner:
         tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
         select = None if len(rows) == len(ids) else torch.tensor(rows, dtype=torch.long, device=self.device)
         if self.layers is None:
+            if images is not None:
+                raise MegapipeError("images need the engine's layer path, which this model does not take")
             normed = self.model(tokens[None], positions, batch, return_hidden=True)[0]
         else:
             h = self.model.tok_embeddings(tokens)
-            cos, sin = self.cos_sin(positions, h.dtype)
+            if images is None:
+                cos, sin = self.cos_sin(positions, h.dtype)
+            else:
+                starts = [pos for _, pos, _ in decodes] + [start for _, start, _ in chunks]
+                lengths = [1] * len(decodes) + [len(toks) for _, _, toks in chunks]
+                cos, sin = multimodal_step(self.model, self.inv_freq, self.rope_scale, images, starts, lengths,
+                                           positions, h)
             delta = None
             for layer in self.layers:
                 h, delta = layer(h, delta, cos, sin, batch)

@@ -39,6 +39,8 @@ class Sequence:
         self.prompt_len = len(self.tokens)
         self.block_ids: list[int] = []
         self.num_evicted = 0  # leading block_ids behind the window, given back (their ids stay as placeholders)
+        self.window_ids: list[int] = []  # the windowed layers' own block table (a model with full layers too)
+        self.num_window_evicted = 0  # its leading blocks behind the window, given back
         self.hashes: list[bytes] = []  # chained hashes of the full blocks of tokens
         self.num_registered = 0  # blocks already offered to the prefix cache
         self.num_computed = 0
@@ -67,7 +69,7 @@ class Sequence:
     def full_hashes(self, block_size: int) -> list[bytes]:
         while len(self.hashes) < len(self.tokens) // block_size:
             i = len(self.hashes)
-            parent = self.hashes[-1] if i else None
+            parent = self.hashes[-1] if i else getattr(self.request, "hash_seed", None)
             self.hashes.append(block_hash(parent, self.tokens[i * block_size:(i + 1) * block_size]))
         return self.hashes
 
@@ -75,10 +77,13 @@ class Sequence:
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  lookahead: Optional[Callable[[Sequence], int]] = None, states: Optional[StatePool] = None,
-                 window: Optional[int] = None):
+                 window: Optional[int] = None, window_blocks: Optional[BlockManager] = None):
         """``window``: every layer attends at most this many positions back, so the blocks wholly behind it are
-        given back as a sequence advances (its KV memory stays about one window)."""
-        self.blocks, self.lookahead, self.window = blocks, lookahead, window
+        given back as a sequence advances (its KV memory stays about one window). With ``window_blocks``, only the
+        windowed layers do (a model with full-attention layers too, GPT-OSS): those layers have their own block table
+        (``seq.window_ids``, blocks of ``window_blocks``) whose blocks behind the window are given back, while
+        ``seq.block_ids`` (the full layers') keep every block."""
+        self.blocks, self.lookahead, self.window, self.window_blocks = blocks, lookahead, window, window_blocks
         self.states = states if states else None  # an empty pool (no Mamba layers): no slots to hand out
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -106,9 +111,16 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def table(self, seq: Sequence):
+        """The block table(s) the runner reads ``seq``'s keys and values through: (full layers', windowed layers')
+        under ``window_blocks``, else the one of every layer."""
+        return seq.block_ids if self.window_blocks is None else (seq.block_ids, seq.window_ids)
+
     def _release(self, seq: Sequence) -> None:
         self.blocks.release(seq.block_ids[seq.num_evicted:])
-        seq.block_ids, seq.num_evicted = [], 0
+        if self.window_blocks is not None:
+            self.window_blocks.release(seq.window_ids[seq.num_window_evicted:])
+        seq.block_ids, seq.num_evicted, seq.window_ids, seq.num_window_evicted = [], 0, [], 0
         if self.states is not None:
             self.states.release(seq.state_slot)
             seq.state_slot = None
@@ -118,22 +130,33 @@ class Scheduler:
         p - window. Only blocks already offered to the prefix cache, so a shared prefix stays cached. Their ids stay
         in the block table (read only under the window's mask, never written)."""
         behind = (seq.num_computed - self.window + 1) // self.blocks.block_size
-        upto = min(behind, seq.num_registered, len(seq.block_ids))
-        if upto > seq.num_evicted:
-            self.blocks.release(seq.block_ids[seq.num_evicted:upto])
-            seq.num_evicted = upto
+        if self.window_blocks is None:
+            seq.num_evicted = self._give_back(self.blocks, seq.block_ids, seq.num_evicted, behind, seq)
+        else:
+            seq.num_window_evicted = self._give_back(self.window_blocks, seq.window_ids, seq.num_window_evicted,
+                                                     behind, seq)
 
-    def _blocks_for(self, seq: Sequence, n: int) -> int:
-        bs = self.blocks.block_size
-        return max(0, (seq.num_computed + n + bs - 1) // bs - len(seq.block_ids))
+    @staticmethod
+    def _give_back(blocks: BlockManager, ids: list[int], evicted: int, behind: int, seq: Sequence) -> int:
+        upto = min(behind, seq.num_registered, len(ids))
+        if upto <= evicted:
+            return evicted
+        blocks.release(ids[evicted:upto])
+        return upto
 
     def _fit(self, seq: Sequence, n: int) -> int:
-        """How many of n tokens the blocks it holds plus the free ones can take."""
-        capacity = (len(seq.block_ids) + self.blocks.num_free()) * self.blocks.block_size - seq.num_computed
+        """How many of n tokens the blocks it holds plus the free ones can take (in each block table)."""
+        bs = self.blocks.block_size
+        capacity = (len(seq.block_ids) + self.blocks.num_free()) * bs - seq.num_computed
+        if self.window_blocks is not None:
+            capacity = min(capacity, (len(seq.window_ids) + self.window_blocks.num_free()) * bs - seq.num_computed)
         return min(n, capacity)
 
     def _grow(self, seq: Sequence, n: int) -> None:
-        seq.block_ids.extend(self.blocks.allocate(self._blocks_for(seq, n)))
+        need = -(-(seq.num_computed + n) // self.blocks.block_size)
+        seq.block_ids.extend(self.blocks.allocate(max(0, need - len(seq.block_ids))))
+        if self.window_blocks is not None:
+            seq.window_ids.extend(self.window_blocks.allocate(max(0, need - len(seq.window_ids))))
 
     def _make_room(self, seq: Sequence, n: int, scheduled: set) -> bool:
         """Preempt unscheduled running sequences (latest admitted first) until n tokens of seq fit; False when seq
@@ -190,13 +213,12 @@ class Scheduler:
             first = seq.after
             if first is not None and first.status != FINISHED and first.num_computed < first.prompt_len:
                 break  # its sibling's prompt blocks will be cached in a moment: wait for them
-            hits = []
             if seq.num_computed == 0 and not seq.block_ids:
-                hits = self._cached_prefix(seq)
+                self._cached_prefix(seq)
             n = self._fit(seq, min(seq.remaining, budget))
             if n <= 0:
-                self.blocks.release(hits)
-                seq.block_ids, seq.num_computed = [], 0
+                self._release(seq)  # the cached prefix's blocks
+                seq.num_computed = 0
                 break
             self.waiting.popleft()
             if seq.preemptions == 0:  # recomputing after a preemption is not a prefix-cache query
@@ -212,17 +234,35 @@ class Scheduler:
             budget -= n
         return decodes, chunks
 
-    def _cached_prefix(self, seq: Sequence) -> list[int]:
+    def _cached_prefix(self, seq: Sequence) -> None:
+        """Take the longest cached prefix of ``seq``'s full blocks (under ``window_blocks``, one whose last window
+        the windowed layers still cache: ``_window_prefix``)."""
         bs = self.blocks.block_size
         if seq.params.prompt_logprobs is not None:  # every prompt position's logits are needed
-            return []
+            return
         usable = (len(seq.tokens) - 1) // bs  # the last token is always computed: its logits give the next one
-        hits = self.blocks.lookup(seq.full_hashes(bs)[:usable])
+        hashes = seq.full_hashes(bs)[:usable]
+        hits = self.blocks.lookup(hashes)
+        if self.window_blocks is not None:
+            hits, seq.window_ids, seq.num_window_evicted = self._window_prefix(hashes, hits)
         seq.block_ids = list(hits)
         seq.num_computed = seq.num_registered = len(hits) * bs
         if seq.preemptions == 0:
             seq.num_cached = seq.num_computed
-        return hits
+
+    def _window_prefix(self, hashes: list[bytes], hits: list[int]) -> tuple[list[int], list[int], int]:
+        """The longest prefix of the full layers' ``hits`` whose blocks within the window of its end the windowed
+        pool still caches (the only ones a query after it reads there): (those hits, the windowed table, its
+        leading placeholders: the blocks behind the window, never read unmasked). The rest is released."""
+        bs, window = self.blocks.block_size, self.window
+        for n in range(len(hits), 0, -1):
+            first = 0 if window is None else min(max(0, (n * bs - window + 1) // bs), n - 1)
+            tail = self.window_blocks.lookup_all(hashes[first:n])
+            if tail is not None:
+                self.blocks.release(hits[n:])
+                return hits[:n], [tail[0]] * first + tail, first
+        self.blocks.release(hits)
+        return [], [], 0
 
     def rollback(self, seq: Sequence) -> None:
         """Return the blocks past the sequence's computed tokens (allocated for drafts that were rejected)."""
@@ -230,6 +270,9 @@ class Scheduler:
         if len(seq.block_ids) > keep:
             self.blocks.release(seq.block_ids[keep:])
             del seq.block_ids[keep:]
+        if len(seq.window_ids) > keep:
+            self.window_blocks.release(seq.window_ids[keep:])
+            del seq.window_ids[keep:]
 
     def register_computed(self, seq: Sequence) -> None:
         """Offer the sequence's newly completed full blocks to the prefix cache."""
@@ -239,6 +282,8 @@ class Scheduler:
             hashes = seq.full_hashes(bs)
             for j in range(seq.num_registered, full):
                 self.blocks.register(seq.block_ids[j], hashes[j])
+                if self.window_blocks is not None:
+                    self.window_blocks.register(seq.window_ids[j], hashes[j])
             seq.num_registered = full
 
 

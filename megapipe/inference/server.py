@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from megapipe import __version__
-from megapipe.data.chat_template import ChatTemplateError, load_chat_template
+from megapipe.data.chat_template import ChatTemplateError, load_chat_template, split_harmony
 from megapipe.errors import DataError, MegapipeError
 from megapipe.inference.async_engine import AsyncEngine, EngineDead, QueueFull
 from megapipe.inference.engine import RequestOutput
@@ -511,17 +511,26 @@ class OpenAIServer:
             params = body.sampling_params(max_tokens, (top or 0) if body.logprobs else None)
         except ParamError as e:
             raise APIError(400, str(e), param=e.param) from None
+        if self.chat_template.has_channels:  # harmony: the channel markers split the reply
+            params.skip_special_tokens = False
         await self._validate_all([text], params)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             return StreamingResponse(self._stream_chat(request, body, text, params, rid, created),
                                      media_type="text/event-stream")
         (out,) = await self._until_done(request, [self._final(request, text, params)])
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+        choices = [{"index": c.index, "message": {"role": "assistant", **self._reply(c.text)},
                     "logprobs": self._chat_logprobs(c.token_ids, c.logprobs) if body.logprobs else None,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
         return {"id": rid, "object": "chat.completion", "created": created, "model": self.config.model_name,
                 "choices": choices, "usage": self._usage([out])}
+
+    def _reply(self, text: str) -> dict:
+        """A chat reply's content (harmony: its final channel, the analysis channel as reasoning_content)."""
+        if not self.chat_template.has_channels:
+            return {"content": text}
+        content, reasoning = split_harmony(text)
+        return {"content": content} if reasoning is None else {"content": content, "reasoning_content": reasoning}
 
     def _chat_logprobs(self, token_ids, lps) -> dict:
         def entry(t, v):
@@ -538,7 +547,7 @@ class OpenAIServer:
     async def _stream_chat(self, request, body, text, params, rid, created):
         name = self.config.model_name
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        sent_text: dict[int, int] = {}
+        sent_text: dict[int, dict] = {}  # per choice: how much of each reply field was sent
         sent_ids: dict[int, int] = {}
         last = None
 
@@ -552,18 +561,20 @@ class OpenAIServer:
                 last = out
                 for c in out.outputs:
                     if c.index not in sent_text:
-                        sent_text[c.index] = sent_ids[c.index] = 0
+                        sent_text[c.index], sent_ids[c.index] = {}, 0
                         yield chunk(c.index, {"role": "assistant", "content": ""})
-                    delta = c.text[sent_text[c.index]:]
+                    sent, reply = sent_text[c.index], self._reply(c.text)
+                    delta = {k: v[sent.get(k, 0):] for k, v in reply.items() if v[sent.get(k, 0):]}
                     new_ids = c.token_ids[sent_ids[c.index]:]
                     lps = None
                     if body.logprobs and new_ids:
                         lps = self._chat_logprobs(new_ids, (c.logprobs or [])[sent_ids[c.index]:])
                     if delta or lps:
-                        yield chunk(c.index, {"content": delta}, lps)
+                        yield chunk(c.index, delta or {"content": ""}, lps)
                     if c.finish_reason is not None and c.finish_reason != "abort":
                         yield chunk(c.index, {}, None, c.finish_reason)
-                    sent_text[c.index], sent_ids[c.index] = len(c.text), len(c.token_ids)
+                    sent.update((k, len(v)) for k, v in reply.items())
+                    sent_ids[c.index] = len(c.token_ids)
             if include_usage and last is not None:
                 yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
                             "choices": [], "usage": self._usage([last])})

@@ -15,6 +15,7 @@ state at that block boundary: snapshots are not cached, and prefix caching is of
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -22,20 +23,31 @@ import torch
 from megapipe.models.mamba import Mamba2Mixer
 
 
+def state_shapes(model) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Per Mamba layer of ``model``: the shape of one sequence's conv window and of its SSM state."""
+    shapes = {}
+    for mixer in model.modules():
+        if isinstance(mixer, Mamba2Mixer):
+            weight, _ = mixer.conv_params()
+            inner = weight.shape[0] - 2 * mixer.in_B.out_features  # x's channels: heads * head_dim
+            shapes[mixer.layer_id] = ((weight.shape[0], weight.shape[1] - 1),
+                                      (inner // mixer.head_dim, mixer.head_dim, mixer.state_dim))
+    return shapes
+
+
+def state_bytes_per_sequence(model, dtype: torch.dtype) -> int:
+    """Bytes one sequence's state takes over all Mamba layers (conv windows in ``dtype``, SSM states in fp32)."""
+    return sum(math.prod(conv) * dtype.itemsize + math.prod(ssm) * 4 for conv, ssm in state_shapes(model).values())
+
+
 class StatePool:
     def __init__(self, model, slots: int, dtype: torch.dtype, device):
         """Slots for the Mamba mixers of ``model`` (none: an empty pool that costs nothing)."""
-        mixers = {m.layer_id: m for m in model.modules() if isinstance(m, Mamba2Mixer)}
+        shapes = state_shapes(model)
         self.num_slots = slots
-        self.conv: dict[int, torch.Tensor] = {}
-        self.ssm: dict[int, torch.Tensor] = {}
-        for layer_id, mixer in mixers.items():
-            weight, _ = mixer.conv_params()
-            inner = weight.shape[0] - 2 * mixer.in_B.out_features  # x's channels: heads * head_dim
-            self.conv[layer_id] = torch.zeros(slots, weight.shape[0], weight.shape[1] - 1, dtype=dtype, device=device)
-            self.ssm[layer_id] = torch.zeros(slots, inner // mixer.head_dim, mixer.head_dim, mixer.state_dim,
-                                             dtype=torch.float32, device=device)
-        self.free = list(range(slots - 1, -1, -1)) if mixers else []
+        self.conv = {i: torch.zeros(slots, *conv, dtype=dtype, device=device) for i, (conv, _) in shapes.items()}
+        self.ssm = {i: torch.zeros(slots, *ssm, dtype=torch.float32, device=device) for i, (_, ssm) in shapes.items()}
+        self.free = list(range(slots - 1, -1, -1)) if shapes else []
 
     def __bool__(self) -> bool:
         return bool(self.conv)

@@ -79,16 +79,22 @@ KINDS: dict[str, Capabilities] = {
     "mamba": Capabilities(layouts=frozenset(LAYOUTS) - {"cp"}, engine=frozenset(ENGINE) - {"prefix_caching",
                           "speculative"}, quant=frozenset(), trt=frozenset({"unified"}),
                           stages=frozenset(STAGES) - {"prune", "quantize"}),
-    # attention with learned sinks (GPT-OSS, megapipe.models.attention.sink_attention): trained on one process and plain
-# data parallelism (the sinks are one more replicated / FSDP-sharded parameter); tensor parallelism must shard the
-# sinks with the heads and pipeline / expert parallelism were not run with them yet, so they are refused; the ring
-# attention of cp has no sink term; the engine's paged attention applies them (torch paths and CPU kernel), speculative
-# decoding was not run with them; generate, serve, eval and RL run on the engine; distillation, DPO, reward models,
-# pruning, ModelOpt and the TensorRT-LLM writers were not checked on them; HF export writes GptOssForCausalLM
-# (unquantized)
-    "sinks": Capabilities(layouts=frozenset({"dp_replicate", "dp_shard"}), engine=frozenset(ENGINE) - {"speculative"},
+    # attention with learned sinks (GPT-OSS, megapipe.models.attention.sink_attention): every layout
+    # (tests/parallel/test_dist_layouts.py: FSDP, DDP, HSDP, TP with and without SP, the sinks split with the heads,
+    # PP, EP, CP, whose ring attention adds the sink to each row's log-sum-exp, and their combinations); the engine's
+    # paged attention applies them (torch paths and CPU kernel), speculative decoding was not run with them;
+    # generate, serve, eval and RL run on the engine; distillation, DPO, reward models, pruning, ModelOpt and the
+    # TensorRT-LLM writers were not checked on them; HF export writes GptOssForCausalLM (unquantized)
+    "sinks": Capabilities(engine=frozenset(ENGINE) - {"speculative"},
                           quant=frozenset(), trt=frozenset(),
                           stages=frozenset({"pretrain", "sft", "export_hf", "generate", "serve", "eval", "rl"})),
+    # DeepSeek Sparse Attention (megapipe.models.dsa) on top of MLA: its frozen indexer replicated under tp, every layout
+    # but cp (the ring attention has no top-k mask); the engine keeps each token's indexer key in the latent pool and
+    # selects at decode on its torch paths (the CPU attention kernel takes no mask; no MTP drafting: V3.2's MTP
+    # layers are not imported); ModelOpt's exporter and quantizer do not know DeepseekV32ForCausalLM's indexer
+    "dsa": Capabilities(layouts=frozenset(LAYOUTS) - {"cp"}, engine=frozenset(ENGINE) - {"cpu_kernels", "speculative"},
+                        quant=frozenset(), trt=frozenset(),
+                        stages=frozenset(STAGES) - {"prune", "quantize", "export_trt"}),
 }
 # Falcon-H1's layers (megapipe.models.parallel_hybrid): a Mamba-2 mixer beside the attention, so what Mamba layers allow
 KINDS["parallel_hybrid"] = KINDS["mamba"]
@@ -97,8 +103,6 @@ KINDS["parallel_hybrid"] = KINDS["mamba"]
 FAMILIES: dict[str, Capabilities] = {
     # a GELU MLP has no up projection; learned positions: no MTP modules (they take rotary ones), nothing to draft with
     "gpt2": _without(lora={"up"}, engine={"speculative"}),
-    # a sliding window, which context parallelism's ring attention does not take
-    "mistral": _without(layouts={"cp"}),
     # no shared expert, every layer MoE: nothing but attention to adapt
     "mixtral": _without(lora={"gate", "up", "down"}),
     # no shared expert; peft (0.21 with transformers 5) retargets gate/up/down of a Qwen3-MoE to its fused experts,
@@ -107,6 +111,8 @@ FAMILIES: dict[str, Capabilities] = {
     # the same peft retargeting for DeepSeek-V3: its dense layers' and shared experts' MLP adapters would not reach a
     # peft directory
     "deepseek_v3": _without(lora={"gate", "up", "down"}),
+    # ... and no reward model: transformers has no DeepseekV32ForSequenceClassification to export one as
+    "deepseek_v32": _without(lora={"gate", "up", "down"}, stages={"rm"}),
     # squared-ReLU MLP: no up projection (w1, transformers' up_proj, is the "gate" target, as GPT-2's c_fc); no MTP
     # modules to draft with; not quantized, pruned or written in TensorRT-LLM's legacy format, even with a pattern of
     # attention and MLP layers only: ModelOpt, the legacy writer and the pruning rules were not checked on Nemotron-H;
@@ -117,11 +123,20 @@ FAMILIES: dict[str, Capabilities] = {
     "falcon_h1": _without(stages={"rm"}),
     # no shared expert, every layer MoE: LoRA adapts the attention only
     "gpt_oss": _without(lora={"gate", "up", "down"}),
+    # Qwen2.5-VL (megapipe.models.vision): the model's forward and the engine's API (LLMEngine.generate(images=...),
+    # megapipe.inference.images) take images, no stage command feeds them yet, so what is declared runs text through
+    # the decoder (the vision tower idle): pretraining on one process, eval, generate and serve of text prompts (the
+    # server refuses image content parts), the HF bridge with its images' logit parity; packed sequences, every
+    # parallel layout, SFT / distillation / RL / pruning / quantization / the TensorRT-LLM writers were not run with
+    # the tower, so they are refused
+    "qwen2_5_vl": Capabilities(layouts=frozenset(), packing=False, engine=frozenset(ENGINE) - {"speculative"},
+                               lora=frozenset(), quant=frozenset(), trt=frozenset(),
+                               stages=frozenset({"pretrain", "eval", "generate", "serve", "export_hf"})),
 }
 # sliding-window layers among full-attention ones (model.window_attn_skip_freq): the engine's paged cache takes each
-# layer's window (speculative decoding was not run with them); the TensorRT-LLM writers take one window for every
-# layer, the ring attention of cp none
-MIXED_WINDOWS = _without(layouts={"cp"}, engine={"speculative"}, stages={"quantize", "export_trt"})
+# layer's window (speculative decoding was not run with them), and so does the ring attention of cp; the TensorRT-LLM
+# writers take one window for every layer
+MIXED_WINDOWS = _without(engine={"speculative"}, stages={"quantize", "export_trt"})
 
 # multi-token prediction modules (megapipe.models.mtp): every parallel layout (on the last pipeline stage, with a
 # replica of the embedding table; their shifted tokens and labels cut from whole rows under cp; V pipeline schedules,
@@ -135,26 +150,29 @@ NO_MTP = _without(engine={"speculative"})
 
 LABELS = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "gpt2": "GPT-2",
           "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "deepseek_v3": "DeepSeek-V3",
-          "nemotron_h": "Nemotron-H", "falcon_h1": "Falcon-H1", "gpt_oss": "GPT-OSS"}
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss")
-MLA_FAMILIES = ("deepseek_v3",)
+          "deepseek_v32": "DeepSeek-V3.2", "nemotron_h": "Nemotron-H", "falcon_h1": "Falcon-H1", "gpt_oss": "GPT-OSS",
+          "qwen2_5_vl": "Qwen2.5-VL"}
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v32", "gpt_oss")
+MLA_FAMILIES = ("deepseek_v3", "deepseek_v32")
+DSA_FAMILIES = ("deepseek_v32",)  # families whose MLA is DeepSeek Sparse Attention (the "dsa" kind)
 SINK_FAMILIES = ("gpt_oss",)  # families whose attention has sinks (the "sinks" kind)
 # families whose layers are kinds the family name says: Nemotron-H's Mamba layers beside attention and MLP ones
 # (megapipe.models.hybrid), Falcon-H1's parallel hybrid layers (megapipe.models.parallel_hybrid)
 FAMILY_KINDS = {"nemotron_h": ["dense", "mamba"], "falcon_h1": ["parallel_hybrid"]}
-KIND_LABELS = {"moe": "MoE", "mla": "MLA", "mamba": "Mamba", "parallel_hybrid": "Mamba | attention",
+KIND_LABELS = {"moe": "MoE", "mla": "MLA", "dsa": "DSA", "mamba": "Mamba", "parallel_hybrid": "Mamba | attention",
                "sinks": "attention sinks"}
 
 
 def kinds_of(cfg) -> list[str]:
     """The block kinds ``cfg`` builds, in layer order of first use (MLP kinds; a hybrid model's "mamba"), then its
-    attention kind when that is not the default one ("mla", "sinks")."""
+    attention kinds when not the default one ("mla", "dsa", "sinks")."""
     moe = set(cfg.moe_layers)
     kinds = ["moe" if i in moe else "dense" for i in range(cfg.num_layers)]
     if cfg.layer_kinds is not None:  # a hybrid model: attention and MLP layers are what a dense block is made of
         symbols = {"M": "mamba", "E": "moe", "P": "parallel_hybrid"}
         kinds = [symbols.get(symbol, "dense") for symbol in cfg.layer_kinds]
     attention = ["mla"] if cfg.multi_latent_attention else []
+    attention += ["dsa"] if getattr(cfg, "sparse_attention", False) else []
     attention += ["sinks"] if getattr(cfg, "attention_sinks", False) else []
     return list(dict.fromkeys(kinds)) + attention
 
@@ -186,6 +204,7 @@ def describe(cfg) -> str:
     label = LABELS.get(cfg.arch, cfg.arch)
     mtp = " with MTP" if getattr(cfg, "mtp_depth", 0) else ""
     kinds = [k for k in kinds if not (k == "mla" and cfg.arch in MLA_FAMILIES)]  # the family name says MLA
+    kinds = [k for k in kinds if not (k == "dsa" and cfg.arch in DSA_FAMILIES)]  # ... or DSA
     kinds = [k for k in kinds if not (k == "sinks" and cfg.arch in SINK_FAMILIES)]  # ... or the sinks
     family = sorted(FAMILY_KINDS.get(cfg.arch, ()))  # in any layer order
     if kinds == ["dense"] or sorted(kinds) == family or (kinds == ["moe"] and cfg.arch in MOE_FAMILIES):
@@ -240,7 +259,8 @@ def family_row(arch: str) -> Capabilities:
     ``FAMILY_KINDS``: theirs)."""
     if arch in FAMILY_KINDS:
         return _row(arch, FAMILY_KINDS[arch])
-    attention = (["mla"] if arch in MLA_FAMILIES else []) + (["sinks"] if arch in SINK_FAMILIES else [])
+    attention = (["mla"] if arch in MLA_FAMILIES else []) + (["dsa"] if arch in DSA_FAMILIES else [])
+    attention += ["sinks"] if arch in SINK_FAMILIES else []
     return _row(arch, ["moe" if arch in MOE_FAMILIES else "dense"] + attention)
 
 

@@ -65,9 +65,13 @@ class MLAttention(nn.Module):
         self.query_scale = softmax_scale(cfg) * math.sqrt(qk)  # times SDPA's default 1 / sqrt(qk)
         self.sdpa = CausalSDPA()
 
-    def queries(self, x: torch.Tensor, rope: tuple) -> torch.Tensor:
-        """x [B, S, hidden] -> q [B, heads, S, qk] ([q_nope, rotated q_rope]), the softmax scale folded in."""
-        q = self.wq(x) if self.wq is not None else self.wq_b(self.q_norm(self.wq_a(x)))
+    def queries(self, x: torch.Tensor, rope: tuple, q_latent: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [B, S, hidden] -> q [B, heads, S, qk] ([q_nope, rotated q_rope]), the softmax scale folded in;
+        ``q_latent``: the normed query latent when the caller computed it already."""
+        if self.wq is not None:
+            q = self.wq(x)
+        else:
+            q = self.wq_b(q_latent if q_latent is not None else self.q_norm(self.wq_a(x)))
         q = q.view(x.shape[0], x.shape[1], -1, self.nope_dim + self.rope_dim).transpose(1, 2)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q = torch.cat((q_nope, self.rotate(q_rope, *rope)), dim=-1)

@@ -90,17 +90,27 @@ def model_rope_parts(cfg, device=None) -> tuple[torch.Tensor, float]:
 
 
 def model_rope(cfg, positions: torch.Tensor, dtype: torch.dtype, device=None):
-    """cos, sin for ``positions`` as the model's layers take them (YaRN's attention factor folded in)."""
+    """cos, sin for ``positions`` as the model's layers take them (YaRN's attention factor folded in); [3, B, S]
+    positions are M-RoPE's (temporal, height, width), each rotating its ``cfg.mrope_section`` of the frequencies."""
     inv_freq, scale = model_rope_parts(cfg, device)
-    return rope_cos_sin(positions, inv_freq, dtype, scale)
+    return rope_cos_sin(positions, inv_freq, dtype, scale, cfg.mrope_section if positions.dim() == 3 else None)
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, scale: float = 1.0):
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, scale: float = 1.0,
+                 sections: Optional[list[int]] = None):
     """positions [S] or [B, S] -> cos, sin of shape [1 or B, 1, S, head_dim] (broadcast over heads), times
-    ``scale``."""
+    ``scale``. ``sections``: positions [A, B, S] along A axes, axis a turning the next ``sections[a]`` frequencies
+    (multimodal rotary: M-RoPE's temporal / height / width, a vision tower's height / width); equal positions on
+    every axis give the 1-D rope."""
     if positions.dim() == 1:
         positions = positions[None]
-    freqs = positions[..., None].float() * inv_freq.to(positions.device)
+    inv_freq = inv_freq.to(positions.device)
+    if sections is not None:
+        axis = torch.repeat_interleave(torch.arange(len(sections), device=positions.device),
+                                       torch.tensor(sections, device=positions.device))
+        freqs = positions.movedim(0, -1)[..., axis].float() * inv_freq
+    else:
+        freqs = positions[..., None].float() * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)[:, None]
     if scale == 1.0:
         return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -187,10 +187,15 @@ class Transformer(nn.Module):
                 init_norm(module)
 
 
+# models that wrap the decoder, by what asks for them ("vision": model.vision_depth > 0); their modules register
+# here (megapipe.models.vision), the package's __init__ imports them
+MODEL_CLASSES: dict[str, type] = {}
+
+
 def build_model(cfg: ModelConfig, device="cpu", seed: Optional[int] = None) -> Transformer:
     """Build on the meta device (no memory), materialise on ``device``, initialise (from ``seed`` if given)."""
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = (MODEL_CLASSES["vision"] if cfg.vision_depth else Transformer)(cfg)
     device = torch.device(device)
     if device.type == "meta":
         return model
@@ -286,10 +291,13 @@ def attention_dims(cfg: ModelConfig) -> tuple[int, int]:
 def kv_cache_values_per_token(cfg: ModelConfig) -> tuple[int, int]:
     """(values a KV cache stores per token over all layers, the same for the per-head keys and values attention
     reads): equal for multi-head / grouped-query attention; with MLA a latent cache stores kv_lora_rank + rope dims
-    per layer, the decompressed form heads x (qk + v) dims (its GQA equivalent)."""
+    per layer (DeepSeek Sparse Attention: and the indexer's key), the decompressed form heads x (qk + v) dims (its
+    GQA equivalent)."""
     if cfg.multi_latent_attention:
         qk, v = attention_dims(cfg)
-        return cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim), cfg.num_layers * cfg.num_heads * (qk + v)
+        index = cfg.dsa_indexer_head_dim if cfg.sparse_attention else 0
+        latent = cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim + index
+        return cfg.num_layers * latent, cfg.num_layers * cfg.num_heads * (qk + v)
     per_token = attention_layers(cfg) * 2 * cfg.kv_heads * cfg.dim_per_head
     return per_token, per_token
 

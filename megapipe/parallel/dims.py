@@ -160,10 +160,6 @@ class ParallelDims:
                     f"model.vocab_size = {m.vocab_size} is not divisible by parallel.tp = {tp} "
                     "(the embedding and output are split by vocabulary)"
                 )
-        if self.cp > 1 and m.sliding_window is not None:
-            raise ConfigError(
-                f"model.sliding_window = {m.sliding_window} is not supported with parallel.cp = {self.cp}"
-            )
         n_stages = self.pp * self.pp_virtual_stages
         split = self.pp_layer_split
         if split is not None:

@@ -41,6 +41,14 @@ so the fp32 parameters ARE the master weights, there is no separate master copy)
   like the other replicated weights. Their activations (``moe_layer_activation_bytes``) are counted per token of the
   whole sequence (not split by TP), from what autograd saves; the token all-to-all moves 4 x tokens x k x h x
   (ep-1)/ep activations per MoE layer and micro-batch (dispatch and combine, forward and backward).
+- hybrid Transformer-Mamba layers (megapipe.models.hybrid, parallel_hybrid): each kind counts its own sub-layers
+  (``block_activation_bytes``): a single-mixer layer (M Mamba-2, * attention, - MLP, E MoE) one norm's residual
+  terms + its mixer's; Falcon-H1's P layer two norms + the Mamba mixer, attention and MLP. The Mamba mixer
+  (``mamba_mixer_activation_bytes``) is counted from what autograd saves in our PyTorch scan: per token, the
+  in-projection output, the conv and SiLU, and the chunked scan's per-token tensors (H*P, H*N, H*Q wide: the
+  intra-chunk decays are Q wide) + the states entering each chunk (H*P*N per chunk, so H*P*N/Q per token);
+  heads and groups split by tp. Outside TP a mixer also saves its in-projection weights concatenated (one matmul):
+  a compute copy per Mamba layer under fp32 or FSDP (autocast's cast of it is the copy counted above otherwise).
 - not modelled: qk_norm's extra saved tensors (~8 B per q/kv element), context parallelism's ring-attention K/V
   buffers, the optimizer step's temporaries, NCCL buckets (in the fixed overhead).
 - a fixed overhead (CUDA context, NCCL and cuBLAS workspaces, allocator fragmentation): OVERHEAD_BYTES.
@@ -142,6 +150,7 @@ class ParamCounts:
     mtp: int = 0
     mtp_experts: int = 0
     mtp_tp: int = 0  # of ``mtp``, what the blocks' TP plans split
+    vision: int = 0  # a vision-language model's vision tower and patch merger: replicated, on the first stage
 
     @property
     def num_layers(self) -> int:
@@ -179,7 +188,7 @@ class ParamCounts:
 
     @property
     def total(self) -> int:
-        return self.embedding + sum(lc.total for lc in self.layers) + self.head
+        return self.embedding + sum(lc.total for lc in self.layers) + self.head + self.vision
 
     @property
     def active(self) -> int:
@@ -233,10 +242,44 @@ def _count(m) -> ParamCounts:
         embedding_tp=numel(model.tok_embeddings), embedding_rep=numel(model.pos_embeddings), layers=layers,
         head_tp=numel(model.output), head_rep=numel(model.norm), tied=m.tie_embeddings,
         active_fraction=m.moe_router_topk / m.num_experts if m.is_moe else 1.0,
+        vision=numel(getattr(model, "visual", None)),
     )
 
 
 # --------------------------------------------------------------------------------------------------- activations
+
+
+def _norm_bytes(m, tp: int, sp: bool) -> float:
+    """One pre-norm sub-layer's fp32 residual terms: its input 4h and, for RMSNorm, the normalised tensor 4h and the
+    rsqrt (LayerNorm: mean and rstd, 8); split by tp under sequence parallelism."""
+    h = m.hidden_size
+    return (4 * h + (4 * h + 4 if m.norm_type == "rmsnorm" else 8)) / (tp if (tp > 1 and sp) else 1)
+
+
+def _attention_bytes(m, precision: str, recompute: str, tp: int) -> float:
+    """The attention sub-layer past its norm. none: the linear inputs (fp32 one shared 4h, autocast one 2h cast per
+    q/k/v linear) + q and k after RoPE, v, the output (e each) and the fp32 logsumexp, split by tp; selective: the
+    q/k/v/output and logsumexp, split by tp, + wo's full-sequence output e*h."""
+    h, hd = m.hidden_size, m.dim_per_head
+    q, kv, a = m.num_heads * hd, m.kv_heads * hd, m.num_heads
+    if m.multi_latent_attention:  # MLA: per head q/k qk wide, v v wide (its small latents are not modelled)
+        qk, v = attention_dims(m)
+        q, kv = m.num_heads * qk, m.num_heads * (qk + v) // 2
+    e = DTYPE_BYTES[precision]
+    if recompute == "selective":
+        return (e * (2 * q + 2 * kv) + 4 * a) / tp + e * h
+    return (4 * h if e == 4 else 2 * h * 3) + (e * (2 * q + 2 * kv) + 4 * a) / tp
+
+
+def _mlp_bytes(m, precision: str, recompute: str, tp: int) -> float:
+    """The MLP sub-layer past its norm. none: the linear inputs (fp32 4h, autocast a 2h cast per w1 [, w3]) + 4
+    f-wide tensors for SwiGLU (w1 out, w3 out, silu out, product), 2 for GeLU / squared ReLU, split by tp;
+    selective: the w1 [, w3] outputs, split by tp, + w2's full-sequence output e*h."""
+    h, f, e = m.hidden_size, m.intermediate_size, DTYPE_BYTES[precision]
+    swiglu = m.activation == "swiglu"
+    if recompute == "selective":
+        return e * (2 if swiglu else 1) * f / tp + e * h
+    return (4 * h if e == 4 else 2 * h * (2 if swiglu else 1)) + e * (4 if swiglu else 2) * f / tp
 
 
 def layer_activation_bytes(m, precision: str, recompute: str, tp: int = 1, sp: bool = True) -> float:
@@ -250,65 +293,150 @@ def layer_activation_bytes(m, precision: str, recompute: str, tp: int = 1, sp: b
       attention (split by tp): q and k after RoPE, v, the output (e each) and the fp32 logsumexp (4 per head);
       MLP (split by tp): 4 f-wide tensors for SwiGLU, 2 for GeLU.
     """
+    base = _block_base(m, recompute, tp, sp, norms=2)
+    if recompute == "full":
+        return base
+    return base + _attention_bytes(m, precision, recompute, tp) + _mlp_bytes(m, precision, recompute, tp)
+
+
+def _block_base(m, recompute: str, tp: int, sp: bool, norms: int) -> float:
+    """What every block keeps besides its sub-layers: without recompute its norms' residual terms; with selective or
+    full recompute only its fp32 input (4h, split by tp under sequence parallelism)."""
     if recompute not in RECOMPUTE_MODES:
         raise ConfigError(f"train.recompute = {recompute!r} is not valid (allowed: {', '.join(RECOMPUTE_MODES)})")
-    h, hd, f = m.hidden_size, m.dim_per_head, m.intermediate_size
-    q, kv, a = m.num_heads * hd, m.kv_heads * hd, m.num_heads
-    if m.multi_latent_attention:  # MLA: per head q/k qk wide, v v wide (its small latents are not modelled)
-        qk, v = attention_dims(m)
-        q, kv = m.num_heads * qk, m.num_heads * (qk + v) // 2
-    e = DTYPE_BYTES[precision]
-    t_sp = tp if (tp > 1 and sp) else 1
-    swiglu = m.activation == "swiglu"
-    if recompute == "full":
-        return 4 * h / t_sp
+    if recompute == "none":
+        return norms * _norm_bytes(m, tp, sp)
+    return 4 * m.hidden_size / (tp if (tp > 1 and sp) else 1)
+
+
+def mamba_mixer_activation_bytes(m, precision: str, recompute: str, tp: int = 1) -> float:
+    """Bytes a Mamba-2 mixer (megapipe.models.mamba + ssd) keeps for backward per token, from its in-projection's
+    input to its out-projection's input, as autograd saves them (measured with saved-tensor hooks). Heads H, head
+    dim P, groups G, state N, d_inner I = H*P, conv channels C = I + 2GN, chunk Q (all but h split by tp: TP
+    splits heads and groups); e = 2 under autocast (matmul operands are cast to it) else 4:
+      in-projection: its input (fp32 4h; autocast a 2h cast, five under TP where the projections run one by one)
+      and output z|x|B|C|dt (e*(2I + 2GN + H), one storage that the conv, the gate and dt keep alive);
+      conv: its output e*C (its input is the projection's); fp32: the SiLU output 4C, autocast: two fp32 copies of
+      x (8I: the scan's and the D skip's); dt before and after softplus 8H (+4H after dt limits);
+      chunked SSD scan: the intra-chunk decays 4HQ, the copies of C and B for C.B^T 2eGN and its output eGQ, x*dt
+      4HP (+ its cast eHP), (C.B^T * decay) eHQ, x*dt decayed to the chunk end eHP, B and C expanded over a group's
+      heads 2eHN, the cumulative decays 4H, C.states eHP; the states entering each chunk (HPN each, fp32 where the
+      loop keeps them + e where they are stacked), per token HPN(4 + e)/Q;
+      gated RMSNorm (Nemotron-H's, norm of y*silu(z)): y, silu(z), their product, the normalised tensor (fp32 each,
+      autocast also z's fp32 copy and the normalised cast: 20I either way) + the out-projection input (4I; autocast
+      2I) and the per-group rsqrt 4G; norm before the gate (Falcon-H1's): 20I (autocast 22I) + 4G; no norm:
+      y, silu(z) and their product 3eI.
+    Selective recompute keeps the matmul outputs: the in-projection's, the scan's (C.B^T eGQ, two eHP, the chunk
+    states eHPN/Q), split by tp, and the out-projection's full-sequence output e*h; full recompute is counted by
+    the block (its input only)."""
+    h, e = m.hidden_size, DTYPE_BYTES[precision]
+    H, P, N, Q = m.mamba_heads / tp, m.mamba_head_dim, m.mamba_state_dim, m.mamba_chunk_size
+    G = m.mamba_num_groups / tp
+    inner, gn = H * P, G * N
+    proj = 2 * inner + 2 * gn + H
+    states = H * P * N / Q
     if recompute == "selective":
-        # layer input (fp32) + outputs of every matmul (wq, wk, wv, w1, [w3] split by tp; wo, w2 full-sequence
-        # partial sums under TP) and of the attention kernel (output + logsumexp)
-        return 4 * h / t_sp + (e * (2 * q + 2 * kv + (2 if swiglu else 1) * f) + 4 * a) / tp + e * 2 * h
-    rms = m.norm_type == "rmsnorm"
-    residual = (8 * h + (8 * h if rms else 0) + 8) / t_sp
-    linear_in = 8 * h if e == 4 else 2 * h * (3 + (2 if swiglu else 1))
-    attention = (e * (2 * q + 2 * kv) + 4 * a) / tp
-    mlp = e * (4 if swiglu else 2) * f / tp
-    return residual + linear_in + attention + mlp
+        return e * (proj + G * Q + 2 * H * P + states) + e * h
+    proj_in = 4 * h if e == 4 else 2 * h * (1 if tp == 1 else 5)
+    conv = e * (inner + 2 * gn) + (4 * (inner + 2 * gn) if e == 4 else 8 * inner)
+    lo, hi = m.mamba_dt_limit
+    dt = 8 * H + (4 * H if lo > 0 or hi != math.inf else 0)
+    scan = (4 * H * Q + 2 * e * gn + e * G * Q + 4 * H * P + (e * H * P if e < 4 else 0) + e * H * Q + e * H * P
+            + 2 * e * H * N + 4 * H + e * H * P + (4 + e) * states)
+    if not m.mamba_gated_norm:
+        gate = 3 * e * inner
+    elif m.mamba_norm_before_gate:
+        gate = (20 if e == 4 else 22) * inner + 4 * G
+    else:
+        gate = 20 * inner + 4 * G
+    return proj_in + e * proj + conv + dt + scan + gate
 
 
-def moe_layer_activation_bytes(m, precision: str, recompute: str, tp: int = 1, sp: bool = True) -> float:
-    """Bytes an MoE block keeps for backward per token of this rank's sequence: the dense block's residual, norm and
-    attention terms, then the MoE layer on the TP group's whole (all-gathered) sequence, so not split by tp:
+SINGLE_MIXER_KINDS = ("mamba", "attention", "mlp", "moe_mlp")  # a hybrid model's layers: x + mixer(norm(x))
+
+
+def single_mixer_activation_bytes(m, kind: str, precision: str, recompute: str, tp: int = 1,
+                                  sp: bool = True) -> float:
+    """Bytes a single-mixer block (megapipe.models.hybrid: Mamba-2, attention, MLP or MoE alone) keeps for backward
+    per token of this rank's sequence: one norm's residual terms (``_norm_bytes``) + the mixer's; selective
+    recompute: the fp32 layer input + the mixer's matmul outputs; full: the fp32 layer input."""
+    base = _block_base(m, recompute, tp, sp, norms=1)
+    if recompute == "full":
+        return base
+    if kind == "mamba":
+        return base + mamba_mixer_activation_bytes(m, precision, recompute, tp)
+    if kind == "attention":
+        return base + _attention_bytes(m, precision, recompute, tp)
+    if kind == "mlp":
+        return base + _mlp_bytes(m, precision, recompute, tp)
+    if kind == "moe_mlp":
+        return base + _moe_mlp_bytes(m, precision, recompute)
+    raise ValueError(f"block kind {kind!r} is not a single-mixer kind ({', '.join(SINGLE_MIXER_KINDS)})")
+
+
+def parallel_hybrid_activation_bytes(m, precision: str, recompute: str, tp: int = 1, sp: bool = True) -> float:
+    """Falcon-H1's layer (megapipe.models.parallel_hybrid): Mamba-2 and attention side by side on one normed input,
+    then the MLP: two norms' residual terms, the attention and MLP sub-layers and the Mamba mixer as counted for
+    their own blocks, where the mixers share their input: under fp32 one 4h for both unless an input muP multiplier
+    != 1 gives a mixer its own copy; selective and full recompute as the other blocks."""
+    base = _block_base(m, recompute, tp, sp, norms=2)
+    if recompute == "full":
+        return base
+    out = base + _attention_bytes(m, precision, recompute, tp) + _mlp_bytes(m, precision, recompute, tp)
+    out += mamba_mixer_activation_bytes(m, precision, recompute, tp)
+    if recompute == "none" and DTYPE_BYTES[precision] == 4:  # both mixers counted a 4h input: the distinct ones
+        scaled = (m.mamba_in_multiplier != 1) + (m.attention_in_multiplier != 1)
+        out += 4 * m.hidden_size * (scaled + (scaled < 2) - 2)
+    return out
+
+
+def _moe_mlp_bytes(m, precision: str, recompute: str) -> float:
+    """An MoE layer past its norm, on the TP group's whole (all-gathered) sequence, so not split by tp:
       router (fp32): its input 4h, the logits and the softmax scores 8E, the k weights 8k;
       routed experts, per token k times: the dispatched row (e*h), SwiGLU's 4 F-wide tensors (e*4F) and the expert
       output kept fp32 for the weighting (4h);
       shared experts: SwiGLU's 4 tensors (e*4Fs), under autocast a cast of the input per linear (2h each), and with
       the sigmoid gate its output and the gated product's input (e*(h + 1)).
-    Selective recompute keeps the layer input and the outputs of the attention matmuls and kernel (the dense rule) plus
-    the router and shared-expert linear outputs; full recompute the layer input only."""
-    dense_none = layer_activation_bytes(m, precision, recompute, tp, sp)
+    Selective recompute: the full-sequence output e*h, the router logits and the shared-expert linear outputs."""
     h, e, k, n_e = m.hidden_size, DTYPE_BYTES[precision], m.moe_router_topk, m.num_experts
     f_exp, f_sh = m.expert_ffn, m.moe_shared_expert_intermediate_size or 0
-    swiglu_dense = (e * (4 if m.activation == "swiglu" else 2) * m.intermediate_size) / tp
-    ffn_in = 4 * h if e == 4 else 2 * h * (2 if m.activation == "swiglu" else 1)
-    attention_part = dense_none - swiglu_dense - (ffn_in if recompute == "none" else 0)
-    if recompute == "full":
-        return dense_none
     if recompute == "selective":
-        sel_dense_ffn = e * (2 if m.activation == "swiglu" else 1) * m.intermediate_size / tp
-        out = layer_activation_bytes(m, precision, "selective", tp, sp) - sel_dense_ffn
-        return out + 4 * n_e + (e * 2 * f_sh + (e if m.moe_shared_expert_gate else 0) if f_sh else 0)
+        return e * h + 4 * n_e + (e * 2 * f_sh + (e if m.moe_shared_expert_gate else 0) if f_sh else 0)
     router = 4 * h + 8 * n_e + 8 * k
     experts = k * (e * h + e * 4 * f_exp + 4 * h)
     shared = 0.0
     if f_sh:
         casts = 0 if e == 4 else 2 * h * (3 if m.moe_shared_expert_gate else 2)
         shared = e * 4 * f_sh + casts + (e * (h + 1) if m.moe_shared_expert_gate else 0)
-    return attention_part + router + experts + shared
+    return router + experts + shared
 
 
-MOE_KINDS = ("moe", "mla_moe")  # block kinds (megapipe.models.spec) with routed experts
+def moe_layer_activation_bytes(m, precision: str, recompute: str, tp: int = 1, sp: bool = True) -> float:
+    """Bytes an MoE block keeps for backward per token of this rank's sequence: the dense block's residual, norm and
+    attention terms, then the MoE layer (``_moe_mlp_bytes``). Selective recompute keeps the layer input and the
+    outputs of the attention matmuls and kernel plus the MoE layer's; full recompute the layer input only."""
+    base = _block_base(m, recompute, tp, sp, norms=2)
+    if recompute == "full":
+        return base
+    return base + _attention_bytes(m, precision, recompute, tp) + _moe_mlp_bytes(m, precision, recompute)
+
+
+def mamba_in_projection_params(m) -> int:
+    """Weights of a Mamba-2 mixer's in-projections (z, x, B, C, dt), which it concatenates for one matmul when they
+    are plain local linears (megapipe.models.mamba.fused_linear: not under TP)."""
+    return m.hidden_size * (2 * m.mamba_inner + 2 * m.mamba_num_groups * m.mamba_state_dim + m.mamba_heads)
+
+
+MAMBA_KINDS = ("mamba", "parallel_hybrid")  # block kinds with a Mamba-2 mixer
+MOE_KINDS = ("moe", "mla_moe", "moe_mlp")  # block kinds (megapipe.models.spec) with routed experts
 
 
 def block_activation_bytes(m, kind: str, precision: str, recompute: str, tp: int = 1, sp: bool = True) -> float:
+    """``layer_activation_bytes`` for the block kind ``kind`` (megapipe.models.spec names)."""
+    if kind in SINGLE_MIXER_KINDS:
+        return single_mixer_activation_bytes(m, kind, precision, recompute, tp, sp)
+    if kind == "parallel_hybrid":
+        return parallel_hybrid_activation_bytes(m, precision, recompute, tp, sp)
     if kind in MOE_KINDS:
         return moe_layer_activation_bytes(m, precision, recompute, tp, sp)
     return layer_activation_bytes(m, precision, recompute, tp, sp)
@@ -411,7 +539,7 @@ def rank_memory(cfg, dims, seq_length: int, overhead: float = OVERHEAD_BYTES) ->
         expert_params = int(sum(lc.experts / ep for lc in mine))
         params = sum(lc.tp / tp + lc.rep for lc in mine)
         if first:
-            params += pc.embedding_tp / tp + pc.embedding_rep
+            params += pc.embedding_tp / tp + pc.embedding_rep + pc.vision
         if last:
             params += pc.head_rep + (pc.head_tp if not pc.tied else (0 if first else pc.embedding_tp)) / tp
             # the MTP modules (their blocks split as layers are) and, off the first stage, their embedding replica
@@ -456,6 +584,12 @@ def rank_memory(cfg, dims, seq_length: int, overhead: float = OVERHEAD_BYTES) ->
             copies = e * (cast if t.recompute == "none" else cast - (layers - 1) * biggest)
         else:
             copies = 0.0
+        n_mamba = sum(lc.kind in MAMBA_KINDS for lc in mine)
+        if n_mamba and tp == 1 and t.recompute == "none" and (fsdp > 1 or e == 4):
+            # each Mamba mixer saves its in-projections' weights concatenated for their one matmul (in the compute
+            # dtype: autocast's cast of it is the copy counted above), per layer and in-flight micro-batch
+            in_flight = _in_flight(dims.pp_schedule, pp, v, n_micro, r)
+            copies += e * n_mamba * mamba_in_projection_params(m) * in_flight
         n_moe = sum(lc.kind in MOE_KINDS for lc in mine)
         mb_per_step = n_micro if pp > 1 else dims.num_microbatches(t)
         a2a = 0.0
@@ -659,7 +793,43 @@ def plan(cfg, gpus: int, gpu_type: str = "h100", mfu: float = DEFAULT_MFU, top: 
         "layouts_valid": n_valid,
         "layouts_fit": n_fit,
         "kv_cache": kv_cache_bytes(cfg.model),
+        "vision": vision_share(cfg, pc, this.ranks[0], dims.dp_shard * dims.cp if dims.dp_mode == "fsdp" else 1),
     }
+
+
+VISION_IMAGE = (448, 448)  # the image (height, width in pixels) the vision tower's FLOPs are given for
+
+
+def vision_flops_per_image(m, height: int = VISION_IMAGE[0], width: int = VISION_IMAGE[1]) -> float:
+    """Training FLOPs (forward + backward, 6 per multiply-add) of the vision tower on one image: the patch
+    embedding, each block's matmuls and its attention scores and values over the patches it sees (a window, or the
+    whole image in the full-attention blocks), the patch merger's MLP per merged token."""
+    d, p, merge = m.vision_hidden_size, m.vision_patch_size, m.vision_spatial_merge_size
+    patches = (height // p) * (width // p)
+    window = min((m.vision_window_size // p) ** 2, patches)
+    block = 4 * d * d + 3 * d * m.vision_intermediate_size
+    seen = sum(patches if i in m.vision_fullatt_block_indexes else window for i in range(m.vision_depth))
+    embed = m.vision_in_channels * m.vision_temporal_patch_size * p * p * d
+    wide = d * merge ** 2
+    merger = (wide * wide + wide * m.hidden_size) * patches // merge ** 2
+    return 6.0 * (patches * (embed + m.vision_depth * block) + merger) + 6.0 * 2 * d * patches * seen
+
+
+def vision_share(cfg, pc: ParamCounts, first_rank: RankMemory, fsdp: int) -> Optional[dict]:
+    """The vision tower's share of the parameters, of the first pipeline rank's memory (its weights, gradients and
+    optimizer state; its activations are not modelled) and of a sample's FLOPs with one VISION_IMAGE image."""
+    m = cfg.model
+    if not pc.vision:
+        return None
+    optim = {"adamw": 8, "muon": 4}.get(cfg.optim.optimizer, 0)
+    memory = (8.0 + optim) * math.ceil(pc.vision / fsdp)
+    image = vision_flops_per_image(m)
+    text = flops_per_token(m, cfg.data.seq_length) * cfg.data.seq_length
+    merge = m.vision_spatial_merge_size * m.vision_patch_size
+    return {"params": pc.vision, "params_share": pc.vision / pc.total, "memory_bytes": memory,
+            "memory_share": memory / first_rank.total(cfg.train.recompute), "image": list(VISION_IMAGE),
+            "image_tokens": (VISION_IMAGE[0] // merge) * (VISION_IMAGE[1] // merge), "flops_per_image": image,
+            "flops_share": image / (image + text)}
 
 
 def kv_cache_bytes(m, bytes_per_value: int = 2) -> dict:

@@ -16,7 +16,7 @@ import pytest
 
 from megapipe.cli import main
 from megapipe.config import RLConfig
-from megapipe.data.chat_template import BUILTIN_TEMPLATES, load_chat_template
+from megapipe.data.chat_template import BUILTIN_TEMPLATES, load_chat_template, split_harmony
 from megapipe.data.sft import ChatEncoder, parse_record
 from megapipe.data.tokenizer import load_tokenizer
 from megapipe.errors import DataError
@@ -28,6 +28,7 @@ from tests.helpers.sft import train_chat_tokenizer
 
 SMOLLM2 = Path(os.environ.get("MEGAPIPE_SMOLLM2_DIR", Path.home() / ".cache/megapipe/smollm2"))
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+HARMONY_SPECIALS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>"]
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two numbers.", "parameters": {
     "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}}]
 # Each ends with the assistant's turn: rendered whole (what SFT trains on), and without it, generation prompt added
@@ -50,12 +51,13 @@ CONVERSATIONS = {
 
 @pytest.fixture(scope="module")
 def bare_tok(tmp_path_factory) -> Path:
-    """The tests' chat tokenizer (ChatML's tokens) with Llama 3's tokens added, and no template of its own."""
+    """The tests' chat tokenizer (ChatML's tokens) with Llama 3's and harmony's tokens added, and no template of its
+    own."""
     from tokenizers import Tokenizer
 
     out = train_chat_tokenizer(tmp_path_factory.mktemp("bare"))
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
-    tok.add_special_tokens(LLAMA3_SPECIALS)
+    tok.add_special_tokens(LLAMA3_SPECIALS + HARMONY_SPECIALS)
     tok.save(str(out / "tokenizer.json"))
     config = json.loads((out / "tokenizer_config.json").read_text())
     (out / "tokenizer_config.json").write_text(json.dumps({**config, "bos_token": "<|begin_of_text|>"}))
@@ -137,7 +139,7 @@ def check_every_path(bare_tok: Path, choice, served_tok: Path, tmp_path: Path, c
             assert server_render(srv, messages, False) == whole, name
 
 
-@pytest.mark.parametrize("choice", ["chatml", "llama3"])
+@pytest.mark.parametrize("choice", ["chatml", "llama3", "harmony"])
 def test_builtin_templates_render_alike_through_every_path(bare_tok, choice, tmp_path, capsys):
     check_every_path(bare_tok, choice, sft_checkpoint_tokenizer(bare_tok, choice, tmp_path / "ckpt-tok"), tmp_path,
                      capsys)
@@ -233,3 +235,106 @@ def test_a_refusing_template_is_a_400_in_serve_and_a_data_error_in_sft(bare_tok,
     assert (r.status_code, r.json()["error"]["message"], r.json()["error"]["param"]) == (400, sentence, "messages")
     with pytest.raises(DataError, match=f"x:1: {sentence}"):
         ChatEncoder(tok).encode(parse_record({"messages": messages}, "x:1"))
+
+
+HARMONY_SYSTEM = ("<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\nKnowledge "
+                  "cutoff: 2024-06\n\nReasoning: medium\n\n# Valid channels: analysis, commentary, final. Channel "
+                  "must be included for every message.")
+
+
+def test_harmony_renders_the_published_format_and_trains_the_current_turn_only(bare_tok, tmp_path):
+    """GPT-OSS's conversations: the system message, the developer's instructions, an earlier turn as history (its
+    reasoning dropped, <|end|>), the current turn's reasoning on the analysis channel and its answer on the final one
+    ending in <|return|>; SFT trains exactly that last answer, and serve sends the prompt SFT's text continues."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 plus 3?"},
+                {"role": "assistant", "thinking": "Add them.", "content": "ANSWER: 5"},
+                {"role": "user", "content": "And 4 plus 4?"},
+                {"role": "assistant", "reasoning_content": "Four and four.", "content": "ANSWER: 8"}]
+    prompt = (HARMONY_SYSTEM + "<|end|><|start|>developer<|message|># Instructions\n\nBe brief.\n\n<|end|>"
+              "<|start|>user<|message|>What is 2 plus 3?<|end|>"
+              "<|start|>assistant<|channel|>final<|message|>ANSWER: 5<|end|>"
+              "<|start|>user<|message|>And 4 plus 4?<|end|><|start|>assistant")
+    answer = ("<|channel|>analysis<|message|>Four and four.<|end|>"
+              "<|start|>assistant<|channel|>final<|message|>ANSWER: 8<|return|>")
+    encoder = ChatEncoder(bare_tok, "harmony")
+    text, ids, _, trained = encoder.encode_detailed(parse_record({"messages": messages}, "x:1"))
+    assert text == prompt + answer
+    vocab = encoder.vocab
+    assert encoder.hf.decode(ids[trained].tolist()) == answer
+    assert ids[trained][0] == vocab["<|channel|>"] and ids[-1] == vocab["<|return|>"]
+    assert (ids == vocab["<|return|>"]).sum() == 1 and (ids == vocab["<|start|>"]).sum() == 7
+    served = sft_checkpoint_tokenizer(bare_tok, "harmony", tmp_path / "ckpt-tok")
+    plain = [{k: v for k, v in m.items() if k in ("role", "content")} for m in messages]
+    want_ids = encoder.hf(prompt, add_special_tokens=False)["input_ids"]
+    assert server_render(server(served), plain[:-1], True) == (prompt, want_ids) == \
+        (encoder.render(messages[:-1], add_generation_prompt=True), ids[:len(want_ids)].tolist())
+
+
+def test_harmony_tool_calls_go_to_the_commentary_channel(bare_tok):
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Gets the weather.",
+              "parameters": {"type": "object", "required": ["city"], "properties": {
+                  "city": {"type": "string", "description": "The city."},
+                  "unit": {"type": "string", "enum": ["c", "f"], "default": "c"},
+                  "days": {"type": "array", "items": {"type": "integer"}}}}}},
+             {"type": "function", "function": {"name": "now"}}]
+    messages = [{"role": "user", "content": "Weather in Lima?"},
+                {"role": "assistant", "thinking": "Ask the tool.", "tool_calls": [
+                    {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Lima"}}}]},
+                {"role": "tool", "content": '{"sunny": true}'},
+                {"role": "assistant", "thinking": "Sunny.", "content": "It is sunny."}]
+    call = ("<|start|>assistant<|channel|>analysis<|message|>Ask the tool.<|end|><|start|>assistant to=functions."
+            'get_weather<|channel|>commentary json<|message|>{"city": "Lima"}<|call|>')
+    want = (HARMONY_SYSTEM + "\nCalls to these tools must go to the commentary channel: 'functions'.<|end|>"
+            "<|start|>developer<|message|># Tools\n\n## functions\n\nnamespace functions {\n\n"
+            "// Gets the weather.\ntype get_weather = (_: {\n// The city.\ncity: string,\n"
+            'unit?: "c" | "f", // default: c,\ndays?: number[],\n}) => any;\n\n'
+            "type now = () => any;\n\n} // namespace functions<|end|>"
+            "<|start|>user<|message|>Weather in Lima?<|end|>" + call +
+            '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>{"sunny": true}<|end|>'
+            "<|start|>assistant<|channel|>analysis<|message|>Sunny.<|end|>"
+            "<|start|>assistant<|channel|>final<|message|>It is sunny.<|return|>")
+    encoder = ChatEncoder(bare_tok, "harmony")
+    text, ids, _, trained = encoder.encode_detailed(parse_record({"messages": messages, "tools": tools}, "x:1"))
+    assert text == want
+    # the call and the answer are trained (the current turn), the tool's result is not
+    assert encoder.hf.decode(ids[trained].tolist()) == call.removeprefix("<|start|>assistant") + \
+        "<|channel|>analysis<|message|>Sunny.<|end|><|start|>assistant<|channel|>final<|message|>It is sunny.<|return|>"
+    with pytest.raises(DataError, match="refused the conversation: a tool message follows no tool call"):
+        encoder.encode(parse_record({"messages": [messages[0], messages[2], messages[3]]}, "x:1"))
+
+
+def test_harmony_replies_split_into_answer_and_reasoning(bare_tok, tmp_path):
+    """What the model writes after <|start|>assistant: the final channel is the content, the analysis channel the
+    reasoning, tool calls (commentary) neither; every prefix of the reply splits into prefixes of the whole reply's
+    parts (streaming deltas); the server on the tokenizer SFT wrote splits the text its engine detokenizes with the
+    special tokens kept, and leaves other templates' replies whole."""
+    from megapipe.inference.detokenize import Detokenizer
+
+    reply = ("<|channel|>analysis<|message|>Four and four.<|end|><|start|>assistant to=functions.add<|channel|>"
+             'commentary json<|message|>{"a": 4}<|call|>'
+             "<|start|>assistant<|channel|>final<|message|>ANSWER: 8<|return|>")
+    assert split_harmony(reply) == ("ANSWER: 8", "Four and four.")
+    assert split_harmony("<|channel|>final<|message|>Hi") == ("Hi", None)  # cut short, no reasoning
+    assert split_harmony("") == ("", None)
+    srv = server(sft_checkpoint_tokenizer(bare_tok, "harmony", tmp_path / "ckpt-tok"))
+    tok = srv.tokenizer
+    detok = Detokenizer(tok, [], frozenset())  # skip_special_tokens off, as the server asks for harmony
+    ids = tok.encode(reply)
+    seen = {"content": "", "reasoning_content": ""}
+    for i, t in enumerate(ids):
+        detok.add(t, final=i == len(ids) - 1)
+        for key, value in srv._reply(detok.text).items():
+            assert value.startswith(seen[key])
+            seen[key] = value
+    assert detok.text == reply and seen == {"content": "ANSWER: 8", "reasoning_content": "Four and four."}
+    assert server(sft_checkpoint_tokenizer(bare_tok, "chatml", tmp_path / "chatml-tok"))._reply(reply) == \
+        {"content": reply}
+    # RL samples harmony completions with their markers and scores their final channel
+    rl = RLConfig(task="arithmetic", chat_template="harmony")
+    _, _, renderer = RLRecipe(rl).parts(SimpleNamespace(rl=rl), load_tokenizer(bare_tok), 0)
+    assert renderer.channels and renderer.answer(reply) == "ANSWER: 8"
+    from megapipe.posttrain.rl.rollout import RolloutWorker
+
+    assert not RolloutWorker.sampling_params(SimpleNamespace(rl=rl, renderer=renderer)).skip_special_tokens
+    assert renderer.render("What is 4 plus 4?").endswith("<|start|>user<|message|>What is 4 plus 4?<|end|>"
+                                                         "<|start|>assistant")

@@ -70,7 +70,8 @@ def test_prompt_completion_text_and_tool_records(tok):
 
 
 def test_templates_own_builtin_file_and_their_errors(tok, tmp_path):
-    with pytest.raises(DataError, match="has no chat template: pass --chat-template chatml, llama3 or a FILE.jinja"):
+    with pytest.raises(DataError,
+                       match="has no chat template: pass --chat-template chatml, llama3, harmony or a FILE.jinja"):
         ChatEncoder(tok).encode(parse_record(CHAT, "data.jsonl:3"))
     with pytest.raises(DataError, match="--chat-template llama3 needs the special token <\\|begin_of_text\\|>"):
         ChatEncoder(tok, "llama3")

@@ -104,6 +104,9 @@ MODELS["mla"] = {**MODELS["moe_bias"], "arch": "deepseek_v3", "multi_latent_atte
                  "max_position_embeddings": 64, "moe_shared_expert_intermediate_size": 16,
                  "moe_first_k_dense_replace": 1}
 MODELS["mla_mtp"] = {**MODELS["mla"], "mtp_num_layers": 2, "mtp_loss_scaling_factor": 0.5}
+# DeepSeek-V3.2-shaped: the "mla" model with the sparse attention's indexer (frozen), 6 keys of up to 16 per query
+MODELS["dsa"] = {**MODELS["mla"], "arch": "deepseek_v32", "experimental_attention_variant": "dsa",
+                 "dsa_indexer_n_heads": 4, "dsa_indexer_head_dim": 8, "dsa_indexer_topk": 6}
 MODELS["mtp_tied"] = {**MODELS["tied"], "mtp_num_layers": 1, "mtp_loss_scaling_factor": 0.5}
 # Nemotron-H-shaped hybrid (nemotron-h-tiny in small): one mixer per layer, Mamba-2 (4 heads in 2 groups, two SSD
 # chunks per sequence), attention, squared-ReLU MLP and an MoE layer; its pipeline split follows the layers' costs
@@ -213,7 +216,7 @@ def reference(cfg: Config, masked: bool = False, opts: dict | None = None) -> di
         out["losses"].append(result.item())
         out["moe"].append({k: v for k, v in result.metrics.items() if k.startswith("moe/")})
         if i == 0:
-            out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+            out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
         norm = clip_grad_norm_(model, CLIP, trivial)
         if i == 0:
             out["norm"] = norm.item()
@@ -284,7 +287,7 @@ def run_case(text: str) -> dict:
         res["moe_rel"] = max(res["moe_rel"], moe_rel({k: v for k, v in result.metrics.items() if k.startswith("moe/")},
                                                      ref["moe"][i]))
         if i == 0:
-            grads = [(n, p.grad) for n, p in model.named_parameters()]
+            grads = [(n, p.grad) for n, p in model.named_parameters() if p.requires_grad]  # not a frozen indexer
             res["grad_abs"] = max_diff(grads, ref["grads"])
             res["grad_rel"] = max_rel(((n, full(g)) for n, g in grads), ref["grads"])
         norm = clip_grad_norm_(model, CLIP, dims)
@@ -304,7 +307,8 @@ def run_case(text: str) -> dict:
     updates = ((n, full(p.detach()) - init[n]) for n, p in model.named_parameters())
     res["update_rel"] = max_rel(updates, {n: ref["params"][n] - ref["init"][n] for n in ref["params"]})
     # master weights and their gradients stay fp32 whatever the compute precision
-    res["not_fp32"] = float(any(p.dtype != torch.float32 or p.grad.dtype != torch.float32 for p in model.parameters()))
+    res["not_fp32"] = float(any(p.dtype != torch.float32 or (p.requires_grad and p.grad.dtype != torch.float32)
+                                for p in model.parameters()))
     last = micro(batches(cfg, 1, masked)[0], lo, lo + per_rank, MICRO)
     res["eval_rel"] = abs(eval_step(model, last, dims, fused=fused).item() - ref["eval"]) / ref["eval"]
     res["n_params_checked"] = len(list(model.parameters()))

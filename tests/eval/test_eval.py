@@ -26,13 +26,12 @@ def run_cli(args, capsys) -> tuple[int, str, str]:
 
 def direct_perplexity(hf_dir: Path, prefix: str, seq_length: int, count: int) -> tuple[float, int]:
     """Mean next-token loss of transformers' own model over Megatron windows (seq_length + 1 tokens, overlap 1)."""
-    import transformers
-
     from megapipe.data.indexed import IndexedDataset
+    from tests.helpers.hf_tiny import hf_auto_class
 
     data = IndexedDataset(prefix)
     stream = torch.cat([torch.as_tensor(data[i].astype("int64")) for i in range(len(data))])
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    model = hf_auto_class(hf_dir).from_pretrained(hf_dir, dtype=torch.float32).eval()
     total, tokens = 0.0, 0
     with torch.no_grad():
         for i in range(count):

@@ -52,6 +52,17 @@ def _hf_config(arch: str):
             moe_intermediate_size=32, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8,
             v_head_dim=10, n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
             rms_norm_eps=1e-6, rope_parameters=yarn, num_nextn_predict_layers=0)
+    if arch == "deepseek_v32":  # DeepSeek-V3's shapes plus the sparse attention's indexer: 4 keys per query
+        v3 = _hf_config("deepseek_v3").to_dict()
+        fields = {k: v3[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                     "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
+                                     "initializer_range", "tie_word_embeddings", "n_routed_experts",
+                                     "n_shared_experts", "moe_intermediate_size", "q_lora_rank", "kv_lora_rank",
+                                     "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group", "topk_group",
+                                     "num_experts_per_tok", "first_k_dense_replace", "routed_scaling_factor",
+                                     "rms_norm_eps", "rope_parameters")}
+        return transformers.DeepseekV32Config(**fields, index_n_heads=8, index_head_dim=16, index_topk=4,
+                                              attn_implementation="eager")
     if arch == "nemotron_h":  # Mamba-2, attention (no positions) and squared-ReLU MLP layers; 24 tokens span chunks
         return transformers.NemotronHConfig(
             vocab_size=VOCAB, hidden_size=64, intermediate_size=128, layers_block_type=[
@@ -78,8 +89,8 @@ FALCON_H1 = dict(mamba_d_ssm=128, mamba_n_heads=8, mamba_n_groups=2, mamba_d_sta
                  mlp_multipliers=[1.1, 0.6], rope_parameters={"rope_type": "default", "rope_theta": 1e5})
 
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "nemotron_h",
-         "falcon_h1", "gpt_oss")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3",
+         "deepseek_v32", "nemotron_h", "falcon_h1", "gpt_oss", "qwen2_5_vl")
 
 
 def make_hf_dir(root: Path, arch: str, seed: int = 0, dtype=torch.float32, **config) -> tuple[Path, object]:
@@ -87,8 +98,11 @@ def make_hf_dir(root: Path, arch: str, seed: int = 0, dtype=torch.float32, **con
     VOCAB ids (0 = <|endoftext|>) in ``root``."""
     import transformers
 
-    from megapipe.data.tokenizer import train_tokenizer
+    if arch == "qwen2_5_vl":  # a vision-language model (tests.helpers.hf_vl)
+        from tests.helpers.hf_vl import make_vl_dir
 
+        assert not config and dtype == torch.float32
+        return make_vl_dir(root, seed)
     root.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     cfg = _hf_config(arch)
@@ -99,7 +113,7 @@ def make_hf_dir(root: Path, arch: str, seed: int = 0, dtype=torch.float32, **con
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.3)
-    if arch == "deepseek_v3":  # a trained-looking score-correction bias, so it takes part in the routing
+    if arch in ("deepseek_v3", "deepseek_v32"):  # a trained-looking score-correction bias, so it takes part in the routing
         with torch.no_grad():
             for layer in model.model.layers[cfg.first_k_dense_replace:]:
                 layer.mlp.gate.e_score_correction_bias.normal_(0, 0.3)
@@ -111,12 +125,19 @@ def make_hf_dir(root: Path, arch: str, seed: int = 0, dtype=torch.float32, **con
                 if name.endswith(("_bias", ".bias", ".sinks")):
                     p.normal_(0, 0.5)
     model.save_pretrained(root)
+    save_tokenizer(root)
+    return root, model.to(dtype)
+
+
+def save_tokenizer(root: Path) -> None:
+    """A trained byte-level BPE of VOCAB ids (0 = <|endoftext|>) with CHAT_TEMPLATE, in ``root``."""
+    from megapipe.data.tokenizer import train_tokenizer
+
     train_tokenizer(TEXTS, vocab_size=VOCAB, output=root)
     config_file = root / "tokenizer_config.json"
     tok_cfg = json.loads(config_file.read_text()) if config_file.is_file() else {}
     tok_cfg["chat_template"] = CHAT_TEMPLATE
     config_file.write_text(json.dumps(tok_cfg))
-    return root, model.to(dtype)
 
 def export_round_trip(hf_dir: Path, work: Path) -> Path:
     """``import hf`` then ``export hf --dtype fp32`` of ``hf_dir`` (in ``work``); asserts the exported safetensors hold
@@ -146,6 +167,14 @@ def randomize_mamba(model, dt_bias_mean: float = 0.0) -> None:
                 p.copy_(dt_bias_mean + torch.randn_like(p))
             elif name.endswith("conv1d.bias"):
                 p.copy_(0.3 * torch.randn_like(p))
+
+
+def hf_auto_class(hf_dir: Path):
+    """The transformers auto class that loads ``hf_dir``: text + image models have their own."""
+    import transformers
+
+    vision = "vision_config" in json.loads((Path(hf_dir) / "config.json").read_text())
+    return transformers.AutoModelForImageTextToText if vision else transformers.AutoModelForCausalLM
 
 
 def hf_greedy(hf_model, prompt: list[int], max_new: int) -> list[int]:

@@ -115,3 +115,55 @@ def test_a_windowed_model_holds_only_its_window(mistral, cpu_kernels, one_thread
     assert max(held[1:]) <= 8 // 4 + 2 and len(prompts[0]) + 30 > 4 * (8 // 4 + 2) * 2
     assert run_staggered(engine, prompts, params, every=1) == want
     assert engine.blocks.usage() == 0
+
+
+@pytest.mark.parametrize("cpu_kernels", KERNELS)
+def test_the_windowed_layer_holds_only_its_window(gpt_oss, cpu_kernels, one_thread):
+    """GPT-OSS's windowed layer (window 4) has a block table of its own: a long generation holds at most the window's
+    blocks plus the one being filled there (the full layer keeps every block), and greedy output is the same as with
+    nothing given back and as transformers'; a later prompt sharing the prefix, whose windowed blocks were given back
+    (still cached), takes it from the prefix cache and decodes the same."""
+    path, hf = gpt_oss
+    prompts = [list(range(60, 97)), list(range(60, 90)) + [7, 8]]
+    params = SamplingParams(max_tokens=30, **GREEDY)
+    want = [hf_greedy(hf, p, 30) for p in prompts]
+    engine = LLMEngine.from_pretrained(path, device="cpu", cpu_kernels=cpu_kernels, block_size=4)
+    assert engine.pool.windowed_layers == {0} and engine.scheduler.window == 4
+    # blocks for every sequence's window (and a step's chunks) on the windowed layer, the rest of the memory for the
+    # full one
+    windowed = engine.pool.windowed_blocks
+    assert windowed == engine.scheduler.window_blocks.num_blocks < engine.pool.num_blocks
+    assert engine.pool.k[0].shape[1] == windowed * 4 and engine.pool.k[1].shape[1] == engine.pool.num_blocks * 4
+    held, full = [], []
+    engine.add_request("long", prompts[0], params)
+    while engine.has_unfinished():
+        engine.step()
+        held += [len(s.window_ids) - s.num_window_evicted for s in engine.scheduler.running]
+        full += [(len(s.block_ids), -(-s.num_computed // 4), s.num_evicted) for s in engine.scheduler.running]
+    assert max(held[1:]) == -(-4 // 4) + 1 and len(held) >= 29
+    assert all(n == need and evicted == 0 for n, need, evicted in full)
+    got = engine.generate([prompts[1]], params)[0]
+    assert got.num_cached_tokens == 28 and got.outputs[0].token_ids == want[1]
+
+    keeping = LLMEngine.from_pretrained(path, device="cpu", cpu_kernels=cpu_kernels, block_size=4)
+    keeping.scheduler.window = None  # nothing given back
+    outs = [keeping.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    assert outs == want and engine.generate([prompts[0]], params)[0].outputs[0].token_ids == want[0]
+    assert engine.blocks.usage() == engine.scheduler.window_blocks.usage() == 0
+
+
+def test_a_prefix_hit_needs_only_the_windowed_blocks_within_the_window(gpt_oss, one_thread):
+    """A windowed pool of 5 blocks (one sequence, chunks of 8): the first prompt's early windowed blocks are reused
+    while it is prefilled, yet a prompt sharing its 28-token prefix takes it from the cache (the full layer's 7
+    blocks, the windowed layer's block within the window of its end) and decodes as transformers does."""
+    path, hf = gpt_oss
+    first, second = list(range(60, 90)), list(range(60, 90)) + [7, 8]
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    engine = LLMEngine.from_pretrained(path, device="cpu", block_size=4, max_num_seqs=1, max_num_batched_tokens=8)
+    assert engine.pool.windowed_blocks == 1 * (4 // 4 + 2) + 8 // 4
+    assert engine.generate([first], params)[0].outputs[0].token_ids == hf_greedy(hf, first, 8)
+    windowed = engine.scheduler.window_blocks
+    assert sum(h is not None for h in windowed.hash) < 7  # not every block of the prefix is cached there
+    got = engine.generate([second], params)[0]
+    assert got.num_cached_tokens == 28 and got.outputs[0].token_ids == hf_greedy(hf, second, 8)
+    assert engine.blocks.usage() == windowed.usage() == 0

@@ -270,12 +270,27 @@ def test_bf16_linear_refuses_mismatched_shapes_and_leaves_odd_widths_to_onednn(b
 def test_bf16_engine_on_the_own_linears_scores_as_on_onednn(bf16_linear, hf_llama, one_thread):
     """Teacher-forced (prompt logprobs, so no diverging continuation): the same log-probs within bf16 round-off."""
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, **GREEDY)
-    engines = [LLMEngine.from_pretrained(hf_llama[0], device="cpu", dtype="bfloat16", cpu_kernels=flag)
-               for flag in (None, False)]
+    engines = [LLMEngine.from_pretrained(hf_llama[0], device="cpu", dtype="bfloat16", cpu_kernels=flag,
+                                         bf16_linear="own") for flag in (None, False)]
     assert engines[0].runner.own_linears and not engines[1].runner.own_linears
     scored = [[lp for out in engine.generate(PROMPTS, params) for lp, _ in out.prompt_logprobs[1:]]
               for engine in engines]
     torch.testing.assert_close(torch.tensor(scored[0]), torch.tensor(scored[1]), atol=0.1, rtol=0)
+
+
+def test_bf16_linear_choice_is_measured_or_as_set(bf16_linear, hf_llama, capsys, one_thread):
+    own, why = kernels.choose_bf16_linear("auto", 96, 64)
+    assert f"bf16 matmuls on {'megapipe' if own else 'oneDNN'}" in why and "96x64 weight" in why
+    assert "megapipe" in why.split("measured")[1] and "oneDNN" in why.split("measured")[1]
+    assert kernels.choose_bf16_linear("onednn", 96, 64)[0] is False
+    assert kernels.choose_bf16_linear("own", 96, 64)[0] is True
+    with pytest.raises(ValueError, match="bf16_linear = 'amx' must be one of auto, own, onednn"):
+        kernels.choose_bf16_linear("amx", 96, 64)
+    engine = LLMEngine.from_pretrained(hf_llama[0], device="cpu", dtype="bfloat16", bf16_linear="onednn")
+    assert not engine.runner.own_linears
+    assert "megapipe: bf16 matmuls on oneDNN (as set)" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="--bf16-linear = 'fast' must be one of auto, own, onednn"):
+        LLMEngine.from_pretrained(hf_llama[0], device="cpu", dtype="bfloat16", bf16_linear="fast")
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])

@@ -69,6 +69,23 @@ def test_state_slots_beside_kv_blocks_of_the_attention_layers_only(hybrid):
         engine_on(model, max_num_seqs=4, kv_cache_memory=1000)
 
 
+def test_default_memory_caps_the_sequences_decoded_at_once_by_their_state(hybrid, monkeypatch, capsys):
+    """Without --kv-cache-memory, states of --max-num-seqs sequences beyond STATE_MEMORY are not allocated: fewer
+    sequences run at once (said on stderr), the rest wait, and every output is still the full forward's."""
+    from megapipe.inference import engine as engine_module
+    from megapipe.inference.state_cache import state_bytes_per_sequence
+
+    model, want = hybrid
+    per_seq = state_bytes_per_sequence(model, torch.float32)
+    monkeypatch.setattr(engine_module, "STATE_MEMORY", 2 * per_seq + 1)
+    engine = engine_on(model, max_num_seqs=64)
+    assert engine.states.num_slots == 2 and engine.scheduler.max_num_seqs == 2
+    assert "decoding 2 at once (set --kv-cache-memory to choose)" in capsys.readouterr().err
+    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=STEPS, **GREEDY))
+    assert [o.outputs[0].token_ids for o in outs] == [want[i][:STEPS] for i in range(len(PROMPTS))]
+    assert engine_on(model, max_num_seqs=64, kv_cache_memory=1 << 24).states.num_slots == 64  # as asked
+
+
 def test_bf16_keeps_the_conv_window_in_the_model_dtype_and_the_ssm_state_in_fp32(hybrid):
     engine = LLMEngine(copy.deepcopy(hybrid[0]).to(torch.bfloat16), config=EngineConfig(max_num_seqs=2, cpu_kernels=False),
                        eos_token_ids=[])

@@ -74,9 +74,14 @@ def test_prefix_cache_hits_and_decode_logprobs(deepseek, cpu_kernels, one_thread
     """Continuations over cached latents give transformers' tokens; every decoded token's logprob (the absorbed
     form) is within 1e-4 of transformers' full forward over the same sequence."""
     path, hf = deepseek
+    assert_prefix_hits_and_logprobs(engine_on(path, cpu_kernels), hf)
+
+
+def assert_prefix_hits_and_logprobs(engine: LLMEngine, hf) -> None:
+    """Three prompts sharing three blocks, the last two after the first: they hit its cached blocks, their greedy
+    tokens are transformers', every logprob within 1e-4 of transformers' full forward."""
     system = list(range(10, 58))  # three full blocks of 16
     prompts = [system + [i, i + 1, i + 2] for i in (100, 120, 140)]
-    engine = engine_on(path, cpu_kernels)
     params = SamplingParams(max_tokens=10, logprobs=0, **GREEDY)
     outs = engine.generate(prompts[:1], params) + engine.generate(prompts[1:], params)
     assert [o.num_cached_tokens for o in outs] == [0, 48, 48]
@@ -95,7 +100,11 @@ def test_bf16_decodes_within_round_off_of_fp32(deepseek, cpu_kernels, one_thread
     """bf16 (packed matmuls, the absorbed decode in bf16): its greedy tokens' logprobs, teacher-forced through
     transformers in fp32 over the same sequence, within bf16 round-off (as the MoE engines' bound)."""
     path, hf = deepseek
-    engine = engine_on(path, cpu_kernels, dtype="bfloat16")
+    assert_bf16_within_round_off(engine_on(path, cpu_kernels, dtype="bfloat16"), hf)
+
+
+def assert_bf16_within_round_off(engine: LLMEngine, hf) -> None:
+    """A bf16 engine's greedy tokens' logprobs against transformers' fp32 forward over the same sequences."""
     outs = engine.generate(PROMPTS, SamplingParams(max_tokens=10, logprobs=0, **GREEDY))
     diffs = []
     for prompt, out in zip(PROMPTS, outs, strict=True):

@@ -29,15 +29,14 @@ def test_a_row_is_the_meet_of_kinds_and_family():
     mixed = ModelConfig(num_experts=4, moe_first_k_dense_replace=1)  # DeepSeek-shaped: a dense layer, then MoE
     assert describe(mixed) == "Llama (dense + MoE)" and describe(MIXTRAL) == "Mixtral"
     assert "prune" not in capabilities(mixed).stages and "ep" in capabilities(mixed).layouts
-    assert "up" not in family_row("gpt2").lora and "cp" not in family_row("mistral").layouts
+    assert "up" not in family_row("gpt2").lora and "cp" in family_row("mistral").layouts
 
 
 @pytest.mark.parametrize("call, words", [
     (lambda: require(MIXTRAL, "prune", "/ckpt"), "/ckpt: prune does not support Mixtral models"),
     (lambda: require(ModelConfig(), "pretrain", layouts=["tp", "ep"]),
      "pretrain of Llama models does not support layouts ep (supported: dp_replicate, dp_shard, tp, sp, pp, cp)"),
-    (lambda: require(ModelConfig(arch="mistral"), "sft", layouts=["cp"]), "sft of Mistral models does not support "
-     "layouts cp"),
+    (lambda: require(MIXTRAL, "sft", lora=["q", "gate"]), "sft of Mixtral models does not support lora gate"),
 ])
 def test_refusals_are_one_sentence_naming_architecture_and_stage(call, words):
     with pytest.raises(MegapipeError) as e:

@@ -54,6 +54,9 @@ CASES_2 = [
     # DeepSeek-V3-shaped: MLA + MoE (+ MTP) in every layout (cp: k and v heads of different widths on the ring)
     "ddp2:model=mla", "tp2:model=mla_mtp:mask=1", "tp2:sp=0:model=mla_mtp", "ep2:model=mla_mtp",
     "pp2:model=mla_mtp:schedule=Interleaved1F1B", "cp2:model=mla_mtp:mask=1",
+    # DeepSeek-V3.2-shaped: MLA + MoE with the sparse attention's frozen indexer (replicated under tp); no cp
+    "dp_shard2:model=dsa", "ddp2:model=dsa", "tp2:model=dsa:mask=1", "tp2:sp=0:model=dsa", "ep2:model=dsa",
+    "pp2:model=dsa:schedule=GPipe",
     # TP without FSDP: replicated parameters (norms without SP, learned positions, MoE layers) are replicated DTensors
     # beside the sharded ones, as the trainer's foreach optimizer needs ("tp2:sp=0:model=gpt2" above too)
     "tp2:sp=0:model=moe",
@@ -64,8 +67,12 @@ CASES_2 = [
     # Falcon-H1-shaped (Mamba beside attention on one normed input, muP multipliers off 1): the block's plan put
     # together from the Mamba, attention and MLP plans under tp (with and without sp), pp, FSDP, DDP
     "tp2:model=falcon", "tp2:sp=0:model=falcon", "pp2:model=falcon", "dp_shard2:model=falcon", "ddp2:model=falcon",
-    # GPT-OSS-shaped (sinks, windowed and full layers, biased router, clamped-SwiGLU experts with biases): FSDP, DDP
-    "dp_shard2:model=gptoss", "ddp2:model=gptoss",
+    # GPT-OSS-shaped (sinks, windowed and full layers, biased router, clamped-SwiGLU experts with biases): FSDP, DDP,
+    # TP with and without SP (the sinks split with the heads, q/k/v biases with them), EP (experts and their biases
+    # split, the biased router replicated), PP (the windowed and the full layer on different stages), CP (the ring
+    # attention masks each pair of chunks by the window and adds the sinks to each row's log-sum-exp); Mistral on CP
+    "dp_shard2:model=gptoss", "ddp2:model=gptoss", "tp2:model=gptoss", "tp2:sp=0:model=gptoss", "ep2:model=gptoss",
+    "pp2:model=gptoss:schedule=GPipe", "cp2:model=gptoss", "cp2:model=mistral",
     # Muon: FSDP / TP shards of a matrix gathered for Newton-Schulz, experts orthogonalised where ep put them
     "dp_shard2:optim=muon", "tp2:optim=muon", "ep2:model=moe:optim=muon", "pp2:optim=muon:schedule=GPipe",
 ]
@@ -90,6 +97,7 @@ CASES_4 = [
     "pp2,tp2:model=mtp_tied:schedule=Interleaved1F1B",
     "pp2,ep2:model=mla_mtp:save=ckpt_mla", "tp2,dp_shard2:model=mla_mtp:load=ckpt_mla",
     "ep2,cp2:model=mla_mtp:load=ckpt_mla",
+    "pp2,tp2:model=dsa", "dp_shard2,tp2:model=dsa",  # DeepSeek-V3.2-shaped
     # TP without FSDP (see CASES_2): a dense model with biases, and the ep-sharded MoE checkpoint resumed on pp x tp
     "pp2,tp2:sp=0:model=qk", "pp2,tp2:sp=0:model=moe:load=ckpt_ep2",
     # the hybrid on FSDP x TP, and saved on pp x tp, resumed exactly on FSDP x TP
@@ -101,6 +109,11 @@ CASES_4 = [
     "dp_replicate2,dp_shard2:optim=muon",
     "ep2,dp_shard4:model=moe:optim=muon:save=ckpt_muon", "pp2,tp2:model=moe:optim=muon:load=ckpt_muon",
     "ep4:model=moe:optim=muon:load=ckpt_muon",
+    # GPT-OSS-shaped on the combinations: FSDP x TP, PP x TP, EP x TP, PP x EP, HSDP, FSDP x CP, CP x TP, EP x CP,
+    # PP x CP; Mistral on DDP x CP
+    "dp_shard2,tp2:model=gptoss", "pp2,tp2:model=gptoss", "ep2,tp2:model=gptoss", "pp2,ep2:model=gptoss:schedule=GPipe",
+    "dp_replicate2,dp_shard2:model=gptoss", "dp_shard2,cp2:model=gptoss", "cp2,tp2:model=gptoss",
+    "ep2,cp2:model=gptoss", "pp2,cp2:model=gptoss", "ddp2,cp2:model=mistral",
 ]
 CASES_8 = ["pp2,dp_shard2,tp2", "dp_shard2,cp2,tp2", "pp2,ep2,tp2:model=moe_bias"]
 

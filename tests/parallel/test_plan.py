@@ -127,7 +127,7 @@ def test_saved_activations_equal_the_formula_exactly():
         cfg = tool.build_cfg(precision, "none", 2, 2, model_over, seq=32)
         model = build_model(cfg.model, seed=0)
         tokens = torch.randint(0, 512, (2, 32))
-        measured = tool._saved_bytes(model, tokens, lambda p=precision: autocast(p, "cpu"))
+        measured = tool._saved_bytes(model, (tokens,), lambda p=precision: autocast(p, "cpu"))
         predicted = tool.predict(cfg)["saved_activations"]
         # the only unmodelled saved tensors are RoPE's cos/sin tables (2 x S x head_dim fp32 = 4 KB here)
         assert abs(predicted - measured) <= 2 * 32 * 16 * 4, (precision, predicted, measured)
@@ -316,7 +316,7 @@ def test_moe_saved_activations_equal_the_formula():
     for precision in ("fp32", "bf16"):
         cfg = tool.build_cfg(precision, "none", 2, 2, model_over, seq=32)
         model = build_model(cfg.model, seed=0)
-        measured = tool._saved_bytes(model, torch.randint(0, 512, (2, 32)), lambda p=precision: autocast(p, "cpu"))
+        measured = tool._saved_bytes(model, (torch.randint(0, 512, (2, 32)),), lambda p=precision: autocast(p, "cpu"))
         predicted = tool.predict(cfg)["saved_activations"]
         assert abs(predicted - measured) <= 2 * 32 * 16 * 4 + 256, (precision, predicted, measured)
 
@@ -358,3 +358,103 @@ def test_mtp_parameters_are_counted_apart(capsys):
     base = P.rank_memory(plain, ParallelDims.from_config(plain.parallel, 4, plain.train, plain.model, 64), 64)
     assert stages[0].params == base[0].params
     assert stages[1].params - base[1].params == (pc.mtp - pc.mtp_tp) + pc.mtp_tp // 2 + pc.embedding_tp // 2
+
+
+_HYBRID_TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_heads=4, num_kv_heads=2,
+                    mamba_num_heads=8, mamba_head_dim=16, mamba_state_dim=16, mamba_num_groups=2, mamba_chunk_size=8)
+_HYBRIDS = {
+    # Nemotron-H's kinds: Mamba-2 (norm of y * silu(z)), attention without positions, squared-ReLU MLP
+    "nemotron": dict(_HYBRID_TINY, arch="nemotron_h", hybrid_override_pattern="M*-M", num_layers=4,
+                     activation="relu2", position_embedding="none"),
+    # Falcon-H1's parallel layer: norm before the gate, dt limits, muP input multipliers (each mixer its own copy)
+    "falcon": dict(_HYBRID_TINY, arch="falcon_h1", num_layers=2, mamba_norm_before_gate=True, mamba_dt_limit_min=1e-3,
+                   mamba_in_multiplier=0.5, attention_in_multiplier=2.0, mamba_proj_multipliers=[1, 2, 1, 1, 0.5]),
+    "falcon, no gated norm": dict(_HYBRID_TINY, arch="falcon_h1", num_layers=2, mamba_gated_norm=False),
+    # an MoE-only layer beside Mamba, LayerNorm
+    "moe": dict(_HYBRID_TINY, hybrid_override_pattern="ME", num_layers=2, num_experts=4, moe_router_topk=2,
+                moe_ffn_hidden_size=64, norm_type="layernorm"),
+}
+
+
+@pytest.mark.parametrize("name", list(_HYBRIDS))
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_hybrid_block_activations_equal_what_autograd_saves(name, precision):
+    """Each hybrid block kind's formula against the bytes its forward saves per token (saved-tensor hooks, batch 2
+    minus batch 1, so weights and their casts drop out), exactly; RoPE's cos/sin tables, which the model computes
+    once for all its layers, are the only other saved tensors."""
+    from megapipe.models.spec import spec_for
+    from megapipe.training.precision import autocast
+
+    tool = _tool()
+    cfg = tool.build_cfg(precision, "none", 2, 2, _HYBRIDS[name], seq=32)
+    m = cfg.model
+    model = build_model(m, seed=0)
+    def rope(batch):
+        return model._rope(torch.arange(32).expand(batch, 32), torch.zeros(1))
+
+    seen = set()
+    for block in model.layers.values():
+        kind = spec_for(block).name
+        if kind in seen:
+            continue
+        seen.add(kind)
+        measured = tool.block_saved_bytes_per_token(block, m.hidden_size, 32, lambda: autocast(precision, "cpu"), rope)
+        rope_tables = 2 * 4 * m.dim_per_head if m.position_embedding == "rope" and hasattr(block, "attention") else 0
+        # the MoE router's k routing weights count 8k (a normalised top-k); this one's softmax over the top-k keeps 4k
+        slack = 4 * m.moe_router_topk if kind == "moe_mlp" else 0
+        predicted = P.block_activation_bytes(m, kind, precision, "none") + rope_tables
+        assert predicted - slack == measured, (kind, measured, predicted)
+    assert len(seen) == len(set(m.layer_kinds))
+
+
+@pytest.mark.parametrize("name", ["nemotron", "falcon"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_hybrid_selective_recompute_keeps_the_matmul_outputs(name, precision):
+    """Selective recompute's formula per kind against what its policy keeps: the block input and the outputs of the
+    matmuls and attention kernels the forward runs (recorded with a dispatch mode), exactly."""
+    from megapipe.models.spec import spec_for
+    from megapipe.training.precision import autocast
+
+    tool = _tool()
+    m = tool.build_cfg(precision, "selective", 2, 2, _HYBRIDS[name], seq=32).model
+    model = build_model(m, seed=0)
+    for kind, block in {spec_for(b).name: b for b in model.layers.values()}.items():
+        kept = tool.selective_kept_bytes_per_token(block, m.hidden_size, 32, lambda: autocast(precision, "cpu"),
+                                                   lambda batch: model._rope(torch.arange(32).expand(batch, 32),
+                                                                             torch.zeros(1)))
+        assert kept == P.block_activation_bytes(m, kind, precision, "selective"), kind
+
+
+@pytest.mark.parametrize("name", ["nemotron", "falcon"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_hybrid_model_saved_activations_equal_the_plan(name, precision):
+    """The whole model: blocks + head + the compute copies autograd keeps (fp32: each Mamba mixer's concatenated
+    in-projection weights; bf16: the weights' casts), within 1%: the convs' concatenated weights, A and the masks
+    (per layer, large next to 32 tokens of a 64-wide model) and RoPE's tables are not modelled (-0.6% at most here)."""
+    from megapipe.training.precision import autocast
+
+    tool = _tool()
+    cfg = tool.build_cfg(precision, "none", 2, 2, _HYBRIDS[name], seq=32)
+    model = build_model(cfg.model, seed=0)
+    measured = tool._saved_bytes(model, (torch.randint(0, 512, (2, 32)),), lambda: autocast(precision, "cpu"))
+    assert tool.predict(cfg)["saved_activations"] == pytest.approx(measured, rel=1e-2)
+
+
+def test_hybrid_kinds_tp_split_and_recompute():
+    """Hand-computed per-token bytes of a Mamba layer (h 64, 8 heads x 16, 2 groups x 16 state, chunk 8), split by
+    tp = 2 (heads and groups; five input casts where the projections run one by one); selective keeps the matmul
+    outputs; full only the layer input."""
+    m = load_config(None, {f"model.{k}": v for k, v in _HYBRIDS["nemotron"].items()}).model
+    H, P_, N, Q, G, h = 4, 16, 16, 8, 1, 64  # per TP rank
+    inner, gn, proj = H * P_, G * N, 2 * 64 + 2 * 16 + 4
+    scan = 4 * H * Q + 4 * gn + 2 * G * Q + 6 * H * P_ + 2 * H * Q + 2 * H * P_ + 4 * H * N + 4 * H + 2 * H * P_ \
+        + 6 * H * P_ * N / Q
+    mixer = 10 * h + 2 * proj + 2 * (inner + 2 * gn) + 8 * inner + 8 * H + scan + 20 * inner + 4 * G
+    assert P.block_activation_bytes(m, "mamba", "bf16", "none", tp=2) == (8 * h + 4) / 2 + mixer
+    assert P.block_activation_bytes(m, "mamba", "bf16", "selective", tp=2) == \
+        4 * h / 2 + 2 * (proj + G * Q + 2 * H * P_ + H * P_ * N / Q) + 2 * h
+    for kind in ("mamba", "attention", "mlp"):
+        assert P.block_activation_bytes(m, kind, "bf16", "full", tp=2) == 4 * h / 2
+    # a dense block is its attention-only and MLP-only halves, one layer input between them
+    assert P.layer_activation_bytes(m, "fp32", "none") == P.block_activation_bytes(m, "attention", "fp32", "none") \
+        + P.block_activation_bytes(m, "mlp", "fp32", "none")

@@ -1,7 +1,8 @@
 """`posttrain sft` and `distill` on DeepSeek-V3 (multi-latent attention + MoE) through the CLI, as imported from
 Hugging Face: full fine-tuning of a model with its MTP layer (the MTP loss logged beside the LM loss, the MTP layer
 exported back), LoRA on every MLA projection peft can hold, whose adapters peft loads onto transformers'
-DeepseekV3ForCausalLM with our logits (fp32), and distillation from an MLA teacher into an MLA student."""
+DeepseekV3ForCausalLM with our logits (fp32), and distillation from an MLA teacher into an MLA student (also
+DeepSeek-V3.2's)."""
 
 from __future__ import annotations
 
@@ -100,9 +101,11 @@ def test_mla_lora_target_names_are_checked():
         parse_targets("kv_b", ModelConfig(arch="llama"))
 
 
-def test_distill_an_mla_teacher_into_an_mla_student(tmp_path):
-    teacher_hf, _ = make_hf_dir(tmp_path / "teacher_hf", "deepseek_v3")
-    student_hf, _ = make_hf_dir(tmp_path / "student_hf", "deepseek_v3", seed=1, q_lora_rank=None, hidden_size=32)
+@pytest.mark.parametrize("arch, student", [("deepseek_v3", dict(q_lora_rank=None)), ("deepseek_v32", {})])
+def test_distill_an_mla_teacher_into_an_mla_student(tmp_path, arch, student):
+    """DeepSeek-V3, and DeepSeek-V3.2 (its sparse attention in teacher and student)."""
+    teacher_hf, _ = make_hf_dir(tmp_path / "teacher_hf", arch)
+    student_hf, _ = make_hf_dir(tmp_path / "student_hf", arch, seed=1, hidden_size=32, **student)
     teacher, student, run, data = (tmp_path / n for n in ("teacher", "student", "run", "data"))
     assert cli("import", "hf", teacher_hf, teacher, "--quiet") == 0
     assert cli("import", "hf", student_hf, student, "--quiet") == 0

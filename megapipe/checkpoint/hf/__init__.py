@@ -13,6 +13,7 @@ from megapipe.checkpoint.hf import (  # noqa: F401  (registers the adapters)
     moe,
     nemotron_h,
     qwen2,
+    qwen2_5_vl,
     qwen3,
 )
 from megapipe.checkpoint.hf.base import ADAPTERS, Adapter, Conversion, adapter_for_arch, adapter_for_hf, register

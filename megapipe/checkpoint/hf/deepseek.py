@@ -212,3 +212,46 @@ def _with_copies(conv: Conversion, copies: list[str]) -> Conversion:
         return main + [main[0].clone() for _ in copies]
 
     return Conversion(hf=conv.hf + tuple(copies), mp=conv.mp, to_mp=to_mp, to_hf=to_hf)
+
+
+@register
+class DeepseekV32Adapter(DeepseekV3Adapter):
+    """DeepseekV32ForCausalLM (DeepSeek-V3.2): DeepSeek-V3 with DeepSeek Sparse Attention (megapipe.models.dsa), its
+    indexer's tensors under ``self_attn.indexer``; the rope pairs always interleaved (the config has no
+    rope_interleave). transformers leaves the MTP layers out of DeepseekV32 (it ignores ``model.layers.61.*``), so
+    they are not imported (megapipe's MTP modules take no sparse attention yet)."""
+
+    architecture = "DeepseekV32ForCausalLM"
+    model_type = "deepseek_v32"
+    arch = "deepseek_v32"
+    family = "deepseek_v32"
+    fp32_tensors = DeepseekV3Adapter.fp32_tensors + ("attention.indexer.head_weights.weight",)
+
+    def config_from_hf(self, hf: dict[str, Any], where: str) -> dict[str, Any]:
+        if not hf.get("q_lora_rank"):
+            raise refuse(where, "q_lora_rank", hf.get("q_lora_rank"), "DeepSeek-V3.2's indexer reads the query latent")
+        fields = super().config_from_hf({**hf, "rope_interleave": True, "num_nextn_predict_layers": 0}, where)
+        fields.update(experimental_attention_variant="dsa", dsa_indexer_n_heads=int(hf.get("index_n_heads", 64)),
+                      dsa_indexer_head_dim=int(hf.get("index_head_dim", 128)),
+                      dsa_indexer_topk=int(hf.get("index_topk", 2048)))
+        return fields
+
+    def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
+        hf = super().config_to_hf(cfg)
+        hf.pop("rope_interleave")
+        hf.update(index_n_heads=cfg.dsa_indexer_n_heads, index_head_dim=cfg.dsa_indexer_head_dim,
+                  index_topk=cfg.dsa_indexer_topk)
+        return hf
+
+    def fit(self, cfg: ModelConfig, names: set[str], mtp_num_layers: Optional[int], where: str
+            ) -> tuple[ModelConfig, list[str]]:
+        if mtp_num_layers:
+            raise MegapipeError(f"{where}: --mtp-num-layers {mtp_num_layers}: DeepSeek-V3.2's multi-token-prediction "
+                                "layers are not supported (megapipe's MTP modules take no sparse attention yet)")
+        have = sorted({mtp_layer_of(n, cfg) for n in names} - {None})
+        notes = [f"the checkpoint's {len(have)} multi-token-prediction layer(s) (model.layers.{cfg.num_layers}.* on) "
+                 "were not imported (DeepSeek-V3.2's MTP is not supported)"] if have else []
+        return cfg, notes
+
+    def ignored(self, name: str, cfg: ModelConfig) -> bool:
+        return super().ignored(name, cfg) or mtp_layer_of(name, cfg) is not None

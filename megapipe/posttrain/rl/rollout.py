@@ -44,6 +44,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megapipe.data.chat_template import split_harmony
 from megapipe.errors import MegapipeError
 from megapipe.inference.sampling import SamplingParams
 from megapipe.models.objective import ModelOutput
@@ -112,6 +113,15 @@ class PromptRenderer:
         if self.system and messages[0].get("role") != "system":
             messages = [{"role": "system", "content": self.system}, *messages]
         return self.template.render(messages, add_generation_prompt=True)
+
+    @property
+    def channels(self) -> bool:
+        """Completions are harmony messages: sampled with their channel markers, scored on the final channel."""
+        return self.template is not None and self.template.has_channels
+
+    def answer(self, text: str) -> str:
+        """What the rewards score: the completion, or the final channel of a harmony one (``split_harmony``)."""
+        return split_harmony(text)[0] if self.channels else text
 
     def encode(self, prompt, where: str) -> list[int]:
         ids = self.tokenizer.encode(self.render(prompt))
@@ -274,7 +284,8 @@ class RolloutWorker:
     def sampling_params(self):
         r = self.rl
         return SamplingParams(n=r.group_size, max_tokens=r.max_completion_tokens, min_tokens=r.min_completion_tokens,
-                              temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, logprobs=0)
+                              temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, logprobs=0,
+                              skip_special_tokens=not self.renderer.channels)
 
     def rollout(self, first_index: int, num_microbatches: int) -> tuple[list[dict], dict]:
         rl, G = self.rl, self.rl.group_size
@@ -288,7 +299,7 @@ class RolloutWorker:
         t2 = time.perf_counter()
 
         flat_prompts = [p.prompt for p in prompts for _ in range(G)]
-        completions = [s.text for g in groups for s in g]
+        completions = [self.renderer.answer(s.text) for g in groups for s in g]
         keys = sorted({k for p in prompts for k in p.fields})
         fields = {k: [p.fields.get(k) for p in prompts for _ in range(G)] for k in keys}
         per_fn = score(self.rewards, flat_prompts, completions, fields)
