@@ -36,6 +36,7 @@ from stages import (
     prune,
     quantize,
     rl,
+    rm,
     serve,
     sft,
     smoke,
@@ -75,6 +76,7 @@ COMMANDS: dict[str, Entry] = {
     "posttrain sft": Entry(sft.sft, RUN, training_command_class(sft.sft)),
     "posttrain distill": Entry(distill.distill, RUN, training_command_class(distill.distill)),
     "posttrain dpo": Entry(dpo.dpo, RUN, training_command_class(dpo.dpo)),
+    "posttrain rm": Entry(rm.rm, RUN, training_command_class(rm.rm)),
     "posttrain prune": Entry(prune.prune, CHECKPOINT, training_command_class(prune.prune)),
     "posttrain rl": Entry(rl.rl, RUN, training_command_class(rl.rl)),
     "posttrain quantize": Entry(quantize.quantize, CHECKPOINT),
@@ -101,7 +103,7 @@ GROUP_HELP = {
     "checkpoint": "Inspect, verify and convert megapipe checkpoints.",
     "import": "Bring a model from another format into a megapipe checkpoint.",
     "export": "Write a megapipe checkpoint in another format.",
-    "posttrain": "Post-train a checkpoint: sft, distill, dpo, prune, quantize, rl.",
+    "posttrain": "Post-train a checkpoint: sft, distill, dpo, rm, prune, quantize, rl.",
     "pipeline": "Run YAML pipelines of stages (cached, resumable; local or Slurm).",
 }
 

@@ -1,4 +1,4 @@
-"""The one typed config tree: model, parallel, data, train, optim, rl, checkpoint, sft, lora, distill, dpo.
+"""The one typed config tree: model, parallel, data, train, optim, rl, checkpoint, sft, lora, distill, dpo, rm.
 
 Loaded from YAML (errors name ``file:line``), overridden with dotted keys (``train.lr=3e-4``), validated with
 messages that name the key and the allowed values. Every section is a plain dataclass so library code reads
@@ -144,6 +144,9 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False
     tie_embeddings: bool = False
+    # a sequence classifier (a reward model: 1) instead of a language model: the output projection gives num_labels
+    # scores per position (HF's ``score`` of ``...ForSequenceClassification``), never tied to the embeddings
+    num_labels: Optional[int] = None
     sliding_window: Optional[int] = None
     # which layers the window applies to (None: every layer), Megatron's meaning: N = every N-th layer (N-1, 2N-1, ...)
     # attends fully, the others through the window; or one 1 (windowed) / 0 (full) per layer (GPT-OSS: 2)
@@ -561,6 +564,8 @@ class RLConfig:
     prompt_field: str = opt("prompt", "--prompt-field", help="jsonl task: the prompt field.")
     answer_field: str = opt("answer", "--answer-field", help="jsonl task: the reference answer field.")
     answer_match: Literal["exact", "numeric"] = opt("exact", "--answer-match", help="jsonl task: how answers compare.")
+    reward_model: Optional[str] = opt(
+        None, "--reward-model", help="RM_CKPT[=WEIGHT]: a reward model's score (posttrain rm) as one more reward.")
     answer_regex: Optional[str] = opt(
         None, "--answer-regex", help="Regex whose last match (group 1 if any) is the answer (default: see docs).")
     format_regex: str = opt(r"^\s*-?\d+\s*$", "--format-regex", help="format reward: a completion matching it gets 1.")
@@ -678,6 +683,12 @@ class DPOConfig:
 
 
 @dataclass
+class RMConfig:
+    center_rewards_coefficient: Optional[float] = opt(
+        None, "--center-rewards-coefficient", help="Weight of (r_chosen + r_rejected)^2 (rewards centred on 0).")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -690,6 +701,7 @@ class Config:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    rm: RMConfig = field(default_factory=RMConfig)
 
 
 # --------------------------------------------------------------------------------------------------- building
@@ -916,7 +928,8 @@ def validate(cfg: Config) -> None:
     m, t, o, p = cfg.model, cfg.train, cfg.optim, cfg.parallel
     if m != ModelConfig():  # a model given here (else it may come from the checkpoint: see check_seq_length)
         check_seq_length(m, cfg.data.seq_length)
-    positive("model", m, "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size")
+    positive("model", m, "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size",
+             "num_labels")
     positive("train", t, "micro_batch_size", "global_batch_size", "train_iters", "train_tokens", "log_interval")
     positive("parallel", p, "tp", "pp", "cp", "dp_replicate", "pp_virtual_stages")
     positive("data", cfg.data, "seq_length")
@@ -1355,3 +1368,6 @@ def validate_posttrain(cfg: Config) -> None:
         raise ConfigError(f"dpo.label_smoothing (--label-smoothing) = {d.label_smoothing} must be within [0, 0.5)")
     if d.rpo_alpha is not None and d.rpo_alpha < 0:
         raise ConfigError(f"dpo.rpo_alpha (--rpo-alpha) = {d.rpo_alpha} must be >= 0")
+    c = cfg.rm.center_rewards_coefficient
+    if c is not None and not c >= 0:
+        raise ConfigError(f"rm.center_rewards_coefficient (--center-rewards-coefficient) = {c} must be >= 0")

@@ -141,6 +141,9 @@ def serve(
     sock = bind(host, port)  # before loading: a busy port fails in a second, not after the model loads
     try:
         loaded = load_model(model, resolve_device(device), resolve_dtype(dtype))
+        if loaded.model.cfg.num_labels:  # a reward model: scores on /pooling, no engine
+            return _serve_reward_model(loaded, model, name, api_key, max_body_size, shutdown_timeout, sock,
+                                       log_level)
         drafter = "ngram_speculative" if speculative_method == "ngram" else "speculative"
         require(loaded.model.cfg, "serve", str(model), engine=[drafter] if speculative_tokens else None)
         if loras:
@@ -180,6 +183,29 @@ def _lora_modules(items: List[str]) -> dict[str, str]:
             raise MegapipeError(f"--lora-modules {name}={path}: {path} does not exist")
         out[name] = path
     return out
+
+
+def _serve_reward_model(loaded, model: str, name: str, api_key, max_body_size: str, shutdown_timeout: float, sock,
+                        log_level: str) -> None:
+    import sys
+
+    # lazy: imports fastapi and torch; megapipe --help stays fast
+    from megapipe.checkpoint.hf.files import parse_size
+    from megapipe.inference.pooling import run_pooling_server
+    from megapipe.inference.server import ServerConfig
+    from megapipe.posttrain.reward_model import RewardModel
+
+    scorer = RewardModel(loaded, model)
+    config = ServerConfig(model_name=name, model_path=str(model), api_key=api_key,
+                          max_body_bytes=parse_size(max_body_size, "--max-body-size"),
+                          shutdown_timeout=shutdown_timeout)
+    host, port = sock.getsockname()[:2]
+
+    def ready():
+        print(f"megapipe serve: ready on http://{host}:{port} (reward model {name}: POST /pooling)", file=sys.stderr,
+              flush=True)
+
+    run_pooling_server(scorer, config, sock, log_level=log_level, on_ready=ready)
 
 
 def _check_api_key(api_key: Optional[str]) -> None:

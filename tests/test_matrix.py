@@ -3,7 +3,8 @@ transformers model -> `import hf` -> `generate` (the engine's default path and i
 transformers' `generate`) -> `serve` (a completion and a chat completion through the openai client, equal to the
 engine) -> `posttrain sft` with LoRA (finite loss; the adapters exported and loaded by peft give our logits; the run's
 adapters and their peft export served per request on the base give the merged model's tokens) ->
-`posttrain rl` -> `posttrain quantize --quant fp8` -> `export trt` (unified and legacy) -> `posttrain prune` (the
+`posttrain rl` -> `posttrain dpo` and `posttrain rm` (the reward model's export scored by transformers'
+...ForSequenceClassification) -> `posttrain quantize --quant fp8` -> `export trt` (unified and legacy) -> `posttrain prune` (the
 FFN narrowed) -> `eval` perplexity ->
 `export hf` (the source tensors back, bit for bit).
 
@@ -307,3 +308,44 @@ def assert_same_tensors(source_dir: Path, out_dir: Path, cast: bool = False) -> 
     assert source.keys() == again.keys()
     for name, t in source.items():
         assert torch.equal(t.to(again[name].dtype) if cast else t, again[name]), name
+
+
+def test_dpo_and_a_reward_model_exported_as_a_sequence_classifier(arch, capsys, one_thread):
+    """`posttrain dpo` (ln 2 at the first step: the policy is its reference) and `posttrain rm`, whose export
+    transformers loads as ...ForSequenceClassification and scores as megapipe's RewardModel does (1e-5)."""
+    from tests.posttrain.test_dpo import write_pairs
+
+    caps, work = arch["caps"], arch["work"]
+    pairs = write_pairs(work / "pairs.jsonl")
+    common = ["--load", arch["ckpt"], "--data", pairs, "--seq-length", "128", "--micro-batch-size", "2",
+              "--global-batch-size", "2", "--train-iters", "2", "--lr", "1e-3", "--lr-warmup-iters", "0",
+              "--eval-iters", "0", "--log-interval", "1", "--data-cache-path", work / "pref_cache", "--quiet"]
+    for stage in ("dpo", "rm"):
+        run = work / stage
+        args = ["posttrain", stage, *common, "--save", run]
+        if stage not in caps.stages:
+            assert LABELS[arch["name"]] in refused(capsys, *args) and not run.exists()
+            continue
+        assert cli(*args) == 0
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        losses = [r["loss"] for r in records if r["kind"] == "train"]
+        assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+        if stage == "dpo":
+            assert losses[0] == pytest.approx(math.log(2), abs=1e-5)
+    if "rm" not in caps.stages or "export_hf" not in caps.stages:
+        return
+    from transformers import AutoModelForSequenceClassification
+
+    from megapipe.posttrain.reward_model import RewardModel
+
+    rm_ckpt, out = work / "rm" / "step_00000002", work / "rm_hf"
+    assert cli("export", "hf", rm_ckpt, out, "--dtype", "fp32", "--quiet") == 0
+    rm = RewardModel.load(rm_ckpt)
+    hf = AutoModelForSequenceClassification.from_pretrained(out).eval()
+    assert type(hf).__name__.endswith("ForSequenceClassification")
+    ids = torch.full((len(PROMPTS), max(map(len, PROMPTS))), rm.pad_id)
+    for i, p in enumerate(PROMPTS):
+        ids[i, :len(p)] = torch.tensor(p)
+    with torch.no_grad():
+        want = hf(input_ids=ids, attention_mask=(ids != rm.pad_id).long()).logits[:, 0].float()
+    torch.testing.assert_close(torch.tensor(rm.score_ids(PROMPTS)), want, atol=1e-5, rtol=1e-5)

@@ -37,11 +37,14 @@ def time_steps(step: Callable[[], float], warmup: int, steps: int) -> dict:
             "last_loss": losses[-1]}
 
 
-def run_worker(script: str, passthrough: list[str], *case: str) -> Optional[dict]:
-    """``script`` again in a fresh process as the worker of ``case`` (``--worker CASE...``, the same options): its
-    last stdout line, a JSON dict; None (and its stderr's tail) when it failed."""
-    cmd = [sys.executable, script, *passthrough, "--worker", *case]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+def run_worker(script: str, passthrough: list[str], *case: str, python: Optional[str] = None,
+               env: Optional[dict] = None) -> Optional[dict]:
+    """``script`` again in a fresh process (of ``python``, default this one; ``env`` added to the environment) as
+    the worker of ``case`` (``--worker CASE...``, the same options): its last stdout line, a JSON dict; None (and
+    its stderr's tail) when it failed."""
+    cmd = [python or sys.executable, script, *passthrough, "--worker", *case]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, **(env or {}), "PYTHONPATH": str(ROOT)})
     if proc.returncode != 0:
         print(f"{' '.join(case)} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
         return None

@@ -415,7 +415,10 @@ def load_checkpoint(
     if skip is not None:
         states = [{k: v for k, v in sd.items() if not skip(k)} for sd in states]
     merged = _merge(states, "model")
-    dcp_load(merged, ckpt / "model", "model", verify=verify, ignore=is_mtp_key)
+    # what the model does not load (skip) is left unread in the checkpoint too (a language model's output
+    # projection under a new reward head)
+    unread = is_mtp_key if skip is None else (lambda k: is_mtp_key(k) or skip(k))
+    dcp_load(merged, ckpt / "model", "model", verify=verify, ignore=unread)
     options = StateDictOptions(strict=skip is None)
     for part, sd in zip(parts, states, strict=True):
         set_model_state_dict(part, {k: merged[k] for k in sd}, options=options)

@@ -13,12 +13,15 @@ as in SFT: the answers' assistant turns). Each side is tokenized whole; the prom
 prefix of the two sides that precedes every trained token, so the ids are those the model sees at inference.
 
 The store is the SFT store's format with three sequences per pair (prompt, chosen answer, rejected answer) in
-``tokens`` and their trained masks in ``mask``, cached under a hash of what the tokens depend on.
+``tokens`` and their trained masks in ``mask``, cached under a hash of what the tokens depend on; each pair's
+optional ``margin`` field (a number, 0 when absent: the reward model's required margin) in ``margins.npy``.
 
 Rows (``PreferenceSamples``): a pair is one row where the model takes packed documents: the prompt once (document
 0), then each answer as its own document continuing the prompt (``prefix_ids`` 0, positions following the prompt's),
 as RL's shared prompts; else two rows (prompt + chosen, prompt + rejected). ``side`` marks each label position: 1
-chosen, 2 rejected (0 elsewhere); ``loss_mask`` the trained answer tokens.
+chosen, 2 rejected (0 elsewhere); ``loss_mask`` the trained answer tokens. ``RewardSamples``: the same pairs as a
+reward model reads them (whole sequences, no next-token shift), ``side`` at the one position each side's reward is
+read (``score_position``), the pair's margin there on the chosen side.
 """
 
 from __future__ import annotations
@@ -89,6 +92,21 @@ def _chat(prompt: list[dict], answer: list[dict], where: str, side: str) -> Exam
     return Example("chat", where, msgs, trained)
 
 
+def parse_margin(record: dict, where: str) -> float:
+    """A pair's optional ``margin`` (0 when absent): how far the chosen's reward must exceed the rejected's."""
+    m = record.get("margin", 0.0)
+    if isinstance(m, bool) or not isinstance(m, (int, float)) or not np.isfinite(m):
+        raise DataError(f"{where}: 'margin' is {m!r}, not a finite number")
+    return float(m)
+
+
+def score_position(ids: np.ndarray, pad_id: int) -> int:
+    """Where a sequence's reward is read: its last token that is not the pad token (the rule of transformers'
+    ``...ForSequenceClassification``), the last token when every one is the pad token."""
+    keep = np.flatnonzero(np.asarray(ids) != pad_id)
+    return int(keep[-1]) if len(keep) else len(ids) - 1
+
+
 def encode_pair(encoder: ChatEncoder, chosen: Example, rejected: Example):
     """(prompt ids, (chosen ids, trained), (rejected ids, trained)) of a pair."""
     (ci, cm), (ri, rm) = encoder.encode(chosen), encoder.encode(rejected)
@@ -113,6 +131,7 @@ class PreferenceIndex:
     tokens: IndexedDataset  # 3 sequences per pair: prompt, chosen answer, rejected answer
     mask: IndexedDataset
     meta: dict
+    margins: np.ndarray  # [pairs] float32
     cache_hit: bool = False
 
     @property
@@ -123,25 +142,35 @@ class PreferenceIndex:
 def prepare_preference_index(inputs: list[str], encoder: ChatEncoder, skip_bad: bool = False,
                              cache_dir: Optional[str] = None) -> PreferenceIndex:
     paths = expand_sft_inputs(inputs)
-    key = {**index_key(paths, encoder, skip_bad), "kind": "preference"}
+    key = {**index_key(paths, encoder, skip_bad), "kind": "preference", "fields": ["margin"]}
 
     def load(entry: Path, hit: bool) -> PreferenceIndex:
         import json
 
         return PreferenceIndex(entry, IndexedDataset(entry / "tokens"), IndexedDataset(entry / "mask"),
-                               json.loads((entry / "meta.json").read_text()), hit)
+                               json.loads((entry / "meta.json").read_text()), np.load(entry / "margins.npy"), hit)
 
     return cached_index("dpo", key, cache_root(paths, cache_dir), cache_dir is not None,
                         lambda entry: _build(paths, encoder, skip_bad, entry, key), load)
 
 
 def _build(paths: list[Path], encoder: ChatEncoder, skip_bad: bool, entry: Path, key: dict) -> None:
-    """Three documents per pair: the prompt (nothing trained), the chosen and the rejected answer."""
+    """Three documents per pair: the prompt (nothing trained), the chosen and the rejected answer; the margins."""
+    margins: list[float] = []
+    last: list[float] = [0.0]
+
     def encode(record, where: str):
         prompt, chosen, rejected = encode_pair(encoder, *parse_pair(record, where))
+        last[0] = parse_margin(record, where)
         return [(prompt, np.zeros(len(prompt), bool)), chosen, rejected]
 
-    write_index(paths, encoder, skip_bad, entry, key, "pairs", encode)
+    def extra(documents, out):
+        if documents is None:
+            np.save(out / "margins.npy", np.asarray(margins, dtype=np.float32))
+        else:
+            margins.append(last[0])
+
+    write_index(paths, encoder, skip_bad, entry, key, "pairs", encode, extra=extra)
 
 
 # ----------------------------------------------------------------------------------------------- rows
@@ -152,6 +181,8 @@ class PreferenceSamples:
     with ``packed=False``: every array then has a leading dimension of 2). Answers too long are cut at the end
     (``overlong='truncate'``, the longer first) or the pair left out (``'drop'``); a pair whose prompt leaves no
     room, or whose cut answer keeps no trained token, is left out. Train samples are reshuffled every epoch."""
+
+    shift = 1  # next-token rows: the prompt's last token is input only as each answer's first
 
     def __init__(self, index: PreferenceIndex, pair_ids: np.ndarray, seq_length: int, pad_id: int, packed: bool,
                  overlong: str, seed: int, num_samples: int, shuffle: bool, split_name: str = "train"):
@@ -174,7 +205,7 @@ class PreferenceSamples:
         self._order: tuple[int, np.ndarray] = (-1, np.arange(0))
 
     def _fit(self, i: int, p: int, a: int, b: int, overlong: str):
-        budget = self.seq_length - (p - 1)
+        budget = self.seq_length - (p - self.shift)
         if self.packed:
             if a + b <= budget:
                 return i, a, b
@@ -215,7 +246,11 @@ class PreferenceSamples:
         prompt = t.get(3 * i).astype(np.int64)
         answers = [(t.get(3 * i + 1, 0, a).astype(np.int64), m.get(3 * i + 1, 0, a).astype(bool)),
                    (t.get(3 * i + 2, 0, b).astype(np.int64), m.get(3 * i + 2, 0, b).astype(bool))]
-        return self._packed(prompt, answers) if self.packed else self._rows(prompt, answers)
+        out = self._packed(prompt, answers) if self.packed else self._rows(prompt, answers)
+        return self._with_margin(out, float(self.index.margins[i]))
+
+    def _with_margin(self, out: dict, margin: float) -> dict:
+        return out
 
     def _empty(self, shape) -> dict[str, np.ndarray]:
         return {"tokens": np.full(shape, self.pad_id, dtype=np.int64), "labels": np.full(shape, self.pad_id,
@@ -252,9 +287,60 @@ class PreferenceSamples:
         return out
 
 
+class RewardSamples(PreferenceSamples):
+    """The pairs as a reward model reads them: each side the whole sequence (prompt + answer, no next-token shift;
+    packed: the prompt once, then each answer as a document continuing it), ``side`` / ``loss_mask`` at the one
+    position per side the reward is read (``score_position``), ``margin`` the pair's margin at the chosen's."""
+
+    shift = 0
+
+    def _empty(self, shape) -> dict[str, np.ndarray]:
+        return {**super()._empty(shape), "margin": np.zeros(shape, dtype=np.float32)}
+
+    def _read_at(self, out: dict, at, ids: np.ndarray, offset: int, side: int) -> None:
+        out["side"][at + (offset + score_position(ids, self.pad_id),)] = side
+
+    def _packed(self, prompt, answers) -> dict[str, np.ndarray]:
+        s, p = self.seq_length, len(prompt)
+        out = self._empty(s)
+        out.update(document_ids=np.full(s, -1, dtype=np.int64), prefix_ids=np.full(s, -1, dtype=np.int64),
+                   position_ids=np.zeros(s, dtype=np.int64))
+        out["tokens"][:p] = prompt
+        out["document_ids"][:p] = out["prefix_ids"][:p] = 0
+        out["position_ids"][:p] = np.arange(p)
+        at = p
+        for side, (ids, _) in enumerate(answers, start=1):
+            seg = slice(at, at + len(ids))
+            out["tokens"][seg] = ids
+            out["document_ids"][seg], out["prefix_ids"][seg] = side, 0
+            out["position_ids"][seg] = np.arange(p, p + len(ids))
+            self._read_at(out, (), ids, at, side)
+            at += len(ids)
+        return self._finish(out)
+
+    def _rows(self, prompt, answers) -> dict[str, np.ndarray]:
+        out = self._empty((2, self.seq_length))
+        for r, (ids, _) in enumerate(answers):
+            seq = np.r_[prompt, ids]
+            out["tokens"][r, :len(seq)] = seq
+            self._read_at(out, (r,), seq, 0, r + 1)
+        return self._finish(out)
+
+    @staticmethod
+    def _finish(out: dict) -> dict:
+        out["labels"] = out["tokens"].copy()  # unused: a reward model has no next-token target
+        out["loss_mask"] = out["side"] > 0
+        return out
+
+    def _with_margin(self, out: dict, margin: float) -> dict:
+        out["margin"][out["side"] == 1] = margin
+        return out
+
+
 def build_preference_datasets(index: PreferenceIndex, split: str, seq_length: int, num_samples: dict[str, int],
-                              seed: int, packed: bool, overlong: str, pad_id: int) -> dict:
-    """Train / valid samples of the pairs (``split_samples``)."""
+                              seed: int, packed: bool, overlong: str, pad_id: int,
+                              samples: type = PreferenceSamples) -> dict:
+    """Train / valid ``samples`` (PreferenceSamples, RewardSamples) of the pairs (``split_samples``)."""
     return split_samples(index.num_pairs, "preference data", split, num_samples, lambda ids, wanted, name:
-                         PreferenceSamples(index, ids, seq_length, pad_id, packed, overlong, seed, wanted,
-                                           shuffle=name == "train", split_name=name))
+                         samples(index, ids, seq_length, pad_id, packed, overlong, seed, wanted,
+                                 shuffle=name == "train", split_name=name))

@@ -152,6 +152,9 @@ class LLMEngine:
         config.check()
         cfg = model.cfg
         self.model_config = cfg
+        if cfg.num_labels:
+            raise ConfigError("the model is a reward model (model.num_labels = 1): it scores sequences (megapipe serve "
+                              "answers /pooling, posttrain rl --reward-model) and does not generate")
         if "paged_kv" not in capabilities(cfg).engine:
             raise MegapipeError(f"the decoding engine does not support {describe(cfg)} models yet "
                                 "(megapipe/models/capabilities.py)")

@@ -176,6 +176,10 @@ class OpenAIServer:
             log.error("internal error: %r", exc, exc_info=exc)
             return APIError(500, "internal server error", "server_error").response()
 
+        self._routes(app)
+        return app
+
+    def _routes(self, app: FastAPI) -> None:
         app.get("/health")(self.health)
         app.get("/version")(self.version)
         app.get("/metrics")(self.prometheus)
@@ -186,7 +190,6 @@ class OpenAIServer:
         app.post("/detokenize")(self.detokenize)
         app.post("/v1/load_lora_adapter")(self.load_lora_adapter)
         app.post("/v1/unload_lora_adapter")(self.unload_lora_adapter)
-        return app
 
     async def _body(self, request: Request, model_cls):
         limit = self.config.max_body_bytes
@@ -700,9 +703,13 @@ def bind(host: str, port: int):
 
 def run_server(engine: AsyncEngine, config: ServerConfig, sock, log_level: str = "warning", on_ready=None) -> None:
     """Serve on ``sock`` until SIGTERM / SIGINT, then drain (up to config.shutdown_timeout) and stop the engine."""
+    serve_app(make_app(engine, config, on_ready), config, sock, log_level, engine.shutdown)
+
+
+def serve_app(app: FastAPI, config: ServerConfig, sock, log_level: str, on_stop) -> None:
+    """Serve ``app`` on ``sock`` until SIGTERM / SIGINT, drain (up to config.shutdown_timeout), then ``on_stop()``."""
     import uvicorn
 
-    app = make_app(engine, config, on_ready)
     uv = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
                         timeout_graceful_shutdown=config.shutdown_timeout)
     server = uvicorn.Server(uv)
@@ -711,6 +718,6 @@ def run_server(engine: AsyncEngine, config: ServerConfig, sock, log_level: str =
     try:
         server.run(sockets=[sock])
     finally:
-        engine.shutdown()
+        on_stop()
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -23,8 +23,10 @@ LORA = ("q", "k", "v", "o", "gate", "up", "down", "q_a", "kv_a", "kv_b")
 MLA_LORA = ("q_a", "kv_a", "kv_b")  # multi-latent attention's down / up projections (megapipe.models.lora.TARGETS)
 QUANT = ("fp8", "int8_sq", "int4_awq", "w4a8_awq", "nvfp4")
 TRT = ("unified", "legacy")
-STAGES = ("pretrain", "sft", "distill", "prune", "rl", "eval", "generate", "serve", "quantize", "export_hf",
-          "export_trt")
+STAGES = ("pretrain", "sft", "distill", "dpo", "rm", "prune", "rl", "eval", "generate", "serve", "quantize",
+          "export_hf", "export_trt")
+# what a reward model (model.num_labels, a scalar head instead of the vocabulary) goes through
+REWARD_MODEL_STAGES = ("rm", "export_hf", "serve")
 
 
 @dataclass(frozen=True)
@@ -86,8 +88,8 @@ KINDS: dict[str, Capabilities] = {
     # (tests/parallel/test_dist_layouts.py: FSDP, DDP, HSDP, TP with and without SP, the sinks split with the heads,
     # PP, EP, CP, whose ring attention adds the sink to each row's log-sum-exp, and their combinations); the engine's
     # paged attention applies them (torch paths and CPU kernel), speculative decoding was not run with them;
-    # generate, serve, eval and RL run on the engine; distillation, pruning, ModelOpt and the TensorRT-LLM writers
-    # were not checked on them; HF export writes GptOssForCausalLM (unquantized)
+    # generate, serve, eval and RL run on the engine; distillation, DPO, reward models, pruning, ModelOpt and the
+    # TensorRT-LLM writers were not checked on them; HF export writes GptOssForCausalLM (unquantized)
     "sinks": Capabilities(engine=frozenset(ENGINE) - {"speculative"},
                           quant=frozenset(), trt=frozenset(),
                           stages=frozenset({"pretrain", "sft", "export_hf", "generate", "serve", "eval", "rl"})),
@@ -126,12 +128,16 @@ FAMILIES: dict[str, Capabilities] = {
     # the same peft retargeting for DeepSeek-V3: its dense layers' and shared experts' MLP adapters would not reach a
     # peft directory
     "deepseek_v3": _without(lora={"gate", "up", "down"}),
-    "deepseek_v32": _without(lora={"gate", "up", "down"}),
+    # ... and no reward model: transformers has no DeepseekV32ForSequenceClassification to export one as
+    "deepseek_v32": _without(lora={"gate", "up", "down"}, stages={"rm"}),
     # squared-ReLU MLP: no up projection (w1, transformers' up_proj, is the "gate" target, as GPT-2's c_fc); no MTP
     # modules to draft with; not quantized, pruned or written in TensorRT-LLM's legacy format, even with a pattern of
-    # attention and MLP layers only: ModelOpt, the legacy writer and the pruning rules were not checked on Nemotron-H
+    # attention and MLP layers only: ModelOpt, the legacy writer and the pruning rules were not checked on Nemotron-H;
+    # no reward model: transformers has no NemotronHForSequenceClassification to export one as
     "nemotron_h": _without(lora={"up"}, engine={"speculative"}, quant=QUANT, trt={"legacy"},
-                           stages={"prune", "quantize"}),
+                           stages={"prune", "quantize", "rm"}),
+    # no reward model: transformers has no FalconH1ForSequenceClassification to export one as
+    "falcon_h1": _without(stages={"rm"}),
     # no shared expert, every layer MoE: LoRA adapts the attention only
     "gpt_oss": _without(lora={"gate", "up", "down"}),
     # Qwen2.5-VL (megapipe.models.vision): images through serve (chat image_url parts, megapipe.data.images) and SFT
@@ -236,6 +242,10 @@ def require(cfg, stage: str, where: str = "", **features: Optional[object]) -> N
     row = capabilities(cfg)
     prefix = f"{where}: " if where else ""
     name, what = describe(cfg), stage.replace("_", " ")
+    if getattr(cfg, "num_labels", None) and stage not in REWARD_MODEL_STAGES:
+        raise MegapipeError(f"{prefix}{what} does not take reward models (model.num_labels = {cfg.num_labels}): a "
+                            "reward model is trained (posttrain rm), exported (export hf), served on /pooling or "
+                            "used by posttrain rl --reward-model")
     if stage not in row.stages:
         raise MegapipeError(f"{prefix}{what} does not support {name} models (megapipe/models/capabilities.py)")
     for key, value in features.items():

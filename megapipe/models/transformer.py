@@ -45,7 +45,10 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): block_spec(cfg, i).module(cfg, i) for i in range(cfg.num_layers)})
         self.norm = build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps)
         self.hc_head = HyperHead(cfg) if cfg.hc_mult else None  # the hyper-connection streams -> one, before norm
-        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # a reward model's scores (num_labels) come from an output projection of their own
+        outputs = cfg.num_labels or cfg.vocab_size
+        tied = cfg.tie_embeddings and not cfg.num_labels
+        self.output = None if tied else nn.Linear(cfg.hidden_size, outputs, bias=False)
         depths = range(1, cfg.mtp_depth + 1)
         self.mtp = nn.ModuleList([MTPModule(cfg, k) for k in depths]) if cfg.mtp_depth else None
         if cfg.position_embedding == "rope":
@@ -153,7 +156,8 @@ class Transformer(nn.Module):
         return self.logits(normed), h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final normed hidden states [..., H] -> logits [..., V] (fp32 unless autocast is on)."""
+        """Final normed hidden states [..., H] -> logits [..., V] (a reward model's scores [..., num_labels]; fp32
+        unless autocast is on)."""
         if self.output is not None:
             logits = self.output(h)
         elif self.tok_embeddings is not None:
@@ -235,7 +239,7 @@ def count_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
 def matmul_params(cfg: ModelConfig) -> int:
     """Weights that take part in a matmul per token: all linear layers incl. the output head (tied or not); in an
     MoE layer the router, the shared experts and the k experts a token is routed to (the active parameters)."""
-    return sum(layer_matmul_params(cfg)) + cfg.hidden_size * cfg.vocab_size
+    return sum(layer_matmul_params(cfg)) + cfg.hidden_size * (cfg.num_labels or cfg.vocab_size)
 
 
 def layer_matmul_params(cfg: ModelConfig) -> list[int]:

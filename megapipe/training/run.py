@@ -82,11 +82,12 @@ def find_checkpoint(c: CheckpointConfig) -> tuple[Optional[Path], Optional[Path]
 
 
 def base_model_config(m: ModelConfig, parent: Optional[Path]) -> ModelConfig:
-    """Loading a checkpoint with no model given (no preset, defaults untouched): take its model config."""
-    if parent is None or m != ModelConfig():
+    """Loading a checkpoint with no model given (no preset, defaults untouched but ``num_labels``): take its model
+    config, with ``num_labels`` when given (a reward model started from a language model)."""
+    if parent is None or dataclasses.replace(m, num_labels=None) != ModelConfig():
         return m
-
-    return from_dict(ModelConfig, read_manifest(parent)["model"], "model.")
+    base = from_dict(ModelConfig, read_manifest(parent)["model"], "model.")
+    return base if m.num_labels is None else dataclasses.replace(base, num_labels=m.num_labels)
 
 
 def _tokenizer(cfg: Config, parent: Optional[Path], private_copy: bool):

@@ -355,6 +355,7 @@ class Trainer:
             return {}
 
         total = units = 0.0
+        sums: dict[str, float] = {}  # the loss's metrics (e.g. a reward model's preference accuracy)
         for _ in range(self.cfg.train.eval_iters):
             if stop is not None and stop.requested():
                 return {}
@@ -362,8 +363,11 @@ class Trainer:
                           fused=self.fused_loss)
             if r.units:
                 total, units = total + r.loss.item() * r.units, units + r.units
+                for k, v in r.metrics.items():
+                    sums[k] = sums.get(k, 0.0) + float(v) * r.units
         loss = total / units if units else float("nan")
-        result = {"step": self.state.step, "loss": loss, "ppl": math.exp(min(loss, 50.0))}
+        result = {"step": self.state.step, "loss": loss, "ppl": math.exp(min(loss, 50.0)),
+                  **{k: v / units for k, v in sums.items()}}
         self.state.last_eval = {"loss": loss, "ppl": result["ppl"], "step": self.state.step}
         self.logger.log(result, kind=split)
         return result

@@ -25,7 +25,12 @@ CHAIN = {
                                                           "data_path": "/d/x_text_document", "train_iters": 10}},
     "sft": {"stage": "posttrain sft", "options": {"load": "${distill.output}", "data": ["/chat.jsonl"],
                                                   "chat_template": "chatml", "train_iters": 10}},
-    "rl": {"stage": "posttrain rl", "options": {"load": "${sft.output}", "task": "arithmetic", "train_iters": 5}},
+    "dpo": {"stage": "posttrain dpo", "options": {"load": "${sft.output}", "data": ["/pairs.jsonl"],
+                                                  "chat_template": "chatml", "train_iters": 10}},
+    "rm": {"stage": "posttrain rm", "options": {"load": "${sft.output}", "data": ["/pairs.jsonl"],
+                                                "chat_template": "chatml", "train_iters": 10}},
+    "rl": {"stage": "posttrain rl", "options": {"load": "${dpo.output}", "reward_model": "${rm.output}",
+                                                "task": "arithmetic", "train_iters": 5}},
     "fp8": {"stage": "posttrain quantize", "options": {"ckpt": "${rl.output}", "quant": "fp8",
                                                        "calib_data": "/d/x_text_document"}},
     "trt": {"stage": "export trt", "options": {"ckpt": "${fp8.output}", "fmt": "legacy", "tp": 2}},
@@ -48,14 +53,17 @@ def test_every_stage_has_its_output_under_the_step(chain):
     assert cmds["distill"][-2:] == ["--save", f"{run}/distill/run"]
     assert "--teacher" in cmds["distill"] and f"{run}/prune/checkpoint" in cmds["distill"]
     assert cmds["sft"][3:5] == ["--load", f"{run}/distill/run"] and cmds["sft"][-2:] == ["--save", f"{run}/sft/run"]
-    assert cmds["rl"][3:5] == ["--load", f"{run}/sft/run"] and cmds["rl"][-2:] == ["--save", f"{run}/rl/run"]
+    for name in ("dpo", "rm"):
+        assert cmds[name][3:5] == ["--load", f"{run}/sft/run"] and cmds[name][-2:] == ["--save", f"{run}/{name}/run"]
+    assert cmds["rl"][3:5] == ["--load", f"{run}/dpo/run"] and cmds["rl"][-2:] == ["--save", f"{run}/rl/run"]
+    assert cmds["rl"][cmds["rl"].index("--reward-model") + 1] == f"{run}/rm/run"
     assert cmds["fp8"][3] == f"{run}/rl/run" and cmds["fp8"][-2:] == ["--output", f"{run}/fp8/checkpoint"]
     assert cmds["trt"][3:5] == [f"{run}/fp8/checkpoint", f"{run}/trt/trt"]
     assert cmds["smoke"][:3] == ["megapipe", "serve-smoke", f"{run}/rl/run"]
     assert cmds["smoke"][-2:] == ["--output", f"{run}/smoke/smoke"]
     kinds = {n: (p.steps[n].output.kind, p.steps[n].output.training) for n in p.steps}
     assert kinds == {"pretrain": ("run", True), "prune": ("checkpoint", False), "distill": ("run", True),
-                     "sft": ("run", True), "rl": ("run", True), "fp8": ("checkpoint", False), "trt": ("dir", False),
+                     "sft": ("run", True), "dpo": ("run", True), "rm": ("run", True), "rl": ("run", True), "fp8": ("checkpoint", False), "trt": ("dir", False),
                      "smoke": ("dir", False)}
 
 
@@ -71,11 +79,11 @@ def test_the_output_option_is_the_pipelines(tmp_path, step, option):
 
 
 def test_resumed_training_steps(chain):
-    """A resumed pretrain loads its own run (and drops --finetune); a resumed SFT / distill / RL step runs the very
-    command that started it, which continues its --save run; neither removes what the attempt left."""
+    """A resumed pretrain loads its own run (and drops --finetune); a resumed SFT / distill / DPO / RM / RL step runs
+    the very command that started it, which continues its --save run; neither removes what the attempt left."""
     p, run = chain
     decisions = {d.name: d for d in make_plan(p)}
-    for name in ("pretrain", "distill", "sft", "rl"):
+    for name in ("pretrain", "distill", "sft", "dpo", "rm", "rl"):
         d = decisions[name]
         d.resume_from = 4
         job = job_spec(p, d, "local")

@@ -236,6 +236,45 @@ def test_flags_refused_with_their_names(base_ckpt, tmp_path, capsys):
         assert message in capsys.readouterr().err
 
 
-def test_trl_parity():
-    pytest.importorskip("trl", reason="trl is not installed (a bench extra): the formula tests above cover each loss")
-    pytest.skip("TRL parity on a fixed model and batch is not written yet")
+def trl_python():
+    """A Python that can import trl: this one, else $MEGAPIPE_TRL_PYTHON / /work/.venv-trl (TRL is a bench extra,
+    never in megapipe's environment); None when there is none."""
+    import importlib.util
+    import os
+    import sys
+
+    if importlib.util.find_spec("trl") is not None:
+        return sys.executable
+    python = os.environ.get("MEGAPIPE_TRL_PYTHON", "/work/.venv-trl/bin/python")
+    return python if Path(python).is_file() else None
+
+
+def test_trl_parity(tmp_path):
+    """TRL's DPOTrainer and `posttrain dpo` on the same tiny model, pairs, batch, optimiser and settings
+    (tools/bench_dpo.py's workers): the same sigmoid loss at each of three steps (ln 2, then after one and two
+    AdamW updates) and the same summed log-probs of each side."""
+    import argparse
+    import subprocess
+    import sys
+
+    from tools import bench_dpo
+    from tools.bench_steps import ROOT, run_worker
+
+    python = trl_python()
+    if python is None:
+        pytest.skip("trl is not installed (a bench extra: /work/.venv-trl or $MEGAPIPE_TRL_PYTHON): the formula "
+                    "tests above cover each loss")
+    model = tmp_path / "tiny"
+    subprocess.run([sys.executable, str(ROOT / "tools" / "make_random_hf.py"), "--arch", "llama", "--output",
+                    str(model), "--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn", "128",
+                    "--vocab", "512", "--dtype", "float32"], check=True, cwd=ROOT, capture_output=True)
+    pairs = bench_dpo.make_pairs(tmp_path / "pairs.jsonl", 4, 6, 6)
+    opts = dict(model=str(model), work=str(tmp_path), pairs=str(pairs), batch=4, seq_length=256, steps=2, warmup=1,
+                threads=1, lr=1e-2)
+    ours = bench_dpo.megapipe_worker(argparse.Namespace(**opts))
+    trl = run_worker(bench_dpo.__file__, [f"--{k.replace('_', '-')}={v}" for k, v in opts.items()], "trl",
+                     python=python)
+    assert trl is not None, "the TRL worker failed (its stderr is above)"
+    assert ours["losses"][0] == pytest.approx(math.log(2), abs=1e-6)
+    assert ours["losses"] == pytest.approx(trl["losses"], abs=1e-5)
+    assert np.asarray(ours["logps"]) == pytest.approx(np.asarray(trl["logps"]), abs=1e-3)

@@ -8,6 +8,7 @@ writes config.json, safetensors (sharded past ``max_shard_size``), the tokenizer
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -274,7 +275,8 @@ def export_hf(
     cfg = from_dict(ModelConfig, manifest["model"], "model.", f"{where}: ")
     require(cfg, "export_hf", where)
     adapter = adapter_for_arch(cfg.arch)
-    hf_cfg = adapter.hf_config(cfg)
+    hf_cfg = adapter.hf_config(dataclasses.replace(cfg, num_labels=None))  # a classifier's head: below
+    architecture, conversions, hf_cfg = _head(adapter, cfg, hf_cfg, manifest, where)
     hf_extra = manifest.get("hf") if isinstance(manifest.get("hf"), dict) else {}
     out_dtype = DTYPES[dtype or hf_extra.get("dtype") or "bf16"]
 
@@ -288,7 +290,6 @@ def export_hf(
         k: m for k, m in read_metadata(ckpt / "model").state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)
     }
     lora = _lora_scale(manifest)
-    conversions = adapter.conversions(cfg)
     weights = {k for k in stored if lora is None or not is_adapter(k)}
     _check_names({m for c in conversions for m in c.mp}, weights, f"the model shards of {ckpt}", "model config")
     itemsize = torch.empty((), dtype=out_dtype).element_size()
@@ -314,7 +315,7 @@ def export_hf(
             write_index(tmp, weight_map, sum(sizes))
         tokens = _write_tokenizer(tok, tmp)
         generation = {**tokens, **_token_ids(hf_extra.get("generation_config"))}
-        config = {"architectures": [adapter.architecture], **hf_cfg, **generation,
+        config = {"architectures": [architecture], **generation, **hf_cfg,
                   "dtype": HF_DTYPE_NAMES[out_dtype], "torch_dtype": HF_DTYPE_NAMES[out_dtype]}
         _write_json(tmp / "config.json", json_floats(config, decode=False))
         _write_json(tmp / "generation_config.json", generation)
@@ -328,13 +329,37 @@ def export_hf(
         raise
     return {
         "output": str(out_dir),
-        "architecture": adapter.architecture,
+        "architecture": architecture,
         "dtype": HF_DTYPE_NAMES[out_dtype],
         "tensors": len(weight_map),
         "shards": len(files),
         "bytes": sum(sizes),
         "seconds": time.perf_counter() - started,
     }
+
+
+def _head(adapter: Adapter, cfg: ModelConfig, hf_cfg: dict, manifest: dict, where: str):
+    """(architecture, conversions, config) of the export: a language model's, or a sequence classifier's (a reward
+    model, ``model.num_labels``): transformers' ...ForSequenceClassification, the head named ``score``, the pad token
+    the scores were read by (the last token that is not it)."""
+    conversions = adapter.conversions(cfg)
+    if not cfg.num_labels:
+        return adapter.architecture, conversions, hf_cfg
+    import transformers
+
+    architecture = adapter.architecture.replace("ForCausalLM", "ForSequenceClassification")
+    if not hasattr(transformers, architecture):
+        raise MegapipeError(f"{where}: the checkpoint is a sequence classifier (model.num_labels = {cfg.num_labels}) "
+                            f"and transformers has no {architecture} to export it as")
+    head = ("output.weight",)
+    conversions = [c for c in conversions if c.mp != head] + [Conversion(hf=("score.weight",), mp=head)]
+    labels = {str(i): f"LABEL_{i}" for i in range(cfg.num_labels)}
+    hf_cfg = {**hf_cfg, "num_labels": cfg.num_labels, "id2label": labels,
+              "label2id": {v: int(k) for k, v in labels.items()}}
+    pad = (manifest.get("reward_model") or {}).get("pad_id")
+    if pad is not None:
+        hf_cfg["pad_token_id"] = pad
+    return architecture, conversions, hf_cfg
 
 
 def _lora_scale(manifest: dict) -> Optional[float]:

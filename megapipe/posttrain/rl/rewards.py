@@ -1,6 +1,7 @@
 """Reward functions: built-in (``accuracy``: the task's answer check, ``format``: --format-regex) or the user's
-``package.module:function``, each with a weight (``--reward NAME=WEIGHT``, default 1); a completion's reward is
-the weighted sum. Every function is called once per rollout batch of this rank as
+``package.module:function``, each with a weight (``--reward NAME=WEIGHT``, default 1), and a learned reward model
+(``--reward-model RM_CKPT[=WEIGHT]``: megapipe.posttrain.reward_model, in this process, named ``reward_model``); a
+completion's reward is the weighted sum. Every function is called once per rollout batch of this rank as
 
     f(prompts, completions, **fields) -> list[float]
 
@@ -116,6 +117,41 @@ def build_rewards(specs: list[str], task, format_regex: str) -> list[Reward]:
         if labels.count(label) > 1:
             raise ConfigError(f"--reward: two reward functions are named {label!r}; their metrics would collide")
     return rewards
+
+
+REWARD_MODEL = "reward_model"  # --reward-model's name in metrics (reward/reward_model)
+
+
+def reward_model_spec(spec: str):
+    """'RM_CKPT' or 'RM_CKPT=WEIGHT' (--reward-model) -> (the checkpoint, its weight); a checkpoint that is not a
+    reward model (posttrain rm) is a ConfigError."""
+    from pathlib import Path
+
+    from megapipe.checkpoint import read_manifest, resolve_checkpoint
+
+    path, eq, weight = spec.rpartition("=")
+    if not eq or not path:
+        path, weight = spec, "1"
+    try:
+        value = float(weight)
+    except ValueError:
+        path, value = spec, 1.0  # a '=' inside the path
+    if not math.isfinite(value):
+        raise ConfigError(f"--reward-model {spec!r}: the weight {weight!r} is not a finite number")
+    ckpt = resolve_checkpoint(Path(path).expanduser())
+    labels = (read_manifest(ckpt).get("model") or {}).get("num_labels")
+    if labels != 1:
+        raise ConfigError(f"--reward-model {path}: {ckpt} is not a reward model (model.num_labels = {labels}): train "
+                          "one with megapipe posttrain rm")
+    return ckpt, value
+
+
+def reward_model_reward(spec: str, device) -> Reward:
+    """The reward model of --reward-model on ``device``, scoring each completion after its prompt."""
+    from megapipe.posttrain.reward_model import RewardModel
+
+    ckpt, weight = reward_model_spec(spec)
+    return Reward(REWARD_MODEL, weight, RewardModel.load(ckpt, device))
 
 
 def _value(reward: Reward, v, i: int) -> float:

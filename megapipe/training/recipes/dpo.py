@@ -20,7 +20,7 @@ import torch
 
 from megapipe.checkpoint import resolve_checkpoint
 from megapipe.data.gpt_dataset import parse_split
-from megapipe.data.preference import build_preference_datasets, prepare_preference_index
+from megapipe.data.preference import PreferenceSamples, build_preference_datasets, prepare_preference_index
 from megapipe.data.sft import ChatEncoder
 from megapipe.data.sft_dataset import SFTLoader
 from megapipe.errors import ConfigError
@@ -107,6 +107,14 @@ def _on_first_tokens(sums: torch.Tensor, mb: dict) -> torch.Tensor:
     return out
 
 
+def trim_padding(mb: dict) -> dict:
+    """The micro-batch cut after its last position that counts (``side``: the last answer token, or the last
+    reward read): what follows is padding, which no earlier position attends to (causal)."""
+    used = (mb["side"] > 0).any(0).nonzero()
+    width = int(used[-1]) + 1 if len(used) else 1
+    return {k: v[:, :width] if v.dim() == 2 else v for k, v in mb.items()}
+
+
 class PreferenceStream:
     """Micro-batches of pairs (two-row pairs flattened to rows) with the reference's log-probs attached."""
 
@@ -119,7 +127,7 @@ class PreferenceStream:
     def __next__(self) -> dict:
         rows = [self.loader.dataset.row_of(i) for i in self.loader.sample_ids()]
         mb = next(self.loader)
-        mb = {k: v.flatten(0, 1) if v.dim() == 3 else v for k, v in mb.items()}
+        mb = trim_padding({k: v.flatten(0, 1) if v.dim() == 3 else v for k, v in mb.items()})
         if self.table is not None:
             mb["ref_logps"] = _on_first_tokens(self.table[rows], mb)
         elif self.reference is not None:
@@ -133,15 +141,26 @@ class PreferenceStream:
 
 class DPORecipe(LoRARecipe):
     stage = STAGE
+    samples = PreferenceSamples  # how a pair becomes rows
+    command = "posttrain dpo"
 
     def __init__(self, dpo_cfg, quiet: bool = False):
+        """``dpo_cfg`` None: no preference loss (a subclass brings its own)."""
         self.quiet = quiet
-        self.spec = PreferenceSpec.from_config(dpo_cfg)
+        self.spec = PreferenceSpec.from_config(dpo_cfg) if dpo_cfg is not None else None
         self._encoder = self._index = self._datasets = self._reference = None
         self._tables: dict = {}
 
     def loss(self) -> PreferenceLoss:
         return PreferenceLoss(self.spec)
+
+    @property
+    def loss_name(self) -> str:
+        return self.spec.loss_type
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.spec is not None and self.spec.needs_reference
 
     def packed_sequences(self, cfg) -> bool:
         return capabilities(cfg.model).packing
@@ -149,17 +168,18 @@ class DPORecipe(LoRARecipe):
     def check(self, run) -> None:
         cfg = run.cfg
         if run.tokenizer is None:
-            raise ConfigError("posttrain dpo needs a tokenizer: the --load checkpoint holds none, so give --tokenizer")
+            raise ConfigError(f"{self.command} needs a tokenizer: the --load checkpoint holds none, so give "
+                              "--tokenizer")
         for name in ("tp", "pp", "cp"):
             if getattr(cfg.parallel, name) > 1:
-                raise ConfigError(f"posttrain dpo runs data-parallel layouts (FSDP / DDP) only: parallel.{name} = "
+                raise ConfigError(f"{self.command} runs data-parallel layouts (FSDP / DDP) only: parallel.{name} = "
                                   f"{getattr(cfg.parallel, name)} is not supported yet")
         if cfg.sft.packing or cfg.sft.train_on_prompt:
             flag = "--packing" if cfg.sft.packing else "--train-on-prompt"
-            raise ConfigError(f"{flag} is an SFT flag: posttrain dpo packs each pair's prompt once by itself and "
+            raise ConfigError(f"{flag} is an SFT flag: {self.command} packs each pair's prompt once by itself and "
                               "trains on the answers only")
         if run.parent is None:
-            raise ConfigError("posttrain dpo starts from a checkpoint (its reference model): give --load CKPT")
+            raise ConfigError(f"{self.command} starts from a checkpoint: give --load CKPT")
         check_lora_run(cfg, run.resume)
         self.index(cfg, run.tokenizer)
 
@@ -179,7 +199,7 @@ class DPORecipe(LoRARecipe):
             self._datasets = build_preference_datasets(self.index(cfg, ctx.tokenizer), cfg.data.split,
                                                        cfg.data.seq_length, wanted, t.seed,
                                                        self.packed_sequences(cfg), cfg.sft.overlong,
-                                                       ctx.tokenizer.pad_id)
+                                                       ctx.tokenizer.pad_id, self.samples)
             if ctx.is_main and not self.quiet:
                 from rich.console import Console
 
@@ -189,7 +209,7 @@ class DPORecipe(LoRARecipe):
     def describe(self) -> str:
         m, train = self._index.meta, self._datasets["train"]
         bad = m["bad_records"]
-        return (f"dpo data: {m['pairs']:,} pairs ({train.per_epoch:,} train), loss {self.spec.loss_type}, "
+        return (f"{self.stage} data: {m['pairs']:,} pairs ({train.per_epoch:,} train), loss {self.loss_name}, "
                 f"{'one packed row' if train.packed else 'two rows'} per pair"
                 f"{f', {bad} bad record(s) skipped' if bad else ''}"
                 f"{f', {train.truncated} cut at --seq-length' if train.truncated else ''}"
@@ -198,7 +218,7 @@ class DPORecipe(LoRARecipe):
 
     def reference(self, ctx: RunContext, model):
         """mb -> [B, S] reference log-probs: the policy without its adapters (LoRA), else the frozen start."""
-        if not self.spec.needs_reference:
+        if not self.needs_reference:
             return None
         if lora_spec(ctx.cfg) is not None:
             def with_base(mb):
@@ -232,7 +252,7 @@ class DPORecipe(LoRARecipe):
         t = ctx.cfg.train
         loader = SFTLoader(ds, t.micro_batch_size, t.global_batch_size, ctx.dims.dp_rank, ctx.dims.dp_size,
                            consumed)
-        if ctx.cfg.dpo.precompute_ref_logprobs and self.spec.needs_reference:
+        if ctx.cfg.dpo.precompute_ref_logprobs and self.needs_reference:
             if split not in self._tables:
                 self._tables[split] = self.table(ctx, ds, self.reference(ctx, model))
             return PreferenceStream(loader, None, self._tables[split], ctx.device)
@@ -241,7 +261,7 @@ class DPORecipe(LoRARecipe):
     def train_data(self, ctx: RunContext, model, state: dict):
         self._model = model
         stream = self._stream(ctx, model, "train", state.get("consumed_samples", 0))
-        if ctx.cfg.dpo.precompute_ref_logprobs:
+        if ctx.cfg.dpo.precompute_ref_logprobs and self.needs_reference:
             if self.datasets(ctx)["valid"] is not None:
                 self._stream(ctx, model, "valid")  # its table too, while the reference is loaded
             self._reference = None  # the frozen reference is no longer needed

@@ -3,9 +3,10 @@
 A training step is one optimizer update. Every --updates-per-batch steps the data iterator makes a new rollout
 batch (megapipe.posttrain.rl.rollout): --prompts-per-step prompts of the task, --group-size completions each,
 sampled by an in-process engine that has just been given the trainer's weights (and checked to hold them), scored
-by the reward functions, with group-relative advantages and the trainer's old log-probs; the steps in between
-reuse that batch (the old log-probs make them off-policy updates with a clipped ratio). The loss is GRPOLoss
-(megapipe.posttrain.rl.grpo), computed on the final hidden states chunk by chunk through the output projection.
+by the reward functions (and a reward model, --reward-model), with group-relative advantages and the trainer's old
+log-probs; the steps in between reuse that batch (the old log-probs make them off-policy updates with a clipped
+ratio). The loss is GRPOLoss (megapipe.posttrain.rl.grpo), computed on the final hidden states chunk by chunk
+through the output projection.
 
 Global batch: prompts_per_step x group_size sequences (train.global_batch_size is set to it), cut into
 micro-batches of --micro-batch-size rows per rank; data.seq_length is --max-prompt-tokens + --max-completion-tokens.
@@ -39,7 +40,7 @@ from megapipe.errors import CheckpointError, ConfigError
 from megapipe.models import build_model
 from megapipe.posttrain.rl.engine_sync import build_engine, full_state_dict, sync_engine
 from megapipe.posttrain.rl.grpo import GRPOLoss, GRPOSettings, MismatchMeter
-from megapipe.posttrain.rl.rewards import build_rewards
+from megapipe.posttrain.rl.rewards import build_rewards, reward_model_reward, reward_model_spec
 from megapipe.posttrain.rl.rollout import PromptRenderer, RolloutWorker
 from megapipe.posttrain.rl.tasks import build_task
 from megapipe.posttrain.start import START_KEY, posttrain_checkpoints, start_of
@@ -130,11 +131,17 @@ class RLRecipe(Recipe):
                               "completions: give --set data.tokenizer=DIR")
         self.parts(run.cfg, run.tokenizer, run.cfg.train.seed)
 
-    def parts(self, cfg, tokenizer, seed: int):
-        """(task, rewards, renderer) of the run; each mistake in them is a ConfigError / DataError naming it."""
+    def parts(self, cfg, tokenizer, seed: int, device=None):
+        """(task, rewards, renderer) of the run; each mistake in them is a ConfigError / DataError naming it. The
+        reward model (--reward-model) is loaded on ``device``; without one it is only checked."""
         r = cfg.rl
         task = build_task(r, seed)
         rewards = build_rewards(r.reward, task, r.format_regex)
+        if r.reward_model is not None:
+            if device is None:
+                reward_model_spec(r.reward_model)
+            else:
+                rewards.append(reward_model_reward(r.reward_model, device))
         template = None if r.chat_template == "none" else load_chat_template(tokenizer.path, r.chat_template)
         return task, rewards, PromptRenderer(tokenizer, template, r.system_prompt, r.max_prompt_tokens)
 
@@ -181,7 +188,7 @@ class RolloutStream:
     def __init__(self, recipe: RLRecipe, ctx: RunContext, model, state: dict):
         rl, cfg, dims = recipe.rl, ctx.cfg, ctx.dims
         self.rl, self.dims, self.num_microbatches = rl, dims, ctx.num_microbatches
-        task, rewards, renderer = recipe.parts(cfg, ctx.tokenizer, cfg.train.seed)
+        task, rewards, renderer = recipe.parts(cfg, ctx.tokenizer, cfg.train.seed, ctx.device)
         start = recipe.start_checkpoint(ctx)
         reference = _reference(ctx, start) if rl.kl_coef > 0 else None
         rows = rl.prompts_per_step // dims.dp_size * rl.group_size
