@@ -38,6 +38,7 @@ class PoolingServer(OpenAIServer):
 
     def __init__(self, scorer, config: ServerConfig, on_ready=None):
         self.scorer, self.config, self.on_ready = scorer, config, on_ready
+        self.loras: dict[str, str] = {}  # no adapters on a reward model
         self.tokenizer = scorer.tokenizer
         self.max_model_len = scorer.model.cfg.max_position_embeddings
         self.created = int(time.time())

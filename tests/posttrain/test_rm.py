@@ -188,7 +188,7 @@ def test_serve_answers_pooling_with_the_reward_models_scores(trained_rm):
         rm = RewardModel.load(trained_rm)
         chat = [{"role": "user", "content": "What is 2 plus 2?"}, {"role": "assistant", "content": "ANSWER: 4"}]
         r = client.post(url + "/pooling", json={"model": "rm", "input": ["Hello there", "Hi"]}).json()
-        assert r["object"] == "list" and [d["object"] for d in r["data"]] == ["pooling", "pooling"], r
+        assert r.get("object") == "list" and [d["object"] for d in r["data"]] == ["pooling", "pooling"], r
         texts = [rm.tokenizer.encode("Hello there"), rm.tokenizer.encode("Hi")]
         assert [d["data"][0] for d in r["data"]] == pytest.approx(rm.score_ids(texts), abs=1e-5)
         assert r["usage"]["prompt_tokens"] == sum(map(len, texts))
