@@ -38,6 +38,9 @@ def serve(
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Do not reuse cached prompt blocks."),
     speculative_tokens: int = typer.Option(0, "--speculative-tokens",
                                            help="Draft tokens per step from the model's MTP modules (0 = off)."),
+    tool_call_parser: Optional[str] = typer.Option(None, "--tool-call-parser",
+                                                   help="How tool_choice auto finds calls in the output: hermes, "
+                                                        "llama3_json or openai (GPT-OSS harmony)."),
     max_body_size: str = typer.Option("8MiB", "--max-body-size", help="Largest request body; larger get 413."),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: torch's choice)."),
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level."),
@@ -58,6 +61,11 @@ def serve(
             raise MegapipeError(f"{flag} = {value} must be >= 1")
     if speculative_tokens < 0:
         raise MegapipeError(f"--speculative-tokens = {speculative_tokens} must be >= 0 (0: off)")
+    if tool_call_parser is not None:
+        from megapipe.inference.tool_calls import PARSERS
+
+        if tool_call_parser not in PARSERS:
+            raise MegapipeError(f"--tool-call-parser {tool_call_parser!r} is not one of {', '.join(PARSERS)}")
     if max_queue < 0:
         raise MegapipeError(f"--max-queue = {max_queue} must be >= 0 (0: no limit)")
     if not 0 <= shutdown_timeout < float("inf"):
@@ -120,7 +128,7 @@ def serve(
     bound_host, bound_port = sock.getsockname()[:2]
     config = ServerConfig(model_name=name, model_path=str(model), api_key=api_key, max_queue=max_queue or None,
                           max_body_bytes=parse_size(max_body_size, "--max-body-size"),
-                          shutdown_timeout=shutdown_timeout)
+                          shutdown_timeout=shutdown_timeout, tool_call_parser=tool_call_parser)
 
     def ready():
         print(f"megapipe serve: ready on http://{bound_host}:{bound_port} (model {name}, max_model_len "

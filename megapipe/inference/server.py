@@ -37,6 +37,7 @@ from megapipe.inference.protocol import (
     TokenizeRequest,
 )
 from megapipe.inference.sampling import ParamError
+from megapipe.inference.tool_calls import NamedCall, Parser, RequiredCalls, ToolChoice, ToolStream, parser_for
 
 log = logging.getLogger("megapipe.serve")
 MiB = 1 << 20
@@ -51,6 +52,7 @@ class ServerConfig:
     max_body_bytes: int = 8 * MiB
     shutdown_timeout: float = 30.0
     disconnect_poll_s: float = 0.2
+    tool_call_parser: Optional[str] = None  # how tool_choice auto finds calls in the output (tool_calls.PARSERS)
 
 
 class APIError(Exception):
@@ -106,6 +108,7 @@ class OpenAIServer:
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
         self.chat_template, self.no_chat_template = self._load_chat_template()
+        self.tool_parser = parser_for(config.tool_call_parser)
         self.metrics = ServerMetrics(engine.stats, config.model_name)
         engine.on_output = self.metrics.observe
         self.created = int(time.time())
@@ -259,6 +262,23 @@ class OpenAIServer:
             except ParamError as e:
                 raise APIError(400, str(e), param=e.param) from None
 
+    async def _structured(self, body, params, tools: Optional[ToolChoice] = None) -> None:
+        """Set params.structured from the request (a forced tool choice's grammar included), compiled before the
+        request is queued (on the grammar worker thread; cached), so a bad schema is a 400 and the engine thread
+        only looks the grammar up."""
+        try:
+            constraint = body.constraint()
+            forced = tools.constraint() if tools is not None else None
+            if forced is not None and constraint is not None:
+                raise ParamError("tool_choice", f"tool_choice {tools.mode} and {constraint.param} exclude each other")
+            constraint = forced or constraint
+            if constraint is not None:
+                self._need_tokenizer()
+                await asyncio.wrap_future(self.engine.engine.grammars.submit(constraint))
+        except ParamError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        params.structured = constraint
+
     def _logprobs_block(self, token_ids, lps, offset: int = 0, prompt_entries=None) -> dict:
         tokens, token_lps, tops, offsets = [], [], [], []
         pos = offset
@@ -327,11 +347,11 @@ class OpenAIServer:
             return None, "this model's tokenizer has no chat template: use /v1/completions"
         return template, None
 
-    def _render(self, messages, add_generation_prompt: bool = True) -> str:
+    def _render(self, messages, add_generation_prompt: bool = True, tools: Optional[list] = None) -> str:
         if self.chat_template is None:
             raise APIError(400, self.no_chat_template, param="messages")
         try:
-            return self.chat_template.render([m.as_template_input() for m in messages],
+            return self.chat_template.render([m.as_template_input() for m in messages], tools=tools or None,
                                              add_generation_prompt=add_generation_prompt)
         except ChatTemplateError as e:
             raise APIError(400, str(e), param="messages") from None
@@ -384,6 +404,7 @@ class OpenAIServer:
             raise APIError(400, str(e), param=e.param) from None
         if echo_only:
             params.temperature = 0.0
+        await self._structured(body, params)
         await self._validate_all(prompts, params)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
@@ -494,12 +515,16 @@ class OpenAIServer:
     async def chat_completions(self, request: Request):
         body = await self._body(request, ChatCompletionRequest)
         self._check_model(body.model)
-        if body.tools:
-            raise APIError(400, "tools (function calling) are not supported by this server", param="tools")
-        if body.response_format and body.response_format.get("type", "text") != "text":
-            raise APIError(400, "only response_format type 'text' is supported", param="response_format")
+        try:
+            tools = ToolChoice.parse(body.tools, body.tool_choice)
+        except ParamError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        if tools.mode == "auto" and self.tool_parser is None:
+            raise APIError(400, "tool_choice auto (the default with tools) needs the server started with "
+                                "--tool-call-parser (hermes, llama3_json or openai); or name a function or say "
+                                "required", param="tool_choice")
         self._need_tokenizer()
-        text = self._render(body.messages, body.add_generation_prompt)
+        text = self._render(body.messages, body.add_generation_prompt, body.tools)
         top = body.top_logprobs
         if top is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
@@ -508,17 +533,38 @@ class OpenAIServer:
             params = body.sampling_params(max_tokens, (top or 0) if body.logprobs else None)
         except ParamError as e:
             raise APIError(400, str(e), param=e.param) from None
+        await self._structured(body, params, tools)
+        if tools.mode == "auto" and self.tool_parser.needs_special_tokens:
+            params.skip_special_tokens = False
         await self._validate_all([text], params)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            return StreamingResponse(self._stream_chat(request, body, text, params, rid, created),
+            return StreamingResponse(self._stream_chat(request, body, text, params, rid, created, tools),
                                      media_type="text/event-stream")
         (out,) = await self._until_done(request, [self._final(request, text, params)])
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._chat_logprobs(c.token_ids, c.logprobs) if body.logprobs else None,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
+        choices = []
+        for c in out.outputs:
+            message, finish = {"role": "assistant", "content": c.text}, c.finish_reason
+            parser = self._calls_parser(tools)
+            if parser is not None:
+                content, calls = parser.split(c.text, True)
+                message["content"] = content or None
+                if calls:
+                    message["tool_calls"] = [call.as_dict() for call in calls]
+                    finish = "tool_calls" if finish == "stop" else finish
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": self._chat_logprobs(c.token_ids, c.logprobs) if body.logprobs else None,
+                            "finish_reason": finish, "stop_reason": c.stop_reason})
         return {"id": rid, "object": "chat.completion", "created": created, "model": self.config.model_name,
                 "choices": choices, "usage": self._usage([out])}
+
+    def _calls_parser(self, tools: ToolChoice) -> Optional[Parser]:
+        """What finds one choice's tool calls (a fresh one per choice), None when the request has no tool calls."""
+        if tools.mode == "named":
+            return NamedCall(tools.name)
+        if tools.mode == "required":
+            return RequiredCalls()
+        return self.tool_parser if tools.mode == "auto" else None
 
     def _chat_logprobs(self, token_ids, lps) -> dict:
         def entry(t, v):
@@ -532,11 +578,12 @@ class OpenAIServer:
             content.append(item)
         return {"content": content}
 
-    async def _stream_chat(self, request, body, text, params, rid, created):
+    async def _stream_chat(self, request, body, text, params, rid, created, tools: ToolChoice):
         name = self.config.model_name
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         sent_text: dict[int, int] = {}
         sent_ids: dict[int, int] = {}
+        calls: dict[int, ToolStream] = {}
         last = None
 
         def chunk(index, delta, logprobs=None, finish=None):
@@ -550,16 +597,27 @@ class OpenAIServer:
                 for c in out.outputs:
                     if c.index not in sent_text:
                         sent_text[c.index] = sent_ids[c.index] = 0
+                        parser = self._calls_parser(tools)
+                        if parser is not None:
+                            calls[c.index] = ToolStream(parser)
                         yield chunk(c.index, {"role": "assistant", "content": ""})
-                    delta = c.text[sent_text[c.index]:]
+                    delta = {"content": c.text[sent_text[c.index]:]}
+                    finish = c.finish_reason
+                    if c.index in calls:
+                        stream = calls[c.index]
+                        delta["content"], deltas = stream.update(c.text, finish is not None)
+                        if deltas:
+                            delta["tool_calls"] = deltas
+                        if stream.called and finish == "stop":
+                            finish = "tool_calls"
                     new_ids = c.token_ids[sent_ids[c.index]:]
                     lps = None
                     if body.logprobs and new_ids:
                         lps = self._chat_logprobs(new_ids, (c.logprobs or [])[sent_ids[c.index]:])
-                    if delta or lps:
-                        yield chunk(c.index, {"content": delta}, lps)
-                    if c.finish_reason is not None and c.finish_reason != "abort":
-                        yield chunk(c.index, {}, None, c.finish_reason)
+                    if delta["content"] or lps or "tool_calls" in delta:
+                        yield chunk(c.index, delta, lps)
+                    if finish is not None and finish != "abort":
+                        yield chunk(c.index, {}, None, finish)
                     sent_text[c.index], sent_ids[c.index] = len(c.text), len(c.token_ids)
             if include_usage and last is not None:
                 yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
