@@ -190,7 +190,7 @@ class LLMEngine:
 
             if self.tokenizer is None:
                 raise ParamError("response_format", "structured outputs need a tokenizer, and this engine has none")
-            self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            self._grammars = Grammars.for_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_ids)
         return self._grammars
 
     @classmethod

@@ -82,19 +82,26 @@ def json_grammar(schema: str, any_whitespace: bool) -> str:
 class Grammars:
     """Compiled grammars for one tokenizer, cached (LRU, ``cache_size``) and compiled on one worker thread."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_ids: Sequence[int], cache_size: int = 512):
+    def __init__(self, info, cache_size: int = 512):
+        import xgrammar as xgr
+
+        self.info = info  # xgrammar's TokenizerInfo: each id's bytes, the stop ids
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1)
+        self.cache_size = cache_size
+        self._cache: OrderedDict[Constraint, Future] = OrderedDict()
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="megapipe-grammar")
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer, vocab_size: int, stop_ids: Sequence[int]) -> "Grammars":
+        """Over a megapipe Tokenizer (or a transformers one); ids from the tokenizer's vocabulary to vocab_size (the
+        model's, padding included) are never allowed."""
         import xgrammar as xgr
         from transformers import PreTrainedTokenizerFast
 
         hf = getattr(tokenizer, "_hf", None)
         fast = PreTrainedTokenizerFast(tokenizer_object=hf) if hf is not None else tokenizer
-        self.info = xgr.TokenizerInfo.from_huggingface(fast, vocab_size=vocab_size, stop_token_ids=list(stop_ids))
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1)
-        self.vocab_size = vocab_size
-        self.cache_size = cache_size
-        self._cache: OrderedDict[Constraint, Future] = OrderedDict()
-        self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="megapipe-grammar")
+        return cls(xgr.TokenizerInfo.from_huggingface(fast, vocab_size=vocab_size, stop_token_ids=list(stop_ids)))
 
     def submit(self, c: Constraint) -> Future:
         """The compiled grammar of ``c`` as a future (done at once when cached; a failed compile is not kept)."""
