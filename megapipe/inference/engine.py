@@ -439,7 +439,8 @@ class LLMEngine:
         seq.last_token_time = t
         n_out = len(seq.tokens) - seq.prompt_len
         reason, stop_reason = None, None
-        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids or (
+                seq.matcher is not None and seq.matcher.terminated):  # a grammar's end ends it, ignore_eos or not
             reason, stop_reason = "stop", token
         elif seq.detok is not None:
             new = seq.detok.add(token)

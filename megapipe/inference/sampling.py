@@ -171,7 +171,8 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_
 def penalised(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
     """fp32 logits [R, V] with penalties applied, suppressed ids and those a row's grammar forbids at -inf (a copy
     where anything changes)."""
-    if any(r.params.penalised or r.suppressed or r.matcher is not None for r in rows):
+    copied = any(r.params.penalised or r.suppressed for r in rows)
+    if copied:
         logits = apply_penalties(logits.clone(), rows)
     for i, row in enumerate(rows):
         if row.suppressed:
@@ -179,7 +180,7 @@ def penalised(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
     if any(r.matcher is not None for r in rows):
         from megapipe.inference.structured import apply_masks
 
-        apply_masks(logits, [r.matcher for r in rows])
+        logits = apply_masks(logits, rows, copied)
     return logits
 
 

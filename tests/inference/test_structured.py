@@ -220,3 +220,36 @@ def test_tool_stream_deltas():
     assert content == "Sure."
     assert [(d["index"], d["function"]["name"], json.loads(d["function"]["arguments"])) for d in calls] == [
         (0, "a", {"x": 1}), (1, "b", {})]
+
+
+def test_sampler_masks_per_row(live):
+    """sample() over a batch of free, constrained greedy and constrained sampled rows: a greedy constrained row
+    takes the argmax of its grammar-masked logits (whether or not its unmasked argmax was allowed), a sampled one
+    only allowed tokens, a free row its unmasked argmax."""
+    import torch
+    import xgrammar as xgr
+
+    from megapipe.inference.sampling import SampleRow, sample
+
+    grammars = live.engine.grammars
+    c = Constraint("regex", "[a-c]{3}")
+    V = live.engine.vocab_size
+    allowed = xgr.allocate_token_bitmask(1, V)
+    grammars.matcher(c).fill(allowed, 0)
+    ok = torch.tensor([bool(int(allowed[0, t // 32]) >> (t % 32) & 1) for t in range(V)])
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        logits = torch.randn(4, V, generator=gen)
+        if trial % 2:  # the unmasked argmax allowed: the path that skips masking
+            logits[1, ok.nonzero()[trial % 3, 0]] = 10.0
+        rows = [SampleRow(SamplingParams(temperature=0), None, [1], []),
+                SampleRow(SamplingParams(temperature=0), None, [1], [], (), grammars.matcher(c)),
+                SampleRow(SamplingParams(temperature=1.0), torch.Generator().manual_seed(trial), [1], [], (),
+                          grammars.matcher(c)),
+                SampleRow(SamplingParams(temperature=0), None, [1], [], (), grammars.matcher(c))]
+        before = logits.clone()
+        out = sample(logits, rows).tolist()
+        assert torch.equal(logits, before)  # the caller's logits are left alone
+        masked = logits.masked_fill(~ok, float("-inf"))
+        assert out[0] == int(logits[0].argmax()) and out[1] == int(masked[1].argmax())
+        assert out[3] == int(masked[3].argmax()) and ok[out[2]]
