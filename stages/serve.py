@@ -91,7 +91,8 @@ def serve(
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(memory / 2**30))))
         cmd = vllm_command(python, hf_dir, host=host, port=port, api_key=api_key, served_model_name=name,
                            max_num_seqs=max_num_seqs, max_model_len=max_model_len, dtype=dtype,
-                           max_num_batched_tokens=max_num_batched_tokens, prefix_caching=not no_prefix_caching)
+                           max_num_batched_tokens=max_num_batched_tokens, prefix_caching=not no_prefix_caching,
+                           tool_call_parser=tool_call_parser)
         typer.echo(f"megapipe serve: starting vLLM ({python}) on {hf_dir}; --max-queue and --max-body-size do not "
                    f"apply to vLLM's server", err=True)
         code = run_vllm(cmd, env, shutdown_timeout)

@@ -253,3 +253,11 @@ def test_sampler_masks_per_row(live):
         masked = logits.masked_fill(~ok, float("-inf"))
         assert out[0] == int(logits[0].argmax()) and out[1] == int(masked[1].argmax())
         assert out[3] == int(masked[3].argmax()) and ok[out[2]]
+
+
+def test_vllm_gets_the_tool_call_parser(tmp_path):
+    from megapipe.inference.vllm_engine import vllm_command
+
+    cmd = vllm_command(tmp_path / "python", tmp_path, host="127.0.0.1", port=1, api_key=None, served_model_name="m",
+                       max_num_seqs=8, max_model_len=None, dtype="auto", tool_call_parser="hermes")
+    assert cmd[-3:] == ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
