@@ -30,13 +30,13 @@ NAME = "tiny"
 class LiveServer:
     """uvicorn in a thread of this process, on a socket bound to a free port."""
 
-    def __init__(self, model_dir: Path, max_queue=256, body=64 * 1024, **engine_config):
+    def __init__(self, model_dir: Path, max_queue=256, body=64 * 1024, server_options=None, **engine_config):
         import uvicorn
 
         self.engine = LLMEngine.from_pretrained(model_dir, device="cpu", **engine_config)
         self.async_engine = AsyncEngine(self.engine, max_queue)
         config = ServerConfig(NAME, str(model_dir), api_key=KEY, max_queue=max_queue, max_body_bytes=body,
-                              shutdown_timeout=5)
+                              shutdown_timeout=5, **(server_options or {}))
         self.sock = bind("127.0.0.1", 0)
         self.url = "http://127.0.0.1:%d" % self.sock.getsockname()[1]
         self.server = uvicorn.Server(uvicorn.Config(make_app(self.async_engine, config), log_level="warning",

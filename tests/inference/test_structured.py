@@ -261,3 +261,38 @@ def test_vllm_gets_the_tool_call_parser(tmp_path):
     cmd = vllm_command(tmp_path / "python", tmp_path, host="127.0.0.1", port=1, api_key=None, served_model_name="m",
                        max_num_seqs=8, max_model_len=None, dtype="auto", tool_call_parser="hermes")
     assert cmd[-3:] == ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+
+
+@pytest.fixture(scope="module")
+def hermes_live(hf_llama):
+    from tests.inference.test_server import LiveServer
+
+    server = LiveServer(hf_llama[0], server_options={"tool_call_parser": "hermes"})
+    yield server
+    server.stop()
+
+
+def test_auto_tool_choice_parses_the_output(hermes_live):
+    """tool_choice auto with --tool-call-parser hermes: an output in Hermes' format (forced here by a regex, as a
+    random model would not write it) comes back as tool_calls, whole and streamed."""
+    call = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "P[a-z]{2}", "unit": "c"\}\}</tool_call>'
+    kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=100, temperature=1.0, seed=9, tools=[WEATHER],
+                  extra_body={"guided_regex": "Sure[.]" + call})
+    c = hermes_live.client()
+    r = c.chat.completions.create(**kwargs)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure."
+    (tc,) = choice.message.tool_calls
+    assert tc.function.name == "get_weather" and re.fullmatch(r'\{"city": "P[a-z]{2}", "unit": "c"\}',
+                                                              tc.function.arguments)
+    content, calls, finish = "", [], None
+    for chunk in c.chat.completions.create(stream=True, **kwargs):
+        for ch in chunk.choices:
+            content += ch.delta.content or ""
+            calls += ch.delta.tool_calls or []
+            finish = ch.finish_reason or finish
+    assert content == "Sure." and finish == "tool_calls"
+    assert [(d.index, d.function.name, d.function.arguments) for d in calls] == [
+        (0, "get_weather", tc.function.arguments)]  # same seed: the same call
+    r = c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5, temperature=0, tools=[WEATHER])
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "length"
