@@ -80,6 +80,7 @@ def main() -> int:
         texts = prompts(engine, batch)
         held = SamplingParams(max_tokens=args.max_tokens, temperature=0, structured=schema)
         rates = {"json": [], "free": []}
+        timed(engine, texts, SamplingParams(max_tokens=8, temperature=0, structured=schema))  # this batch's shapes
         for _ in range(args.reps):
             wall, counts = timed(engine, texts, held)
             rates["json"].append(sum(counts) / wall)
