@@ -49,6 +49,9 @@ def serve(
                                             help="LoRA adapters resident at once, the rest loaded when asked (least "
                                                  "recently used out; default: as many as --lora-modules)."),
     max_lora_rank: int = typer.Option(16, "--max-lora-rank", help="The largest rank of a served LoRA adapter."),
+    tool_call_parser: Optional[str] = typer.Option(None, "--tool-call-parser",
+                                                   help="How tool_choice auto finds calls in the output: hermes, "
+                                                        "llama3_json or openai (GPT-OSS harmony)."),
     max_body_size: str = typer.Option("8MiB", "--max-body-size", help="Largest request body; larger get 413."),
     max_image_size: str = typer.Option("20MiB", "--max-image-size",
                                        help="Largest image (encoded) in a chat request; larger get 400."),
@@ -78,6 +81,11 @@ def serve(
         raise MegapipeError(f"--speculative-tokens = {speculative_tokens} must be >= 0 (0: off)")
     if max_image_pixels < 1:
         raise MegapipeError(f"--max-image-pixels = {max_image_pixels} must be >= 1")
+    if tool_call_parser is not None:
+        from megapipe.inference.tool_calls import PARSERS
+
+        if tool_call_parser not in PARSERS:
+            raise MegapipeError(f"--tool-call-parser {tool_call_parser!r} is not one of {', '.join(PARSERS)}")
     if max_queue < 0:
         raise MegapipeError(f"--max-queue = {max_queue} must be >= 0 (0: no limit)")
     if not 0 <= shutdown_timeout < float("inf"):
@@ -109,7 +117,8 @@ def serve(
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(memory / 2**30))))
         cmd = vllm_command(python, hf_dir, host=host, port=port, api_key=api_key, served_model_name=name,
                            max_num_seqs=max_num_seqs, max_model_len=max_model_len, dtype=dtype,
-                           max_num_batched_tokens=max_num_batched_tokens, prefix_caching=not no_prefix_caching)
+                           max_num_batched_tokens=max_num_batched_tokens, prefix_caching=not no_prefix_caching,
+                           tool_call_parser=tool_call_parser)
         typer.echo(f"megapipe serve: starting vLLM ({python}) on {hf_dir}; --max-queue and --max-body-size do not "
                    f"apply to vLLM's server", err=True)
         code = run_vllm(cmd, env, shutdown_timeout)
@@ -157,9 +166,9 @@ def serve(
     bound_host, bound_port = sock.getsockname()[:2]
     config = ServerConfig(model_name=name, model_path=str(model), api_key=api_key, max_queue=max_queue or None,
                           max_body_bytes=parse_size(max_body_size, "--max-body-size"),
-                          shutdown_timeout=shutdown_timeout, image_limits=ImageLimits(
-                              parse_size(max_image_size, "--max-image-size"), max_image_pixels,
-                              ("--max-image-size", "--max-image-pixels")))
+                          shutdown_timeout=shutdown_timeout, tool_call_parser=tool_call_parser,
+                          image_limits=ImageLimits(parse_size(max_image_size, "--max-image-size"), max_image_pixels,
+                                                   ("--max-image-size", "--max-image-pixels")))
 
     def ready():
         print(f"megapipe serve: ready on http://{bound_host}:{bound_port} (model {name}, max_model_len "

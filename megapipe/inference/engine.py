@@ -242,6 +242,18 @@ class LLMEngine:
         self.num_prompt_tokens = 0  # computed prompt tokens (prefix-cache hits excluded)
         self.num_generation_tokens = 0
         self.num_steps = 0
+        self._grammars = None
+
+    @property
+    def grammars(self):
+        """Structured outputs' compiled grammars for this engine's tokenizer (megapipe.inference.structured)."""
+        if self._grammars is None:
+            from megapipe.inference.structured import Grammars
+
+            if self.tokenizer is None:
+                raise ParamError("response_format", "structured outputs need a tokenizer, and this engine has none")
+            self._grammars = Grammars.for_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammars
 
     @staticmethod
     def _state_slots(model, config: EngineConfig, dtype: torch.dtype) -> int:
@@ -276,6 +288,8 @@ class LLMEngine:
     def check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> SamplingParams:
         """Validate a request before it is queued; returns params with max_tokens resolved."""
         params.validate(self.vocab_size, self.config.max_n)
+        if params.structured is not None:
+            self.grammars.compile(params.structured)  # a cache hit when the server compiled it beforehand
         if not prompt_ids:
             raise ParamError("prompt", "the prompt is empty (it must hold at least one token)")
         bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
@@ -328,6 +342,8 @@ class LLMEngine:
             if self.tokenizer is not None:
                 seq.detok = Detokenizer(self.tokenizer, ids, self.special if params.skip_special_tokens
                                         else frozenset(), params.stop)
+            if params.structured is not None:
+                seq.matcher = self.grammars.matcher(params.structured)
             seq.after = first
             first = first or seq
             req.seqs.append(seq)
@@ -526,10 +542,13 @@ class LLMEngine:
         suppressed = ()
         if len(output) < p.min_tokens:
             suppressed = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
-        return SampleRow(p, seq.generator, seq.tokens[:seq.prompt_len], output, suppressed)
+        return SampleRow(p, seq.generator, seq.tokens[:seq.prompt_len], output, suppressed, seq.matcher)
 
     def _lookahead(self, seq: Seq) -> int:
-        """Drafts worth verifying for ``seq`` this step: no more than its max_tokens and the context can take."""
+        """Drafts worth verifying for ``seq`` this step: no more than its max_tokens and the context can take; none
+        for a sequence with structured output (drafts are not checked against its grammar)."""
+        if seq.matcher is not None:
+            return 0
         room = min(seq.params.max_tokens + seq.prompt_len, self.max_model_len) - len(seq.tokens) - 1
         return max(0, min(self.config.speculative_tokens, room))
 
@@ -551,6 +570,8 @@ class LLMEngine:
         p, req = seq.params, seq.request
         seq.tokens.append(token)
         self.num_generation_tokens += 1
+        if seq.matcher is not None:
+            seq.matcher.accept(token)
         if seq.first_token_time is None:
             seq.first_token_time = t
             if req.first_token_time is None:
@@ -558,7 +579,8 @@ class LLMEngine:
         seq.last_token_time = t
         n_out = len(seq.tokens) - seq.prompt_len
         reason, stop_reason = None, None
-        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids or (
+                seq.matcher is not None and seq.matcher.terminated):  # a grammar's end ends it, ignore_eos or not
             reason, stop_reason = "stop", token
         elif seq.detok is not None:
             new = seq.detok.add(token)

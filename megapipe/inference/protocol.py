@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from megapipe.inference.sampling import ParamError, SamplingParams
+from megapipe.inference.structured import Constraint
 
 
 class _Body(BaseModel):
@@ -39,6 +41,67 @@ class _Sampling(_Body):
     ignore_eos: bool = False
     stop_token_ids: Optional[list[int]] = None
     skip_special_tokens: bool = True
+    # vLLM's structured outputs: its current object and its older names
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Optional[Union[str, dict]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+
+    def constraint(self) -> Optional[Constraint]:
+        """The one structured-output constraint this request asks for (response_format, structured_outputs or a
+        guided_* field), or None; JSON whitespace is single-line unless structured_outputs.any_whitespace is true."""
+        found = []
+        fmt = getattr(self, "response_format", None)
+        if fmt is not None:
+            kind = fmt.get("type", "text")
+            if kind == "json_object":
+                found.append(Constraint.json_schema({"type": "object"}))
+            elif kind == "json_schema":
+                spec = fmt.get("json_schema")
+                if not isinstance(spec, dict):
+                    raise ParamError("response_format", "response_format json_schema needs a \"json_schema\" object "
+                                                        "({\"name\": ..., \"schema\": {...}})")
+                found.append(Constraint.json_schema(spec.get("schema", {"type": "object"})))
+            elif kind != "text":
+                raise ParamError("response_format", f"response_format type {kind!r} is not one of text, json_object,"
+                                                    f" json_schema")
+        so = dict(self.structured_outputs or {})
+        any_whitespace = bool(so.pop("any_whitespace", False))
+        for key in ("disable_any_whitespace", "disable_fallback", "disable_additional_properties",
+                    "whitespace_pattern", "backend"):
+            so.pop(key, None)
+        unknown = sorted(set(so) - {"json", "regex", "choice", "grammar", "json_object"})
+        if unknown:
+            raise ParamError("structured_outputs", f"structured_outputs.{unknown[0]} is not supported (json, regex, "
+                                                   f"choice, grammar, json_object, any_whitespace)")
+        for param, kind, value in (("structured_outputs.json", "json", so.get("json")),
+                                   ("guided_json", "json", self.guided_json),
+                                   ("structured_outputs.regex", "regex", so.get("regex")),
+                                   ("guided_regex", "regex", self.guided_regex),
+                                   ("structured_outputs.choice", "choice", so.get("choice")),
+                                   ("guided_choice", "choice", self.guided_choice),
+                                   ("structured_outputs.grammar", "grammar", so.get("grammar")),
+                                   ("guided_grammar", "grammar", self.guided_grammar)):
+            if value is None:
+                continue
+            if kind == "json":
+                found.append(Constraint.json_schema(value, param))
+            elif kind == "choice":
+                found.append(Constraint.choice(value, param))
+            elif not isinstance(value, str) or not value:
+                raise ParamError(param, f"{param} must be a non-empty string")
+            else:
+                found.append(Constraint(kind, value, False, param))
+        if so.get("json_object"):
+            found.append(Constraint.json_schema({"type": "object"}, "structured_outputs.json_object"))
+        if len(found) > 1:
+            raise ParamError(found[1].param, f"{found[0].param} and {found[1].param} exclude each other: give one "
+                                             f"structured-output constraint")
+        if not found:
+            return None
+        c = found[0]
+        return Constraint(c.kind, c.spec, any_whitespace, c.param) if c.kind == "json" else c
 
     def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
                         prompt_logprobs: Optional[int] = None) -> SamplingParams:
@@ -72,6 +135,8 @@ class ChatMessage(_Body):
     role: str
     content: Optional[Union[str, list[dict[str, Any]]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant's calls
+    tool_call_id: Optional[str] = None  # a tool's answer: the call it answers
 
     def image_urls(self) -> list[str]:
         """The URLs of this message's image parts, in order."""
@@ -106,7 +171,23 @@ class ChatMessage(_Body):
         out = {"role": self.role, "content": content or ""}
         if self.name:
             out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [_call_for_template(c) for c in self.tool_calls]
         return out
+
+
+def _call_for_template(call: dict) -> dict:
+    """An assistant's tool call as chat templates read it: arguments as an object (templates write it as JSON)."""
+    fn = dict(call.get("function") or {})
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            fn["arguments"] = json.loads(args)
+        except ValueError:
+            raise ParamError("messages", f"a tool call's arguments are not JSON: {args[:80]!r}") from None
+    return {**call, "function": fn}
 
 
 class ChatCompletionRequest(_Sampling):

@@ -55,6 +55,7 @@ class SamplingParams:
     logprobs: Optional[int] = None  # top alternatives per generated token (0: the sampled token's logprob only)
     prompt_logprobs: Optional[int] = None  # the same for the prompt tokens (echo); disables prefix-cache reuse
     skip_special_tokens: bool = True
+    structured: Optional[object] = None  # a structured.Constraint the output must match
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -125,6 +126,7 @@ class SampleRow:
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
     suppressed: Sequence[int] = ()  # ids made impossible this step (EOS / stop ids before min_tokens)
+    matcher: Optional[object] = None  # structured output: the sequence's grammar Matcher (its mask is applied)
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
@@ -167,12 +169,18 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_
 
 
 def penalised(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
-    """fp32 logits [R, V] with penalties applied and suppressed ids at -inf (a copy where anything changes)."""
-    if any(r.params.penalised or r.suppressed for r in rows):
+    """fp32 logits [R, V] with penalties applied, suppressed ids and those a row's grammar forbids at -inf (a copy
+    where anything changes)."""
+    copied = any(r.params.penalised or r.suppressed for r in rows)
+    if copied:
         logits = apply_penalties(logits.clone(), rows)
     for i, row in enumerate(rows):
         if row.suppressed:
             logits[i, list(row.suppressed)] = float("-inf")
+    if any(r.matcher is not None for r in rows):
+        from megapipe.inference.structured import apply_masks
+
+        logits = apply_masks(logits, rows, copied)
     return logits
 
 

@@ -52,6 +52,7 @@ class Sequence:
         self.prompt_logprobs: list = []  # per prompt token from the second on
         self.after: Optional[Sequence] = None  # a sibling whose prompt is computed first (then shared via the cache)
         self.detok = None
+        self.matcher = None  # structured output: its grammar's Matcher (megapipe.inference.structured)
         self.first_token_time: Optional[float] = None
         self.last_token_time: Optional[float] = None
         self.preemptions = 0

@@ -51,6 +51,7 @@ from megapipe.inference.protocol import (
     UnloadLoRARequest,
 )
 from megapipe.inference.sampling import ParamError
+from megapipe.inference.tool_calls import NamedCall, Parser, RequiredCalls, ToolChoice, ToolStream, parser_for
 
 log = logging.getLogger("megapipe.serve")
 MiB = 1 << 20
@@ -67,6 +68,7 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
     disconnect_poll_s: float = 0.2
     image_limits: ImageLimits = field(default_factory=ImageLimits)
+    tool_call_parser: Optional[str] = None  # how tool_choice auto finds calls in the output (tool_calls.PARSERS)
 
 
 class APIError(Exception):
@@ -124,6 +126,7 @@ class OpenAIServer:
         self.chat_template, self.no_chat_template = self._load_chat_template()
         self.loras = dict(engine.engine.lora_adapters())  # name -> path; changed only by the two routes below
         self.image_text, self.image_processor = self._image_inputs()
+        self.tool_parser = parser_for(config.tool_call_parser)
         self.metrics = ServerMetrics(engine.stats, config.model_name)
         engine.on_output = self.metrics.observe
         self.created = int(time.time())
@@ -288,6 +291,23 @@ class OpenAIServer:
             except ParamError as e:
                 raise APIError(400, str(e), param=e.param) from None
 
+    async def _structured(self, body, params, tools: Optional[ToolChoice] = None) -> None:
+        """Set params.structured from the request (a forced tool choice's grammar included), compiled before the
+        request is queued (on the grammar worker thread; cached), so a bad schema is a 400 and the engine thread
+        only looks the grammar up."""
+        try:
+            constraint = body.constraint()
+            forced = tools.constraint() if tools is not None else None
+            if forced is not None and constraint is not None:
+                raise ParamError("tool_choice", f"tool_choice {tools.mode} and {constraint.param} exclude each other")
+            constraint = forced or constraint
+            if constraint is not None:
+                self._need_tokenizer()
+                await asyncio.wrap_future(self.engine.engine.grammars.submit(constraint))
+        except ParamError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        params.structured = constraint
+
     def _logprobs_block(self, token_ids, lps, offset: int = 0, prompt_entries=None) -> dict:
         tokens, token_lps, tops, offsets = [], [], [], []
         pos = offset
@@ -425,11 +445,11 @@ class OpenAIServer:
         except ParamError as e:
             raise APIError(400, str(e), param=e.param) from None
 
-    def _render(self, messages, add_generation_prompt: bool = True) -> str:
+    def _render(self, messages, add_generation_prompt: bool = True, tools: Optional[list] = None) -> str:
         if self.chat_template is None:
             raise APIError(400, self.no_chat_template, param="messages")
         try:
-            return self.chat_template.render([m.as_template_input(self.image_text) for m in messages],
+            return self.chat_template.render([m.as_template_input(self.image_text) for m in messages], tools=tools or None,
                                              add_generation_prompt=add_generation_prompt)
         except ChatTemplateError as e:
             raise APIError(400, str(e), param="messages") from None
@@ -482,6 +502,7 @@ class OpenAIServer:
             raise APIError(400, str(e), param=e.param) from None
         if echo_only:
             params.temperature = 0.0
+        await self._structured(body, params)
         await self._validate_all(prompts, params)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
@@ -592,12 +613,16 @@ class OpenAIServer:
     async def chat_completions(self, request: Request):
         body = await self._body(request, ChatCompletionRequest)
         self._check_model(body.model)
-        if body.tools:
-            raise APIError(400, "tools (function calling) are not supported by this server", param="tools")
-        if body.response_format and body.response_format.get("type", "text") != "text":
-            raise APIError(400, "only response_format type 'text' is supported", param="response_format")
+        try:
+            tools = ToolChoice.parse(body.tools, body.tool_choice)
+        except ParamError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        if tools.mode == "auto" and self.tool_parser is None:
+            raise APIError(400, "tool_choice auto (the default with tools) needs the server started with "
+                                "--tool-call-parser (hermes, llama3_json or openai); or name a function or say "
+                                "required", param="tool_choice")
         self._need_tokenizer()
-        text = self._render(body.messages, body.add_generation_prompt)
+        text = self._render(body.messages, body.add_generation_prompt, body.tools)
         urls = [url for m in body.messages for url in m.image_urls()]
         prompt, images = (await asyncio.to_thread(self._with_images, text, urls)) if urls else (text, None)
         top = body.top_logprobs
@@ -608,17 +633,29 @@ class OpenAIServer:
             params = body.sampling_params(max_tokens, (top or 0) if body.logprobs else None)
         except ParamError as e:
             raise APIError(400, str(e), param=e.param) from None
-        if self.chat_template.has_channels:  # harmony: the channel markers split the reply
+        await self._structured(body, params, tools)
+        # harmony: the channel markers split the reply; a tool-call parser that reads special tokens needs them
+        if self.chat_template.has_channels or (tools.mode == "auto" and self.tool_parser.needs_special_tokens):
             params.skip_special_tokens = False
         await self._validate_all([prompt], params)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            return StreamingResponse(self._stream_chat(request, body, prompt, params, rid, created, images),
+            return StreamingResponse(self._stream_chat(request, body, prompt, params, rid, created, tools, images),
                                      media_type="text/event-stream")
         (out,) = await self._until_done(request, [self._final(request, prompt, params, images)])
-        choices = [{"index": c.index, "message": {"role": "assistant", **self._reply(c.text)},
-                    "logprobs": self._chat_logprobs(c.token_ids, c.logprobs) if body.logprobs else None,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
+        choices = []
+        for c in out.outputs:
+            message, finish = {"role": "assistant", **self._reply(c.text)}, c.finish_reason
+            parser = self._calls_parser(tools)
+            if parser is not None:
+                content, calls = parser.split(c.text, True)
+                message = {"role": "assistant", "content": content or None}
+                if calls:
+                    message["tool_calls"] = [call.as_dict() for call in calls]
+                    finish = "tool_calls" if finish == "stop" else finish
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": self._chat_logprobs(c.token_ids, c.logprobs) if body.logprobs else None,
+                            "finish_reason": finish, "stop_reason": c.stop_reason})
         return {"id": rid, "object": "chat.completion", "created": created, "model": self._model_name(),
                 "choices": choices, "usage": self._usage([out])}
 
@@ -628,6 +665,14 @@ class OpenAIServer:
             return {"content": text}
         content, reasoning = split_harmony(text)
         return {"content": content} if reasoning is None else {"content": content, "reasoning_content": reasoning}
+
+    def _calls_parser(self, tools: ToolChoice) -> Optional[Parser]:
+        """What finds one choice's tool calls (a fresh one per choice), None when the request has no tool calls."""
+        if tools.mode == "named":
+            return NamedCall(tools.name)
+        if tools.mode == "required":
+            return RequiredCalls()
+        return self.tool_parser if tools.mode == "auto" else None
 
     def _chat_logprobs(self, token_ids, lps) -> dict:
         def entry(t, v):
@@ -641,11 +686,12 @@ class OpenAIServer:
             content.append(item)
         return {"content": content}
 
-    async def _stream_chat(self, request, body, prompt, params, rid, created, images=None):
+    async def _stream_chat(self, request, body, prompt, params, rid, created, tools: ToolChoice, images=None):
         name = self._model_name()
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         sent_text: dict[int, dict] = {}  # per choice: how much of each reply field was sent
         sent_ids: dict[int, int] = {}
+        calls: dict[int, ToolStream] = {}
         last = None
 
         def chunk(index, delta, logprobs=None, finish=None):
@@ -659,17 +705,30 @@ class OpenAIServer:
                 for c in out.outputs:
                     if c.index not in sent_text:
                         sent_text[c.index], sent_ids[c.index] = {}, 0
+                        parser = self._calls_parser(tools)
+                        if parser is not None:
+                            calls[c.index] = ToolStream(parser)
                         yield chunk(c.index, {"role": "assistant", "content": ""})
-                    sent, reply = sent_text[c.index], self._reply(c.text)
-                    delta = {k: v[sent.get(k, 0):] for k, v in reply.items() if v[sent.get(k, 0):]}
+                    sent, finish, reply = sent_text[c.index], c.finish_reason, {}
+                    if c.index in calls:  # the parser splits text from calls
+                        stream = calls[c.index]
+                        content, deltas = stream.update(c.text, finish is not None)
+                        delta = {"content": content} if content else {}
+                        if deltas:
+                            delta["tool_calls"] = deltas
+                        if stream.called and finish == "stop":
+                            finish = "tool_calls"
+                    else:
+                        reply = self._reply(c.text)
+                        delta = {k: v[sent.get(k, 0):] for k, v in reply.items() if v[sent.get(k, 0):]}
                     new_ids = c.token_ids[sent_ids[c.index]:]
                     lps = None
                     if body.logprobs and new_ids:
                         lps = self._chat_logprobs(new_ids, (c.logprobs or [])[sent_ids[c.index]:])
                     if delta or lps:
                         yield chunk(c.index, delta or {"content": ""}, lps)
-                    if c.finish_reason is not None and c.finish_reason != "abort":
-                        yield chunk(c.index, {}, None, c.finish_reason)
+                    if finish is not None and finish != "abort":
+                        yield chunk(c.index, {}, None, finish)
                     sent.update((k, len(v)) for k, v in reply.items())
                     sent_ids[c.index] = len(c.token_ids)
             if include_usage and last is not None:

@@ -331,6 +331,8 @@ def test_serve_cli_refusals_are_one_sentence(hf_llama, tmp_path, capsys):
             (["serve", str(hf_llama[0]), "--port", "0", "--max-model-len", "4096"],
              "--max-model-len = 4096 exceeds the model's max_position_embeddings = 128"),
             (["serve", str(hf_llama[0]), "--kv-cache-memory", "lots"], "--kv-cache-memory 'lots' is not a size"),
+            (["serve", str(hf_llama[0]), "--tool-call-parser", "xml"],
+             "--tool-call-parser 'xml' is not one of hermes, llama3_json, openai"),
             (["serve", str(hf_llama[0]), "--speculative-tokens", "2"],
              "serve of Llama models does not support engine speculative"),
             (["serve", str(hf_llama[0]), "--lora-modules", "plain"], "--lora-modules 'plain' is not name=PATH"),

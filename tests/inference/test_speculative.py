@@ -231,3 +231,25 @@ def test_acceptance_counts_reach_the_metrics(trained_model):
     assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="3"}' in text
     assert 'vllm:spec_decode_draft_acceptance_rate{model_name="m",position="all"}' in text
     assert "spec_decode" not in generate_latest(ServerMetrics(engine(trained_model).stats, "m").registry).decode()
+
+
+def test_structured_output_is_not_drafted(trained_model):
+    """A request with a grammar decodes without drafts (drafts are not checked against its grammar); a free request
+    in the same batch still drafts, and the constrained output matches its regex."""
+    import re
+
+    import xgrammar as xgr
+
+    from megapipe.inference.structured import Constraint, Grammars
+
+    eng = engine(trained_model, 2)
+    eng._grammars = Grammars(xgr.TokenizerInfo(["<eos>"] + [chr(ord("a") + i) for i in range(V - 1)],
+                                               stop_token_ids=[0]))
+    held = SamplingParams(max_tokens=8, temperature=0, structured=Constraint("regex", "[a-f]{4}"))
+    (alone,) = eng.generate([PERIOD * 2], held)
+    assert eng.stats()["spec_decode_num_drafts"] == 0
+    assert re.fullmatch("[a-f]{4}", "".join(chr(ord("a") + t - 1) for t in alone.outputs[0].token_ids))
+    free = SamplingParams(max_tokens=8, temperature=0)
+    mixed = eng.generate([PERIOD * 2, PERIOD * 2], [held, free])
+    assert mixed[0].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert eng.stats()["spec_decode_num_drafts"] > 0

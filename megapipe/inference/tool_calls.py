@@ -1,0 +1,262 @@
+"""Tool calls (OpenAI's ``tools`` / ``tool_choice``): what a request asks for, and the calls in a model's output.
+
+``named`` and ``required`` choices are guaranteed by a grammar (structured.Constraint): the output is the named
+function's arguments as JSON, or a JSON list of ``{"name", "parameters"}`` objects over the given functions, as vLLM
+constrains them. ``auto`` finds the calls in the model's own format with a parser named as vLLM names them
+(``--tool-call-parser``): ``hermes`` (Hermes / Qwen ``<tool_call>{json}</tool_call>``), ``llama3_json`` (a Llama-3
+JSON object ``{"name", "parameters"}``, after ``<|python_tag|>`` or not, several joined by ``;``) and ``openai``
+(GPT-OSS harmony: a ``commentary to=functions.NAME`` message; the ``final`` channel is the content).
+
+A parser's ``split(text, final)`` gives the content and the calls found so far; while streaming (``final`` False)
+it holds back what may still turn into a call, so the content it gives only grows (ToolStream sends the differences).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from megapipe.inference.sampling import ParamError
+from megapipe.inference.structured import Constraint
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text
+    id: str = field(default_factory=call_id)
+
+    def as_dict(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def _schema_of(tool: dict) -> dict:
+    params = tool["function"].get("parameters")
+    return params if isinstance(params, dict) and params else {"type": "object"}
+
+
+@dataclass
+class ToolChoice:
+    """A request's tools and what it asks of them: ``mode`` none, auto, required or named (``name``)."""
+
+    tools: list
+    mode: str = "none"
+    name: Optional[str] = None
+
+    @staticmethod
+    def parse(tools: Optional[list], choice: Any) -> "ToolChoice":
+        tools = tools or []
+        for i, tool in enumerate(tools):
+            fn = tool.get("function") if isinstance(tool, dict) else None
+            if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict) \
+                    or not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise ParamError("tools", f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": "
+                                          f"..., \"parameters\": {{...}}}}}}")
+        names = [t["function"]["name"] for t in tools]
+        if choice is None:
+            return ToolChoice(tools, "auto" if tools else "none")
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None
+            if choice.get("type", "function") != "function" or not isinstance(name, str):
+                raise ParamError("tool_choice", "tool_choice must be none, auto, required or {\"type\": \"function\", "
+                                                "\"function\": {\"name\": ...}}")
+            if name not in names:
+                raise ParamError("tool_choice", f"tool_choice names the function {name!r}, which is not in tools "
+                                                f"({', '.join(names) or 'none given'})")
+            return ToolChoice(tools, "named", name)
+        if choice not in ("none", "auto", "required"):
+            raise ParamError("tool_choice", f"tool_choice {choice!r} is not one of none, auto, required or a named "
+                                            f"function")
+        if choice != "none" and not tools:
+            raise ParamError("tool_choice", f"tool_choice {choice!r} needs tools")
+        return ToolChoice(tools, choice)
+
+    def constraint(self) -> Optional[Constraint]:
+        """The grammar that guarantees a named or required choice (None for none and auto)."""
+        if self.mode == "named":
+            tool = next(t for t in self.tools if t["function"]["name"] == self.name)
+            return Constraint.json_schema(_schema_of(tool), "tools")
+        if self.mode == "required":
+            calls = [{"type": "object", "properties": {"name": {"enum": [t["function"]["name"]]},
+                                                       "parameters": _schema_of(t)},
+                      "required": ["name", "parameters"]} for t in self.tools]
+            return Constraint.json_schema({"type": "array", "minItems": 1, "items": {"anyOf": calls}}, "tools")
+        return None
+
+
+class Parser:
+    needs_special_tokens = False  # the text it reads keeps the special tokens (skip_special_tokens off)
+
+    def split(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
+        raise NotImplementedError
+
+
+def _held(text: str, marker: str) -> int:
+    """Where a tail of ``text`` that could start ``marker`` begins (len(text) when none could)."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-k:]):
+            return len(text) - k
+    return len(text)
+
+
+def _call_from(obj: Any, args_key: str) -> Optional[ToolCall]:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
+    return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+
+
+class NamedCall(Parser):
+    """tool_choice naming a function: the whole output is its arguments (streamed as they grow)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.id = call_id()
+
+    def split(self, text, final):
+        return "", [ToolCall(self.name, text, self.id)]
+
+
+class RequiredCalls(Parser):
+    """tool_choice required: the output is a JSON list of {"name", "parameters"} (read once it is complete)."""
+
+    def split(self, text, final):
+        if not final:
+            return "", []
+        try:
+            items = json.loads(text)
+        except ValueError:
+            return text, []
+        calls = [_call_from(x, "parameters") for x in items] if isinstance(items, list) else []
+        return ("", calls) if calls and all(calls) else (text, [])
+
+
+class HermesParser(Parser):
+    START, END = "<tool_call>", "</tool_call>"
+    BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+
+    def split(self, text, final):
+        start = text.find(self.START)
+        if start < 0:
+            return (text if final else text[:_held(text, self.START)]), []
+        calls = []
+        bodies = [m.group(1) for m in self.BLOCK.finditer(text, start)]
+        tail = text.rfind(self.START)
+        if final and text.find(self.END, tail) < 0:  # the model stopped before closing its last call
+            bodies.append(text[tail + len(self.START):])
+        for body in bodies:
+            try:
+                call = _call_from(json.loads(body), "arguments")
+            except ValueError:
+                call = None
+            if call is not None:
+                calls.append(call)
+        if final and not calls:
+            return text, []
+        return text[:start], calls
+
+
+class Llama3JsonParser(Parser):
+    TAG = "<|python_tag|>"
+
+    def split(self, text, final):
+        body = text.lstrip()
+        if body.startswith(self.TAG):
+            body = body[len(self.TAG):].lstrip()
+        elif not final and self.TAG.startswith(body):
+            return "", []  # the tag may be on its way
+        if not body.startswith("{"):
+            return (text if final or body else ""), []
+        calls, decoder, at = [], json.JSONDecoder(), 0
+        while at < len(body):
+            try:
+                obj, end = decoder.raw_decode(body, at)
+            except ValueError:
+                break
+            call = _call_from(obj, "parameters")
+            if call is None:
+                break
+            calls.append(call)
+            at = end
+            while at < len(body) and body[at] in " \t\r\n;":
+                at += 1
+        if final and not calls:
+            return text, []
+        return "", calls
+
+
+class HarmonyParser(Parser):
+    """GPT-OSS's harmony messages: ``<|channel|>CHANNEL [to=functions.NAME] [<|constrain|>json]<|message|>BODY``
+    ended by ``<|end|>``, ``<|call|>`` or ``<|return|>``; a new one starts after ``<|start|>ROLE``."""
+
+    needs_special_tokens = True
+    ENDS = re.compile(r"<\|(?:end|call|return)\|>")
+
+    def split(self, text, final):
+        if "<|message|>" not in text:
+            if "<|channel|>" in text or "<|start|>" in text or (not final and text.lstrip().startswith("<|")):
+                return "", []
+            return text if final else text[:_held(text, "<|")], []
+        content, calls = [], []
+        for part in text.split("<|start|>"):
+            header, sep, rest = part.partition("<|message|>")
+            if not sep:
+                continue
+            end = self.ENDS.search(rest)
+            body = rest[:end.start()] if end else rest
+            done = end is not None or final
+            recipient = re.search(r"to=functions\.([^\s<]+)", header)
+            if recipient:
+                if done:
+                    calls.append(ToolCall(recipient.group(1), body.strip()))
+            elif re.search(r"<\|channel\|>\s*final", header):
+                content.append(body if done else body[:_held(body, "<|")])
+        return "".join(content), calls
+
+
+PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "openai": HarmonyParser}
+
+
+def parser_for(name: Optional[str]) -> Optional[Parser]:
+    if name is None:
+        return None
+    if name not in PARSERS:
+        raise ParamError("tool_call_parser", f"--tool-call-parser {name!r} is not one of {', '.join(PARSERS)}")
+    return PARSERS[name]()
+
+
+class ToolStream:
+    """Streams one choice's content and tool calls as OpenAI's deltas, from its growing text."""
+
+    def __init__(self, parser: Parser):
+        self.parser = parser
+        self.sent_content = 0
+        self.sent_args: list[int] = []
+        self.ids: list[str] = []
+
+    def update(self, text: str, final: bool) -> tuple[str, list[dict]]:
+        content, calls = self.parser.split(text, final)
+        delta = content[self.sent_content:]
+        self.sent_content = max(self.sent_content, len(content))
+        out = []
+        for i, call in enumerate(calls):
+            if i == len(self.sent_args):
+                self.ids.append(call.id)
+                self.sent_args.append(len(call.arguments))
+                out.append({"index": i, "id": call.id, "type": "function",
+                            "function": {"name": call.name, "arguments": call.arguments}})
+            elif len(call.arguments) > self.sent_args[i]:
+                out.append({"index": i, "function": {"arguments": call.arguments[self.sent_args[i]:]}})
+                self.sent_args[i] = len(call.arguments)
+        return delta, out
+
+    @property
+    def called(self) -> bool:
+        return bool(self.sent_args)

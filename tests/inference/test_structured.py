@@ -1,0 +1,298 @@
+"""Structured outputs and tool calls through the official ``openai`` client against a live server over a random tiny
+Llama: JSON schema / object, choice, regex and grammar constraints, a mixed batch, streaming, errors, forced tool
+calls; the engine's mask per row; the tool-call parsers on fixed strings."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import openai
+import pytest
+
+from megapipe.data.chat_template import CHATML, ChatTemplate
+from megapipe.inference import SamplingParams
+from megapipe.inference.protocol import ChatMessage
+from megapipe.inference.structured import Constraint
+from megapipe.inference.tool_calls import HarmonyParser, HermesParser, Llama3JsonParser, ToolStream
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 6},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "ok": {"type": "boolean"},
+    "color": {"enum": ["red", "green"]}}, "required": ["name", "age", "ok", "color"]}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                     "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"]}}}
+MESSAGES = [{"role": "user", "content": "Who are you?"}]
+
+
+def check_person(text: str) -> None:
+    obj = json.loads(text)
+    assert set(obj) == {"name", "age", "ok", "color"}
+    assert isinstance(obj["name"], str) and len(obj["name"]) <= 6
+    assert type(obj["age"]) is int and 0 <= obj["age"] <= 120
+    assert type(obj["ok"]) is bool and obj["color"] in ("red", "green")
+    assert "\n" not in text and "  " not in text  # single-line JSON: the grammar bounds the whitespace
+
+
+def check_weather(arguments: str) -> None:
+    args = json.loads(arguments)
+    assert set(args) == {"city", "unit"} and len(args["city"]) <= 8 and args["unit"] in ("c", "f")
+
+
+def test_json_schema_n_logprobs(live):
+    r = live.client().chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=60, n=3, temperature=1.0, seed=7, logprobs=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}})
+    assert len(r.choices) == 3
+    for c in r.choices:
+        assert c.finish_reason == "stop"  # closed well within max_tokens, whatever the random model wanted
+        check_person(c.message.content)
+        assert len(c.logprobs.content) >= 10 and all(t.logprob <= 0 for t in c.logprobs.content)
+
+
+def test_json_object_and_vllm_fields(live):
+    c = live.client()
+    r = c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=40, temperature=0,
+                                  response_format={"type": "json_object"})
+    text = r.choices[0].message.content
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    assert text.startswith("{")
+    for extra in ({"guided_choice": ["yes", "no", "maybe"]}, {"structured_outputs": {"choice": ["yes", "no"]}}):
+        r = c.completions.create(model="tiny", prompt="Answer:", max_tokens=8, temperature=1.0, seed=3,
+                                 extra_body=extra)
+        assert r.choices[0].text in ("yes", "no", "maybe") and r.choices[0].finish_reason == "stop"
+    for extra in ({"guided_regex": r"[a-c]{3}-\d{2}"}, {"structured_outputs": {"regex": r"[a-c]{3}-\d{2}"}}):
+        r = c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, temperature=1.0, seed=5,
+                                      extra_body=extra)
+        assert re.fullmatch(r"[a-c]{3}-\d{2}", r.choices[0].message.content)
+    r = c.completions.create(model="tiny", prompt="Count:", max_tokens=12, temperature=1.0, seed=1,
+                             extra_body={"guided_grammar": 'root ::= "one" | "two" ("," "three")?'})
+    assert r.choices[0].text in ("one", "two", "two,three")
+    r = c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=60, temperature=1.0, seed=2,
+                                  extra_body={"guided_json": SCHEMA})
+    check_person(r.choices[0].message.content)
+
+
+def test_streaming_json(live):
+    stream = live.client().chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=60, temperature=1.0, seed=11, stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}})
+    parts, finish = [], None
+    for chunk in stream:
+        for c in chunk.choices:
+            parts.append(c.delta.content or "")
+            finish = c.finish_reason or finish
+    assert finish == "stop"
+    check_person("".join(parts))
+
+
+def test_invalid_constraints_are_400(live):
+    c = live.client()
+    cases = [({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
+              "response_format", 'Unsupported type "foo"'),
+             ({"extra_body": {"guided_regex": "a(b"}}, "guided_regex", "parenthesis is not closed"),
+             ({"extra_body": {"guided_grammar": "root ::= foo"}}, "guided_grammar", 'Rule "foo" is not defined'),
+             ({"response_format": {"type": "xml"}}, "response_format", "'xml' is not one of"),
+             ({"extra_body": {"guided_regex": "a", "guided_choice": ["b"]}}, "guided_choice", "exclude each other"),
+             ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+              "tool_choice", "'nope', which is not in tools"),
+             ({"tools": [WEATHER]}, "tool_choice", "--tool-call-parser")]
+    for kwargs, param, words in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, **kwargs)
+        err = e.value.body
+        assert err["param"] == param and words in err["message"], err
+
+
+def test_named_and_required_tool_choice(live):
+    c = live.client()
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=40, temperature=1.0, seed=4,
+                                  tools=[WEATHER], tool_choice=named)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    check_weather(call.function.arguments)
+    r = c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=100, temperature=1.0, seed=6,
+                                  tools=[WEATHER], tool_choice="required")
+    assert r.choices[0].finish_reason == "tool_calls"
+    calls = r.choices[0].message.tool_calls
+    assert calls and all(x.function.name == "get_weather" for x in calls)
+    for x in calls:
+        check_weather(x.function.arguments)
+    stream = c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=40, temperature=1.0, seed=4,
+                                       tools=[WEATHER], tool_choice=named, stream=True)
+    args, names, finish = "", [], None
+    for chunk in stream:
+        for ch in chunk.choices:
+            for d in ch.delta.tool_calls or []:
+                assert d.index == 0
+                names += [d.function.name] if d.function.name else []
+                args += d.function.arguments or ""
+            finish = ch.finish_reason or finish
+    assert names == ["get_weather"] and finish == "tool_calls"
+    assert args == call.function.arguments  # same seed: the streamed call equals the whole one
+
+
+def test_tool_messages_through_template(live):
+    messages = [ChatMessage(role="user", content="Weather in Paris?"),
+                ChatMessage(role="assistant", content="", tool_calls=[{
+                    "id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]),
+                ChatMessage(role="tool", content="21", tool_call_id="call_1")]
+    text = ChatTemplate(CHATML, "chatml").render([m.as_template_input() for m in messages], tools=[WEATHER],
+                                                  add_generation_prompt=True)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>' in text
+    assert '"name": "get_weather"' in text.split("</tools>")[0]  # the tools in the system turn
+    assert "<|im_start|>tool\n21<|im_end|>" in text
+    r = live.client().chat.completions.create(  # the server takes such a conversation (tool_choice none)
+        model="tiny", messages=[m.model_dump(exclude_none=True) for m in messages], max_tokens=4, temperature=0,
+        tools=[WEATHER], tool_choice="none")
+    assert r.choices[0].message.tool_calls is None
+
+
+def test_mixed_batch_one_step(tiny_engine_factory):
+    """A constrained and a free greedy row in the same engine steps: each equals its own run alone, and the
+    constrained row's every token was allowed by its grammar."""
+    engine = tiny_engine_factory()
+    regex = Constraint("regex", r"[a-c]{3}-\d{2}")
+    free = SamplingParams(max_tokens=10, temperature=0)
+    held = SamplingParams(max_tokens=10, temperature=0, structured=regex)
+    alone = [engine.generate(["hello world"], free)[0].outputs[0], engine.generate(["hello world"], held)[0].outputs[0]]
+    engine.add_request("free", "hello world", free)
+    engine.add_request("held", "hello world", held)
+    first = engine.step()
+    assert {o.request_id for o in first} == {"free", "held"}  # both sampled in the one step
+    assert all(len(o.outputs[0].token_ids) == 1 for o in first)
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            done[out.request_id] = out.outputs[0]
+    assert done["free"].token_ids == alone[0].token_ids and len(done["free"].token_ids) == 10
+    assert done["held"].token_ids == alone[1].token_ids and re.fullmatch(r"[a-c]{3}-\d{2}", done["held"].text)
+
+
+def test_hermes_parser():
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+    content, calls = HermesParser().split(text, True)
+    assert content == "Let me check.\n"
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}),
+                                                                   ("get_time", {})]
+    assert HermesParser().split("No tools here.", True) == ("No tools here.", [])
+    assert HermesParser().split("partial <tool", False) == ("partial ", [])  # may be a tag: held back
+    assert HermesParser().split("<tool_call>{not json</tool_call>", True)[1] == []
+
+
+def test_llama3_json_parser():
+    text = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "f", "parameters": {}}'
+    content, calls = Llama3JsonParser().split(text, True)
+    assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"}), ("f", {})]
+    assert Llama3JsonParser().split('{"name": "g", "parameters": {"x": 1}}', True)[1][0].arguments == '{"x": 1}'
+    assert Llama3JsonParser().split("The answer is 4.", True) == ("The answer is 4.", [])
+    assert Llama3JsonParser().split('{"name": "g", "par', False) == ("", [])
+
+
+def test_harmony_parser():
+    text = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+            'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}')
+    content, calls = HarmonyParser().split(text, True)  # <|call|> is the stop token: not in the text
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Paris"}')]
+    final = "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>It is 4."
+    assert HarmonyParser().split(final, True) == ("It is 4.", [])
+    assert HarmonyParser().split("plain text", True) == ("plain text", [])
+
+
+def test_tool_stream_deltas():
+    """Streaming a Hermes output a few characters at a time: content first, then each call once it is complete."""
+    text = 'Sure.<tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call><tool_call>{"name": "b", "arguments": {}}'
+    stream, content, calls = ToolStream(HermesParser()), "", []
+    for end in range(1, len(text) + 1, 3):
+        delta, deltas = stream.update(text[:end], False)
+        content, calls = content + delta, calls + deltas
+    delta, deltas = stream.update(text, True)
+    content, calls = content + delta, calls + deltas
+    assert content == "Sure."
+    assert [(d["index"], d["function"]["name"], json.loads(d["function"]["arguments"])) for d in calls] == [
+        (0, "a", {"x": 1}), (1, "b", {})]
+
+
+def test_sampler_masks_per_row(live):
+    """sample() over a batch of free, constrained greedy and constrained sampled rows: a greedy constrained row
+    takes the argmax of its grammar-masked logits (whether or not its unmasked argmax was allowed), a sampled one
+    only allowed tokens, a free row its unmasked argmax."""
+    import torch
+    import xgrammar as xgr
+
+    from megapipe.inference.sampling import SampleRow, sample
+
+    grammars = live.engine.grammars
+    c = Constraint("regex", "[a-c]{3}")
+    V = live.engine.vocab_size
+    allowed = xgr.allocate_token_bitmask(1, V)
+    grammars.matcher(c).fill(allowed, 0)
+    ok = torch.tensor([bool(int(allowed[0, t // 32]) >> (t % 32) & 1) for t in range(V)])
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        logits = torch.randn(4, V, generator=gen)
+        if trial % 2:  # the unmasked argmax allowed: the path that skips masking
+            logits[1, ok.nonzero()[trial % 3, 0]] = 10.0
+        rows = [SampleRow(SamplingParams(temperature=0), None, [1], []),
+                SampleRow(SamplingParams(temperature=0), None, [1], [], (), grammars.matcher(c)),
+                SampleRow(SamplingParams(temperature=1.0), torch.Generator().manual_seed(trial), [1], [], (),
+                          grammars.matcher(c)),
+                SampleRow(SamplingParams(temperature=0), None, [1], [], (), grammars.matcher(c))]
+        before = logits.clone()
+        out = sample(logits, rows).tolist()
+        assert torch.equal(logits, before)  # the caller's logits are left alone
+        masked = logits.masked_fill(~ok, float("-inf"))
+        assert out[0] == int(logits[0].argmax()) and out[1] == int(masked[1].argmax())
+        assert out[3] == int(masked[3].argmax()) and ok[out[2]]
+
+
+def test_vllm_gets_the_tool_call_parser(tmp_path):
+    from megapipe.inference.vllm_engine import vllm_command
+
+    cmd = vllm_command(tmp_path / "python", tmp_path, host="127.0.0.1", port=1, api_key=None, served_model_name="m",
+                       max_num_seqs=8, max_model_len=None, dtype="auto", tool_call_parser="hermes")
+    assert cmd[-3:] == ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+
+
+@pytest.fixture(scope="module")
+def hermes_live(hf_llama):
+    from tests.inference.test_server import LiveServer
+
+    server = LiveServer(hf_llama[0], server_config={"tool_call_parser": "hermes"})
+    yield server
+    server.stop()
+
+
+def test_auto_tool_choice_parses_the_output(hermes_live):
+    """tool_choice auto with --tool-call-parser hermes: an output in Hermes' format (forced here by a regex, as a
+    random model would not write it) comes back as tool_calls, whole and streamed."""
+    call = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "P[a-z]{2}", "unit": "c"\}\}</tool_call>'
+    kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=100, temperature=1.0, seed=9, tools=[WEATHER],
+                  extra_body={"guided_regex": "Sure[.]" + call})
+    c = hermes_live.client()
+    r = c.chat.completions.create(**kwargs)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure."
+    (tc,) = choice.message.tool_calls
+    assert tc.function.name == "get_weather" and re.fullmatch(r'\{"city": "P[a-z]{2}", "unit": "c"\}',
+                                                              tc.function.arguments)
+    content, calls, finish = "", [], None
+    for chunk in c.chat.completions.create(stream=True, **kwargs):
+        for ch in chunk.choices:
+            content += ch.delta.content or ""
+            calls += ch.delta.tool_calls or []
+            finish = ch.finish_reason or finish
+    assert content == "Sure." and finish == "tool_calls"
+    assert [(d.index, d.function.name, d.function.arguments) for d in calls] == [
+        (0, "get_weather", tc.function.arguments)]  # same seed: the same call
+    r = c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5, temperature=0, tools=[WEATHER])
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "length"
