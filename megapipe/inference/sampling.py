@@ -177,10 +177,9 @@ def penalised(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
     for i, row in enumerate(rows):
         if row.suppressed:
             logits[i, list(row.suppressed)] = float("-inf")
-    if any(r.matcher is not None for r in rows):
-        from megapipe.inference.structured import apply_masks
-
-        logits = apply_masks(logits, rows, copied)
+    matcher = next((r.matcher for r in rows if r.matcher is not None), None)
+    if matcher is not None:  # structured.Matcher (imported by whoever made it: no import here, structured imports us)
+        logits = matcher.apply_masks(logits, rows, copied)
     return logits
 
 

@@ -163,25 +163,25 @@ class Matcher:
     def terminated(self) -> bool:
         return self.matcher.is_terminated()
 
+    @staticmethod
+    def apply_masks(logits: torch.Tensor, rows: Sequence, in_place: bool = False) -> torch.Tensor:
+        """fp32 logits [R, V] with -inf on each constrained row's (SampleRow.matcher) tokens its grammar does not allow
+        next (a copy unless ``in_place``). A greedy row whose most likely token is allowed is left as it is: its argmax
+        is the masked one, so most greedy steps of a model that follows the format cost no masking pass."""
+        import xgrammar as xgr
 
-def apply_masks(logits: torch.Tensor, rows: Sequence, in_place: bool = False) -> torch.Tensor:
-    """fp32 logits [R, V] with -inf on each constrained row's (SampleRow.matcher) tokens its grammar does not allow
-    next (a copy unless ``in_place``). A greedy row whose most likely token is allowed is left as it is: its argmax
-    is the masked one, so most greedy steps of a model that follows the format cost no masking pass."""
-    import xgrammar as xgr
-
-    held = [i for i, r in enumerate(rows) if r.matcher is not None]
-    bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[-1])
-    for i in held:
-        rows[i].matcher.fill(bitmask, i)
-    greedy = [i for i in held if rows[i].params.greedy]
-    if greedy:
-        top = logits[greedy].argmax(dim=-1).tolist()
-        fine = {i for i, t in zip(greedy, top, strict=True) if int(bitmask[i, t // 32]) >> (t % 32) & 1}
-        held = [i for i in held if i not in fine]
-    if not held:
+        held = [i for i, r in enumerate(rows) if r.matcher is not None]
+        bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[-1])
+        for i in held:
+            rows[i].matcher.fill(bitmask, i)
+        greedy = [i for i in held if rows[i].params.greedy]
+        if greedy:
+            top = logits[greedy].argmax(dim=-1).tolist()
+            fine = {i for i, t in zip(greedy, top, strict=True) if int(bitmask[i, t // 32]) >> (t % 32) & 1}
+            held = [i for i in held if i not in fine]
+        if not held:
+            return logits
+        if not in_place:
+            logits = logits.clone()
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=held)
         return logits
-    if not in_place:
-        logits = logits.clone()
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=held)
-    return logits
