@@ -26,8 +26,12 @@ def generate(
                                               "--prompt or one for all; it goes where the prompt writes <image>, "
                                               "else first."),
     json_output: bool = typer.Option(False, "--json", help="Print a JSON list of {prompt, completion}."),
-    speculative_tokens: int = typer.Option(0, "--speculative-tokens",
-                                           help="Draft tokens per step from the model's MTP modules (0 = off)."),
+    speculative_tokens: int = typer.Option(0, "--speculative-tokens", "--num-speculative-tokens",
+                                           help="Draft tokens per decode step (0 = off)."),
+    speculative_method: str = typer.Option("mtp", "--speculative-method",
+                                           help="mtp (the model's MTP modules) or ngram (prompt lookup, any model)."),
+    prompt_lookup_max: int = typer.Option(4, "--prompt-lookup-max", help="ngram: the longest suffix looked up."),
+    prompt_lookup_min: int = typer.Option(2, "--prompt-lookup-min", help="ngram: the shortest suffix looked up."),
 ) -> None:
     """Complete each --prompt with the model of CKPT and print the completions."""
     import json
@@ -42,20 +46,23 @@ def generate(
     from megapipe.data.tokenizer import load_tokenizer
     from megapipe.dtypes import resolve_device, resolve_dtype
     from megapipe.inference import generate as run_generate
+    from megapipe.inference.engine import EngineConfig
     from megapipe.models.capabilities import require
 
+    speculative = dict(speculative_method=speculative_method, prompt_lookup_max=prompt_lookup_max,
+                       prompt_lookup_min=prompt_lookup_min)
+    EngineConfig(speculative_tokens=speculative_tokens, **speculative).check()  # before the model loads
     device = resolve_device(device)
     loaded = load_model(ckpt, device=device, dtype=torch.bfloat16 if bf16 else resolve_dtype(dtype))
-    if speculative_tokens < 0:
-        raise MegapipeError(f"--speculative-tokens = {speculative_tokens} must be >= 0 (0: off)")
-    require(loaded.model.cfg, "generate", str(ckpt), engine=["speculative"] if speculative_tokens else None)
+    drafter = "ngram_speculative" if speculative_method == "ngram" else "speculative"
+    require(loaded.model.cfg, "generate", str(ckpt), engine=[drafter] if speculative_tokens else None)
     tok = load_tokenizer(tokenizer) if tokenizer is not None else loaded.tokenizer
     if tok is None:
         raise MegapipeError(f"checkpoint {ckpt} holds no tokenizer/: give one with --tokenizer")
     # the checkpoint's generation config ends a completion as the engine's from_pretrained does
     eos = eos_ids_of(loaded.generation_config.get("eos_token_id"), tok)
     completions = run_generate(loaded.model, tok, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop,
-                               speculative_tokens, eos, image)
+                               speculative_tokens, eos, image, speculative)
     if json_output:
         typer.echo(json.dumps([{"prompt": p, "completion": c} for p, c in zip(prompt, completions, strict=True)]))
         return

@@ -73,12 +73,6 @@ def serve(
     _check_api_key(api_key)
     if engine not in ("megapipe", "vllm"):
         raise MegapipeError(f"--engine {engine!r} is not one of megapipe, vllm")
-    for flag, value in (("--max-num-seqs", max_num_seqs), ("--block-size", block_size),
-                        ("--max-num-batched-tokens", max_num_batched_tokens)):
-        if value < 1:
-            raise MegapipeError(f"{flag} = {value} must be >= 1")
-    if speculative_tokens < 0:
-        raise MegapipeError(f"--speculative-tokens = {speculative_tokens} must be >= 0 (0: off)")
     if max_image_pixels < 1:
         raise MegapipeError(f"--max-image-pixels = {max_image_pixels} must be >= 1")
     if tool_call_parser is not None:
@@ -100,6 +94,14 @@ def serve(
                 speculative_tokens=speculative_tokens, speculative_method=speculative_method,
                 prompt_lookup_max=prompt_lookup_max, prompt_lookup_min=prompt_lookup_min)
     memory = parse_size(kv_cache_memory, "--kv-cache-memory") if kv_cache_memory else None
+    # one EngineConfig, checked by the engine's own rules before anything loads (vLLM's flags included)
+    from megapipe.inference.engine import EngineConfig
+
+    engine_config = EngineConfig(
+        block_size=block_size, num_blocks=num_blocks, kv_cache_memory=memory, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+        prefix_caching=not no_prefix_caching, **spec)
+    engine_config.check()
     if not Path(model).expanduser().exists():
         raise MegapipeError(f"{model} does not exist (give a checkpoint, a run directory or a Hugging Face model dir)")
 
@@ -134,7 +136,6 @@ def serve(
     from megapipe.dtypes import resolve_device, resolve_dtype
     from megapipe.inference import LLMEngine
     from megapipe.inference.async_engine import AsyncEngine
-    from megapipe.inference.engine import EngineConfig
     from megapipe.inference.server import ServerConfig, bind, run_server
     from megapipe.models.capabilities import require
 
@@ -142,11 +143,6 @@ def serve(
         if threads < 1:
             raise MegapipeError(f"--threads = {threads} must be >= 1")
         torch.set_num_threads(threads)
-    engine_config = EngineConfig(
-        block_size=block_size, num_blocks=num_blocks, kv_cache_memory=memory, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-        prefix_caching=not no_prefix_caching, **spec)
-    engine_config.check()  # a bad value fails before the model loads
     sock = bind(host, port)  # before loading: a busy port fails in a second, not after the model loads
     try:
         loaded = load_model(model, resolve_device(device), resolve_dtype(dtype))

@@ -16,7 +16,7 @@ from megapipe.inference.sampling import ParamError, SamplingParams
 
 
 def _engine_for(model, tokenizer, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_ids,
-                speculative_tokens: int = 0):
+                speculative_tokens: int = 0, speculative: Optional[dict] = None):
     limit = model.cfg.max_position_embeddings
     for i, p in enumerate(prompts):
         if len(p) == 0:
@@ -28,7 +28,7 @@ def _engine_for(model, tokenizer, prompts: Sequence[Sequence[int]], max_new_toke
     need = sum(-(-(len(p) + max_new_tokens) // bs) for p in prompts)
     config = EngineConfig(block_size=bs, num_blocks=max(need, -(-limit // bs)), max_num_seqs=max(1, len(prompts)),
                           max_num_batched_tokens=max(2048, max(len(p) for p in prompts)),
-                          speculative_tokens=speculative_tokens)
+                          speculative_tokens=speculative_tokens, **(speculative or {}))
     return LLMEngine(model, tokenizer, config, eos_token_ids=list(eos_ids))
 
 
@@ -62,9 +62,11 @@ def generate_ids(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, t
 def generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None,
              stop: Optional[Sequence[str]] = None, speculative_tokens: int = 0,
-             eos_ids: Optional[Sequence[int]] = None, images: Optional[Sequence[str]] = None) -> list[str]:
+             eos_ids: Optional[Sequence[int]] = None, images: Optional[Sequence[str]] = None,
+             speculative: Optional[dict] = None) -> list[str]:
     """Completions of ``prompts`` (without the prompt), ending at EOS, a stop string (excluded) or the limit;
-    ``speculative_tokens``: drafts per step from the model's MTP modules (megapipe.inference.speculative);
+    ``speculative_tokens``: drafts per step (megapipe.inference.speculative), by the drafter ``speculative`` names
+    (EngineConfig's speculative_method, prompt_lookup_max, prompt_lookup_min; default: the model's MTP modules);
     ``eos_ids``: the ids that end a completion (default: the tokenizer's end-of-document id); ``images``: image
     files of a vision-language model, one per prompt or one for all (``with_images``)."""
     if isinstance(stop, str):
@@ -76,7 +78,7 @@ def generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, temp
     if images:
         ids, pixels = with_images(model, tokenizer, prompts, images)
     eos = list(eos_ids) if eos_ids is not None else eos_ids_of(None, tokenizer)
-    engine = _engine_for(model, tokenizer, ids, max_new_tokens, eos, speculative_tokens)
+    engine = _engine_for(model, tokenizer, ids, max_new_tokens, eos, speculative_tokens, speculative)
     if max_new_tokens == 0:
         return ["" for _ in prompts]
     outs = _run(engine, ids, _params(max_new_tokens, temperature, top_k, top_p, seed, stop), pixels)

@@ -78,3 +78,20 @@ def test_generate_stage_speculative_tokens(run_dir, tmp_path, capsys):
                      "--max-new-tokens", "12", "--speculative-tokens", k, "--json"]) == 0
         texts.append(json.loads(capsys.readouterr().out))
     assert texts[0] == texts[1]
+
+
+def test_generate_stage_ngram_speculation(run_dir, capsys):
+    """--speculative-method ngram drafts from the prompt for a model without MTP modules: the same greedy text; a bad
+    method or lookup range is refused before the model loads."""
+    run, _, _ = run_dir
+    prompt = ["--prompt", "the cat sat on the mat. the cat sat on the", "--max-new-tokens", "16", "--json"]
+    texts = []
+    for extra in ([], ["--speculative-method", "ngram", "--num-speculative-tokens", "3", "--prompt-lookup-min", "1"]):
+        assert main(["generate", str(run), *prompt, *extra]) == 0
+        texts.append(json.loads(capsys.readouterr().out))
+    assert texts[0] == texts[1]
+    assert main(["generate", str(run), "--prompt", "x", "--speculative-method", "eagle", "--speculative-tokens", "2"]) != 0
+    assert "--speculative-method = 'eagle' is not one of" in capsys.readouterr().err
+    assert main(["generate", str(run), "--prompt", "x", "--speculative-method", "ngram", "--speculative-tokens", "2",
+                 "--prompt-lookup-min", "5", "--prompt-lookup-max", "3"]) != 0
+    assert "--prompt-lookup-min = 5 exceeds --prompt-lookup-max = 3" in capsys.readouterr().err

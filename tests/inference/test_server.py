@@ -346,6 +346,10 @@ def test_serve_cli_refusals_are_one_sentence(hf_llama, tmp_path, capsys):
              "--prompt-lookup-max = 4"),
             (["serve", str(hf_llama[0]), "--engine", "vllm", "--vllm-python", str(tmp_path / "py")],
              "no executable Python there"),
+            # the engine's own checks, before anything loads, for either engine
+            (["serve", str(hf_llama[0]), "--max-num-seqs", "0"], "--max-num-seqs = 0 must be an integer >= 1"),
+            (["serve", str(hf_llama[0]), "--engine", "vllm", "--block-size", "0"],
+             "--block-size = 0 must be an integer >= 1"),
         ]
         for args, message in cases:
             assert main(args) != 0, args

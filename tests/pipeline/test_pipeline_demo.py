@@ -32,6 +32,9 @@ SMALL = [
     "pretrain.log_interval=10",
     "vars.sft_steps=12", "sft.seq_length=128", "sft.micro_batch_size=2", "sft.global_batch_size=2",
     "sft.lr_warmup_iters=2", "sft.eval_interval=6", "sft.save_interval=6", "sft.log_interval=2",
+    f"vars.preference_data={ROOT / 'pipelines' / 'data' / 'preference.jsonl'}", "vars.dpo_steps=4",
+    "dpo.micro_batch_size=2", "dpo.global_batch_size=2", "dpo.lr_warmup_iters=1", "dpo.eval_interval=2",
+    "dpo.save_interval=2", "dpo.log_interval=1",
     "fp8.calib_samples=8", "fp8.calib_seq_len=64", "fp8.eval_iters=1",
     "serve.max_tokens=12", "sample.max_new_tokens=12",
 ]
@@ -110,6 +113,12 @@ def test_every_step_ran_and_left_its_outputs(demo):
     assert [r["step"] for r in sft_train] == [2, 4, 6, 8, 10, 12] and sft_train[-1]["loss"] < sft_train[0]["loss"]
     assert (run_dir / "sft/plots/plots.json").is_file()
 
+    dpo = find_latest(run_dir / "dpo/run")
+    assert (read_manifest(dpo)["stage"], read_manifest(dpo)["parent"]) == ("dpo", str(sft))
+    dpo_train = [r for r in map(json.loads, (run_dir / "dpo/run/metrics.jsonl").open()) if r["kind"] == "train"]
+    assert [r["step"] for r in dpo_train] == [1, 2, 3, 4]
+    assert dpo_train[0]["loss"] == pytest.approx(0.6931472, abs=1e-4)  # policy = reference at the first step
+
     q = read_manifest(run_dir / "fp8/checkpoint")
     assert (q["stage"], q["parent"], q["quantization"]["format"]) == ("quantize", str(sft), "fp8")
     ev = q["quantization"]["evaluation"]
@@ -158,7 +167,7 @@ def test_every_step_ran_and_left_its_outputs(demo):
         expected
 
     assert (run_dir / "data/sft-cache").is_dir()  # nothing is written next to the bundled chat set
-    assert sorted(p.name for p in (ROOT / "pipelines/data").iterdir()) == ["chat.jsonl"]
+    assert sorted(p.name for p in (ROOT / "pipelines/data").iterdir()) == ["chat.jsonl", "preference.jsonl"]
 
     sample = (run_dir / "sample/completions.txt").read_text()
     assert sample.startswith("To be, or not to be") and "\nMy lord," in sample

@@ -127,15 +127,15 @@ def test_llama3_8b_on_slurm_2_nodes(tmp_path):
 
 
 def test_tiny_cpu_chains_every_stage(tmp_path):
-    """The demo pipeline: corpus -> tokenizer -> data -> pretrain -> SFT -> fp8 -> eval before/after -> HF and
+    """The demo pipeline: corpus -> tokenizer -> data -> pretrain -> SFT -> DPO -> fp8 -> eval before/after -> HF and
     TensorRT-LLM exports -> serve smoke -> sample, each step reading its upstream's output under the run dir."""
     from test_pipeline_demo import demo_file, eval_installed
 
     t = tmp_path / "run"
     cmds = commands(demo_file(tmp_path), tmp=t)
     evals = ["eval_sft", "eval_fp8"] if eval_installed() else []
-    assert list(cmds) == ["corpus", "tokenizer", "data", "inspect", "pretrain", "sft", "fp8", *evals, "hf", "trt",
-                          "serve", "sample"]
+    assert list(cmds) == ["corpus", "tokenizer", "data", "inspect", "pretrain", "sft", "dpo", "fp8", *evals, "hf",
+                          "trt", "serve", "sample"]
     assert cmds["corpus"] == ["megapipe", "data", "fetch", "shakespeare", "--output", f"{t}/corpus/corpus.jsonl"]
     assert cmds["tokenizer"][-6:] == ["--special-token", "<|im_start|>", "--special-token", "<|im_end|>",
                                       "--output", f"{t}/tokenizer/tokenizer"]
@@ -147,6 +147,9 @@ def test_tiny_cpu_chains_every_stage(tmp_path):
     sft = flags(cmds["sft"])
     assert (sft["--load"], sft["--data"], sft["--chat-template"], sft["--save"], sft["--train-iters"]) == (
         f"{t}/pretrain/run", "pipelines/data/chat.jsonl", "chatml", f"{t}/sft/run", "80")
+    dpo = flags(cmds["dpo"])
+    assert (dpo["--load"], dpo["--data"], dpo["--chat-template"], dpo["--save"], dpo["--train-iters"]) == (
+        f"{t}/sft/run", "pipelines/data/preference.jsonl", "chatml", f"{t}/dpo/run", "30")
     assert cmds["fp8"][3] == f"{t}/sft/run" and flags(cmds["fp8"])["--quant"] == "fp8"
     assert flags(cmds["fp8"])["--calib-data"] == f"{t}/data/data_text_document"
     assert cmds["hf"][3:5] == [f"{t}/sft/run", f"{t}/hf/hf"]
