@@ -60,6 +60,7 @@ class Loss:
 
     fusable: bool = False
     mtp: bool = False  # it takes ModelOutput.mtp (the loop then runs a model's MTP modules)
+    token_nll: bool = True  # its value is a per-token negative log-likelihood (so exp of it is a perplexity)
 
     def units(self, batch: dict) -> torch.Tensor:
         raise NotImplementedError

@@ -366,9 +366,10 @@ class Trainer:
                 for k, v in r.metrics.items():
                     sums[k] = sums.get(k, 0.0) + float(v) * r.units
         loss = total / units if units else float("nan")
-        result = {"step": self.state.step, "loss": loss, "ppl": math.exp(min(loss, 50.0)),
-                  **{k: v / units for k, v in sums.items()}}
-        self.state.last_eval = {"loss": loss, "ppl": result["ppl"], "step": self.state.step}
+        result = {"step": self.state.step, "loss": loss, **{k: v / units for k, v in sums.items()}}
+        if self.loss.token_nll:
+            result["ppl"] = math.exp(min(loss, 50.0))
+        self.state.last_eval = {"loss": loss, "ppl": result.get("ppl"), "step": self.state.step}
         self.logger.log(result, kind=split)
         return result
 

@@ -102,6 +102,7 @@ def test_cli_trains_logs_accuracy_and_records_a_reward_model(base_ckpt, tmp_path
     assert rec[-1]["loss"] < rec[0]["loss"]
     valid = records(run, "valid")
     assert valid and 0.0 <= valid[-1]["rewards/accuracy"] <= 1.0
+    assert "ppl" not in valid[-1]  # exp of a preference loss is no perplexity
     manifest = read_manifest(run / "step_00000008")
     assert manifest["stage"] == "rm" and manifest["model"]["num_labels"] == 1
     assert manifest["reward_model"]["score"] == "last non-pad token"

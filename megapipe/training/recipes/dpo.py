@@ -56,6 +56,7 @@ def pair_sums(values: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Te
 
 class PreferenceLoss(Loss):
     fusable = True
+    token_nll = False  # a preference loss: no perplexity in its evaluation
 
     def __init__(self, spec: PreferenceSpec):
         self.spec = spec
