@@ -15,6 +15,13 @@ from megapipe.errors import ConfigError
 
 CONFIG_OPTION = typer.Option(None, "--config", "-c", help="YAML config file (same fields as the flags).")
 SET_OPTION = typer.Option(None, "--set", help="Dotted config override, repeatable: --set train.lr=3e-4.")
+# speculative decoding, as generate and serve take it (EngineConfig's fields)
+SPECULATIVE_TOKENS = typer.Option(0, "--speculative-tokens", "--num-speculative-tokens",
+                                  help="Draft tokens per decode step (0 = off).")
+SPECULATIVE_METHOD = typer.Option("mtp", "--speculative-method",
+                                  help="mtp (the model's MTP modules) or ngram (prompt lookup, any model).")
+PROMPT_LOOKUP_MAX = typer.Option(4, "--prompt-lookup-max", help="ngram: the longest suffix looked up.")
+PROMPT_LOOKUP_MIN = typer.Option(2, "--prompt-lookup-min", help="ngram: the shortest suffix looked up.")
 
 
 def build_config(config: Optional[str], flags: dict, sets: Optional[list[str]]):

@@ -7,6 +7,7 @@ from typing import List, Optional
 import typer
 
 from megapipe.errors import MegapipeError
+from stages.common import PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN, SPECULATIVE_METHOD, SPECULATIVE_TOKENS
 
 
 def generate(
@@ -26,12 +27,10 @@ def generate(
                                               "--prompt or one for all; it goes where the prompt writes <image>, "
                                               "else first."),
     json_output: bool = typer.Option(False, "--json", help="Print a JSON list of {prompt, completion}."),
-    speculative_tokens: int = typer.Option(0, "--speculative-tokens", "--num-speculative-tokens",
-                                           help="Draft tokens per decode step (0 = off)."),
-    speculative_method: str = typer.Option("mtp", "--speculative-method",
-                                           help="mtp (the model's MTP modules) or ngram (prompt lookup, any model)."),
-    prompt_lookup_max: int = typer.Option(4, "--prompt-lookup-max", help="ngram: the longest suffix looked up."),
-    prompt_lookup_min: int = typer.Option(2, "--prompt-lookup-min", help="ngram: the shortest suffix looked up."),
+    speculative_tokens: int = SPECULATIVE_TOKENS,
+    speculative_method: str = SPECULATIVE_METHOD,
+    prompt_lookup_max: int = PROMPT_LOOKUP_MAX,
+    prompt_lookup_min: int = PROMPT_LOOKUP_MIN,
 ) -> None:
     """Complete each --prompt with the model of CKPT and print the completions."""
     import json

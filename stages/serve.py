@@ -7,6 +7,7 @@ from typing import List, Optional
 import typer
 
 from megapipe.errors import MegapipeError
+from stages.common import PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN, SPECULATIVE_METHOD, SPECULATIVE_TOKENS
 
 
 def serve(
@@ -36,12 +37,10 @@ def serve(
     max_num_batched_tokens: int = typer.Option(2048, "--max-num-batched-tokens",
                                                help="Token budget of one engine step (prefill is chunked to it)."),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Do not reuse cached prompt blocks."),
-    speculative_tokens: int = typer.Option(0, "--speculative-tokens", "--num-speculative-tokens",
-                                           help="Draft tokens per decode step (0 = off)."),
-    speculative_method: str = typer.Option("mtp", "--speculative-method",
-                                           help="mtp (the model's MTP modules) or ngram (prompt lookup, any model)."),
-    prompt_lookup_max: int = typer.Option(4, "--prompt-lookup-max", help="ngram: the longest suffix looked up."),
-    prompt_lookup_min: int = typer.Option(2, "--prompt-lookup-min", help="ngram: the shortest suffix looked up."),
+    speculative_tokens: int = SPECULATIVE_TOKENS,
+    speculative_method: str = SPECULATIVE_METHOD,
+    prompt_lookup_max: int = PROMPT_LOOKUP_MAX,
+    prompt_lookup_min: int = PROMPT_LOOKUP_MIN,
     lora_modules: Optional[List[str]] = typer.Option(
         None, "--lora-modules", help="LoRA adapters served beside the base model, name=PATH each (a peft directory or a "
                                      "megapipe LoRA run); clients choose one by its name as the model."),
