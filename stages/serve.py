@@ -148,8 +148,8 @@ def serve(
         if loaded.model.cfg.num_labels:  # a reward model: scores on /pooling, no engine
             return _serve_reward_model(loaded, model, name, api_key, max_body_size, shutdown_timeout, sock,
                                        log_level)
-        drafter = "ngram_speculative" if speculative_method == "ngram" else "speculative"
-        require(loaded.model.cfg, "serve", str(model), engine=[drafter] if speculative_tokens else None)
+        drafter = engine_config.drafter_feature
+        require(loaded.model.cfg, "serve", str(model), engine=[drafter] if drafter else None)
         if loras:
             require(loaded.model.cfg, "serve", str(model), engine=["multi_lora"])
         llm = LLMEngine(loaded.model, loaded.tokenizer, engine_config, loaded.eos_ids)
