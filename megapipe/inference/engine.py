@@ -182,7 +182,7 @@ class LLMEngine:
             raise MegapipeError(f"the decoding engine does not support {describe(cfg)} models yet "
                                 "(megapipe/models/capabilities.py)")
         self.tokenizer = tokenizer
-        self.eos_token_ids = list(eos_token_ids if eos_token_ids is not None else eos_ids_of(None, tokenizer))
+        eos = list(eos_token_ids if eos_token_ids is not None else eos_ids_of(None, tokenizer))
         self.vocab_size = cfg.vocab_size
         self.special = special_ids(tokenizer) if tokenizer is not None else frozenset()
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
@@ -250,7 +250,7 @@ class LLMEngine:
                                    BlockManager(windowed_blocks, bs, self.prefix_caching) if windowed else None,
                                    self._admit if config.max_loras else None)
         self.runner = ModelRunner(model, self.pool, config.pack_weights, config.huge_pages,
-                                  config.cpu_kernels, self.states, config.bf16_linear, self.eos_token_ids)
+                                  config.cpu_kernels, self.states, config.bf16_linear, eos)
         self.adapters = AdapterSlots(model, config.max_loras, config.max_lora_rank) if config.max_loras else None
         self.runner.adapters = self.adapters
         self.speculator = None
@@ -267,6 +267,15 @@ class LLMEngine:
         self.num_generation_tokens = 0
         self.num_steps = 0
         self._grammars = None
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The ids that end a sequence (unless ignore_eos); the runner's, which suppresses them before min_tokens."""
+        return self.runner.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: Sequence[int]) -> None:
+        self.runner.eos_token_ids = list(ids)
 
     @property
     def grammars(self):

@@ -88,3 +88,12 @@ def test_update_applies_verified_drafts_up_to_max_tokens(tiny_engine_factory):
     assert out.finished and out.outputs[0].finish_reason == "length"
     assert len(out.outputs[0].token_ids) == 3 and out.outputs[0].token_ids[1:] == [11, 12]
     assert engine.blocks.usage() == 0
+
+
+def test_engine_config_names_the_drafter_feature_it_needs():
+    from megapipe.inference.engine import EngineConfig
+
+    assert EngineConfig().drafter_feature is None
+    assert EngineConfig(speculative_method="ngram").drafter_feature is None  # no drafts asked for
+    assert EngineConfig(speculative_tokens=2, speculative_method="ngram").drafter_feature == "ngram_speculative"
+    assert EngineConfig(speculative_tokens=2).drafter_feature == "speculative"
