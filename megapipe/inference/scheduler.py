@@ -103,7 +103,7 @@ class SchedulerOutput:
     def continuing(self) -> list[Sequence]:
         """Scheduled sequences that were running before this step."""
         new = {s.seq_id for s in self.new}
-        return [s for s in self.decodes] + [s for s, _ in self.chunks if s.seq_id not in new]
+        return list(self.decodes) + [s for s, _ in self.chunks if s.seq_id not in new]
 
 
 class Scheduler:
