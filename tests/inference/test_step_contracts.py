@@ -66,10 +66,11 @@ def test_runner_output_then_update_finishes_on_a_stop_token_and_frees_blocks(tin
     seq.params.stop_token_ids = [4242]
     plan = engine.scheduler.schedule()
     assert plan.decodes == [seq] and engine.blocks.usage() > 0
-    (out,) = engine.update_from_output(plan, RunnerOutput(sampled={seq.seq_id: [4242]},
-                                                          logprobs={seq.seq_id: [(-0.5, [])]}))
+    (out,) = engine.update_from_output(
+        plan, RunnerOutput(sampled={seq.seq_id: [4242]}, logprobs={seq.seq_id: [(-0.5, [])]})
+    )
     assert out.finished and out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == 4242
-    assert out.outputs[0].token_ids == [first] and out.outputs[0].logprobs == [out.outputs[0].logprobs[0]]
+    assert out.outputs[0].token_ids == [first] and out.outputs[0].logprobs == result.logprobs[seq.seq_id]
     assert seq.output_ids == [first, 4242] and seq.block_ids == [] and engine.blocks.usage() == 0
     assert "a" not in engine.requests and not engine.scheduler.running
 
@@ -83,8 +84,9 @@ def test_update_applies_verified_drafts_up_to_max_tokens(tiny_engine_factory):
     engine.step()  # the prompt and its first token
     plan = engine.scheduler.schedule()
     assert plan.decodes == [seq] and seq.num_lookahead == 1  # max_tokens leaves room for one draft
-    (out,) = engine.update_from_output(plan, RunnerOutput(sampled={seq.seq_id: [11, 12, 13]},
-                                                          num_accepted={seq.seq_id: 2}))
+    (out,) = engine.update_from_output(
+        plan, RunnerOutput(sampled={seq.seq_id: [11, 12, 13]}, num_accepted={seq.seq_id: 2})
+    )
     assert out.finished and out.outputs[0].finish_reason == "length"
     assert len(out.outputs[0].token_ids) == 3 and out.outputs[0].token_ids[1:] == [11, 12]
     assert engine.blocks.usage() == 0
