@@ -159,6 +159,10 @@ class ParallelDims:
                     raise ConfigError(f"model.{key} = {value} is not divisible by parallel.tp = {tp}"
                                       + (" (Mamba layers split their heads and groups over TP ranks)"
                                          if key.startswith("mamba") else ""))
+            if getattr(m, "dsa_indexer_loss_coeff", 0) > 0:
+                raise ConfigError(
+                    f"model.dsa_indexer_loss_coeff = {m.dsa_indexer_loss_coeff} is not supported with parallel.tp = "
+                    f"{tp} yet (its target sums the attention over every head, which TP splits); set it to 0")
             if m.vocab_size is not None and m.vocab_size % tp:
                 raise ConfigError(
                     f"model.vocab_size = {m.vocab_size} is not divisible by parallel.tp = {tp} "
