@@ -57,6 +57,8 @@ CASES_2 = [
     # DeepSeek-V3.2-shaped: MLA + MoE with the sparse attention's frozen indexer (replicated under tp); no cp
     "dp_shard2:model=dsa", "ddp2:model=dsa", "tp2:model=dsa:mask=1", "tp2:sp=0:model=dsa", "ep2:model=dsa",
     "pp2:model=dsa:schedule=GPipe",
+    # ... its indexer trained by its KL loss (model.dsa_indexer_loss_coeff): FSDP, PP
+    "dp_shard2:model=dsa_loss", "pp2:model=dsa_loss:schedule=GPipe",
     # TP without FSDP: replicated parameters (norms without SP, learned positions, MoE layers) are replicated DTensors
     # beside the sharded ones, as the trainer's foreach optimizer needs ("tp2:sp=0:model=gpt2" above too)
     "tp2:sp=0:model=moe",
