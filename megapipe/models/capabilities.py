@@ -94,8 +94,9 @@ KINDS: dict[str, Capabilities] = {
                           quant=frozenset(), trt=frozenset(),
                           stages=frozenset({"pretrain", "sft", "export_hf", "generate", "serve", "eval", "rl"})),
     # DeepSeek Sparse Attention (megapipe.models.dsa) on top of MLA: its frozen indexer replicated under tp (its own
-    # loss, model.dsa_indexer_loss_coeff > 0, is refused with tp in megapipe.parallel.dims), every layout but cp (the ring attention has no top-k mask); the engine keeps each token's indexer key in the latent pool and
-    # selects at decode on its torch paths (the CPU attention kernel takes no mask; no MTP drafting: V3.2's MTP
+    # loss, model.dsa_indexer_loss_coeff > 0, is refused with tp in megapipe.parallel.dims), every layout but cp (the
+    # ring attention has no top-k mask); the engine keeps each token's indexer key in the latent pool and selects at
+    # decode on its torch paths (the CPU attention kernel takes no mask; no MTP drafting: V3.2's MTP
     # layers are not imported); ModelOpt's exporter and quantizer do not know DeepseekV32ForCausalLM's indexer
     "dsa": Capabilities(layouts=frozenset(LAYOUTS) - {"cp"}, engine=frozenset(ENGINE) - {"cpu_kernels", "speculative"},
                         quant=frozenset(), trt=frozenset(),
