@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from megapipe.config import ModelConfig
-from megapipe.models.attention import additive, sink_attention, sliding_window_mask, with_sink_column
+from megapipe.models.attention import additive, local, sink_attention, sliding_window_mask, with_sink_column
 from megapipe.models.norms import RMSNorm
 from megapipe.models.rope import inv_frequencies, pair_cos_sin, rotate_trailing_pairs, yarn_inv_frequencies
 
@@ -155,7 +155,7 @@ class CompressedAttention(nn.Module):
         super().__init__()
         self.layer_id, self.kind = layer_id, cfg.attention_layer_types[layer_id]
         h, n, hd = cfg.hidden_size, cfg.num_heads, cfg.dim_per_head
-        self.head_dim, self.window, self.eps, self.groups = hd, cfg.sliding_window, cfg.norm_eps, cfg.o_groups
+        self.head_dim, self.window, self.eps, self.o_rank = hd, cfg.sliding_window, cfg.norm_eps, cfg.o_lora_rank
         self.wq_a = nn.Linear(h, cfg.q_lora_rank, bias=False)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
         self.wq_b = nn.Linear(cfg.q_lora_rank, n * hd, bias=False)
@@ -199,10 +199,11 @@ class CompressedAttention(nn.Module):
             entries, seen = self._entries(x, q_latent, pos)
             kv = torch.cat([kv, entries[:, None]], dim=2)
             keep = torch.cat([keep, seen[:, None]], dim=-1)
-        out = sink_attention(q, kv, kv, self.sinks, additive(with_sink_column(keep), q.dtype))
+        out = sink_attention(q, kv, kv, local(self.sinks), additive(with_sink_column(keep), q.dtype))
         out = rotate_trailing_pairs(out, cos, -sin).transpose(1, 2)  # [B, S, heads, hd]
-        grouped = out.reshape(b, s, self.groups, -1)
-        w = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])  # [groups, o_lora_rank, heads x hd / groups]
+        w = local(self.wo_a.weight)  # tensor parallelism: this rank's groups (its heads' outputs)
+        w = w.view(-1, self.o_rank, w.shape[-1])  # [groups, o_lora_rank, heads x hd / groups]
+        grouped = out.reshape(b, s, w.shape[0], -1)
         return self.wo_b(torch.einsum("bsgi,gri->bsgr", grouped, w).flatten(2))
 
     def _entries(self, x: torch.Tensor, q_latent: torch.Tensor, pos: V4Positions):

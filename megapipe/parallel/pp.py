@@ -110,6 +110,8 @@ def split_stage(model: nn.Module, stage: int, counts: list[int]) -> nn.Module:
     if not last:
         model.norm = None
         model.output = None
+        if getattr(model, "hc_head", None) is not None:  # DeepSeek-V4: the streams pass between stages whole
+            model.hc_head = None
         if mtp:
             model.mtp = None
     elif mtp:  # a stage's outputs are tensors: (logits, [depth 1, ...]) becomes (logits, depth 1, ...)
@@ -198,10 +200,10 @@ class PipelineModel(nn.Module):
 
     def __init__(self, parts: list[nn.Module], stage_indices: list[int], num_stages: int, tied: bool = False):
         super().__init__()
-        self.tok_embeddings = self.pos_embeddings = self.norm = self.output = self.mtp = None
+        self.tok_embeddings = self.pos_embeddings = self.norm = self.output = self.mtp = self.hc_head = None
         self.layers = nn.ModuleDict()
         for part in parts:
-            for name in ("tok_embeddings", "pos_embeddings", "norm", "output", "mtp"):
+            for name in ("tok_embeddings", "pos_embeddings", "norm", "output", "mtp", "hc_head"):
                 if getattr(part, name, None) is not None:
                     setattr(self, name, getattr(part, name))
             for key, block in part.layers.items():

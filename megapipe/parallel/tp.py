@@ -17,6 +17,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from megapipe.models.hyper_connections import hyper_tp_style
 from megapipe.models.mtp import mtp_tp_plan
 from megapipe.models.spec import replicated_style, spec_for
 
@@ -45,6 +46,8 @@ def apply_tp(model, mesh, sequence_parallel: bool = True) -> None:
         top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=emb_out)
     if learned_pos:
         top["pos_embeddings"] = replicated_style()
+    if getattr(model, "hc_head", None) is not None:  # DeepSeek-V4: the hyper-connection streams -> one
+        top["hc_head"] = hyper_tp_style(sp)
     if model.norm is not None:
         top["norm"] = SequenceParallel() if sp else replicated_style()
         if model.output is not None:

@@ -107,6 +107,8 @@ MODELS["mla_mtp"] = {**MODELS["mla"], "mtp_num_layers": 2, "mtp_loss_scaling_fac
 # DeepSeek-V3.2-shaped: the "mla" model with the sparse attention's indexer (frozen), 6 keys of up to 16 per query
 MODELS["dsa"] = {**MODELS["mla"], "arch": "deepseek_v32", "experimental_attention_variant": "dsa",
                  "dsa_indexer_n_heads": 4, "dsa_indexer_head_dim": 8, "dsa_indexer_topk": 6}
+# ... with the indexer trained by its KL loss towards the main attention (megapipe.models.dsa)
+MODELS["dsa_loss"] = {**MODELS["dsa"], "dsa_indexer_loss_coeff": 0.5}
 MODELS["mtp_tied"] = {**MODELS["tied"], "mtp_num_layers": 1, "mtp_loss_scaling_factor": 0.5}
 # Nemotron-H-shaped hybrid (nemotron-h-tiny in small): one mixer per layer, Mamba-2 (4 heads in 2 groups, two SSD
 # chunks per sequence), attention, squared-ReLU MLP and an MoE layer; its pipeline split follows the layers' costs
