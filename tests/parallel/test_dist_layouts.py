@@ -75,6 +75,10 @@ CASES_2 = [
     "pp2:model=gptoss:schedule=GPipe", "cp2:model=gptoss", "cp2:model=mistral",
     # DeepSeek-V4-shaped (compressed attention, hyper-connections, hash routing; the frozen indexer): FSDP, DDP, EP
     "dp_shard2:model=dsv4", "ddp2:model=dsv4", "ep2:model=dsv4",
+    # Qwen2.5-VL-shaped (image + text rows): FSDP / DDP over the whole model, the decoder's TP (with and without SP)
+    # with the tower replicated, PP with the tower on the first stage (GPipe; ZBV: the first and last stage on a rank)
+    "dp_shard2:model=vl", "ddp2:model=vl", "tp2:model=vl", "tp2:sp=0:model=vl", "pp2:model=vl:schedule=GPipe",
+    "pp2:model=vl:schedule=ZBVZeroBubble",
     # Muon: FSDP / TP shards of a matrix gathered for Newton-Schulz, experts orthogonalised where ep put them
     "dp_shard2:optim=muon", "tp2:optim=muon", "ep2:model=moe:optim=muon", "pp2:optim=muon:schedule=GPipe",
 ]
@@ -116,6 +120,10 @@ CASES_4 = [
     "dp_shard2,tp2:model=gptoss", "pp2,tp2:model=gptoss", "ep2,tp2:model=gptoss", "pp2,ep2:model=gptoss:schedule=GPipe",
     "dp_replicate2,dp_shard2:model=gptoss", "dp_shard2,cp2:model=gptoss", "cp2,tp2:model=gptoss",
     "ep2,cp2:model=gptoss", "pp2,cp2:model=gptoss", "ddp2,cp2:model=mistral",
+    # Qwen2.5-VL-shaped: PP x TP (the replicated tower on the first stage), HSDP, FSDP x TP; saved on PP x TP, resumed
+    # exactly on FSDP
+    "pp2,tp2:model=vl", "dp_replicate2,dp_shard2:model=vl", "dp_shard2,tp2:model=vl",
+    "pp2,tp2:model=vl:save=ckpt_vl", "dp_shard4:model=vl:load=ckpt_vl",
 ]
 CASES_8 = ["pp2,dp_shard2,tp2", "dp_shard2,cp2,tp2", "pp2,ep2,tp2:model=moe_bias"]
 
