@@ -123,11 +123,16 @@ def patch_layout(grid_thw: torch.Tensor, merge: int, window: int) -> tuple[torch
 
 class VisionEncoder(nn.Module):
     """Qwen2.5-VL's vision tower and patch merger: patches [N, C * T * P * P] -> image embeddings [N / merge^2,
-    the decoder's hidden size]."""
+    the decoder's hidden size].
+
+    ``every_batch`` (set by data parallelism, megapipe.parallel.dp): the tower runs on every forward, on a blank
+    stand-in image that adds nothing where a batch holds none, so that every rank gathers and reduces its parameters
+    in the same collectives."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
+        self.every_batch = False
         self.patch_embed = PatchEmbed(cfg)
         self.blocks = nn.ModuleList([VisionBlock(cfg) for _ in range(cfg.vision_depth)])
         self.merger = PatchMerger(cfg)
@@ -247,20 +252,28 @@ class VisionLanguageModel(Transformer):
             raise ValueError("pixel_values come with image_grid_thw: each image's (frames, height, width) patches")
         if pixel_values is not None and pixel_values.dim() == 3:
             pixel_values, image_grid_thw = flat_images(pixel_values, image_grid_thw)
-        if pixel_values is None or self.visual is None or not len(image_grid_thw):
+        if pixel_values is not None and not len(image_grid_thw):
+            pixel_values = None
+        if self.visual is None or tokens.is_floating_point() or (pixel_values is None and not self.visual.every_batch):
             return super().forward(tokens, positions, cache, *args, **kwargs)
-        if self.cfg.image_token_id is None:
+        if pixel_values is not None and self.cfg.image_token_id is None:
             raise MegapipeError("model.image_token_id is not set: images need the tokenizer's image placeholder token")
         h = self.embed_images(tokens, pixel_values, image_grid_thw)
-        if positions is None:
+        if positions is None and pixel_values is not None:
             positions = mrope_positions(tokens, image_grid_thw, self.cfg.image_token_id,
                                         self.cfg.vision_spatial_merge_size)[0]
         return super().forward(h, positions, cache, *args, **kwargs)
 
     def embed_images(self, tokens: torch.Tensor, pixel_values: torch.Tensor,
                      image_grid_thw: torch.Tensor) -> torch.Tensor:
-        """The decoder's input embeddings [B, S, H] of ``tokens``, the image placeholders' from the vision tower."""
+        """The decoder's input embeddings [B, S, H] of ``tokens``, the image placeholders' from the vision tower
+        (no ``pixel_values``: the tower's output on a blank image, times zero)."""
         h = scale_by(self.tok_embeddings(tokens), self.cfg.embedding_multiplier)
+        if pixel_values is None:
+            m, shape = self.cfg.vision_spatial_merge_size, self.visual.patch_embed.shape
+            grid = torch.tensor([[1, m, m]], device=tokens.device)
+            blank = self.visual(torch.zeros(m * m, math.prod(shape), device=tokens.device), grid)
+            return h + 0.0 * blank.sum().to(h.dtype)
         images = self.visual(pixel_values, image_grid_thw)
         slots = tokens == self.cfg.image_token_id
         if int(slots.sum()) != images.shape[0]:

@@ -152,8 +152,9 @@ VL_IMAGE = 127  # its image token
 MODELS["vl"] = {**MODELS["qwen2"], "arch": "qwen2_5_vl", "mrope_section": [2, 1, 1], "vision_depth": 2,
                 "vision_hidden_size": 16, "vision_intermediate_size": 32, "vision_num_heads": 2, "vision_patch_size": 2,
                 "vision_window_size": 4, "vision_fullatt_block_indexes": [1], "image_token_id": VL_IMAGE}
-# row r's images' (frames, height, width) patch grids: VL_GRIDS[r % 4] (2 images in a row, a text-only row)
-VL_GRIDS = ([(1, 4, 4)], [(1, 2, 4)], [(1, 2, 2), (1, 2, 2)], [])
+# row r's images' (frames, height, width) patch grids: VL_GRIDS[r] (2 images in a row; text-only rows, whole
+# micro-batches of them on one data-parallel rank while the other's have images)
+VL_GRIDS = ([(1, 4, 4)], [(1, 2, 4)], [(1, 2, 2), (1, 2, 2)], [], [], [], [(1, 2, 2)], [])
 
 
 def parse_case(text: str) -> tuple[dict, dict]:

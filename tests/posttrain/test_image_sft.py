@@ -205,3 +205,5 @@ def test_image_sft_under_tensor_parallel_and_fsdp_equals_one_process(vl_sft, tmp
     one, four = train_losses(tmp_path / "one"), train_losses(tmp_path / "four")
     assert sorted(four) == sorted(one) == [1, 2]
     assert all(four[s] == pytest.approx(one[s], rel=REL) for s in one), (one, four)
+    manifest = json.loads((tmp_path / "four" / "step_00000002" / "megapipe.json").read_text())
+    assert manifest["layout"] == {"world_size": 4, "parallel": "dp_shard2,tp2"}
