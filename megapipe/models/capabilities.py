@@ -145,13 +145,17 @@ FAMILIES: dict[str, Capabilities] = {
     # no shared expert, every layer MoE: LoRA adapts the attention only
     "gpt_oss": _without(lora={"gate", "up", "down"}),
     # Qwen2.5-VL (megapipe.models.vision): images through serve (chat image_url parts, megapipe.data.images) and SFT
-    # (conversations with images, pixels in the cached index, --freeze-vision / --freeze-projector) on one process;
-    # pretraining, eval and generate run text through the decoder (the tower idle); the HF bridge with its images'
-    # logit parity; packed sequences, every parallel layout, LoRA (its peft twin was not checked; so no adapters to serve), distillation / RL /
-    # pruning / quantization / the TensorRT-LLM writers were not run with the tower, so they are refused
-    "qwen2_5_vl": Capabilities(layouts=frozenset(), packing=False, engine=frozenset(ENGINE) - {"speculative",
-                                                                                              "multi_lora"},
-                               lora=frozenset(), quant=frozenset(), trt=frozenset(),
+    # (conversations with images, pixels in the cached index, --freeze-vision / --freeze-projector, LoRA on the
+    # decoder with the tower frozen, its adapters written for peft's Qwen2_5_VLForConditionalGeneration); pretraining,
+    # eval and generate run text through the decoder (the tower idle); the HF bridge with its images' logit parity;
+    # FSDP / HSDP / DDP over the whole model (the vision blocks FSDP units), TP / SP of the decoder with the tower
+    # replicated, PP with the tower on the first stage (tests/parallel/test_dist_layouts.py); no cp (M-RoPE positions
+    # not cut into the ring's chunks) and no packed sequences; the engine serves no LoRA adapters on it;
+    # distillation / RL / pruning / quantization / the TensorRT-LLM writers were not run with the tower, so they are
+    # refused
+    "qwen2_5_vl": Capabilities(layouts=frozenset(LAYOUTS) - {"cp"}, packing=False,
+                               engine=frozenset(ENGINE) - {"speculative", "multi_lora"},
+                               quant=frozenset(), trt=frozenset(),
                                stages=frozenset({"pretrain", "sft", "eval", "generate", "serve", "export_hf"})),
 }
 # sliding-window layers among full-attention ones (model.window_attn_skip_freq): the engine's paged cache takes each

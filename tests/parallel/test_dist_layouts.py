@@ -80,6 +80,10 @@ CASES_2 = [
     # (one layer a stage: the hyper-connection streams cross three stage boundaries)
     "dp_shard2:model=dsv4", "ddp2:model=dsv4", "ep2:model=dsv4", "tp2:model=dsv4", "tp2:sp=0:model=dsv4",
     "pp2:model=dsv4:schedule=Interleaved1F1B",
+    # Qwen2.5-VL-shaped (image + text rows): FSDP / DDP over the whole model, the decoder's TP (with and without SP)
+    # with the tower replicated, PP with the tower on the first stage (GPipe; ZBV: the first and last stage on a rank)
+    "dp_shard2:model=vl", "ddp2:model=vl", "tp2:model=vl", "tp2:sp=0:model=vl", "pp2:model=vl:schedule=GPipe",
+    "pp2:model=vl:schedule=ZBVZeroBubble",
     # Muon: FSDP / TP shards of a matrix gathered for Newton-Schulz, experts orthogonalised where ep put them
     "dp_shard2:optim=muon", "tp2:optim=muon", "ep2:model=moe:optim=muon", "pp2:optim=muon:schedule=GPipe",
 ]
@@ -123,6 +127,10 @@ CASES_4 = [
     "ep2,cp2:model=gptoss", "pp2,cp2:model=gptoss", "ddp2,cp2:model=mistral",
     # DeepSeek-V4-shaped on PP x TP, and saved on EP x TP, resumed exactly on PP x FSDP
     "pp2,tp2:model=dsv4", "ep2,tp2:model=dsv4:save=ckpt_dsv4", "pp2,dp_shard2:model=dsv4:load=ckpt_dsv4",
+    # Qwen2.5-VL-shaped: PP x TP (the replicated tower on the first stage), HSDP, FSDP x TP; saved on PP x TP, resumed
+    # exactly on FSDP
+    "pp2,tp2:model=vl", "dp_replicate2,dp_shard2:model=vl", "dp_shard2,tp2:model=vl",
+    "pp2,tp2:model=vl:save=ckpt_vl", "dp_shard4:model=vl:load=ckpt_vl",
 ]
 CASES_8 = ["pp2,dp_shard2,tp2", "dp_shard2,cp2,tp2", "pp2,ep2,tp2:model=moe_bias"]
 
