@@ -22,6 +22,7 @@ stays off (capability table): a cached block would need a snapshot of the carry 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -35,7 +36,7 @@ from megapipe.models.compressed_attention import (
     compress_inv_frequencies,
     entry_rope,
 )
-from megapipe.models.rope import pair_cos_sin
+from megapipe.models.rope import pair_cos_sin, rotate_trailing_pairs
 
 ROWS = 256  # rows attended at once: bounds the gathered keys of a long prefill chunk
 
@@ -60,12 +61,15 @@ class CompressorState:
         for t in (self.kv, self.gate, *self.before):
             t[slot].zero_()
 
-    def update(self, x: torch.Tensor, sequences: Sequence[tuple], cos_sin) -> None:
-        """x [T, H] the step's attention inputs; each sequence's (first row, first position, tokens, slot): pools
-        the blocks its tokens complete into its entries and keeps the rest as carry."""
+    def update(self, x: torch.Tensor, plan: "StepPlan", cos_sin) -> None:
+        """x [T, H] the step's attention inputs: each sequence's tokens continue its carry; the blocks they complete
+        are pooled into its entries, the rest kept as carry. The decodes (one token each) at once."""
         comp, r = self.compressor, self.compressor.rate
         kv_rows, gate_rows = comp.wkv(x), comp.wgate(x)
-        for offset, start, n, slot in sequences:
+        if plan.num_decodes:
+            self._decodes(kv_rows, gate_rows, plan.positions[:plan.num_decodes], plan.row_slots[:plan.num_decodes],
+                          cos_sin)
+        for offset, start, n, slot in plan.sequences[plan.num_decodes:]:
             first, have = start // r, start % r
             kv, gate = kv_rows[offset:offset + n], gate_rows[offset:offset + n]
             if have:
@@ -82,6 +86,27 @@ class CompressorState:
                 kv, gate = kv[whole:], gate[whole:]
             self.kv[slot, :len(kv)] = kv
             self.gate[slot, :len(gate)] = gate
+
+    def _decodes(self, kv_rows: torch.Tensor, gate_rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                 cos_sin) -> None:
+        """The first len(positions) rows, one token of each sequence: into its carry, and those that complete a
+        block pooled together (an overlap's block 0 with a gate of -inf for the block before it)."""
+        comp, r, count = self.compressor, self.compressor.rate, len(positions)
+        self.kv[slots, positions % r] = kv_rows[:count]
+        self.gate[slots, positions % r] = gate_rows[:count]
+        done = ((positions + 1) % r == 0).nonzero()[:, 0]
+        if not len(done):
+            return
+        slots, blocks = slots[done], positions[done] // r
+        kv, gate = self.kv[slots], self.gate[slots]
+        before = None
+        if self.before:
+            before = (self.before[0][slots], self.before[1][slots].masked_fill((blocks == 0)[:, None, None], -math.inf))
+        pooled = comp.pool(kv, gate, before)  # [done, 1, dim]
+        cos, sin = cos_sin(blocks[:, None] * r)  # [done, 1, 1, rope / 2]
+        self.entries[slots, blocks] = rotate_trailing_pairs(pooled, cos[:, 0], sin[:, 0])[:, 0]
+        if self.before:
+            self.before[0][slots], self.before[1][slots] = kv, gate
 
 
 def compressed_states(model, slots: int, max_len: int, dtype: torch.dtype, device) -> dict[int, tuple]:
@@ -116,6 +141,7 @@ class StepPlan:
     window_keep: torch.Tensor  # [T, window] bool
     sequences: list[tuple[int, int, int, int]]
     entries_after: torch.Tensor  # [T] each row's sequence's length after the step (its entries: // rate)
+    num_decodes: int  # the first sequences have one token each
 
 
 def plan_step(batch, decodes: Sequence[tuple], chunks: Sequence[tuple], state_slots: Sequence[int],
@@ -144,7 +170,8 @@ def plan_step(batch, decodes: Sequence[tuple], chunks: Sequence[tuple], state_sl
     batch.slots = window_slots[:, -1].to(dev)
     batch.num_decodes = len(decodes)
     batch.compressed = StepPlan(positions_t.to(dev), torch.cat(row_slots).to(dev), window_slots.to(dev),
-                                (torch.cat(windows) >= 0).to(dev), sequences, torch.cat(after).to(dev))
+                                (torch.cat(windows) >= 0).to(dev), sequences, torch.cat(after).to(dev),
+                                len(decodes))
     return positions_t[None].to(dev)
 
 
@@ -178,7 +205,7 @@ def _entries(batch, layer: CompressedAttention, x: torch.Tensor, q_latent: torch
 
     states = batch.states.compressed[layer.layer_id]
     for state in states:
-        state.update(x[0], plan.sequences, cos_sin)
+        state.update(x[0], plan, cos_sin)
     r = layer.rate
     seen = (plan.positions + 1) // r  # complete entries each row sees
     count = plan.entries_after // r  # entries its sequence has after the step

@@ -51,6 +51,8 @@ def test_greedy_equals_transformers_batched_chunked_and_preempted(v4, one_thread
     assert kv_layout(cfg) == dict(kv_heads=1, head_dim=cfg.dim_per_head, latent=True)
     assert eviction_window(cfg) == cfg.sliding_window == 6 and not engine.prefix_caching
     assert engine.generate([PROMPTS[3]], greedy)[0].outputs[0].token_ids == want[3]  # batch 1
+    # a one-token prompt: every block, the CSA layers' first (no block before it) too, completed by decodes
+    assert engine.generate([[7]], greedy)[0].outputs[0].token_ids == hf_greedy(hf, [7], STEPS)
     assert run_staggered(engine, PROMPTS, greedy) == want
     chunked = engine_on(model, max_num_batched_tokens=5)
     assert run_staggered(chunked, PROMPTS, greedy, every=1) == want
