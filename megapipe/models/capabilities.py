@@ -104,9 +104,9 @@ KINDS: dict[str, Capabilities] = {
     # trained on one process, FSDP, DDP and expert parallelism (tests/parallel/test_dist_layouts.py; tensor
     # parallelism would split its one KV head and the compressors, pipeline stages would have to pass the
     # hyper-connection streams and the token ids of the hash-routed layers, the ring attention of cp has no
-    # compressor); no packed documents (a compressed block would straddle two); the engine recomputes each layer's
-    # attention from the stored attention inputs of the whole sequence (exact but O(context) per token: the
-    # compressed paged cache is not built), so no prefix caching, CPU kernels or MTP drafting; no LoRA targets,
+    # compressor); no packed documents (a compressed block would straddle two); the engine keeps the compressed
+    # cache (megapipe.inference.compressed_cache: window keys paged, entries and compressor carry per sequence): no
+    # prefix caching (a cached block would need a snapshot of the carry), CPU kernels or MTP drafting; no LoRA targets,
     # quantization, TensorRT-LLM writer, pruning rule, distillation or RL run with it yet
     "compressed": Capabilities(layouts=frozenset({"dp_replicate", "dp_shard", "ep"}), packing=False,
                                engine=frozenset({"paged_kv", "chunked_prefill"}), lora=frozenset(), quant=frozenset(),

@@ -21,8 +21,9 @@ entries, an entry at the position of its block's first token.
 
 The model reaches the layer through ``forward(x, positions, cache, mask)``: ``positions`` a ``V4Positions`` (both
 ropes, the positions, the token ids the hash-routed MoE layers read). No packed documents (the blocks would
-straddle them). Decoding: the engine's paged pool keeps each token's attention input and the layer recomputes its
-attention over the sequence's history (``PagedBatch.attend_inputs``): exact, not the compressed cache.
+straddle them). Decoding: the engine's cache (``PagedBatch.attend_compressed``, megapipe.inference.compressed_cache)
+keeps the window's keys and the entries, and calls ``project`` / ``Compressor.pool`` / the indexer's ``queries``,
+``scores`` and ``choose`` / ``output`` itself.
 """
 
 from __future__ import annotations
