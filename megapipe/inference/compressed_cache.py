@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -142,6 +142,7 @@ class StepPlan:
     sequences: list[tuple[int, int, int, int]]
     entries_after: torch.Tensor  # [T] each row's sequence's length after the step (its entries: // rate)
     num_decodes: int  # the first sequences have one token each
+    inv_freq: Optional[torch.Tensor] = None  # the compressed layers' rope frequencies, once per step
 
 
 def plan_step(batch, decodes: Sequence[tuple], chunks: Sequence[tuple], state_slots: Sequence[int],
@@ -198,7 +199,9 @@ def attend(batch, layer: CompressedAttention, x: torch.Tensor, pos: V4Positions)
 def _entries(batch, layer: CompressedAttention, x: torch.Tensor, q_latent: torch.Tensor, pos: V4Positions,
              plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """Store the step's entries, then -> (the entries each row may attend to [T, E, hd], which are real [T, E])."""
-    inv_freq = compress_inv_frequencies(layer.cfg, x.device)
+    if plan.inv_freq is None:
+        plan.inv_freq = compress_inv_frequencies(layer.cfg, x.device)
+    inv_freq = plan.inv_freq
 
     def cos_sin(p):
         return pair_cos_sin(p, inv_freq, x.dtype)
