@@ -16,8 +16,10 @@ A step: each layer stores its tokens' keys in their slots, then every sequence's
 tokens after its carry and pool the blocks they complete (entries roped at their blocks' first positions). Each
 row then attends, with the layer's sinks, to its window's keys (positions p - window + 1 .. p) and to the entries
 it sees: every complete one (HCA), or the ``index_topk`` the lightning indexer scores highest among them (CSA; the
-top-k taken over as many entries as the sequence has after the step, as transformers' cache does). Prefix caching
-stays off (capability table): a cached block would need a snapshot of the carry at its boundary.
+top-k taken over as many entries as the sequence has after the step, as transformers' cache does for a prompt in
+one piece and for decodes: entries tied at exactly 0 may be picked otherwise when a prompt comes in chunks, see the
+README). Prefix caching stays off (capability table): a cached block would need a snapshot of the carry at its
+boundary.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ ROWS = 256  # rows attended at once: bounds the gathered keys of a long prefill 
 
 class CompressorState:
     """One compressor's per-sequence state, ``slots`` of it: entries [capacity, dim]; the projections [rate, width]
-    of the partial block (``kv``, ``gate``) and, with overlap, of the last complete block (``before_*``)."""
+    of the partial block (``kv``, ``gate``) and, with overlap, of the last complete block (``before``)."""
 
     def __init__(self, compressor: Compressor, slots: int, capacity: int, dtype: torch.dtype, device):
         r, width = compressor.rate, compressor.position_bias.shape[-1]
@@ -121,13 +123,8 @@ def compressed_states(model, slots: int, max_len: int, dtype: torch.dtype, devic
 
 def compressed_bytes_per_sequence(model, max_len: int, dtype: torch.dtype) -> int:
     """Bytes one sequence's slot takes over all compressed layers (entries for ``max_len`` tokens and the carry)."""
-    total = 0
-    for m in model.modules():
-        if isinstance(m, CompressedAttention) and m.compressor is not None:
-            for c in [m.compressor] + ([m.indexer.compressor] if m.indexer is not None else []):
-                width = c.position_bias.shape[-1]
-                total += (max_len // c.rate * c.dim + c.rate * width * (4 if c.overlap else 2)) * dtype.itemsize
-    return total
+    states = compressed_states(model, 1, max_len, dtype, "meta")
+    return sum(t.numel() * t.element_size() for parts in states.values() for state in parts for t in state.tensors())
 
 
 @dataclass

@@ -83,6 +83,7 @@ def test_kv_bytes_per_token_agree_with_plan(v4, one_thread):
     """What a sequence holds in the engine (its blocks in the window's pool, its entries) against ``plan``'s
     ``compressed_kv_values``: equal but for the window's whole blocks and the compressors' carry."""
     from megapipe.inference.compressed_cache import sequence_kv_bytes
+    from megapipe.inference.state_cache import state_bytes_per_sequence
 
     engine = engine_on(v4[2], block_size=2, max_model_len=128)
     cfg = engine.model_config
@@ -95,3 +96,8 @@ def test_kv_bytes_per_token_agree_with_plan(v4, one_thread):
     assert measured["entries"] == (compressed_kv_values(cfg, 100) - 4 * 6 * cfg.dim_per_head) * 4
     # the last 6 keys (positions 94..99, 3 whole blocks) of 4 layers: what plan counts for the window
     assert measured["window"] == 6 * 4 * cfg.dim_per_head * 4
+    # a slot: entries for max_model_len tokens (CSA: 64 of 32 + 16 values, HCA: 32 of 32) and the carry
+    carry = 2 * (4 * 2 * 64 + 4 * 2 * 32) + 2 * 4 * 32  # CSA: kv, gate and the block before, of 2 rows
+    assert measured["carry"] == carry * 4
+    assert engine.states.bytes_per_sequence() == state_bytes_per_sequence(v4[2], torch.float32, 128) == \
+        (2 * 64 * (32 + 16) + 32 * 32 + carry) * 4
