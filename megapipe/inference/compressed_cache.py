@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from megapipe.models.attention import additive, sink_attention, with_sink_column
+from megapipe.models.attention import additive
 from megapipe.models.compressed_attention import (
     CompressedAttention,
     Compressor,
@@ -183,14 +183,14 @@ def attend(batch, layer: CompressedAttention, x: torch.Tensor, pos: V4Positions)
     if layer.compressor is not None:
         entries, seen = _entries(batch, layer, x, q_latent, pos, plan)
         keys, keep = torch.cat([keys, entries], dim=1), torch.cat([keep, seen], dim=1)
-    q = q[0].transpose(0, 1)[:, :, None]  # [T, heads, 1, hd]
+    q = q[0].transpose(0, 1)  # [T, heads, hd]
     out = torch.empty_like(q)
-    for first in range(0, q.shape[0], ROWS):
+    for first in range(0, q.shape[0], ROWS):  # each row a decode over its own keys (one key = value head)
         rows = slice(first, first + ROWS)
-        k = keys[rows, None]
-        mask = additive(with_sink_column(keep[rows, None, None]), q.dtype)
-        out[rows] = sink_attention(q[rows], k, k, layer.sinks, mask)
-    return layer.output(out[:, :, 0].transpose(0, 1)[None], cos, sin)
+        k = keys[rows, None]  # [rows, 1, K, hd]
+        batch._decode(q[rows], k.transpose(-1, -2), k, out[rows, None], q.shape[-1] ** -0.5, layer.sinks,
+                      additive(keep[rows, None, None], torch.float32))
+    return layer.output(out.transpose(0, 1)[None], cos, sin)
 
 
 def _entries(batch, layer: CompressedAttention, x: torch.Tensor, q_latent: torch.Tensor, pos: V4Positions,
