@@ -181,7 +181,7 @@ class LLMEngine:
         bs = config.block_size
         # the Mamba layers' recurrent state of the sequences decoded at once (hybrid models; empty otherwise)
         max_num_seqs = self._state_slots(model, config, p.dtype)
-        self.states = StatePool(model, max_num_seqs, p.dtype, p.device)
+        self.states = StatePool(model, max_num_seqs, p.dtype, p.device, self.max_model_len)
         state_bytes = self.states.bytes_per_sequence() * max_num_seqs
         # keys and values of the layers that attend (a hybrid model's Mamba and MLP layers have none); speculative
         # decoding: the MTP blocks' too (pool layers num_layers + depth - 1)
@@ -260,7 +260,7 @@ class LLMEngine:
         """How many sequences run at once: --max-num-seqs, unless the default memory (no --kv-cache-memory) cannot
         hold that many recurrent states (an 8B hybrid's are ~100 MiB per sequence): then as many as STATE_MEMORY
         holds, said once."""
-        per_sequence = state_bytes_per_sequence(model, dtype)
+        per_sequence = state_bytes_per_sequence(model, dtype, config.max_model_len or model.cfg.max_position_embeddings)
         if not per_sequence or config.kv_cache_memory is not None:
             return config.max_num_seqs
         fit = max(1, STATE_MEMORY // per_sequence)

@@ -106,9 +106,9 @@ KINDS: dict[str, Capabilities] = {
     # and output groups, its one KV head, compressors and indexer replicated (hyper_connections.v4_tp_plan); PP with
     # the hyper-connection streams between stages and the hash-routed layers on the first; their combinations); no
     # cp: ring attention through the compressor (entries pooled from blocks on other ranks) is not implemented; no
-    # packed documents (a compressed block would straddle two); the engine recomputes each layer's
-    # attention from the stored attention inputs of the whole sequence (exact but O(context) per token: the
-    # compressed paged cache is not built), so no prefix caching, CPU kernels or MTP drafting; no LoRA targets,
+    # packed documents (a compressed block would straddle two); the engine keeps the compressed cache
+    # (megapipe.inference.compressed_cache: window keys paged, entries and compressor carry per sequence): no
+    # prefix caching (a cached block would need a snapshot of the carry), CPU kernels or MTP drafting; no LoRA targets,
     # quantization, TensorRT-LLM writer, pruning rule, distillation or RL run with it yet
     "compressed": Capabilities(layouts=frozenset(LAYOUTS) - {"cp"}, packing=False,
                                engine=frozenset({"paged_kv", "chunked_prefill"}), lora=frozenset(), quant=frozenset(),
