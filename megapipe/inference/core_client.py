@@ -15,6 +15,7 @@ its siblings finish too (the core aborts whole requests); only its output is cut
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import logging
 import multiprocessing
@@ -155,6 +156,8 @@ class EngineCoreClient(StreamingEngine):
         self._stopping = False
         self._reader = threading.Thread(target=self._read, name="megapipe-core-output", daemon=True)
         self._reader.start()
+        # before multiprocessing's own exit handler, which would SIGTERM the core (ignored there) and wait forever
+        atexit.register(self.shutdown)
 
     @property
     def alive(self) -> bool:
@@ -194,6 +197,8 @@ class EngineCoreClient(StreamingEngine):
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the core (after the server has drained its requests): Shutdown, then SIGKILL if it does not exit."""
+        if self._conn.closed:
+            return
         self._stopping = True
         self._send(Shutdown())
         self.process.join(timeout)
@@ -201,6 +206,7 @@ class EngineCoreClient(StreamingEngine):
             self.process.kill()
             self.process.join(timeout)
         self._conn.close()
+        atexit.unregister(self.shutdown)
 
     # ----------------------------------------------------------------------------------------------- reader thread
 
@@ -263,7 +269,7 @@ class EngineCoreClient(StreamingEngine):
         why = message or f"the engine core process exited ({self._exit_status()})"
         log.error("%s", why)
         self.error = MegapipeError(why)
-        dead = EngineDead(f"the engine stopped: {why}")
+        dead = EngineDead(why)
         self._fail_all(dead)
         with self._lock:
             calls = list(self._calls)
