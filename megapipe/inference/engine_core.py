@@ -207,6 +207,7 @@ class EngineCore:
         self.inbox: queue.Queue = queue.Queue()
         self.sent: dict[str, list[int]] = {}  # per request: tokens sent per sample (-1: finished), prompt logprobs
         self.num_added = 0
+        self.compiling: list[tuple[AddRequest, object]] = []  # requests whose grammar the worker thread compiles
         # reads (and unpickles) the next messages while a step runs
         threading.Thread(target=self._read, name="megapipe-core-input", daemon=True).start()
 
@@ -222,8 +223,8 @@ class EngineCore:
         try:
             while True:
                 idle = not self.engine.has_unfinished()
-                try:
-                    msg = self.inbox.get(block=idle)  # idle: sleep until a message comes
+                try:  # idle: sleep until a message comes (or, while a grammar compiles, look again shortly)
+                    msg = self.inbox.get(block=idle, timeout=0.005 if self.compiling else None)
                     while True:
                         if isinstance(msg, Shutdown):
                             return
@@ -231,6 +232,9 @@ class EngineCore:
                         msg = self.inbox.get_nowait()
                 except queue.Empty:
                     pass
+                for item in [c for c in self.compiling if c[1].done()]:
+                    self.compiling.remove(item)
+                    self._add(item[0], outputs)
                 if self.engine.has_unfinished():
                     outputs += filter(None, map(self._delta, self.engine.step()))
                 send(self.conn, EngineCoreOutputs(outputs, self.engine.stats(), self.num_added))
@@ -247,14 +251,14 @@ class EngineCore:
     def _handle(self, msg, outputs: list) -> None:
         if isinstance(msg, AddRequest):
             self.num_added += 1
-            try:
-                req = self.engine.add_request(msg.request_id, msg.prompt_ids, msg.params, msg.arrival,
-                                              images=msg.images, lora=msg.lora)
-            except MegapipeError as e:
-                outputs.append(EngineCoreOutput(msg.request_id, finished=True, error=Failure.of(e)))
-                return
-            self.sent[msg.request_id] = [0] * len(req.seqs) + [0]
+            if msg.params.structured is not None:  # the front end compiled it too, but in its own process
+                compiled = self.engine.grammars.submit(msg.params.structured)
+                if not compiled.done():  # the steps go on meanwhile
+                    self.compiling.append((msg, compiled))
+                    return
+            self._add(msg, outputs)
         elif isinstance(msg, Abort):
+            self.compiling = [c for c in self.compiling if c[0].request_id != msg.request_id]
             out = self.engine.abort(msg.request_id)
             if out is not None:
                 outputs.append(self._delta(out))
@@ -268,6 +272,15 @@ class EngineCore:
             send(self.conn, reply)
         else:
             raise TypeError(f"the engine core got an unknown message {type(msg).__name__}")
+
+    def _add(self, msg: AddRequest, outputs: list) -> None:
+        try:
+            req = self.engine.add_request(msg.request_id, msg.prompt_ids, msg.params, msg.arrival, images=msg.images,
+                                          lora=msg.lora)
+        except MegapipeError as e:
+            outputs.append(EngineCoreOutput(msg.request_id, finished=True, error=Failure.of(e)))
+            return
+        self.sent[msg.request_id] = [0] * len(req.seqs) + [0]
 
     def _delta(self, out: RequestOutput) -> Optional[EngineCoreOutput]:
         """What ``out`` holds beyond what was sent of its request (None: nothing)."""
