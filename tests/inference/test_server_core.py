@@ -29,6 +29,11 @@ from tests.inference.test_server import (  # noqa: F401 - the server's tests, ru
     test_streaming_completions_and_usage,
 )
 from tests.inference.test_server_bodies import test_bad_bodies_are_400_on_every_route  # noqa: F401
+from tests.inference.test_server_sampling import (  # noqa: F401 - stop tokens and min_tokens at the front end
+    hf_tokenizer,
+    test_min_tokens_as_transformers_min_new_tokens,
+    test_presence_and_frequency_penalties,
+)
 from tests.inference.test_structured import (  # noqa: F401 - grammars compile in both processes
     test_invalid_constraints_are_400,
     test_json_schema_n_logprobs,
