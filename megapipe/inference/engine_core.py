@@ -223,21 +223,26 @@ class EngineCore:
         try:
             while True:
                 idle = not self.engine.has_unfinished()
+                news = 0
                 try:  # idle: sleep until a message comes (or, while a grammar compiles, look again shortly)
                     msg = self.inbox.get(block=idle, timeout=0.005 if self.compiling else None)
                     while True:
                         if isinstance(msg, Shutdown):
                             return
                         self._handle(msg, outputs)
+                        news += 1
                         msg = self.inbox.get_nowait()
                 except queue.Empty:
                     pass
                 for item in [c for c in self.compiling if c[1].done()]:
                     self.compiling.remove(item)
                     self._add(item[0], outputs)
+                    news += 1
                 if self.engine.has_unfinished():
                     outputs += filter(None, map(self._delta, self.engine.step()))
-                send(self.conn, EngineCoreOutputs(outputs, self.engine.stats(), self.num_added))
+                    news += 1
+                if news:  # the outputs, and the stats as they stand now
+                    send(self.conn, EngineCoreOutputs(outputs, self.engine.stats(), self.num_added))
                 outputs = []
         except (BrokenPipeError, ConnectionResetError):
             return  # the front end is gone
