@@ -243,6 +243,7 @@ class LLMEngine:
         self.num_generation_tokens = 0
         self.num_steps = 0
         self._grammars = None
+        self.detokenize = True  # False: outputs carry token ids only, no text or stop strings (its front end's job)
 
     @property
     def grammars(self):
@@ -339,7 +340,7 @@ class LLMEngine:
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(seed)
             seq = Seq(next(self._ids), req, i, params, gen)
-            if self.tokenizer is not None:
+            if self.tokenizer is not None and self.detokenize:
                 seq.detok = Detokenizer(self.tokenizer, ids, self.special if params.skip_special_tokens
                                         else frozenset(), params.stop)
             if params.structured is not None:
