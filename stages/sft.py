@@ -48,3 +48,32 @@ def sft(
     cfg = posttrain_checkpoints(cfg, cfg.checkpoint.load, "sft")
     launch_training(ctx, "posttrain sft", cfg, SFTRecipe(quiet), nproc_per_node, nnodes, node_rank, rdzv_endpoint,
                     quiet)
+
+
+@config_flags(*TRAINING_SECTIONS, "sft",
+              skip=("checkpoint.finetune", "sft.train_on_prompt", "sft.freeze_vision", "sft.freeze_projector"))
+def projector(
+    ctx: typer.Context,
+    config: Optional[str] = CONFIG_OPTION,
+    bf16: bool = BF16,
+    fp16: bool = FP16,
+    nproc_per_node: Optional[int] = NPROC,
+    nnodes: int = NNODES,
+    node_rank: int = NODE_RANK,
+    rdzv_endpoint: Optional[str] = RDZV,
+    quiet: bool = QUIET,
+    sets: Optional[List[str]] = SET_OPTION,
+    flags: dict = None,
+) -> None:
+    """Pretrain a vision-language model's projector on image-caption pairs (LLaVA's stage 1): tower and decoder
+    frozen, loss on the captions."""
+    # lazy: imports torch; megapipe --help stays fast
+    from megapipe.posttrain.start import posttrain_checkpoints
+    from megapipe.training.recipes.projector import ProjectorRecipe
+
+    cfg = training_config(config, flags, sets, bf16, fp16)
+    if cfg.checkpoint.load is None:
+        raise ConfigError("posttrain projector starts from a vision-language checkpoint: give --load CKPT")
+    cfg = posttrain_checkpoints(cfg, cfg.checkpoint.load, "projector")
+    launch_training(ctx, "posttrain projector", cfg, ProjectorRecipe(quiet), nproc_per_node, nnodes, node_rank,
+                    rdzv_endpoint, quiet)
