@@ -23,13 +23,16 @@ ARGS = ["--data", str(CAPTIONS), "--seq-length", "64", "--micro-batch-size", "8"
         "--lr", "1e-2", "--lr-warmup-iters", "0", "--eval-iters", "0", "--log-interval", "1", "--quiet"]
 
 
-def test_only_the_projector_trains_and_the_caption_loss_falls(tmp_path, one_thread):
+def test_only_the_projector_trains_and_the_caption_loss_falls(tmp_path, capsys, one_thread):
     from megapipe.checkpoint.load import load_model
     from megapipe.checkpoint.manifest import find_latest, read_manifest
 
     hf_dir, _ = make_vl_dir(tmp_path / "hf", chat=True)
     assert main(["import", "hf", str(hf_dir), str(tmp_path / "ckpt"), "--quiet"]) == 0
     run = tmp_path / "run"
+    assert main(["posttrain", "projector", "--load", str(tmp_path / "ckpt"), "--save", str(run), "--train-iters",
+                 "1", "--set", "lora.rank=4", *ARGS]) != 0
+    assert "lora.rank = 4 does not apply" in " ".join(capsys.readouterr().err.split())
     assert main(["posttrain", "projector", "--load", str(tmp_path / "ckpt"), "--save", str(run), "--train-iters",
                  "12", "--data-cache-path", str(tmp_path / "cache"), *ARGS]) == 0
     losses = [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())

@@ -19,6 +19,9 @@ class ProjectorRecipe(SFTRecipe):
         if not getattr(model, "vision_depth", 0):
             raise ConfigError("posttrain projector trains a vision-language model's projector; this model has no "
                               "vision tower (model.vision_depth = 0)")
+        for key, on in (("sft.freeze_projector", run.cfg.sft.freeze_projector), ("lora.rank", run.cfg.lora.rank)):
+            if on:
+                raise ConfigError(f"posttrain projector trains the projector alone: {key} = {on} does not apply")
         # what SFT may do with this architecture, this recipe may too (its own stage is not a row of the table)
         require(model, "sft", "posttrain projector", layouts=requested_layouts(run.cfg.parallel),
                 packing=self.packed_sequences(run.cfg))
