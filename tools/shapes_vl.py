@@ -38,7 +38,9 @@ def make_set(directory: Path, n: int, seed: int) -> list[tuple[Path, str]]:
     return out
 
 
-def make_model(hf_dir: Path) -> None:
+def make_model(hf_dir: Path, text: dict | None = None, vision: dict | None = None) -> None:
+    """A random Qwen2.5-VL with a byte-level BPE knowing the image markers in ``hf_dir``; ``text`` / ``vision``
+    change the decoder's / tower's HF config fields."""
     import torch
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -51,11 +53,12 @@ def make_model(hf_dir: Path) -> None:
     config_file = hf_dir / "tokenizer_config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
     config_file.write_text(json.dumps({**config, "chat_template": TEMPLATE}))
-    text = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=256,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
-    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-                  fullatt_block_indexes=[1], window_size=56)
+    text = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+            **(text or {})}
+    vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+              "fullatt_block_indexes": [1], "window_size": 56, **(vision or {})}
     torch.manual_seed(0)
     model = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
         text_config=text, vision_config=vision, image_token_id=4, video_token_id=5, vision_start_token_id=2,
