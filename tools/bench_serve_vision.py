@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serve import percentile  # noqa: E402
+from bench_serve import percentile, wait_ready  # noqa: E402
 from shapes_vl import make_model  # noqa: E402
 
 # qwen2.5-vl-tiny (megapipe/presets.py) as Hugging Face config fields
@@ -69,17 +69,8 @@ def serve(ckpt: Path, max_len: int, seqs: int) -> tuple[subprocess.Popen, str]:
            "--max-model-len", str(max_len), "--max-num-seqs", str(seqs), "--served-model-name", "vl"]
     proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode} before it was ready")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    os.killpg(proc.pid, signal.SIGKILL)
-    raise SystemExit("the server did not become ready within 600 s")
+    wait_ready(proc, url)
+    return proc, url
 
 
 def chat(url: str, content, max_tokens: int) -> dict:
