@@ -178,18 +178,24 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if threads == 1 else f"0-{threads - 1}"
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
+    wait_ready(proc, url)
+    return proc, url
+
+
+def wait_ready(proc: subprocess.Popen, url: str, seconds: float = 600) -> None:
+    """Until the server started as ``proc`` answers ``url``/health (killed, and SystemExit, if it never does)."""
+    deadline = time.time() + seconds
     while time.time() < deadline:
         if proc.poll() is not None:
             raise SystemExit(f"the server exited with {proc.returncode} before it was ready")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
+                return
         except httpx.HTTPError:
             pass
         time.sleep(1)
     proc.kill()
-    raise SystemExit("the server did not become ready within 600 s")
+    raise SystemExit(f"the server did not become ready within {seconds:.0f} s")
 
 
 def main() -> None:
