@@ -74,6 +74,7 @@ COMMANDS: dict[str, Entry] = {
     "pretrain": Entry(pretrain.pretrain, Output("save", "run", "run", resume=Resume("load", clear=("finetune",)),
                                                 training=True), training_command_class(pretrain.pretrain)),
     "posttrain sft": Entry(sft.sft, RUN, training_command_class(sft.sft)),
+    "posttrain projector": Entry(sft.projector, RUN, training_command_class(sft.projector)),
     "posttrain distill": Entry(distill.distill, RUN, training_command_class(distill.distill)),
     "posttrain dpo": Entry(dpo.dpo, RUN, training_command_class(dpo.dpo)),
     "posttrain rm": Entry(rm.rm, RUN, training_command_class(rm.rm)),
@@ -103,7 +104,7 @@ GROUP_HELP = {
     "checkpoint": "Inspect, verify and convert megapipe checkpoints.",
     "import": "Bring a model from another format into a megapipe checkpoint.",
     "export": "Write a megapipe checkpoint in another format.",
-    "posttrain": "Post-train a checkpoint: sft, distill, dpo, rm, prune, quantize, rl.",
+    "posttrain": "Post-train a checkpoint: sft, projector, distill, dpo, rm, prune, quantize, rl.",
     "pipeline": "Run YAML pipelines of stages (cached, resumable; local or Slurm).",
 }
 

@@ -173,6 +173,9 @@ class ModelConfig:
     dsa_indexer_n_heads: int = opt(64, "--dsa-indexer-n-heads", help="DSA: the lightning indexer's heads.")
     dsa_indexer_head_dim: int = opt(128, "--dsa-indexer-head-dim", help="DSA: the lightning indexer's head dims.")
     dsa_indexer_topk: int = opt(2048, "--dsa-indexer-topk", help="DSA: keys each query attends to.")
+    dsa_indexer_loss_coeff: float = opt(
+        0.0, "--dsa-indexer-loss-coeff", help="DSA: weight of the indexer's KL loss towards the main attention (0: "
+        "the indexer is frozen).")
     # YaRN (megapipe.models.rope), on when rotary_scaling_factor != 1; transformers' rope_type "yarn"
     rotary_scaling_factor: float = opt(1.0, "--rotary-scaling-factor", help="YaRN context extension factor (1: off).")
     original_max_position_embeddings: Optional[int] = opt(
@@ -1149,6 +1152,8 @@ def validate_dsa(m: ModelConfig) -> None:
     for name in ("dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk"):
         if getattr(m, name) <= 0:
             raise ConfigError(f"model.{name} = {getattr(m, name)} must be > 0")
+    if m.dsa_indexer_loss_coeff < 0:
+        raise ConfigError(f"model.dsa_indexer_loss_coeff = {m.dsa_indexer_loss_coeff} must be >= 0")
     if m.dsa_indexer_head_dim < m.qk_pos_emb_head_dim:
         raise ConfigError(f"model.dsa_indexer_head_dim = {m.dsa_indexer_head_dim} must be >= model.qk_pos_emb_head_dim "
                           f"= {m.qk_pos_emb_head_dim} (the indexer ropes that many of its dims)")

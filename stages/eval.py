@@ -10,8 +10,8 @@ import typer
 def eval_command(
     ckpt: str = typer.Argument(..., help="Checkpoint directory, run directory (its latest checkpoint) or HF model dir."),
     tasks: List[str] = typer.Option(
-        ..., "--tasks", "-t", help="Comma-separated: megapipe_mc, megapipe_gen, megapipe_text (shipped, offline), "
-        "perplexity (on --data-path), a task YAML file or directory, or an lm-eval registry task (hub data)."),
+        ..., "--tasks", "-t", help="Comma-separated: megapipe_mc, megapipe_gen, megapipe_text, megapipe_shapes (images) "
+        "(shipped, offline), perplexity (on --data-path), a task YAML file or directory, or an lm-eval registry task (hub data)."),
     data_path: Optional[List[str]] = typer.Option(
         None, "--data-path", help="The perplexity task's data: a .bin/.idx PREFIX; repeat or list several."),
     include_path: Optional[List[str]] = typer.Option(

@@ -57,6 +57,9 @@ def serve(
     max_image_pixels: int = typer.Option(4096 * 4096, "--max-image-pixels",
                                          help="Most pixels (width x height) of an image in a chat request."),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: torch's choice)."),
+    no_engine_process: bool = typer.Option(False, "--no-engine-process",
+                                           help="Run the engine in a thread of the server's process (debugging), not "
+                                                "in an engine-core process of its own."),
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level."),
 ) -> None:
     """Serve a model over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, /metrics."""
@@ -130,46 +133,55 @@ def serve(
     import torch
 
     # lazy: imports fastapi and torch; megapipe --help stays fast
-    from megapipe.checkpoint.load import load_model
+    from megapipe.checkpoint.load import load_model, read_model_config
     from megapipe.data.images import ImageLimits
     from megapipe.dtypes import resolve_device, resolve_dtype
-    from megapipe.inference import LLMEngine
     from megapipe.inference.async_engine import AsyncEngine
+    from megapipe.inference.core_client import EngineCoreClient
+    from megapipe.inference.engine_core import CoreSpec
     from megapipe.inference.server import ServerConfig, bind, run_server
     from megapipe.models.capabilities import require
 
-    if threads is not None:
-        if threads < 1:
-            raise MegapipeError(f"--threads = {threads} must be >= 1")
-        torch.set_num_threads(threads)
+    if threads is not None and threads < 1:
+        raise MegapipeError(f"--threads = {threads} must be >= 1")
+    resolve_dtype(dtype)  # a bad --dtype fails here, not in the engine core
     sock = bind(host, port)  # before loading: a busy port fails in a second, not after the model loads
+    max_queue_or_none = max_queue or None
     try:
-        loaded = load_model(model, resolve_device(device), resolve_dtype(dtype))
-        if loaded.model.cfg.num_labels:  # a reward model: scores on /pooling, no engine
+        model_cfg = read_model_config(model)
+        if model_cfg.num_labels:  # a reward model: scores on /pooling, no engine
+            if threads is not None:
+                torch.set_num_threads(threads)
+            loaded = load_model(model, resolve_device(device), resolve_dtype(dtype))
             return _serve_reward_model(loaded, model, name, api_key, max_body_size, shutdown_timeout, sock,
                                        log_level)
         drafter = engine_config.drafter_feature
-        require(loaded.model.cfg, "serve", str(model), engine=[drafter] if drafter else None)
+        require(model_cfg, "serve", str(model), engine=[drafter] if drafter else None)
         if loras:
-            require(loaded.model.cfg, "serve", str(model), engine=["multi_lora"])
-        llm = LLMEngine(loaded.model, loaded.tokenizer, engine_config, loaded.eos_ids)
-        for lora_name, path in loras.items():
-            llm.load_lora(lora_name, path)
+            require(model_cfg, "serve", str(model), engine=["multi_lora"])
+        spec = CoreSpec(str(model), engine_config, device, dtype, loras, threads)
+        if no_engine_process:
+            llm = spec.build()
+            engine_handle, kv_line = AsyncEngine(llm, max_queue_or_none), llm.kv_cache_line()
+        else:  # the model loads in the core; this process keeps the tokenizer and HTTP
+            engine_handle = EngineCoreClient(spec, max_queue_or_none)
+            kv_line = engine_handle.kv_cache_line
     except BaseException:
         sock.close()
         raise
     bound_host, bound_port = sock.getsockname()[:2]
-    config = ServerConfig(model_name=name, model_path=str(model), api_key=api_key, max_queue=max_queue or None,
+    config = ServerConfig(model_name=name, model_path=str(model), api_key=api_key, max_queue=max_queue_or_none,
                           max_body_bytes=parse_size(max_body_size, "--max-body-size"),
                           shutdown_timeout=shutdown_timeout, tool_call_parser=tool_call_parser,
                           image_limits=ImageLimits(parse_size(max_image_size, "--max-image-size"), max_image_pixels,
                                                    ("--max-image-size", "--max-image-pixels")))
 
     def ready():
+        where = "in this process" if no_engine_process else f"engine core pid {engine_handle.process.pid}"
         print(f"megapipe serve: ready on http://{bound_host}:{bound_port} (model {name}, max_model_len "
-              f"{llm.max_model_len}, {llm.kv_cache_line()})", file=sys.stderr, flush=True)
+              f"{engine_handle.max_model_len}, {kv_line}, {where})", file=sys.stderr, flush=True)
 
-    run_server(AsyncEngine(llm, config.max_queue), config, sock, log_level=log_level, on_ready=ready)
+    run_server(engine_handle, config, sock, log_level=log_level, on_ready=ready)
 
 
 def _lora_modules(items: List[str]) -> dict[str, str]:

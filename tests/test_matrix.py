@@ -158,9 +158,9 @@ def test_sft_with_lora_and_peft_parity(arch, capsys, one_thread):
     assert all(math.isfinite(r["loss"]) for r in records if r["kind"] == "train")
 
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
     from megapipe.inference import LLMEngine
+    from tests.helpers.hf_tiny import hf_auto_class
 
     step = run / "step_00000002"
     base_hf, adapter = arch["work"] / "sft_base_hf", arch["work"] / "sft_adapter"
@@ -169,7 +169,7 @@ def test_sft_with_lora_and_peft_parity(arch, capsys, one_thread):
     tokens = torch.tensor([PROMPTS[0]])
     merged = LLMEngine.from_pretrained(step, device="cpu")  # the adapters folded into the weights
     with torch.no_grad():
-        peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_hf), adapter).eval()
+        peft_model = PeftModel.from_pretrained(hf_auto_class(base_hf).from_pretrained(base_hf), adapter).eval()
         want = peft_model(tokens).logits
         got = merged.runner.model(tokens)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

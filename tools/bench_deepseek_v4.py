@@ -31,21 +31,29 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def models(a, directory: str):
-    """(megapipe's model, transformers' model) with the same weights."""
+def save_tiny(vocab: int, directory: str):
+    """transformers' random DeepseekV4ForCausalLM at the deepseek-v4-tiny preset's shape, saved in ``directory`` with a
+    tokenizer for the bridge -> (megapipe's ModelConfig, transformers' model)."""
     import transformers
 
     from megapipe.checkpoint.hf import adapter_for_arch
-    from megapipe.checkpoint.hf.bridge import load_hf_model
     from megapipe.config import ModelConfig, from_dict
     from megapipe.data.tokenizer import train_tokenizer
 
-    cfg = from_dict(ModelConfig, {"preset": "deepseek-v4-tiny", "vocab_size": a.vocab})
+    cfg = from_dict(ModelConfig, {"preset": "deepseek-v4-tiny", "vocab_size": vocab})
     torch.manual_seed(0)
     hf = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**adapter_for_arch(cfg.arch).hf_config(cfg)))
     hf.save_pretrained(directory)
     train_tokenizer(["a tokenizer for the bridge: the benchmark feeds token ids"] * 4, vocab_size=300,
                     output=directory)
+    return cfg, hf
+
+
+def models(a, directory: str):
+    """(megapipe's model, transformers' model) with the same weights."""
+    from megapipe.checkpoint.hf.bridge import load_hf_model
+
+    _, hf = save_tiny(a.vocab, directory)
     return load_hf_model(directory).model.train(), hf.train()
 
 

@@ -4,12 +4,14 @@
     .venv/bin/python tools/bench_serve.py --base-url http://127.0.0.1:8000 --model NAME -n 500 --concurrency 64
     # start `megapipe serve` (or `--engine vllm`) itself on a free port, sample its memory, stop it with SIGTERM
     .venv/bin/python tools/bench_serve.py --serve ~/.cache/megapipe/smollm2 --engine megapipe -n 500 --concurrency 64
+    # the same with the engine in a thread of the server instead of its own process
+    .venv/bin/python tools/bench_serve.py --serve ~/.cache/megapipe/smollm2 --no-engine-process -n 500
 
 Each request sends ``--prompt-len`` random token ids and asks for exactly ``--max-tokens`` tokens (``ignore_eos``),
 streamed with ``include_usage``. Reported: request throughput, output tokens/s, time to first token (TTFT), time per
 output token after the first (TPOT), inter-token latency between chunks (ITL) and end-to-end latency at p50 / p90 /
-p99, errors (any non-200, error event, wrong token count or timeout), and with ``--serve`` the server's peak RSS
-(its process tree) sampled every 0.5 s.
+p99, errors (any non-200, error event, wrong token count or timeout), the load average, and with ``--serve`` the
+server's peak RSS (its process tree) sampled every 0.5 s and the CPU time its processes spent over the load.
 """
 
 from __future__ import annotations
@@ -114,8 +116,8 @@ async def run_load(args) -> tuple[list[Result], float]:
         return results, time.perf_counter() - start
 
 
-def tree_rss_mib(pid: int) -> float:
-    """Resident memory of a process and its descendants (MiB), from /proc."""
+def _tree(pid: int) -> list[int]:
+    """A process and its descendants, from /proc."""
     children: dict[int, list[int]] = {}
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
@@ -124,10 +126,18 @@ def tree_rss_mib(pid: int) -> float:
             except (OSError, IndexError, ValueError):
                 continue
             children.setdefault(ppid, []).append(int(d.name))
-    total, todo = 0, [pid]
+    out, todo = [], [pid]
     while todo:
         p = todo.pop()
+        out.append(p)
         todo.extend(children.get(p, []))
+    return out
+
+
+def tree_rss_mib(pid: int) -> float:
+    """Resident memory of a process and its descendants (MiB)."""
+    total = 0
+    for p in _tree(pid):
         try:
             for line in Path(f"/proc/{p}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
@@ -137,35 +147,55 @@ def tree_rss_mib(pid: int) -> float:
     return total / 1024
 
 
+def tree_cpu_s(pid: int) -> dict[int, float]:
+    """CPU time (user + system, s) of a process and each descendant (the engine-core process of serve's default),
+    by pid: comparable when the machine is shared, unlike the wall clock."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for p in _tree(pid):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            out[p] = (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError, ValueError):
+            pass
+    return out
+
+
 def start_server(args) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [str(ROOT / ".venv/bin/megapipe"), "serve", args.serve, "--port", str(port), "--served-model-name",
+    cmd = [sys.executable, "-m", "megapipe.cli", "serve", args.serve, "--port", str(port), "--served-model-name",
            args.model, "--engine", args.engine, "--max-num-seqs", str(args.max_num_seqs), "--dtype", args.dtype,
            "--max-model-len", str(args.prompt_len + args.max_tokens + 64), "--max-queue", str(args.num_requests)]
     threads = args.threads or os.cpu_count() or 1
     if args.engine == "vllm":
         cmd += ["--vllm-python", args.vllm_python, "--kv-cache-memory", "2GiB"]
     else:
-        cmd += ["--threads", str(threads)]
+        cmd += ["--threads", str(threads)] + (["--no-engine-process"] if args.no_engine_process else [])
     env = dict(os.environ)
     if args.engine == "vllm":  # the same CPUs for vLLM's OpenMP threads
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if threads == 1 else f"0-{threads - 1}"
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
+    wait_ready(proc, url)
+    return proc, url
+
+
+def wait_ready(proc: subprocess.Popen, url: str, seconds: float = 600) -> None:
+    """Until the server started as ``proc`` answers ``url``/health (killed, and SystemExit, if it never does)."""
+    deadline = time.time() + seconds
     while time.time() < deadline:
         if proc.poll() is not None:
             raise SystemExit(f"the server exited with {proc.returncode} before it was ready")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
+                return
         except httpx.HTTPError:
             pass
         time.sleep(1)
     proc.kill()
-    raise SystemExit("the server did not become ready within 600 s")
+    raise SystemExit(f"the server did not become ready within {seconds:.0f} s")
 
 
 def main() -> None:
@@ -189,6 +219,8 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None, help="CPU threads of the started server (default: all)")
     ap.add_argument("--vllm-python", default=os.environ.get("MEGAPIPE_VLLM_PYTHON", str(ROOT / ".venv-vllm/bin/python")))
+    ap.add_argument("--no-engine-process", action="store_true",
+                    help="megapipe: the engine in a thread of the server (serve --no-engine-process)")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
 
@@ -205,7 +237,11 @@ def main() -> None:
                     await asyncio.sleep(0.5)
             sampler = loop.create_task(sample_memory())
         idle_rss = tree_rss_mib(proc.pid) if proc is not None else None
+        cpu_before = tree_cpu_s(proc.pid) if proc is not None else {}
+        load_before = os.getloadavg()[0]
         results, wall = loop.run_until_complete(run_load(args))
+        load_after = os.getloadavg()[0]
+        cpu_after = tree_cpu_s(proc.pid) if proc is not None else {}
         if sampler is not None:
             sampler.cancel()
             loop.run_until_complete(asyncio.gather(sampler, return_exceptions=True))
@@ -238,6 +274,9 @@ def main() -> None:
     }
     if proc is not None:
         out.update(server_rss_idle_mib=idle_rss, server_rss_peak_mib=peak[0], server_rss_after_mib=after_rss)
+        cpu = {p: t - cpu_before.get(p, 0.0) for p, t in cpu_after.items()}
+        out.update(server_cpu_s=sum(cpu.values()), server_front_end_cpu_s=cpu.get(proc.pid, 0.0))
+    out.update(load_average_before=load_before, load_average_after=load_after)
     label = args.engine if args.serve else args.base_url
     print(f"\n{label}: {len(results)} requests, concurrency {args.concurrency}"
           f"{f', Poisson {args.request_rate}/s' if args.request_rate else ''}, {args.prompt_len}-token prompts, "
@@ -249,6 +288,9 @@ def main() -> None:
               f"p99 {out[f'{name}_ms_p99']:9.1f}")
     if proc is not None:
         print(f"  server RSS: idle {idle_rss:.0f} MiB, peak {peak[0]:.0f} MiB, after {after_rss:.0f} MiB")
+        print(f"  server CPU time over the load: {out['server_cpu_s']:.1f} s (front end {out['server_front_end_cpu_s']:.1f}"
+              f" s), {out['server_cpu_s'] / max(1, sum(r.tokens for r in ok)) * 1000:.2f} ms per output token")
+    print(f"  load average {load_before:.1f} before, {load_after:.1f} after")
     for e in sorted(set(errors))[:5]:
         print(f"  error: {e} (x{errors.count(e)})")
     if args.json:

@@ -5,7 +5,9 @@
 - megapipe_mc.jsonl (multiple choice): which built-in function / standard-library module a docstring's first line
   describes, the right name among four (three distractors drawn from the same pool);
 - megapipe_gen.jsonl (generation): finish a line of The Zen of Python, and name the built-in a docstring describes;
-- megapipe_text.jsonl (rolling log-likelihood): whole module docstrings, for word / byte perplexity.
+- megapipe_text.jsonl (rolling log-likelihood): whole module docstrings, for word / byte perplexity;
+- megapipe_shapes.jsonl (generation from an image, for vision-language models): rendered shapes and colours
+  (megapipe.data.shapes, PNG ``data:`` URLs), answered "<colour> <shape>".
 
 Deterministic: a fixed seed and sorted names, so one Python version always writes the same bytes (the files record
 which version wrote them; the test re-runs this tool and compares bytes on that version).
@@ -117,6 +119,13 @@ def texts() -> list[dict]:
     return rows
 
 
+def shapes() -> list[dict]:
+    from megapipe.data.shapes import QUESTION, png_data_url, shape_set
+
+    return [{"image": png_data_url(image), "question": QUESTION, "answer": f"{colour} {shape}"}
+            for image, colour, shape in shape_set(48, seed=2, balanced=True)]
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     body = "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in rows)
     tmp = path.with_name(path.name + ".tmp")
@@ -131,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(SEED)
     files = {"megapipe_mc.jsonl": multiple_choice(rng), "megapipe_gen.jsonl": generation(rng),
-             "megapipe_text.jsonl": texts()}
+             "megapipe_text.jsonl": texts(), "megapipe_shapes.jsonl": shapes()}
     for name, rows in files.items():
         write_jsonl(out / name, rows)
         print(f"{out / name}: {len(rows)} rows")

@@ -3,8 +3,8 @@ tiny random Qwen2.5-VL, one run:
 
     PYTHONPATH=. .venv/bin/python tools/shapes_vl.py [--train 480] [--test 96] [--iters 300] [--work DIR]
 
-The image set is drawn here with Pillow (nothing bundled in the repository): a circle, square or triangle in red,
-green, blue or yellow, of random size and place, on a noisy grey 84 x 84 background (36 patches, 9 image tokens).
+The image set is drawn by megapipe.data.shapes (Pillow, seeded): a circle, square or triangle in red, green, blue or
+yellow, of random size and place, on a noisy grey 84 x 84 background (36 patches, 9 image tokens).
 The model: a random Qwen2_5_VLForConditionalGeneration (2 decoder layers of 64, a 2-block vision tower) with a
 byte-level BPE that knows Qwen2-VL's image markers, imported with ``megapipe import hf``. Training records are
 ``{"messages": [user: question + image_url (a file path), assistant: "<colour> <shape>"]}``, trained with
@@ -17,58 +17,35 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import tempfile
 from pathlib import Path
 
-COLOURS = {"red": (220, 30, 30), "green": (30, 180, 40), "blue": (30, 60, 220), "yellow": (230, 210, 20)}
-SHAPES = ("circle", "square", "triangle")
-QUESTION = "What is in the picture?"
 MARKERS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")  # token ids 2..5
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ '\\n' }}{% endfor %}"
             "{% if add_generation_prompt %}assistant:{% endif %}")
-SIZE = 84
-
-
-def draw(rng: random.Random, colour: str, shape: str):
-    from PIL import Image, ImageDraw
-
-    grey = rng.randint(90, 160)
-    image = Image.new("RGB", (SIZE, SIZE), (grey, grey, grey))
-    pixels = image.load()
-    for _ in range(300):  # noise
-        pixels[rng.randrange(SIZE), rng.randrange(SIZE)] = tuple(grey + rng.randint(-40, 40) for _ in range(3))
-    r = rng.randint(14, 30)
-    cx, cy = rng.randint(r + 2, SIZE - r - 2), rng.randint(r + 2, SIZE - r - 2)
-    fill = tuple(min(255, max(0, c + rng.randint(-25, 25))) for c in COLOURS[colour])
-    d = ImageDraw.Draw(image)
-    if shape == "circle":
-        d.ellipse((cx - r, cy - r, cx + r, cy + r), fill=fill)
-    elif shape == "square":
-        d.rectangle((cx - r, cy - r, cx + r, cy + r), fill=fill)
-    else:
-        d.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=fill)
-    return image
 
 
 def make_set(directory: Path, n: int, seed: int) -> list[tuple[Path, str]]:
-    """``n`` images written to ``directory``, each with its answer "<colour> <shape>"."""
+    """``n`` images of megapipe.data.shapes written to ``directory``, each with its answer "<colour> <shape>"."""
+    from megapipe.data.shapes import shape_set
+
     directory.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(seed)
     out = []
-    for i in range(n):
-        colour, shape = rng.choice(list(COLOURS)), rng.choice(SHAPES)
+    for i, (image, colour, shape) in enumerate(shape_set(n, seed)):
         path = directory / f"{i:04d}.png"
-        draw(rng, colour, shape).save(path)
+        image.save(path)
         out.append((path, f"{colour} {shape}"))
     return out
 
 
-def make_model(hf_dir: Path) -> None:
+def make_model(hf_dir: Path, text: dict | None = None, vision: dict | None = None) -> None:
+    """A random Qwen2.5-VL with a byte-level BPE knowing the image markers in ``hf_dir``; ``text`` / ``vision``
+    change the decoder's / tower's HF config fields."""
     import torch
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+    from megapipe.data.shapes import COLOURS, QUESTION, SHAPES
     from megapipe.data.tokenizer import train_tokenizer
 
     texts = [QUESTION, "assistant:", "user:"] + [f"{c} {s}" for c in COLOURS for s in SHAPES]
@@ -76,11 +53,12 @@ def make_model(hf_dir: Path) -> None:
     config_file = hf_dir / "tokenizer_config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
     config_file.write_text(json.dumps({**config, "chat_template": TEMPLATE}))
-    text = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=256,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
-    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-                  fullatt_block_indexes=[1], window_size=56)
+    text = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+            **(text or {})}
+    vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+              "fullatt_block_indexes": [1], "window_size": 56, **(vision or {})}
     torch.manual_seed(0)
     model = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
         text_config=text, vision_config=vision, image_token_id=4, video_token_id=5, vision_start_token_id=2,
@@ -95,6 +73,7 @@ def accuracy(ckpt: Path, held_out: list[tuple[Path, str]]) -> dict:
 
     from megapipe.data.chat_template import load_chat_template
     from megapipe.data.images import ImageProcessor, expand_image_tokens
+    from megapipe.data.shapes import QUESTION
     from megapipe.inference import LLMEngine, SamplingParams
 
     engine = LLMEngine.from_pretrained(ckpt, device="cpu")
@@ -128,6 +107,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from megapipe.cli import main as cli
+    from megapipe.data.shapes import QUESTION
 
     work = Path(args.work or tempfile.mkdtemp(prefix="shapes_vl_"))
     train, test = make_set(work / "train", args.train, 0), make_set(work / "test", args.test, 1)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from megapipe.checkpoint.dcp import checkpoint_tokenizer, load_checkpoint, verify_checkpoint
-from megapipe.checkpoint.hf.bridge import load_hf_model
+from megapipe.checkpoint.hf.bridge import load_hf_model, read_hf_config
 from megapipe.checkpoint.hf.files import read_json
 from megapipe.checkpoint.manifest import MANIFEST_NAME, read_manifest, resolve_checkpoint
 from megapipe.checkpoint.quant_state import restore_quantized
@@ -56,9 +56,21 @@ def load_model(
     """A megapipe checkpoint (or run dir) or a Hugging Face model directory -> a model ready to run on ``device``,
     in ``dtype`` (None: as stored). ``builder(cfg, device=...)`` (checkpoints only) defaults to ``build_model``."""
     p = Path(path).expanduser()
-    if (p / "config.json").is_file() and not (p / MANIFEST_NAME).is_file():
+    if _is_hf_dir(p):
         return _from_hf(p, device, dtype)
     return _from_checkpoint(p, device, dtype, builder or build_model)
+
+
+def read_model_config(path: Union[str, Path]) -> ModelConfig:
+    """The config of the model ``load_model(path)`` builds, read without any weight."""
+    p = Path(path).expanduser()
+    if _is_hf_dir(p):
+        return read_hf_config(p)[1]
+    return manifest_model_config(resolve_checkpoint(p))
+
+
+def _is_hf_dir(p: Path) -> bool:
+    return (p / "config.json").is_file() and not (p / MANIFEST_NAME).is_file()
 
 
 def _from_hf(hf_dir: Path, device, dtype) -> LoadedModel:

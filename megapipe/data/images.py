@@ -210,3 +210,21 @@ def placeholder_repeats(ids, image_token_id: int, counts: Sequence[int]) -> np.n
 def expand_image_tokens(ids: Sequence[int], image_token_id: int, counts: Sequence[int]) -> list[int]:
     """``ids`` with its i-th image token repeated ``counts[i]`` times."""
     return np.repeat(np.asarray(ids, dtype=np.int64), placeholder_repeats(ids, image_token_id, counts)).tolist()
+
+
+IMAGE_PLACEHOLDER = "<image>"  # where a plain-text prompt puts an image (lm-eval's and `generate --image`'s mark)
+
+
+def prompt_with_images(text: str, images: Sequence, markers: str, tokenizer, processor: ImageProcessor,
+                       image_token_id: int) -> tuple[list[int], dict]:
+    """The tokens of plain-text ``text`` whose i-th ``<image>`` stands for PIL image i (images without a placeholder
+    go before the text), each image's placeholder repeated for its patches, and the images as the engine takes them
+    (``pixel_values``, ``image_grid_thw``)."""
+    missing = len(images) - text.count(IMAGE_PLACEHOLDER)
+    if missing < 0:
+        raise ImageError(f"the prompt holds {text.count(IMAGE_PLACEHOLDER)} {IMAGE_PLACEHOLDER} marks but "
+                         f"{len(images)} images were given")
+    text = (IMAGE_PLACEHOLDER * missing + text).replace(IMAGE_PLACEHOLDER, markers)
+    pixels, grids = processor(images)
+    ids = expand_image_tokens(tokenizer.encode(text), image_token_id, [processor.token_count(g) for g in grids])
+    return ids, {"pixel_values": pixels, "image_grid_thw": grids}

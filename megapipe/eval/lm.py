@@ -8,6 +8,11 @@ Every request runs on the inference engine (megapipe.inference.LLMEngine): log-l
 log-probabilities (megapipe.eval.scoring), generation through its sampler and stop strings. Requests are tokenized
 and windowed exactly as lm-eval's own Hugging Face model (``hf``, HFLM) does, so the two give the same scores on the
 same weights (tests/eval/test_parity.py).
+
+Multimodal tasks (lm-eval's ``doc_to_image``: a request's third argument ``{"visual": [images]}``) run generation
+on a vision-language model: image i goes where the context writes its i-th ``<image>`` (lm-eval's placeholder; else
+before the text), as PIL images or ``data:`` URLs. A text-only model is refused with a sentence, and so are image
+log-likelihood requests (multiple choice), which the engine's scoring path does not take.
 """
 
 from __future__ import annotations
@@ -67,6 +72,13 @@ def config_bos(tokenizer) -> Optional[int]:
     return tokenizer.token_to_id(bos) if isinstance(bos, str) else None
 
 
+def _image(value):
+    """A ``doc_to_image`` value as a PIL image: one already, or a data: URL string."""
+    from megapipe.data.images import open_image
+
+    return open_image(value) if isinstance(value, str) else value
+
+
 @register_model("megapipe")
 class MegapipeLM(TemplateLM):
     """lm-eval's LM interface over the megapipe engine.
@@ -76,6 +88,8 @@ class MegapipeLM(TemplateLM):
     ``max_model_len - 2`` (the engine feeds the scored token too and keeps one generation slot).
     ``add_bos_token``: prepend BOS to every text; default: as the tokenizer's template does (as HF's encode).
     """
+
+    MULTIMODAL = True  # lm-eval hands image tasks' requests over; a text-only model refuses them (_image_prompts)
 
     def __init__(self, pretrained: Optional[str] = None, engine=None, batch_size: int | str = 16,
                  max_length: Optional[int] = None, max_gen_toks: int = 256, add_bos_token=None,
@@ -161,6 +175,43 @@ class MegapipeLM(TemplateLM):
 
         return tqdm(total=total, desc=desc, disable=disable)
 
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        if any(len(req.args) > 2 and req.args[2] for req in requests):
+            raise MegapipeError("image tasks are run by generation (output_type: generate_until): megapipe's engine "
+                                "does not score log-likelihoods of prompts with images")
+        return super().loglikelihood(requests, disable_tqdm)
+
+    def image_markers(self) -> Optional[str]:
+        """The text of one image in a prompt of this model; None when it takes text only."""
+        from megapipe.data.images import image_markers
+
+        return image_markers(self.engine.model_config, self.tokenizer)
+
+    def _prompt(self, req, keep: int) -> tuple[list[int], Optional[dict]]:
+        """A generation request's token ids (the context's last ``keep``) and its images (None for text only)."""
+        visual = req.args[2].get("visual") if len(req.args) > 2 and req.args[2] else None
+        if not visual:
+            return self.tok_encode(req.args[0], left_truncate_len=keep), None
+        from megapipe.data.images import ImageError, ImageProcessor, prompt_with_images
+
+        markers = self.image_markers()
+        if markers is None:
+            raise MegapipeError("this task gives the model images, but the model takes text only (it has no vision "
+                                "tower): evaluate a vision-language checkpoint")
+        try:
+            ids, images = prompt_with_images(
+                req.args[0], [_image(v) for v in (visual if isinstance(visual, (list, tuple)) else [visual])],
+                markers, self.tokenizer, ImageProcessor.from_dir(self.tokenizer.path),
+                self.engine.model_config.image_token_id)
+        except ImageError as e:
+            raise MegapipeError(f"an image request of the task: {e}") from None
+        if self.add_bos_token and self.bos_id is not None:
+            ids = [self.bos_id] + ids
+        if len(ids) > keep:  # cutting the context's start could cut an image's tokens
+            raise MegapipeError(f"an image request's prompt holds {len(ids)} tokens, over the {keep} that "
+                                f"max_length {self.max_length} leaves beside max_gen_toks")
+        return ids, images
+
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         """(cache key, context ids, continuation ids) -> (log-likelihood of the continuation, was it greedy), with
         HFLM's window: the last max_length + 1 tokens of context + continuation."""
@@ -235,8 +286,8 @@ class MegapipeLM(TemplateLM):
                 keep = self.max_length - params.max_tokens
                 for start in range(0, len(members), self.batch_size):
                     chunk = members[start:start + self.batch_size]
-                    prompts = [self.tok_encode(requests[i].args[0], left_truncate_len=keep) for i in chunk]
-                    for i, result in zip(chunk, self.engine.generate(prompts, params), strict=True):
+                    prompts, images = zip(*(self._prompt(requests[i], keep) for i in chunk), strict=True)
+                    for i, result in zip(chunk, self.engine.generate(prompts, params, images=images), strict=True):
                         text = postprocess_generated_text(result.outputs[0].text, until, None)
                         out[i] = text
                         self.cache_hook.add_partial("generate_until", requests[i].args, text)

@@ -119,6 +119,9 @@ def run_eval(ckpt: str | Path, tasks: Sequence[str] | str, data_paths: Sequence[
     lm = MegapipeLM(pretrained=None if engine is not None else str(ckpt), engine=engine, batch_size=batch_size,
                     max_length=max_length, dtype=dtype, device=device)
     require(lm.engine.model_config, "eval", str(ckpt))
+    if selection.images and lm.image_markers() is None:
+        raise MegapipeError(f"task {selection.images[0]} shows the model images, but {ckpt} is a text-only model (no "
+                            f"vision tower): evaluate a vision-language checkpoint")
     started = time.time()
     if selection.lm_eval:
         import lm_eval

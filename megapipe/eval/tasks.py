@@ -35,6 +35,7 @@ class TaskSelection:
     perplexity: bool = False
     names: list[str] = field(default_factory=list)  # the leaf task names, for messages
     manager: object = None  # the TaskManager that built them (lm-eval's simple_evaluate would index its registry)
+    images: list[str] = field(default_factory=list)  # the leaf tasks that show the model images (doc_to_image)
 
 
 def _git_hash():
@@ -253,6 +254,7 @@ def select_tasks(names: Sequence[str], include_paths: Sequence[str | Path] = ())
                 raise DataError(f"task(s) {what} could not be built: {_root_cause(e)}{hint}") from None
             selection.lm_eval = _top_level(loaded)
             selection.names = list(loaded["tasks"])
+            selection.images = [n for n, t in loaded["tasks"].items() if getattr(t, "MULTIMODAL", False)]
     if perplexity:
         selection.names.append(PERPLEXITY)
     return selection

@@ -1,9 +1,13 @@
-"""The engine in a background thread, with an asyncio streaming API (what the server and the RL stage use).
+"""The engine behind an asyncio streaming API (what the server uses): in a background thread of this process
+(:class:`AsyncEngine`), or in a process of its own (megapipe.inference.core_client.EngineCoreClient, serve's default).
 
-Only the engine thread touches the engine: new requests and aborts reach it through a queue between steps, outputs
-go back to each request's ``asyncio.Queue`` on the caller's event loop. torch releases the GIL in its kernels, so
-the event loop keeps serving HTTP while a step runs. Leaving the stream early (client gone, task cancelled)
-aborts the request, which frees its KV blocks at the next step boundary.
+Only the engine's own thread touches the engine: new requests, aborts and utility calls (LoRA adapters) reach it
+through a queue between steps, outputs go back to each request's ``asyncio.Queue`` on the caller's event loop, and
+what the event loop reads of it (stats for /metrics, the queue length) is a snapshot the engine thread publishes
+after each step. What a request is checked against (the tokenizer, the context length, the vocabulary) is fixed when
+the engine is built and read by both sides. torch releases the GIL in its kernels, so the event loop keeps serving
+HTTP while a step runs. Leaving the stream early (client gone, task cancelled) aborts the request, which frees its KV
+blocks at the next step boundary.
 """
 
 from __future__ import annotations
@@ -24,36 +28,46 @@ log = logging.getLogger("megapipe.engine")
 
 
 class EngineDead(MegapipeError):
-    """The engine thread stopped on an internal error; requests cannot be served."""
+    """The engine stopped on an internal error (or its process died); requests cannot be served."""
 
 
 class QueueFull(MegapipeError):
     """More requests wait than the bounded queue admits."""
 
 
-class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_queue: Optional[int] = None,
-                 on_output: Optional[Callable[[RequestOutput], None]] = None):
-        self.engine, self.max_queue, self.on_output = engine, max_queue, on_output
-        self._inbox: queue.Queue = queue.Queue()
+class StreamingEngine:
+    """What the server calls, whichever side of a process boundary the engine is on. A subclass sets the facts
+    (tokenizer, max_model_len, vocab_size, model_config, config, loras) and implements ``_submit``, ``abort``,
+    ``utility``, ``alive`` and ``shutdown``."""
+
+    def __init__(self, max_queue: Optional[int], on_output: Optional[Callable[[RequestOutput], None]]):
+        self.max_queue, self.on_output = max_queue, on_output
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
         self._ids = itertools.count()
-        self.pending = 0  # queued in the inbox, not yet seen by the engine
+        self.pending = 0  # requests submitted that the engine has not taken yet
         self.error: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._loop, name="megapipe-engine", daemon=True)
-        self._thread.start()
+        self._snapshot: dict = {}  # the engine's stats after its latest step (published by the engine's side)
 
-    # ----------------------------------------------------------------------------------------------- caller side
+    # the facts every request is checked against
+    tokenizer = max_model_len = vocab_size = model_config = config = None
+    loras: dict[str, str] = {}  # the LoRA adapters registered when the engine started: name -> path
 
     @property
     def alive(self) -> bool:
-        return self.error is None and self._thread.is_alive()
+        raise NotImplementedError
+
+    def encode(self, prompt: Union[str, Sequence[int]]) -> tuple[Optional[str], list[int]]:
+        raise NotImplementedError
+
+    def check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> SamplingParams:
+        raise NotImplementedError
 
     def num_waiting(self) -> int:
-        return self.engine.num_waiting() + self.pending
+        return self._snapshot.get("waiting", 0) + self.pending
+
+    def stats(self) -> dict:
+        return {**self._snapshot, "waiting": self.num_waiting()}
 
     async def generate(self, prompt: Union[str, Sequence[int]], params: SamplingParams,
                        request_id: Optional[str] = None, lora: Optional[str] = None,
@@ -66,18 +80,16 @@ class AsyncEngine:
         """
         if not self.alive:
             raise EngineDead(f"the engine stopped: {self.error}")
-        text, ids = self.engine.encode(prompt)
-        params = self.engine.check_request(ids, params)
+        text, ids = self.encode(prompt)
+        params = self.check_request(ids, params)
         if self.max_queue is not None and self.num_waiting() >= self.max_queue:
             raise QueueFull(f"the server's queue is full ({self.max_queue} requests waiting); retry later")
         rid = request_id or f"req-{next(self._ids)}"
-        loop = asyncio.get_running_loop()
         stream: asyncio.Queue = asyncio.Queue()
         with self._lock:
-            self._streams[rid] = (loop, stream)
+            self._streams[rid] = (asyncio.get_running_loop(), stream)
             self.pending += 1
-        self._inbox.put(("add", rid, ids, text, params, now(), lora, images))
-        self._wake.set()
+        self._submit(rid, text, ids, params, now(), lora, images)
         finished = False
         try:
             while True:
@@ -94,15 +106,91 @@ class AsyncEngine:
             if not finished:
                 self.abort(rid)
 
+    def _submit(self, rid: str, text: Optional[str], ids: list[int], params: SamplingParams, arrival: float,
+                lora: Optional[str], images) -> None:
+        raise NotImplementedError
+
+    def abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    async def utility(self, method: str, *args):
+        """``LLMEngine.<method>(*args)`` run by the engine's side between steps (add_lora, remove_lora, ...); its
+        result, or its exception raised here."""
+        raise NotImplementedError
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        raise NotImplementedError
+
+    def _deliver(self, rid: str, item) -> None:
+        """Hand an output (or an exception) to the stream of ``rid``, from any thread."""
+        with self._lock:
+            target = self._streams.get(rid)
+        if target is not None:
+            loop, stream = target
+            try:
+                loop.call_soon_threadsafe(stream.put_nowait, item)
+            except RuntimeError:  # the loop is closed (server shutting down)
+                pass
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            rids = list(self._streams)
+        for rid in rids:
+            self._deliver(rid, error)
+
+
+class AsyncEngine(StreamingEngine):
+    """The engine in a background thread of this process."""
+
+    def __init__(self, engine: LLMEngine, max_queue: Optional[int] = None,
+                 on_output: Optional[Callable[[RequestOutput], None]] = None):
+        super().__init__(max_queue, on_output)
+        self.engine = engine
+        self.tokenizer, self.max_model_len, self.vocab_size = engine.tokenizer, engine.max_model_len, engine.vocab_size
+        self.model_config, self.config, self.loras = engine.model_config, engine.config, engine.lora_adapters()
+        self._snapshot = engine.stats()
+        self._inbox: queue.Queue = queue.Queue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="megapipe-engine", daemon=True)
+        self._thread.start()
+
+    # ----------------------------------------------------------------------------------------------- caller side
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+    def encode(self, prompt):
+        return self.engine.encode(prompt)
+
+    def check_request(self, prompt_ids, params):
+        return self.engine.check_request(prompt_ids, params)
+
+    @property
+    def grammars(self):
+        return self.engine.grammars
+
+    def prompt_images(self, ids, pixel_values, image_grid_thw):
+        from megapipe.inference.images import PromptImages
+
+        return PromptImages(self.engine.runner.model, ids, pixel_values, image_grid_thw)
+
+    def _submit(self, rid, text, ids, params, arrival, lora, images) -> None:
+        self._inbox.put(("add", rid, ids, text, params, arrival, lora, images))
+        self._wake.set()
+
     async def call(self, fn: Callable[[LLMEngine], object]):
-        """``fn(engine)`` run by the engine thread between steps (loading an adapter, ...); its result, or its
-        exception raised here."""
+        """``fn(engine)`` run by the engine thread between steps; its result, or its exception raised here."""
         if not self.alive:
             raise EngineDead(f"the engine stopped: {self.error}")
         done = asyncio.get_running_loop().create_future()
         self._inbox.put(("call", fn, done))
         self._wake.set()
         return await done
+
+    async def utility(self, method: str, *args):
+        return await self.call(lambda engine: getattr(engine, method)(*args))
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -113,22 +201,7 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join(timeout)
 
-    def stats(self) -> dict:
-        s = self.engine.stats()
-        s["waiting"] += self.pending
-        return s
-
     # ----------------------------------------------------------------------------------------------- engine thread
-
-    def _deliver(self, rid: str, item) -> None:
-        with self._lock:
-            target = self._streams.get(rid)
-        if target is not None:
-            loop, stream = target
-            try:
-                loop.call_soon_threadsafe(stream.put_nowait, item)
-            except RuntimeError:  # the loop is closed (server shutting down)
-                pass
 
     def _drain_inbox(self) -> None:
         while True:
@@ -168,21 +241,21 @@ class AsyncEngine:
         try:
             while not self._stop.is_set():
                 self._drain_inbox()
+                self._snapshot = self.engine.stats()  # the requests just taken count as waiting, no longer pending
                 if not self.engine.has_unfinished():
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
-                for out in self.engine.step():
+                outs = self.engine.step()
+                self._snapshot = self.engine.stats()  # before the outputs: a finished request's counts are in it
+                for out in outs:
                     if self.on_output is not None:
                         self.on_output(out)
                     self._deliver(out.request_id, out)
         except BaseException as e:  # noqa: BLE001 - a bug: fail every request loudly, keep the server answering
             log.exception("the engine thread failed")
             self.error = e
-            with self._lock:
-                rids = list(self._streams)
-            for rid in rids:
-                self._deliver(rid, EngineDead(f"the engine stopped on an internal error: {e}"))
+            self._fail_all(EngineDead(f"the engine stopped on an internal error: {e}"))
 
 
 def _settle(done: asyncio.Future, result, error: Optional[BaseException]) -> None:

@@ -204,7 +204,7 @@ class LLMEngine:
         bs = config.block_size
         # the Mamba layers' recurrent state of the sequences decoded at once (hybrid models; empty otherwise)
         max_num_seqs = self._state_slots(model, config, p.dtype)
-        self.states = StatePool(model, max_num_seqs, p.dtype, p.device)
+        self.states = StatePool(model, max_num_seqs, p.dtype, p.device, self.max_model_len)
         state_bytes = self.states.bytes_per_sequence() * max_num_seqs
         # keys and values of the layers that attend (a hybrid model's Mamba and MLP layers have none); speculative
         # decoding: the MTP blocks' too (pool layers num_layers + depth - 1)
@@ -267,6 +267,7 @@ class LLMEngine:
         self.num_generation_tokens = 0
         self.num_steps = 0
         self._grammars = None
+        self.detokenize = True  # False: outputs carry token ids only, no text or stop strings (its front end's job)
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -293,7 +294,7 @@ class LLMEngine:
         """How many sequences run at once: --max-num-seqs, unless the default memory (no --kv-cache-memory) cannot
         hold that many recurrent states (an 8B hybrid's are ~100 MiB per sequence): then as many as STATE_MEMORY
         holds, said once."""
-        per_sequence = state_bytes_per_sequence(model, dtype)
+        per_sequence = state_bytes_per_sequence(model, dtype, config.max_model_len or model.cfg.max_position_embeddings)
         if not per_sequence or config.kv_cache_memory is not None:
             return config.max_num_seqs
         fit = max(1, STATE_MEMORY // per_sequence)
@@ -373,7 +374,7 @@ class LLMEngine:
                 gen.manual_seed(seed)
             seq = Seq(next(self._ids), req, i, params, gen)
             detok = None
-            if self.tokenizer is not None:
+            if self.tokenizer is not None and self.detokenize:
                 detok = Detokenizer(self.tokenizer, ids, self.special if params.skip_special_tokens else frozenset(),
                                     params.stop)
             req.completions.append(Completion(detok))

@@ -88,7 +88,7 @@ def generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, temp
 def with_images(model, tokenizer, prompts: Sequence[str], images: Sequence[str]) -> tuple[list, list]:
     """The prompts' tokens and images: image i goes where prompt i writes ``<image>`` (else before its text), its
     placeholder repeated for its patches; one image serves every prompt."""
-    from megapipe.data.images import ImageError, ImageProcessor, expand_image_tokens, image_markers, open_image
+    from megapipe.data.images import ImageError, ImageProcessor, image_markers, open_image, prompt_with_images
 
     markers = image_markers(model.cfg, tokenizer)
     if markers is None:
@@ -99,11 +99,10 @@ def with_images(model, tokenizer, prompts: Sequence[str], images: Sequence[str])
     ids, pixels = [], []
     for prompt, path in zip(prompts, list(images) * len(prompts) if len(images) == 1 else images, strict=True):
         try:
-            values, grid = processor([open_image(path, allow_files=True)])
-            text = prompt.replace("<image>", markers, 1) if "<image>" in prompt else markers + prompt
-            ids.append(expand_image_tokens(tokenizer.encode(text), model.cfg.image_token_id,
-                                           [processor.token_count(grid[0])]))
+            one, values = prompt_with_images(prompt, [open_image(path, allow_files=True)], markers, tokenizer,
+                                             processor, model.cfg.image_token_id)
         except ImageError as e:
             raise MegapipeError(f"--image {path}: {e}") from None
-        pixels.append({"pixel_values": values, "image_grid_thw": grid})
+        ids.append(one)
+        pixels.append(values)
     return ids, pixels

@@ -55,6 +55,7 @@ from typing import Callable, Mapping, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
+from megapipe.inference import compressed_cache
 from megapipe.inference.state_cache import StatePool
 from megapipe.models.attention import additive, sink_attention, with_sink_column
 
@@ -65,9 +66,9 @@ ABSORB_ROWS = 8
 
 def layer_windows(cfg) -> dict[int, Optional[int]]:
     """Each layer's sliding window (None: full attention), the PagedBatch's ``sliding_window``; DeepSeek-V4's layers
-    read their whole history (``attend_inputs``), whatever their window."""
+    all read their keys over the window (their compressed entries live in the state pool: compressed_cache)."""
     if cfg.attention_layer_types is not None:
-        return {i: None for i in range(cfg.num_layers)}
+        return {i: cfg.sliding_window for i in range(cfg.num_layers)}
     return {i: cfg.layer_window(i) for i in range(cfg.num_layers)}
 
 
@@ -92,8 +93,8 @@ def kv_layout(cfg) -> dict:
     if cfg.multi_latent_attention:  # DeepSeek Sparse Attention: the indexer's key per token beside the latent
         index = cfg.dsa_indexer_head_dim if cfg.sparse_attention else 0
         return dict(kv_heads=1, head_dim=cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim + index, latent=True)
-    if cfg.attention_layer_types is not None:  # DeepSeek-V4: each token's attention input (``attend_inputs``)
-        return dict(kv_heads=1, head_dim=cfg.hidden_size, latent=True)
+    if cfg.attention_layer_types is not None:  # DeepSeek-V4: each token's key = value head (compressed_cache)
+        return dict(kv_heads=1, head_dim=cfg.dim_per_head, latent=True)
     return dict(kv_heads=cfg.kv_heads, head_dim=cfg.dim_per_head, latent=False)
 
 
@@ -178,7 +179,7 @@ class PagedBatch:
         self._mask_cast: Optional[torch.Tensor] = None  # decode_mask in the model's dtype
         self.decode_len = 0
         self.chunks: list[Chunk] = []
-        self.sequences: list[tuple] = []
+        self.compressed = None  # DeepSeek-V4's plan of the step (compressed_cache.StepPlan)
         self.runs: list[tuple[int, int, int]] = []  # (index of first chunk, chunks, n): plain chunks attended at once
         # per distinct window of the layers: its PLANNED attributes, planned once per step
         self._plans: dict[Optional[int], tuple] = {}
@@ -212,6 +213,9 @@ class PagedBatch:
         """decodes: (block ids, position) of each one-token query; chunks: (block ids, start, n); state_slots: each
         one's slot in the state pool (decodes, then chunks; hybrid models); block ids are (full, windowed) pairs
         under a split pool. Returns the positions [1, T] of the flattened batch in that order."""
+        if self.states is not None and self.states.compressed:  # DeepSeek-V4 plans its own step
+            window = max(self.windows.values()) if self.windows is not None else self.window
+            return compressed_cache.plan_step(self, decodes, chunks, state_slots, window)
         bs, dev = self.pool.block_size, self.pool.device
         if self.pool.latent and chunks and all(n <= ABSORB_ROWS for _, _, n in chunks):
             # short chunks (speculative verification, MTP drafting): each row attends to the latents like a decode
@@ -252,12 +256,6 @@ class PagedBatch:
                 blocks = self.pool.windowed_blocks if window is not None and self.pool.windowed_layers else None
                 self._plan_decodes(tables[0], blocks or self.pool.num_blocks)
             self._plans[window] = tuple(getattr(self, name) for name in PLANNED)
-        # (first row, first position, tokens, block ids) of every sequence, for ``attend_inputs``
-        self.sequences = [(i, pos, 1, blocks) for i, (blocks, pos) in enumerate(decodes)]
-        offset = len(decodes)
-        for blocks, start, n in chunks:
-            self.sequences.append((offset, start, n, blocks))
-            offset += n
         if state_slots is not None:
             self._plan_states(len(decodes), [(start, n) for _, start, n in chunks], state_slots)
         return torch.tensor([positions], dtype=torch.long, device=dev)
@@ -340,19 +338,10 @@ class PagedBatch:
                                sinks=sinks)
         return out.view(total, heads, dim).transpose(0, 1)[None]
 
-    def attend_inputs(self, layer_id: int, x: torch.Tensor,
-                      attend: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """DeepSeek-V4's attention, recomputed: x [1, T, H] (each token's attention input) goes into its slot, then
-        ``attend(inputs [1, L, H])`` runs over each sequence's whole history [0, L) and the rows of this step's
-        tokens are kept -> [1, T, H]. Exact, as the attention is causal; O(L) work per token and layer (the
-        compressed cache, which would keep the compressors' entries instead, is not built)."""
-        pool, bs = self.pool.k[layer_id], self.pool.block_size
-        pool.index_copy_(1, self.slots, x.to(pool.dtype))
-        out = torch.empty_like(x)
-        for offset, start, n, blocks in self.sequences:
-            slots = torch.tensor(_slots(blocks, bs, start + n), dtype=torch.long, device=pool.device)
-            out[0, offset:offset + n] = attend(pool[:, slots].to(x.dtype))[0, start:]
-        return out
+    def attend_compressed(self, layer, x: torch.Tensor, pos) -> torch.Tensor:
+        """A DeepSeek-V4 attention layer (CompressedAttention) over its window's keys and its compressed entries:
+        x [1, T, H] -> [1, T, H] (megapipe.inference.compressed_cache)."""
+        return compressed_cache.attend(self, layer, x, pos)
 
     def attend_flat(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     stored: bool = False, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:

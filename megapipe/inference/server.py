@@ -38,9 +38,8 @@ from megapipe.data.images import (
     open_image,
 )
 from megapipe.errors import DataError, MegapipeError
-from megapipe.inference.async_engine import AsyncEngine, EngineDead, QueueFull
+from megapipe.inference.async_engine import EngineDead, QueueFull, StreamingEngine
 from megapipe.inference.engine import RequestOutput
-from megapipe.inference.images import PromptImages
 from megapipe.inference.metrics import ServerMetrics
 from megapipe.inference.protocol import (
     ChatCompletionRequest,
@@ -119,12 +118,12 @@ def _sse(obj) -> str:
 
 
 class OpenAIServer:
-    def __init__(self, engine: AsyncEngine, config: ServerConfig, on_ready=None):
+    def __init__(self, engine: StreamingEngine, config: ServerConfig, on_ready=None):
         self.engine, self.config, self.on_ready = engine, config, on_ready
-        self.tokenizer = engine.engine.tokenizer
-        self.max_model_len = engine.engine.max_model_len
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
         self.chat_template, self.no_chat_template = self._load_chat_template()
-        self.loras = dict(engine.engine.lora_adapters())  # name -> path; changed only by the two routes below
+        self.loras = dict(engine.loras)  # name -> path; changed only by the two routes below
         self.image_text, self.image_processor = self._image_inputs()
         self.tool_parser = parser_for(config.tool_call_parser)
         self.metrics = ServerMetrics(engine.stats, config.model_name)
@@ -285,9 +284,9 @@ class OpenAIServer:
     async def _validate_all(self, prompts, params) -> None:
         """Check every prompt before any runs, so an error never leaves a half-served request behind."""
         for p in prompts:
-            _, ids = self.engine.engine.encode(p)
+            _, ids = self.engine.encode(p)
             try:
-                self.engine.engine.check_request(ids, params)
+                self.engine.check_request(ids, params)
             except ParamError as e:
                 raise APIError(400, str(e), param=e.param) from None
 
@@ -303,7 +302,7 @@ class OpenAIServer:
             constraint = forced or constraint
             if constraint is not None:
                 self._need_tokenizer()
-                await asyncio.wrap_future(self.engine.engine.grammars.submit(constraint))
+                await asyncio.wrap_future(self.engine.grammars.submit(constraint))
         except ParamError as e:
             raise APIError(400, str(e), param=e.param) from None
         params.structured = constraint
@@ -356,12 +355,12 @@ class OpenAIServer:
         name = body.lora_name
         if name == self.config.model_name or name in self.loras:
             raise APIError(400, f"a model named `{name}` is already served", param="lora_name")
-        if self.engine.engine.adapters is None:
+        if not self.engine.config.max_loras:
             raise APIError(400, "this server serves no LoRA adapters: start it with --max-loras >= 1 or "
                                 "--lora-modules", param="lora_name")
-        try:  # reading the files does not touch the engine: off the event loop, beside the engine thread
-            read = await asyncio.to_thread(read_adapters, body.lora_path, self.engine.engine.model_config)
-            await self.engine.call(lambda engine: engine.add_lora(name, body.lora_path, *read))
+        try:  # reading the files does not touch the engine: off the event loop, beside the engine
+            read = await asyncio.to_thread(read_adapters, body.lora_path, self.engine.model_config)
+            await self.engine.utility("add_lora", name, body.lora_path, *read)
         except ParamError as e:
             raise APIError(400, str(e), param=e.param) from None
         except (MegapipeError, OSError, ValueError, KeyError) as e:  # KeyError: an adapter_config.json without "r"
@@ -377,7 +376,7 @@ class OpenAIServer:
         if name not in self.loras:
             raise APIError(404, f"no LoRA adapter `{name}` is loaded", param="lora_name", code="model_not_found")
         try:
-            await self.engine.call(lambda engine: engine.remove_lora(name))
+            await self.engine.utility("remove_lora", name)
         except ParamError as e:
             raise APIError(400, str(e), param=e.param) from None
         del self.loras[name]
@@ -400,9 +399,9 @@ class OpenAIServer:
         body = await self._body(request, DetokenizeRequest)
         self._check_model(body.model)
         tok = self._need_tokenizer()
-        bad = next((t for t in body.tokens if not 0 <= t < self.engine.engine.vocab_size), None)
+        bad = next((t for t in body.tokens if not 0 <= t < self.engine.vocab_size), None)
         if bad is not None:
-            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {self.engine.engine.vocab_size})",
+            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {self.engine.vocab_size})",
                            param="tokens")
         return {"prompt": tok.decode(body.tokens)}
 
@@ -419,11 +418,10 @@ class OpenAIServer:
 
     def _image_inputs(self) -> tuple[Optional[str], Optional[ImageProcessor]]:
         """(the text of one image's markers, the image processor) of a vision-language model; (None, None) else."""
-        model = getattr(getattr(self.engine.engine, "runner", None), "model", None)
-        text = image_markers(getattr(model, "cfg", None), self.tokenizer)
+        text = image_markers(self.engine.model_config, self.tokenizer)
         return (text, ImageProcessor.from_dir(self.tokenizer.path)) if text is not None else (None, None)
 
-    def _with_images(self, text: str, urls: list[str]) -> tuple[list[int], PromptImages]:
+    def _with_images(self, text: str, urls: list[str]) -> tuple[list[int], object]:
         """The rendered prompt's tokens, each image's placeholder repeated for its patches, and its images."""
         pil = []
         for i, url in enumerate(urls):
@@ -435,11 +433,10 @@ class OpenAIServer:
             pixels, grids = self.image_processor(pil)
         except ImageError as e:
             raise APIError(400, str(e), param="messages") from None
-        model = self.engine.engine.runner.model
         counts = [self.image_processor.token_count(g) for g in grids]
         try:
-            ids = expand_image_tokens(self.tokenizer.encode(text), model.cfg.image_token_id, counts)
-            return ids, PromptImages(model, ids, pixels, grids)
+            ids = expand_image_tokens(self.tokenizer.encode(text), self.engine.model_config.image_token_id, counts)
+            return ids, self.engine.prompt_images(ids, pixels, grids)
         except ImageError as e:
             raise APIError(400, str(e), param="messages") from None
         except ParamError as e:
@@ -739,7 +736,7 @@ class OpenAIServer:
         yield "data: [DONE]\n\n"
 
 
-def make_app(engine: AsyncEngine, config: ServerConfig, on_ready=None) -> FastAPI:
+def make_app(engine: StreamingEngine, config: ServerConfig, on_ready=None) -> FastAPI:
     return OpenAIServer(engine, config, on_ready).app
 
 
@@ -760,7 +757,7 @@ def bind(host: str, port: int):
     return sock
 
 
-def run_server(engine: AsyncEngine, config: ServerConfig, sock, log_level: str = "warning", on_ready=None) -> None:
+def run_server(engine: StreamingEngine, config: ServerConfig, sock, log_level: str = "warning", on_ready=None) -> None:
     """Serve on ``sock`` until SIGTERM / SIGINT, then drain (up to config.shutdown_timeout) and stop the engine."""
     serve_app(make_app(engine, config, on_ready), config, sock, log_level, engine.shutdown)
 

@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from megapipe.inference.compressed_cache import compressed_bytes_per_sequence, compressed_states
 from megapipe.models.mamba import Mamba2Mixer
 
 
@@ -35,32 +36,44 @@ def state_shapes(model) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
     return shapes
 
 
-def state_bytes_per_sequence(model, dtype: torch.dtype) -> int:
-    """Bytes one sequence's state takes over all Mamba layers (conv windows in ``dtype``, SSM states in fp32)."""
-    return sum(math.prod(conv) * dtype.itemsize + math.prod(ssm) * 4 for conv, ssm in state_shapes(model).values())
+def state_bytes_per_sequence(model, dtype: torch.dtype, max_len: int = 0) -> int:
+    """Bytes one sequence's state takes over all Mamba layers (conv windows in ``dtype``, SSM states in fp32) and
+    DeepSeek-V4's compressed layers (``max_len`` tokens' entries and the carry, megapipe.inference.compressed_cache)."""
+    return (sum(math.prod(conv) * dtype.itemsize + math.prod(ssm) * 4 for conv, ssm in state_shapes(model).values())
+            + compressed_bytes_per_sequence(model, max_len, dtype))
 
 
 class StatePool:
-    def __init__(self, model, slots: int, dtype: torch.dtype, device):
-        """Slots for the Mamba mixers of ``model`` (none: an empty pool that costs nothing)."""
+    def __init__(self, model, slots: int, dtype: torch.dtype, device, max_len: int = 0):
+        """Slots for the Mamba mixers of ``model`` and its DeepSeek-V4 compressed layers (entries for ``max_len``
+        tokens each); none: an empty pool that costs nothing."""
         shapes = state_shapes(model)
         self.num_slots = slots
         self.conv = {i: torch.zeros(slots, *conv, dtype=dtype, device=device) for i, (conv, _) in shapes.items()}
         self.ssm = {i: torch.zeros(slots, *ssm, dtype=torch.float32, device=device) for i, (_, ssm) in shapes.items()}
-        self.free = list(range(slots - 1, -1, -1)) if shapes else []
+        # per V4 compressed layer: its compressors' CompressorStates
+        self.compressed = compressed_states(model, slots, max_len, dtype, device)
+        self.free = list(range(slots - 1, -1, -1)) if shapes or self.compressed else []
 
     def __bool__(self) -> bool:
-        return bool(self.conv)
+        return bool(self.conv or self.compressed)
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [*self.conv.values(), *self.ssm.values(), *(t for states in self.compressed.values()
+                                                          for state in states for t in state.tensors())]
 
     def bytes_per_sequence(self) -> int:
-        """Bytes one sequence's state takes over all Mamba layers (conv windows and SSM states)."""
-        return sum((t[0].numel() * t.element_size() for t in (*self.conv.values(), *self.ssm.values())), 0)
+        """Bytes one sequence's state takes (Mamba layers' conv windows and SSM states, V4's compressed layers')."""
+        return sum((t[0].numel() * t.element_size() for t in self._tensors()), 0)
 
     def allocate(self) -> int:
         """A slot with zero state (the scheduler admits no more than ``slots`` sequences at once)."""
         slot = self.free.pop()
         for t in (*self.conv.values(), *self.ssm.values()):
             t[slot].zero_()
+        for states in self.compressed.values():
+            for state in states:
+                state.clear(slot)
         return slot
 
     def release(self, slot: Optional[int]) -> None:

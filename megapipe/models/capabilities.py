@@ -93,26 +93,30 @@ KINDS: dict[str, Capabilities] = {
     "sinks": Capabilities(engine=frozenset(ENGINE) - {"speculative"},
                           quant=frozenset(), trt=frozenset(),
                           stages=frozenset({"pretrain", "sft", "export_hf", "generate", "serve", "eval", "rl"})),
-    # DeepSeek Sparse Attention (megapipe.models.dsa) on top of MLA: its frozen indexer replicated under tp, every layout
-    # but cp (the ring attention has no top-k mask); the engine keeps each token's indexer key in the latent pool and
-    # selects at decode on its torch paths (the CPU attention kernel takes no mask; no MTP drafting: V3.2's MTP
+    # DeepSeek Sparse Attention (megapipe.models.dsa) on top of MLA: its frozen indexer replicated under tp (its own
+    # loss, model.dsa_indexer_loss_coeff > 0, is refused with tp in megapipe.parallel.dims), every layout but cp (the
+    # ring attention has no top-k mask); the engine keeps each token's indexer key in the latent pool and selects at
+    # decode on its torch paths (the CPU attention kernel takes no mask; no MTP drafting: V3.2's MTP
     # layers are not imported); ModelOpt's exporter and quantizer do not know DeepseekV32ForCausalLM's indexer
     "dsa": Capabilities(layouts=frozenset(LAYOUTS) - {"cp"}, engine=frozenset(ENGINE) - {"cpu_kernels", "speculative"},
                         quant=frozenset(), trt=frozenset(),
                         stages=frozenset(STAGES) - {"prune", "quantize", "export_trt"}),
     # DeepSeek-V4's attention (megapipe.models.compressed_attention, its sinks included) with its hyper-connections:
-    # trained on one process, FSDP, DDP and expert parallelism (tests/parallel/test_dist_layouts.py; tensor
-    # parallelism would split its one KV head and the compressors, pipeline stages would have to pass the
-    # hyper-connection streams and the token ids of the hash-routed layers, the ring attention of cp has no
-    # compressor); no packed documents (a compressed block would straddle two); the engine recomputes each layer's
-    # attention from the stored attention inputs of the whole sequence (exact but O(context) per token: the
-    # compressed paged cache is not built), so no prefix caching, CPU kernels or MTP drafting; no LoRA targets,
+    # every layout but cp (tests/parallel/test_dist_layouts.py: FSDP, DDP, EP; TP with and without SP over the heads
+    # and output groups, its one KV head, compressors and indexer replicated (hyper_connections.v4_tp_plan); PP with
+    # the hyper-connection streams between stages and the hash-routed layers on the first; their combinations); no
+    # cp: ring attention through the compressor (entries pooled from blocks on other ranks) is not implemented; no
+    # packed documents (a compressed block would straddle two); the engine keeps the compressed cache
+    # (megapipe.inference.compressed_cache: window keys paged, entries and compressor carry per sequence): no
+    # prefix caching (a cached block would need a snapshot of the carry), CPU kernels or MTP drafting; no LoRA targets,
     # quantization, TensorRT-LLM writer, pruning rule, distillation or RL run with it yet
-    "compressed": Capabilities(layouts=frozenset({"dp_replicate", "dp_shard", "ep"}), packing=False,
+    "compressed": Capabilities(layouts=frozenset(LAYOUTS) - {"cp"}, packing=False,
                                engine=frozenset({"paged_kv", "chunked_prefill"}), lora=frozenset(), quant=frozenset(),
                                trt=frozenset(),
                                stages=frozenset({"pretrain", "sft", "eval", "generate", "serve", "export_hf"})),
 }
+# why a kind lacks a feature, where the refusal should say (require adds it): (kind, field, value) -> the reason
+WHY = {("compressed", "layouts", "cp"): "ring attention through DeepSeek-V4's compressor is not implemented"}
 # Falcon-H1's layers (megapipe.models.parallel_hybrid): a Mamba-2 mixer beside the attention, so what Mamba layers allow
 KINDS["parallel_hybrid"] = KINDS["mamba"]
 
@@ -141,13 +145,17 @@ FAMILIES: dict[str, Capabilities] = {
     # no shared expert, every layer MoE: LoRA adapts the attention only
     "gpt_oss": _without(lora={"gate", "up", "down"}),
     # Qwen2.5-VL (megapipe.models.vision): images through serve (chat image_url parts, megapipe.data.images) and SFT
-    # (conversations with images, pixels in the cached index, --freeze-vision / --freeze-projector) on one process;
-    # pretraining, eval and generate run text through the decoder (the tower idle); the HF bridge with its images'
-    # logit parity; packed sequences, every parallel layout, LoRA (its peft twin was not checked; so no adapters to serve), distillation / RL /
-    # pruning / quantization / the TensorRT-LLM writers were not run with the tower, so they are refused
-    "qwen2_5_vl": Capabilities(layouts=frozenset(), packing=False, engine=frozenset(ENGINE) - {"speculative",
-                                                                                              "multi_lora"},
-                               lora=frozenset(), quant=frozenset(), trt=frozenset(),
+    # (conversations with images, pixels in the cached index, --freeze-vision / --freeze-projector, LoRA on the
+    # decoder with the tower frozen, its adapters written for peft's Qwen2_5_VLForConditionalGeneration); pretraining,
+    # eval and generate run text through the decoder (the tower idle); the HF bridge with its images' logit parity;
+    # FSDP / HSDP / DDP over the whole model (the vision blocks FSDP units), TP / SP of the decoder with the tower
+    # replicated, PP with the tower on the first stage (tests/parallel/test_dist_layouts.py); no cp (M-RoPE positions
+    # not cut into the ring's chunks) and no packed sequences; the engine serves no LoRA adapters on it;
+    # distillation / RL / pruning / quantization / the TensorRT-LLM writers were not run with the tower, so they are
+    # refused
+    "qwen2_5_vl": Capabilities(layouts=frozenset(LAYOUTS) - {"cp"}, packing=False,
+                               engine=frozenset(ENGINE) - {"speculative", "multi_lora"},
+                               quant=frozenset(), trt=frozenset(),
                                stages=frozenset({"pretrain", "sft", "eval", "generate", "serve", "export_hf"})),
 }
 # sliding-window layers among full-attention ones (model.window_attn_skip_freq): the engine's paged cache takes each
@@ -260,8 +268,9 @@ def require(cfg, stage: str, where: str = "", **features: Optional[object]) -> N
         missing = [v for v in wanted if v not in declared]
         if missing:
             have = ", ".join(v for v in _ORDER[key] if v in declared) or "none"
+            why = "".join(f": {WHY[k, key, v]}" for k in kinds_of(cfg) for v in missing if (k, key, v) in WHY)
             raise MegapipeError(f"{prefix}{what} of {name} models does not support {key} "
-                                f"{', '.join(map(str, missing))} (supported: {have})")
+                                f"{', '.join(map(str, missing))} (supported: {have}){why}")
 
 
 def requested_layouts(parallel) -> list[str]:

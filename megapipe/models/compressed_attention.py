@@ -21,8 +21,9 @@ entries, an entry at the position of its block's first token.
 
 The model reaches the layer through ``forward(x, positions, cache, mask)``: ``positions`` a ``V4Positions`` (both
 ropes, the positions, the token ids the hash-routed MoE layers read). No packed documents (the blocks would
-straddle them). Decoding: the engine's paged pool keeps each token's attention input and the layer recomputes its
-attention over the sequence's history (``PagedBatch.attend_inputs``): exact, not the compressed cache.
+straddle them). Decoding: the engine's cache (``PagedBatch.attend_compressed``, megapipe.inference.compressed_cache)
+keeps the window's keys and the entries, and calls ``project`` / ``Compressor.pool`` / the indexer's ``queries``,
+``scores`` and ``choose`` / ``output`` itself.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch
 from torch import nn
 
 from megapipe.config import ModelConfig
-from megapipe.models.attention import additive, sink_attention, sliding_window_mask, with_sink_column
+from megapipe.models.attention import additive, local, sink_attention, sliding_window_mask, with_sink_column
 from megapipe.models.norms import RMSNorm
 from megapipe.models.rope import inv_frequencies, pair_cos_sin, rotate_trailing_pairs, yarn_inv_frequencies
 
@@ -90,24 +91,33 @@ class Compressor(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, S, hidden] -> entries [B, S // rate, dim] (a last incomplete block makes none)."""
-        b, blocks, m, d = x.shape[0], x.shape[1] // self.rate, self.rate, self.dim
+        x = x[:, :x.shape[1] // self.rate * self.rate]
+        return self.pool(self.wkv(x), self.wgate(x))
+
+    def pool(self, kv: torch.Tensor, gate: torch.Tensor, before: Optional[tuple] = None) -> torch.Tensor:
+        """The projections ``wkv`` / ``wgate`` (no bias) of whole blocks [B, blocks * rate, width] -> their entries
+        [B, blocks, dim]. ``before`` (overlap): the projections [B, rate, width] of the block before the first, a gate
+        of -inf where there is none (the engine's cache, megapipe.inference.compressed_cache); None: block 0."""
+        b, m, d, width = kv.shape[0], self.rate, self.dim, self.position_bias.shape[-1]
+        blocks = kv.shape[1] // m
         if blocks == 0:
-            return x.new_zeros(b, 0, d)
-        x = x[:, :blocks * m]
-        width = self.position_bias.shape[-1]
-        kv = self.wkv(x).view(b, blocks, m, width)
-        gate = self.wgate(x).view(b, blocks, m, width) + self.position_bias
+            return kv.new_zeros(b, 0, d)
+        kv = kv.view(b, blocks, m, width)
+        gate = gate.view(b, blocks, m, width) + self.position_bias
         if self.overlap:  # slots: the previous block's first halves (none before block 0), then its own second halves
-            kv = torch.cat([torch.cat([kv.new_zeros(b, 1, m, d), kv[:, :-1, :, :d]], 1), kv[..., d:]], dim=2)
-            gate = torch.cat([torch.cat([gate.new_full((b, 1, m, d), -math.inf), gate[:, :-1, :, :d]], 1),
-                              gate[..., d:]], dim=2)
+            if before is None:
+                first_kv, first_gate = kv.new_zeros(b, 1, m, d), gate.new_full((b, 1, m, d), -math.inf)
+            else:
+                first_kv, first_gate = before[0][:, None, :, :d], (before[1][..., :d] + self.position_bias[:, :d])[:, None]
+            kv = torch.cat([torch.cat([first_kv.to(kv.dtype), kv[:, :-1, :, :d]], 1), kv[..., d:]], dim=2)
+            gate = torch.cat([torch.cat([first_gate.to(gate.dtype), gate[:, :-1, :, :d]], 1), gate[..., d:]], dim=2)
         weights = gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)
         return self.norm((kv * weights).sum(dim=2))
 
 
-def entry_rope(entries: torch.Tensor, rate: int, inv_cos_sin_fn) -> torch.Tensor:
-    """Entries [B, T, dim] rotated at their blocks' first positions (0, rate, 2 rate, ...)."""
-    cos, sin = inv_cos_sin_fn(torch.arange(entries.shape[1], device=entries.device) * rate)
+def entry_rope(entries: torch.Tensor, rate: int, inv_cos_sin_fn, first: int = 0) -> torch.Tensor:
+    """Entries [B, T, dim] of blocks first, first + 1, ... rotated at their blocks' first positions."""
+    cos, sin = inv_cos_sin_fn((torch.arange(entries.shape[1], device=entries.device) + first) * rate)
     return rotate_trailing_pairs(entries, cos[:, 0], sin[:, 0])
 
 
@@ -134,17 +144,28 @@ class Indexer(nn.Module):
 
     def forward(self, x: torch.Tensor, q_latent: torch.Tensor, pos: V4Positions, entry_cos_sin) -> torch.Tensor:
         """-> [B, S, k] indices of the chosen entries, -1 where a query has fewer than k complete ones."""
-        b, s = x.shape[0], x.shape[1]
         keys = entry_rope(self.compressor(x), self.rate, entry_cos_sin)  # [B, T, dim]
+        scores = self.scores(*self.queries(x, q_latent, pos), keys)
+        return self.choose(scores, complete_blocks(pos.positions, self.rate))
+
+    def queries(self, x: torch.Tensor, q_latent: torch.Tensor, pos: V4Positions):
+        """(queries [B, S, heads, dim] (roped), their head weights [B, S, heads] (fp32))."""
+        b, s = x.shape[0], x.shape[1]
         q = rotate_trailing_pairs(self.wq_b(q_latent).view(b, s, self.heads, self.dim).transpose(1, 2),
-                                  *pos.compress).transpose(1, 2)  # [B, S, heads, dim]
+                                  *pos.compress).transpose(1, 2)
+        return q, self.weights_proj(x).float() * self.heads ** -0.5
+
+    def scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """queries [B, S, heads, dim], weights [B, S, heads], keys [B, T, dim] -> [B, S, T] fp32."""
         scores = torch.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2)[:, None])) * self.dim ** -0.5
-        weights = self.weights_proj(x).float() * self.heads ** -0.5
-        scores = (scores * weights[..., None]).sum(dim=2)  # [B, S, T]
-        seen = complete_blocks(pos.positions, self.rate)[..., None]  # [1 or B, S, 1]
-        entries = torch.arange(keys.shape[1], device=x.device)
+        return (scores * weights[..., None]).sum(dim=2)
+
+    def choose(self, scores: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+        """scores [B, S, T], seen [1 or B, S] (complete entries per query) -> [B, S, min(k, T)], -1: none."""
+        seen = seen[..., None]
+        entries = torch.arange(scores.shape[-1], device=scores.device)
         scores = scores.masked_fill(entries >= seen, -math.inf)
-        chosen = scores.topk(min(self.topk, keys.shape[1]), dim=-1).indices
+        chosen = scores.topk(min(self.topk, scores.shape[-1]), dim=-1).indices
         return torch.where(chosen >= seen, torch.full_like(chosen, -1), chosen)
 
 
@@ -155,7 +176,7 @@ class CompressedAttention(nn.Module):
         super().__init__()
         self.layer_id, self.kind = layer_id, cfg.attention_layer_types[layer_id]
         h, n, hd = cfg.hidden_size, cfg.num_heads, cfg.dim_per_head
-        self.head_dim, self.window, self.eps, self.groups = hd, cfg.sliding_window, cfg.norm_eps, cfg.o_groups
+        self.head_dim, self.window, self.eps, self.o_rank = hd, cfg.sliding_window, cfg.norm_eps, cfg.o_lora_rank
         self.wq_a = nn.Linear(h, cfg.q_lora_rank, bias=False)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
         self.wq_b = nn.Linear(cfg.q_lora_rank, n * hd, bias=False)
@@ -176,34 +197,41 @@ class CompressedAttention(nn.Module):
             raise NotImplementedError("DeepSeek-V4 attention takes no packed documents (its compressed blocks would "
                                       "straddle them)")
         if cache is not None:
-            if not hasattr(cache, "attend_inputs"):
+            if not hasattr(cache, "attend_compressed"):
                 raise NotImplementedError(f"{type(cache).__name__} cannot hold DeepSeek-V4 attention: decode through "
                                           "the engine's paged cache")
-            return cache.attend_inputs(self.layer_id, x, self._over_history)
+            return cache.attend_compressed(self, x, pos)
         return self._attend(x, pos)
 
-    def _over_history(self, x: torch.Tensor) -> torch.Tensor:
-        """The attention over a sequence's whole history x [1, L, H] (positions 0 .. L - 1)."""
-        positions = torch.arange(x.shape[1], device=x.device)
-        return self._attend(x, v4_positions(self.cfg, positions, x.dtype, x.device, None))
-
-    def _attend(self, x: torch.Tensor, pos: V4Positions) -> torch.Tensor:
+    def project(self, x: torch.Tensor, pos: V4Positions):
+        """x [B, S, H] -> (the query latent [B, S, q_lora_rank], queries [B, heads, S, hd], the key = value
+        [B, 1, S, hd], both roped, and this layer's (cos, sin))."""
         b, s = x.shape[0], x.shape[1]
         cos, sin = pos.main if self.compressor is None else pos.compress
         q_latent = self.q_norm(self.wq_a(x))
         q = unweighted_rms_norm(self.wq_b(q_latent).view(b, s, -1, self.head_dim), self.eps).transpose(1, 2)
-        q = rotate_trailing_pairs(q, cos, sin)
-        kv = rotate_trailing_pairs(self.kv_norm(self.wkv(x))[:, None], cos, sin)  # [B, 1, S, hd]
+        kv = rotate_trailing_pairs(self.kv_norm(self.wkv(x))[:, None], cos, sin)
+        return q_latent, rotate_trailing_pairs(q, cos, sin), kv, (cos, sin)
+
+    def output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The attention's output [B, heads, S, hd] -> [B, S, H]: its rope undone, projected per group then mixed."""
+        b, s = out.shape[0], out.shape[2]
+        out = rotate_trailing_pairs(out, cos, -sin).transpose(1, 2)  # [B, S, heads, hd]
+        w = local(self.wo_a.weight)  # tensor parallelism: this rank's groups (its heads' outputs)
+        w = w.view(-1, self.o_rank, w.shape[-1])  # [groups, o_lora_rank, heads x hd / groups]
+        grouped = out.reshape(b, s, w.shape[0], -1)
+        return self.wo_b(torch.einsum("bsgi,gri->bsgr", grouped, w).flatten(2))
+
+    def _attend(self, x: torch.Tensor, pos: V4Positions) -> torch.Tensor:
+        b, s = x.shape[0], x.shape[1]
+        q_latent, q, kv, (cos, sin) = self.project(x, pos)
         keep = sliding_window_mask(s, s, self.window, x.device).expand(b, 1, s, s)
         if self.compressor is not None:
             entries, seen = self._entries(x, q_latent, pos)
             kv = torch.cat([kv, entries[:, None]], dim=2)
             keep = torch.cat([keep, seen[:, None]], dim=-1)
-        out = sink_attention(q, kv, kv, self.sinks, additive(with_sink_column(keep), q.dtype))
-        out = rotate_trailing_pairs(out, cos, -sin).transpose(1, 2)  # [B, S, heads, hd]
-        grouped = out.reshape(b, s, self.groups, -1)
-        w = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])  # [groups, o_lora_rank, heads x hd / groups]
-        return self.wo_b(torch.einsum("bsgi,gri->bsgr", grouped, w).flatten(2))
+        out = sink_attention(q, kv, kv, local(self.sinks), additive(with_sink_column(keep), q.dtype))
+        return self.output(out, cos, sin)
 
     def _entries(self, x: torch.Tensor, q_latent: torch.Tensor, pos: V4Positions):
         """(compressed entries [B, T, hd], which of them each query sees [B, S, T] bool)."""

@@ -8,10 +8,16 @@ layout), and a weight per head and token ``head_weights``. A token's score for k
 ``sum_h w_h * relu(q_h . k_t) / sqrt(index_head_dim) / sqrt(heads)``. The selected keys (within what the causal or
 document mask allows) become a mask on MLA's attention; a row never loses its own allowed keys below ``topk``.
 
-Training: as in transformers' DeepseekV32 the indexer runs without autograd, so its weights get no gradient through
-the top-k (a non-differentiable selection) and keep what the checkpoint holds; megapipe makes them frozen parameters
-(``requires_grad`` false) so that optimizers and data parallelism leave them alone. DeepSeek trained it with a KL
-loss towards the main attention (Megatron's ``--dsa-indexer-loss-coeff``), which megapipe does not implement.
+Training: as in transformers' DeepseekV32 the indexer's selection runs without autograd, so no gradient reaches it
+through the top-k (a non-differentiable choice). With ``dsa_indexer_loss_coeff`` 0 (the default) its weights keep
+what the checkpoint holds: frozen parameters (``requires_grad`` false), which optimizers and data parallelism leave
+alone. Above 0 the indexer learns from its own loss (DeepSeek-V3.2's, Megatron's ``--dsa-indexer-loss-coeff``, the
+dense form): ``coeff`` times the mean over queries of KL(p || softmax(index scores)) over the keys the causal or
+document mask allows, p the main attention's probabilities summed over heads and L1-normalised. The main attention
+and the indexer's inputs are detached, so the loss trains the indexer only and the LM loss never reaches it; the
+loss enters backward as the MoE balancing losses do (``AuxLossBackward``, weighed by ``aux_loss_scale``) and is
+never part of the reported loss. It holds [B, heads, S, S] probabilities (no fused kernel), and tensor parallelism
+(which splits the heads the target sums) is refused with it.
 
 A KV cache stores each token's indexer key beside its latent (``kv_layout``); the cache's ``attend_latent`` takes
 the indexer's queries (``IndexerQueries``) and applies the top-k itself.
@@ -30,7 +36,7 @@ from megapipe.config import ModelConfig
 from megapipe.models.attention import DocumentMask, additive
 from megapipe.models.dense import TransformerBlock, dense_tp_plan
 from megapipe.models.mla import LATENT_NORM_EPS, MLA, MLA_MOE, MLAttention, mla_attention_tp_plan
-from megapipe.models.moe import MoEBlock, moe_tp_plan
+from megapipe.models.moe import AuxLossBackward, MoEBlock, moe_tp_plan
 from megapipe.models.rope import apply_rope
 from megapipe.models.spec import BlockSpec, register_block, replicated_style
 
@@ -102,7 +108,10 @@ class SparseMLAttention(MLAttention):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__(cfg, layer_id)
         self.indexer = LightningIndexer(cfg)
-        self.indexer.requires_grad_(False)  # nothing trains it (module docstring): frozen, so no layout waits on it
+        self.loss_coeff = cfg.dsa_indexer_loss_coeff
+        self.aux_loss_scale = 1.0  # set each step by megapipe.parallel.step, as the MoE layers'
+        # without its loss nothing trains it (module docstring): frozen, so no layout waits on it
+        self.indexer.requires_grad_(self.loss_coeff > 0)
 
     def forward(self, x: torch.Tensor, rope: tuple, cache=None, mask: Optional[DocumentMask] = None) -> torch.Tensor:
         bsz, seqlen = x.shape[0], x.shape[1]
@@ -119,12 +128,28 @@ class SparseMLAttention(MLAttention):
                 seqlen, seqlen, dtype=torch.bool, device=x.device).tril().expand(bsz, -1, -1)
             with torch.no_grad():
                 allowed = index.select(index_keys, keep)
+            k, v = self.expand(c_kv, k_rope)
             if allowed is keep and mask is None:
-                out = self.sdpa(q, *self.expand(c_kv, k_rope))
+                out = self.sdpa(q, k, v)
             else:
-                k, v = self.expand(c_kv, k_rope)
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=additive(allowed[:, None], q.dtype))
+            if self.loss_coeff > 0 and torch.is_grad_enabled():
+                loss = self.indexer_loss(x, q_latent, rope, q, k, keep)
+                out = AuxLossBackward.apply(out, loss, self.aux_loss_scale)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+    def indexer_loss(self, x: torch.Tensor, q_latent: torch.Tensor, rope: tuple, q: torch.Tensor, k: torch.Tensor,
+                     keep: torch.Tensor) -> torch.Tensor:
+        """The indexer's loss (module docstring) for the attention's q [B, heads, S, D] (softmax scale folded in), k
+        [B, heads, T, D] and keep [B, S, T] bool; differentiable in the indexer's weights only."""
+        x, q_latent = x.detach(), q_latent.detach()
+        index = self.indexer.queries(x, q_latent, rope).scores(self.indexer.keys(x, rope))
+        index = index.masked_fill(~keep, float("-inf")).softmax(dim=-1)
+        logits = torch.matmul(q.detach().float(), k.detach().float().transpose(-1, -2)) * q.shape[-1] ** -0.5
+        target = logits.masked_fill(~keep[:, None], float("-inf")).softmax(dim=-1).sum(dim=1)
+        target = target / target.sum(dim=-1, keepdim=True)
+        kl = target * (torch.log(target + 1e-10) - torch.log(index + 1e-10))  # Megatron's guard against log(0)
+        return self.loss_coeff * kl.sum(dim=-1).mean()
 
 
 class DSABlock(TransformerBlock):

@@ -18,9 +18,10 @@ from torch import nn
 
 from megapipe.config import ModelConfig
 from megapipe.models.compressed_attention import CompressedAttention, V4Positions, unweighted_rms_norm
-from megapipe.models.moe import MoE
+from megapipe.models.dense import norms_tp_plan
+from megapipe.models.moe import MoE, moe_layer_tp_plan
 from megapipe.models.norms import build_norm
-from megapipe.models.spec import BlockSpec, register_block
+from megapipe.models.spec import BlockSpec, register_block, replicated_style, sharded_style
 
 
 def expand_streams(h: torch.Tensor, n: int) -> torch.Tensor:
@@ -106,9 +107,63 @@ class V4Block(nn.Module):
         return merge(streams, self.moe(self.ffn_norm(x), pos.tokens), post, comb)
 
 
+def hyper_tp_style(sp: bool):
+    """A hyper-connection (``HyperConnection``, ``HyperHead``) under tensor parallelism: computed per token, on this
+    rank's tokens with sequence parallelism (its weights' gradients then summed over the TP ranks, as a norm's) or
+    on all of them, replicated; its weights are replicated DTensors, its outputs local tensors."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    class PerToken(SequenceParallel):
+        @staticmethod
+        def _prepare_output_fn(use_local_output, mod, outputs, device_mesh):
+            return tuple(o.to_local() for o in outputs) if isinstance(outputs, tuple) else outputs.to_local()
+
+    style = PerToken(use_local_output=True)
+    style.sequence_sharding = (Shard(1) if sp else Replicate(),)
+    return style
+
+
 def v4_tp_plan(block: V4Block, sp: bool) -> dict:
-    """No tensor parallelism for this kind (refused by megapipe.models.capabilities): every tensor replicated."""
-    return {}
+    """Megatron's split of the heads: ``wq_b`` by output features (heads), the sinks with their heads, ``wo_a`` by
+    its groups (each rank holds the groups of its heads) and ``wo_b`` by input features (one reduction). Replicated:
+    the query's down projection and norm, the one key/value head and the compressor (every head reads them: their
+    outputs' gradients are summed over the TP ranks), the frozen indexer, the hyper-connections (per token: split
+    along the sequence with sequence parallelism, as the norms) and the MoE layer (as in an MoE block)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleInputOutput,
+        RowwiseParallel,
+    )
+
+    act = Shard(1) if sp else Replicate()
+    attention = block.attention
+    plan = {
+        "attention_hc": hyper_tp_style(sp),
+        "ffn_hc": hyper_tp_style(sp),
+        **norms_tp_plan(sp),
+        "attention": sharded_style(prepare=PrepareModuleInput(  # (x, positions, cache, mask)
+            input_layouts=(act, None, None, None), desired_input_layouts=(Replicate(), None, None, None),
+            use_local_output=True)),
+        "attention.wq_a": replicated_style(),
+        "attention.q_norm": replicated_style(),
+        "attention.wq_b": ColwiseParallel(),
+        "attention.wkv": replicated_style(),
+        "attention.kv_norm": replicated_style(summed=True),
+        "attention.wo_a": sharded_style(),
+        "attention.wo_b": RowwiseParallel(output_layouts=act),
+    }
+    if attention.compressor is not None:
+        plan["attention.compressor"] = replicated_style(summed=True)
+    if attention.indexer is not None:
+        plan.update({f"attention.indexer.{m}": replicated_style() for m in ("compressor", "wq_b", "weights_proj")})
+    plan.update(moe_layer_tp_plan(block, sp))
+    plan["moe"] = PrepareModuleInputOutput(  # (x, token ids)
+        input_layouts=(act, None), desired_input_layouts=(Replicate(), None), use_local_input=True,
+        output_layouts=(Replicate(),), desired_output_layouts=(act,), use_local_output=True)
+    return plan
 
 
 # DeepSeek-V4's names in the Hub's checkpoints (transformers writes them back when it saves), within layers.{i}: a

@@ -27,7 +27,7 @@ from megapipe.models.dense import DENSE, TransformerBlock, dense_tp_plan, norms_
 from megapipe.models.moe import MoEBlock, moe_tp_plan
 from megapipe.models.norms import RMSNorm
 from megapipe.models.rope import apply_rope, apply_rope_interleaved, yarn_mscale
-from megapipe.models.spec import BlockSpec, register_block, replicated_style
+from megapipe.models.spec import BlockSpec, register_block, replicated_style, sum_gradient_style
 
 LATENT_NORM_EPS = 1e-6  # DeepSeek's and transformers' q/kv latent norms keep this default, whatever rms_norm_eps is
 
@@ -146,7 +146,7 @@ def mla_attention_tp_plan(block: nn.Module, sp: bool) -> dict:
             use_local_output=True),
         "attention.wq_b" if attn.wq is None else "attention.wq": ColwiseParallel(),
         "attention.wkv_b": ColwiseParallel(),
-        "attention.shared_rope_key": _sum_gradient_style(),
+        "attention.shared_rope_key": sum_gradient_style(),
         "attention.wo": RowwiseParallel(output_layouts=act),
     }
     replicated = ["attention.wkv_a", "attention.kv_norm"] + (["attention.wq_a", "attention.q_norm"] if attn.wq is None
@@ -154,33 +154,6 @@ def mla_attention_tp_plan(block: nn.Module, sp: bool) -> dict:
     plan.update({name: replicated_style() for name in replicated})
     plan.update(norms_tp_plan(sp))
     return plan
-
-
-def _sum_gradient_style():
-    """A ParallelStyle: the module's output is unchanged, its gradient summed over the TP group (Megatron's
-    copy_to_tensor_model_parallel_region)."""
-    import torch.distributed as dist
-    from torch.distributed.tensor.parallel import ParallelStyle
-
-    class _SumGradient(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, group):
-            ctx.group = group
-            return x.view_as(x)
-
-        @staticmethod
-        def backward(ctx, grad):
-            grad = grad.contiguous()
-            dist.all_reduce(grad, group=ctx.group)
-            return grad, None
-
-    class SumGradient(ParallelStyle):
-        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-            group = device_mesh.get_group()
-            module.register_forward_hook(lambda _m, _inputs, out: _SumGradient.apply(out, group))
-            return module
-
-    return SumGradient()
 
 
 def mla_dense_tp_plan(block: MLABlock, sp: bool) -> dict:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
 from torch import nn
 
 
@@ -40,13 +41,15 @@ def spec_for(block: nn.Module) -> BlockSpec:
     raise TypeError(f"{type(block).__name__} has no registered BlockSpec")
 
 
-def replicated_style(hooks: bool = True):
+def replicated_style(hooks: bool = True, summed: bool = False):
     """A tensor-parallel style for a layer every TP rank computes whole on the whole input (MLA's latent down
     projections and norms, MTP's projection, norms without sequence parallelism, MoE layers): its parameters (those
     of its submodules too) become replicated DTensors like the sharded layers' (one optimizer and clipping group; the
     optimizer's foreach path takes no mix of plain tensors and DTensors), its input and output stay local tensors.
     Its gradient reaches it whole on every rank, so nothing is reduced. ``hooks=False``: the parameters only, for a
-    module whose forward computes with their local tensors (the MoE router and experts)."""
+    module whose forward computes with their local tensors (the MoE router and experts). ``summed``: its output's
+    gradient is summed over the TP group first (``sum_gradient_style``), for a layer whose output every rank reads
+    with only its own heads (DeepSeek-V4's one key/value head and compressed entries)."""
     from torch.distributed.tensor import DTensor, Replicate, distribute_module
     from torch.distributed.tensor.parallel import SequenceParallel
 
@@ -58,12 +61,41 @@ def replicated_style(hooks: bool = True):
 
         def _apply(self, module, device_mesh):
             if hooks:
-                return super()._apply(module, device_mesh)
-            return distribute_module(module, device_mesh, self._replicate_module_fn)
+                module = super()._apply(module, device_mesh)
+            else:
+                module = distribute_module(module, device_mesh, self._replicate_module_fn)
+            return sum_gradient_style()._apply(module, device_mesh) if summed else module
 
     style = Replicated(use_local_output=True)
     style.sequence_sharding = (Replicate(),)  # the layouts its input is taken in and its output given back in
     return style
+
+
+def sum_gradient_style():
+    """A ParallelStyle: the module's output is unchanged, its gradient summed over the TP group (Megatron's
+    copy_to_tensor_model_parallel_region)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class _SumGradient(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            grad = grad.contiguous()
+            dist.all_reduce(grad, group=ctx.group)
+            return grad, None
+
+    class SumGradient(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+            group = device_mesh.get_group()
+            module.register_forward_hook(lambda _m, _inputs, out: _SumGradient.apply(out, group))
+            return module
+
+    return SumGradient()
 
 
 def sharded_style(prepare=None):

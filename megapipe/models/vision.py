@@ -123,11 +123,16 @@ def patch_layout(grid_thw: torch.Tensor, merge: int, window: int) -> tuple[torch
 
 class VisionEncoder(nn.Module):
     """Qwen2.5-VL's vision tower and patch merger: patches [N, C * T * P * P] -> image embeddings [N / merge^2,
-    the decoder's hidden size]."""
+    the decoder's hidden size].
+
+    ``every_batch`` (set by data parallelism, megapipe.parallel.dp): the tower runs on every forward, on a blank
+    stand-in image that adds nothing where a batch holds none, so that every rank gathers and reduces its parameters
+    in the same collectives."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
+        self.every_batch = False
         self.patch_embed = PatchEmbed(cfg)
         self.blocks = nn.ModuleList([VisionBlock(cfg) for _ in range(cfg.vision_depth)])
         self.merger = PatchMerger(cfg)
@@ -191,33 +196,84 @@ def mrope_positions(tokens: torch.Tensor, grid_thw: Optional[torch.Tensor], imag
     return out.to(tokens.device), deltas
 
 
+def rowwise_images(tokens: torch.Tensor, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor,
+                   image_token_id: int, merge: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch's images (``pixel_values`` [N, D] and ``image_grid_thw`` [I, 3] over the rows of ``tokens`` [B, S], in
+    row order) row by row, zero-padded: pixels [B, P, D] and grids [B, I', 3] (padding grids are zeros), so that
+    cutting every tensor along its first dimension (a pipeline schedule's micro-batches) keeps each row's images."""
+    grids, rows, g = image_grid_thw.tolist(), [], 0
+    for row, n in enumerate((tokens == image_token_id).sum(1).tolist()):
+        start = g
+        while n > 0 and g < len(grids):
+            n -= math.prod(grids[g]) // merge ** 2
+            g += 1
+        if n:
+            raise MegapipeError(f"row {row} of the batch holds image tokens (id {image_token_id}) that the image "
+                                f"grids {grids[start:g]} do not fill")
+        rows.append((start, g))
+    if g != len(grids):
+        raise MegapipeError(f"the batch's image tokens fill {g} of its {len(grids)} image grids")
+    ends = torch.cumsum(image_grid_thw.prod(-1), 0).tolist()
+    patch = [(ends[a - 1] if a else 0, ends[b - 1] if b else 0) for a, b in rows]
+    pixels = pixel_values.new_zeros(len(rows), max([b - a for a, b in patch], default=0), pixel_values.shape[-1])
+    out = image_grid_thw.new_zeros(len(rows), max([b - a for a, b in rows], default=0), 3)
+    for r, ((a, b), (p, q)) in enumerate(zip(rows, patch, strict=True)):
+        out[r, : b - a] = image_grid_thw[a:b]
+        pixels[r, : q - p] = pixel_values[p:q]
+    return pixels, out
+
+
+def flat_images(pixels: torch.Tensor, grids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rowwise_images``' padded pixels [B, P, D] and grids [B, I, 3] -> pixel_values [N, D], image_grid_thw [I, 3]."""
+    sizes = grids.prod(-1)
+    patches = torch.arange(pixels.shape[1], device=pixels.device)[None] < sizes.sum(1, keepdim=True)
+    return pixels[patches], grids[sizes > 0]
+
+
 class VisionLanguageModel(Transformer):
     """A megapipe decoder with a vision tower (``visual``): a text-only forward is the decoder's; with
     ``pixel_values`` and ``image_grid_thw`` the image tokens' embeddings are the tower's output and the positions,
-    when not given, M-RoPE's."""
+    when not given, M-RoPE's.
+
+    Pipeline stages (megapipe.parallel.pp) keep the tower on the first stage (``visual`` is None on the others) and
+    take batch-first inputs, as the schedule cuts them into micro-batches: ``mrope_position_ids`` [B, 3, S] (what
+    every stage rotates by) and the images row by row (``rowwise_images``: pixels [B, P, D], grids [B, I, 3])."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         self.visual = VisionEncoder(cfg)
 
     def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None, cache=None, *args,
-                pixel_values: Optional[torch.Tensor] = None, image_grid_thw: Optional[torch.Tensor] = None, **kwargs):
-        if pixel_values is None:
-            return super().forward(tokens, positions, cache, *args, **kwargs)
-        if image_grid_thw is None:
+                pixel_values: Optional[torch.Tensor] = None, image_grid_thw: Optional[torch.Tensor] = None,
+                mrope_position_ids: Optional[torch.Tensor] = None, **kwargs):
+        if mrope_position_ids is not None:
+            positions = mrope_position_ids.movedim(1, 0)
+        if pixel_values is not None and image_grid_thw is None:
             raise ValueError("pixel_values come with image_grid_thw: each image's (frames, height, width) patches")
-        if self.cfg.image_token_id is None:
+        if pixel_values is not None and pixel_values.dim() == 3:
+            pixel_values, image_grid_thw = flat_images(pixel_values, image_grid_thw)
+        if pixel_values is not None and not len(image_grid_thw):
+            pixel_values = None
+        if self.visual is None or tokens.is_floating_point() or (pixel_values is None and not self.visual.every_batch):
+            return super().forward(tokens, positions, cache, *args, **kwargs)
+        if pixel_values is not None and self.cfg.image_token_id is None:
             raise MegapipeError("model.image_token_id is not set: images need the tokenizer's image placeholder token")
         h = self.embed_images(tokens, pixel_values, image_grid_thw)
-        if positions is None:
+        if positions is None and pixel_values is not None:
             positions = mrope_positions(tokens, image_grid_thw, self.cfg.image_token_id,
                                         self.cfg.vision_spatial_merge_size)[0]
         return super().forward(h, positions, cache, *args, **kwargs)
 
     def embed_images(self, tokens: torch.Tensor, pixel_values: torch.Tensor,
                      image_grid_thw: torch.Tensor) -> torch.Tensor:
-        """The decoder's input embeddings [B, S, H] of ``tokens``, the image placeholders' from the vision tower."""
+        """The decoder's input embeddings [B, S, H] of ``tokens``, the image placeholders' from the vision tower
+        (no ``pixel_values``: the tower's output on a blank image, times zero)."""
         h = scale_by(self.tok_embeddings(tokens), self.cfg.embedding_multiplier)
+        if pixel_values is None:
+            m, shape = self.cfg.vision_spatial_merge_size, self.visual.patch_embed.shape
+            grid = torch.tensor([[1, m, m]], device=tokens.device)
+            blank = self.visual(torch.zeros(m * m, math.prod(shape), device=tokens.device), grid)
+            return h + 0.0 * blank.sum().to(h.dtype)
         images = self.visual(pixel_values, image_grid_thw)
         slots = tokens == self.cfg.image_token_id
         if int(slots.sum()) != images.shape[0]:

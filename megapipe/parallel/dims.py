@@ -99,6 +99,8 @@ class ParallelDims:
             dims._validate_model(model_cfg)
         if seq_length is not None:
             dims._validate_seq(seq_length)
+        if model_cfg is not None:
+            dims._validate_hash_layers(model_cfg, seq_length)
         if train_cfg is not None:
             dims._validate_train(train_cfg)
         return dims
@@ -150,11 +152,17 @@ class ParallelDims:
             split = ([("num_heads", m.num_heads), ("num_kv_heads", m.kv_heads)] if "*" in kinds else []) + (
                 [("intermediate_size", m.intermediate_size)] if "-" in kinds else []) + (
                 [("mamba_num_heads", m.mamba_heads), ("mamba_num_groups", m.mamba_num_groups)] if "M" in kinds else [])
+            if m.attention_layer_types is not None:  # DeepSeek-V4: its one key/value head stays whole, MoE layers too
+                split = [("num_heads", m.num_heads), ("o_groups", m.o_groups)]
             for key, value in split:
                 if value % tp:
                     raise ConfigError(f"model.{key} = {value} is not divisible by parallel.tp = {tp}"
                                       + (" (Mamba layers split their heads and groups over TP ranks)"
                                          if key.startswith("mamba") else ""))
+            if getattr(m, "dsa_indexer_loss_coeff", 0) > 0:
+                raise ConfigError(
+                    f"model.dsa_indexer_loss_coeff = {m.dsa_indexer_loss_coeff} is not supported with parallel.tp = "
+                    f"{tp} yet (its target sums the attention over every head, which TP splits); set it to 0")
             if m.vocab_size is not None and m.vocab_size % tp:
                 raise ConfigError(
                     f"model.vocab_size = {m.vocab_size} is not divisible by parallel.tp = {tp} "
@@ -192,6 +200,23 @@ class ParallelDims:
         if split is None and self.pp > 1 and m.num_layers < n_stages:
             raise ConfigError(
                 f"model.num_layers = {m.num_layers} is smaller than pp*pp_virtual_stages = {n_stages} stages"
+            )
+
+    def _validate_hash_layers(self, m, seq: Optional[int]) -> None:
+        """DeepSeek-V4's hash-routed MoE layers route by the token ids, which only the first pipeline stage gets."""
+        if self.pp == 1 or not m.moe_hash_layers:
+            return
+        from megapipe.models.transformer import layer_flops_per_token
+        from megapipe.parallel.pp import layer_split
+
+        costs = layer_flops_per_token(m, seq or m.max_position_embeddings)
+        first = layer_split(m.num_layers, self.pp * self.pp_virtual_stages, self.pp_layer_split, costs)[0]
+        last = m.moe_layers[m.moe_hash_layers - 1]
+        if last >= first:
+            raise ConfigError(
+                f"model.moe_hash_layers = {m.moe_hash_layers}: the hash-routed layers (up to layer {last}) must all "
+                f"sit on the first pipeline stage, which holds {first} layer(s) (they route by the token ids, which "
+                "later stages do not receive); set parallel.pp_layer_split"
             )
 
     def _validate_seq(self, seq: int) -> None:

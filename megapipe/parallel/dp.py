@@ -20,7 +20,8 @@ from megapipe.dtypes import PRECISION_DTYPES
 
 def apply_fsdp(model, mesh, precision: str = "fp32", reshard_after_forward: bool = True, expert_mesh=None,
                dp_size: int = 1) -> None:
-    """Shard each block, then the root (embeddings, final norm, output). ``mesh`` is 1-D (FSDP) or 2-D (HSDP).
+    """Shard each block (a vision tower's too), then the root (embeddings, final norm, output, the tower's patch
+    embedding and merger). ``mesh`` is 1-D (FSDP) or 2-D (HSDP).
     Multi-token prediction modules come after the layers, as they run: their block one unit, the module
     (norms, projection) around it another.
 
@@ -32,7 +33,10 @@ def apply_fsdp(model, mesh, precision: str = "fp32", reshard_after_forward: bool
 
     mp = MixedPrecisionPolicy(param_dtype=PRECISION_DTYPES[precision], reduce_dtype=torch.float32)
     mtp = list(getattr(model, "mtp", None) or [])
-    blocks = list(model.layers.values()) + [m.block for m in mtp]
+    visual = getattr(model, "visual", None)  # a vision-language model's tower: its blocks run first
+    if visual is not None:
+        visual.every_batch = True  # on every rank, images or not (megapipe.models.vision)
+    blocks = [*(visual.blocks if visual is not None else ()), *model.layers.values(), *(m.block for m in mtp)]
     for i, block in enumerate(blocks):
         keep = reshard_after_forward and i < len(blocks) - 1
         moe = getattr(block, "moe", None)
@@ -52,6 +56,8 @@ def apply_fsdp(model, mesh, precision: str = "fp32", reshard_after_forward: bool
 
 
 def apply_ddp(model, mesh) -> None:
+    if getattr(model, "visual", None) is not None:
+        model.visual.every_batch = True  # every rank's tower has gradients to reduce (megapipe.models.vision)
     torch_compat.replicate(model, device_mesh=mesh, bucket_cap_mb=100)
 
 

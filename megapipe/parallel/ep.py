@@ -105,9 +105,11 @@ def reset_moe_stats(model: nn.Module) -> None:
 
 
 def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
-    """The weight of every MoE layer's balancing losses in backward (see megapipe.parallel.step)."""
-    for _, moe in moe_layers(model):
-        moe.aux_loss_scale = scale
+    """The weight in backward of every auxiliary loss (MoE balancing losses, the DSA indexer's loss; see
+    megapipe.parallel.step): every module with an ``aux_loss_scale``."""
+    for module in model.modules():
+        if hasattr(module, "aux_loss_scale"):
+            module.aux_loss_scale = scale
 
 
 # --------------------------------------------------------------------------------------------------- statistics

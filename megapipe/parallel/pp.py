@@ -2,7 +2,8 @@
 
 A stage is the model itself with the layers of other stages deleted (layer keys keep their global numbers, so
 checkpoints stay layout-free), ``tok_embeddings``/``pos_embeddings`` only on the first stage and ``norm``/``output``
-only on the last (the model's forward accepts hidden states and returns them when those are None). Multi-token
+only on the last (the model's forward accepts hidden states and returns them when those are None), a
+vision-language model's tower on the first (megapipe.models.vision takes its inputs batch-first). Multi-token
 prediction modules run on the last stage, after the output head as Megatron places them; they embed the tokens
 ahead, so that stage keeps a replica of the embedding table, summed with the first stage's like a tied output's.
 Stage placement: one stage per rank for GPipe/1F1B; "loop" (stages r, r+P, ...) for Interleaved1F1B; "V" (stages r
@@ -20,6 +21,7 @@ from torch import nn
 
 from megapipe.models.moe import moe_layers
 from megapipe.models.objective import ModelOutput
+from megapipe.models.vision import mrope_positions, rowwise_images
 
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 
@@ -103,6 +105,8 @@ def split_stage(model: nn.Module, stage: int, counts: list[int]) -> nn.Module:
         with torch.no_grad():
             model.output.weight.copy_(weight)
     if not first:
+        if getattr(model, "visual", None) is not None:  # a vision-language model's tower feeds the first stage
+            model.visual = None
         if not (last and mtp):  # the MTP modules' (and a tied output's) replica of the embedding stays
             model.tok_embeddings = None
         if getattr(model, "pos_embeddings", None) is not None:
@@ -110,6 +114,8 @@ def split_stage(model: nn.Module, stage: int, counts: list[int]) -> nn.Module:
     if not last:
         model.norm = None
         model.output = None
+        if getattr(model, "hc_head", None) is not None:  # DeepSeek-V4: the streams pass between stages whole
+            model.hc_head = None
         if mtp:
             model.mtp = None
     elif mtp:  # a stage's outputs are tensors: (logits, [depth 1, ...]) becomes (logits, depth 1, ...)
@@ -199,9 +205,10 @@ class PipelineModel(nn.Module):
     def __init__(self, parts: list[nn.Module], stage_indices: list[int], num_stages: int, tied: bool = False):
         super().__init__()
         self.tok_embeddings = self.pos_embeddings = self.norm = self.output = self.mtp = None
+        self.hc_head = self.visual = None
         self.layers = nn.ModuleDict()
         for part in parts:
-            for name in ("tok_embeddings", "pos_embeddings", "norm", "output", "mtp"):
+            for name in ("tok_embeddings", "pos_embeddings", "norm", "output", "mtp", "hc_head", "visual"):
                 if getattr(part, name, None) is not None:
                     setattr(self, name, getattr(part, name))
             for key, block in part.layers.items():
@@ -263,6 +270,26 @@ class PipelineModel(nn.Module):
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("a pipeline-parallel model runs through its schedule: use megapipe.parallel.step")
+
+
+IMAGE_INPUTS = ("pixel_values", "image_grid_thw")  # a micro-batch's images: flat over its rows
+
+
+def image_inputs(model: PipelineModel, microbatches: list[dict], tokens: torch.Tensor) -> dict:
+    """A vision-language model's keyword inputs to this rank's stages for a step's micro-batches (``tokens``: all
+    their rows), batch-first as the schedule cuts them (megapipe.models.vision): M-RoPE positions for every stage,
+    the images row by row for the first stage's tower. Empty when no micro-batch holds an image."""
+    with_images = [mb for mb in microbatches if "image_grid_thw" in mb]
+    if not with_images:
+        return {}
+    cfg = model.cfg
+    grids = torch.cat([mb["image_grid_thw"] for mb in with_images])
+    merge = cfg.vision_spatial_merge_size
+    out = {"mrope_position_ids": mrope_positions(tokens, grids, cfg.image_token_id, merge)[0].movedim(0, 1)}
+    if model.visual is not None:
+        pixels = torch.cat([mb["pixel_values"] for mb in with_images])
+        out["pixel_values"], out["image_grid_thw"] = rowwise_images(tokens, pixels, grids, cfg.image_token_id, merge)
+    return out
 
 
 def split_model(model: nn.Module, dims, costs: list[int] | None = None) -> tuple[list[nn.Module], list[int], int]:

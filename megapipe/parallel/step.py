@@ -36,7 +36,7 @@ from megapipe.parallel.cp import shard_sequence
 from megapipe.parallel.dims import ParallelDims
 from megapipe.parallel.dp import set_gradient_sync
 from megapipe.parallel.ep import moe_step_stats, reset_moe_stats, set_aux_loss_scale
-from megapipe.parallel.pp import V_SCHEDULES, PipelineModel, sync_tied_grads
+from megapipe.parallel.pp import IMAGE_INPUTS, V_SCHEDULES, PipelineModel, image_inputs, sync_tied_grads
 from megapipe.parallel.tp import loss_parallel_context
 
 _null = contextlib.nullcontext
@@ -201,7 +201,8 @@ def _with_moe(model, dims: ParallelDims, result: StepResult) -> StepResult:
 
 def _pipeline_step(model: PipelineModel, microbatches, dims, loss, factor, units, context, scale_loss,
                    eval_only=False) -> StepResult:
-    batch = {k: torch.cat([mb[k] for mb in microbatches]) for k in microbatches[0]}
+    batch = {k: torch.cat([mb[k] for mb in microbatches]) for k in microbatches[0] if k not in IMAGE_INPUTS}
+    images = image_inputs(model, microbatches, batch["tokens"])
     rows = torch.arange(batch["tokens"].shape[0], device=batch["tokens"].device)
     totals = _Totals(_device(model))
     if loss.mtp and getattr(model.cfg, "mtp_depth", 0):  # every stage reduces the last stage's MTP metrics with it
@@ -218,7 +219,7 @@ def _pipeline_step(model: PipelineModel, microbatches, dims, loss, factor, units
         # the MTP modules (last stage) embed the tokens ahead: the schedule cuts them into its micro-batches
         mtp = {"mtp": True, "mtp_tokens": batch["mtp_tokens"]} if "mtp_tokens" in batch else {}
         # return_outputs=False: the last stage does not keep every micro-batch's logits until the step ends
-        run(*args, target=rows if model.has_last_stage else None, losses=[], return_outputs=False, **mtp)
+        run(*args, target=rows if model.has_last_stage else None, losses=[], return_outputs=False, **mtp, **images)
     for p, g in saved_grads or []:
         p.grad = g
     if not eval_only:

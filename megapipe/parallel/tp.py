@@ -3,7 +3,8 @@
 Each block is sharded by the plan its kind declares (megapipe.models.spec; the dense block: megapipe.models.dense).
 The embedding is split by vocabulary (each rank looks up its vocabulary range, partial sums are reduced), and the
 output projection by vocabulary too: logits stay vocabulary-sharded and the loss is computed by
-``loss_parallel`` (parallel cross-entropy) without ever gathering [B, S, V].
+``loss_parallel`` (parallel cross-entropy) without ever gathering [B, S, V]. A vision-language model's tower is
+replicated (its parameters replicated DTensors), its image embeddings scattered into the full sequence.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from megapipe.models.hyper_connections import hyper_tp_style
 from megapipe.models.mtp import mtp_tp_plan
 from megapipe.models.spec import replicated_style, spec_for
 
@@ -38,13 +40,18 @@ def apply_tp(model, mesh, sequence_parallel: bool = True) -> None:
     sp = sequence_parallel
     act = Shard(1) if sp else Replicate()
     learned_pos = getattr(model, "pos_embeddings", None) is not None
+    visual = getattr(model, "visual", None)
+    whole = learned_pos or visual is not None
     top = {}
     if model.tok_embeddings is not None:
-        # learned positions are added to the full sequence, then the residual stream is split (first block)
-        emb_out = Replicate() if learned_pos else act
+        # learned positions are added to (a vision tower's images scattered into) the full sequence, then the
+        # residual stream is split (first block)
+        emb_out = Replicate() if whole else act
         top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=emb_out)
     if learned_pos:
         top["pos_embeddings"] = replicated_style()
+    if getattr(model, "hc_head", None) is not None:  # DeepSeek-V4: the hyper-connection streams -> one
+        top["hc_head"] = hyper_tp_style(sp)
     if model.norm is not None:
         top["norm"] = SequenceParallel() if sp else replicated_style()
         if model.output is not None:
@@ -54,7 +61,7 @@ def apply_tp(model, mesh, sequence_parallel: bool = True) -> None:
         if model.tok_embeddings is None:
             raise ValueError("tied output weights need tok_embeddings on the last stage")
         model.norm.register_forward_hook(_gather_for_tied_output(mesh, sp))
-    if learned_pos and sp and "0" in model.layers:
+    if whole and sp and "0" in model.layers:
         parallelize_module(
             model.layers["0"], mesh,
             PrepareModuleInput(input_layouts=(Replicate(), None, None, None),
@@ -62,6 +69,10 @@ def apply_tp(model, mesh, sequence_parallel: bool = True) -> None:
         )
     for block in model.layers.values():
         parallelize_module(block, mesh, spec_for(block).tp_plan(block, sp))
+    for module in visual.modules() if visual is not None else ():
+        # the vision tower replicated: every rank runs it whole on all the images, layer by layer on local tensors
+        if next(module.parameters(recurse=False), None) is not None:
+            parallelize_module(module, mesh, replicated_style())
     for module in getattr(model, "mtp", None) or []:  # multi-token prediction: its block as the layers are
         parallelize_module(module.block, mesh, spec_for(module.block).tp_plan(module.block, sp))
         parallelize_module(module, mesh, mtp_tp_plan(sp))

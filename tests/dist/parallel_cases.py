@@ -107,6 +107,8 @@ MODELS["mla_mtp"] = {**MODELS["mla"], "mtp_num_layers": 2, "mtp_loss_scaling_fac
 # DeepSeek-V3.2-shaped: the "mla" model with the sparse attention's indexer (frozen), 6 keys of up to 16 per query
 MODELS["dsa"] = {**MODELS["mla"], "arch": "deepseek_v32", "experimental_attention_variant": "dsa",
                  "dsa_indexer_n_heads": 4, "dsa_indexer_head_dim": 8, "dsa_indexer_topk": 6}
+# ... with the indexer trained by its KL loss towards the main attention (megapipe.models.dsa)
+MODELS["dsa_loss"] = {**MODELS["dsa"], "dsa_indexer_loss_coeff": 0.5}
 MODELS["mtp_tied"] = {**MODELS["tied"], "mtp_num_layers": 1, "mtp_loss_scaling_factor": 0.5}
 # Nemotron-H-shaped hybrid (nemotron-h-tiny in small): one mixer per layer, Mamba-2 (4 heads in 2 groups, two SSD
 # chunks per sequence), attention, squared-ReLU MLP and an MoE layer; its pipeline split follows the layers' costs
@@ -146,6 +148,16 @@ MODELS["dsv4"] = dict(arch="deepseek_v4", hidden_size=32, intermediate_size=16, 
                       moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=1.5,
                       moe_activation="clamped_silu", moe_swiglu_limit=1.5, moe_hash_layers=1, norm_eps=1e-6)
 
+# Qwen2.5-VL-shaped: the "qwen2" decoder with M-RoPE behind a 2-block vision tower (2-pixel patches of 2 frames, a
+# window of one merged patch, block 1 full) and its patch merger; rows of the batches hold images (VL_GRIDS)
+VL_IMAGE = 127  # its image token
+MODELS["vl"] = {**MODELS["qwen2"], "arch": "qwen2_5_vl", "mrope_section": [2, 1, 1], "vision_depth": 2,
+                "vision_hidden_size": 16, "vision_intermediate_size": 32, "vision_num_heads": 2, "vision_patch_size": 2,
+                "vision_window_size": 4, "vision_fullatt_block_indexes": [1], "image_token_id": VL_IMAGE}
+# row r's images' (frames, height, width) patch grids: VL_GRIDS[r] (2 images in a row; text-only rows, whole
+# micro-batches of them on one data-parallel rank while the other's have images)
+VL_GRIDS = ([(1, 4, 4)], [(1, 2, 4)], [(1, 2, 2), (1, 2, 2)], [], [], [], [(1, 2, 2)], [])
+
 
 def parse_case(text: str) -> tuple[dict, dict]:
     layout, *opts = text.split(":")
@@ -184,6 +196,9 @@ def batches(cfg: Config, steps: int, masked: bool = False):
     g = torch.Generator().manual_seed(7)
     data = torch.randint(0, cfg.model.vocab_size, (steps, GLOBAL_BATCH, SEQ + 1), generator=g)
     out = [{"tokens": d[:, :-1], "labels": d[:, 1:]} for d in data]
+    if cfg.model.vision_depth:
+        for b in out:
+            add_images(b, g)
     if masked:  # rows keep 16, 1, 9, 0, 4, 16, 6, 11 tokens: a per-micro-batch or per-rank mean weights them wrongly
         keep = torch.tensor([16, 1, 9, 0, 4, 16, 6, 11])
         for b in out:
@@ -191,8 +206,36 @@ def batches(cfg: Config, steps: int, masked: bool = False):
     return out
 
 
+def add_images(batch: dict, g: torch.Generator) -> None:
+    """The "vl" model's images (VL_GRIDS) in the rows of ``batch``: each image's tokens from position 1 on, one text
+    token between two images, random patches (flat over the rows, as a loader gives them)."""
+    tokens, grids = batch["tokens"].clone(), []
+    tokens[tokens == VL_IMAGE] = 0
+    for r in range(tokens.shape[0]):
+        at = 1
+        for t, h, w in VL_GRIDS[r % len(VL_GRIDS)]:
+            tokens[r, at: at + t * h * w // 4] = VL_IMAGE
+            at += t * h * w // 4 + 1
+            grids.append((t, h, w))
+    batch["tokens"] = tokens
+    batch["image_grid_thw"] = torch.tensor(grids)
+    batch["pixel_values"] = torch.randn(sum(t * h * w for t, h, w in grids), 3 * 2 * 2 * 2, generator=g)
+
+
 def micro(batch: dict, lo: int, hi: int, size: int) -> list[dict]:
-    return [{k: v[i:i + size] for k, v in batch.items()} for i in range(lo, hi, size)]
+    if "image_grid_thw" not in batch:
+        return [{k: v[i:i + size] for k, v in batch.items()} for i in range(lo, hi, size)]
+    from megapipe.models.vision import flat_images, rowwise_images
+
+    rows = dict(batch)  # the images row by row, so that a slice of rows takes theirs
+    rows["pixel_values"], rows["image_grid_thw"] = rowwise_images(batch["tokens"], batch["pixel_values"],
+                                                                  batch["image_grid_thw"], VL_IMAGE, 2)
+    out = []
+    for i in range(lo, hi, size):
+        mb = {k: v[i:i + size] for k, v in rows.items()}
+        mb["pixel_values"], mb["image_grid_thw"] = flat_images(mb["pixel_values"], mb["image_grid_thw"])
+        out.append(mb)
+    return out
 
 
 def sgd(model) -> torch.optim.Optimizer:

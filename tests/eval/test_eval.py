@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -159,7 +160,8 @@ def other_tokenizer_data(tmp_path_factory):
 
 BAD = [
     (["--tasks", "megapipe_mc,megapipe_mcq"], "unknown task 'megapipe_mcq' (did you mean megapipe_mc, megapipe_gen, "
-     "megapipe_text?): megapipe ships megapipe_gen, megapipe_mc, megapipe_text, perplexity; lm-eval's registry has"),
+     "megapipe_text?): megapipe ships megapipe_gen, megapipe_mc, megapipe_shapes, megapipe_text, perplexity; lm-eval's "
+     "registry has"),
     (["--tasks", "missing/dir/task.yaml"], "no such task file or directory"),
     (["--tasks", "megapipe_mc", "--limit", "0"], "--limit '0' must be an integer >= 1"),
     (["--tasks", "megapipe_mc", "--limit", "2.5"], "--limit '2.5' must be an integer >= 1"),
@@ -177,6 +179,8 @@ BAD = [
     (["--tasks", "{root}/bad.yaml"], "dataset_kwargs.data_files.test = 'absent.jsonl': no such file"),
     (["--tasks", "{root}/broken.yaml"], "task(s) broken could not be built: ArrowInvalid: JSON parse error"),
     (["--tasks", ","], "--tasks names no task"),
+    (["--tasks", "megapipe_mc,megapipe_shapes"], "task megapipe_shapes shows the model images, but {ckpt} is a text-only "
+     "model (no vision tower): evaluate a vision-language checkpoint"),
 ]
 
 
@@ -189,7 +193,7 @@ def test_mistakes_are_refused_in_one_sentence(args, message, tiny_llama, pretrai
     (tmp_path / "broken.jsonl").write_text('{"q": "a", "choices": ["x"], "label": 0}\n{"q": \n')
     (tmp_path / "broken.yaml").write_text((tmp_path / "bad.yaml").read_text().replace("bad", "broken").replace(
         "absent.jsonl", "broken.jsonl"))
-    fill = {"prefix": pretrain_data[0], "root": tmp_path, "other": other_tokenizer_data}
+    fill = {"prefix": pretrain_data[0], "root": tmp_path, "other": other_tokenizer_data, "ckpt": ckpt}
     out = tmp_path / "out"
     code, _, err = run_cli(["eval", ckpt, *[a.format(**fill) for a in args], "--output", out], capsys)
     assert code != 0 and message.format(**fill) in err, err
@@ -208,8 +212,8 @@ def test_task_data_tool_reproduces_the_shipped_files(tmp_path):
     if f"Python {version}\n" not in (shipped / "SOURCE").read_text():
         pytest.skip(f"the shipped task data was written on another Python than {version} (docstrings differ)")
     subprocess.run([sys.executable, str(ROOT / "tools" / "make_eval_tasks.py"), "--output", str(tmp_path)],
-                   check=True, capture_output=True)
-    for name in ("megapipe_mc.jsonl", "megapipe_gen.jsonl", "megapipe_text.jsonl"):
+                   check=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    for name in ("megapipe_mc.jsonl", "megapipe_gen.jsonl", "megapipe_text.jsonl", "megapipe_shapes.jsonl"):
         assert (tmp_path / name).read_bytes() == (shipped / name).read_bytes(), name
 
 

@@ -171,11 +171,12 @@ def test_refusals(hf_llama, adapters, tmp_path):
         lora_engine(hf_llama[0], {}, max_loras=-1)
 
 
-def test_server_routes(hf_llama, adapters, tmp_path):
+@pytest.mark.parametrize("engine_process", [False, True], ids=["engine_thread", "engine_process"])
+def test_server_routes(hf_llama, adapters, tmp_path, engine_process):
     from tests.inference.test_server import KEY, NAME, LiveServer
 
     paths, _ = adapters
-    live = LiveServer(hf_llama[0], max_loras=2)
+    live = LiveServer(hf_llama[0], max_loras=2, engine_process=engine_process)
     try:
         auth = {"Authorization": f"Bearer {KEY}"}
         post = lambda route, body: httpx.post(live.url + route, json=body, headers=auth, timeout=60)  # noqa: E731

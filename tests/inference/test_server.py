@@ -21,6 +21,9 @@ import pytest
 
 from megapipe.inference import LLMEngine, SamplingParams
 from megapipe.inference.async_engine import AsyncEngine
+from megapipe.inference.core_client import EngineCoreClient
+from megapipe.inference.engine import EngineConfig
+from megapipe.inference.engine_core import CoreSpec
 from megapipe.inference.server import ServerConfig, bind, make_app
 
 KEY = "sk-test-key"
@@ -28,13 +31,19 @@ NAME = "tiny"
 
 
 class LiveServer:
-    """uvicorn in a thread of this process, on a socket bound to a free port."""
+    """uvicorn in a thread of this process, on a socket bound to a free port; the engine in a thread of this process,
+    or (``engine_process``) in an engine-core process as serve runs it (then ``engine`` is the front end's client)."""
 
-    def __init__(self, model_dir: Path, max_queue=256, body=64 * 1024, server_config=None, **engine_config):
+    def __init__(self, model_dir: Path, max_queue=256, body=64 * 1024, server_config=None, engine_process=False,
+                 **engine_config):
         import uvicorn
 
-        self.engine = LLMEngine.from_pretrained(model_dir, device="cpu", **engine_config)
-        self.async_engine = AsyncEngine(self.engine, max_queue)
+        if engine_process:
+            spec = CoreSpec(str(model_dir), EngineConfig(**engine_config), device="cpu")
+            self.engine = self.async_engine = EngineCoreClient(spec, max_queue)
+        else:
+            self.engine = LLMEngine.from_pretrained(model_dir, device="cpu", **engine_config)
+            self.async_engine = AsyncEngine(self.engine, max_queue)
         config = ServerConfig(NAME, str(model_dir), api_key=KEY, max_queue=max_queue, max_body_bytes=body,
                               shutdown_timeout=5, **(server_config or {}))
         self.sock = bind("127.0.0.1", 0)
@@ -238,14 +247,18 @@ def test_dropped_streams_abort_and_free_their_blocks(live):
     firsts = asyncio.run(main())
     assert len(firsts) == 100
     deadline = time.time() + 15
-    while time.time() < deadline and (live.engine.has_unfinished() or live.engine.blocks.usage() > 0):
+    while time.time() < deadline and _busy(live.async_engine.stats()):
         time.sleep(0.05)
-    assert not live.engine.has_unfinished() and live.engine.blocks.usage() == 0
+    assert not _busy(live.async_engine.stats())
     assert live.metric("vllm:kv_cache_usage_perc") == 0 and live.metric("vllm:num_requests_running") == 0
     assert _abort_count(live) - aborted_before >= 95  # a few may have finished before their client left
     start = time.time()
     r = live.client().completions.create(model=NAME, prompt="fresh", max_tokens=5, temperature=0)
     assert r.choices[0].finish_reason in ("length", "stop") and time.time() - start < 10
+
+
+def _busy(stats: dict) -> bool:
+    return bool(stats["running"] or stats["waiting"] or stats["kv_cache_usage"])
 
 
 def _abort_count(live) -> float:
@@ -299,6 +312,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(hf_llama, tmp_path):
         while "ready on" not in line and time.time() < deadline and proc.poll() is None:
             line = proc.stderr.readline()
         assert "ready on http://127.0.0.1:%d" % port in line
+        core = int(re.search(r"engine core pid (\d+)", line).group(1))  # serve's default: the engine in a process
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
         stream = c.completions.create(model=NAME, prompt="The", max_tokens=120, temperature=1.0, stream=True,
                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
@@ -309,6 +323,8 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(hf_llama, tmp_path):
         assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
         assert chunks[-1].usage.completion_tokens == 120
         assert proc.wait(120) == 0
+        with pytest.raises(ProcessLookupError):  # the engine core stopped with it
+            os.kill(core, 0)
         with pytest.raises(httpx.ConnectError):  # nothing listens any more
             httpx.get(f"http://127.0.0.1:{port}/health")
     finally:

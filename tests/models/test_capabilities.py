@@ -11,6 +11,7 @@ import pytest
 from megapipe.config import ModelConfig
 from megapipe.errors import MegapipeError
 from megapipe.models.capabilities import capabilities, describe, family_row, readme_table, require
+from tests.dist.parallel_cases import MODELS
 
 README = Path(__file__).parents[2] / "README.md"
 MIXTRAL = ModelConfig(arch="mixtral", num_experts=4)
@@ -37,6 +38,9 @@ def test_a_row_is_the_meet_of_kinds_and_family():
     (lambda: require(ModelConfig(), "pretrain", layouts=["tp", "ep"]),
      "pretrain of Llama models does not support layouts ep (supported: dp_replicate, dp_shard, tp, sp, pp, cp)"),
     (lambda: require(MIXTRAL, "sft", lora=["q", "gate"]), "sft of Mixtral models does not support lora gate"),
+    (lambda: require(ModelConfig(**MODELS["dsv4"]), "pretrain", layouts=["tp", "pp", "cp"]),
+     "pretrain of DeepSeek-V4 models does not support layouts cp (supported: dp_replicate, dp_shard, tp, sp, pp, ep): "
+     "ring attention through DeepSeek-V4's compressor is not implemented"),
 ])
 def test_refusals_are_one_sentence_naming_architecture_and_stage(call, words):
     with pytest.raises(MegapipeError) as e:

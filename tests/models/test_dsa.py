@@ -102,3 +102,62 @@ def test_the_capability_row_refuses_what_does_not_work(stage, features, named):
     with pytest.raises(MegapipeError, match=f"{named}.*DeepSeek-V3.2|DeepSeek-V3.2.*{named}"):
         require(cfg, stage, **features)
     require(cfg, "pretrain", layouts=["dp_shard", "dp_replicate", "tp", "sp", "pp", "ep"])
+
+
+def _kl_written_out(attn, x: torch.Tensor, rope: tuple, coeff: float) -> torch.Tensor:
+    """The indexer's loss for one layer, from the module's projections, one query row at a time: KL(p || softmax of
+    the index scores) over the keys t <= s, p the heads' summed attention probabilities over those keys, L1-normed."""
+    q_latent = attn.q_norm(attn.wq_a(x))
+    q = attn.queries(x, rope, q_latent).detach()  # [B, H, S, D], softmax scale folded in
+    k = attn.expand(*attn.latent(x, rope))[0].detach()
+    ix = attn.indexer
+    iq = ix._rotate(ix.wq(q_latent.detach()).view(*x.shape[:2], ix.heads, ix.head_dim).transpose(1, 2), rope)
+    ik = ix.keys(x.detach(), rope)  # [B, S, D]
+    w = ix.head_weights(x.detach()) / ix.heads ** 0.5  # [B, S, heads]
+    rows = []
+    for b in range(x.shape[0]):
+        for s in range(x.shape[1]):
+            logits = torch.einsum("hd,htd->ht", q[b, :, s], k[b, :, :s + 1]) / q.shape[-1] ** 0.5
+            probs = torch.softmax(logits, dim=-1)  # [heads, keys]
+            p = probs.sum(0) / probs.sum()
+            scores = (w[b, s, :, None] * torch.relu(iq[b, :, s] @ ik[b, :s + 1].T / ix.head_dim ** 0.5)).sum(0)
+            rows.append((p * (p.log() - torch.log_softmax(scores, dim=-1))).sum())
+    return coeff * torch.stack(rows).mean()
+
+
+def test_indexer_loss_is_the_kl_towards_the_attention_and_trains_the_indexer_only():
+    """model.dsa_indexer_loss_coeff > 0 (Megatron's --dsa-indexer-loss-coeff): the indexer gets exactly the gradient
+    of coeff x the KL written out above (one layer's, per layer), the logits and every other gradient are those of
+    the frozen-indexer model (the main attention is detached from it; it never enters the LM loss)."""
+    coeff = 0.3
+    trained = build_model(ModelConfig(**dict(DSA, dsa_indexer_loss_coeff=coeff)), seed=0)
+    frozen = build_model(ModelConfig(**DSA), seed=0)
+    tokens = torch.randint(0, 96, (2, 9))
+    inputs = {}
+    for name, layer in trained.layers.items():
+        layer.attention.register_forward_pre_hook(lambda m, args, n=name: inputs.update({n: args[:2]}))
+    logits = trained(tokens)
+    logits.float().logsumexp(-1).mean().backward()
+    frozen(tokens).float().logsumexp(-1).mean().backward()
+    torch.testing.assert_close(logits, frozen(tokens), atol=0, rtol=0)
+    main = {n: p for n, p in frozen.named_parameters() if p.grad is not None}
+    for name, p in trained.named_parameters():
+        if ".indexer." not in name and name in main:
+            torch.testing.assert_close(p.grad, main[name].grad, atol=0, rtol=0, msg=name)
+    for name, layer in trained.layers.items():
+        attn = layer.attention
+        x, rope = inputs[name]
+        want = torch.autograd.grad(_kl_written_out(attn, x.detach(), rope, coeff), list(attn.indexer.parameters()))
+        assert _kl_written_out(attn, x.detach(), rope, coeff) > 0
+        for got, expected in zip(attn.indexer.parameters(), want, strict=True):
+            assert expected.abs().max() > 0
+            torch.testing.assert_close(got.grad, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_indexer_loss_refuses_tensor_parallelism():
+    from megapipe.config import ParallelConfig
+    from megapipe.parallel.dims import ParallelDims
+
+    cfg = ModelConfig(**dict(DSA, dsa_indexer_loss_coeff=0.1, vocab_size=96))
+    with pytest.raises(ConfigError, match=r"model.dsa_indexer_loss_coeff = 0.1 is not supported with parallel.tp = 2"):
+        ParallelDims.from_config(ParallelConfig(tp=2), 2, None, cfg, 16)

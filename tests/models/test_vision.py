@@ -13,7 +13,7 @@ from megapipe.config import ModelConfig, from_dict
 from megapipe.errors import MegapipeError
 from megapipe.models import build_model
 from megapipe.models.rope import model_rope
-from megapipe.models.vision import mrope_positions
+from megapipe.models.vision import flat_images, mrope_positions, rowwise_images
 from tests.helpers.hf_vl import IMAGE_TOKEN, hf_logits, make_vl_dir, vl_inputs
 
 transformers = pytest.importorskip("transformers")
@@ -81,6 +81,42 @@ def test_mismatched_images_are_refused(vl):
         mrope_positions(fewer, inputs["image_grid_thw"], IMAGE_TOKEN, 2)
     with pytest.raises(MegapipeError, match="more images"):
         mrope_positions(inputs["tokens"], inputs["image_grid_thw"][:1], IMAGE_TOKEN, 2)
+
+
+def test_row_by_row_images_are_the_batch_images_and_give_the_same_logits(vl):
+    """The pipeline stages' batch-first inputs (rowwise_images, M-RoPE positions [B, 3, S]) give the flat inputs'
+    logits; rows cut from them keep their own images; tokens and grids that disagree are refused."""
+    _, _, ours, inputs = vl
+    tokens, pixels, grids = inputs["tokens"], inputs["pixel_values"], inputs["image_grid_thw"]
+    rows, row_grids = rowwise_images(tokens, pixels, grids, IMAGE_TOKEN, 2)
+    assert rows.shape == (2, 48, pixels.shape[1]) and row_grids.tolist() == [[[1, 8, 6]], [[1, 4, 4]]]
+    flat = flat_images(rows, row_grids)
+    assert torch.equal(flat[0], pixels) and torch.equal(flat[1], grids)
+    assert torch.equal(flat_images(rows[1:], row_grids[1:])[0], pixels[48:])
+    positions = mrope_positions(tokens, grids, IMAGE_TOKEN, 2)[0].movedim(0, 1)
+    with torch.no_grad():
+        got = ours(tokens, pixel_values=rows, image_grid_thw=row_grids, mrope_position_ids=positions)
+    torch.testing.assert_close(got, _ours(ours, inputs), atol=0, rtol=0)
+    with pytest.raises(MegapipeError, match="the batch's image tokens fill 1 of its 2 image grids"):
+        rowwise_images(tokens[:1], pixels, grids, IMAGE_TOKEN, 2)
+
+
+def test_every_batch_runs_the_tower_on_text_and_changes_nothing(vl):
+    """Under data parallelism the tower runs on a text-only batch too (a blank image times zero): the same logits as
+    without it, and zero (not absent) gradients for the tower, so every rank reduces the same parameters."""
+    _, _, ours, inputs = vl
+    tokens = inputs["tokens"][:, :6]  # text before the images
+    want = ours(tokens)
+    ours.visual.every_batch = True
+    try:
+        got = ours(tokens)
+        got.sum().backward()
+    finally:
+        ours.visual.every_batch = False
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    grads = [p.grad for p in ours.visual.parameters()]
+    assert all(g is not None and not g.any() for g in grads)
+    ours.zero_grad(set_to_none=True)
 
 
 def test_tiny_preset_runs_an_image_on_cpu():

@@ -57,6 +57,20 @@ def test_impossible_layouts_are_refused_with_the_reason(world, kw, model, seq, m
         dims(world, model=model, seq=seq, **kw)
 
 
+def test_deepseek_v4_layouts():
+    """Its heads and output groups split over TP (its one KV head stays whole); its hash-routed layers, which route
+    by token ids, on the first pipeline stage."""
+    from tests.dist.parallel_cases import MODELS
+
+    v4 = ModelConfig(**MODELS["dsv4"])  # 4 heads in 2 output groups, layer 0 hash-routed
+    assert dims(2, model=v4, seq=16, tp=2).tp == 2 and dims(2, model=v4, seq=16, pp=2).pp == 2
+    with pytest.raises(ConfigError, match=r"model.o_groups = 2 is not divisible by parallel.tp = 4"):
+        dims(4, model=v4, seq=16, tp=4)
+    with pytest.raises(ConfigError, match=r"model.moe_hash_layers = 1: the hash-routed layers \(up to layer 0\) must "
+                                          r"all sit on the first pipeline stage, which holds 0 layer\(s\)"):
+        dims(2, model=v4, seq=16, pp=2, pp_layer_split=[0, 4])
+
+
 def test_batch_and_microbatch_rules():
     with pytest.raises(ConfigError, match="global_batch_size = 8 is not divisible by train.micro_batch_size"):
         dims(16, train=TrainConfig(micro_batch_size=1, global_batch_size=8))

@@ -57,6 +57,8 @@ CASES_2 = [
     # DeepSeek-V3.2-shaped: MLA + MoE with the sparse attention's frozen indexer (replicated under tp); no cp
     "dp_shard2:model=dsa", "ddp2:model=dsa", "tp2:model=dsa:mask=1", "tp2:sp=0:model=dsa", "ep2:model=dsa",
     "pp2:model=dsa:schedule=GPipe",
+    # ... its indexer trained by its KL loss (model.dsa_indexer_loss_coeff): FSDP, PP
+    "dp_shard2:model=dsa_loss", "pp2:model=dsa_loss:schedule=GPipe",
     # TP without FSDP: replicated parameters (norms without SP, learned positions, MoE layers) are replicated DTensors
     # beside the sharded ones, as the trainer's foreach optimizer needs ("tp2:sp=0:model=gpt2" above too)
     "tp2:sp=0:model=moe",
@@ -73,8 +75,15 @@ CASES_2 = [
     # attention masks each pair of chunks by the window and adds the sinks to each row's log-sum-exp); Mistral on CP
     "dp_shard2:model=gptoss", "ddp2:model=gptoss", "tp2:model=gptoss", "tp2:sp=0:model=gptoss", "ep2:model=gptoss",
     "pp2:model=gptoss:schedule=GPipe", "cp2:model=gptoss", "cp2:model=mistral",
-    # DeepSeek-V4-shaped (compressed attention, hyper-connections, hash routing; the frozen indexer): FSDP, DDP, EP
-    "dp_shard2:model=dsv4", "ddp2:model=dsv4", "ep2:model=dsv4",
+    # DeepSeek-V4-shaped (compressed attention, hyper-connections, hash routing; the frozen indexer): FSDP, DDP, EP,
+    # TP with and without SP (heads and output groups split, the KV head, compressors and indexer replicated), PP
+    # (one layer a stage: the hyper-connection streams cross three stage boundaries)
+    "dp_shard2:model=dsv4", "ddp2:model=dsv4", "ep2:model=dsv4", "tp2:model=dsv4", "tp2:sp=0:model=dsv4",
+    "pp2:model=dsv4:schedule=Interleaved1F1B",
+    # Qwen2.5-VL-shaped (image + text rows): FSDP / DDP over the whole model, the decoder's TP (with and without SP)
+    # with the tower replicated, PP with the tower on the first stage (GPipe; ZBV: the first and last stage on a rank)
+    "dp_shard2:model=vl", "ddp2:model=vl", "tp2:model=vl", "tp2:sp=0:model=vl", "pp2:model=vl:schedule=GPipe",
+    "pp2:model=vl:schedule=ZBVZeroBubble",
     # Muon: FSDP / TP shards of a matrix gathered for Newton-Schulz, experts orthogonalised where ep put them
     "dp_shard2:optim=muon", "tp2:optim=muon", "ep2:model=moe:optim=muon", "pp2:optim=muon:schedule=GPipe",
 ]
@@ -116,6 +125,12 @@ CASES_4 = [
     "dp_shard2,tp2:model=gptoss", "pp2,tp2:model=gptoss", "ep2,tp2:model=gptoss", "pp2,ep2:model=gptoss:schedule=GPipe",
     "dp_replicate2,dp_shard2:model=gptoss", "dp_shard2,cp2:model=gptoss", "cp2,tp2:model=gptoss",
     "ep2,cp2:model=gptoss", "pp2,cp2:model=gptoss", "ddp2,cp2:model=mistral",
+    # DeepSeek-V4-shaped on PP x TP, and saved on EP x TP, resumed exactly on PP x FSDP
+    "pp2,tp2:model=dsv4", "ep2,tp2:model=dsv4:save=ckpt_dsv4", "pp2,dp_shard2:model=dsv4:load=ckpt_dsv4",
+    # Qwen2.5-VL-shaped: PP x TP (the replicated tower on the first stage), HSDP, FSDP x TP; saved on PP x TP, resumed
+    # exactly on FSDP
+    "pp2,tp2:model=vl", "dp_replicate2,dp_shard2:model=vl", "dp_shard2,tp2:model=vl",
+    "pp2,tp2:model=vl:save=ckpt_vl", "dp_shard4:model=vl:load=ckpt_vl",
 ]
 CASES_8 = ["pp2,dp_shard2,tp2", "dp_shard2,cp2,tp2", "pp2,ep2,tp2:model=moe_bias"]
 
@@ -253,9 +268,10 @@ def test_checkpoint_loads_in_another_layout(results_4, case):
     model = next((o.split("=")[1] for o in case.split(":") if o.startswith("model=")), "base")
     meta = build_model(ModelConfig(**pc.MODELS[model]), device="meta")
     n_tensors = len(list(meta.parameters()))
+    frozen = sum(not p.requires_grad for p in meta.parameters())  # DeepSeek-V4's indexer: no optimizer state
     muon = len(muon_matrices(meta)) if "optim=muon" in case else 0
     # weights + exp_avg + exp_avg_sq (Muon's matrices: momentum_buffer)
-    assert res["tensors"] == saved["tensors"] == 3 * n_tensors - muon
+    assert res["tensors"] == saved["tensors"] == 3 * n_tensors - 2 * frozen - muon
     assert res["ckpt_model_abs"] == 0.0 and res["ckpt_optim_abs"] == 0.0, res
     assert res["resume_loss_rel"] <= 1e-5, res
 

@@ -167,7 +167,7 @@ def test_every_step_ran_and_left_its_outputs(demo):
         expected
 
     assert (run_dir / "data/sft-cache").is_dir()  # nothing is written next to the bundled chat set
-    assert sorted(p.name for p in (ROOT / "pipelines/data").iterdir()) == ["chat.jsonl", "preference.jsonl"]
+    assert sorted(p.name for p in (ROOT / "pipelines/data").iterdir()) == ["captions.jsonl", "chat.jsonl", "preference.jsonl"]
 
     sample = (run_dir / "sample/completions.txt").read_text()
     assert sample.startswith("To be, or not to be") and "\nMy lord," in sample

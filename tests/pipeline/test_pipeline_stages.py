@@ -29,6 +29,8 @@ CHAIN = {
                                                   "chat_template": "chatml", "train_iters": 10}},
     "rm": {"stage": "posttrain rm", "options": {"load": "${sft.output}", "data": ["/pairs.jsonl"],
                                                 "chat_template": "chatml", "train_iters": 10}},
+    "projector": {"stage": "posttrain projector", "options": {"load": "${sft.output}", "data": ["/captions.jsonl"],
+                                                              "train_iters": 10}},
     "rl": {"stage": "posttrain rl", "options": {"load": "${dpo.output}", "reward_model": "${rm.output}",
                                                 "task": "arithmetic", "train_iters": 5}},
     "fp8": {"stage": "posttrain quantize", "options": {"ckpt": "${rl.output}", "quant": "fp8",
@@ -53,7 +55,7 @@ def test_every_stage_has_its_output_under_the_step(chain):
     assert cmds["distill"][-2:] == ["--save", f"{run}/distill/run"]
     assert "--teacher" in cmds["distill"] and f"{run}/prune/checkpoint" in cmds["distill"]
     assert cmds["sft"][3:5] == ["--load", f"{run}/distill/run"] and cmds["sft"][-2:] == ["--save", f"{run}/sft/run"]
-    for name in ("dpo", "rm"):
+    for name in ("dpo", "rm", "projector"):
         assert cmds[name][3:5] == ["--load", f"{run}/sft/run"] and cmds[name][-2:] == ["--save", f"{run}/{name}/run"]
     assert cmds["rl"][3:5] == ["--load", f"{run}/dpo/run"] and cmds["rl"][-2:] == ["--save", f"{run}/rl/run"]
     assert cmds["rl"][cmds["rl"].index("--reward-model") + 1] == f"{run}/rm/run"
@@ -63,7 +65,8 @@ def test_every_stage_has_its_output_under_the_step(chain):
     assert cmds["smoke"][-2:] == ["--output", f"{run}/smoke/smoke"]
     kinds = {n: (p.steps[n].output.kind, p.steps[n].output.training) for n in p.steps}
     assert kinds == {"pretrain": ("run", True), "prune": ("checkpoint", False), "distill": ("run", True),
-                     "sft": ("run", True), "dpo": ("run", True), "rm": ("run", True), "rl": ("run", True), "fp8": ("checkpoint", False), "trt": ("dir", False),
+                     "sft": ("run", True), "dpo": ("run", True), "rm": ("run", True), "projector": ("run", True),
+                     "rl": ("run", True), "fp8": ("checkpoint", False), "trt": ("dir", False),
                      "smoke": ("dir", False)}
 
 

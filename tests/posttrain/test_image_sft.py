@@ -124,3 +124,86 @@ def test_a_missing_image_is_named_with_its_record(vl_sft, capsys):
                  "--quiet"]) != 0
     err = " ".join(capsys.readouterr().err.split())
     assert f"{bad}:2: image 1: image file '{data / 'img' / 'gone.png'}' does not exist" in err
+
+
+def _sample(work, data):
+    """The conversation's tokens, images and labels as the SFT index stores them (seq length 256)."""
+    from megapipe.data.images import ImageProcessor
+    from megapipe.data.sft import ChatEncoder
+    from megapipe.data.sft_dataset import SFTImages, SFTSamples, prepare_sft_index
+
+    tok_dir = work / "ckpt" / "tokenizer"
+    index = prepare_sft_index([str(data / "chat.jsonl")], ChatEncoder(
+        tok_dir, image_text="<|vision_start|><|image_pad|><|vision_end|>"), cache_dir=str(work / "cache"),
+        images=SFTImages(ImageProcessor.from_dir(tok_dir), IMAGE))
+    s = SFTSamples(index, np.arange(1), 256, 1, False, "truncate", 0, 1, False)[0]
+    return torch.from_numpy(s["tokens"])[None], torch.from_numpy(s["pixel_values"]), torch.from_numpy(
+        s["image_grid_thw"])
+
+
+def test_lora_on_the_decoder_trains_merges_and_exports_for_peft(vl_sft, one_thread):
+    """--lora-rank on image conversations: adapters on the decoder only (the tower and projector frozen with the
+    base); the merged model (what inference loads) gives the adapter model's logits on text + image inputs, and the
+    peft export loaded by peft onto the exported base gives them too (through transformers' own image path)."""
+    from peft import PeftModel
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from megapipe.checkpoint import load_checkpoint, read_manifest
+    from megapipe.checkpoint.load import load_model
+    from megapipe.config import ModelConfig, from_dict
+    from megapipe.models import build_model
+    from megapipe.models.lora import LoRASpec, apply_lora, is_adapter, lora_layers
+
+    work, data, _ = vl_sft
+    run = work / "lora_run"
+    assert main(["posttrain", "sft", "--load", str(work / "ckpt"), "--data", str(data / "chat.jsonl"),
+                 "--seq-length", "256", "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "2",
+                 "--lr", "1e-2", "--lr-warmup-iters", "0", "--eval-iters", "0", "--data-cache-path",
+                 str(work / "cache_lora"), "--lora-rank", "4", "--lora-alpha", "8", "--save", str(run),
+                 "--quiet"]) == 0
+    step = run / "step_00000002"
+    manifest = read_manifest(step)
+    cfg = from_dict(ModelConfig, manifest["model"], "model.")
+    ours = apply_lora(build_model(cfg), LoRASpec.from_manifest(manifest["lora"]))
+    load_checkpoint(step, ours, load_rng=False)
+    layers = lora_layers(ours)
+    assert len(layers) == 7 * cfg.num_layers and all(n.startswith("layers.") for n, _ in layers)
+    assert all(m.lora_B.weight.abs().max() > 0 for _, m in layers)  # trained (B starts at zero)
+    base = dict(load_model(work / "ckpt").model.named_parameters())
+    assert all(torch.equal(p, base[n]) for n, p in ours.named_parameters() if not is_adapter(n))
+
+    tokens, pixels, grids = _sample(work, data)
+    with torch.no_grad():
+        want = ours(tokens, pixel_values=pixels, image_grid_thw=grids)
+        merged = load_model(step).model(tokens, pixel_values=pixels, image_grid_thw=grids)
+    torch.testing.assert_close(merged, want, atol=1e-5, rtol=1e-5)
+
+    for args in (["export", "hf", str(work / "ckpt"), str(work / "lora_base_hf"), "--dtype", "fp32"],
+                 ["export", "hf", str(step), str(work / "lora_adapter"), "--lora-adapter-only"]):
+        assert main([*args, "--quiet"]) == 0
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(work / "lora_base_hf", dtype=torch.float32)
+    with torch.no_grad():
+        peft_model = PeftModel.from_pretrained(hf, work / "lora_adapter").eval()
+        got = peft_model(input_ids=tokens, pixel_values=pixels, image_grid_thw=grids,
+                         mm_token_type_ids=(tokens == IMAGE).int()).logits
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.dist
+def test_image_sft_under_tensor_parallel_and_fsdp_equals_one_process(vl_sft, tmp_path):
+    """posttrain sft on image conversations through torchrun, tp2 x dp_shard2 (the tower replicated and frozen),
+    against the same run in one process: each step's loss within 1e-5 relative (fp32, AdamW)."""
+    from tests.posttrain.test_posttrain_dist import REL, megapipe, train_losses
+
+    work, data, _ = vl_sft
+    args = ["posttrain", "sft", "--load", str(work / "ckpt"), "--data", str(data / "chat.jsonl"), "--seq-length",
+            "256", "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "2", "--lr", "1e-2",
+            "--lr-warmup-iters", "0", "--eval-iters", "0", "--log-interval", "1", "--freeze-vision",
+            "--data-cache-path", str(tmp_path / "cache"), "--quiet"]
+    assert main([*args, "--save", str(tmp_path / "one")]) == 0
+    megapipe([*args, "--save", str(tmp_path / "four"), "--nproc-per-node", "4", "--tensor-model-parallel-size", "2"])
+    one, four = train_losses(tmp_path / "one"), train_losses(tmp_path / "four")
+    assert sorted(four) == sorted(one) == [1, 2]
+    assert all(four[s] == pytest.approx(one[s], rel=REL) for s in one), (one, four)
+    manifest = json.loads((tmp_path / "four" / "step_00000002" / "megapipe.json").read_text())
+    assert manifest["layout"] == {"world_size": 4, "parallel": "dp_shard2,tp2"}

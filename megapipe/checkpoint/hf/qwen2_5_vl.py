@@ -83,6 +83,12 @@ class Qwen25VLAdapter(Qwen2Adapter):
                 out.append(Conversion(hf=(hf,), mp=(key,)))
         return out
 
+    def module_name(self, tensor: str) -> str:
+        """The module in memory (peft's adapters name it): transformers >= 5 nests the files' names (MEMORY_PREFIXES)."""
+        module = super().module_name(tensor)
+        memory = next((m for m, files in MEMORY_PREFIXES.items() if module.startswith(files)), None)
+        return memory + module[len(MEMORY_PREFIXES[memory]):] if memory else module
+
     def aliases(self, names: set[str]) -> dict[str, str]:
         out = {}
         for name in names:

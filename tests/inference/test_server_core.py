@@ -1,0 +1,117 @@
+"""The engine core in a process of its own (serve's default; megapipe.inference.engine_core / core_client): the
+server's tests again through it (one spawned core for the module), its outputs equal to the in-process engine's to
+the byte (detokenising and stop strings moved to the front end), and a core killed mid-stream: the stream ends in
+an error, /health answers 503 and new requests are refused, within seconds."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from dataclasses import replace
+
+import httpx
+import openai
+import pytest
+
+from megapipe.inference import LLMEngine, SamplingParams
+from tests.inference.test_server import (  # noqa: F401 - the server's tests, run here against the core process
+    NAME,
+    LiveServer,
+    test_chat_multi_turn_and_streaming,
+    test_completions_match_the_engine,
+    test_dropped_streams_abort_and_free_their_blocks,
+    test_echo_scoring_with_max_tokens_zero,
+    test_error_statuses_have_openai_shape,
+    test_metrics_use_vllm_names_and_count,
+    test_models_health_version_tokenize,
+    test_streaming_completions_and_usage,
+)
+from tests.inference.test_server_bodies import test_bad_bodies_are_400_on_every_route  # noqa: F401
+from tests.inference.test_server_sampling import (  # noqa: F401 - stop tokens and min_tokens at the front end
+    hf_tokenizer,
+    test_min_tokens_as_transformers_min_new_tokens,
+    test_presence_and_frequency_penalties,
+)
+from tests.inference.test_structured import (  # noqa: F401 - grammars compile in both processes
+    test_invalid_constraints_are_400,
+    test_json_schema_n_logprobs,
+    test_named_and_required_tool_choice,
+    test_streaming_json,
+)
+
+
+@pytest.fixture(scope="module")
+def live(hf_llama):
+    server = LiveServer(hf_llama[0], engine_process=True)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(hf_llama):
+    return LLMEngine.from_pretrained(hf_llama[0], device="cpu")
+
+
+CASES = [  # stop strings (one inside a multi-token character), n > 1 with a stop in one sample, min_tokens,
+    # logprobs and prompt logprobs, special tokens kept, token-id prompts
+    ("The quick brown", SamplingParams(max_tokens=30, temperature=0)),
+    ("The quick brown", SamplingParams(max_tokens=30, temperature=0, stop=["o", "xyz"], logprobs=2)),
+    ("Hello", SamplingParams(max_tokens=20, temperature=1.0, seed=3, n=3, stop=[" t"], prompt_logprobs=1)),
+    ("Hello", SamplingParams(max_tokens=20, temperature=1.0, seed=5, n=2, min_tokens=5, stop=["a"])),
+    ([5, 6, 7], SamplingParams(max_tokens=20, temperature=0.8, seed=1, logprobs=0, stop=["e"])),
+    ("A stitch in", SamplingParams(max_tokens=25, temperature=1.0, seed=7, skip_special_tokens=False)),
+]
+
+
+def test_outputs_equal_the_in_process_engine(live, reference):
+    """Every RequestOutput of the core process's front end equals the engine's own (text, ids, logprobs, finish and
+    stop reasons, token counts), the intermediate ones of a stream too."""
+
+    async def stream(prompt, params):
+        return [out async for out in live.async_engine.generate(prompt, params)]
+
+    def same(a, b):
+        a, b = replace(a, request_id="", metrics={}), replace(b, request_id="", metrics={})
+        return a == b
+
+    reasons = set()
+    ended = reference.generate(["To be"], SamplingParams(max_tokens=8, temperature=0))[0].outputs[0].token_ids
+    stop_token = ("To be", SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[ended[5]], logprobs=1))
+    for prompt, params in CASES + [stop_token]:
+        outs = asyncio.run(stream(prompt, replace(params)))
+        (want,) = reference.generate([prompt], replace(params))
+        assert same(outs[-1], want), (prompt, params, outs[-1], want)
+        assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+        reasons |= {type(c.stop_reason) for c in want.outputs if c.finish_reason == "stop"}
+    assert reasons == {str, int}  # the cases end on stop strings and on stop tokens
+
+
+def test_utility_calls_and_stats_go_through_messages(live):
+    assert asyncio.run(live.async_engine.utility("lora_adapters")) == {}
+    with pytest.raises(Exception, match="is not an engine utility"):
+        asyncio.run(live.async_engine.utility("step"))
+    stats = live.async_engine.stats()
+    assert stats["generation_tokens"] > 0 and stats["num_blocks"] > 0
+
+
+def test_sigkill_of_the_core_fails_streams_and_health(live):
+    """Last in this module (it kills the module's core): a stream in flight ends in an error event, /health goes
+    503 and new requests are refused with the reason, within a few seconds."""
+    c = live.client()
+    stream = c.completions.create(model=NAME, prompt="The", max_tokens=120, temperature=1.0, stream=True,
+                                  extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks)
+    start = time.time()
+    os.kill(live.async_engine.process.pid, signal.SIGKILL)
+    with pytest.raises(openai.APIError, match="engine core process exited \\(killed by SIGKILL\\)"):
+        for _ in chunks:
+            pass
+    while httpx.get(live.url + "/health").status_code != 503 and time.time() - start < 5:
+        time.sleep(0.05)
+    assert httpx.get(live.url + "/health").status_code == 503 and time.time() - start < 5
+    with pytest.raises(openai.APIStatusError) as e:
+        c.completions.create(model=NAME, prompt="The", max_tokens=5)
+    assert e.value.status_code == 503 and "killed by SIGKILL" in e.value.body["message"]
