@@ -50,11 +50,12 @@ def generate(
 
     speculative = dict(speculative_method=speculative_method, prompt_lookup_max=prompt_lookup_max,
                        prompt_lookup_min=prompt_lookup_min)
-    EngineConfig(speculative_tokens=speculative_tokens, **speculative).check()  # before the model loads
+    engine_config = EngineConfig(speculative_tokens=speculative_tokens, **speculative)
+    engine_config.check()  # before the model loads
     device = resolve_device(device)
     loaded = load_model(ckpt, device=device, dtype=torch.bfloat16 if bf16 else resolve_dtype(dtype))
-    drafter = "ngram_speculative" if speculative_method == "ngram" else "speculative"
-    require(loaded.model.cfg, "generate", str(ckpt), engine=[drafter] if speculative_tokens else None)
+    drafter = engine_config.drafter_feature
+    require(loaded.model.cfg, "generate", str(ckpt), engine=[drafter] if drafter else None)
     tok = load_tokenizer(tokenizer) if tokenizer is not None else loaded.tokenizer
     if tok is None:
         raise MegapipeError(f"checkpoint {ckpt} holds no tokenizer/: give one with --tokenizer")

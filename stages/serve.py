@@ -155,8 +155,8 @@ def serve(
             loaded = load_model(model, resolve_device(device), resolve_dtype(dtype))
             return _serve_reward_model(loaded, model, name, api_key, max_body_size, shutdown_timeout, sock,
                                        log_level)
-        drafter = "ngram_speculative" if speculative_method == "ngram" else "speculative"
-        require(model_cfg, "serve", str(model), engine=[drafter] if speculative_tokens else None)
+        drafter = engine_config.drafter_feature
+        require(model_cfg, "serve", str(model), engine=[drafter] if drafter else None)
         if loras:
             require(model_cfg, "serve", str(model), engine=["multi_lora"])
         spec = CoreSpec(str(model), engine_config, device, dtype, loras, threads)

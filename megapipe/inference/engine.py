@@ -6,8 +6,10 @@ One engine serves ``megapipe generate``, ``megapipe serve``, RL rollouts and eva
     outputs = engine.generate(["The capital of France is"], SamplingParams(max_tokens=16, temperature=0))
 
 or step by step (``add_request`` / ``step`` / ``abort``), which is what :class:`AsyncEngine` does in its thread.
-Each step schedules (megapipe.inference.scheduler), runs the model once on every scheduled token
-(megapipe.inference.runner), samples (megapipe.inference.sampling) and detokenizes (megapipe.inference.detokenize).
+Each step passes one typed contract to the next: the scheduler's plan (``SchedulerOutput``,
+megapipe.inference.scheduler), the runner's result of running the model once on every scheduled token and sampling
+(``RunnerOutput``, megapipe.inference.runner, megapipe.inference.sampling), applied by ``update_from_output``: stop
+conditions, detokenizing (megapipe.inference.detokenize), blocks freed, one RequestOutput per request that progressed.
 A hybrid Transformer-Mamba model keeps KV blocks for its attention layers only and a recurrent-state slot per
 running sequence for its Mamba layers (megapipe.inference.state_cache); prefix caching is off for it.
 """
@@ -30,9 +32,9 @@ from megapipe.inference.detokenize import Detokenizer, special_ids
 from megapipe.inference.images import PromptImages
 from megapipe.inference.kv_cache import KVPool, eviction_window, kv_layout, layer_windows, split_window
 from megapipe.inference.lora import AdapterSlots
-from megapipe.inference.runner import ModelRunner, say_once
-from megapipe.inference.sampling import ParamError, SampleRow, SamplingParams, sample, top_logprobs
-from megapipe.inference.scheduler import FINISHED, Scheduler, now
+from megapipe.inference.runner import ModelRunner, RunnerOutput, say_once
+from megapipe.inference.sampling import ParamError, SamplingParams
+from megapipe.inference.scheduler import FINISHED, Scheduler, SchedulerOutput, now
 from megapipe.inference.scheduler import Sequence as Seq
 from megapipe.inference.speculative import MTPSpeculator, NgramSpeculator
 from megapipe.inference.state_cache import StatePool, state_bytes_per_sequence
@@ -71,6 +73,14 @@ class EngineConfig:
     prompt_lookup_min: int = 2  # ngram: the shortest
     max_loras: int = 0  # LoRA adapters resident at once (megapipe.inference.lora); 0: none served
     max_lora_rank: int = 16  # the largest rank an adapter may have
+
+    @property
+    def drafter_feature(self) -> Optional[str]:
+        """The capability-table engine feature its speculative drafter needs (megapipe/models/capabilities.py), or
+        None without speculation."""
+        if not self.speculative_tokens:
+            return None
+        return "ngram_speculative" if self.speculative_method == "ngram" else "speculative"
 
     def check(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -129,12 +139,25 @@ class RequestOutput:
     metrics: dict = field(default_factory=dict)
 
 
+class Completion:
+    """What one sample of a request has output besides its tokens (the scheduler's ``Sequence`` holds those): its
+    text, the log-probs reported for it, and when its last token came."""
+
+    def __init__(self, detok: Optional[Detokenizer] = None):
+        self.detok = detok
+        self.logprobs: list = []  # per generated token: (logprob, [(id, logprob), ...])
+        self.prompt_logprobs: list = []  # None for the first prompt token, then one per prompt token
+        self.stop_reason: Union[int, str, None] = None  # the stop string or token id that ended it
+        self.last_token_time: Optional[float] = None
+
+
 class Request:
     def __init__(self, request_id: str, prompt: Optional[str], prompt_ids: list[int], params: SamplingParams,
                  arrival: Optional[float] = None):
         self.request_id, self.prompt, self.prompt_ids, self.params = request_id, prompt, prompt_ids, params
         self.arrival = now() if arrival is None else arrival
         self.seqs: list[Seq] = []
+        self.completions: list[Completion] = []  # the output side of each of seqs
         self.first_token_time: Optional[float] = None
         self.images: Optional[PromptImages] = None  # a vision-language model's images of the prompt
         self.hash_seed: Optional[bytes] = None  # what the prompt's chain of block hashes starts from (its images)
@@ -159,14 +182,14 @@ class LLMEngine:
             raise MegapipeError(f"the decoding engine does not support {describe(cfg)} models yet "
                                 "(megapipe/models/capabilities.py)")
         self.tokenizer = tokenizer
-        self.eos_token_ids = list(eos_token_ids if eos_token_ids is not None else eos_ids_of(None, tokenizer))
+        eos = list(eos_token_ids if eos_token_ids is not None else eos_ids_of(None, tokenizer))
         self.vocab_size = cfg.vocab_size
         self.special = special_ids(tokenizer) if tokenizer is not None else frozenset()
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings:
             raise ConfigError(f"--max-model-len = {self.max_model_len} exceeds the model's max_position_embeddings"
                               f" = {cfg.max_position_embeddings}")
-        ngram = config.speculative_tokens and config.speculative_method == "ngram"
+        ngram = config.drafter_feature == "ngram_speculative"
         if ngram and "ngram_speculative" not in capabilities(cfg).engine:
             raise ConfigError(f"--speculative-method ngram verifies drafts by computing them and rolling back the "
                               f"rejected ones, which the recurrent state of this {describe(cfg)} model cannot take")
@@ -227,15 +250,16 @@ class LLMEngine:
                                    BlockManager(windowed_blocks, bs, self.prefix_caching) if windowed else None,
                                    self._admit if config.max_loras else None)
         self.runner = ModelRunner(model, self.pool, config.pack_weights, config.huge_pages,
-                                  config.cpu_kernels, self.states, config.bf16_linear)
+                                  config.cpu_kernels, self.states, config.bf16_linear, eos)
         self.adapters = AdapterSlots(model, config.max_loras, config.max_lora_rank) if config.max_loras else None
         self.runner.adapters = self.adapters
         self.speculator = None
         if ngram:
-            self.speculator = NgramSpeculator(config.speculative_tokens, self.sample_row, config.prompt_lookup_max,
-                                              config.prompt_lookup_min)
+            self.speculator = NgramSpeculator(config.speculative_tokens, self.runner.sample_row,
+                                              config.prompt_lookup_max, config.prompt_lookup_min)
         elif config.speculative_tokens:
-            self.speculator = MTPSpeculator(self.runner, config.speculative_tokens, self.sample_row)
+            self.speculator = MTPSpeculator(self.runner, config.speculative_tokens, self.runner.sample_row)
+        self.runner.speculator = self.speculator
         self.device = p.device
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -244,6 +268,15 @@ class LLMEngine:
         self.num_steps = 0
         self._grammars = None
         self.detokenize = True  # False: outputs carry token ids only, no text or stop strings (its front end's job)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The ids that end a sequence (unless ignore_eos); the runner's, which suppresses them before min_tokens."""
+        return self.runner.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: Sequence[int]) -> None:
+        self.runner.eos_token_ids = list(ids)
 
     @property
     def grammars(self):
@@ -340,9 +373,11 @@ class LLMEngine:
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(seed)
             seq = Seq(next(self._ids), req, i, params, gen)
+            detok = None
             if self.tokenizer is not None and self.detokenize:
-                seq.detok = Detokenizer(self.tokenizer, ids, self.special if params.skip_special_tokens
-                                        else frozenset(), params.stop)
+                detok = Detokenizer(self.tokenizer, ids, self.special if params.skip_special_tokens else frozenset(),
+                                    params.stop)
+            req.completions.append(Completion(detok))
             if params.structured is not None:
                 seq.matcher = self.grammars.matcher(params.structured)
             seq.after = first
@@ -375,87 +410,51 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """One scheduling + model step; returns an output for every request that progressed (or finished)."""
-        preempted = self.scheduler.num_preemptions
-        decodes, chunks = self.scheduler.schedule()
-        if not decodes and not chunks:
-            if self.scheduler.num_preemptions == preempted and (self.scheduler.running or self.scheduler.waiting):
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            if not plan.preempted and (self.scheduler.running or self.scheduler.waiting):
                 raise self._stalled()
             return []
         self.num_steps += 1
-        verify = []  # decodes with drafts: tokens[num_computed] and the drafts, as one chunk
-        if self.speculator is not None:
-            verify = [s for s in decodes if s.num_lookahead]
-            decodes = [s for s in decodes if not s.num_lookahead]
-            self.speculator.propose(verify)
-        rows, samplers, sample_at, prompt_rows, verify_at = [], [], [], [], []
-        for i, seq in enumerate(decodes):
-            sample_at.append(len(rows))
-            rows.append(i)
-            samplers.append(seq)
-        offset = len(decodes)
-        work = [(seq, seq.tokens[seq.num_computed:] + seq.draft.tokens) for seq in verify]
-        for _, toks in work:
-            verify_at.append((len(rows), offset))
-            rows.extend(range(offset, offset + len(toks)))
-            offset += len(toks)
-        chunk_at = []
-        for seq, n in chunks:
-            start = seq.num_computed
-            chunk_at.append(offset)
-            if seq.params.prompt_logprobs is not None:
-                # position p predicts prompt token p + 1, whose entry is prompt_logprobs[p + 1]; a sequence
-                # recomputed after a preemption has some of them already
-                first = max(start, len(seq.prompt_logprobs) - 1) if seq.prompt_logprobs else start
-                last = min(start + n, seq.prompt_len - 1)
-                if first < last:
-                    prompt_rows.append((seq, first, last, len(rows)))
-                    rows.extend(range(offset + first - start, offset + last - start))
-            if start + n == len(seq.tokens):
-                sample_at.append(len(rows))
-                rows.append(offset + n - 1)
-                samplers.append(seq)
-            offset += n
-        work += [(s, s.tokens[s.num_computed:s.num_computed + n]) for s, n in chunks]
-        want_hidden = self.speculator is not None and self.speculator.needs_hidden
-        hidden = None
-        state_slots = [s.state_slot for s in decodes] + [s.state_slot for s, _ in work] if self.states else None
-        images = [s.request.images for s in decodes] + [s.request.images for s, _ in work]
-        lora_rows = None
-        if self.adapters is not None:  # each row's adapter slot
-            lora_rows = [self.adapters.slot(s.request.lora) for s in decodes]
-            for s, toks in work:
-                lora_rows += [self.adapters.slot(s.request.lora)] * len(toks)
-        table = self.scheduler.table
-        logits = self.runner.run([(table(s), s.num_computed, s.tokens[s.num_computed]) for s in decodes],
-                                 [(table(s), s.num_computed, toks) for s, toks in work], rows,
-                                 hidden=want_hidden, state_slots=state_slots,
-                                 images=images if any(i is not None for i in images) else None, lora_rows=lora_rows)
-        if want_hidden:
-            logits, hidden = logits
-        for i, seq in enumerate(decodes):
-            if want_hidden:  # a decode without drafts (budget, last token) keeps the chain going
-                self.speculator.record(seq, seq.num_computed, hidden[i:i + 1])
-            seq.num_computed += 1
-            self.scheduler.register_computed(seq)
-        for (seq, n), at in zip(chunks, chunk_at, strict=True):
-            if want_hidden:
-                self.speculator.record(seq, seq.num_computed, hidden[at:at + n])
+        return self.update_from_output(plan, self.runner.execute(plan))
+
+    def update_from_output(self, plan: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
+        """Apply a step: the sequences' computed counts advance (their new full blocks offered to the prefix cache,
+        blocks of rejected drafts returned), prompt logprobs and sampled tokens are recorded, stop conditions
+        finish sequences (their blocks freed); returns an output for every request that progressed. On the engine,
+        not the scheduler: a stop string is found on the detokenized text, which is the request's, not the
+        scheduler's."""
+        for seq in plan.decodes:
+            if seq.seq_id not in result.num_accepted:  # a verified one advances by what was accepted, below
+                seq.num_computed += 1
+                self.scheduler.register_computed(seq)
+        for seq, n in plan.chunks:
             if seq.num_computed < seq.prompt_len:
                 self.num_prompt_tokens += min(n, seq.prompt_len - seq.num_computed)
             seq.num_computed += n
             self.scheduler.register_computed(seq)
-        for seq, start, last, at in prompt_rows:
-            self._prompt_logprobs(seq, logits[at:at + last - start], start)
-        touched = {}
-        for seq, (at, offset) in zip(verify, verify_at, strict=True):
-            self._accept(seq, logits[at:at + 1 + len(seq.draft.tokens)], hidden[offset:] if want_hidden else None,
-                         now())
+            if seq.seq_id in result.prompt_logprobs:
+                self._prompt_logprobs(seq, *result.prompt_logprobs[seq.seq_id])
+        seqs = {s.seq_id: s for s in plan.decodes}
+        seqs.update((s.seq_id, s) for s, _ in plan.chunks)
+        touched, t = {}, now()
+        for seq_id, tokens in result.sampled.items():
+            seq = seqs[seq_id]
+            logprobs = result.logprobs.get(seq_id)
+            verified = seq_id in result.num_accepted
+            if verified:
+                seq.num_computed += len(tokens)  # tokens[num_computed] and the accepted drafts
+            for i, token in enumerate(tokens):
+                if verified and i == len(tokens) - 1:  # the accepted drafts are tokens now: their blocks can be cached
+                    self.scheduler.register_computed(seq)
+                    self.scheduler.rollback(seq)
+                if logprobs is not None:
+                    seq.request.completions[seq.index].logprobs.append(logprobs[i])
+                self._append(seq, token, t)
+                if seq.status == FINISHED:
+                    break
             touched[seq.request.request_id] = seq.request
-        if samplers:
-            self._sample(samplers, logits if len(sample_at) == len(rows) else logits[sample_at])
-            for seq in samplers:
-                touched[seq.request.request_id] = seq.request
-        for seq, _ in chunks:  # a chunk that did not finish the prompt still counts as progress (prompt logprobs)
+        for seq, _ in plan.chunks:  # a chunk that did not finish the prompt still counts as progress (prompt logprobs)
             touched.setdefault(seq.request.request_id, seq.request)
         outs = []
         for req in touched.values():
@@ -473,32 +472,13 @@ class LLMEngine:
             f"nothing scheduled (first: {len(first.tokens)} tokens, {first.num_computed} computed, "
             f"{len(first.block_ids)} blocks; {self.blocks.num_free()} of {self.blocks.num_blocks} blocks free)")
 
-    def _accept(self, seq: Seq, logits: torch.Tensor, hidden: Optional[torch.Tensor], t: float) -> None:
-        """Verify ``seq``'s drafts (logits [1 + drafts, V] of its chunk), then emit the accepted tokens and the one
-        after them (stopping where the sequence finishes), rolling the sequence back to what was accepted."""
-        emitted = self.speculator.verify(seq, logits)
-        start = seq.num_computed
-        seq.num_computed += len(emitted)  # tokens[start] and the accepted drafts
-        self.speculator.keep(seq, start, hidden[:len(emitted)] if hidden is not None else None)
-        if seq.params.logprobs is not None:
-            raw = logits[:len(emitted)].log_softmax(dim=-1)
-            picked, tops = top_logprobs(raw, torch.tensor(emitted, device=raw.device), seq.params.logprobs)
-        for i, token in enumerate(emitted):
-            if i == len(emitted) - 1:  # the accepted drafts are tokens now: their full blocks can be cached
-                self.scheduler.register_computed(seq)
-                self.scheduler.rollback(seq)
-            if seq.params.logprobs is not None:
-                seq.logprobs.append((picked[i], tops[i]))
-            self._append(seq, token, t)
-            if seq.status == FINISHED:
-                break
-
-    def _prompt_logprobs(self, seq: Seq, logits: torch.Tensor, start: int) -> None:
-        if not seq.prompt_logprobs:
-            seq.prompt_logprobs.append(None)  # the first prompt token has no context
-        targets = torch.tensor(seq.tokens[start + 1:start + 1 + logits.shape[0]], device=logits.device)
-        picked, tops = top_logprobs(logits.log_softmax(dim=-1), targets, seq.params.prompt_logprobs)
-        seq.prompt_logprobs.extend(zip(picked, tops, strict=True))
+    @staticmethod
+    def _prompt_logprobs(seq: Seq, start: int, entries: list) -> None:
+        """Record entries for prompt tokens start + 1 .. (a sequence recomputed after a preemption has some)."""
+        kept = seq.request.completions[seq.index].prompt_logprobs
+        if not kept:
+            kept.append(None)  # the first prompt token has no context
+        kept.extend(entries[max(0, len(kept) - 1 - start):])
 
     # ----------------------------------------------------------------------------------------------- LoRA adapters
 
@@ -536,15 +516,6 @@ class LLMEngine:
         name = seq.request.lora
         return name is None or self.adapters.acquire(name, {s.request.lora for s in self.scheduler.running})
 
-    def sample_row(self, seq: Seq, ahead: Sequence[int] = ()) -> SampleRow:
-        """What the sampler needs of ``seq`` for its next token, as if the ids ``ahead`` (drafts) were output."""
-        p = seq.params
-        output = seq.output_ids + list(ahead) if ahead else seq.output_ids
-        suppressed = ()
-        if len(output) < p.min_tokens:
-            suppressed = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
-        return SampleRow(p, seq.generator, seq.tokens[:seq.prompt_len], output, suppressed, seq.matcher)
-
     def _lookahead(self, seq: Seq) -> int:
         """Drafts worth verifying for ``seq`` this step: no more than its max_tokens and the context can take; none
         for a sequence with structured output (drafts are not checked against its grammar)."""
@@ -553,70 +524,57 @@ class LLMEngine:
         room = min(seq.params.max_tokens + seq.prompt_len, self.max_model_len) - len(seq.tokens) - 1
         return max(0, min(self.config.speculative_tokens, room))
 
-    def _sample(self, seqs: list[Seq], logits: torch.Tensor) -> None:
-        sample_rows = [self.sample_row(seq) for seq in seqs]
-        want_logprobs = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-        raw = logits[want_logprobs].log_softmax(dim=-1) if want_logprobs else None
-        chosen = sample(logits, sample_rows)
-        if raw is not None:
-            k = max(seqs[i].params.logprobs for i in want_logprobs)
-            picked, tops = top_logprobs(raw, chosen[want_logprobs], k)
-            for j, i in enumerate(want_logprobs):
-                seqs[i].logprobs.append((picked[j], tops[j][: seqs[i].params.logprobs]))
-        t = now()
-        for seq, token in zip(seqs, chosen.tolist(), strict=True):
-            self._append(seq, token, t)
-
     def _append(self, seq: Seq, token: int, t: float) -> None:
+        """Append a sampled token to ``seq`` and its completion's text; finish the sequence where a stop condition
+        holds."""
         p, req = seq.params, seq.request
+        done = req.completions[seq.index]
         seq.tokens.append(token)
         self.num_generation_tokens += 1
         if seq.matcher is not None:
             seq.matcher.accept(token)
-        if seq.first_token_time is None:
-            seq.first_token_time = t
-            if req.first_token_time is None:
-                req.first_token_time = t
-        seq.last_token_time = t
+        if req.first_token_time is None:
+            req.first_token_time = t
+        done.last_token_time = t
         n_out = len(seq.tokens) - seq.prompt_len
         reason, stop_reason = None, None
         if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids or (
                 seq.matcher is not None and seq.matcher.terminated):  # a grammar's end ends it, ignore_eos or not
             reason, stop_reason = "stop", token
-        elif seq.detok is not None:
-            new = seq.detok.add(token)
+        elif done.detok is not None:
+            new = done.detok.add(token)
             if n_out >= p.min_tokens:
-                hit = seq.detok.find_stop(new)
+                hit = done.detok.find_stop(new)
                 if hit is not None:
-                    seq.detok.text = seq.detok.text[:hit[0]]
+                    done.detok.text = done.detok.text[:hit[0]]
                     reason, stop_reason = "stop", hit[1]
         if reason is None and (n_out >= p.max_tokens or len(seq.tokens) >= self.max_model_len):
             reason = "length"
-            if seq.detok is not None:
-                seq.detok.flush()
+            if done.detok is not None:
+                done.detok.flush()
         if reason is not None:
-            seq.stop_reason = stop_reason
+            done.stop_reason = stop_reason
             self.scheduler.finish(seq, reason)
 
     def _output(self, req: Request) -> RequestOutput:
         outs = []
         generated = 0
-        for seq in req.seqs:
+        for seq, done in zip(req.seqs, req.completions, strict=True):
             ids = seq.output_ids
             generated += len(ids)
-            lps = seq.logprobs if seq.params.logprobs is not None else None
-            if seq.finish_reason == "stop" and isinstance(seq.stop_reason, int):
+            lps = done.logprobs if seq.params.logprobs is not None else None
+            if seq.finish_reason == "stop" and isinstance(done.stop_reason, int):
                 ids = ids[:-1]  # the EOS / stop token ends the sequence but is not part of it
                 lps = lps[:len(ids)] if lps is not None else None
             finished = seq.status == FINISHED
-            text = seq.detok.stable_text(finished) if seq.detok is not None else ""
-            outs.append(CompletionOutput(seq.index, text, ids, lps, seq.finish_reason, seq.stop_reason))
-        first = req.seqs[0]
+            text = done.detok.stable_text(finished) if done.detok is not None else ""
+            outs.append(CompletionOutput(seq.index, text, ids, lps, seq.finish_reason, done.stop_reason))
+        first = req.completions[0]
         metrics = {"arrival_time": req.arrival, "first_token_time": req.first_token_time,
-                   "last_token_time": max((s.last_token_time or 0.0) for s in req.seqs) or None}
+                   "last_token_time": max((c.last_token_time or 0.0) for c in req.completions) or None}
         return RequestOutput(req.request_id, req.prompt, req.prompt_ids,
                              (first.prompt_logprobs or [None]) if req.params.prompt_logprobs is not None else None,
-                             outs, req.finished, first.num_cached, generated, metrics)
+                             outs, req.finished, req.seqs[0].num_cached, generated, metrics)
 
     # ----------------------------------------------------------------------------------------------- batch API
 

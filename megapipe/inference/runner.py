@@ -14,12 +14,17 @@ per-operation overhead of ~70 small tensor operations per layer, not by the matm
 attention's, whose cache is the latent pool of megapipe.inference.kv_cache; a hybrid model's Mamba, attention and
 MLP layers, whose Mamba mixers keep their state in megapipe.inference.state_cache) run through the model's own
 forward, their linears packed all the same (the Mamba mixer calls its projections as modules).
+
+``ModelRunner.execute`` takes the scheduler's plan of a step (megapipe.inference.scheduler.SchedulerOutput), lays
+out the flattened batch and which of its rows need logits (the one place that does), runs it, and samples: one
+:class:`RunnerOutput`, which the engine applies (``LLMEngine.update_from_output``).
 """
 
 from __future__ import annotations
 
 import functools
 import sys
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
@@ -32,6 +37,8 @@ from megapipe.errors import ConfigError, MegapipeError
 from megapipe.inference.host_memory import collapse_resident_memory, keep_freed_buffers
 from megapipe.inference.images import multimodal_step
 from megapipe.inference.kv_cache import KVPool, PagedBatch, layer_windows
+from megapipe.inference.sampling import SampleRow, sample, top_logprobs
+from megapipe.inference.scheduler import SchedulerOutput
 from megapipe.inference.state_cache import StatePool
 from megapipe.models.capabilities import capabilities, describe
 from megapipe.models.dense import FeedForward, TransformerBlock
@@ -357,11 +364,27 @@ def say_once(message: str) -> None:
     print(f"megapipe: {message}", file=sys.stderr, flush=True)
 
 
+@dataclass
+class RunnerOutput:
+    """What a step computed, by seq_id. ``sampled``: the tokens each sequence that reached its end emits, in the
+    order they were drawn (verified sequences first): one, or under speculative decoding its accepted drafts and the
+    token after them (``num_accepted`` of them drafts, for every verified sequence). ``logprobs``: (logprob, top
+    alternatives) per sampled token, for sequences that asked. ``prompt_logprobs``: (p, entries) where entry i is
+    prompt token p + 1 + i's, for sequences whose chunk covered prompt positions and that asked."""
+
+    sampled: dict[int, list[int]] = field(default_factory=dict)
+    logprobs: dict[int, list] = field(default_factory=dict)
+    prompt_logprobs: dict[int, tuple[int, list]] = field(default_factory=dict)
+    num_accepted: dict[int, int] = field(default_factory=dict)
+
+
 class ModelRunner:
     def __init__(self, model, pool: KVPool, pack: Optional[bool] = None, huge_pages: Optional[bool] = None,
                  cpu_kernels: Optional[bool] = None, states: Optional[StatePool] = None,
-                 bf16_linear: str = "auto"):
+                 bf16_linear: str = "auto", eos_token_ids: Sequence[int] = ()):
         self.model, self.pool, self.states = model, pool, states
+        self.eos_token_ids = list(eos_token_ids)  # suppressed before a sequence's min_tokens
+        self.speculator = None  # the drafter and verifier under speculative decoding (megapipe.inference.speculative)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
@@ -447,6 +470,102 @@ class ModelRunner:
         self.head_weight = self.model.output_weight().detach()
         if self.head is not None:
             repack(self.head, self.head_weight, None)
+
+    def sample_row(self, seq, ahead: Sequence[int] = ()) -> SampleRow:
+        """What the sampler needs of ``seq`` for its next token, as if the ids ``ahead`` (drafts) were output."""
+        p = seq.params
+        output = seq.output_ids + list(ahead) if ahead else seq.output_ids
+        suppressed = ()
+        if len(output) < p.min_tokens:
+            suppressed = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_token_ids)
+        return SampleRow(p, seq.generator, seq.tokens[:seq.prompt_len], output, suppressed, seq.matcher)
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        """Run the step ``plan``: its decodes (those with a lookahead verify drafts the speculator proposes now, as a
+        chunk of the last token and its drafts), then its chunks, flattened in that order; logits of the rows that
+        are sampled, verified or scored for prompt logprobs; then drafts verified and tokens sampled. Reads the
+        sequences, changes none of their tokens or counts (drafters keep their own state)."""
+        spec = self.speculator
+        decodes, verify = plan.decodes, []
+        if spec is not None:
+            verify = [s for s in decodes if s.num_lookahead]
+            decodes = [s for s in decodes if not s.num_lookahead]
+            spec.propose(verify)
+        # (sequence, first position, tokens) of each part of the flattened batch, and its first row there
+        work = [(s, s.num_computed, [s.tokens[s.num_computed]]) for s in decodes]
+        work += [(s, s.num_computed, s.tokens[s.num_computed:] + s.draft.tokens) for s in verify]
+        work += [(s, s.num_computed, s.tokens[s.num_computed:s.num_computed + n]) for s, n in plan.chunks]
+        rows, samplers, prompt_rows, checked, at = [], [], [], [], []
+        offset = 0
+        for i, (seq, start, toks) in enumerate(work):
+            at.append(offset)
+            n = len(toks)
+            if len(decodes) <= i < len(decodes) + len(verify):
+                checked.append((seq, len(rows), offset))
+                rows.extend(range(offset, offset + n))
+            else:
+                if seq.params.prompt_logprobs is not None:  # position p predicts prompt token p + 1
+                    last = min(start + n, seq.prompt_len - 1)
+                    if start < last:
+                        prompt_rows.append((seq, start, last, len(rows)))
+                        rows.extend(range(offset, offset + last - start))
+                if start + n == len(seq.tokens):
+                    samplers.append((seq, len(rows)))
+                    rows.append(offset + n - 1)
+            offset += n
+        want_hidden = spec is not None and spec.needs_hidden
+        lora_rows = None
+        if self.adapters is not None:  # each row's adapter slot
+            lora_rows = [r for s, _, toks in work for r in [self.adapters.slot(s.request.lora)] * len(toks)]
+        images = [s.request.images for s, _, _ in work]
+        logits = self.run([(plan.tables[s.seq_id], start, toks[0]) for s, start, toks in work[:len(decodes)]],
+                          [(plan.tables[s.seq_id], start, toks) for s, start, toks in work[len(decodes):]], rows,
+                          hidden=want_hidden, state_slots=[s.state_slot for s, _, _ in work] if self.states else None,
+                          images=images if any(i is not None for i in images) else None, lora_rows=lora_rows)
+        hidden = None
+        if want_hidden:
+            logits, hidden = logits
+            verified = range(len(decodes), len(decodes) + len(verify))  # those keep theirs once verified
+            for i, ((seq, start, toks), first) in enumerate(zip(work, at, strict=True)):
+                if i not in verified:  # a decode without drafts (budget, last token) keeps the chain going
+                    spec.record(seq, start, hidden[first:first + len(toks)])
+        out = RunnerOutput()
+        for seq, start, last, row in prompt_rows:
+            scored = logits[row:row + last - start].log_softmax(dim=-1)
+            targets = torch.tensor(seq.tokens[start + 1:last + 1], device=logits.device)
+            picked, tops = top_logprobs(scored, targets, seq.params.prompt_logprobs)
+            out.prompt_logprobs[seq.seq_id] = (start, list(zip(picked, tops, strict=True)))
+        for seq, row, first in checked:
+            self._verify(seq, logits[row:row + 1 + len(seq.draft.tokens)],
+                         hidden[first:] if hidden is not None else None, out)
+        if samplers:
+            self._sample([s for s, _ in samplers], logits if len(samplers) == len(rows)
+                         else logits[[row for _, row in samplers]], out)
+        return out
+
+    def _verify(self, seq, logits: torch.Tensor, hidden: Optional[torch.Tensor], out: RunnerOutput) -> None:
+        """``seq``'s drafts checked against its logits [1 + drafts, V]: the tokens it emits (the accepted drafts and
+        the one after them)."""
+        emitted = self.speculator.verify(seq, logits)
+        self.speculator.keep(seq, seq.num_computed, hidden[:len(emitted)] if hidden is not None else None)
+        out.sampled[seq.seq_id] = emitted
+        out.num_accepted[seq.seq_id] = len(emitted) - 1
+        if seq.params.logprobs is not None:
+            raw = logits[:len(emitted)].log_softmax(dim=-1)
+            picked, tops = top_logprobs(raw, torch.tensor(emitted, device=raw.device), seq.params.logprobs)
+            out.logprobs[seq.seq_id] = list(zip(picked, tops, strict=True))
+
+    def _sample(self, seqs: list, logits: torch.Tensor, out: RunnerOutput) -> None:
+        want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        raw = logits[want].log_softmax(dim=-1) if want else None  # before the sampler's processors
+        chosen = sample(logits, [self.sample_row(seq) for seq in seqs])
+        if want:
+            picked, tops = top_logprobs(raw, chosen[want], max(seqs[i].params.logprobs for i in want))
+            for j, i in enumerate(want):
+                out.logprobs[seqs[i].seq_id] = [(picked[j], tops[j][:seqs[i].params.logprobs])]
+        for seq, token in zip(seqs, chosen.tolist(), strict=True):
+            out.sampled[seq.seq_id] = [token]
 
     @torch.inference_mode()
     def run(self, decodes: Sequence[tuple[Sequence[int], int, int]],

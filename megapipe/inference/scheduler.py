@@ -12,13 +12,18 @@ Every step is planned afresh under a token budget (``max_num_batched_tokens``):
 
 A sequence's state is its tokens (prompt + generated) and ``num_computed``, how many of them have keys/values in its
 blocks; the step computes ``tokens[num_computed : num_computed + n]``. A hybrid model's sequences also hold a slot
-of recurrent state (``states``, megapipe.inference.state_cache) from admission to finish or preemption.
+of recurrent state (``states``, megapipe.inference.state_cache) from admission to finish or preemption. What a
+sequence has output (text, log-probs, timings) is the engine's, not the scheduler's (megapipe.inference.engine).
+
+``schedule()`` returns one :class:`SchedulerOutput`, which the runner executes (megapipe.inference.runner) and the
+engine applies (``LLMEngine.update_from_output``).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -47,14 +52,8 @@ class Sequence:
         self.num_cached = 0  # prompt tokens found in the prefix cache at first admission
         self.status = WAITING
         self.finish_reason: Optional[str] = None
-        self.stop_reason = None  # the stop string or token id that ended it
-        self.logprobs: list = []  # per generated token: (logprob, [(id, logprob), ...])
-        self.prompt_logprobs: list = []  # per prompt token from the second on
         self.after: Optional[Sequence] = None  # a sibling whose prompt is computed first (then shared via the cache)
-        self.detok = None
         self.matcher = None  # structured output: its grammar's Matcher (megapipe.inference.structured)
-        self.first_token_time: Optional[float] = None
-        self.last_token_time: Optional[float] = None
         self.preemptions = 0
         self.num_lookahead = 0  # draft tokens the current step verifies after its last token (speculative decoding)
         self.state_slot: Optional[int] = None  # its slot in the Mamba layers' state pool (hybrid models)
@@ -75,6 +74,38 @@ class Sequence:
         return self.hashes
 
 
+@dataclass
+class SchedulerOutput:
+    """One step's plan. ``decodes`` compute their last token (``tokens[num_computed]``) and, under speculative
+    decoding, up to ``seq.num_lookahead`` drafts after it; ``chunks`` compute ``n`` tokens of their prompt (or of
+    their tokens again after a preemption), from ``num_computed``. ``new``: the sequences admitted this step (their
+    first chunk is among ``chunks``); ``preempted``: those sent back to waiting; ``tables``: each scheduled
+    sequence's block table(s), by seq_id (``Scheduler.table``), with blocks for its tokens allocated."""
+
+    decodes: list[Sequence] = field(default_factory=list)
+    chunks: list[tuple[Sequence, int]] = field(default_factory=list)
+    new: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    tables: dict = field(default_factory=dict)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decodes and not self.chunks
+
+    @property
+    def num_scheduled_tokens(self) -> dict[int, int]:
+        """seq_id -> tokens (at most) the step computes for it: 1 + lookahead per decode, n per chunk."""
+        out = {s.seq_id: 1 + s.num_lookahead for s in self.decodes}
+        out.update((s.seq_id, n) for s, n in self.chunks)
+        return out
+
+    @property
+    def continuing(self) -> list[Sequence]:
+        """Scheduled sequences that were running before this step."""
+        new = {s.seq_id for s in self.new}
+        return list(self.decodes) + [s for s, _ in self.chunks if s.seq_id not in new]
+
+
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  lookahead: Optional[Callable[[Sequence], int]] = None, states: Optional[StatePool] = None,
@@ -93,6 +124,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._preempted: list[Sequence] = []  # this step's, for its SchedulerOutput
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -113,6 +145,7 @@ class Scheduler:
         seq.status = WAITING
         seq.preemptions += 1
         self.num_preemptions += 1
+        self._preempted.append(seq)
         self.waiting.appendleft(seq)
 
     def table(self, seq: Sequence):
@@ -173,14 +206,20 @@ class Scheduler:
             self._preempt(victims[-1])
         return True
 
-    def schedule(self) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
-        """-> (decodes: one token each + ``seq.num_lookahead`` drafts, chunks: (seq, n tokens)); blocks for them are
-        allocated."""
+    def schedule(self) -> SchedulerOutput:
+        """The next step's plan; blocks for its tokens are allocated."""
+        self._preempted = []
+        out = self._plan()
+        out.preempted = self._preempted
+        out.tables = {s.seq_id: self.table(s) for s in out.decodes}
+        out.tables.update((s.seq_id, self.table(s)) for s, _ in out.chunks)
+        return out
+
+    def _plan(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
-        decodes: list[Sequence] = []
-        chunks: list[tuple[Sequence, int]] = []
+        out = SchedulerOutput()
+        decodes, chunks = out.decodes, out.chunks
         scheduled: set[int] = set()
-        preempted = self.num_preemptions
         if self.window is not None:
             for seq in self.running:
                 self._evict(seq)
@@ -210,8 +249,8 @@ class Scheduler:
             chunks.append((seq, n))
             scheduled.add(seq.seq_id)
             budget -= n
-        if self.num_preemptions != preempted:
-            return decodes, chunks  # the pool is short: admit nobody this step
+        if self._preempted:
+            return out  # the pool is short: admit nobody this step
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if self.admit is not None and not self.admit(seq):
@@ -236,9 +275,10 @@ class Scheduler:
             seq.status = RUNNING
             self.running.append(seq)
             chunks.append((seq, n))
+            out.new.append(seq)
             scheduled.add(seq.seq_id)
             budget -= n
-        return decodes, chunks
+        return out
 
     def _cached_prefix(self, seq: Sequence) -> None:
         """Take the longest cached prefix of ``seq``'s full blocks (under ``window_blocks``, one whose last window

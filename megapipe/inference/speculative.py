@@ -99,7 +99,7 @@ def accept_sampled(draft: Sequence[int], q: torch.Tensor, p: torch.Tensor,
 
 class Speculator:
     """Verifies the drafts each sequence was given (``propose``, by a subclass) and keeps the acceptance counts
-    (``stats``). ``sample_row(seq, ahead)`` is the engine's SampleRow of a sequence as if the ids ``ahead`` were
+    (``stats``). ``sample_row(seq, ahead)`` is the runner's SampleRow of a sequence as if the ids ``ahead`` were
     already output. ``needs_hidden``: the drafter reads the main model's final hidden states (``record``, ``keep``)."""
 
     needs_hidden = False

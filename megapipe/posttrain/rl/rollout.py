@@ -87,9 +87,9 @@ def sample_groups(engine, prompt_ids: list[list[int]], seeds: list[int], params)
     groups = []
     for req, out in finished:
         group = []
-        for c, seq in zip(out.outputs, req.seqs, strict=True):
+        for c, seq, done in zip(out.outputs, req.seqs, req.completions, strict=True):
             ids = list(seq.output_ids)
-            lps = [lp for lp, _ in seq.logprobs]
+            lps = [lp for lp, _ in done.logprobs]
             if len(lps) != len(ids):
                 raise MegapipeError(f"the engine reported {len(lps)} log-probs for {len(ids)} sampled tokens")
             group.append(Sample(ids, lps, c.text, c.finish_reason == "length"))
