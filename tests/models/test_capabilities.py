@@ -37,6 +37,10 @@ def test_a_row_is_the_meet_of_kinds_and_family():
     (lambda: require(ModelConfig(), "pretrain", layouts=["tp", "ep"]),
      "pretrain of Llama models does not support layouts ep (supported: dp_replicate, dp_shard, tp, sp, pp, cp)"),
     (lambda: require(MIXTRAL, "sft", lora=["q", "gate"]), "sft of Mixtral models does not support lora gate"),
+    # the published MXFP4 experts: why they are not re-exported for TensorRT-LLM
+    (lambda: require(ModelConfig(arch="gpt_oss", num_experts=4, attention_sinks=True), "export_trt"),
+     "export trt does not support GPT-OSS models (ModelOpt 0.47.0's export_hf_checkpoint writes GPT-OSS experts as "
+     "weight-only MXFP4"),
 ])
 def test_refusals_are_one_sentence_naming_architecture_and_stage(call, words):
     with pytest.raises(MegapipeError) as e:
