@@ -146,19 +146,26 @@ def held_out_accuracy(ckpt: Path, args) -> float:
     """Greedy accuracy of the checkpoint on --held-out additions rendered as the runs render theirs (the model's
     chat template), at the runs' completion limit, through megapipe's engine."""
     from megapipe.config import RLConfig
+    from megapipe.posttrain.rl.tasks import build_task
+
+    task = build_task(RLConfig(task="arithmetic", arithmetic_max=args.arithmetic_max), HELD_OUT_SEED)
+    prompts = [task.prompt(i) for i in range(args.held_out)]
+    texts = greedy(ckpt, [p.prompt for p in prompts], args.max_completion_tokens)
+    return sum(task.accuracy(t, p.fields) for t, p in zip(texts, prompts, strict=True)) / len(prompts)
+
+
+def greedy(ckpt: Path, prompts: list, max_tokens: int) -> list[str]:
+    """The checkpoint's greedy completions of the prompts (strings or chat messages) under its chat template, on
+    megapipe's engine, as ``posttrain rl`` renders its prompts."""
     from megapipe.data.chat_template import load_chat_template
     from megapipe.inference import LLMEngine, SamplingParams
     from megapipe.posttrain.rl.rollout import PromptRenderer
-    from megapipe.posttrain.rl.tasks import build_task
 
-    engine = LLMEngine.from_pretrained(ckpt, device="cpu", dtype="fp32", max_num_seqs=args.held_out)
-    task = build_task(RLConfig(task="arithmetic", arithmetic_max=args.arithmetic_max), HELD_OUT_SEED)
+    engine = LLMEngine.from_pretrained(ckpt, device="cpu", dtype="fp32", max_num_seqs=len(prompts))
     renderer = PromptRenderer(engine.tokenizer, load_chat_template(engine.tokenizer.path), None, 64)
-    prompts = [task.prompt(i) for i in range(args.held_out)]
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_completion_tokens)
-    outputs = engine.generate([renderer.encode(p.prompt, p.where) for p in prompts], params)
-    return sum(task.accuracy(o.outputs[0].text, p.fields) for o, p in zip(outputs, prompts, strict=True)) / len(prompts)
-
+    outputs = engine.generate([renderer.encode(p, f"prompt {i}") for i, p in enumerate(prompts)],
+                              SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    return [o.outputs[0].text for o in outputs]
 
 if __name__ == "__main__":
     sys.exit(main())

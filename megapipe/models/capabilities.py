@@ -87,7 +87,8 @@ KINDS: dict[str, Capabilities] = {
     # attention with learned sinks (GPT-OSS, megapipe.models.attention.sink_attention): every layout
     # (tests/parallel/test_dist_layouts.py: FSDP, DDP, HSDP, TP with and without SP, the sinks split with the heads,
     # PP, EP, CP, whose ring attention adds the sink to each row's log-sum-exp, and their combinations); the engine's
-    # paged attention applies them (torch paths and CPU kernel), speculative decoding was not run with them;
+    # paged attention applies them (torch paths and CPU kernel), n-gram speculation too (its rollback beside the
+    # windowed layer's eviction: tests/inference/test_gpt_oss_engine.py), MTP drafting was not run with them;
     # generate, serve, eval and RL run on the engine; distillation, DPO, reward models, pruning, ModelOpt and the
     # TensorRT-LLM writers were not checked on them; HF export writes GptOssForCausalLM (unquantized)
     "sinks": Capabilities(engine=frozenset(ENGINE) - {"speculative"},
@@ -116,7 +117,7 @@ KINDS: dict[str, Capabilities] = {
                                stages=frozenset({"pretrain", "sft", "eval", "generate", "serve", "export_hf"})),
 }
 # why a kind lacks a feature, where the refusal should say (require adds it): (kind, field, value) -> the reason
-WHY = {("compressed", "layouts", "cp"): "ring attention through DeepSeek-V4's compressor is not implemented"}
+FEATURE_WHY = {("compressed", "layouts", "cp"): "ring attention through DeepSeek-V4's compressor is not implemented"}
 # Falcon-H1's layers (megapipe.models.parallel_hybrid): a Mamba-2 mixer beside the attention, so what Mamba layers allow
 KINDS["parallel_hybrid"] = KINDS["mamba"]
 
@@ -159,7 +160,8 @@ FAMILIES: dict[str, Capabilities] = {
                                stages=frozenset({"pretrain", "sft", "eval", "generate", "serve", "export_hf"})),
 }
 # sliding-window layers among full-attention ones (model.window_attn_skip_freq): the engine's paged cache takes each
-# layer's window (speculative decoding was not run with them), and so does the ring attention of cp; the TensorRT-LLM
+# layer's window (n-gram speculation rolls back beside its eviction; MTP drafting was not run with them: an MTP
+# block's cache lags the main model's by its depth, which the windowed table's eviction does not allow for), and so does the ring attention of cp; the TensorRT-LLM
 # writers take one window for every layer
 MIXED_WINDOWS = _without(engine={"speculative"}, stages={"quantize", "export_trt"})
 
@@ -172,6 +174,17 @@ MTP = _without(stages={"export_trt"})
 MTP_HF_FAMILIES = ("deepseek_v3",)
 # speculative decoding drafts with the MTP modules (megapipe.inference.speculative): a model without them has none
 NO_MTP = _without(engine={"speculative"})
+
+# why a family refuses a stage, where the table's one line does not say it (appended to the refusal)
+STAGE_WHY: dict[tuple[str, str], str] = {
+    # checked with nvidia-modelopt 0.47.0 on a tiny GptOssForCausalLM under MXFP4_MLP_WEIGHT_ONLY_CFG
+    ("gpt_oss", "export_trt"): (
+        "ModelOpt 0.47.0's export_hf_checkpoint writes GPT-OSS experts as weight-only MXFP4 (quant_algo 'mxfp4') "
+        "with the 32-value blocks along the output features of transformers' [experts, in, out] tensors (its "
+        "maybe_transpose_expert_weight_dimensions runs for NVFP4 only), not along the input features as the published "
+        "*_blocks / *_scales are, so there is no MXFP4 layout to hold a megapipe writer to; export hf writes GPT-OSS "
+        "unquantized"),
+}
 
 LABELS = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "gpt2": "GPT-2",
           "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "deepseek_v3": "DeepSeek-V3",
@@ -255,7 +268,8 @@ def require(cfg, stage: str, where: str = "", **features: Optional[object]) -> N
                             "reward model is trained (posttrain rm), exported (export hf), served on /pooling or "
                             "used by posttrain rl --reward-model")
     if stage not in row.stages:
-        raise MegapipeError(f"{prefix}{what} does not support {name} models (megapipe/models/capabilities.py)")
+        why = STAGE_WHY.get((cfg.arch, stage), "megapipe/models/capabilities.py")
+        raise MegapipeError(f"{prefix}{what} does not support {name} models ({why})")
     for key, value in features.items():
         if value is None or value is False:
             continue
@@ -268,7 +282,8 @@ def require(cfg, stage: str, where: str = "", **features: Optional[object]) -> N
         missing = [v for v in wanted if v not in declared]
         if missing:
             have = ", ".join(v for v in _ORDER[key] if v in declared) or "none"
-            why = "".join(f": {WHY[k, key, v]}" for k in kinds_of(cfg) for v in missing if (k, key, v) in WHY)
+            why = "".join(f": {FEATURE_WHY[k, key, v]}" for k in kinds_of(cfg) for v in missing
+                          if (k, key, v) in FEATURE_WHY)
             raise MegapipeError(f"{prefix}{what} of {name} models does not support {key} "
                                 f"{', '.join(map(str, missing))} (supported: {have}){why}")
 

@@ -11,7 +11,8 @@ MoE models ("model=moe", ...) are compared with a reference that runs the same m
 are per micro-batch), and also on their expert biases (aux-loss-free balancing) and MoE metrics after every step.
 Rank 0 writes {case: {"loss_rel": .., "grad_abs": .., "param_abs": .., "norm_rel": .., "error": ..}} to OUT.json.
 
-"optim=muon" trains with Muon + AdamW (megapipe.training.optim) instead of SGD, in the layout and the reference.
+"optim=muon" trains with Muon + AdamW (megapipe.training.optim) instead of SGD, in the layout and the reference, for
+MUON_STEPS steps.
 
 Checkpoint cases (AdamW, or Muon + AdamW with "optim=muon"; next to OUT.json): "tp2,pp2:save=NAME" trains 2 steps, saves NAME/step_00000002 with
 megapipe.checkpoint and writes the full model + optimizer tensors to NAME.ref.pt (plus the loss of a 3rd step);
@@ -38,6 +39,7 @@ from megapipe.training.optim import build_optimizer
 
 SEQ, GLOBAL_BATCH, MICRO, STEPS, LR, CLIP = 16, 8, 2, 3, 0.5, 0.8
 MUON_LR = 0.02
+MUON_STEPS = 10  # each layout equals one process over 10 Muon steps (the bar), SGD cases take STEPS
 
 # Each model is labelled with the Hugging Face family (ModelConfig.arch) it is shaped like: every parallel layout an
 # architecture declares (megapipe.models.capabilities) runs on a model of that architecture in test_dist_layouts.py.
@@ -253,6 +255,10 @@ def optimizer(model, opts: dict) -> torch.optim.Optimizer:
     return muon(model) if opts.get("optim") == "muon" else sgd(model)
 
 
+def num_steps(opts: dict) -> int:
+    return MUON_STEPS if opts.get("optim") == "muon" else STEPS
+
+
 _REFERENCE: dict = {}
 
 
@@ -267,7 +273,7 @@ def reference(cfg: Config, masked: bool = False, opts: dict | None = None) -> di
     opt = optimizer(model, opts)
     trivial = ParallelDims()
     out = {"losses": [], "biases": [], "moe": [], "init": {n: p.detach().clone() for n, p in model.named_parameters()}}
-    for i, batch in enumerate(batches(cfg, STEPS, masked)):
+    for i, batch in enumerate(batches(cfg, num_steps(opts), masked)):
         opt.zero_grad()
         result = train_step(model, micro(batch, 0, GLOBAL_BATCH, MICRO) if cfg.model.is_moe else [batch], trivial)
         out["losses"].append(result.item())
@@ -336,7 +342,7 @@ def run_case(text: str) -> dict:
     lo = dims.dp_rank * per_rank
     res = {"loss_rel": 0.0, "bias_abs": 0.0, "moe_rel": 0.0}
     init = {n: full(p.detach()).clone() for n, p in model.named_parameters()}
-    for i, batch in enumerate(batches(cfg, STEPS, masked)):
+    for i, batch in enumerate(batches(cfg, num_steps(opts), masked)):
         opt.zero_grad()
         result = train_step(model, micro(batch, lo, lo + per_rank, MICRO), dims, fused=fused)
         loss = result.item()
@@ -360,7 +366,7 @@ def run_case(text: str) -> dict:
             # the skewed model: no token for experts 2 and 3, whose ep ranks got nothing to compute
             res["idle_experts"] = float(all(load[2:].sum() == 0 for load in result.expert_load.values()))
     res["param_abs"] = max_diff(model.named_parameters(), ref["params"])
-    # what the 3 steps changed, against what they changed in the reference: 1.0 for a run that never updates
+    # what the steps changed, against what they changed in the reference: 1.0 for a run that never updates
     updates = ((n, full(p.detach()) - init[n]) for n, p in model.named_parameters())
     res["update_rel"] = max_rel(updates, {n: ref["params"][n] - ref["init"][n] for n in ref["params"]})
     # master weights and their gradients stay fp32 whatever the compute precision

@@ -167,3 +167,35 @@ def test_a_prefix_hit_needs_only_the_windowed_blocks_within_the_window(gpt_oss, 
     got = engine.generate([second], params)[0]
     assert got.num_cached_tokens == 28 and got.outputs[0].token_ids == hf_greedy(hf, second, 8)
     assert engine.blocks.usage() == windowed.usage() == 0
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "mistral"])
+def test_ngram_drafts_rolled_back_behind_a_moving_window(name, request, one_thread):
+    """Prompt-lookup speculation on windowed layers (GPT-OSS: window 4 in the windowed layer's own block table;
+    Mistral: every layer windowed, 8): blocks behind the window are given back only up to the accepted tokens
+    (``num_computed``), so rejected drafts rolled back never took a block a later query reads, and the greedy tokens
+    are transformers'."""
+    path, hf = request.getfixturevalue(name)
+    plain = LLMEngine.from_pretrained(path, device="cpu", block_size=4)
+    params = SamplingParams(max_tokens=40, **GREEDY)
+    head = list(range(60, 68))
+    # the head, its greedy continuation, the head again: the lookup proposes that continuation (which this random
+    # model does not repeat: every draft is rejected and rolled back); 56 + 40 tokens within the model's 128
+    prompt = head + plain.generate([head], params)[0].outputs[0].token_ids + head
+    engine = LLMEngine.from_pretrained(path, device="cpu", block_size=4, speculative_tokens=3,
+                                       speculative_method="ngram", prompt_lookup_min=1)
+    sched, rollbacks = engine.scheduler, []
+    rollback = sched.rollback
+
+    def recording(seq):
+        table = seq.window_ids if sched.window_blocks is not None else seq.block_ids
+        before = len(table)
+        rollback(seq)
+        rollbacks.append((before - len(table), seq.num_window_evicted + seq.num_evicted))
+
+    sched.rollback = recording
+    assert engine.generate([prompt], params)[0].outputs[0].token_ids == hf_greedy(hf, prompt, 40)
+    stats = engine.stats()
+    assert stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+    assert any(released and evicted for released, evicted in rollbacks)  # drafts rejected behind a moved window
+    assert engine.blocks.usage() == 0 and (sched.window_blocks is None or sched.window_blocks.usage() == 0)

@@ -41,6 +41,10 @@ def test_a_row_is_the_meet_of_kinds_and_family():
     (lambda: require(ModelConfig(**MODELS["dsv4"]), "pretrain", layouts=["tp", "pp", "cp"]),
      "pretrain of DeepSeek-V4 models does not support layouts cp (supported: dp_replicate, dp_shard, tp, sp, pp, ep): "
      "ring attention through DeepSeek-V4's compressor is not implemented"),
+    # the published MXFP4 experts: why they are not re-exported for TensorRT-LLM
+    (lambda: require(ModelConfig(arch="gpt_oss", num_experts=4, attention_sinks=True), "export_trt"),
+     "export trt does not support GPT-OSS models (ModelOpt 0.47.0's export_hf_checkpoint writes GPT-OSS experts as "
+     "weight-only MXFP4"),
 ])
 def test_refusals_are_one_sentence_naming_architecture_and_stage(call, words):
     with pytest.raises(MegapipeError) as e:

@@ -8,7 +8,8 @@ architecture, and no case runs a layout its model does not declare (both checked
 SGD as the trainer builds it (megapipe.training.optim: foreach once any parameter is a DTensor, which fails on a mix
 of plain tensors and DTensors). Bounds: loss relative difference <= 1e-5 over 3 steps; gradients after step 1,
 clipped-gradient norm and weights after 3 steps within 1e-6 absolute (observed: ~1e-7 relative losses, ~1e-8
-absolute tensors: the order of fp32 summations differs between layouts, nothing else). MoE models (expert
+absolute tensors: the order of fp32 summations differs between layouts, nothing else); Muon cases over 10 steps,
+their weights within 1e-5. MoE models (expert
 parallelism "epN" alone and with dp / tp / pp / cp, and MoE under the other layouts) also match on their expert
 biases after every step (aux-loss-free balancing: exactly) and on their MoE metrics (balancing losses, expert load,
 dropped fraction: 1e-5 relative).
@@ -205,8 +206,8 @@ def check_equivalence(res: dict, world: int, layout: str) -> None:
     assert "error" not in res, res.get("trace", res)
     assert res["loss_rel"] <= 1e-5, res
     # Newton-Schulz amplifies the gradients' fp32 summation-order differences (~5e-7) about 40-fold in what Muon's
-    # 3 steps change (observed: update_rel 2e-5, weights 8e-7 at most)
-    param_bound = 2e-6 if "optim=muon" in layout else 1e-6
+    # 10 steps change (observed: update_rel 1.6e-5, weights 1.6e-6 at most); 1e-5 is the issue's bar for Muon
+    param_bound = 1e-5 if "optim=muon" in layout else 1e-6
     assert res["grad_abs"] <= 1e-6 and res["param_abs"] <= param_bound and res["norm_rel"] <= 1e-5, res
     if "optim=muon" in layout:
         assert res["update_rel"] <= 1e-4, res
