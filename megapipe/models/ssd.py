@@ -44,11 +44,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     if document_ids is None:
         prefix = state.to(x.dtype).transpose(1, 2) if state is not None else None  # [B, K-1, C]
         y = _DepthwiseCausalConv.apply(x, prefix, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
-        if s >= k - 1:
-            last = x[:, s - k + 1:]
-        else:
-            last = torch.cat([x.new_zeros(b, k - 1 - s, c) if prefix is None else prefix[:, s:], x], dim=1)
-        return y, last.transpose(1, 2).contiguous()
+        return y, conv_state_after(x, k, state)
     prefix = state.to(x.dtype) if state is not None else x.new_zeros(b, c, k - 1)
     full = torch.cat([prefix, x.transpose(1, 2)], dim=-1)  # [B, C, K-1+S]
     runs = document_runs(document_ids)
@@ -58,8 +54,25 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     y = torch.einsum("bcsk,ck,bsk->bsc", windows, weight.to(x.dtype), keep)
     if bias is not None:
         y = y + bias.to(x.dtype)
-    new_state = full[..., s:] * (runs_full[:, s:] == runs[:, -1:]).to(x.dtype)[:, None, :]
-    return y, new_state
+    return y, conv_state_after(x, k, state, document_ids)
+
+
+def conv_state_after(x: torch.Tensor, k: int, state: Optional[torch.Tensor] = None,
+                     document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The conv window [B, C, K-1] after x [B, S, C] from ``state`` (zeros if None): the last K-1 inputs, oldest
+    first, those before the last document zeroed."""
+    b, s, c = x.shape
+    tail = x[:, max(s - k + 1, 0):].transpose(1, 2)
+    if s >= k - 1:
+        window = tail.contiguous()
+    else:
+        prefix = state.to(x.dtype) if state is not None else x.new_zeros(b, c, k - 1)
+        window = torch.cat([prefix[..., s:], tail], dim=-1)
+    if document_ids is None:
+        return window
+    runs = document_runs(document_ids)
+    runs_full = torch.cat([runs[:, :1].expand(b, k - 1), runs], dim=-1)  # the state continues the first document
+    return window * (runs_full[:, s:] == runs[:, -1:]).to(x.dtype)[:, None, :]
 
 
 class _DepthwiseCausalConv(torch.autograd.Function):
