@@ -164,8 +164,9 @@ class Mamba2Mixer(nn.Module):
         conv weight [C, K], conv bias [C] or None, dt_bias, A and D (fp32 [heads]), the dt limits, the groups."""
         weight, bias = self.conv_params()
         lo, hi = self.dt_limit
+        groups = (weight.shape[0] - local(self.conv_x.weight).shape[0]) // 2 // self.state_dim  # B's width / state
         return (weight, bias, local(self.dt_bias).float(), -torch.exp(local(self.A_log).float()), local(self.D).float(),
-                lo, hi, local(self.in_B.weight).shape[0] // self.state_dim)
+                lo, hi, groups)
 
     def ssm(self, xbc: torch.Tensor, dt: torch.Tensor, conv_state: Optional[torch.Tensor] = None,
             ssm_state: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None,

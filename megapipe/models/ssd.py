@@ -191,20 +191,45 @@ def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Ten
     weighted = xdt * decay[..., -1, :, None]  # decayed to the chunk's last token
     chunk_states = weighted.transpose(-1, -2) @ Bg  # [B, G, R, c, P, N]
     into = into.exp()
-    state = (initial_state.float().view(b, g, r, p, n) if initial_state is not None
-             else x.new_zeros(b, g, r, p, n, dtype=torch.float32))
-    starts = []
-    # unbind, not chunk_states[:, c]: the backward of one indexing per chunk would allocate a zero tensor each
-    for chunk_state, chunk_decay in zip(chunk_states.unbind(3), into[..., -1].unbind(3), strict=True):
-        starts.append(state)
-        state = state * chunk_decay[..., None, None] + chunk_state
-    starts = torch.stack(starts, dim=3)  # [B, G, R, c, P, N]: the state entering each chunk
+    initial = None if initial_state is None else initial_state.float().view(b, g, r, p, n)
+    # [B, G, R, c, P, N]: the state entering each chunk (fp32 even where autocast made the chunk states bf16)
+    starts, state = _ChunkStates.apply(chunk_states.float(), into[..., -1], initial)
     y = y + (Cg @ starts.transpose(-1, -2)) * into[..., None]
     y = y.permute(0, 3, 4, 1, 2, 5).reshape(b, nc * q, h, p)[:, :s]
     state = state.view(b, h, p, n)
     if D is not None:
         y = y + x.float() * D.float()[:, None]
     return y.to(x.dtype), state
+
+
+class _ChunkStates(torch.autograd.Function):
+    """The state entering each chunk and the final one, from the chunks' own states [B, G, R, c, P, N], their
+    decays [B, G, R, c] and an initial state (None: zeros): state_{c+1} = state_c * decay_c + chunk_state_c, written
+    into one tensor as it goes; backward runs the recurrence in reverse. Only the entering states (and the decays)
+    are saved: autograd through a loop would keep every state twice (the loop's and a stacked copy) and stack the
+    chunks' gradients back together."""
+
+    @staticmethod
+    def forward(ctx, chunk_states: torch.Tensor, decay: torch.Tensor, initial: Optional[torch.Tensor]):
+        starts = torch.empty_like(chunk_states)
+        state = initial if initial is not None else chunk_states.new_zeros(starts[:, :, :, 0].shape)
+        for c in range(chunk_states.shape[3]):
+            starts[:, :, :, c] = state
+            state = torch.addcmul(chunk_states[:, :, :, c], state, decay[..., c, None, None])
+        ctx.save_for_backward(starts, decay)
+        ctx.has_initial = initial is not None
+        return starts, state
+
+    @staticmethod
+    def backward(ctx, grad_starts: torch.Tensor, grad_final: torch.Tensor):
+        starts, decay = ctx.saved_tensors
+        grad_chunks, grad_decay = torch.empty_like(starts), torch.empty_like(decay)
+        grad = grad_final  # of the state leaving chunk c, from c = last down
+        for c in reversed(range(starts.shape[3])):
+            grad_chunks[:, :, :, c] = grad
+            grad_decay[..., c] = (grad * starts[:, :, :, c]).sum((-1, -2))
+            grad = torch.addcmul(grad_starts[:, :, :, c], grad, decay[..., c, None, None])
+        return grad_chunks, grad_decay, grad if ctx.has_initial else None
 
 
 def ssd_step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,

@@ -136,3 +136,35 @@ def test_fused_path_in_the_mixer_forward(monkeypatch):
     monkeypatch.setattr(mamba_kernels, "kernels_for", lambda t: STAND_INS)
     for ours, expected in zip(forward_and_grad(), ref, strict=True):
         torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)  # round-off of sums in another order
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_chunked_scan_gradients_equal_the_recurrences(documents):
+    """ssd_chunked's gradients (x, dt, A, B, C, D, the initial state; the chunks' states passed on by their own
+    backward) against autograd through the token-by-token recurrence, in fp64."""
+    from megapipe.models.ssd import ssd_chunked
+
+    g = torch.Generator().manual_seed(8)
+    b, s, h, p, groups, n = 2, 13, 4, 3, 2, 5
+    inputs = [torch.randn(b, s, h, p, generator=g), torch.rand(b, s, h, generator=g) * 0.5 + 0.1,
+              -torch.rand(h, generator=g) - 0.2, torch.randn(b, s, groups, n, generator=g),
+              torch.randn(b, s, groups, n, generator=g), torch.randn(h, generator=g),
+              torch.randn(b, h, p, n, generator=g)]
+    docs = torch.tensor([[0] * 6 + [1] * 7, [0] * 13]) if documents else None
+    weights = torch.randn(b, s, h, p, generator=g).double(), torch.randn(b, h, p, n, generator=g).double()
+    grads = []
+    for scan in ("chunked", "recurrence"):
+        leaves = [t.double().requires_grad_() for t in inputs]
+        x, dt, A, B, C, D, init = leaves
+        if scan == "chunked":
+            y, final = ssd_chunked(x, dt, A, B, C, 4, D, None if documents else init, docs)
+        else:
+            y, final = chunk_scan(x, dt, A, B, C, 4, D, None if documents else init,
+                                  None if docs is None else docs.int(), return_final_states=True)
+        ((y.double() * weights[0]).sum() + (final.double() * weights[1]).sum()).backward()
+        grads.append([t.grad for t in leaves])
+    for i, (ours, want) in enumerate(zip(*grads, strict=True)):
+        if want is None:
+            assert ours is None
+        else:
+            torch.testing.assert_close(ours, want, rtol=1e-4, atol=1e-4, msg=f"input {i}")
