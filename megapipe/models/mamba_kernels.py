@@ -59,14 +59,21 @@ class FusedPath:
         # the kernel reads [B, C, S] channels-last (stride 1 over C): x's own memory, and the state laid out alike
         initial = None if state is None else state.to(x.dtype).transpose(1, 2).contiguous().transpose(1, 2)
         seq_idx = None if document_ids is None else ssd.document_runs(document_ids).to(torch.int32)
-        y = self.k.causal_conv1d_fn(x.transpose(1, 2), weight.to(x.dtype), None if bias is None else bias.to(x.dtype),
-                                    seq_idx=seq_idx, initial_states=initial, activation="silu")
+        y = self.k.causal_conv1d_fn(
+            x.transpose(1, 2),
+            weight.to(x.dtype),
+            None if bias is None else bias.to(x.dtype),
+            seq_idx=seq_idx,
+            initial_states=initial,
+            activation="silu",
+        )
         return y.transpose(1, 2), ssd.conv_state_after(x, weight.shape[-1], state, document_ids)
 
     def conv_step(self, x, weight, bias, state, inplace=False):
         state = state if inplace else state.clone()
-        y = self.k.causal_conv1d_update(x, state, weight.to(x.dtype), None if bias is None else bias.to(x.dtype),
-                                        activation="silu")
+        y = self.k.causal_conv1d_update(
+            x, state, weight.to(x.dtype), None if bias is None else bias.to(x.dtype), activation="silu"
+        )
         return y, state
 
     def scan(self, x, dt, A, B, C, chunk_size, D=None, initial_state=None, document_ids=None):
@@ -74,19 +81,34 @@ class FusedPath:
             return TorchPath.scan(x, dt, A, B, C, chunk_size, D, initial_state, document_ids)
         seq_idx = None if document_ids is None else ssd.document_runs(document_ids).to(torch.int32)
         initial = None if initial_state is None else initial_state.float()
-        y, state = self.k.mamba_chunk_scan_combined(x, dt.float(), A.float(), B, C, chunk_size,
-                                                    D=None if D is None else D.float(), initial_states=initial,
-                                                    seq_idx=seq_idx, return_final_states=True)
+        y, state = self.k.mamba_chunk_scan_combined(
+            x,
+            dt.float(),
+            A.float(),
+            B,
+            C,
+            chunk_size,
+            D=None if D is None else D.float(),
+            initial_states=initial,
+            seq_idx=seq_idx,
+            return_final_states=True,
+        )
         return y.to(x.dtype), state.float()
 
     def step(self, state, x, dt, A, B, C, D=None, inplace=False):
         # the kernel takes dt, A and D per channel (head x head_dim; A also per state dim): broadcast views
         state = state if inplace else state.float().clone()
         h, p, n = state.shape[1:]
-        y = self.k.selective_state_update(state, x, dt.float()[..., None].expand(-1, h, p),
-                                          A.float()[:, None, None].expand(h, p, n), B, C,
-                                          D=None if D is None else D.float()[:, None].expand(h, p),
-                                          dt_softplus=False)
+        y = self.k.selective_state_update(
+            state,
+            x,
+            dt.float()[..., None].expand(-1, h, p),
+            A.float()[:, None, None].expand(h, p, n),
+            B,
+            C,
+            D=None if D is None else D.float()[:, None].expand(h, p),
+            dt_softplus=False,
+        )
         return y.to(x.dtype), state
 
 
@@ -99,9 +121,12 @@ def imported_kernels() -> Optional[SimpleNamespace]:
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
     except Exception:  # not installed, or built against another torch / CUDA: the PyTorch path serves
         return None
-    return SimpleNamespace(causal_conv1d_fn=causal_conv1d_fn, causal_conv1d_update=causal_conv1d_update,
-                           mamba_chunk_scan_combined=mamba_chunk_scan_combined,
-                           selective_state_update=selective_state_update)
+    return SimpleNamespace(
+        causal_conv1d_fn=causal_conv1d_fn,
+        causal_conv1d_update=causal_conv1d_update,
+        mamba_chunk_scan_combined=mamba_chunk_scan_combined,
+        selective_state_update=selective_state_update,
+    )
 
 
 def kernels_for(t: torch.Tensor) -> Optional[SimpleNamespace]:

@@ -62,7 +62,7 @@ def test_fused_prefill_from_states_and_decode_steps_equal_the_torch_path(kernels
         y1, conv, ssm = mixer.ssm(xbc[:, 12:18], dt[:, 12:18], conv, ssm)
         out = [y0, y1, conv.clone(), ssm.clone()]
         for t in range(18, 21):
-            y, conv, ssm = mixer.ssm(xbc[:, t:t + 1], dt[:, t:t + 1], conv, ssm, inplace=True)
+            y, conv, ssm = mixer.ssm(xbc[:, t : t + 1], dt[:, t : t + 1], conv, ssm, inplace=True)
             out += [y, conv.clone(), ssm.clone()]
         return out
 

@@ -67,7 +67,9 @@ def chunk_scan(x, dt, A, B, C, chunk_size, D=None, initial_states=None, seq_idx=
         if t:
             state = state * (runs[:, t] == runs[:, t - 1]).float()[:, None, None, None]
         Bh, Ch = (M[:, t].repeat_interleave(h // g, dim=1) for M in (B, C))
-        state = state * torch.exp(dt[:, t] * A)[..., None, None] + (x[:, t] * dt[:, t, :, None])[..., None] * Bh[:, :, None]
+        state = (
+            state * torch.exp(dt[:, t] * A)[..., None, None] + (x[:, t] * dt[:, t, :, None])[..., None] * Bh[:, :, None]
+        )
         ys.append((state * Ch[:, :, None]).sum(-1) + (0 if D is None else D[:, None] * x[:, t]))
     y = torch.stack(ys, dim=1)
     return (y, state) if return_final_states else y
@@ -82,8 +84,12 @@ def state_update(state, x, dt, A, B, C, D=None, dt_softplus=False):
     return (state * Ch[:, :, None]).sum(-1) + (0 if D is None else D * x)
 
 
-STAND_INS = SimpleNamespace(causal_conv1d_fn=conv_fn, causal_conv1d_update=conv_update,
-                            mamba_chunk_scan_combined=chunk_scan, selective_state_update=state_update)
+STAND_INS = SimpleNamespace(
+    causal_conv1d_fn=conv_fn,
+    causal_conv1d_update=conv_update,
+    mamba_chunk_scan_combined=chunk_scan,
+    selective_state_update=state_update,
+)
 
 
 def _run(mixer, xbc, dt, *states, **kw):
@@ -109,7 +115,7 @@ def test_fused_path_equals_torch_path(monkeypatch):
         conv_i, ssm_i = conv1.clone(), ssm1.clone()
         steps = []
         for t in range(3):
-            step = torch.randn(2, 1, channels, generator=torch.Generator().manual_seed(t)), dt[:, t:t + 1]
+            step = torch.randn(2, 1, channels, generator=torch.Generator().manual_seed(t)), dt[:, t : t + 1]
             ys, conv1, ssm1 = _run(mixer, *step, conv1, ssm1)
             yi, _, _ = _run(mixer, *step, conv_i, ssm_i, inplace=True)
             steps += [ys, yi, conv1, ssm1, conv_i.clone(), ssm_i.clone()]
@@ -146,10 +152,15 @@ def test_chunked_scan_gradients_equal_the_recurrences(documents):
 
     g = torch.Generator().manual_seed(8)
     b, s, h, p, groups, n = 2, 13, 4, 3, 2, 5
-    inputs = [torch.randn(b, s, h, p, generator=g), torch.rand(b, s, h, generator=g) * 0.5 + 0.1,
-              -torch.rand(h, generator=g) - 0.2, torch.randn(b, s, groups, n, generator=g),
-              torch.randn(b, s, groups, n, generator=g), torch.randn(h, generator=g),
-              torch.randn(b, h, p, n, generator=g)]
+    inputs = [
+        torch.randn(b, s, h, p, generator=g),
+        torch.rand(b, s, h, generator=g) * 0.5 + 0.1,
+        -torch.rand(h, generator=g) - 0.2,
+        torch.randn(b, s, groups, n, generator=g),
+        torch.randn(b, s, groups, n, generator=g),
+        torch.randn(h, generator=g),
+        torch.randn(b, h, p, n, generator=g),
+    ]
     docs = torch.tensor([[0] * 6 + [1] * 7, [0] * 13]) if documents else None
     weights = torch.randn(b, s, h, p, generator=g).double(), torch.randn(b, h, p, n, generator=g).double()
     grads = []
@@ -159,8 +170,18 @@ def test_chunked_scan_gradients_equal_the_recurrences(documents):
         if scan == "chunked":
             y, final = ssd_chunked(x, dt, A, B, C, 4, D, None if documents else init, docs)
         else:
-            y, final = chunk_scan(x, dt, A, B, C, 4, D, None if documents else init,
-                                  None if docs is None else docs.int(), return_final_states=True)
+            y, final = chunk_scan(
+                x,
+                dt,
+                A,
+                B,
+                C,
+                4,
+                D,
+                None if documents else init,
+                None if docs is None else docs.int(),
+                return_final_states=True,
+            )
         ((y.double() * weights[0]).sum() + (final.double() * weights[1]).sum()).backward()
         grads.append([t.grad for t in leaves])
     for i, (ours, want) in enumerate(zip(*grads, strict=True)):
