@@ -1,7 +1,7 @@
 """The choice between the fused CUDA kernels and the PyTorch path (megapipe.models.mamba_kernels): on CPU the PyTorch
 path is chosen, and the fused path's own code (argument layouts, broadcasts, state handling) is run here against
 stand-ins that compute what the published kernels compute, token by token, so that only the kernels themselves are
-left to tests/gpu/test_mamba_kernels.py."""
+left to tests/gpu/test_mamba_fused_kernels.py."""
 
 from __future__ import annotations
 
