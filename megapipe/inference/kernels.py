@@ -4,6 +4,7 @@
   its keys and values in place in the paged pool, through the block tables;
 - ``rms_norm``, ``add_rms_norm`` and ``rope_and_cache`` (csrc/layer_ops.cpp): a dense layer's elementwise work in
   one pass each (the residual add fused into the next norm; the rotary embedding fused with storing k and v);
+- ``mamba_step`` (csrc/mamba_step.cpp): a Mamba-2 layer's decode token for a batch in one pass over its states;
 - ``linear_bf16`` (csrc/linear_bf16.cpp, only on CPUs with AVX512-BF16): bf16 linear layers on weights packed by
   ``pack_bf16_weight``, with the bias, SiLU and a product fused into the epilogue.
 
@@ -33,7 +34,7 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp"]
+SOURCES = [CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp", CSRC / "mamba_step.cpp"]
 BF16_SOURCES = [CSRC / "linear_bf16.cpp"]  # vdpbf16ps: built where the CPU has AVX512-BF16
 # ATen's own flags for its vectorized kernels at each capability (what at::vec::Vectorized selects on)
 ISA_FLAGS = {

@@ -161,9 +161,11 @@ class PagedBatch:
     """The ``cache`` object of one engine step (see the module docstring)."""
 
     def __init__(self, pool: KVPool, sliding_window: Union[None, int, Mapping[int, Optional[int]]] = None,
-                 kernel: Optional[Callable] = None, states: Optional[StatePool] = None):
-        """``sliding_window``: one window for every layer, or each layer's (``layer_windows``; None: full)."""
-        self.pool, self.kernel, self.states = pool, kernel, states
+                 kernel: Optional[Callable] = None, states: Optional[StatePool] = None,
+                 mamba_step: Optional[Callable] = None):
+        """``sliding_window``: one window for every layer, or each layer's (``layer_windows``; None: full);
+        ``mamba_step``: the fused decode step of Mamba layers (megapipe.inference.kernels), None: the mixer's own."""
+        self.pool, self.kernel, self.states, self.mamba_step = pool, kernel, states, mamba_step
         self.windows = sliding_window if isinstance(sliding_window, Mapping) else None
         self.window = None if self.windows is not None else sliding_window  # the window being planned / attended
         # (first row, sequences, tokens each, from their states?, their state slots): scanned together by ``ssm``
@@ -380,6 +382,12 @@ class PagedBatch:
         parts = []
         for offset, count, n, resume, slots, first in self.state_runs:
             rows = slice(offset, offset + count * n)
+            if resume and first is not None and self.mamba_step is not None:
+                y = xbc.new_empty(count, ssm.shape[1] * ssm.shape[2])
+                self.mamba_step(xbc[0, rows], dt[0, rows], conv[first:first + count], ssm[first:first + count],
+                                *mixer.step_params(), y)
+                parts.append(y.view(1, count, ssm.shape[1], ssm.shape[2]))
+                continue
             if resume and first is not None:
                 y, _, _ = mixer.ssm(xbc[0, rows].reshape(count, 1, -1), dt[0, rows].reshape(count, 1, -1),
                                     conv[first:first + count], ssm[first:first + count], inplace=True)

@@ -403,6 +403,7 @@ class ModelRunner:
                 raise ConfigError(f"EngineConfig.cpu_kernels = True but megapipe's CPU kernels do not run here "
                                   f"({self.device.type}, {self.dtype}, {kernels.capability()}; see the log)")
         self.attention_kernel = None
+        self.mamba_step = self.ops.mamba_step if self.ops is not None and states else None  # fused decode step
         if cpu_kernels and "cpu_kernels" not in capabilities(model.cfg).engine:
             raise ConfigError(f"EngineConfig.cpu_kernels = True: megapipe's CPU attention kernel does not serve "
                               f"{describe(model.cfg)} models (megapipe/models/capabilities.py)")
@@ -577,7 +578,7 @@ class ModelRunner:
         lora_rows: each row's LoRA adapter slot (``adapters``, 0: none). Returns fp32 logits of the batch rows
         ``rows`` (indices into the flattened batch: decodes first, then the chunks in order); with ``hidden``, also
         the final normed hidden states of every row (what MTP drafting starts from)."""
-        batch = PagedBatch(self.pool, self.window, self.attention_kernel, self.states)
+        batch = PagedBatch(self.pool, self.window, self.attention_kernel, self.states, self.mamba_step)
         positions = batch.plan([(b, pos) for b, pos, _ in decodes], [(b, s, len(t)) for b, s, t in chunks],
                                state_slots)
         ids = [t for _, _, t in decodes]

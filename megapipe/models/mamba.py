@@ -1,8 +1,9 @@
 """The Mamba-2 mixer (Dao & Gu 2024; Megatron's MambaMixer, Nemotron-H's layer): in-projections to z, x, B, C and
 dt, a causal depthwise conv over x|B|C with SiLU, dt through its bias, softplus and limits, A = -exp(A_log), the
-SSD scan (megapipe.models.ssd) with the D skip, a grouped RMSNorm gated by silu(z), the out-projection. Falcon-H1's
-variants are options of the config: the norm before the gate or no norm (y * silu(z)), an out-projection bias of its
-own, muP multipliers on the input and on each in-projection (constants, not parameters).
+SSD scan (megapipe.models.ssd; on CUDA the fused kernels where they import: megapipe.models.mamba_kernels) with
+the D skip, a grouped RMSNorm gated by silu(z), the out-projection. Falcon-H1's variants are options of the
+config: the norm before the gate or no norm (y * silu(z)), an out-projection bias of its own, muP multipliers on
+the input and on each in-projection (constants, not parameters).
 
 Every projection is its own nn.Linear (``in_z``, ``in_x``: d_inner = heads * head_dim; ``in_B``, ``in_C``:
 groups * state_dim; ``in_dt``: heads), as are the convolutions of x, B and C (``conv_x``, ``conv_B``, ``conv_C``),
@@ -35,7 +36,7 @@ from torch import nn
 
 from megapipe.config import ModelConfig
 from megapipe.models.attention import DocumentMask, local
-from megapipe.models.ssd import causal_conv1d, conv_step, ssd_chunked, ssd_step
+from megapipe.models.mamba_kernels import path_for
 
 
 def fused_linear(x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> Optional[torch.Tensor]:
@@ -158,6 +159,15 @@ class Mamba2Mixer(nn.Module):
             dt = dt.clamp(min=lo, max=hi)
         return dt, -torch.exp(local(self.A_log).float())
 
+    def step_params(self) -> tuple:
+        """What a fused decode step (megapipe.inference's mamba_step kernel) takes besides the inputs and states:
+        conv weight [C, K], conv bias [C] or None, dt_bias, A and D (fp32 [heads]), the dt limits, the groups."""
+        weight, bias = self.conv_params()
+        lo, hi = self.dt_limit
+        groups = (weight.shape[0] - local(self.conv_x.weight).shape[0]) // 2 // self.state_dim  # B's width / state
+        return (weight, bias, local(self.dt_bias).float(), -torch.exp(local(self.A_log).float()), local(self.D).float(),
+                lo, hi, groups)
+
     def ssm(self, xbc: torch.Tensor, dt: torch.Tensor, conv_state: Optional[torch.Tensor] = None,
             ssm_state: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None,
             inplace: bool = False):
@@ -169,20 +179,21 @@ class Mamba2Mixer(nn.Module):
         step = s == 1 and conv_state is not None and ssm_state is not None and document_ids is None
         if inplace and not step:
             raise ValueError("inplace states take one token per sequence, from given conv and SSM states")
+        path = path_for(xbc)  # the fused CUDA kernels where they apply, else PyTorch
         if step:
-            out, conv_state = conv_step(xbc[:, 0], weight, bias, conv_state, inplace)
+            out, conv_state = path.conv_step(xbc[:, 0], weight, bias, conv_state, inplace)
             out = out[:, None]
         else:
-            out, conv_state = causal_conv1d(xbc, weight, bias, conv_state, document_ids)
-        x, B, C = self.split_xbc(F.silu(out))
+            out, conv_state = path.conv(xbc, weight, bias, conv_state, document_ids)
+        x, B, C = self.split_xbc(out)
         dt, A = self.dt_and_A(dt)
         x = x.reshape(b, s, -1, self.head_dim)
         B, C = B.reshape(b, s, -1, self.state_dim), C.reshape(b, s, -1, self.state_dim)
         D = local(self.D)
         if step:
-            y, ssm_state = ssd_step(ssm_state, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D, inplace)
+            y, ssm_state = path.step(ssm_state, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D, inplace)
             return y[:, None], conv_state, ssm_state
-        y, ssm_state = ssd_chunked(x, dt, A, B, C, self.chunk_size, D, ssm_state, document_ids)
+        y, ssm_state = path.scan(x, dt, A, B, C, self.chunk_size, D, ssm_state, document_ids)
         return y, conv_state, ssm_state
 
     def finish(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:

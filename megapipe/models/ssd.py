@@ -44,11 +44,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     if document_ids is None:
         prefix = state.to(x.dtype).transpose(1, 2) if state is not None else None  # [B, K-1, C]
         y = _DepthwiseCausalConv.apply(x, prefix, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
-        if s >= k - 1:
-            last = x[:, s - k + 1:]
-        else:
-            last = torch.cat([x.new_zeros(b, k - 1 - s, c) if prefix is None else prefix[:, s:], x], dim=1)
-        return y, last.transpose(1, 2).contiguous()
+        return y, conv_state_after(x, k, state)
     prefix = state.to(x.dtype) if state is not None else x.new_zeros(b, c, k - 1)
     full = torch.cat([prefix, x.transpose(1, 2)], dim=-1)  # [B, C, K-1+S]
     runs = document_runs(document_ids)
@@ -58,8 +54,25 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     y = torch.einsum("bcsk,ck,bsk->bsc", windows, weight.to(x.dtype), keep)
     if bias is not None:
         y = y + bias.to(x.dtype)
-    new_state = full[..., s:] * (runs_full[:, s:] == runs[:, -1:]).to(x.dtype)[:, None, :]
-    return y, new_state
+    return y, conv_state_after(x, k, state, document_ids)
+
+
+def conv_state_after(x: torch.Tensor, k: int, state: Optional[torch.Tensor] = None,
+                     document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The conv window [B, C, K-1] after x [B, S, C] from ``state`` (zeros if None): the last K-1 inputs, oldest
+    first, those before the last document zeroed."""
+    b, s, c = x.shape
+    tail = x[:, max(s - k + 1, 0):].transpose(1, 2)
+    if s >= k - 1:
+        window = tail.contiguous()
+    else:
+        prefix = state.to(x.dtype) if state is not None else x.new_zeros(b, c, k - 1)
+        window = torch.cat([prefix[..., s:], tail], dim=-1)
+    if document_ids is None:
+        return window
+    runs = document_runs(document_ids)
+    runs_full = torch.cat([runs[:, :1].expand(b, k - 1), runs], dim=-1)  # the state continues the first document
+    return window * (runs_full[:, s:] == runs[:, -1:]).to(x.dtype)[:, None, :]
 
 
 class _DepthwiseCausalConv(torch.autograd.Function):
@@ -178,20 +191,45 @@ def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Ten
     weighted = xdt * decay[..., -1, :, None]  # decayed to the chunk's last token
     chunk_states = weighted.transpose(-1, -2) @ Bg  # [B, G, R, c, P, N]
     into = into.exp()
-    state = (initial_state.float().view(b, g, r, p, n) if initial_state is not None
-             else x.new_zeros(b, g, r, p, n, dtype=torch.float32))
-    starts = []
-    # unbind, not chunk_states[:, c]: the backward of one indexing per chunk would allocate a zero tensor each
-    for chunk_state, chunk_decay in zip(chunk_states.unbind(3), into[..., -1].unbind(3), strict=True):
-        starts.append(state)
-        state = state * chunk_decay[..., None, None] + chunk_state
-    starts = torch.stack(starts, dim=3)  # [B, G, R, c, P, N]: the state entering each chunk
+    initial = None if initial_state is None else initial_state.float().view(b, g, r, p, n)
+    # [B, G, R, c, P, N]: the state entering each chunk (fp32 even where autocast made the chunk states bf16)
+    starts, state = _ChunkStates.apply(chunk_states.float(), into[..., -1], initial)
     y = y + (Cg @ starts.transpose(-1, -2)) * into[..., None]
     y = y.permute(0, 3, 4, 1, 2, 5).reshape(b, nc * q, h, p)[:, :s]
     state = state.view(b, h, p, n)
     if D is not None:
         y = y + x.float() * D.float()[:, None]
     return y.to(x.dtype), state
+
+
+class _ChunkStates(torch.autograd.Function):
+    """The state entering each chunk and the final one, from the chunks' own states [B, G, R, c, P, N], their
+    decays [B, G, R, c] and an initial state (None: zeros): state_{c+1} = state_c * decay_c + chunk_state_c, written
+    into one tensor as it goes; backward runs the recurrence in reverse. Only the entering states (and the decays)
+    are saved: autograd through a loop would keep every state twice (the loop's and a stacked copy) and stack the
+    chunks' gradients back together."""
+
+    @staticmethod
+    def forward(ctx, chunk_states: torch.Tensor, decay: torch.Tensor, initial: Optional[torch.Tensor]):
+        starts = torch.empty_like(chunk_states)
+        state = initial if initial is not None else chunk_states.new_zeros(starts[:, :, :, 0].shape)
+        for c in range(chunk_states.shape[3]):
+            starts[:, :, :, c] = state
+            state = torch.addcmul(chunk_states[:, :, :, c], state, decay[..., c, None, None])
+        ctx.save_for_backward(starts, decay)
+        ctx.has_initial = initial is not None
+        return starts, state
+
+    @staticmethod
+    def backward(ctx, grad_starts: torch.Tensor, grad_final: torch.Tensor):
+        starts, decay = ctx.saved_tensors
+        grad_chunks, grad_decay = torch.empty_like(starts), torch.empty_like(decay)
+        grad = grad_final  # of the state leaving chunk c, from c = last down
+        for c in reversed(range(starts.shape[3])):
+            grad_chunks[:, :, :, c] = grad
+            grad_decay[..., c] = (grad * starts[:, :, :, c]).sum((-1, -2))
+            grad = torch.addcmul(grad_starts[:, :, :, c], grad, decay[..., c, None, None])
+        return grad_chunks, grad_decay, grad if ctx.has_initial else None
 
 
 def ssd_step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,

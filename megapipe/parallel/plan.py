@@ -320,8 +320,8 @@ def mamba_mixer_activation_bytes(m, precision: str, recompute: str, tp: int = 1)
       x (8I: the scan's and the D skip's); dt before and after softplus 8H (+4H after dt limits);
       chunked SSD scan: the intra-chunk decays 4HQ, the copies of C and B for C.B^T 2eGN and its output eGQ, x*dt
       4HP (+ its cast eHP), (C.B^T * decay) eHQ, x*dt decayed to the chunk end eHP, B and C expanded over a group's
-      heads 2eHN, the cumulative decays 4H, C.states eHP; the states entering each chunk (HPN each, fp32 where the
-      loop keeps them + e where they are stacked), per token HPN(4 + e)/Q;
+      heads 2eHN, the cumulative decays 4H, C.states eHP; the states entering each chunk (HPN each: fp32 as the
+      chunk-state pass keeps them, + e for their cast under autocast), per token HPN(4 + e)/Q, fp32 4HPN/Q;
       gated RMSNorm (Nemotron-H's, norm of y*silu(z)): y, silu(z), their product, the normalised tensor (fp32 each,
       autocast also z's fp32 copy and the normalised cast: 20I either way) + the out-projection input (4I; autocast
       2I) and the per-group rsqrt 4G; norm before the gate (Falcon-H1's): 20I (autocast 22I) + 4G; no norm:
@@ -342,7 +342,7 @@ def mamba_mixer_activation_bytes(m, precision: str, recompute: str, tp: int = 1)
     lo, hi = m.mamba_dt_limit
     dt = 8 * H + (4 * H if lo > 0 or hi != math.inf else 0)
     scan = (4 * H * Q + 2 * e * gn + e * G * Q + 4 * H * P + (e * H * P if e < 4 else 0) + e * H * Q + e * H * P
-            + 2 * e * H * N + 4 * H + e * H * P + (4 + e) * states)
+            + 2 * e * H * N + 4 * H + e * H * P + (4 + (e if e < 4 else 0)) * states)
     if not m.mamba_gated_norm:
         gate = 3 * e * inner
     elif m.mamba_norm_before_gate:
