@@ -76,8 +76,9 @@ def sft_checkpoint_tokenizer(tok: Path, choice, out: Path) -> Path:
 
 def server(tok_dir: Path) -> OpenAIServer:
     """The real server class on a stand-in engine (rendering and /tokenize need only the engine's tokenizer)."""
-    core = SimpleNamespace(tokenizer=load_tokenizer(tok_dir), max_model_len=1 << 20, lora_adapters=dict)
-    return OpenAIServer(SimpleNamespace(engine=core, stats=dict, on_output=None), ServerConfig("m"))
+    engine = SimpleNamespace(tokenizer=load_tokenizer(tok_dir), max_model_len=1 << 20, loras={}, model_config=None,
+                             stats=dict, on_output=None)
+    return OpenAIServer(engine, ServerConfig("m"))
 
 
 def server_render(srv: OpenAIServer, messages, generation_prompt: bool) -> tuple[str, list[int]]:
