@@ -57,7 +57,7 @@ class EngineStalled(RuntimeError):
 @dataclass
 class EngineConfig:
     block_size: int = 16
-    num_blocks: Optional[int] = None  # KV pool size in blocks; default from kv_cache_memory
+    num_blocks: Optional[int] = None  # KV pool size in blocks (V4: the window pool and each entry pool)
     kv_cache_memory: Optional[int] = None  # bytes; default: what max_num_seqs full-length sequences need, <= 1 GiB
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
