@@ -164,7 +164,8 @@ class CompressorState:
 
 def compressed_states(model, slots: int, dtype: torch.dtype, device) -> dict[int, tuple]:
     """Per compressed layer of ``model``: the carry of its compressor and (CSA) its indexer's."""
-    return {i: tuple(CompressorState(c, slots, dtype, device) for c in parts) for i, parts in compressors(model).items()}
+    return {i: tuple(CompressorState(c, slots, dtype, device) for c in parts)
+            for i, parts in compressors(model).items()}
 
 
 def compressed_bytes_per_sequence(model, dtype: torch.dtype) -> int:

@@ -216,7 +216,8 @@ class PagedBatch:
              state_slots: Optional[Sequence[int]] = None):
         """decodes: (block ids, position) of each one-token query; chunks: (block ids, start, n); state_slots: each
         one's slot in the state pool (decodes, then chunks; hybrid models); block ids are (full, windowed) pairs
-        under a split pool, (window's, {rate: entry blocks}) pairs for DeepSeek-V4. Returns the positions [1, T] of the flattened batch in that order."""
+        under a split pool, (window's, {rate: entry blocks}) pairs for DeepSeek-V4. Returns the positions [1, T] of
+        the flattened batch in that order."""
         if self.states is not None and self.states.compressed:  # DeepSeek-V4 plans its own step
             window = max(self.windows.values()) if self.windows is not None else self.window
             return compressed_cache.plan_step(self, decodes, chunks, state_slots, window)

@@ -38,7 +38,8 @@ def state_shapes(model) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
 
 def state_bytes_per_sequence(model, dtype: torch.dtype) -> int:
     """Bytes one sequence's state takes over all Mamba layers (conv windows in ``dtype``, SSM states in fp32) and
-    DeepSeek-V4's compressed layers (the compressors' carry; their entries are paged: megapipe.inference.compressed_cache)."""
+    DeepSeek-V4's compressed layers (the compressors' carry; their entries are paged:
+    megapipe.inference.compressed_cache)."""
     return (sum(math.prod(conv) * dtype.itemsize + math.prod(ssm) * 4 for conv, ssm in state_shapes(model).values())
             + compressed_bytes_per_sequence(model, dtype))
 
