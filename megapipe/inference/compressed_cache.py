@@ -337,9 +337,9 @@ def pool_blocks(entry_bytes: dict[int, int], memory: Optional[int], fixed: int, 
         memory = fixed + window_blocks * per_block + max(min(want, default), need)
     spare = memory - fixed - window_blocks * per_block
     if spare < need:
-        raise ConfigError(f"--kv-cache-memory = {memory} bytes holds the carry and window keys of --max-num-seqs "
-                          f"{max_num_seqs} sequences ({memory - spare} bytes) but not the compressed entries of one "
-                          f"sequence of --max-model-len {max_model_len} ({need} bytes): give more memory, fewer "
-                          f"sequences or a smaller --max-model-len")
+        raise ConfigError(f"--kv-cache-memory = {memory} bytes does not hold the carry and window keys of "
+                          f"--max-num-seqs {max_num_seqs} sequences ({memory - spare} bytes) and the compressed "
+                          f"entries of one sequence of --max-model-len {max_model_len} ({need} bytes): give more "
+                          f"memory, fewer sequences or a smaller --max-model-len")
     share = spare / want if want else 0.0
     return window_blocks, {r: max(1, one[r], int(max_num_seqs * one[r] * share)) for r in entry_bytes}

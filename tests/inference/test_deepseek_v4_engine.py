@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from megapipe.checkpoint.load import load_model
+from megapipe.errors import ConfigError
 from megapipe.inference import EngineConfig, LLMEngine, SamplingParams
 from megapipe.inference.compressed_cache import entry_blocks_for, kv_bytes_per_token, sequence_kv_bytes
 from megapipe.inference.kv_cache import eviction_window, kv_layout
@@ -129,6 +130,8 @@ def test_preempted_for_entry_blocks_and_recomputed(v4, one_thread):
     want = [hf_greedy(hf, p, STEPS) for p in PROMPTS]
     assert [o.outputs[0].token_ids for o in engine.generate(PROMPTS * 2, greedy)] == want * 2
     assert engine.scheduler.num_preemptions > 0 and idle(engine)
+    with pytest.raises(ConfigError, match="compressed entries of one sequence of --max-model-len 52"):
+        engine_on(model, block_size=4, max_model_len=52, max_num_seqs=10, kv_cache_memory=memory - 2 * one + one - 1)
 
 
 def test_kv_bytes_per_token_agree_with_plan(v4, one_thread):
