@@ -8,8 +8,9 @@
   taking turns for ``--reps`` repetitions (bench_generate.py's runners): output tokens/s by wall and by CPU time, and
   whether the two produced the same tokens;
 - KV bytes per token of context: one sequence prefilled to each of ``--contexts`` tokens, what it holds in the
-  engine (``sequence_kv_bytes``: its blocks of the window's keys, its compressed entries; the compressors' carry
-  apart) against ``plan``'s ``compressed_kv_values`` (in values, so the dtype does not matter).
+  engine (``sequence_kv_bytes``: its blocks of the window's keys, its blocks of compressed entries; the compressors'
+  carry apart) against ``plan``'s ``compressed_kv_values`` (in values, so the dtype does not matter), after the
+  engine's startup line (``kv_cache_line``).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def kv_bytes(directory: str, a) -> None:
     engine = LLMEngine(loaded.model, None, EngineConfig(max_num_seqs=1, max_model_len=max(a.contexts) + 2,
                                                         prefix_caching=False), [])
     size = torch.empty(0, dtype=torch.float32).element_size()
+    print(engine.kv_cache_line())
     for n in a.contexts:
         engine.add_request(str(n), torch.randint(100, cfg.vocab_size - 100, (n - 1,)).tolist(),
                            SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))

@@ -27,6 +27,7 @@ import megapipe.inference.kernels as kernels
 from megapipe.checkpoint.load import eos_ids_of, load_model
 from megapipe.dtypes import resolve_device, resolve_dtype
 from megapipe.errors import ConfigError, MegapipeError
+from megapipe.inference import compressed_cache
 from megapipe.inference.block_manager import BlockManager
 from megapipe.inference.detokenize import Detokenizer, special_ids
 from megapipe.inference.images import PromptImages
@@ -56,7 +57,7 @@ class EngineStalled(RuntimeError):
 @dataclass
 class EngineConfig:
     block_size: int = 16
-    num_blocks: Optional[int] = None  # KV pool size in blocks; default from kv_cache_memory
+    num_blocks: Optional[int] = None  # KV pool size in blocks (V4: the window pool and each entry pool)
     kv_cache_memory: Optional[int] = None  # bytes; default: what max_num_seqs full-length sequences need, <= 1 GiB
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -204,7 +205,7 @@ class LLMEngine:
         bs = config.block_size
         # the Mamba layers' recurrent state of the sequences decoded at once (hybrid models; empty otherwise)
         max_num_seqs = self._state_slots(model, config, p.dtype)
-        self.states = StatePool(model, max_num_seqs, p.dtype, p.device, self.max_model_len)
+        self.states = StatePool(model, max_num_seqs, p.dtype, p.device)
         state_bytes = self.states.bytes_per_sequence() * max_num_seqs
         # keys and values of the layers that attend (a hybrid model's Mamba and MLP layers have none); speculative
         # decoding: the MTP blocks' too (pool layers num_layers + depth - 1)
@@ -221,7 +222,15 @@ class LLMEngine:
         windowed_need = (max_num_seqs * (-(-(window or 0) // bs) + 2)
                          + -(-config.max_num_batched_tokens // bs)) if windowed else 0
         num_blocks = windowed_blocks = config.num_blocks
-        if num_blocks is None:
+        # DeepSeek-V4: its compressed entries paged per rate beside the window's keys (compressed_cache), each pool
+        # --num-blocks blocks, or sized out of the memory by what it needs per sequence
+        entry_bytes = compressed_cache.entry_bytes(model, p.dtype)
+        entry_blocks = dict.fromkeys(entry_bytes, num_blocks)
+        if num_blocks is None and entry_bytes:
+            num_blocks, entry_blocks = compressed_cache.pool_blocks(
+                entry_bytes, config.kv_cache_memory, state_bytes, per_block, eviction_window(cfg), max_num_seqs,
+                self.max_model_len, bs, config.max_num_batched_tokens, GiB)
+        elif num_blocks is None:
             want = max_num_seqs * ((self.max_model_len + bs - 1) // bs)
             memory = config.kv_cache_memory
             if memory is None:
@@ -234,13 +243,15 @@ class LLMEngine:
             if windowed and num_blocks > windowed_need:  # the windowed layers' share beyond their need to the rest
                 windowed_blocks = windowed_need
                 num_blocks = (memory - state_bytes - windowed_need * per_windowed) // (per_block - per_windowed)
-        if num_blocks * bs < self.max_model_len:
+        if num_blocks * bs < self.max_model_len and not (entry_bytes and config.num_blocks is None):
             raise ConfigError(
                 f"the KV cache holds {num_blocks} blocks of {bs} tokens ({num_blocks * bs} tokens) but one sequence of"
                 f" --max-model-len {self.max_model_len} needs {-(-self.max_model_len // bs)}: give more "
                 f"--kv-cache-memory / --num-blocks or a smaller --max-model-len")
+        entries = compressed_cache.EntryPool(model, entry_blocks, bs, p.dtype, p.device) if entry_bytes else None
         self.pool = KVPool(kv_layers, num_blocks, bs, dtype=p.dtype, device=p.device, **kv_layout(cfg),
-                           windowed_layers=windowed, windowed_blocks=windowed_blocks if windowed else 0)
+                           windowed_layers=windowed, windowed_blocks=windowed_blocks if windowed else 0,
+                           entries=entries)
         # off where the capability table says so (a recurrent state is not cut at block boundaries: state_cache)
         self.prefix_caching = config.prefix_caching and "prefix_caching" in capabilities(cfg).engine
         self.blocks = BlockManager(num_blocks, bs, self.prefix_caching)
@@ -248,7 +259,8 @@ class LLMEngine:
                                    self._lookahead if config.speculative_tokens else None, self.states,
                                    window if windowed else eviction_window(cfg),
                                    BlockManager(windowed_blocks, bs, self.prefix_caching) if windowed else None,
-                                   self._admit if config.max_loras else None)
+                                   self._admit if config.max_loras else None,
+                                   {r: BlockManager(n, bs, False) for r, n in entry_blocks.items()})
         self.runner = ModelRunner(model, self.pool, config.pack_weights, config.huge_pages,
                                   config.cpu_kernels, self.states, config.bf16_linear, eos)
         self.adapters = AdapterSlots(model, config.max_loras, config.max_lora_rank) if config.max_loras else None
@@ -294,7 +306,7 @@ class LLMEngine:
         """How many sequences run at once: --max-num-seqs, unless the default memory (no --kv-cache-memory) cannot
         hold that many recurrent states (an 8B hybrid's are ~100 MiB per sequence): then as many as STATE_MEMORY
         holds, said once."""
-        per_sequence = state_bytes_per_sequence(model, dtype, config.max_model_len or model.cfg.max_position_embeddings)
+        per_sequence = state_bytes_per_sequence(model, dtype)
         if not per_sequence or config.kv_cache_memory is not None:
             return config.max_num_seqs
         fit = max(1, STATE_MEMORY // per_sequence)
@@ -622,10 +634,17 @@ class LLMEngine:
     def kv_cache_line(self) -> str:
         """The pool for the startup line: its blocks, and the bytes a token takes in it next to the per-head keys and
         values of the same attention (its GQA equivalent: a latent cache's decompressed form); a hybrid model's
-        recurrent state bytes per sequence (Mamba layers' conv windows and SSM states) and its slots."""
+        recurrent state bytes per sequence (Mamba layers' conv windows and SSM states) and its slots. DeepSeek-V4:
+        its entry blocks per rate, and the bytes a token takes at --max-model-len tokens of context (the window's keys
+        and the entries, as ``plan`` counts them)."""
         pool, cfg = self.pool, self.model_config
         stored = pool.bytes_per_token()
         line = f"{pool.num_blocks} KV blocks of {pool.block_size}, {stored} KV bytes/token"
+        if pool.entries is not None:
+            stored = compressed_cache.kv_bytes_per_token(pool, eviction_window(cfg), self.max_model_len)
+            blocks = ", ".join(f"{n} at rate {r}" for r, n in sorted(pool.entries.num_blocks.items()))
+            line = (f"{pool.num_blocks} KV blocks of {pool.block_size} (the window's keys) and entry blocks of "
+                    f"{pool.block_size} ({blocks}), {stored:.1f} KV bytes/token at {self.max_model_len} tokens")
         if pool.windowed_layers:
             line += f" ({pool.windowed_blocks} blocks for the windowed layers)"
         # per pool layer, so a pool with more layers than the model's (MTP modules' blocks) compares alike

@@ -66,7 +66,7 @@ ABSORB_ROWS = 8
 
 def layer_windows(cfg) -> dict[int, Optional[int]]:
     """Each layer's sliding window (None: full attention), the PagedBatch's ``sliding_window``; DeepSeek-V4's layers
-    all read their keys over the window (their compressed entries live in the state pool: compressed_cache)."""
+    all read their keys over the window (their compressed entries live in entry pools: compressed_cache)."""
     if cfg.attention_layer_types is not None:
         return {i: cfg.sliding_window for i in range(cfg.num_layers)}
     return {i: cfg.layer_window(i) for i in range(cfg.num_layers)}
@@ -101,17 +101,19 @@ def kv_layout(cfg) -> dict:
 class KVPool:
     """``layers``: how many layers (ids 0..n-1), or the ids of the layers that attend (a hybrid model's attention
     layers: its Mamba and MLP layers get no KV memory); ``k[layer_id]`` / ``v[layer_id]`` either way. Those of
-    ``windowed_layers`` hold ``windowed_blocks`` blocks, addressed by the sequences' windowed block tables."""
+    ``windowed_layers`` hold ``windowed_blocks`` blocks, addressed by the sequences' windowed block tables.
+    ``entries``: DeepSeek-V4's compressed entries, paged per rate (compressed_cache.EntryPool)."""
 
     def __init__(self, layers: Union[int, Sequence[int]], num_blocks: int, block_size: int, kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device, latent: bool = False,
-                 windowed_layers: Sequence[int] = (), windowed_blocks: int = 0):
+                 windowed_layers: Sequence[int] = (), windowed_blocks: int = 0, entries=None):
         if latent and kv_heads != 1:
             raise ValueError(f"a latent KV pool has one row per token and layer, not {kv_heads} kv heads")
         self.num_blocks, self.block_size, self.latent = num_blocks, block_size, latent
         self.kv_heads, self.head_dim, self.dtype, self.device = kv_heads, head_dim, dtype, torch.device(device)
         ids = range(layers) if isinstance(layers, int) else list(layers)
         self.windowed_layers, self.windowed_blocks = frozenset(windowed_layers), windowed_blocks
+        self.entries = entries
 
         def zeros(i):  # zeros, not empty: a padded (masked) key must still be finite, or 0 * inf poisons the softmax
             blocks = windowed_blocks if i in self.windowed_layers else num_blocks
@@ -214,7 +216,8 @@ class PagedBatch:
              state_slots: Optional[Sequence[int]] = None):
         """decodes: (block ids, position) of each one-token query; chunks: (block ids, start, n); state_slots: each
         one's slot in the state pool (decodes, then chunks; hybrid models); block ids are (full, windowed) pairs
-        under a split pool. Returns the positions [1, T] of the flattened batch in that order."""
+        under a split pool, (window's, {rate: entry blocks}) pairs for DeepSeek-V4. Returns the positions [1, T] of
+        the flattened batch in that order."""
         if self.states is not None and self.states.compressed:  # DeepSeek-V4 plans its own step
             window = max(self.windows.values()) if self.windows is not None else self.window
             return compressed_cache.plan_step(self, decodes, chunks, state_slots, window)

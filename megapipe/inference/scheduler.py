@@ -12,7 +12,9 @@ Every step is planned afresh under a token budget (``max_num_batched_tokens``):
 
 A sequence's state is its tokens (prompt + generated) and ``num_computed``, how many of them have keys/values in its
 blocks; the step computes ``tokens[num_computed : num_computed + n]``. A hybrid model's sequences also hold a slot
-of recurrent state (``states``, megapipe.inference.state_cache) from admission to finish or preemption. What a
+of recurrent state (``states``, megapipe.inference.state_cache) from admission to finish or preemption; DeepSeek-V4's
+sequences a slot of its compressors' carry and, per compression rate, blocks of compressed entries
+(``entry_blocks``, megapipe.inference.compressed_cache), taken as the tokens they cover are computed. What a
 sequence has output (text, log-probs, timings) is the engine's, not the scheduler's (megapipe.inference.engine).
 
 ``schedule()`` returns one :class:`SchedulerOutput`, which the runner executes (megapipe.inference.runner) and the
@@ -29,6 +31,7 @@ from typing import Callable, Optional
 import torch
 
 from megapipe.inference.block_manager import BlockManager, block_hash
+from megapipe.inference.compressed_cache import entry_blocks_for
 from megapipe.inference.sampling import SamplingParams
 from megapipe.inference.state_cache import StatePool
 
@@ -57,6 +60,7 @@ class Sequence:
         self.preemptions = 0
         self.num_lookahead = 0  # draft tokens the current step verifies after its last token (speculative decoding)
         self.state_slot: Optional[int] = None  # its slot in the Mamba layers' state pool (hybrid models)
+        self.entry_ids: dict[int, list[int]] = {}  # per compression rate: its entry blocks (DeepSeek-V4)
 
     @property
     def output_ids(self) -> list[int]:
@@ -110,14 +114,18 @@ class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  lookahead: Optional[Callable[[Sequence], int]] = None, states: Optional[StatePool] = None,
                  window: Optional[int] = None, window_blocks: Optional[BlockManager] = None,
-                 admit: Optional[Callable[[Sequence], bool]] = None):
+                 admit: Optional[Callable[[Sequence], bool]] = None,
+                 entry_blocks: Optional[dict[int, BlockManager]] = None):
         """``window``: every layer attends at most this many positions back, so the blocks wholly behind it are
         given back as a sequence advances (its KV memory stays about one window). With ``window_blocks``, only the
         windowed layers do (a model with full-attention layers too, GPT-OSS): those layers have their own block table
         (``seq.window_ids``, blocks of ``window_blocks``) whose blocks behind the window are given back, while
         ``seq.block_ids`` (the full layers') keep every block. ``admit(seq)``: whether the next waiting sequence may
-        start now (its LoRA adapter resident); admission stops at the first that may not."""
+        start now (its LoRA adapter resident); admission stops at the first that may not. ``entry_blocks``: per
+        compression rate r, the blocks of a DeepSeek-V4 model's compressed entries (``block_size`` entries, one per r
+        tokens, each; ``seq.entry_ids[r]``), held until the sequence finishes or is preempted."""
         self.blocks, self.lookahead, self.window, self.window_blocks = blocks, lookahead, window, window_blocks
+        self.entry_blocks = entry_blocks or {}
         self.admit = admit
         self.states = states if states else None  # an empty pool (no Mamba layers): no slots to hand out
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
@@ -150,14 +158,20 @@ class Scheduler:
 
     def table(self, seq: Sequence):
         """The block table(s) the runner reads ``seq``'s keys and values through: (full layers', windowed layers')
-        under ``window_blocks``, else the one of every layer."""
+        under ``window_blocks``, (every layer's, {rate: entry blocks}) under ``entry_blocks``, else the one of every
+        layer."""
+        if self.entry_blocks:
+            return seq.block_ids, seq.entry_ids
         return seq.block_ids if self.window_blocks is None else (seq.block_ids, seq.window_ids)
 
     def _release(self, seq: Sequence) -> None:
         self.blocks.release(seq.block_ids[seq.num_evicted:])
         if self.window_blocks is not None:
             self.window_blocks.release(seq.window_ids[seq.num_window_evicted:])
+        for rate, ids in seq.entry_ids.items():
+            self.entry_blocks[rate].release(ids)
         seq.block_ids, seq.num_evicted, seq.window_ids, seq.num_window_evicted = [], 0, [], 0
+        seq.entry_ids = {}
         if self.states is not None:
             self.states.release(seq.state_slot)
             seq.state_slot = None
@@ -187,6 +201,9 @@ class Scheduler:
         capacity = (len(seq.block_ids) + self.blocks.num_free()) * bs - seq.num_computed
         if self.window_blocks is not None:
             capacity = min(capacity, (len(seq.window_ids) + self.window_blocks.num_free()) * bs - seq.num_computed)
+        for rate, blocks in self.entry_blocks.items():  # up to the token before the first entry with no block
+            entries = (len(seq.entry_ids.get(rate, ())) + blocks.num_free()) * blocks.block_size
+            capacity = min(capacity, (entries + 1) * rate - 1 - seq.num_computed)
         return min(n, capacity)
 
     def _grow(self, seq: Sequence, n: int) -> None:
@@ -194,6 +211,10 @@ class Scheduler:
         seq.block_ids.extend(self.blocks.allocate(max(0, need - len(seq.block_ids))))
         if self.window_blocks is not None:
             seq.window_ids.extend(self.window_blocks.allocate(max(0, need - len(seq.window_ids))))
+        for rate, blocks in self.entry_blocks.items():
+            ids = seq.entry_ids.setdefault(rate, [])
+            ids.extend(blocks.allocate(max(0, entry_blocks_for(seq.num_computed + n, rate, blocks.block_size)
+                                           - len(ids))))
 
     def _make_room(self, seq: Sequence, n: int, scheduled: set) -> bool:
         """Preempt unscheduled running sequences (latest admitted first) until n tokens of seq fit; False when seq
@@ -319,6 +340,10 @@ class Scheduler:
         if len(seq.window_ids) > keep:
             self.window_blocks.release(seq.window_ids[keep:])
             del seq.window_ids[keep:]
+        for rate, ids in seq.entry_ids.items():
+            keep = entry_blocks_for(seq.num_computed, rate, self.entry_blocks[rate].block_size)
+            self.entry_blocks[rate].release(ids[keep:])
+            del ids[keep:]
 
     def register_computed(self, seq: Sequence) -> None:
         """Offer the sequence's newly completed full blocks to the prefix cache."""

@@ -36,23 +36,24 @@ def state_shapes(model) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
     return shapes
 
 
-def state_bytes_per_sequence(model, dtype: torch.dtype, max_len: int = 0) -> int:
+def state_bytes_per_sequence(model, dtype: torch.dtype) -> int:
     """Bytes one sequence's state takes over all Mamba layers (conv windows in ``dtype``, SSM states in fp32) and
-    DeepSeek-V4's compressed layers (``max_len`` tokens' entries and the carry, megapipe.inference.compressed_cache)."""
+    DeepSeek-V4's compressed layers (the compressors' carry; their entries are paged:
+    megapipe.inference.compressed_cache)."""
     return (sum(math.prod(conv) * dtype.itemsize + math.prod(ssm) * 4 for conv, ssm in state_shapes(model).values())
-            + compressed_bytes_per_sequence(model, max_len, dtype))
+            + compressed_bytes_per_sequence(model, dtype))
 
 
 class StatePool:
-    def __init__(self, model, slots: int, dtype: torch.dtype, device, max_len: int = 0):
-        """Slots for the Mamba mixers of ``model`` and its DeepSeek-V4 compressed layers (entries for ``max_len``
-        tokens each); none: an empty pool that costs nothing."""
+    def __init__(self, model, slots: int, dtype: torch.dtype, device):
+        """Slots for the Mamba mixers of ``model`` and its DeepSeek-V4 compressed layers (their compressors' carry);
+        none: an empty pool that costs nothing."""
         shapes = state_shapes(model)
         self.num_slots = slots
         self.conv = {i: torch.zeros(slots, *conv, dtype=dtype, device=device) for i, (conv, _) in shapes.items()}
         self.ssm = {i: torch.zeros(slots, *ssm, dtype=torch.float32, device=device) for i, (_, ssm) in shapes.items()}
-        # per V4 compressed layer: its compressors' CompressorStates
-        self.compressed = compressed_states(model, slots, max_len, dtype, device)
+        # per V4 compressed layer: its compressors' carry (CompressorStates)
+        self.compressed = compressed_states(model, slots, dtype, device)
         self.free = list(range(slots - 1, -1, -1)) if shapes or self.compressed else []
 
     def __bool__(self) -> bool:

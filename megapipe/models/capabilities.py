@@ -108,9 +108,10 @@ KINDS: dict[str, Capabilities] = {
     # the hyper-connection streams between stages and the hash-routed layers on the first; their combinations); no
     # cp: ring attention through the compressor (entries pooled from blocks on other ranks) is not implemented; no
     # packed documents (a compressed block would straddle two); the engine keeps the compressed cache
-    # (megapipe.inference.compressed_cache: window keys paged, entries and compressor carry per sequence): no
-    # prefix caching (a cached block would need a snapshot of the carry), CPU kernels or MTP drafting; no LoRA targets,
-    # quantization, TensorRT-LLM writer, pruning rule, distillation or RL run with it yet
+    # (megapipe.inference.compressed_cache: window keys and entries paged, entries in a pool per compression rate;
+    # the compressors' carry in a state slot per sequence): no prefix caching (a cached block would need a snapshot of
+    # the carry), CPU kernels or MTP drafting; no LoRA targets, quantization, TensorRT-LLM writer, pruning rule,
+    # distillation or RL run with it yet
     "compressed": Capabilities(layouts=frozenset(LAYOUTS) - {"cp"}, packing=False,
                                engine=frozenset({"paged_kv", "chunked_prefill"}), lora=frozenset(), quant=frozenset(),
                                trt=frozenset(),
