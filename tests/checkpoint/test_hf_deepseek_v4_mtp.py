@@ -20,8 +20,12 @@ from megapipe.models.mtp import shift_left
 from megapipe.models.objective import ModelOutput, TokenCrossEntropy
 from tests.helpers.hf_mtp import V4_MTP, make_v4_mtp_dir
 
-TOKENS = torch.tensor([[5, 17, 9, 33, 2, 71, 8, 19, 44, 3, 120, 7, 60, 1, 90, 14, 30, 2, 8, 5],
-                       [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]])
+TOKENS = torch.tensor(
+    [
+        [5, 17, 9, 33, 2, 71, 8, 19, 44, 3, 120, 7, 60, 1, 90, 14, 30, 2, 8, 5],
+        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20],
+    ]
+)
 
 
 def cli(*args) -> int:
@@ -76,8 +80,9 @@ def test_mtp_layer_logits_and_loss_equal_the_published_formula(mtp_dir):
     assert (mtp_logits - want).abs().max() <= 1e-5 * want.abs().max()
 
     labels = shift_left(TOKENS, 1, -100)
-    result = TokenCrossEntropy()(ModelOutput(logits=logits, mtp=[mtp_logits], mtp_weight=0.3),
-                                 {"tokens": TOKENS, "labels": labels})
+    result = TokenCrossEntropy()(
+        ModelOutput(logits=logits, mtp=[mtp_logits], mtp_weight=0.3), {"tokens": TOKENS, "labels": labels}
+    )
     ce = torch.nn.functional.cross_entropy(want[:, :-2].flatten(0, 1), TOKENS[:, 2:].flatten(), reduction="sum")
     torch.testing.assert_close(result.metrics["mtp/loss_1"], ce, rtol=1e-5, atol=0)
     torch.testing.assert_close(result.backprop, 0.3 * ce, rtol=1e-5, atol=0)
@@ -96,6 +101,7 @@ def test_mtp_layer_exports_back_and_is_left_out_on_request(mtp_dir, tmp_path, ca
     capsys.readouterr()
     assert cli("import", "hf", hf_dir, tmp_path / "none", "--mtp-num-layers", "0") == 0
     assert "1 multi-token-prediction layer(s) (mtp.0.*) were not imported (--mtp-num-layers 0)" in " ".join(
-        capsys.readouterr().err.split())
+        capsys.readouterr().err.split()
+    )
     with pytest.raises(Exception, match=r"--mtp-num-layers 2 asks for more .* than the checkpoint holds \(1\)"):
         load_hf_model(hf_dir, mtp_num_layers=2)
