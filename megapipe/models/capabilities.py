@@ -119,8 +119,9 @@ KINDS: dict[str, Capabilities] = {
 }
 # why a kind lacks a feature, where the refusal should say (require adds it): (kind, field, value) -> the reason
 FEATURE_WHY = {("compressed", "layouts", "cp"): "ring attention through DeepSeek-V4's compressor is not implemented",
-               ("compressed", "engine", "speculative"): "drafting with DeepSeek-V4's MTP modules needs their block's "
-               "window in the engine's compressed cache beside the main layers', which is not implemented"}
+               ("compressed", "engine", "speculative"): "drafting with DeepSeek-V4's MTP modules needs the engine's "
+               "compressed cache to roll back rejected drafts (entries and compressor carry) and to keep the MTP "
+               "block's window, neither of which is implemented"}
 # Falcon-H1's layers (megapipe.models.parallel_hybrid): a Mamba-2 mixer beside the attention, so what Mamba layers allow
 KINDS["parallel_hybrid"] = KINDS["mamba"]
 
