@@ -19,8 +19,8 @@ passes the decoder's rotary embedding to its MTP layers), and the main model's d
 a token whose (t + k)-th successor lies in another document or beyond the row gets no label
 (megapipe.models.objective.mtp_targets), so no labelled index sees across a document either.
 
-Checkpoint names: DeepSeek publishes module k as decoder layer ``num_hidden_layers + k - 1``; ``hf_mtp_names`` is
-the table from megapipe names to those.
+Checkpoint names: DeepSeek-V3 publishes module k as decoder layer ``num_hidden_layers + k - 1``, DeepSeek-V4 as
+``mtp.{k - 1}``; ``hf_mtp_names`` is the table from megapipe names to those.
 """
 
 from __future__ import annotations

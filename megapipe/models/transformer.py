@@ -146,7 +146,8 @@ class Transformer(nn.Module):
     def mtp_step(self, depth: int, hidden: torch.Tensor, next_token_ids: torch.Tensor, positions: torch.Tensor,
                  cache=None) -> tuple[torch.Tensor, torch.Tensor]:
         """One MTP depth on its own, for drafting: ``hidden`` [B, T, H] the previous depth's output at some
-        positions (depth 1: ``forward(..., return_hidden=True)``; depth k: what step k - 1 returned),
+        positions (depth 1: ``forward(..., return_hidden=True)``, not DeepSeek-V4's streams, which the engine does
+        not draft with yet; depth k: what step k - 1 returned),
         ``next_token_ids`` [B, T] the tokens ``depth`` positions after each, ``positions`` [T] or [B, T] the
         positions of ``hidden`` (not of the tokens). Returns (logits [B, T, V] of the token depth + 1 ahead, this
         depth's hidden [B, T, H] for depth + 1). ``cache``: a KV cache as the main layers take it, holding layer
