@@ -1188,9 +1188,9 @@ def validate_deepseek_v4(m: ModelConfig) -> None:
     if rope % 2 or rope > min(m.dim_per_head, m.index_head_dim):
         raise ConfigError(f"model.qk_pos_emb_head_dim = {rope} (the rotary dims) must be even and at most head_dim "
                           f"= {m.dim_per_head} and index_head_dim = {m.index_head_dim}")
-    if m.multi_latent_attention or m.mtp_depth or m.window_attn_skip_freq is not None:
+    if m.multi_latent_attention or m.window_attn_skip_freq is not None:
         raise ConfigError("model.attention_layer_types (DeepSeek-V4's attention) does not go with "
-                          "multi_latent_attention, mtp_num_layers or window_attn_skip_freq")
+                          "multi_latent_attention or window_attn_skip_freq")
     if not 0 <= m.moe_hash_layers <= len(m.moe_layers):
         raise ConfigError(f"model.moe_hash_layers = {m.moe_hash_layers} must be within [0, the number of MoE "
                           f"layers = {len(m.moe_layers)}]")

@@ -185,15 +185,15 @@ PRESETS: dict[str, dict] = {
         moe_hash_layers=1, attention_layer_types=["sliding_attention", "compressed_sparse_attention",
                                                   "heavily_compressed_attention", "compressed_sparse_attention"],
     ),
-    # deepseek-ai/DeepSeek-V4-Flash (284 B parameters, 13 B active; its MTP layer is not part of megapipe's model)
+    # deepseek-ai/DeepSeek-V4-Flash (284 B parameters, 13 B active, and its one MTP layer: plan counts it apart)
     "deepseek-v4-flash": dict(
-        _DEEPSEEK_V4, hidden_size=4096, intermediate_size=2048, num_layers=43, num_heads=64, q_lora_rank=1024,
+        _DEEPSEEK_V4, mtp_num_layers=1, hidden_size=4096, intermediate_size=2048, num_layers=43, num_heads=64, q_lora_rank=1024,
         o_groups=8, o_lora_rank=1024, index_topk=512, num_experts=256, moe_ffn_hidden_size=2048,
         moe_shared_expert_intermediate_size=2048, attention_layer_types=_v4_layers(43, "sliding_attention"),
     ),
-    # deepseek-ai/DeepSeek-V4-Pro (1.6 T parameters, 49 B active; its MTP layer is not part of megapipe's model)
+    # deepseek-ai/DeepSeek-V4-Pro (1.6 T parameters, 49 B active, and its one MTP layer: plan counts it apart)
     "deepseek-v4-pro": dict(
-        _DEEPSEEK_V4, hidden_size=7168, intermediate_size=3072, num_layers=61, num_heads=128, q_lora_rank=1536,
+        _DEEPSEEK_V4, mtp_num_layers=1, hidden_size=7168, intermediate_size=3072, num_layers=61, num_heads=128, q_lora_rank=1536,
         o_groups=16, o_lora_rank=1024, index_topk=1024, num_experts=384, moe_ffn_hidden_size=3072,
         moe_shared_expert_intermediate_size=3072, attention_layer_types=_v4_layers(61, "heavily_compressed_attention"),
     ),

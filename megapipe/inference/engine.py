@@ -198,8 +198,10 @@ class LLMEngine:
             raise ConfigError(f"serving LoRA adapters (--max-loras / --lora-modules) does not support {describe(cfg)} "
                               f"models yet (megapipe/models/capabilities.py)")
         if config.speculative_tokens and not ngram and "speculative" not in capabilities(cfg).engine:
+            why = (f"which {describe(cfg)} models cannot draft with yet (megapipe/models/capabilities.py)"
+                   if cfg.mtp_depth else f"and this {describe(cfg)} model has none (model.mtp_num_layers)")
             raise ConfigError(f"--speculative-tokens {config.speculative_tokens} drafts with the model's multi-token "
-                              f"prediction modules, and this {describe(cfg)} model has none (model.mtp_num_layers)")
+                              f"prediction modules, {why}")
         model.eval()
         p = next(model.parameters())
         bs = config.block_size

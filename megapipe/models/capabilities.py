@@ -110,7 +110,8 @@ KINDS: dict[str, Capabilities] = {
     # packed documents (a compressed block would straddle two); the engine keeps the compressed cache
     # (megapipe.inference.compressed_cache: window keys and entries paged, entries in a pool per compression rate;
     # the compressors' carry in a state slot per sequence): no prefix caching (a cached block would need a snapshot of
-    # the carry), CPU kernels or MTP drafting; no LoRA targets, quantization, TensorRT-LLM writer, pruning rule,
+    # the carry), CPU kernels or MTP drafting (its MTP modules train, import and export, megapipe.models.mtp); no LoRA
+    # targets, quantization, TensorRT-LLM writer, pruning rule,
     # distillation or RL run with it yet
     "compressed": Capabilities(layouts=frozenset(LAYOUTS) - {"cp"}, packing=False,
                                engine=frozenset({"paged_kv", "chunked_prefill"}), lora=frozenset(), quant=frozenset(),
@@ -118,7 +119,10 @@ KINDS: dict[str, Capabilities] = {
                                stages=frozenset({"pretrain", "sft", "eval", "generate", "serve", "export_hf"})),
 }
 # why a kind lacks a feature, where the refusal should say (require adds it): (kind, field, value) -> the reason
-FEATURE_WHY = {("compressed", "layouts", "cp"): "ring attention through DeepSeek-V4's compressor is not implemented"}
+FEATURE_WHY = {("compressed", "layouts", "cp"): "ring attention through DeepSeek-V4's compressor is not implemented",
+               ("compressed", "engine", "speculative"): "drafting with DeepSeek-V4's MTP modules needs the engine's "
+               "compressed cache to roll back rejected drafts (entries and compressor carry) and to keep the MTP "
+               "block's window, neither of which is implemented"}
 # Falcon-H1's layers (megapipe.models.parallel_hybrid): a Mamba-2 mixer beside the attention, so what Mamba layers allow
 KINDS["parallel_hybrid"] = KINDS["mamba"]
 
@@ -169,10 +173,10 @@ MIXED_WINDOWS = _without(engine={"speculative"}, stages={"quantize", "export_trt
 # multi-token prediction modules (megapipe.models.mtp): every parallel layout (on the last pipeline stage, with a
 # replica of the embedding table; their shifted tokens and labels cut from whole rows under cp; V pipeline schedules,
 # which put the first and last stages on one rank, are refused in megapipe.parallel.dims); the TensorRT-LLM writers
-# do not know their tensors yet; the Hugging Face bridge writes them where DeepSeek-V3 keeps them, and only there
-# (the other families' HF twins have no MTP layers)
+# do not know their tensors yet; the Hugging Face bridge writes them where DeepSeek-V3 and DeepSeek-V4 keep them, and
+# only there (the other families' HF twins have no MTP layers)
 MTP = _without(stages={"export_trt"})
-MTP_HF_FAMILIES = ("deepseek_v3",)
+MTP_HF_FAMILIES = ("deepseek_v3", "deepseek_v4")
 # speculative decoding drafts with the MTP modules (megapipe.inference.speculative): a model without them has none
 NO_MTP = _without(engine={"speculative"})
 

@@ -174,7 +174,10 @@ class CompressedAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
-        self.layer_id, self.kind = layer_id, cfg.attention_layer_types[layer_id]
+        # an MTP block (layer_id >= num_layers) attends over the window only: the published configs' trailing
+        # compress ratio (of the MTP layer) is 0
+        self.layer_id = layer_id
+        self.kind = cfg.attention_layer_types[layer_id] if layer_id < cfg.num_layers else "sliding_attention"
         h, n, hd = cfg.hidden_size, cfg.num_heads, cfg.dim_per_head
         self.head_dim, self.window, self.eps, self.o_rank = hd, cfg.sliding_window, cfg.norm_eps, cfg.o_lora_rank
         self.wq_a = nn.Linear(h, cfg.q_lora_rank, bias=False)

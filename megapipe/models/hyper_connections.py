@@ -98,7 +98,9 @@ class V4Block(nn.Module):
         self.attention_norm = build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps)
         self.attention = CompressedAttention(cfg, layer_id)
         self.ffn_norm = build_norm(cfg.norm_type, cfg.hidden_size, cfg.norm_eps)
-        self.moe = MoE(cfg, hash_routed=cfg.moe_layers.index(layer_id) < cfg.moe_hash_layers)
+        # an MTP block (layer_id >= num_layers) routes by its scores, as DeepSeek's published MTP layers do
+        hashed = layer_id < cfg.num_layers and cfg.moe_layers.index(layer_id) < cfg.moe_hash_layers
+        self.moe = MoE(cfg, hash_routed=hashed)
 
     def forward(self, streams: torch.Tensor, pos: V4Positions, cache=None, mask=None) -> torch.Tensor:
         post, comb, x = self.attention_hc(streams)

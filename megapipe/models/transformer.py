@@ -104,11 +104,13 @@ class Transformer(nn.Module):
             h = layer(h, rope, cache, mask)
         if self.norm is None:
             return h
+        streams = h  # DeepSeek-V4's MTP depth 1 takes the last layer's hyper-connection streams
         if self.hc_head is not None:
             h = self.hc_head(h)
         # Falcon-H1's logit multiplier on the normed states: the output projection, wherever it is applied, is linear
         h = scale_by(self.norm(h[:, -1:] if last_only and not mtp else h), self.cfg.lm_head_multiplier)
-        extra = (self._mtp_states(tokens, h, rope, mask, mtp_tokens),) if mtp else ()
+        depth1 = streams if self.hc_head is not None else h
+        extra = (self._mtp_states(tokens, depth1, rope, mask, mtp_tokens),) if mtp else ()
         if head is not None:
             return head(h, self.output_weight(), *extra)
         if not return_hidden:
@@ -127,8 +129,8 @@ class Transformer(nn.Module):
     def _mtp_states(self, tokens: torch.Tensor, h: torch.Tensor, rope, mask,
                     ahead: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
         """Each MTP depth's final normed hidden states [B, S, H] (index t predicts token t + depth + 1) from the
-        token ids and the main model's final normed hidden states ``h``; depth k > 1 takes depth k - 1's output
-        before its norm."""
+        token ids and the main model's final normed hidden states ``h`` (DeepSeek-V4: its last layer's streams);
+        depth k > 1 takes depth k - 1's output before its norm."""
         if self.mtp is None:
             raise ValueError("mtp=True needs a model with multi-token prediction modules (model.mtp_num_layers)")
         if ahead is None:
@@ -144,7 +146,8 @@ class Transformer(nn.Module):
     def mtp_step(self, depth: int, hidden: torch.Tensor, next_token_ids: torch.Tensor, positions: torch.Tensor,
                  cache=None) -> tuple[torch.Tensor, torch.Tensor]:
         """One MTP depth on its own, for drafting: ``hidden`` [B, T, H] the previous depth's output at some
-        positions (depth 1: ``forward(..., return_hidden=True)``; depth k: what step k - 1 returned),
+        positions (depth 1: ``forward(..., return_hidden=True)``, not DeepSeek-V4's streams, which the engine does
+        not draft with yet; depth k: what step k - 1 returned),
         ``next_token_ids`` [B, T] the tokens ``depth`` positions after each, ``positions`` [T] or [B, T] the
         positions of ``hidden`` (not of the tokens). Returns (logits [B, T, V] of the token depth + 1 ahead, this
         depth's hidden [B, T, H] for depth + 1). ``cache``: a KV cache as the main layers take it, holding layer

@@ -75,7 +75,7 @@ def apply_tp(model, mesh, sequence_parallel: bool = True) -> None:
             parallelize_module(module, mesh, replicated_style())
     for module in getattr(model, "mtp", None) or []:  # multi-token prediction: its block as the layers are
         parallelize_module(module.block, mesh, spec_for(module.block).tp_plan(module.block, sp))
-        parallelize_module(module, mesh, mtp_tp_plan(sp))
+        parallelize_module(module, mesh, mtp_tp_plan(module, sp))
         if model.output is None:
             module.norm.register_forward_hook(_gather_for_tied_output(mesh, sp))
 

@@ -149,6 +149,8 @@ MODELS["dsv4"] = dict(arch="deepseek_v4", hidden_size=32, intermediate_size=16, 
                       moe_shared_expert_intermediate_size=16, moe_router_score_function="sqrtsoftplus",
                       moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=1.5,
                       moe_activation="clamped_silu", moe_swiglu_limit=1.5, moe_hash_layers=1, norm_eps=1e-6)
+# ... with an MTP module (its block sliding-window and score-routed, the streams through e_proj / h_proj, its own head)
+MODELS["dsv4_mtp"] = {**MODELS["dsv4"], "mtp_num_layers": 1, "mtp_loss_scaling_factor": 0.5}
 
 # Qwen2.5-VL-shaped: the "qwen2" decoder with M-RoPE behind a 2-block vision tower (2-pixel patches of 2 frames, a
 # window of one merged patch, block 1 full) and its patch merger; rows of the batches hold images (VL_GRIDS)

@@ -65,7 +65,7 @@ def _hf_config(arch: str):
             layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
                          "compressed_sparse_attention"], mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
             n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, swiglu_limit=1.0,
-            rope_parameters=yarn, rms_norm_eps=1e-6)
+            rope_parameters=yarn, rms_norm_eps=1e-6, num_nextn_predict_layers=0)
     if arch == "deepseek_v32":  # DeepSeek-V3's shapes plus the sparse attention's indexer: 4 keys per query
         v3 = _hf_config("deepseek_v3").to_dict()
         fields = {k: v3[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",

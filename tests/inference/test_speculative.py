@@ -14,6 +14,7 @@ from megapipe.inference.engine import EngineConfig
 from megapipe.inference.speculative import accept_greedy, accept_sampled
 from megapipe.models import build_model
 from megapipe.models.capabilities import require
+from tests.dist.parallel_cases import MODELS
 
 V = 16
 CFG = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -209,6 +210,9 @@ def test_refusals_and_stats(random_model):
         engine(plain, 2)
     with pytest.raises(MegapipeError, match="generate of Llama models does not support engine speculative"):
         require(plain.cfg, "generate", engine=["speculative"])
+    v4 = build_model(ModelConfig(**{**MODELS["dsv4_mtp"], "vocab_size": V}), seed=0)  # MTP modules, no drafting yet
+    with pytest.raises(ConfigError, match="prediction modules, which DeepSeek-V4 with MTP models cannot draft with yet"):
+        engine(v4, 2)
     require(CFG, "serve", engine=["speculative"])
     with pytest.raises(ConfigError, match="--speculative-tokens = -1 must be an integer >= 0"):
         engine(random_model, -1)

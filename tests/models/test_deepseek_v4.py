@@ -37,6 +37,14 @@ def test_preset_counts_equal_transformers_on_meta(preset, published):
     counts = param_counts(cfg)
     assert abs(counts.total / total - 1) < 1e-5 and abs(counts.active / active - 1) < 1e-5
     assert abs(counts.total / published[0] - 1) < 0.02 and abs(counts.active / published[1] - 1) < 0.07
+    # the published MTP layer, counted apart: a sliding-window, score-routed block (transformers' decoder layer of
+    # that kind) with its e / h projections, three norms and its hyper-connection head
+    assert cfg.mtp_depth == 1 == hf_cfg["num_nextn_predict_layers"]
+    one = {**hf_cfg, "num_hidden_layers": 1, "layer_types": ["sliding_attention"], "mlp_layer_types": ["moe"]}
+    with torch.device("meta"):
+        layer = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**one)).model.layers[0]
+    h, n = cfg.hidden_size, cfg.hc_mult
+    assert counts.mtp == sum(p.numel() for p in layer.parameters()) + 2 * h * h + 3 * h + n * n * h + n + 1
 
 
 def test_presets_default_to_muon():

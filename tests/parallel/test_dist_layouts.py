@@ -76,11 +76,12 @@ CASES_2 = [
     # attention masks each pair of chunks by the window and adds the sinks to each row's log-sum-exp); Mistral on CP
     "dp_shard2:model=gptoss", "ddp2:model=gptoss", "tp2:model=gptoss", "tp2:sp=0:model=gptoss", "ep2:model=gptoss",
     "pp2:model=gptoss:schedule=GPipe", "cp2:model=gptoss", "cp2:model=mistral",
-    # DeepSeek-V4-shaped (compressed attention, hyper-connections, hash routing; the frozen indexer): FSDP, DDP, EP,
-    # TP with and without SP (heads and output groups split, the KV head, compressors and indexer replicated), PP
-    # (one layer a stage: the hyper-connection streams cross three stage boundaries)
-    "dp_shard2:model=dsv4", "ddp2:model=dsv4", "ep2:model=dsv4", "tp2:model=dsv4", "tp2:sp=0:model=dsv4",
-    "pp2:model=dsv4:schedule=Interleaved1F1B",
+    # DeepSeek-V4-shaped (compressed attention, hyper-connections, hash routing; the frozen indexer) with its MTP
+    # module (the streams into e_proj / h_proj, its own hyper-connection head): FSDP, DDP, EP, TP with and without SP
+    # (heads and output groups split, the KV head, compressors and indexer replicated), PP (one layer a stage: the
+    # hyper-connection streams cross three stage boundaries, the MTP module on the last)
+    "dp_shard2:model=dsv4_mtp", "ddp2:model=dsv4_mtp", "ep2:model=dsv4_mtp", "tp2:model=dsv4_mtp",
+    "tp2:sp=0:model=dsv4_mtp", "pp2:model=dsv4_mtp:schedule=Interleaved1F1B",
     # Qwen2.5-VL-shaped (image + text rows): FSDP / DDP over the whole model, the decoder's TP (with and without SP)
     # with the tower replicated, PP with the tower on the first stage (GPipe; ZBV: the first and last stage on a rank)
     "dp_shard2:model=vl", "ddp2:model=vl", "tp2:model=vl", "tp2:sp=0:model=vl", "pp2:model=vl:schedule=GPipe",
@@ -126,8 +127,8 @@ CASES_4 = [
     "dp_shard2,tp2:model=gptoss", "pp2,tp2:model=gptoss", "ep2,tp2:model=gptoss", "pp2,ep2:model=gptoss:schedule=GPipe",
     "dp_replicate2,dp_shard2:model=gptoss", "dp_shard2,cp2:model=gptoss", "cp2,tp2:model=gptoss",
     "ep2,cp2:model=gptoss", "pp2,cp2:model=gptoss", "ddp2,cp2:model=mistral",
-    # DeepSeek-V4-shaped on PP x TP, and saved on EP x TP, resumed exactly on PP x FSDP
-    "pp2,tp2:model=dsv4", "ep2,tp2:model=dsv4:save=ckpt_dsv4", "pp2,dp_shard2:model=dsv4:load=ckpt_dsv4",
+    # DeepSeek-V4-shaped on PP x TP (with its MTP module), and saved on EP x TP, resumed exactly on PP x FSDP
+    "pp2,tp2:model=dsv4_mtp", "ep2,tp2:model=dsv4:save=ckpt_dsv4", "pp2,dp_shard2:model=dsv4:load=ckpt_dsv4",
     # Qwen2.5-VL-shaped: PP x TP (the replicated tower on the first stage), HSDP, FSDP x TP; saved on PP x TP, resumed
     # exactly on FSDP
     "pp2,tp2:model=vl", "dp_replicate2,dp_shard2:model=vl", "dp_shard2,tp2:model=vl",

@@ -155,16 +155,8 @@ class DeepseekV3Adapter(_MoEAdapter):
         """The main model's, then each MTP module's by hf_mtp_names; the main embedding table's and output head's
         conversions also carry DeepSeek's copies of them in the MTP layers."""
         out = super().conversions(dataclasses.replace(cfg, mtp_num_layers=None))
-        block = block_spec(cfg, cfg.num_layers - 1).hf_names[self.family]
-        keys = meta_state_keys(cfg)
-        copies: dict[str, list[str]] = {}  # main table (megapipe name) -> DeepSeek's copies of it
-        for depth in range(1, cfg.mtp_depth + 1):
-            names = hf_mtp_names(cfg.num_layers, depth, block)
-            for shared in ("tok_embeddings", "output"):
-                table = "tok_embeddings" if shared == "output" and cfg.tie_embeddings else shared
-                copies.setdefault(f"{table}.weight", []).append(names.pop(shared) + ".weight")
-            out += [renamed(k, names, cfg) for k in keys if k.startswith(f"mtp.{depth - 1}.")]
-        return [_with_copies(c, copies[c.mp[0]]) if c.mp[0] in copies else c for c in out]
+        mtp, copies = mtp_conversions(cfg, block_spec(cfg, cfg.num_layers - 1).hf_names[self.family])
+        return [_with_copies(c, copies[c.mp[0]]) if c.mp[0] in copies else c for c in out + mtp]
 
     def ignored(self, name: str, cfg: ModelConfig) -> bool:
         depth = mtp_layer_of(name, cfg)
@@ -173,25 +165,49 @@ class DeepseekV3Adapter(_MoEAdapter):
     def fit(self, cfg: ModelConfig, names: set[str], mtp_num_layers: Optional[int], where: str
             ) -> tuple[ModelConfig, list[str]]:
         have = len({mtp_layer_of(n, cfg) for n in names} - {None})
-        if mtp_num_layers is not None and mtp_num_layers > have:
-            raise MegapipeError(f"{where}: --mtp-num-layers {mtp_num_layers} asks for more multi-token-prediction "
-                                f"layers than the checkpoint holds ({have})")
-        notes = []
-        if mtp_num_layers is not None:
-            keep, why = mtp_num_layers, f"--mtp-num-layers {mtp_num_layers}"
-        elif have:
-            keep, why = cfg.mtp_depth, f"config.json's num_nextn_predict_layers is {cfg.mtp_depth}"
-        else:
-            keep = 0
-            if cfg.mtp_depth:
-                notes.append(f"config.json's num_nextn_predict_layers is {cfg.mtp_depth} but the safetensors hold no "
-                             "multi-token-prediction layer: the model was imported without MTP modules")
-        if keep < have:
-            first, last = cfg.num_layers + keep, cfg.num_layers + have - 1
-            span = str(first) if first == last else f"{first}-{last}"
-            notes.append(f"the checkpoint's {have - keep} multi-token-prediction layer(s) (model.layers.{span}.*) "
-                         f"were not imported ({why})")
-        return dataclasses.replace(cfg, mtp_num_layers=keep or None), notes
+        return fit_mtp(cfg, have, mtp_num_layers, where, lambda span: f"model.layers.{span}.*", cfg.num_layers)
+
+
+def mtp_conversions(cfg: ModelConfig, block_names: dict[str, str]) -> tuple[list[Conversion], dict[str, list[str]]]:
+    """Each MTP module's conversions (megapipe.models.mtp.hf_mtp_names; ``block_names``: its block kind's HF names),
+    and DeepSeek-V3's copies of the shared tables in them (main table's megapipe name -> the copies' HF names; none
+    in DeepSeek-V4's)."""
+    keys, out = meta_state_keys(cfg), []
+    copies: dict[str, list[str]] = {}
+    for depth in range(1, cfg.mtp_depth + 1):
+        names = hf_mtp_names(cfg.num_layers, depth, block_names, hyper_connections=bool(cfg.hc_mult))
+        for shared in ("tok_embeddings", "output"):
+            if shared in names:
+                table = "tok_embeddings" if shared == "output" and cfg.tie_embeddings else shared
+                copies.setdefault(f"{table}.weight", []).append(names.pop(shared) + ".weight")
+        out += [renamed(k, names, cfg) for k in keys if k.startswith(f"mtp.{depth - 1}.")]
+    return out, copies
+
+
+def fit_mtp(cfg: ModelConfig, have: int, mtp_num_layers: Optional[int], where: str, spelled, first: int = 0
+            ) -> tuple[ModelConfig, list[str]]:
+    """The config with the MTP depth to import (``have``: the checkpoint's MTP layers; ``mtp_num_layers``: what
+    --mtp-num-layers asks, None: what config.json declares) and the notes on what is left out (``spelled(span)``:
+    the left-out layers' tensor names, ``first`` the number of the first one)."""
+    if mtp_num_layers is not None and mtp_num_layers > have:
+        raise MegapipeError(f"{where}: --mtp-num-layers {mtp_num_layers} asks for more multi-token-prediction "
+                            f"layers than the checkpoint holds ({have})")
+    notes = []
+    if mtp_num_layers is not None:
+        keep, why = mtp_num_layers, f"--mtp-num-layers {mtp_num_layers}"
+    elif have:
+        keep, why = cfg.mtp_depth, f"config.json's num_nextn_predict_layers is {cfg.mtp_depth}"
+    else:
+        keep = 0
+        if cfg.mtp_depth:
+            notes.append(f"config.json's num_nextn_predict_layers is {cfg.mtp_depth} but the safetensors hold no "
+                         "multi-token-prediction layer: the model was imported without MTP modules")
+    if keep < have:
+        start, last = first + keep, first + have - 1
+        span = str(start) if start == last else f"{start}-{last}"
+        notes.append(f"the checkpoint's {have - keep} multi-token-prediction layer(s) ({spelled(span)}) "
+                     f"were not imported ({why})")
+    return dataclasses.replace(cfg, mtp_num_layers=keep or None), notes
 
 
 def _with_copies(conv: Conversion, copies: list[str]) -> Conversion:

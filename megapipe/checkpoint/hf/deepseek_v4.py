@@ -5,18 +5,20 @@ scores with a correction bias, hash routing on the first layers, clamped SwiGLU 
 Tensors keep DeepSeek's own names, as the Hub's checkpoints hold them and transformers writes them back when it
 saves (``model.layers.{i}.attn.wq_a``, ``...ffn.experts.{e}.w1``, ``head.weight``); the Hub's files drop the
 ``model.`` prefix and name the top tensors ``embed`` / ``norm`` / ``hc_head_fn``, which read as the same tensors
-(``aliases``). Their multi-token-prediction layer (``mtp.*``) has no place in megapipe's V4 model (transformers leaves
-it out too): it is not imported, with a note. The published FP8 block-scaled weights import dequantized; their FP4
-experts are refused with a sentence.
+(``aliases``). Their multi-token-prediction layers (``num_nextn_predict_layers``, ``mtp.{k}.*``: the block's tensors
+under their layer names, ``e_proj`` / ``h_proj`` / ``enorm`` / ``hnorm`` / ``norm`` / ``hc_head_*``; transformers
+leaves them out) import into megapipe's MTP modules (megapipe.models.mtp) and export back under the same names. The
+published FP8 block-scaled weights import dequantized; their FP4 experts are refused with a sentence.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any, Optional
 
 from megapipe.checkpoint.hf.base import Conversion, meta_state_keys, refuse, register
-from megapipe.checkpoint.hf.deepseek import yarn_from_hf
+from megapipe.checkpoint.hf.deepseek import fit_mtp, mtp_conversions, yarn_from_hf
 from megapipe.checkpoint.hf.moe import _MoEAdapter, renamed
 from megapipe.config import ModelConfig
 from megapipe.errors import MegapipeError
@@ -71,7 +73,8 @@ class DeepseekV4Adapter(_MoEAdapter):
                 o_lora_rank=int(hf["o_lora_rank"]), index_n_heads=int(hf["index_n_heads"]),
                 index_head_dim=int(hf["index_head_dim"]), index_topk=int(hf["index_topk"]),
                 sliding_window=int(hf["sliding_window"]), hc_mult=int(hf["hc_mult"]),
-                hc_sinkhorn_iters=int(hf["hc_sinkhorn_iters"]), hc_eps=float(hf["hc_eps"]), attention_sinks=True)
+                hc_sinkhorn_iters=int(hf["hc_sinkhorn_iters"]), hc_eps=float(hf["hc_eps"]), attention_sinks=True,
+                mtp_num_layers=int(hf.get("num_nextn_predict_layers") or 0) or None)
         except KeyError as e:
             raise MegapipeError(f"{where}: the field {e.args[0]!r} is missing") from None
         return fields
@@ -126,7 +129,7 @@ class DeepseekV4Adapter(_MoEAdapter):
             o_groups=cfg.o_groups, o_lora_rank=cfg.o_lora_rank, index_n_heads=cfg.index_n_heads,
             index_head_dim=cfg.index_head_dim, index_topk=cfg.index_topk, sliding_window=cfg.sliding_window,
             hc_mult=cfg.hc_mult, hc_sinkhorn_iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps,
-            num_nextn_predict_layers=0)
+            num_nextn_predict_layers=cfg.mtp_depth)
         return hf
 
     def attention_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
@@ -140,8 +143,8 @@ class DeepseekV4Adapter(_MoEAdapter):
                     mlp_layer_types=["hash_moe"] * hashed + ["moe"] * (cfg.num_layers - hashed))
 
     def conversions(self, cfg: ModelConfig) -> list[Conversion]:
-        out = []
-        for key in meta_state_keys(cfg):
+        out = mtp_conversions(cfg, V4.hf_names[self.family])[0]
+        for key in meta_state_keys(dataclasses.replace(cfg, mtp_num_layers=None)):
             if key in TOP:
                 out.append(Conversion(hf=(TOP[key],), mp=(key,)))
                 continue
@@ -151,19 +154,26 @@ class DeepseekV4Adapter(_MoEAdapter):
         return out
 
     def aliases(self, names: set[str]) -> dict[str, str]:
-        """The Hub's spelling (no ``model.`` prefix, ``embed`` / ``hc_head_fn`` ...) -> the names transformers saves."""
-        return {n: HUB_TOP.get(n, "model." + n if n.startswith("layers.") else n) for n in names}
+        """The Hub's spelling (no ``model.`` prefix, ``embed`` / ``hc_head_fn`` ...) -> the names transformers saves;
+        the MTP layers' ``mtp.{k}.*`` with or without the prefix -> without."""
+        def name(n: str) -> str:
+            return "model." + n if n.startswith("layers.") else n.removeprefix("model.") if n.startswith(
+                "model.mtp.") else n
+
+        return {n: HUB_TOP.get(n, name(n)) for n in names}
 
     def ignored(self, name: str, cfg: ModelConfig) -> bool:
-        return super().ignored(name, cfg) or name.startswith(("mtp.", "model.mtp."))
+        depth = _mtp_depth_of(name)
+        return super().ignored(name, cfg) or (depth is not None and depth >= cfg.mtp_depth)
 
     def fit(self, cfg: ModelConfig, names: set[str], mtp_num_layers: Optional[int], where: str
             ) -> tuple[ModelConfig, list[str]]:
-        if mtp_num_layers:
-            raise MegapipeError(f"{where}: --mtp-num-layers {mtp_num_layers}: megapipe's DeepSeek-V4 model has no "
-                                "multi-token-prediction modules")
-        mtp = sorted({m.group(1) for n in names if (m := re.match(r"(?:model\.)?mtp\.(\d+)\.", n))})
-        notes = [f"the checkpoint's multi-token-prediction layer(s) (mtp.{', '.join(mtp)}.*) were not imported "
-                 "(megapipe's DeepSeek-V4 model has none)"] if mtp else []
-        return cfg, notes
+        have = len({_mtp_depth_of(n) for n in names} - {None})
+        return fit_mtp(cfg, have, mtp_num_layers, where, lambda span: f"mtp.{span}.*")
+
+
+def _mtp_depth_of(name: str) -> Optional[int]:
+    """The MTP layer (0-based) a checkpoint tensor belongs to (``mtp.{k}.*``), None for the main model's."""
+    found = re.match(r"(?:model\.)?mtp\.(\d+)\.", name)
+    return int(found.group(1)) if found else None
 
