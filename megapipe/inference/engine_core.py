@@ -53,6 +53,7 @@ class AddRequest:
 @dataclass
 class Abort:
     request_id: str
+    index: Optional[int] = None  # only this sample of it (a stop string ended it at the front end); None: all
 
 
 @dataclass
@@ -264,7 +265,7 @@ class EngineCore:
             self._add(msg, outputs)
         elif isinstance(msg, Abort):
             self.compiling = [c for c in self.compiling if c[0].request_id != msg.request_id]
-            out = self.engine.abort(msg.request_id)
+            out = self.engine.abort(msg.request_id, msg.index)
             if out is not None:
                 outputs.append(self._delta(out))
         elif isinstance(msg, UtilityCall):

@@ -19,6 +19,7 @@ from megapipe.inference import LLMEngine, SamplingParams
 from tests.inference.test_server import (  # noqa: F401 - the server's tests, run here against the core process
     NAME,
     LiveServer,
+    test_a_sample_a_stop_string_ends_stops_decoding,
     test_chat_multi_turn_and_streaming,
     test_completions_match_the_engine,
     test_dropped_streams_abort_and_free_their_blocks,
