@@ -42,6 +42,7 @@ from megapipe.inference.engine_core import (
     send,
 )
 from megapipe.inference.sampling import SamplingParams
+from megapipe.inference.structured import Grammars
 
 log = logging.getLogger("megapipe.engine")
 
@@ -126,7 +127,6 @@ class EngineCoreClient(StreamingEngine):
     # a request is checked by the engine's own rules, on the facts its core reported (no model here)
     encode = LLMEngine.encode
     check_request = LLMEngine.check_request
-    grammars = LLMEngine.grammars
 
     def __init__(self, spec: CoreSpec, max_queue: Optional[int] = None, on_output=None):
         super().__init__(max_queue, on_output)
@@ -162,6 +162,13 @@ class EngineCoreClient(StreamingEngine):
     @property
     def alive(self) -> bool:
         return self.error is None and not self._stopping
+
+    @property
+    def grammars(self) -> Grammars:
+        """Constraints parsed only, so a bad one is a 400 before the core sees it; the core compiles them."""
+        if self._grammars is None:
+            self._grammars = Grammars()
+        return self._grammars
 
     def prompt_images(self, ids, pixel_values, image_grid_thw) -> dict:
         """A prompt's images as the core takes them (it checks them against the model)."""

@@ -257,7 +257,7 @@ class EngineCore:
     def _handle(self, msg, outputs: list) -> None:
         if isinstance(msg, AddRequest):
             self.num_added += 1
-            if msg.params.structured is not None:  # the front end compiled it too, but in its own process
+            if msg.params.structured is not None:  # the front end only parsed it
                 compiled = self.engine.grammars.submit(msg.params.structured)
                 if not compiled.done():  # the steps go on meanwhile
                     self.compiling.append((msg, compiled))

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import multiprocessing
 import signal
+import threading
 import time
 from dataclasses import replace
 
@@ -16,6 +18,8 @@ import openai
 import pytest
 
 from megapipe.inference import LLMEngine, SamplingParams
+from megapipe.inference.engine_core import AddRequest, EngineCore, Shutdown, recv, send
+from megapipe.inference.structured import Constraint
 from tests.inference.test_server import (  # noqa: F401 - the server's tests, run here against the core process
     NAME,
     LiveServer,
@@ -35,7 +39,9 @@ from tests.inference.test_server_sampling import (  # noqa: F401 - stop tokens a
     test_min_tokens_as_transformers_min_new_tokens,
     test_presence_and_frequency_penalties,
 )
-from tests.inference.test_structured import (  # noqa: F401 - grammars compile in both processes
+from tests.inference.test_structured import (  # noqa: F401 - grammars parsed in the front end, compiled in the core
+    SCHEMA,
+    Counting,
     test_invalid_constraints_are_400,
     test_json_schema_n_logprobs,
     test_named_and_required_tool_choice,
@@ -87,6 +93,30 @@ def test_outputs_equal_the_in_process_engine(live, reference):
         assert outs[-1].finished and not any(o.finished for o in outs[:-1])
         reasons |= {type(c.stop_reason) for c in want.outputs if c.finish_reason == "stop"}
     assert reasons == {str, int}  # the cases end on stop strings and on stop tokens
+
+
+def test_the_core_compiles_a_grammar_once(live, hf_llama):
+    """An engine core's front end parses a constraint and compiles nothing (a bad one is a 400 there all the same:
+    test_invalid_constraints_are_400); its core compiles it once for a request of n = 2, and not again for the next
+    one with the same schema. The core here runs in a thread of this process, over a pipe, to count."""
+    assert live.async_engine.grammars.compiler is None
+    engine = LLMEngine.from_pretrained(hf_llama[0], device="cpu")
+    counting = Counting(engine.grammars.compiler)
+    engine.grammars.compiler = counting
+    front, back = multiprocessing.Pipe()
+    core = threading.Thread(target=EngineCore(engine, back).run, daemon=True)
+    core.start()
+    params = SamplingParams(max_tokens=20, n=2, temperature=1.0, seed=3, structured=Constraint.json_schema(SCHEMA))
+    for rid in ("a", "b"):
+        send(front, AddRequest(rid, engine.encode("Who are you?")[1], replace(params), time.monotonic()))
+        samples = []
+        while not samples or not samples[-1].finished:
+            samples += [o for o in recv(front).outputs if o.request_id == rid]
+        assert not any(o.error for o in samples)
+        assert sorted(s.index for o in samples for s in o.samples if s.finish_reason) == [0, 1]
+    send(front, Shutdown())
+    core.join(10)
+    assert counting.calls == 1
 
 
 def test_utility_calls_and_stats_go_through_messages(live):
