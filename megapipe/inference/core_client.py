@@ -170,10 +170,6 @@ class EngineCoreClient(StreamingEngine):
             self._grammars = Grammars()
         return self._grammars
 
-    def prompt_images(self, ids, pixel_values, image_grid_thw) -> dict:
-        """A prompt's images as the core takes them (it checks them against the model)."""
-        return {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
-
     def _send(self, msg) -> None:
         try:
             with self._send_lock:

@@ -372,7 +372,7 @@ class LLMEngine:
         params = self.check_request(ids, params)
         req = Request(request_id, text, ids, params, arrival)
         if isinstance(images, dict):
-            images = PromptImages(self.runner.model, ids, images["pixel_values"], images["image_grid_thw"])
+            images = PromptImages(self.model_config, ids, images["pixel_values"], images["image_grid_thw"])
         if images is not None:
             req.images = images
             req.hash_seed = req.images.hash_seed

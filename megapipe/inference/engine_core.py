@@ -31,6 +31,7 @@ from typing import Optional
 
 from megapipe.errors import MegapipeError
 from megapipe.inference.engine import EngineConfig, LLMEngine, RequestOutput
+from megapipe.inference.images import PromptImages
 from megapipe.inference.sampling import ParamError, SamplingParams
 
 log = logging.getLogger("megapipe.engine")
@@ -47,7 +48,7 @@ class AddRequest:
     params: SamplingParams  # checked and resolved by the front end (max_tokens set)
     arrival: float  # time.monotonic() when the front end received it (one clock for both processes)
     lora: Optional[str] = None
-    images: Optional[dict] = None  # pixel_values and image_grid_thw, as LLMEngine.add_request takes them
+    images: Optional[PromptImages] = None  # decoded and checked by the front end
 
 
 @dataclass
