@@ -6,8 +6,8 @@ an error, /health answers 503 and new requests are refused, within seconds."""
 from __future__ import annotations
 
 import asyncio
-import os
 import multiprocessing
+import os
 import signal
 import threading
 import time
