@@ -19,6 +19,7 @@ import pytest
 
 from megapipe.inference import LLMEngine, SamplingParams
 from megapipe.inference.engine_core import AddRequest, EngineCore, Shutdown, recv, send
+from megapipe.inference.sampling import ParamError
 from megapipe.inference.structured import Constraint
 from tests.inference.test_server import (  # noqa: F401 - the server's tests, run here against the core process
     NAME,
@@ -98,7 +99,8 @@ def test_outputs_equal_the_in_process_engine(live, reference):
 def test_the_core_compiles_a_grammar_once(live, hf_llama):
     """An engine core's front end parses a constraint and compiles nothing (a bad one is a 400 there all the same:
     test_invalid_constraints_are_400); its core compiles it once for a request of n = 2, and not again for the next
-    one with the same schema. The core here runs in a thread of this process, over a pipe, to count."""
+    one with the same schema; a compile that fails there refuses the request with the ParamError the server answers
+    400 with. The core here runs in a thread of this process, over a pipe, to count."""
     assert live.async_engine.grammars.compiler is None
     engine = LLMEngine.from_pretrained(hf_llama[0], device="cpu")
     counting = Counting(engine.grammars.compiler)
@@ -114,9 +116,24 @@ def test_the_core_compiles_a_grammar_once(live, hf_llama):
             samples += [o for o in recv(front).outputs if o.request_id == rid]
         assert not any(o.error for o in samples)
         assert sorted(s.index for o in samples for s in o.samples if s.finish_reason) == [0, 1]
+    assert counting.calls == 1
+
+    class Failing(Counting):  # a compile that fails in the core after the front end's parse passed
+        def compile_grammar(self, grammar):
+            raise RuntimeError("[08:00:00] grammar_compiler.cc:12: out of luck")
+
+    engine.grammars.compiler = Failing(None)
+    other = replace(params, structured=Constraint.json_schema({"type": "object"}))
+    send(front, AddRequest("c", [1, 2, 3], other, time.monotonic()))
+    outs = []
+    while not outs:
+        outs = [o for o in recv(front).outputs if o.request_id == "c"]
+    (out,) = outs
     send(front, Shutdown())
     core.join(10)
-    assert counting.calls == 1
+    error = out.error.exception()  # ParamError: the server's 400
+    assert isinstance(error, ParamError) and error.param == "response_format" and str(error) == (
+        "response_format: the JSON schema cannot be compiled (out of luck)")
 
 
 def test_utility_calls_and_stats_go_through_messages(live):
