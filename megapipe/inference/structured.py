@@ -6,9 +6,11 @@ queueing the request, so the engine thread only looks it up). An engine core pro
 only parses (``Grammars()`` without tokenizer info: a bad constraint is still a 400 there); the core compiles, once.
 Not compiled in the front end and shipped: xgrammar's ``CompiledGrammar.serialize_json`` / ``deserialize_json`` cost
 about as much as compiling (49k-token vocabulary: compile 27 ms, serialise 16 ms, deserialise 16 ms, 93 kB; a parse
-1.5 ms). JSON is single-line by default (xgrammar's
-``any_whitespace=False``: one space after ``,`` and ``:``, none elsewhere), so even a weak model closes its object
-within a few tokens; ``any_whitespace=True`` gives the grammar's free whitespace back.
+1.5 ms).
+
+JSON is single-line by default (xgrammar's ``any_whitespace=False``: one space after ``,`` and ``:``, none
+elsewhere), so even a weak model closes its object within a few tokens; ``any_whitespace=True`` gives the grammar's
+free whitespace back.
 """
 
 from __future__ import annotations
