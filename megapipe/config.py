@@ -502,10 +502,22 @@ class TrainConfig:
     lr_wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = "linear"
 
 
+def _optimizer_name(text: str) -> str:
+    """Megatron's ``--optimizer dist_muon`` is Muon with its state sharded over the data-parallel ranks, which
+    megapipe's Muon is under FSDP (dp_shard)."""
+    return "muon" if text == "dist_muon" else text
+
+
+def _muon_scale(text: str) -> str:
+    return "original" if text == "shape_scaling" else text  # Megatron's name for Keller Jordan's rule
+
+
 @dataclass
 class OptimConfig:
     optimizer: Literal["adamw", "sgd", "muon"] = opt(
-        "adamw", "--optimizer", help="muon: Muon for the blocks' weight matrices, AdamW for the rest.")
+        "adamw", "--optimizer", parse=_optimizer_name, flag_type=str,
+        help="adamw, sgd or muon: Muon for the blocks' weight matrices, AdamW for the rest (Megatron's dist_muon: "
+             "muon, whose state FSDP shards).")
     weight_decay: float = opt(0.01, "--weight-decay")
     clip_grad: float = opt(1.0, "--clip-grad", help="Max total gradient norm (0: no clipping).")
     adam_beta1: float = opt(0.9, "--adam-beta1")
@@ -518,10 +530,18 @@ class OptimConfig:
     muon_ns_coefficients: list[float] = opt(
         None, "--muon-ns-coefficients", factory=lambda: list(MUON_NS_COEFFICIENTS),
         help="Newton-Schulz quintic coefficients a b c.")
-    muon_scale: Literal["match_rms_adamw", "original"] = opt(
-        "match_rms_adamw", "--muon-scale",
-        help="Update scale: match_rms_adamw = 0.2*sqrt(max(A, B)) (Moonlight: AdamW's lr and weight decay carry "
-             "over), original = sqrt(max(1, A/B)) (Keller Jordan's).")
+    muon_scale: Literal["match_rms_adamw", "original", "spectral", "unit_rms_norm"] = opt(
+        "match_rms_adamw", "--muon-scale", "--muon-scale-mode", parse=_muon_scale, flag_type=str,
+        help="Update scale of an A x B matrix: match_rms_adamw = 0.2*sqrt(max(A, B)) (Moonlight: AdamW's lr and "
+             "weight decay carry over), original = sqrt(max(1, A/B)) (Keller Jordan's; Megatron's shape_scaling), "
+             "spectral = sqrt(max(A, B)), unit_rms_norm = sqrt(A/B) (Megatron's).")
+    muon_extra_scale_factor: float = opt(
+        1.0, "--muon-extra-scale-factor", help="Multiplies the update scale (Megatron's; spectral with 0.2 is "
+                                               "match_rms_adamw).")
+    # Megatron's ways to orthogonalise tensor-parallel shards and its Newton-Schulz matmul precision: megapipe takes
+    # the whole matrix (gathered) in fp32, which is what "duplicated" / "distributed" and "high" compute
+    muon_tp_mode: Literal["duplicated", "distributed", "blockwise"] = opt("duplicated", "--muon-tp-mode")
+    muon_fp32_matmul_prec: Literal["high", "medium", "low"] = opt("high", "--muon-fp32-matmul-prec")
     muon_lr: Optional[float] = opt(None, "--muon-lr", help="Muon's peak lr, on --lr's schedule. Default: --lr.")
     muon_weight_decay: Optional[float] = opt(None, "--muon-weight-decay", help="Default: --weight-decay.")
 
@@ -1040,6 +1060,17 @@ def validate_muon(o: OptimConfig) -> None:
     for name in ("muon_lr", "muon_weight_decay"):
         if getattr(o, name) is not None and getattr(o, name) < 0:
             raise ConfigError(f"optim.{name} (--{name.replace('_', '-')}) = {getattr(o, name)} must be >= 0")
+    if o.muon_extra_scale_factor <= 0:
+        raise ConfigError(f"optim.muon_extra_scale_factor (--muon-extra-scale-factor) = {o.muon_extra_scale_factor} "
+                          "must be > 0")
+    if o.muon_tp_mode == "blockwise":
+        raise ConfigError("optim.muon_tp_mode (--muon-tp-mode) = 'blockwise' orthogonalises each tensor-parallel shard "
+                          "on its own, which megapipe does not: it orthogonalises whole matrices, gathered, as "
+                          "'duplicated' and 'distributed' do")
+    if o.muon_fp32_matmul_prec != "high":
+        raise ConfigError(f"optim.muon_fp32_matmul_prec (--muon-fp32-matmul-prec) = {o.muon_fp32_matmul_prec!r} "
+                          "would run Newton-Schulz's matmuls below fp32, which megapipe does not: it runs them in fp32 "
+                          "('high') so that every parallel layout gives one process's update")
 
 
 def validate_mtp(m: ModelConfig) -> None:

@@ -69,6 +69,9 @@ def export_hf_command(
     lora_adapter_only: bool = typer.Option(
         False, "--lora-adapter-only", help="LoRA checkpoints: write a peft adapter directory instead of the merged "
                                            "model (load it onto the exported base with peft)."),
+    mxfp4: bool = typer.Option(
+        False, "--mxfp4", help="GPT-OSS: write the expert weights as MXFP4 *_blocks / *_scales, the layout of the "
+                               "published checkpoints (the rest in --dtype)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or summary."),
 ) -> None:
     """Export a checkpoint (any parallel layout) for transformers / vLLM: config, safetensors, tokenizer."""
@@ -78,5 +81,6 @@ def export_hf_command(
     bar, progress = _progress("exporting tensors", quiet)
     with bar:
         summary = export_hf(ckpt, out_dir, dtype=dtype, max_shard_size=max_shard_size, tokenizer=tokenizer,
-                            overwrite=overwrite, progress=progress, lora_adapter_only=lora_adapter_only)
+                            overwrite=overwrite, progress=progress, lora_adapter_only=lora_adapter_only,
+                            mxfp4=mxfp4)
     _summary("export hf", summary, quiet)

@@ -235,9 +235,12 @@ def test_quantize_fp8(arch, corpus, fp8, capsys, one_thread):
     assert cli("generate", fp8, "--prompt", "To be", "--max-new-tokens", "3", "--json") == 0
 
 
-def legacy_limit(cfg) -> str:
-    """What a legacy TensorRT-LLM checkpoint cannot hold of this config ('' when nothing): a sliding window, or dense
-    layers among MoE ones (TensorRT-LLM's MoE models route every layer)."""
+def trt_limit(cfg, fmt: str) -> str:
+    """What a TensorRT-LLM checkpoint of ``fmt`` cannot hold of this config ('' when nothing): unified, a GPT-OSS
+    SwiGLU limit other than the one TensorRT-LLM's GPT-OSS model fixes (the tiny model's 1.5); legacy, a sliding
+    window, or dense layers among MoE ones (TensorRT-LLM's MoE models route every layer)."""
+    if fmt == "unified":
+        return "moe_swiglu_limit" if cfg.arch == "gpt_oss" and cfg.moe_swiglu_limit != 7.0 else ""
     if cfg.sliding_window is not None:
         return "sliding_window"
     if cfg.is_moe and len(cfg.moe_layers) < cfg.num_layers:
@@ -253,8 +256,8 @@ def test_export_trt(arch, fp8, fmt, capsys):
         assert LABELS[arch["name"]] in refused(capsys, "export", "trt", arch["ckpt"], out, "--format", fmt)
         assert not out.exists()
         return
-    if fmt == "legacy" and legacy_limit(cfg):  # config limits, not the architecture's
-        assert legacy_limit(cfg) in refused(capsys, "export", "trt", arch["ckpt"], out, "--format", fmt)
+    if trt_limit(cfg, fmt):  # config limits, not the architecture's
+        assert trt_limit(cfg, fmt) in refused(capsys, "export", "trt", arch["ckpt"], out, "--format", fmt)
         return
     assert cli("export", "trt", arch["ckpt"], out, "--format", fmt, "--quiet") == 0
     assert (out / "config.json").is_file()

@@ -7,6 +7,9 @@
 - ``legacy``: config.json + ``rank{N}.safetensors`` per tp x pp rank for ``trtllm-build`` (TRT-LLM <= 1.2), the way
   ModelOpt's ``export_tensorrt_llm_checkpoint`` writes them (see trt_legacy).
 
+GPT-OSS: unified only, its published Hugging Face layout (``export hf --mxfp4``: MXFP4 ``*_blocks`` / ``*_scales``
+experts, the rest bf16), which TensorRT-LLM's PyTorch backend reads (``GptOssHfWeightMapper``, ``trtllm-serve OUT``).
+
 MoE checkpoints (Mixtral, Qwen2-MoE, Qwen3-MoE): unquantized, unified as ``export hf`` writes them and legacy; fp8
 and int8_sq unified (per-expert HF names and scales), fp8 legacy (TensorRT-LLM's MoE plugin has no SmoothQuant mode).
 INT4 experts are refused: ModelOpt's own exporter, which every export here is checked against, cannot write them.
@@ -54,6 +57,21 @@ def check_blocks(src: Source) -> None:
                                 "(quantize this model with fp8 or int8_sq)")
 
 
+def check_gpt_oss(src: Source) -> None:
+    """TensorRT-LLM's GPT-OSS model (tensorrt_llm/_torch/models/modeling_gpt_oss.py) windows the even layers and
+    fixes the clamped SwiGLU's alpha and limit, whatever config.json says: a config it would run differently is
+    refused."""
+    cfg = src.cfg
+    windowed, even = sorted(cfg.windowed_layers), list(range(0, cfg.num_layers, 2))
+    if cfg.sliding_window is not None and windowed != even:
+        raise MegapipeError(f"{src.where}: TensorRT-LLM's GPT-OSS model windows layers {even} (the even ones), but "
+                            f"this model windows layers {windowed}: export it with `export hf` instead")
+    for name, fixed in (("moe_swiglu_alpha", 1.702), ("moe_swiglu_limit", 7.0)):
+        if getattr(cfg, name) != fixed:
+            raise MegapipeError(f"{src.where}: model.{name} = {getattr(cfg, name)}, but TensorRT-LLM's GPT-OSS model "
+                                f"fixes it at {fixed}: export it with `export hf` instead")
+
+
 # --------------------------------------------------------------------------------------------------- entry point
 
 
@@ -97,6 +115,8 @@ def export_trt(
     out_dtype = DTYPES[dtype or (source_dtype if source_dtype in EXPORT_DTYPES else "bf16")]
 
     if fmt == "unified":
+        if src.cfg.arch == "gpt_oss":
+            check_gpt_oss(src)
         if src.fmt is None:
             short = {torch.bfloat16: "bf16", torch.float16: "fp16"}[out_dtype]
             return _unquantized_unified(src, out_dir, short, max_shard_size, progress, started)
@@ -128,11 +148,12 @@ def describe(src: Source) -> str:
 
 
 def _unquantized_unified(src: Source, out_dir: Path, dtype, max_shard_size, progress, started) -> dict:
-    """An unquantized unified checkpoint is a Hugging Face directory: ``export hf`` writes it."""
+    """An unquantized unified checkpoint is a Hugging Face directory: ``export hf`` writes it (GPT-OSS's with the
+    experts in MXFP4, as TensorRT-LLM reads the published checkpoints)."""
     from megapipe.checkpoint.hf import export_hf
 
     summary = export_hf(src.path, out_dir, dtype=dtype, max_shard_size=max_shard_size, overwrite=True,
-                        progress=progress)
+                        progress=progress, mxfp4=src.cfg.arch == "gpt_oss")
     summary.pop("output", None)
     summary.pop("seconds", None)
     return {"output": str(out_dir), "format": "unified", "quantization": "none", **summary,

@@ -90,10 +90,13 @@ KINDS: dict[str, Capabilities] = {
     # paged attention applies them (torch paths and CPU kernel), n-gram speculation too (its rollback beside the
     # windowed layer's eviction: tests/inference/test_gpt_oss_engine.py), MTP drafting was not run with them;
     # generate, serve, eval and RL run on the engine; distillation, DPO, reward models, pruning, ModelOpt and the
-    # TensorRT-LLM writers were not checked on them; HF export writes GptOssForCausalLM (unquantized)
+    # legacy TensorRT-LLM writer were not checked on them; HF export writes GptOssForCausalLM (unquantized, or with
+    # --mxfp4 the experts as the published checkpoints pack them), and export trt writes that MXFP4 layout, which
+    # TensorRT-LLM's PyTorch backend reads (its GptOssHfWeightMapper takes *_blocks / *_scales)
     "sinks": Capabilities(engine=frozenset(ENGINE) - {"speculative"},
-                          quant=frozenset(), trt=frozenset(),
-                          stages=frozenset({"pretrain", "sft", "export_hf", "generate", "serve", "eval", "rl"})),
+                          quant=frozenset(), trt=frozenset({"unified"}),
+                          stages=frozenset({"pretrain", "sft", "export_hf", "export_trt", "generate", "serve", "eval",
+                                            "rl"})),
     # DeepSeek Sparse Attention (megapipe.models.dsa) on top of MLA: its frozen indexer replicated under tp (its own
     # loss, model.dsa_indexer_loss_coeff > 0, is refused with tp in megapipe.parallel.dims), every layout but cp (the
     # ring attention has no top-k mask); the engine keeps each token's indexer key in the latent pool and selects at
@@ -119,7 +122,9 @@ KINDS: dict[str, Capabilities] = {
                                stages=frozenset({"pretrain", "sft", "eval", "generate", "serve", "export_hf"})),
 }
 # why a kind lacks a feature, where the refusal should say (require adds it): (kind, field, value) -> the reason
-FEATURE_WHY = {("compressed", "layouts", "cp"): "ring attention through DeepSeek-V4's compressor is not implemented",
+FEATURE_WHY = {("sinks", "trt", "legacy"): "the legacy writer was not checked on attention sinks; TensorRT-LLM's "
+               "PyTorch backend loads the unified checkpoint (trtllm-serve OUT)",
+               ("compressed", "layouts", "cp"): "ring attention through DeepSeek-V4's compressor is not implemented",
                ("compressed", "engine", "speculative"): "drafting with DeepSeek-V4's MTP modules needs the engine's "
                "compressed cache to roll back rejected drafts (entries and compressor carry) and to keep the MTP "
                "block's window, neither of which is implemented"}
@@ -167,8 +172,10 @@ FAMILIES: dict[str, Capabilities] = {
 # sliding-window layers among full-attention ones (model.window_attn_skip_freq): the engine's paged cache takes each
 # layer's window (n-gram speculation rolls back beside its eviction; MTP drafting was not run with them: an MTP
 # block's cache lags the main model's by its depth, which the windowed table's eviction does not allow for), and so does the ring attention of cp; the TensorRT-LLM
-# writers take one window for every layer
+# writers take one window for every layer; GPT-OSS's unified checkpoint is its published Hugging Face layout, whose
+# alternation TensorRT-LLM's GPT-OSS model applies (megapipe.checkpoint.trt.check_gpt_oss)
 MIXED_WINDOWS = _without(engine={"speculative"}, stages={"quantize", "export_trt"})
+MIXED_WINDOWS_GPT_OSS = _without(engine={"speculative"}, stages={"quantize"}, trt={"legacy"})
 
 # multi-token prediction modules (megapipe.models.mtp): every parallel layout (on the last pipeline stage, with a
 # replica of the embedding table; their shifted tokens and labels cut from whole rows under cp; V pipeline schedules,
@@ -181,15 +188,7 @@ MTP_HF_FAMILIES = ("deepseek_v3", "deepseek_v4")
 NO_MTP = _without(engine={"speculative"})
 
 # why a family refuses a stage, where the table's one line does not say it (appended to the refusal)
-STAGE_WHY: dict[tuple[str, str], str] = {
-    # checked with nvidia-modelopt 0.47.0 on a tiny GptOssForCausalLM under MXFP4_MLP_WEIGHT_ONLY_CFG
-    ("gpt_oss", "export_trt"): (
-        "ModelOpt 0.47.0's export_hf_checkpoint writes GPT-OSS experts as weight-only MXFP4 (quant_algo 'mxfp4') "
-        "with the 32-value blocks along the output features of transformers' [experts, in, out] tensors (its "
-        "maybe_transpose_expert_weight_dimensions runs for NVFP4 only), not along the input features as the published "
-        "*_blocks / *_scales are, so there is no MXFP4 layout to hold a megapipe writer to; export hf writes GPT-OSS "
-        "unquantized"),
-}
+STAGE_WHY: dict[tuple[str, str], str] = {}
 
 LABELS = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "gpt2": "GPT-2",
           "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "deepseek_v3": "DeepSeek-V3",
@@ -226,7 +225,7 @@ def kinds_of(cfg) -> list[str]:
 def capabilities(cfg) -> Capabilities:
     row = _row(cfg.arch, kinds_of(cfg))
     if getattr(cfg, "mixed_windows", False):
-        row = row & MIXED_WINDOWS
+        row = row & (MIXED_WINDOWS_GPT_OSS if cfg.arch == "gpt_oss" else MIXED_WINDOWS)
     if not getattr(cfg, "mtp_depth", 0):
         return row & NO_MTP
     return row & (MTP if cfg.arch in MTP_HF_FAMILIES else MTP & _without(stages={"export_hf"}))

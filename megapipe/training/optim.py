@@ -71,6 +71,7 @@ def build_optimizer(model: nn.Module, optim_cfg, lr: float) -> torch.optim.Optim
             "weight_decay": o.weight_decay if o.muon_weight_decay is None else o.muon_weight_decay,
             "momentum": o.muon_momentum, "nesterov": o.muon_nesterov, "ns_steps": o.muon_ns_steps,
             "ns_coefficients": tuple(o.muon_ns_coefficients), "scale": o.muon_scale,
+            "extra_scale": o.muon_extra_scale_factor,
         })
         return Muon([g for g in groups if g["params"]], lr=lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
                     **impl)
@@ -93,11 +94,15 @@ def describe_optimizer(optimizer: torch.optim.Optimizer) -> list[str]:
             a, b, c = g["ns_coefficients"]
             lines.append(f"muon: {what}, lr {g['lr_scale']:g} x --lr, weight decay {g['weight_decay']:g}, momentum "
                          f"{g['momentum']:g}{' nesterov' if g['nesterov'] else ''}, {g['ns_steps']} Newton-Schulz "
-                         f"steps ({a:g}, {b:g}, {c:g}), scale {g['scale']}")
+                         f"steps ({a:g}, {b:g}, {c:g}), scale {g['scale']}{_times(g.get('extra_scale', 1.0))}")
         else:
             name = type(optimizer).__name__.lower() if not isinstance(optimizer, Muon) else "adamw"
             lines.append(f"{name}: {what}, weight decay {g['weight_decay']:g}")
     return lines
+
+
+def _times(factor: float) -> str:
+    return "" if factor == 1 else f" x {factor:g}"
 
 
 # --------------------------------------------------------------------------------------------------- Muon
@@ -120,10 +125,15 @@ def newton_schulz(g: torch.Tensor, coefficients: tuple[float, float, float], ste
 
 
 def update_scale(rule: str, shape: torch.Size) -> float:
-    """The factor on Muon's lr for matrices of ``shape`` [..., A, B] (torch.optim.Muon's adjust_lr_fn rules)."""
+    """The factor on Muon's lr for matrices of ``shape`` [..., A, B] (torch.optim.Muon's adjust_lr_fn rules, and
+    Megatron's --muon-scale-mode ones)."""
     rows, cols = shape[-2:]
     if rule == "match_rms_adamw":  # Moonlight: the update's RMS ~ 0.2, AdamW's typical one
         return 0.2 * math.sqrt(max(rows, cols))
+    if rule == "spectral":
+        return math.sqrt(max(rows, cols))
+    if rule == "unit_rms_norm":
+        return math.sqrt(rows / cols)
     return math.sqrt(max(1.0, rows / cols))
 
 
@@ -188,4 +198,4 @@ class Muon(torch.optim.AdamW):
             update = p.grad.lerp(buf, mu) if group["nesterov"] else buf
             update = orthogonalize(update, group["ns_coefficients"], group["ns_steps"], index=i)
             p.mul_(1 - lr * group["weight_decay"])
-            p.add_(update, alpha=-lr * update_scale(group["scale"], p.shape))
+            p.add_(update, alpha=-lr * update_scale(group["scale"], p.shape) * group.get("extra_scale", 1.0))

@@ -1,7 +1,8 @@
 """GPT-OSS: attention sinks against the softmax with the sink column written out (windows, packed documents, GQA,
 gradients); logits equal transformers' GptOssForCausalLM (fp32, eager, 1e-5) over more tokens than the window, packed
 documents too; export gives the same tensors back; MXFP4 expert weights decode as the spec says and import
-dequantized; the presets count what transformers counts; a training step; what is refused."""
+dequantized, encode back byte for byte (and trained weights within the rounding's bound), export as the published
+layout that transformers loads; the presets count what transformers counts; a training step; what is refused."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from megapipe.checkpoint.hf.bridge import load_hf_model
-from megapipe.checkpoint.hf.mxfp4 import decode_mxfp4
+from megapipe.checkpoint.hf.mxfp4 import QUANTIZATION_CONFIG, decode_mxfp4, encode_mxfp4
 from megapipe.config import ModelConfig, from_dict
 from megapipe.errors import ConfigError, MegapipeError
 from megapipe.models import build_model
@@ -114,6 +115,60 @@ def test_mxfp4_decode_follows_the_spec():
     assert torch.equal(decode_mxfp4(blocks, scales).transpose(1, 2), reference)
 
 
+def _published_blocks(*shape) -> torch.Tensor:
+    """Random MXFP4 bytes [..., G, 16] as an encoder that uses each group's range writes them: a magnitude code 6 or
+    7 (4 or 6 times the scale) in every group."""
+    blocks = torch.randint(0, 256, shape, dtype=torch.uint8)
+    blocks[..., 0] |= 0x06
+    return blocks
+
+
+def test_mxfp4_encode_inverts_decode():
+    torch.manual_seed(0)
+    blocks = _published_blocks(4, 90, 3, 16)  # gpt-oss's [experts, out, in / 32, 16], smaller
+    scales = torch.randint(100, 135, (4, 90, 3), dtype=torch.uint8)
+    again = encode_mxfp4(decode_mxfp4(blocks, scales))
+    assert torch.equal(again[0], blocks) and torch.equal(again[1], scales)
+
+
+def test_mxfp4_encodes_trained_weights_with_the_documented_rounding():
+    # one group by hand (scale 2^0: max 6): the midpoints between e2m1 values round to the even code, -0 keeps its sign
+    group = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.1, -5.5, 0.6] + [0.0] * 21)
+    blocks, scales = encode_mxfp4(group)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten()[:11].tolist()
+    assert scales.tolist() == [127] and codes == [7, 0, 2, 2, 4, 4, 6, 6, 8, 15, 1]
+    assert encode_mxfp4(torch.full((32,), 7.0))[1].tolist() == [128]  # 7 > 6 * 2^0: the scale doubles, no clipping
+    torch.manual_seed(0)
+    weights = torch.randn(64, 8, 32) * torch.logspace(-6, 2, 64)[:, None, None]  # trained-looking, not MXFP4
+    blocks, scales = encode_mxfp4(weights.flatten(1))
+    error = (decode_mxfp4(blocks, scales).unflatten(-1, (8, 32)) - weights).abs()
+    scale = torch.exp2(scales.float() - 127)[..., None]  # [64, 8, 1]
+    assert (weights.abs().amax(-1, keepdim=True) <= 6 * scale).all() and (weights.abs().amax(-1) > 3 * scale[..., 0]).all()
+    bound = torch.where(weights.abs() <= 2 * scale, scale / 4, torch.where(weights.abs() <= 4 * scale, scale / 2, scale))
+    assert (error <= bound).all()
+    assert (error <= weights.abs().amax(-1, keepdim=True) / 3).all()
+    with pytest.raises(MegapipeError, match="MXFP4 cannot encode a non-finite weight"):
+        encode_mxfp4(torch.full((32,), float("nan")))
+
+
+def test_export_trt_refuses_what_tensorrt_llms_gpt_oss_runs_differently():
+    from types import SimpleNamespace
+
+    from megapipe.checkpoint.trt import check_gpt_oss
+
+    def src(**model):
+        return SimpleNamespace(cfg=from_dict(ModelConfig, {"preset": "gpt-oss-tiny", "vocab_size": 128, **model}),
+                               where="ckpt")
+
+    check_gpt_oss(src())
+    with pytest.raises(MegapipeError, match=r"ckpt: model.moe_swiglu_limit = 1.5, but TensorRT-LLM's GPT-OSS model "
+                                            r"fixes it at 7.0"):
+        check_gpt_oss(src(moe_swiglu_limit=1.5))
+    with pytest.raises(MegapipeError, match=r"windows layers \[0, 2\] \(the even ones\), but this model windows "
+                                            r"layers \[0, 1, 2, 3\]"):
+        check_gpt_oss(src(window_attn_skip_freq=None))
+
+
 def _quantize_experts(state: dict, hf_model) -> dict:
     """Replace each expert projection by random MXFP4 blocks / scales; the HF model gets the decoded values."""
     out = {}
@@ -122,7 +177,7 @@ def _quantize_experts(state: dict, hf_model) -> dict:
             out[name] = tensor
             continue
         e, n_in, n_out = tensor.shape
-        blocks = torch.randint(0, 256, (e, n_out, n_in // 32, 16), dtype=torch.uint8)
+        blocks = _published_blocks(e, n_out, n_in // 32, 16)
         scales = torch.randint(122, 126, (e, n_out, n_in // 32), dtype=torch.uint8)
         out[name + "_blocks"], out[name + "_scales"] = blocks, scales
         with torch.no_grad():
@@ -142,6 +197,43 @@ def test_mxfp4_experts_import_dequantized(tmp_path, capsys):
     assert any("MXFP4" in note and "dequantized" in note for note in loaded.notes)
     with torch.no_grad():
         torch.testing.assert_close(loaded.model(TOKENS), hf_model(TOKENS).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_mxfp4_export_writes_the_published_bytes_that_transformers_loads(tmp_path, capsys):
+    from megapipe.cli import main
+
+    hf_dir, hf_model = make_hf_dir(tmp_path / "hf", "gpt_oss", hidden_size=64, intermediate_size=64,
+                                   swiglu_limit=7.0)  # the limit TensorRT-LLM's GPT-OSS model fixes (export trt)
+    torch.manual_seed(1)
+    state = _quantize_experts(load_file(hf_dir / "model.safetensors"), hf_model)
+    save_file(state, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**config, "quantization_config": QUANTIZATION_CONFIG}))
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    assert main(["import", "hf", str(hf_dir), str(ckpt), "--quiet"]) == 0
+    assert main(["export", "hf", str(ckpt), str(out), "--mxfp4", "--dtype", "fp32", "--quiet"]) == 0
+    again = load_file(out / "model.safetensors")
+    assert state.keys() == again.keys() and any(name.endswith("_blocks") for name in again)
+    assert all(torch.equal(t, again[name]) for name, t in state.items())  # uint8 blocks / scales and fp32 alike
+    assert json.loads((out / "config.json").read_text())["quantization_config"] == QUANTIZATION_CONFIG
+    # transformers' Mxfp4 path without triton kernels (CPU) dequantizes, into the dtype asked for
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert theirs.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.float32
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(TOKENS).logits, hf_model(TOKENS).logits, atol=1e-5, rtol=1e-5)
+    # export trt writes the same layout (the rest in bf16) for TensorRT-LLM's PyTorch backend
+    assert main(["export", "trt", str(ckpt), str(tmp_path / "trt"), "--quiet"]) == 0
+    trt = load_file(tmp_path / "trt" / "model.safetensors")
+    assert trt.keys() == state.keys()
+    assert all(torch.equal(t if t.dtype == torch.uint8 else t.bfloat16(), trt[name]) for name, t in state.items())
+    assert json.loads((tmp_path / "trt" / "config.json").read_text())["quantization_config"] == QUANTIZATION_CONFIG
+    llama_dir, _ = make_hf_dir(tmp_path / "llama", "llama")
+    assert main(["import", "hf", str(llama_dir), str(tmp_path / "llama_ckpt"), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["export", "hf", str(tmp_path / "llama_ckpt"), str(tmp_path / "llama_out"), "--mxfp4"]) != 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--mxfp4 writes the experts as the published GPT-OSS checkpoints pack them, and this is a Llama" in err
+    assert not (tmp_path / "llama_out").exists()
 
 
 @pytest.mark.parametrize("preset,layers,experts", [("gpt-oss-20b", 24, 32), ("gpt-oss-120b", 36, 128)])
@@ -221,9 +313,9 @@ def test_bad_configs_and_undeclared_stages_are_refused():
     cfg = from_dict(ModelConfig, {"preset": "gpt-oss-tiny", "vocab_size": 128})
     assert describe(cfg) == "GPT-OSS"
     require(cfg, "pretrain", layouts=["tp", "sp", "pp", "cp", "ep"])  # every layout (test_dist_layouts.py)
-    for stage in ("quantize", "export_trt"):
-        with pytest.raises(MegapipeError, match=f"{stage.replace('_', ' ')} does not support GPT-OSS models"):
-            require(cfg, stage)
+    with pytest.raises(MegapipeError, match="quantize does not support GPT-OSS models"):
+        require(cfg, "quantize")
+    require(cfg, "export_trt", trt="unified")  # its windows alternate: the published layout carries them
     for stage in ("generate", "serve", "eval", "rl"):  # on the engine (tests/inference/test_gpt_oss_engine.py)
         require(cfg, stage)
     # a Llama with windowed and full layers: the engine and the ring attention of cp take each layer's window

@@ -86,8 +86,10 @@ CASES_2 = [
     # with the tower replicated, PP with the tower on the first stage (GPipe; ZBV: the first and last stage on a rank)
     "dp_shard2:model=vl", "ddp2:model=vl", "tp2:model=vl", "tp2:sp=0:model=vl", "pp2:model=vl:schedule=GPipe",
     "pp2:model=vl:schedule=ZBVZeroBubble",
-    # Muon: FSDP / TP shards of a matrix gathered for Newton-Schulz, experts orthogonalised where ep put them
+    # Muon: FSDP / TP shards of a matrix gathered for Newton-Schulz, experts orthogonalised where ep put them (GPT-OSS's
+    # biased experts and router, its sinks: AdamW)
     "dp_shard2:optim=muon", "tp2:optim=muon", "ep2:model=moe:optim=muon", "pp2:optim=muon:schedule=GPipe",
+    "ep2:model=gptoss:optim=muon",
 ]
 BF16 = [c for c in CASES_2 if "precision=bf16" in c]
 CASES_4 = [

@@ -59,6 +59,15 @@ def published_step(w, grad, buf, nesterov=True):
     return w * (1 - LR * WD) - LR * 0.2 * math.sqrt(max(rows, cols)) * o, buf
 
 
+# the tiny preset's groups as the run prints them: 4 layers of 7 linears to Muon (q 256x256, k and v 128x256, o
+# 256x256, gate / up / down 688x256: 724,992 a layer); to AdamW its tied embedding (512x256, decayed) and its 9 norms
+# (2 a layer and the final one, 256 each, not decayed)
+GROUPS_MUON = ("muon: 28 tensors, 2,899,968 parameters, lr 20 x --lr, weight decay 0.1, momentum 0.95, 4 "
+               "Newton-Schulz steps (3.4, -4.7, 2), scale original x 0.5")
+GROUPS_DECAY = "adamw: 1 tensors, 131,072 parameters, weight decay 0.1"
+GROUPS_NO_DECAY = "adamw: 9 tensors, 2,304 parameters, weight decay 0"
+
+
 def grads_for(model, step: int):
     g = torch.Generator().manual_seed(100 + step)
     for p in model.parameters():
@@ -194,8 +203,14 @@ def test_resume_from_state_dict_is_exact():
     ({"optim.muon_momentum": -0.1}, "optim.muon_momentum (--muon-momentum) = -0.1 must be within [0, 1)"),
     ({"optim.muon_ns_coefficients": [3.4, -4.7]}, "must be three numbers a b c"),
     ({"optim.muon_lr": -1.0}, "optim.muon_lr (--muon-lr) = -1.0 must be >= 0"),
-    ({"optim.muon_scale": "spectral"}, "optim.muon_scale = 'spectral' is not valid: expected one of "
-                                       "'match_rms_adamw', 'original'"),
+    ({"optim.muon_scale": "shape"}, "optim.muon_scale = 'shape' is not valid: expected one of "
+                                    "'match_rms_adamw', 'original', 'spectral', 'unit_rms_norm'"),
+    ({"optim.muon_extra_scale_factor": 0.0}, "optim.muon_extra_scale_factor (--muon-extra-scale-factor) = 0.0 must "
+                                             "be > 0"),
+    ({"optim.muon_tp_mode": "blockwise"}, "optim.muon_tp_mode (--muon-tp-mode) = 'blockwise' orthogonalises each "
+                                          "tensor-parallel shard on its own, which megapipe does not"),
+    ({"optim.muon_fp32_matmul_prec": "medium"}, "optim.muon_fp32_matmul_prec (--muon-fp32-matmul-prec) = 'medium' "
+                                                "would run Newton-Schulz's matmuls below fp32"),
     ({"optim.muon_ns_stpes": 3}, "muon_ns_stpes"),
 ])
 def test_bad_muon_settings_are_refused_in_one_sentence(override, culprit):
@@ -204,15 +219,39 @@ def test_bad_muon_settings_are_refused_in_one_sentence(override, culprit):
     assert culprit in str(e.value) and "\n" not in str(e.value)
 
 
+def test_update_scales_megatrons_modes_too():
+    """Megatron's --muon-scale-mode rules on a 32 x 8 matrix: spectral sqrt(max(A, B)), unit_rms_norm sqrt(A/B),
+    shape_scaling (our original) sqrt(max(1, A/B)); match_rms_adamw is spectral x 0.2, and a step with
+    --muon-extra-scale-factor 0.2 on spectral is match_rms_adamw's."""
+    from megapipe.training.optim import update_scale
+
+    shape = torch.Size([32, 8])
+    assert update_scale("spectral", shape) == pytest.approx(32**0.5)
+    assert update_scale("unit_rms_norm", shape) == pytest.approx(2.0)
+    assert update_scale("unit_rms_norm", torch.Size([8, 32])) == pytest.approx(0.5)
+    assert update_scale("original", shape) == pytest.approx(2.0) and update_scale("original", shape[::-1]) == 1.0
+    assert update_scale("match_rms_adamw", shape) == pytest.approx(0.2 * 32**0.5)
+    moved = []
+    for scale, extra in (("match_rms_adamw", 1.0), ("spectral", 0.2)):
+        model = Toy()
+        grads_for(model, 0)
+        cfg = OptimConfig(optimizer="muon", muon_scale=scale, muon_extra_scale_factor=extra)
+        build_optimizer(model, cfg, LR).step()
+        moved.append(model.tall.weight.detach().clone())
+    torch.testing.assert_close(moved[0], moved[1], rtol=1e-7, atol=1e-9)
+
+
 def test_muon_settings_without_muon_are_refused():
     with pytest.raises(ConfigError, match=r"optim.muon_lr \(--muon-lr\) = 0.02 applies to --optimizer muon only, "
                                           r"not optim.optimizer = 'adamw'"):
         load_config(overrides={"optim.muon_lr": 0.02})
 
 
-def test_pretrain_with_muon_flags_megatron_spellings_too(pretrain_data, tmp_path, one_thread):
-    """`megapipe pretrain --optimizer muon` end to end: the flags (Megatron's spellings for nesterov and the step
-    count) land in the checkpoint's config, and its optimizer state holds Muon's momentum beside AdamW's moments."""
+def test_pretrain_with_muon_flags_megatron_spellings_too(pretrain_data, tmp_path, one_thread, capsys):
+    """`megapipe pretrain --optimizer dist_muon` (Megatron's name) end to end: the flags (Megatron's spellings for
+    nesterov, the step count, the scale mode and factor, the TP mode and matmul precision) land in the checkpoint's
+    config, the run prints its groups (Muon's settings, AdamW's decayed and undecayed), and its optimizer state holds
+    Muon's momentum beside AdamW's moments."""
     import json
 
     from megapipe.checkpoint import list_checkpoints
@@ -220,15 +259,22 @@ def test_pretrain_with_muon_flags_megatron_spellings_too(pretrain_data, tmp_path
 
     prefix, tok = pretrain_data
     run = tmp_path / "run"
+    capsys.readouterr()
     assert main(["pretrain", "--data-path", str(prefix), "--tokenizer", str(tok), "--model", "tiny", "--seq-length",
                  "32", "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2", "--eval-iters",
-                 "0", "--lr", "1e-3", "--optimizer", "muon", "--muon-num-ns-steps", "4", "--no-muon-use-nesterov",
-                 "--muon-ns-coefficients", "3.4", "-4.7", "2.0", "--muon-lr", "2e-2", "--save", str(run),
-                 "--quiet"]) == 0
+                 "0", "--lr", "1e-3", "--optimizer", "dist_muon", "--muon-num-ns-steps", "4", "--no-muon-use-nesterov",
+                 "--muon-ns-coefficients", "3.4", "-4.7", "2.0", "--muon-lr", "2e-2", "--muon-scale-mode",
+                 "shape_scaling", "--muon-extra-scale-factor", "0.5", "--muon-tp-mode", "distributed",
+                 "--muon-fp32-matmul-prec", "high", "--weight-decay", "0.1", "--save", str(run)]) == 0
+    printed = [" ".join(line.split()) for line in capsys.readouterr().out.splitlines()]
     ckpt = list_checkpoints(run)[-1][1]
     optim = json.loads((ckpt / "megapipe.json").read_text())["config"]["optim"]
     assert optim["optimizer"] == "muon" and optim["muon_ns_steps"] == 4 and optim["muon_nesterov"] is False
     assert optim["muon_ns_coefficients"] == [3.4, -4.7, 2.0] and optim["muon_lr"] == 2e-2
+    assert (optim["muon_scale"], optim["muon_extra_scale_factor"]) == ("original", 0.5)
+    assert (optim["muon_tp_mode"], optim["muon_fp32_matmul_prec"]) == ("distributed", "high")
+    summary = [line for line in printed if line.startswith(("muon:", "adamw:"))]
+    assert summary == [GROUPS_MUON, GROUPS_DECAY, GROUPS_NO_DECAY], printed
     from torch.distributed.checkpoint import FileSystemReader
 
     keys = FileSystemReader(str(ckpt / "optim")).read_metadata().state_dict_metadata

@@ -35,7 +35,7 @@ from megapipe.checkpoint.hf.files import (
     write_index,
 )
 from megapipe.checkpoint.hf.fp8_blocks import DequantizingReader, block_fp8_config
-from megapipe.checkpoint.hf.mxfp4 import Mxfp4Reader, is_mxfp4
+from megapipe.checkpoint.hf.mxfp4 import QUANTIZATION_CONFIG, Mxfp4Reader, is_mxfp4, is_packed, pack_experts
 from megapipe.checkpoint.hf.peft import write_peft_adapter
 from megapipe.checkpoint.manifest import make_tmp_dir, read_manifest, resolve_checkpoint
 from megapipe.checkpoint.safe_dcp import read_metadata
@@ -45,7 +45,7 @@ from megapipe.data.tokenizer import load_tokenizer
 from megapipe.errors import CheckpointError, MegapipeError
 from megapipe.fileio import refuse_overlap, replace_dir
 from megapipe.models import build_model
-from megapipe.models.capabilities import require
+from megapipe.models.capabilities import describe, require
 from megapipe.models.lora import LoRASpec, adapter_names, is_adapter, merge_state_dict
 
 Progress = Optional[Callable[[int, int], None]]  # (done, total) after each tensor group
@@ -246,9 +246,15 @@ def export_hf(
     overwrite: bool = False,
     progress: Progress = None,
     lora_adapter_only: bool = False,
+    mxfp4: bool = False,
 ) -> dict:
     """megapipe checkpoint (any layout) -> Hugging Face directory ``out_dir``; returns a summary. A LoRA checkpoint
-    is written merged, or with ``lora_adapter_only`` as a peft adapter directory (megapipe.checkpoint.hf.peft)."""
+    is written merged, or with ``lora_adapter_only`` as a peft adapter directory (megapipe.checkpoint.hf.peft).
+    ``mxfp4``: GPT-OSS's expert weights packed as the published checkpoints hold them (megapipe.checkpoint.hf.mxfp4),
+    the rest in ``dtype``."""
+    if lora_adapter_only and mxfp4:
+        raise MegapipeError("--mxfp4 packs a whole model's experts and --lora-adapter-only writes adapters only: "
+                            "pass one of them")
     if lora_adapter_only:
         return write_peft_adapter(ckpt, out_dir, overwrite, Path(tokenizer).expanduser() if tokenizer else None)
     started = time.perf_counter()
@@ -274,6 +280,9 @@ def export_hf(
             "that TensorRT-LLM, vLLM and SGLang load")
     cfg = from_dict(ModelConfig, manifest["model"], "model.", f"{where}: ")
     require(cfg, "export_hf", where)
+    if mxfp4 and cfg.arch != "gpt_oss":
+        raise MegapipeError(f"{where}: --mxfp4 writes the experts as the published GPT-OSS checkpoints pack them, and "
+                            f"this is a {describe(cfg)} model: export it without --mxfp4")
     adapter = adapter_for_arch(cfg.arch)
     hf_cfg = adapter.hf_config(dataclasses.replace(cfg, num_labels=None))  # a classifier's head: below
     architecture, conversions, hf_cfg = _head(adapter, cfg, hf_cfg, manifest, where)
@@ -293,7 +302,10 @@ def export_hf(
     weights = {k for k in stored if lora is None or not is_adapter(k)}
     _check_names({m for c in conversions for m in c.mp}, weights, f"the model shards of {ckpt}", "model config")
     itemsize = torch.empty((), dtype=out_dtype).element_size()
-    sizes = [sum(stored[m].size.numel() for m in c.mp) * itemsize for c in conversions]
+    packed = [mxfp4 and any(is_packed(h) for h in c.hf) for c in conversions]  # 4 bits a value + a byte per 32
+    sizes = [sum(stored[m].size.numel() for m in c.mp) * (17 / 32 if p else itemsize)
+             for c, p in zip(conversions, packed, strict=True)]
+    sizes = [int(size) for size in sizes]
     plan = plan_shards(sizes, max_bytes)
     files = shard_names(len(plan))
 
@@ -304,7 +316,7 @@ def export_hf(
         done = 0
         for file, items in zip(files, plan, strict=True):
             group = [conversions[i] for i in items]
-            tensors = _read_group(group, stored, ckpt / "model", out_dtype, lora)
+            tensors = _read_group(group, stored, ckpt / "model", out_dtype, lora, mxfp4)
             _save_safetensors(tensors, tmp / file)
             weight_map.update({name: file for name in tensors})
             done += len(group)
@@ -316,7 +328,8 @@ def export_hf(
         tokens = _write_tokenizer(tok, tmp)
         generation = {**tokens, **_token_ids(hf_extra.get("generation_config"))}
         config = {"architectures": [architecture], **generation, **hf_cfg,
-                  "dtype": HF_DTYPE_NAMES[out_dtype], "torch_dtype": HF_DTYPE_NAMES[out_dtype]}
+                  "dtype": HF_DTYPE_NAMES[out_dtype], "torch_dtype": HF_DTYPE_NAMES[out_dtype],
+                  **({"quantization_config": QUANTIZATION_CONFIG} if mxfp4 else {})}
         _write_json(tmp / "config.json", json_floats(config, decode=False))
         _write_json(tmp / "generation_config.json", generation)
         replace_dir(tmp, out_dir)
@@ -331,6 +344,7 @@ def export_hf(
         "output": str(out_dir),
         "architecture": architecture,
         "dtype": HF_DTYPE_NAMES[out_dtype],
+        **({"quantization": "mxfp4 (experts)"} if mxfp4 else {}),
         "tensors": len(weight_map),
         "shards": len(files),
         "bytes": sum(sizes),
@@ -370,9 +384,10 @@ def _lora_scale(manifest: dict) -> Optional[float]:
 
 
 def _read_group(group: list[Conversion], stored: dict, model_dir: Path, out_dtype,
-                lora: Optional[float] = None) -> dict[str, torch.Tensor]:
+                lora: Optional[float] = None, mxfp4: bool = False) -> dict[str, torch.Tensor]:
     """Load the megapipe tensors of ``group`` from DCP (as plain tensors, whatever layout saved them), convert them;
-    with ``lora`` (the adapters' scale) each weight's adapters are loaded too and merged into it."""
+    with ``lora`` (the adapters' scale) each weight's adapters are loaded too and merged into it; with ``mxfp4`` the
+    expert weights are packed (from the stored values, not from ``out_dtype``'s)."""
     names = [m for c in group for m in c.mp]
     if lora is not None:
         names += [a for m in list(names) for a in adapter_names(m) if a in stored]
@@ -383,7 +398,10 @@ def _read_group(group: list[Conversion], stored: dict, model_dir: Path, out_dtyp
     out: dict[str, torch.Tensor] = {}
     for conv in group:
         for name, tensor in zip(conv.hf, conv.to_hf([state.pop(m) for m in conv.mp]), strict=True):
-            out[name] = tensor.to(out_dtype).contiguous()
+            if mxfp4 and is_packed(name):
+                out.update(pack_experts(name, tensor))
+            else:
+                out[name] = tensor.to(out_dtype).contiguous()
     return out
 
 
