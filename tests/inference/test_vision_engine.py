@@ -78,3 +78,25 @@ def test_mistakes_are_refused(vl, tmp_path):
                                          r"the tokens hold 4 in a row there"):
         engine.add_request("b", prompts[1], GREEDY, images=images[0])
     assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("name", ["llama", "mixtral"])
+def test_any_decoder_behind_the_tower_decodes_greedily(name, one_thread):
+    """A Llama and a Mixtral-shaped decoder behind the tower (random weights): the engine's greedy tokens, in whole
+    and in chunked prefills, are those of the model's full forward on the text + image, token by token."""
+    from megapipe.inference import EngineConfig
+    from megapipe.models import build_model
+    from tests.models.test_vision import decoder_vl, decoder_vl_batch
+
+    model = build_model(decoder_vl(name), seed=0).eval()
+    batch = decoder_vl_batch()
+    prompt, image = batch["tokens"][0].tolist(), {k: batch[k] for k in ("pixel_values", "image_grid_thw")}
+    want = list(prompt)
+    with torch.no_grad():
+        for _ in range(6):
+            want.append(int(model(torch.tensor([want]), **image)[0, -1].argmax()))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    for config in ({}, {"max_num_batched_tokens": 5, "block_size": 4}):
+        engine = LLMEngine(model, None, EngineConfig(**config))
+        got = engine.generate([prompt], params, images=[image])[0].outputs[0].token_ids
+        assert got == want[len(prompt):], config
