@@ -1,7 +1,7 @@
 """The engine with images (megapipe.inference.images): a tiny random Qwen2.5-VL imported from transformers; prompts
 of text around an image (transformers' image processor on images drawn here) decode greedily token for token as
-transformers' ``generate`` does, on the default path, the torch path and in prefill chunks that cut an image; the
-prefix cache tells prompts with the same tokens but other images apart; mistakes are refused in one sentence."""
+transformers' ``generate`` does, on the default path, the torch path and in prefill chunks that cut an image, the
+vision tower running once per request with an image (its forward calls counted); the prefix cache tells prompts with the same tokens but other images apart; mistakes are refused in one sentence."""
 
 from __future__ import annotations
 
@@ -44,10 +44,14 @@ def test_greedy_with_images_equals_transformers(vl, config, one_thread):
     ckpt, hf_model, prompts, images = vl
     want = [hf_greedy_images(hf_model, p, i, 8) for p, i in zip(prompts, images, strict=True)]
     engine = LLMEngine.from_pretrained(ckpt, device="cpu", **config)
+    calls = []
+    engine.runner.model.visual.register_forward_hook(lambda *_: calls.append(1))
     got = [o.outputs[0].token_ids for o in engine.generate(prompts, GREEDY, images=images)]
     assert got == want
+    assert len(calls) == len(prompts)  # the tower runs once per request with an image, whatever the prefill chunks
     text_only = [o.outputs[0].token_ids for o in engine.generate(prompts, GREEDY)]
     assert text_only != want  # the images are what the answers depend on
+    assert len(calls) == len(prompts)
 
 
 def test_the_prefix_cache_tells_images_apart(vl, tmp_path, one_thread):
