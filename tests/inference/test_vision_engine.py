@@ -1,7 +1,8 @@
 """The engine with images (megapipe.inference.images): a tiny random Qwen2.5-VL imported from transformers; prompts
 of text around an image (transformers' image processor on images drawn here) decode greedily token for token as
 transformers' ``generate`` does, on the default path, the torch path and in prefill chunks that cut an image, the
-vision tower running once per request with an image (its forward calls counted); the prefix cache tells prompts with the same tokens but other images apart; mistakes are refused in one sentence."""
+vision tower running once per request with an image (its forward calls counted); the prefix cache tells prompts with
+the same tokens but other images apart; mistakes are refused in one sentence."""
 
 from __future__ import annotations
 
