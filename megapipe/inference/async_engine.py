@@ -21,6 +21,7 @@ from typing import AsyncIterator, Callable, Optional, Sequence, Union
 
 from megapipe.errors import MegapipeError
 from megapipe.inference.engine import LLMEngine, RequestOutput
+from megapipe.inference.images import PromptImages
 from megapipe.inference.sampling import SamplingParams
 from megapipe.inference.scheduler import now
 
@@ -63,6 +64,11 @@ class StreamingEngine:
     def check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> SamplingParams:
         raise NotImplementedError
 
+    def prompt_images(self, prompt_ids: Sequence[int], pixel_values, image_grid_thw) -> PromptImages:
+        """A prompt's images checked against the model (ParamError), here on the caller's side: the engine, or its
+        core process, takes them as they are."""
+        return PromptImages(self.model_config, prompt_ids, pixel_values, image_grid_thw)
+
     def num_waiting(self) -> int:
         return self._snapshot.get("waiting", 0) + self.pending
 
@@ -73,8 +79,8 @@ class StreamingEngine:
                        request_id: Optional[str] = None, lora: Optional[str] = None,
                        images=None) -> AsyncIterator[RequestOutput]:
         """Outputs as the request progresses (each holds everything so far); the last one has finished=True.
-        ``lora``: the registered LoRA adapter to run it with (megapipe.inference.lora); ``images``: as
-        LLMEngine.add_request takes them.
+        ``lora``: the registered LoRA adapter to run it with (megapipe.inference.lora); ``images``: the prompt's
+        (``prompt_images``).
 
         Parameter errors (ParamError) are raised here, before anything is queued.
         """
@@ -170,11 +176,6 @@ class AsyncEngine(StreamingEngine):
     @property
     def grammars(self):
         return self.engine.grammars
-
-    def prompt_images(self, ids, pixel_values, image_grid_thw):
-        from megapipe.inference.images import PromptImages
-
-        return PromptImages(self.engine.runner.model, ids, pixel_values, image_grid_thw)
 
     def _submit(self, rid, text, ids, params, arrival, lora, images) -> None:
         self._inbox.put(("add", rid, ids, text, params, arrival, lora, images))

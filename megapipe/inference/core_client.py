@@ -3,13 +3,11 @@
 
 Here: the tokenizer, checking and tokenising requests, and turning the core's new token ids into text
 (:class:`RequestState`: incremental detokenisation, stop strings, the stream's held-back text, exactly as the engine
-does it in-process). A request that a stop string ends here is aborted in the core. A thread reads the core's
+does it in-process). A request that a stop string ends here is aborted in the core, and so is a sample of an
+``n > 1`` request that one ends while its siblings go on (its blocks freed at once). A thread reads the core's
 messages, so the event loop never waits on the socket; when the core dies (end-of-file on the socket: a crash,
 SIGKILL, the OOM killer) every request in flight gets :class:`EngineDead`, ``alive`` turns False (/health answers
 503) and new requests are refused with the reason.
-
-One limit of the split: a sample of an ``n > 1`` request that a stop string ends keeps decoding in the core until
-its siblings finish too (the core aborts whole requests); only its output is cut here.
 """
 
 from __future__ import annotations
@@ -44,6 +42,7 @@ from megapipe.inference.engine_core import (
     send,
 )
 from megapipe.inference.sampling import SamplingParams
+from megapipe.inference.structured import Grammars
 
 log = logging.getLogger("megapipe.engine")
 
@@ -57,11 +56,12 @@ class _Sample:
         self.finish_reason: Optional[str] = None
         self.stop_reason = None
 
-    def update(self, s: SampleOutput, params: SamplingParams) -> None:
+    def update(self, s: SampleOutput, params: SamplingParams) -> bool:
         """Take the core's new tokens one at a time, as LLMEngine._append would with a tokenizer: text, then stop
-        strings (from min_tokens on); a token that ends the sample in the core (EOS, a stop token id) has no text."""
+        strings (from min_tokens on); a token that ends the sample in the core (EOS, a stop token id) has no text.
+        True when a stop string ended it here and the core has not."""
         if self.finish_reason is not None:
-            return  # a stop string ended it here; the core's later tokens are not part of it
+            return False  # a stop string ended it here; the core's later tokens are not part of it
         for j, token in enumerate(s.new_token_ids):
             self.ids.append(token)
             self.generated += 1
@@ -75,13 +75,14 @@ class _Sample:
                 if hit is not None:
                     self.detok.text = self.detok.text[:hit[0]]
                     self.finish_reason, self.stop_reason = "stop", hit[1]
-                    return
+                    return s.finish_reason is None
         if s.finish_reason == "stop":
             self.generated += 1  # the stop token: counted, not shown
         elif s.finish_reason == "length" and self.detok is not None:
             self.detok.flush()
         if s.finish_reason is not None:
             self.finish_reason, self.stop_reason = s.finish_reason, s.stop_reason
+        return False
 
 
 class RequestState:
@@ -98,13 +99,13 @@ class RequestState:
         self.num_cached = 0
         self.metrics = {"arrival_time": arrival, "first_token_time": None, "last_token_time": None}
 
-    def update(self, o: EngineCoreOutput) -> RequestOutput:
-        for s in o.samples:
-            self.samples[s.index].update(s, self.params)
+    def update(self, o: EngineCoreOutput) -> list[int]:
+        """Take the core's delta; returns the samples a stop string ended here that the core still decodes."""
+        cut = [s.index for s in o.samples if self.samples[s.index].update(s, self.params)]
         self.prompt_logprobs += o.new_prompt_logprobs or []
         self.num_cached = o.num_cached_tokens
         self.metrics.update((k, o.metrics.get(k)) for k in ("first_token_time", "last_token_time"))
-        return self.output()
+        return cut
 
     @property
     def finished(self) -> bool:
@@ -126,7 +127,6 @@ class EngineCoreClient(StreamingEngine):
     # a request is checked by the engine's own rules, on the facts its core reported (no model here)
     encode = LLMEngine.encode
     check_request = LLMEngine.check_request
-    grammars = LLMEngine.grammars
 
     def __init__(self, spec: CoreSpec, max_queue: Optional[int] = None, on_output=None):
         super().__init__(max_queue, on_output)
@@ -163,9 +163,12 @@ class EngineCoreClient(StreamingEngine):
     def alive(self) -> bool:
         return self.error is None and not self._stopping
 
-    def prompt_images(self, ids, pixel_values, image_grid_thw) -> dict:
-        """A prompt's images as the core takes them (it checks them against the model)."""
-        return {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
+    @property
+    def grammars(self) -> Grammars:
+        """Constraints parsed only, so a bad one is a 400 before the core sees it; the core compiles them."""
+        if self._grammars is None:
+            self._grammars = Grammars()
+        return self._grammars
 
     def _send(self, msg) -> None:
         try:
@@ -237,12 +240,16 @@ class EngineCoreClient(StreamingEngine):
                     del self._states[o.request_id]
                 self._deliver(o.request_id, o.error.exception())
                 continue
-            out = state.update(o)
+            cut = state.update(o)
+            out = state.output()
             if out.finished:
                 with self._lock:
                     del self._states[o.request_id]
                 if not o.finished:
                     self._send(Abort(o.request_id))  # a stop string ended it: the core need not go on
+            else:
+                for index in cut:  # its siblings go on
+                    self._send(Abort(o.request_id, index))
             if self.on_output is not None:
                 self.on_output(out)
             self._deliver(o.request_id, out)

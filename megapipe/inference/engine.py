@@ -372,7 +372,7 @@ class LLMEngine:
         params = self.check_request(ids, params)
         req = Request(request_id, text, ids, params, arrival)
         if isinstance(images, dict):
-            images = PromptImages(self.runner.model, ids, images["pixel_values"], images["image_grid_thw"])
+            images = PromptImages(self.model_config, ids, images["pixel_values"], images["image_grid_thw"])
         if images is not None:
             req.images = images
             req.hash_seed = req.images.hash_seed
@@ -401,7 +401,18 @@ class LLMEngine:
         self.requests[request_id] = req
         return req
 
-    def abort(self, request_id: str) -> Optional[RequestOutput]:
+    def abort(self, request_id: str, index: Optional[int] = None) -> Optional[RequestOutput]:
+        """Finish the request's unfinished samples as aborted (their blocks freed) and return its last output; with
+        ``index`` only that sample (an engine core's front end ended it on a stop string), and None while its siblings
+        run on."""
+        if index is not None:
+            req = self.requests.get(request_id)
+            if req is None or index >= len(req.seqs):
+                return None
+            if req.seqs[index].status != FINISHED:
+                self.scheduler.finish(req.seqs[index], "abort")
+            if not req.finished:
+                return None
         req = self.requests.pop(request_id, None)
         if req is None:
             return None

@@ -31,6 +31,7 @@ from typing import Optional
 
 from megapipe.errors import MegapipeError
 from megapipe.inference.engine import EngineConfig, LLMEngine, RequestOutput
+from megapipe.inference.images import PromptImages
 from megapipe.inference.sampling import ParamError, SamplingParams
 
 log = logging.getLogger("megapipe.engine")
@@ -47,12 +48,13 @@ class AddRequest:
     params: SamplingParams  # checked and resolved by the front end (max_tokens set)
     arrival: float  # time.monotonic() when the front end received it (one clock for both processes)
     lora: Optional[str] = None
-    images: Optional[dict] = None  # pixel_values and image_grid_thw, as LLMEngine.add_request takes them
+    images: Optional[PromptImages] = None  # decoded and checked by the front end
 
 
 @dataclass
 class Abort:
     request_id: str
+    index: Optional[int] = None  # only this sample of it (a stop string ended it at the front end); None: all
 
 
 @dataclass
@@ -256,7 +258,7 @@ class EngineCore:
     def _handle(self, msg, outputs: list) -> None:
         if isinstance(msg, AddRequest):
             self.num_added += 1
-            if msg.params.structured is not None:  # the front end compiled it too, but in its own process
+            if msg.params.structured is not None:  # the front end only parsed it
                 compiled = self.engine.grammars.submit(msg.params.structured)
                 if not compiled.done():  # the steps go on meanwhile
                     self.compiling.append((msg, compiled))
@@ -264,7 +266,7 @@ class EngineCore:
             self._add(msg, outputs)
         elif isinstance(msg, Abort):
             self.compiling = [c for c in self.compiling if c[0].request_id != msg.request_id]
-            out = self.engine.abort(msg.request_id)
+            out = self.engine.abort(msg.request_id, msg.index)
             if out is not None:
                 outputs.append(self._delta(out))
         elif isinstance(msg, UtilityCall):

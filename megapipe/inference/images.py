@@ -1,6 +1,8 @@
 """Images in the engine (a vision-language model, megapipe.models.vision): a request's images as its image
 processor made them (patches and (frames, height, width) grids), the M-RoPE positions of its prompt, and the vision
 tower's embeddings of its image tokens, computed by the first prefill step that needs them and kept with the request.
+:class:`PromptImages` checks them against the model's config alone, so a server's front end makes it (a bad image a
+400 there) and an engine core process takes it as it is.
 
 The KV blocks of a prompt with images depend on the images as well as the tokens: the prompt's chain of block hashes
 starts from a hash of the images (``hash_seed``), so the prefix cache shares blocks between requests with the same
@@ -21,9 +23,8 @@ from megapipe.models.vision import mrope_positions
 
 
 class PromptImages:
-    def __init__(self, model, prompt_ids: Sequence[int], pixel_values: torch.Tensor, image_grid_thw: torch.Tensor):
-        cfg = model.cfg
-        if getattr(model, "visual", None) is None or cfg.image_token_id is None:
+    def __init__(self, cfg, prompt_ids: Sequence[int], pixel_values: torch.Tensor, image_grid_thw: torch.Tensor):
+        if not cfg.vision_depth or cfg.image_token_id is None:
             raise ParamError("images", "this model takes text only (it has no vision tower and image token)")
         self.pixel_values, self.grid_thw = pixel_values, torch.as_tensor(image_grid_thw).view(-1, 3)
         ids = torch.tensor([list(prompt_ids)])

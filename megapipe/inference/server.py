@@ -293,7 +293,7 @@ class OpenAIServer:
     async def _structured(self, body, params, tools: Optional[ToolChoice] = None) -> None:
         """Set params.structured from the request (a forced tool choice's grammar included), compiled before the
         request is queued (on the grammar worker thread; cached), so a bad schema is a 400 and the engine thread
-        only looks the grammar up."""
+        only looks the grammar up; with an engine core process, parsed here and compiled there."""
         try:
             constraint = body.constraint()
             forced = tools.constraint() if tools is not None else None

@@ -2,9 +2,15 @@
 with xgrammar against the engine's tokenizer, one matcher per sequence, and the token masks the sampler applies.
 
 Compiled grammars are cached by constraint and compiled on a worker thread (the server awaits the compile before
-queueing the request, so the engine thread only looks it up). JSON is single-line by default (xgrammar's
-``any_whitespace=False``: one space after ``,`` and ``:``, none elsewhere), so even a weak model closes its object
-within a few tokens; ``any_whitespace=True`` gives the grammar's free whitespace back.
+queueing the request, so the engine thread only looks it up). An engine core process's front end has no model and
+only parses (``Grammars()`` without tokenizer info: a bad constraint is still a 400 there); the core compiles, once.
+Not compiled in the front end and shipped: xgrammar's ``CompiledGrammar.serialize_json`` / ``deserialize_json`` cost
+about as much as compiling (49k-token vocabulary: compile 27 ms, serialise 16 ms, deserialise 16 ms, 93 kB; a parse
+1.5 ms).
+
+JSON is single-line by default (xgrammar's ``any_whitespace=False``: one space after ``,`` and ``:``, none
+elsewhere), so even a weak model closes its object within a few tokens; ``any_whitespace=True`` gives the grammar's
+free whitespace back.
 """
 
 from __future__ import annotations
@@ -80,13 +86,14 @@ def json_grammar(schema: str, any_whitespace: bool) -> str:
 
 
 class Grammars:
-    """Compiled grammars for one tokenizer, cached (LRU, ``cache_size``) and compiled on one worker thread."""
+    """Compiled grammars for one tokenizer, cached (LRU, ``cache_size``) and compiled on one worker thread; without
+    ``info``, parsed grammars only (checked, nothing to match with)."""
 
-    def __init__(self, info, cache_size: int = 512):
+    def __init__(self, info=None, cache_size: int = 512):
         import xgrammar as xgr
 
         self.info = info  # xgrammar's TokenizerInfo: each id's bytes, the stop ids
-        self.compiler = xgr.GrammarCompiler(info, max_threads=1)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1) if info is not None else None
         self.cache_size = cache_size
         self._cache: OrderedDict[Constraint, Future] = OrderedDict()
         self._lock = threading.Lock()
@@ -129,20 +136,20 @@ class Grammars:
                 del self._cache[c]
 
     def _compile(self, c: Constraint):
-        comp = self.compiler
+        import xgrammar as xgr
+
+        if c.kind not in KINDS:
+            raise ParamError(c.param, f"{c.param}: unknown constraint kind {c.kind!r} (one of {', '.join(KINDS)})")
         try:
-            if c.kind == "json":
-                return comp.compile_grammar(json_grammar(c.spec, c.any_whitespace))
             if c.kind == "regex":
-                return comp.compile_regex(c.spec)
-            if c.kind == "choice":
-                return comp.compile_grammar(c.grammar_text())
-            if c.kind == "grammar":
-                return comp.compile_grammar(c.spec)
+                grammar = xgr.Grammar.from_regex(c.spec)
+            else:
+                grammar = xgr.Grammar.from_ebnf(json_grammar(c.spec, c.any_whitespace) if c.kind == "json" else
+                                                c.grammar_text() if c.kind == "choice" else c.spec)
+            return grammar if self.compiler is None else self.compiler.compile_grammar(grammar)
         except (RuntimeError, ValueError, TypeError) as e:
             what = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}[c.kind]
             raise ParamError(c.param, f"{c.param}: the {what} cannot be compiled ({xgrammar_message(e)})") from None
-        raise ParamError(c.param, f"{c.param}: unknown constraint kind {c.kind!r} (one of {', '.join(KINDS)})")
 
 
 class Matcher:

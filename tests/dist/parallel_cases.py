@@ -37,7 +37,9 @@ from megapipe.parallel.ep import update_expert_biases
 from megapipe.parallel.step import clip_grad_norm_, eval_step, train_step
 from megapipe.training.optim import build_optimizer
 
-SEQ, GLOBAL_BATCH, MICRO, STEPS, LR, CLIP = 16, 8, 2, 3, 0.5, 0.8
+# 2 SGD steps: the first compares gradients, the second a loss and gradients after an update (a third added CI time
+# and nothing the second does not check)
+SEQ, GLOBAL_BATCH, MICRO, STEPS, LR, CLIP = 16, 8, 2, 2, 0.5, 0.8
 MUON_LR = 0.02
 MUON_STEPS = 10  # each layout equals one process over 10 Muon steps (the bar), SGD cases take STEPS
 
@@ -362,8 +364,9 @@ def run_case(text: str) -> dict:
         update_expert_biases(model, result.expert_load)
         res["bias_abs"] = max([res["bias_abs"], *[(b - ref["biases"][i][n]).abs().max().item()
                                                   for n, b in expert_biases(model).items()]])
-        if cfg.model.moe_router_enable_expert_bias:
-            res["bias_moved"] = float(any(b.abs().max() > 0 for b in ref["biases"][i].values()))
+        if cfg.model.moe_router_enable_expert_bias:  # at some step: rate * sign steps can come back to 0
+            moved = float(any(b.abs().max() > 0 for b in ref["biases"][i].values()))
+            res["bias_moved"] = max(res.get("bias_moved", 0.0), moved)
         if i == 0 and cfg.model.moe_router_bias_update_rate == 0.0 and result.expert_load:
             # the skewed model: no token for experts 2 and 3, whose ep ranks got nothing to compute
             res["idle_experts"] = float(all(load[2:].sum() == 0 for load in result.expert_load.values()))

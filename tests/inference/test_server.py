@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -265,6 +266,37 @@ def _abort_count(live) -> float:
     text = httpx.get(live.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     m = re.search(r'^vllm:request_success_total{[^}]*finished_reason="abort"[^}]*} (\S+)$', text, re.M)
     return float(m.group(1)) if m else 0.0
+
+
+def test_a_sample_a_stop_string_ends_stops_decoding(live, reference):
+    """n = 2 where a stop string ends sample 0 within its first tokens and sample 1 runs 100: the engine stops
+    decoding sample 0 at once (a few tokens late at most through an engine core process, whose front end matches stop
+    strings and aborts that sample alone; its blocks are freed while sample 1 runs), and the outputs equal the
+    engine's."""
+    params = SamplingParams(max_tokens=100, temperature=1.0, seed=11, n=2, ignore_eos=True)
+    a, b = reference.generate(["Hello"], replace(params))[0].outputs
+    early = live.engine.tokenizer.decode(a.token_ids[:4])
+    stop = next(early[i:i + k] for k in range(2, len(early) + 1) for i in range(len(early) - k + 1)
+                if early[i:i + k].strip() and early[i:i + k] not in b.text)
+    params.stop = [stop]
+    (want,) = reference.generate(["Hello"], replace(params))
+    kept = len(want.outputs[0].token_ids)
+    assert want.outputs[0].finish_reason == "stop" and kept <= 4 and want.outputs[1].finish_reason == "length"
+
+    async def stream():
+        before, running = live.async_engine.stats().get("generation_tokens", 0), []
+        async for out in live.async_engine.generate("Hello", replace(params)):
+            if out.outputs[0].finish_reason is not None and not out.finished:
+                running.append(live.async_engine.stats()["running"])
+        return out, live.async_engine.stats().get("generation_tokens", 0) - before, running
+
+    got, decoded, running = asyncio.run(stream())
+    assert [(c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in got.outputs] == [
+        (c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in want.outputs]
+    assert got.num_generated_tokens == want.num_generated_tokens == 100 + kept
+    late = decoded - (100 + kept)  # sample 0's tokens the engine decoded past its stop string (100 - kept if never cut)
+    assert 0 <= late <= 20, (decoded, kept)
+    assert running[-1] == 1  # sample 1 alone, sample 0's sequence finished
 
 
 def test_full_queue_is_503(hf_llama):

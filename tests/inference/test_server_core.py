@@ -6,8 +6,10 @@ an error, /health answers 503 and new requests are refused, within seconds."""
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import signal
+import threading
 import time
 from dataclasses import replace
 
@@ -16,9 +18,13 @@ import openai
 import pytest
 
 from megapipe.inference import LLMEngine, SamplingParams
+from megapipe.inference.engine_core import AddRequest, EngineCore, Shutdown, recv, send
+from megapipe.inference.sampling import ParamError
+from megapipe.inference.structured import Constraint
 from tests.inference.test_server import (  # noqa: F401 - the server's tests, run here against the core process
     NAME,
     LiveServer,
+    test_a_sample_a_stop_string_ends_stops_decoding,
     test_chat_multi_turn_and_streaming,
     test_completions_match_the_engine,
     test_dropped_streams_abort_and_free_their_blocks,
@@ -34,7 +40,9 @@ from tests.inference.test_server_sampling import (  # noqa: F401 - stop tokens a
     test_min_tokens_as_transformers_min_new_tokens,
     test_presence_and_frequency_penalties,
 )
-from tests.inference.test_structured import (  # noqa: F401 - grammars compile in both processes
+from tests.inference.test_structured import (  # noqa: F401 - grammars parsed in the front end, compiled in the core
+    SCHEMA,
+    Counting,
     test_invalid_constraints_are_400,
     test_json_schema_n_logprobs,
     test_named_and_required_tool_choice,
@@ -86,6 +94,46 @@ def test_outputs_equal_the_in_process_engine(live, reference):
         assert outs[-1].finished and not any(o.finished for o in outs[:-1])
         reasons |= {type(c.stop_reason) for c in want.outputs if c.finish_reason == "stop"}
     assert reasons == {str, int}  # the cases end on stop strings and on stop tokens
+
+
+def test_the_core_compiles_a_grammar_once(live, hf_llama):
+    """An engine core's front end parses a constraint and compiles nothing (a bad one is a 400 there all the same:
+    test_invalid_constraints_are_400); its core compiles it once for a request of n = 2, and not again for the next
+    one with the same schema; a compile that fails there refuses the request with the ParamError the server answers
+    400 with. The core here runs in a thread of this process, over a pipe, to count."""
+    assert live.async_engine.grammars.compiler is None
+    engine = LLMEngine.from_pretrained(hf_llama[0], device="cpu")
+    counting = Counting(engine.grammars.compiler)
+    engine.grammars.compiler = counting
+    front, back = multiprocessing.Pipe()
+    core = threading.Thread(target=EngineCore(engine, back).run, daemon=True)
+    core.start()
+    params = SamplingParams(max_tokens=20, n=2, temperature=1.0, seed=3, structured=Constraint.json_schema(SCHEMA))
+    for rid in ("a", "b"):
+        send(front, AddRequest(rid, engine.encode("Who are you?")[1], replace(params), time.monotonic()))
+        samples = []
+        while not samples or not samples[-1].finished:
+            samples += [o for o in recv(front).outputs if o.request_id == rid]
+        assert not any(o.error for o in samples)
+        assert sorted(s.index for o in samples for s in o.samples if s.finish_reason) == [0, 1]
+    assert counting.calls == 1
+
+    class Failing(Counting):  # a compile that fails in the core after the front end's parse passed
+        def compile_grammar(self, grammar):
+            raise RuntimeError("[08:00:00] grammar_compiler.cc:12: out of luck")
+
+    engine.grammars.compiler = Failing(None)
+    other = replace(params, structured=Constraint.json_schema({"type": "object"}))
+    send(front, AddRequest("c", [1, 2, 3], other, time.monotonic()))
+    outs = []
+    while not outs:
+        outs = [o for o in recv(front).outputs if o.request_id == "c"]
+    (out,) = outs
+    send(front, Shutdown())
+    core.join(10)
+    error = out.error.exception()  # ParamError: the server's 400
+    assert isinstance(error, ParamError) and error.param == "response_format" and str(error) == (
+        "response_format: the JSON schema cannot be compiled (out of luck)")
 
 
 def test_utility_calls_and_stats_go_through_messages(live):

@@ -89,6 +89,32 @@ def test_streaming_json(live):
     check_person("".join(parts))
 
 
+class Counting:
+    """A GrammarCompiler that counts its compiles."""
+
+    def __init__(self, compiler):
+        self.compiler, self.calls = compiler, 0
+
+    def compile_grammar(self, grammar):
+        self.calls += 1
+        return self.compiler.compile_grammar(grammar)
+
+
+def test_a_grammar_is_compiled_once(live, monkeypatch):
+    """A request of n = 2 with a JSON schema compiles it once (the server's check before queueing, the engine's
+    check and each sample's matcher share it), and the next request with that schema not again."""
+    counting = Counting(live.engine.grammars.compiler)
+    monkeypatch.setattr(live.engine.grammars, "compiler", counting)
+    schema = {"type": "object", "properties": {"digit": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["digit"]}  # this test's own: compiled by no other
+    for seed in (1, 2):
+        r = live.client().chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=30, n=2, temperature=1.0, seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": "d", "schema": schema}})
+        assert [set(json.loads(c.message.content)) for c in r.choices] == [{"digit"}] * 2
+    assert counting.calls == 1
+
+
 def test_invalid_constraints_are_400(live):
     c = live.client()
     cases = [({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},

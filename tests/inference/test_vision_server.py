@@ -2,7 +2,8 @@
 whose tokenizer knows Qwen2-VL's image markers): chat content parts with data: URLs decode greedily as
 transformers' ``generate`` does on the same prompt (its tokenizer and chat template, its image processor, the
 placeholders repeated as its processor does), streaming too; remote URLs, oversized images and a mismatch of
-placeholders are refused with a 400 that says why."""
+placeholders are refused with a 400 that says why, before anything reaches the engine. Both with the engine in a
+thread and in an engine core process (which gets the decoded, checked images)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from PIL import Image
 
 from megapipe.cli import main
 from megapipe.data.images import ImageLimits
+from megapipe.inference.sampling import ParamError
 from tests.helpers.hf_vl import CHAT_IDS, draw_images, make_vl_dir
 from tests.inference.test_server import LiveServer
 
@@ -34,16 +36,23 @@ def data_url(image) -> str:
 def messages(urls) -> list[dict]:
     it = iter(urls)
     return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": next(it)}} if p == "IMAGE"
-                                         else p for p in QUESTION]}]
+                                         else dict(p) for p in QUESTION]}]
 
 
 @pytest.fixture(scope="module")
-def vl_server(tmp_path_factory):
+def vl_model(tmp_path_factory):
     work = tmp_path_factory.mktemp("vl_server")
     hf_dir, hf_model = make_vl_dir(work / "hf", chat=True)
     assert main(["import", "hf", str(hf_dir), str(work / "ckpt"), "--quiet"]) == 0
+    return hf_dir, hf_model
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["engine_thread", "engine_process"])
+def vl_server(vl_model, request):
+    hf_dir, hf_model = vl_model
     limits = ImageLimits(4000, 200 * 200, ("--max-image-size", "--max-image-pixels"))
-    server = LiveServer(work / "ckpt", body=1 << 20, server_config={"image_limits": limits})
+    server = LiveServer(hf_dir.parent / "ckpt", body=1 << 20, server_config={"image_limits": limits},
+                        engine_process=request.param)
     yield server, hf_dir, hf_model
     server.stop()
 
@@ -87,8 +96,10 @@ def test_chat_with_images_equals_transformers(vl_server, one_thread):
     assert text_only.usage.prompt_tokens < len(prompt)
 
 
-def test_image_mistakes_are_400s(vl_server):
+def test_image_mistakes_are_400s(vl_server, monkeypatch):
     server, _, _ = vl_server
+    submitted = []
+    monkeypatch.setattr(server.async_engine, "_submit", lambda *a: submitted.append(a))  # what reaches the engine
     c = server.client()
     small = data_url(draw_images()[1])
     big = draw_images()[0].resize((300, 300))
@@ -110,13 +121,17 @@ def test_image_mistakes_are_400s(vl_server):
                                                      r"image \(--max-image-pixels\)"):
         c.chat.completions.create(model="tiny", messages=messages([small, data_url(Image.new("RGB", (210, 200)))]),
                                   max_tokens=2)
+    with pytest.raises(ParamError) as e:  # checked against the model by the front end, the core process's too
+        server.async_engine.prompt_images([1, 2, 3], torch.zeros(4, 8), torch.tensor([[1, 2, 2]]))
+    assert e.value.param == "images" and str(e.value) == "the prompt holds 0 image tokens but its images make 1"
+    assert submitted == []
 
 
-def test_generate_stage_with_an_image_equals_transformers(vl_server, tmp_path, capsys, one_thread):
+def test_generate_stage_with_an_image_equals_transformers(vl_model, tmp_path, capsys, one_thread):
     from transformers import AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    _, hf_dir, hf_model = vl_server
+    hf_dir, hf_model = vl_model
     image = draw_images()[0]
     image.save(tmp_path / "a.png")
     pixels = Qwen2VLImageProcessorPil.from_pretrained(hf_dir)(image, return_tensors="pt")
