@@ -51,7 +51,7 @@ def open_image(source: str, limits: ImageLimits = ImageLimits(), allow_files: bo
     if source.startswith(("http://", "https://")):
         raise ImageError(f"remote image URLs are not fetched ({source[:60]!r}): send the image inline as a data: URL")
     if source.startswith("data:"):
-        data = _data_url_bytes(source, limits)
+        data, what = _data_url_bytes(source, limits), f"data URL {source[:40]!r}..."
     elif allow_files:
         path = Path(source[len("file://"):] if source.startswith("file://") else source).expanduser()
         path = path if path.is_absolute() or base is None else base / path
@@ -59,21 +59,29 @@ def open_image(source: str, limits: ImageLimits = ImageLimits(), allow_files: bo
             raise ImageError(f"image file {str(path)!r} does not exist")
         if path.stat().st_size > limits.max_bytes:
             raise ImageError(limits.over(0, f"image file {str(path)!r} is {path.stat().st_size} bytes"))
-        data = path.read_bytes()
+        data, what = path.read_bytes(), f"image file {str(path)!r}"
     else:
         raise ImageError(f"image URL {source[:60]!r} is not a data: URL (data:image/png;base64,...)")
     try:
         image = Image.open(io.BytesIO(data))
     except Exception as e:  # Pillow raises several kinds for data it cannot read
-        raise ImageError(f"the image could not be decoded ({type(e).__name__}: {e})") from None
+        raise ImageError(_undecodable(what, e)) from None
     width, height = image.size
     if width * height > limits.max_pixels:  # checked from the header, before the pixels are decoded
         raise ImageError(limits.over(1, f"the image is {width} x {height} = {width * height} pixels"))
     try:
         image.load()
     except Exception as e:
-        raise ImageError(f"the image could not be decoded ({type(e).__name__}: {e})") from None
+        raise ImageError(_undecodable(what, e)) from None
     return image
+
+
+def _undecodable(what: str, e: Exception) -> str:
+    from PIL import UnidentifiedImageError
+
+    # Pillow's own message names the in-memory buffer, not the image
+    why = "not an image format Pillow reads" if isinstance(e, UnidentifiedImageError) else f"{type(e).__name__}: {e}"
+    return f"{what} could not be decoded as an image ({why})"
 
 
 def _data_url_bytes(url: str, limits: ImageLimits) -> bytes:

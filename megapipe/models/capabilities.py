@@ -120,11 +120,25 @@ KINDS: dict[str, Capabilities] = {
                                engine=frozenset({"paged_kv", "chunked_prefill"}), lora=frozenset(), quant=frozenset(),
                                trt=frozenset(),
                                stages=frozenset({"pretrain", "sft", "eval", "generate", "serve", "export_hf"})),
+    # a vision tower and its projector in front of the decoder (megapipe.models.vision, model.vision_depth > 0, in
+    # front of Qwen2.5-VL's or any decoder): images through serve (chat image_url parts, megapipe.data.images) and SFT (conversations with
+    # images, pixels in the cached index, --freeze-vision / --freeze-projector, LoRA on the decoder with the tower
+    # frozen); pretraining, eval and generate run text through the decoder (the tower idle); FSDP / HSDP / DDP over
+    # the whole model (the vision blocks FSDP units), TP / SP of the decoder with the tower replicated, PP with the
+    # tower on the first stage (tests/parallel/test_dist_layouts.py); no cp (M-RoPE positions not cut into the ring's
+    # chunks), no ep (not run with a tower) and no packed sequences; the engine serves no LoRA adapters on it;
+    # distillation / RL / pruning / quantization / the TensorRT-LLM writers were not run with the tower, so they are
+    # refused; export hf only where the family's HF twin holds the tower (VISION_FAMILIES)
+    "vision": Capabilities(layouts=frozenset(LAYOUTS) - {"cp", "ep"}, packing=False,
+                           engine=frozenset(ENGINE) - {"speculative", "multi_lora"},
+                           quant=frozenset(), trt=frozenset(),
+                           stages=frozenset({"pretrain", "sft", "eval", "generate", "serve", "export_hf"})),
 }
 # why a kind lacks a feature, where the refusal should say (require adds it): (kind, field, value) -> the reason
 FEATURE_WHY = {("sinks", "trt", "legacy"): "the legacy writer was not checked on attention sinks; TensorRT-LLM's "
                "PyTorch backend loads the unified checkpoint (trtllm-serve OUT)",
                ("compressed", "layouts", "cp"): "ring attention through DeepSeek-V4's compressor is not implemented",
+               ("vision", "layouts", "cp"): "the ring attention does not cut M-RoPE's image positions into its chunks",
                ("compressed", "engine", "speculative"): "drafting with DeepSeek-V4's MTP modules needs the engine's "
                "compressed cache to roll back rejected drafts (entries and compressor carry) and to keep the MTP "
                "block's window, neither of which is implemented"}
@@ -155,19 +169,6 @@ FAMILIES: dict[str, Capabilities] = {
     "falcon_h1": _without(stages={"rm"}),
     # no shared expert, every layer MoE: LoRA adapts the attention only
     "gpt_oss": _without(lora={"gate", "up", "down"}),
-    # Qwen2.5-VL (megapipe.models.vision): images through serve (chat image_url parts, megapipe.data.images) and SFT
-    # (conversations with images, pixels in the cached index, --freeze-vision / --freeze-projector, LoRA on the
-    # decoder with the tower frozen, its adapters written for peft's Qwen2_5_VLForConditionalGeneration); pretraining,
-    # eval and generate run text through the decoder (the tower idle); the HF bridge with its images' logit parity;
-    # FSDP / HSDP / DDP over the whole model (the vision blocks FSDP units), TP / SP of the decoder with the tower
-    # replicated, PP with the tower on the first stage (tests/parallel/test_dist_layouts.py); no cp (M-RoPE positions
-    # not cut into the ring's chunks) and no packed sequences; the engine serves no LoRA adapters on it;
-    # distillation / RL / pruning / quantization / the TensorRT-LLM writers were not run with the tower, so they are
-    # refused
-    "qwen2_5_vl": Capabilities(layouts=frozenset(LAYOUTS) - {"cp"}, packing=False,
-                               engine=frozenset(ENGINE) - {"speculative", "multi_lora"},
-                               quant=frozenset(), trt=frozenset(),
-                               stages=frozenset({"pretrain", "sft", "eval", "generate", "serve", "export_hf"})),
 }
 # sliding-window layers among full-attention ones (model.window_attn_skip_freq): the engine's paged cache takes each
 # layer's window (n-gram speculation rolls back beside its eviction; MTP drafting was not run with them: an MTP
@@ -187,8 +188,11 @@ MTP_HF_FAMILIES = ("deepseek_v3", "deepseek_v4")
 # speculative decoding drafts with the MTP modules (megapipe.inference.speculative): a model without them has none
 NO_MTP = _without(engine={"speculative"})
 
-# why a family refuses a stage, where the table's one line does not say it (appended to the refusal)
-STAGE_WHY: dict[tuple[str, str], str] = {}
+# why a family (or a block kind) refuses a stage, where the table's one line does not say it (appended to the refusal)
+STAGE_WHY: dict[tuple[str, str], str] = {
+    ("vision", "export_hf"): "transformers' one class for this vision tower, Qwen2_5_VLForConditionalGeneration, "
+                             "holds Qwen2.5-VL's decoder (model.arch = 'qwen2_5_vl') and no other",
+}
 
 LABELS = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "gpt2": "GPT-2",
           "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "deepseek_v3": "DeepSeek-V3",
@@ -199,6 +203,7 @@ MLA_FAMILIES = ("deepseek_v3", "deepseek_v32")
 DSA_FAMILIES = ("deepseek_v32",)  # families whose MLA is DeepSeek Sparse Attention (the "dsa" kind)
 SINK_FAMILIES = ("gpt_oss",)  # families whose attention has sinks (the "sinks" kind)
 COMPRESSED_FAMILIES = ("deepseek_v4",)  # families of DeepSeek-V4's attention (the "compressed" kind)
+VISION_FAMILIES = ("qwen2_5_vl",)  # families whose HF twin holds a vision tower (the "vision" kind)
 # families whose layers are kinds the family name says: Nemotron-H's Mamba layers beside attention and MLP ones
 # (megapipe.models.hybrid), Falcon-H1's parallel hybrid layers (megapipe.models.parallel_hybrid)
 FAMILY_KINDS = {"nemotron_h": ["dense", "mamba"], "falcon_h1": ["parallel_hybrid"]}
@@ -219,13 +224,16 @@ def kinds_of(cfg) -> list[str]:
     compressed = getattr(cfg, "attention_layer_types", None) is not None  # its sinks are part of the kind
     attention += ["sinks"] if getattr(cfg, "attention_sinks", False) and not compressed else []
     attention += ["compressed"] if compressed else []
-    return list(dict.fromkeys(kinds)) + attention
+    vision = ["vision"] if getattr(cfg, "vision_depth", 0) else []
+    return list(dict.fromkeys(kinds)) + attention + vision
 
 
 def capabilities(cfg) -> Capabilities:
     row = _row(cfg.arch, kinds_of(cfg))
     if getattr(cfg, "mixed_windows", False):
         row = row & (MIXED_WINDOWS_GPT_OSS if cfg.arch == "gpt_oss" else MIXED_WINDOWS)
+    if getattr(cfg, "vision_depth", 0) and cfg.arch not in VISION_FAMILIES:  # no HF class to write the tower with
+        row = row & _without(stages={"export_hf"})
     if not getattr(cfg, "mtp_depth", 0):
         return row & NO_MTP
     return row & (MTP if cfg.arch in MTP_HF_FAMILIES else MTP & _without(stages={"export_hf"}))
@@ -248,6 +256,8 @@ def describe(cfg) -> str:
     kinds = kinds_of(cfg)
     label = LABELS.get(cfg.arch, cfg.arch)
     mtp = " with MTP" if getattr(cfg, "mtp_depth", 0) else ""
+    mtp += " with a vision tower" if "vision" in kinds and cfg.arch not in VISION_FAMILIES else ""
+    kinds = [k for k in kinds if k != "vision"]
     kinds = [k for k in kinds if not (k == "mla" and cfg.arch in MLA_FAMILIES)]  # the family name says MLA
     kinds = [k for k in kinds if not (k == "dsa" and cfg.arch in DSA_FAMILIES)]  # ... or DSA
     kinds = [k for k in kinds if not (k == "sinks" and cfg.arch in SINK_FAMILIES)]  # ... or the sinks
@@ -272,7 +282,8 @@ def require(cfg, stage: str, where: str = "", **features: Optional[object]) -> N
                             "reward model is trained (posttrain rm), exported (export hf), served on /pooling or "
                             "used by posttrain rl --reward-model")
     if stage not in row.stages:
-        why = STAGE_WHY.get((cfg.arch, stage), "megapipe/models/capabilities.py")
+        why = next((STAGE_WHY[k, stage] for k in [cfg.arch, *kinds_of(cfg)] if (k, stage) in STAGE_WHY),
+                   "megapipe/models/capabilities.py")
         raise MegapipeError(f"{prefix}{what} does not support {name} models ({why})")
     for key, value in features.items():
         if value is None or value is False:
@@ -311,6 +322,7 @@ def family_row(arch: str) -> Capabilities:
     attention = (["mla"] if arch in MLA_FAMILIES else []) + (["dsa"] if arch in DSA_FAMILIES else [])
     attention += ["sinks"] if arch in SINK_FAMILIES else []
     attention += ["compressed"] if arch in COMPRESSED_FAMILIES else []
+    attention += ["vision"] if arch in VISION_FAMILIES else []
     return _row(arch, ["moe" if arch in MOE_FAMILIES else "dense"] + attention)
 
 

@@ -803,7 +803,9 @@ VISION_IMAGE = (448, 448)  # the image (height, width in pixels) the vision towe
 def vision_flops_per_image(m, height: int = VISION_IMAGE[0], width: int = VISION_IMAGE[1]) -> float:
     """Training FLOPs (forward + backward, 6 per multiply-add) of the vision tower on one image: the patch
     embedding, each block's matmuls and its attention scores and values over the patches it sees (a window, or the
-    whole image in the full-attention blocks), the patch merger's MLP per merged token."""
+    whole image in the full-attention blocks), the patch merger's MLP per merged token. Equal to what torch's
+    FlopCounterMode counts for transformers' tower with eager attention (tests/parallel/test_plan.py); megapipe's own
+    tower attends over the whole image with a window mask, which computes more than these window FLOPs."""
     d, p, merge = m.vision_hidden_size, m.vision_patch_size, m.vision_spatial_merge_size
     patches = (height // p) * (width // p)
     window = min((m.vision_window_size // p) ** 2, patches)

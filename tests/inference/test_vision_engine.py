@@ -1,7 +1,8 @@
 """The engine with images (megapipe.inference.images): a tiny random Qwen2.5-VL imported from transformers; prompts
 of text around an image (transformers' image processor on images drawn here) decode greedily token for token as
-transformers' ``generate`` does, on the default path, the torch path and in prefill chunks that cut an image; the
-prefix cache tells prompts with the same tokens but other images apart; mistakes are refused in one sentence."""
+transformers' ``generate`` does, on the default path, the torch path and in prefill chunks that cut an image, the
+vision tower running once per request with an image (its forward calls counted); the prefix cache tells prompts with
+the same tokens but other images apart; mistakes are refused in one sentence."""
 
 from __future__ import annotations
 
@@ -44,10 +45,14 @@ def test_greedy_with_images_equals_transformers(vl, config, one_thread):
     ckpt, hf_model, prompts, images = vl
     want = [hf_greedy_images(hf_model, p, i, 8) for p, i in zip(prompts, images, strict=True)]
     engine = LLMEngine.from_pretrained(ckpt, device="cpu", **config)
+    calls = []
+    engine.runner.model.visual.register_forward_hook(lambda *_: calls.append(1))
     got = [o.outputs[0].token_ids for o in engine.generate(prompts, GREEDY, images=images)]
     assert got == want
+    assert len(calls) == len(prompts)  # the tower runs once per request with an image, whatever the prefill chunks
     text_only = [o.outputs[0].token_ids for o in engine.generate(prompts, GREEDY)]
     assert text_only != want  # the images are what the answers depend on
+    assert len(calls) == len(prompts)
 
 
 def test_the_prefix_cache_tells_images_apart(vl, tmp_path, one_thread):
@@ -78,3 +83,25 @@ def test_mistakes_are_refused(vl, tmp_path):
                                          r"the tokens hold 4 in a row there"):
         engine.add_request("b", prompts[1], GREEDY, images=images[0])
     assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("name", ["llama", "mixtral"])
+def test_any_decoder_behind_the_tower_decodes_greedily(name, one_thread):
+    """A Llama and a Mixtral-shaped decoder behind the tower (random weights): the engine's greedy tokens, in whole
+    and in chunked prefills, are those of the model's full forward on the text + image, token by token."""
+    from megapipe.inference import EngineConfig
+    from megapipe.models import build_model
+    from tests.models.test_vision import decoder_vl, decoder_vl_batch
+
+    model = build_model(decoder_vl(name), seed=0).eval()
+    batch = decoder_vl_batch()
+    prompt, image = batch["tokens"][0].tolist(), {k: batch[k] for k in ("pixel_values", "image_grid_thw")}
+    want = list(prompt)
+    with torch.no_grad():
+        for _ in range(6):
+            want.append(int(model(torch.tensor([want]), **image)[0, -1].argmax()))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    for config in ({}, {"max_num_batched_tokens": 5, "block_size": 4}):
+        engine = LLMEngine(model, None, EngineConfig(**config))
+        got = engine.generate([prompt], params, images=[image])[0].outputs[0].token_ids
+        assert got == want[len(prompt):], config

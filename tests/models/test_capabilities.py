@@ -3,6 +3,7 @@ the meet of its block kinds and its family, and refusals are one sentence naming
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -62,3 +63,32 @@ def test_declared_features_pass():
     require(ModelConfig(arch="qwen2_moe", num_experts=4), "pretrain", layouts=["ep", "tp", "sp"], packing=True)
     with pytest.raises(ValueError):
         require(ModelConfig(), "no-such-stage")
+
+
+@pytest.mark.parametrize("decoder", [{"arch": "llama"}, {"arch": "mixtral", "num_experts": 4}])
+def test_a_vision_tower_limits_any_decoder_to_the_vision_row(decoder):
+    """The vision tower is a kind of its own: a Llama or Mixtral decoder behind it gets what both allow (Qwen2.5-VL's
+    row), and export hf is refused, transformers having no class for the tower in front of this decoder."""
+    vl = ModelConfig(**decoder, mrope_section=[16, 24, 24], vision_depth=2, vision_fullatt_block_indexes=[1])
+    name = {"llama": "Llama", "mixtral": "Mixtral"}[decoder["arch"]] + " with a vision tower"
+    assert describe(vl) == name
+    row, text = capabilities(vl), capabilities(ModelConfig(**decoder))
+    meet = text & family_row("qwen2_5_vl")
+    assert row == dataclasses.replace(meet, stages=meet.stages - {"export_hf"})
+    assert {"cp", "ep"} & row.layouts == set() and "cp" in text.layouts
+    assert not row.packing and not row.quant and not row.trt and "export_hf" not in row.stages
+    for call, words in [
+        (lambda: require(vl, "pretrain", layouts=["tp", "cp"]),
+         f"pretrain of {name} models does not support layouts cp (supported: dp_replicate, dp_shard, tp, sp, pp): "
+         "the ring attention does not cut M-RoPE's image positions into its chunks"),
+        (lambda: require(vl, "sft", packing=True), f"sft of {name} models does not support packing"),
+        (lambda: require(vl, "quantize"), f"quantize does not support {name} models"),
+        (lambda: require(vl, "export_trt"), f"export trt does not support {name} models"),
+        (lambda: require(vl, "export_hf"), f"export hf does not support {name} models (transformers' one class for "
+         "this vision tower, Qwen2_5_VLForConditionalGeneration, holds Qwen2.5-VL's decoder"),
+    ]:
+        with pytest.raises(MegapipeError) as e:
+            call()
+        assert str(e.value).startswith(words) and "\n" not in str(e.value)
+    require(ModelConfig(arch="qwen2_5_vl", mrope_section=[16, 24, 24], vision_depth=2,
+                        vision_fullatt_block_indexes=[1]), "export_hf")

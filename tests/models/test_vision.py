@@ -199,3 +199,56 @@ def test_the_server_refuses_image_content_parts():
     parts = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]
     with pytest.raises(ParamError, match="content part of type 'image_url' is not supported"):
         ChatMessage(role="user", content=parts).as_template_input()
+
+
+# the tower in front of decoders other than Qwen2.5-VL's: a Llama one and a Mixtral-shaped MoE one (2-pixel patches of
+# 2 frames, 1-merged-patch windows, block 1 full)
+TOWER = dict(mrope_section=[2, 1, 1], vision_depth=2, vision_hidden_size=16, vision_intermediate_size=32,
+             vision_num_heads=2, vision_patch_size=2, vision_window_size=4, vision_fullatt_block_indexes=[1],
+             image_token_id=60)
+DECODERS = {"llama": dict(arch="llama"), "mixtral": dict(arch="mixtral", num_experts=4)}
+
+
+def decoder_vl(name: str, **changes) -> ModelConfig:
+    return ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                       **{**DECODERS[name], **TOWER, **changes})
+
+
+def decoder_vl_batch() -> dict:
+    """Row 0: 3 text tokens, a 4 x 4-patch image (4 image tokens), 2 text tokens; row 1: text only."""
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.tensor([[1, 2, 3, 60, 60, 60, 60, 5, 6], [7, 8, 9, 10, 11, 12, 13, 14, 15]])
+    return {"tokens": tokens, "labels": torch.roll(tokens, -1, 1), "image_grid_thw": torch.tensor([[1, 4, 4]]),
+            "pixel_values": torch.randn(16, 3 * 2 * 2 * 2, generator=g)}
+
+
+@pytest.mark.parametrize("name", DECODERS)
+def test_any_decoder_behind_the_tower_forward_and_train_step(name):
+    """Text + image logits are finite; the text-only row, and the text before the image, are the decoder's own (built
+    without a tower, the same weights); one training step reaches the tower's and the decoder's weights."""
+    from megapipe.parallel.dims import ParallelDims
+    from megapipe.parallel.step import train_step
+
+    cfg = decoder_vl(name)
+    model = build_model(cfg, seed=0)
+    assert type(model).__name__ == "VisionLanguageModel"
+    decoder = build_model(decoder_vl(name, vision_depth=0, mrope_section=None), seed=1)
+    decoder.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("visual.")})
+    batch = decoder_vl_batch()
+    with torch.no_grad():
+        logits = model(batch["tokens"], pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"])
+        alone = decoder(batch["tokens"])
+    assert torch.isfinite(logits).all()
+    torch.testing.assert_close(logits[1], alone[1], atol=1e-6, rtol=0)
+    torch.testing.assert_close(logits[0, :3], alone[0, :3], atol=1e-6, rtol=0)
+    assert (logits[0, 3:] - alone[0, 3:]).abs().max() > 1e-3  # the image fills its tokens
+
+    result = train_step(model, [batch], ParallelDims())
+    assert torch.isfinite(result.loss) and result.units == batch["tokens"].numel()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
+    for n in ("visual.patch_embed.proj.weight", "visual.blocks.0.attn.qkv.weight", "visual.merger.fc2.weight",
+              "layers.0.attention.wq.weight", "tok_embeddings.weight", "output.weight"):
+        assert grads[n].abs().sum() > 0, n
+    mlp = "layers.1.moe.experts.w2" if name == "mixtral" else "layers.1.feed_forward.w2.weight"
+    assert grads[mlp].abs().sum() > 0

@@ -458,3 +458,34 @@ def test_hybrid_kinds_tp_split_and_recompute():
     # a dense block is its attention-only and MLP-only halves, one layer input between them
     assert P.layer_activation_bytes(m, "fp32", "none") == P.block_activation_bytes(m, "attention", "fp32", "none") \
         + P.block_activation_bytes(m, "mlp", "fp32", "none")
+
+
+def test_vision_flops_per_image_are_the_counted_flops():
+    """plan's vision FLOPs per 448 x 448 image against torch's FlopCounterMode on the qwen2.5-vl-tiny tower's forward
+    (the planner counts 6 per multiply-add for forward + backward, the counter 2 for the forward): our tower's
+    matmuls (patch embedding, blocks, merger; the counter does not see CPU attention kernels) are transformers' own,
+    and transformers' tower with eager attention, which attends within each window, counts the attention too."""
+    pytest.importorskip("transformers")
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import Qwen2_5_VLVisionConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    from megapipe.config import from_dict
+
+    m = from_dict(ModelConfig, {"preset": "qwen2.5-vl-tiny", "vocab_size": 64})
+    grid = torch.tensor([[1, 448 // m.vision_patch_size, 448 // m.vision_patch_size]])
+    pixels = torch.randn(int(grid.prod()), 3 * 2 * m.vision_patch_size ** 2)
+    hf = Qwen2_5_VisionTransformerPretrainedModel._from_config(Qwen2_5_VLVisionConfig(
+        depth=m.vision_depth, hidden_size=m.vision_hidden_size, intermediate_size=m.vision_intermediate_size,
+        num_heads=m.vision_num_heads, out_hidden_size=m.hidden_size, patch_size=m.vision_patch_size,
+        window_size=m.vision_window_size, fullatt_block_indexes=m.vision_fullatt_block_indexes),
+        attn_implementation="eager")
+    counted = {}
+    for name, tower in (("ours", build_model(m, seed=0).visual), ("hf", hf)):
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            tower(pixels, grid) if name == "ours" else tower(pixels, grid_thw=grid)
+        counted[name] = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    attention = counted["hf"].pop("aten.bmm")  # scores and values, window by window
+    assert counted["ours"] == counted["hf"]  # aten.convolution, aten.addmm
+    forward = sum(counted["hf"].values()) + attention
+    assert P.vision_flops_per_image(m) / 3 == pytest.approx(forward, rel=0.01)

@@ -2,8 +2,8 @@
 conversations with images (OpenAI image_url parts with a relative path or a data: URL, HF's image parts) are
 rendered with the image markers, each image token repeated for its patches and never trained on, the pixels stored
 beside the tokens exactly as transformers' image processor makes them; the first step's loss is the model's own
-loss on those inputs; --freeze-vision / --freeze-projector keep those weights; a missing image is named with its
-record's file:line."""
+loss on those inputs; --freeze-vision / --freeze-projector keep those weights; a missing or unreadable image (a file or a data: URL that
+holds no image) is named with its record's file:line."""
 
 from __future__ import annotations
 
@@ -124,6 +124,34 @@ def test_a_missing_image_is_named_with_its_record(vl_sft, capsys):
                  "--quiet"]) != 0
     err = " ".join(capsys.readouterr().err.split())
     assert f"{bad}:2: image 1: image file '{data / 'img' / 'gone.png'}' does not exist" in err
+
+
+NOT_A_PNG = base64.b64encode(b"plain text, no image").decode()
+
+
+@pytest.mark.parametrize("source, words", [
+    ("img/notes.png", "image file '{data}/img/notes.png' could not be decoded as an image (not an image format "
+                      "Pillow reads)"),
+    ("data:image/png;base64," + NOT_A_PNG, "data URL 'data:image/png;base64,cGxhaW4gdGV4dCwgbm'... could not be "
+                                           "decoded as an image (not an image format Pillow reads)"),
+    ("data:image/png;base64,@@not-base64@@", "data URL 'data:image/png;base64,@@not-base64@@'... does not hold "
+                                             "valid base64"),
+], ids=["file", "data-url", "base64"])
+def test_an_unreadable_image_is_named_with_its_record(vl_sft, capsys, source, words):
+    """A file that is there but holds no image, a data: URL of other bytes or of broken base64: its record's
+    file:line, the image's number and source, and nothing written."""
+    work, data, _ = vl_sft
+    (data / "img" / "notes.png").write_text("not an image\n")
+    bad = data / "unreadable.jsonl"
+    lines = (data / "chat.jsonl").read_text().splitlines()
+    bad.write_text(lines[0] + "\n" + lines[1].replace("img/a.png", source) + "\n")
+    run = work / "unreadable_run"
+    assert main(["posttrain", "sft", "--load", str(work / "ckpt"), "--data", str(bad), "--seq-length", "96",
+                 "--train-iters", "1", "--save", str(run), "--data-cache-path", str(work / "cache4"),
+                 "--quiet"]) != 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{bad}:2: image 1: {words.format(data=data)}" in err and "Traceback" not in err, err
+    assert not run.exists()
 
 
 def _sample(work, data):
