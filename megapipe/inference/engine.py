@@ -662,8 +662,19 @@ class LLMEngine:
             line += f", {self.states.bytes_per_sequence()} state bytes/sequence x {self.states.num_slots} sequences"
         return line
 
+    def kv_cache_usage(self) -> float:
+        """The fraction of the KV memory sequences hold: the block pool's, with DeepSeek-V4's entry pools weighed
+        by their bytes."""
+        pool = self.pool
+        per_block = pool.bytes_per_block(pool.num_layers, pool.block_size, pool.kv_heads, pool.head_dim, pool.dtype,
+                                         pool.latent)
+        parts = [(self.blocks, per_block)]
+        parts += [(b, pool.entries.bytes_per_block(r)) for r, b in self.scheduler.entry_blocks.items()]
+        total = sum(b.num_blocks * size for b, size in parts)
+        return sum((b.num_blocks - b.num_free()) * size for b, size in parts) / total if total else 0.0
+
     def stats(self) -> dict:
-        return {"running": self.num_running(), "waiting": self.num_waiting(), "kv_cache_usage": self.blocks.usage(),
+        return {"running": self.num_running(), "waiting": self.num_waiting(), "kv_cache_usage": self.kv_cache_usage(),
                 "prefix_cache_queries": self.blocks.query_tokens, "prefix_cache_hits": self.blocks.hit_tokens,
                 "prefix_cache_hit_rate": self.blocks.hit_rate(), "num_blocks": self.blocks.num_blocks,
                 "preemptions": self.scheduler.num_preemptions, "prompt_tokens": self.num_prompt_tokens,

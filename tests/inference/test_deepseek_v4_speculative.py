@@ -91,6 +91,26 @@ def test_greedy_output_is_token_identical(drafting_model, k, one_thread):
     assert hca[1] > 0, hca
 
 
+def test_drafts_are_the_mtp_module_on_the_full_sequence(drafting_model, one_thread):
+    """Every first draft equals what the training path's MTP module predicts from the whole sequence: its block's
+    keys in the window's pool stay exact through rejections, and the window's blocks it reads are not given back
+    (sequences several windows long, a prompt in chunks, a small pool)."""
+    e = engine(drafting_model, 2, max_num_batched_tokens=8, num_blocks=16, max_model_len=64)
+    seen, propose = [], e.speculator.propose
+
+    def spy(seqs, tables):
+        propose(seqs, tables)
+        seen.extend((list(s.tokens), list(s.draft.tokens)) for s in seqs)
+
+    e.speculator.propose = spy
+    e.generate([PROMPTS[0], PROMPTS[2], list(range(1, 16)) * 2, PROMPTS[4]], GREEDY)
+    assert len(seen) > 20 and max(len(t) for t, _ in seen) > 4 * CFG.sliding_window
+    with torch.no_grad():
+        for tokens, draft in seen:
+            _, full = drafting_model(torch.tensor([tokens]), mtp=True)
+            assert draft[0] == int(full[0][0, len(tokens) - 2].argmax())
+
+
 def test_imported_checkpoint_drafts_to_transformers_greedy(imported, one_thread):
     """An imported checkpoint (its random MTP layer's drafts nearly all rejected): transformers' greedy tokens, alone
     and in a continuous batch, with the MTP block's window kept behind the main layers'."""
@@ -117,9 +137,14 @@ def test_preemption_and_abort_free_everything(drafting_model, one_thread):
     for _ in range(4):
         e.step()
     assert e.stats()["spec_decode_num_draft_tokens"] > 0 and not idle(e)
+    # the KV memory in use: the window's blocks and the entry blocks, by their bytes
+    pools = [(e.blocks, e.pool.bytes_per_block(5, 4, 1, CFG.dim_per_head, torch.float32, True))]
+    pools += [(b, e.pool.entries.bytes_per_block(r)) for r, b in e.scheduler.entry_blocks.items()]
+    held = sum((b.num_blocks - b.num_free()) * size for b, size in pools)
+    assert e.stats()["kv_cache_usage"] == held / sum(b.num_blocks * size for b, size in pools) > 0
     e.abort("a")
     e.abort("b")
-    assert idle(e)
+    assert idle(e) and e.stats()["kv_cache_usage"] == 0
 
 
 def test_sampled_output_has_the_target_distribution(one_thread):
