@@ -13,7 +13,8 @@ of a row is the one the engine samples from without speculation (megapipe.infere
 suppression, temperature, top-k / top-p / min-p), computed as if the drafts before it were already output; a seeded
 request is reproducible but draws its random numbers in another order than without speculation. Rejected positions
 need no undo: their keys lie beyond the sequence's computed length and are overwritten, and the blocks allocated for
-them are returned (``Scheduler.rollback``).
+them are returned (``Scheduler.rollback``); DeepSeek-V4's compressed entries alike, its compressors' carry advanced
+over the kept tokens only (megapipe.inference.compressed_cache).
 
 N-gram drafting (vLLM's ``ngram`` method): the longest suffix of the sequence's tokens, from ``prompt_lookup_max``
 down to ``prompt_lookup_min`` tokens, that occurred before in the sequence (prompt and output), its latest earlier
@@ -34,6 +35,12 @@ they are the prompt's (the first step fills the MTP cache over the whole prompt)
 from the prefix cache starts its MTP positions after them: the MTP entries of a cached block's last N positions were
 computed with whatever followed it in the sequence that wrote it, which changes drafts only, never what the engine
 outputs.
+
+DeepSeek-V4 (hyper-connections): depth 1 takes the main model's last-layer streams [n, H] per position instead of
+its final hidden state (``Transformer.forward(mtp_input=True)``), and the MTP block's keys share the window's
+blocks, planned as the main layers' steps are (their (window, entries) tables and state slots). With every layer
+windowed, a query reads one window back, so only the last ``reach`` (depth x window) positions' states are kept and
+recomputed, and the engine keeps the blocks that far back (one key more than the main layers read).
 """
 
 from __future__ import annotations
