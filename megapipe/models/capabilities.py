@@ -111,12 +111,12 @@ KINDS: dict[str, Capabilities] = {
     # (megapipe.inference.compressed_cache: window keys and entries paged, entries in a pool per compression rate;
     # the compressors' carry in a state slot per sequence) and drafts with its MTP module (its sliding-window block's
     # keys in the window's pool; a verification's carry advances over the kept tokens only, rejected entries and
-    # keys lie past the sequence's length: tests/inference/test_deepseek_v4_speculative.py): no prefix caching (a
-    # cached block would need a snapshot of the carry), CPU kernels or n-gram drafting (not run with it); no LoRA
-    # targets, quantization, TensorRT-LLM writer, pruning rule, distillation or RL run with it yet
+    # keys lie past the sequence's length: tests/inference/test_deepseek_v4_speculative.py), n-gram drafts alike: no
+    # prefix caching (a cached block would need a snapshot of the carry) or CPU kernels; no LoRA targets,
+    # quantization, TensorRT-LLM writer, pruning rule, distillation or RL run with it yet
     "compressed": Capabilities(layouts=frozenset(LAYOUTS) - {"cp"}, packing=False,
-                               engine=frozenset({"paged_kv", "chunked_prefill", "speculative"}), lora=frozenset(),
-                               quant=frozenset(),
+                               engine=frozenset({"paged_kv", "chunked_prefill", "speculative", "ngram_speculative"}),
+                               lora=frozenset(), quant=frozenset(),
                                trt=frozenset(),
                                stages=frozenset({"pretrain", "sft", "eval", "generate", "serve", "export_hf"})),
 }

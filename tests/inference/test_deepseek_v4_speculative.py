@@ -3,7 +3,7 @@ megapipe.inference.compressed_cache): a verification writes the last token and i
 the entries they complete and the compressors' carry; what rejected drafts wrote lies past the sequence's length
 and the carry advances over the kept tokens only. Greedy output is token-identical to decoding without drafts (and
 to transformers' for an imported checkpoint), drafts are rejected after completing entries, preemption and abort
-give everything back, and sampled output keeps its distribution."""
+give everything back, and sampled output keeps its distribution; n-gram drafts take the same rollback."""
 
 from __future__ import annotations
 
@@ -89,6 +89,14 @@ def test_greedy_output_is_token_identical(drafting_model, k, one_thread):
     hca = count_entry_rollbacks(spec, 4)
     spec.generate(PROMPTS, MIXED)
     assert hca[1] > 0, hca
+
+
+def test_ngram_drafts_keep_greedy_output(drafting_model, one_thread):
+    """Prompt-lookup drafts on the same batch (its periodic outputs repeat themselves): the same rollback."""
+    spec = engine(drafting_model, 3, max_num_seqs=3, speculative_method="ngram", prompt_lookup_min=1)
+    assert_same_greedy(engine(drafting_model, max_num_seqs=3), spec)
+    s = spec.stats()
+    assert 0 < s["spec_decode_num_accepted_tokens"] < s["spec_decode_num_draft_tokens"] and idle(spec)
 
 
 def test_drafts_are_the_mtp_module_on_the_full_sequence(drafting_model, one_thread):

@@ -44,7 +44,7 @@ def test_a_row_is_the_meet_of_kinds_and_family():
     # V4 drafts with its MTP module, but keeps no prefix cache (a cached block would need the carry's snapshot)
     (lambda: require(ModelConfig(**MODELS["dsv4_mtp"]), "generate", engine=["speculative", "prefix_caching"]),
      "generate of DeepSeek-V4 with MTP models does not support engine prefix_caching (supported: paged_kv, "
-     "chunked_prefill, speculative)"),
+     "chunked_prefill, speculative, ngram_speculative)"),
     # the published MXFP4 experts: why they are not re-exported for TensorRT-LLM
     (lambda: require(ModelConfig(arch="gpt_oss", num_experts=4, attention_sinks=True), "export_trt"),
      "export trt does not support GPT-OSS models (ModelOpt 0.47.0's export_hf_checkpoint writes GPT-OSS experts as "
