@@ -31,6 +31,14 @@ them (CSA; the top-k taken over as many entries as the sequence has after the st
 a prompt in one piece and for decodes: entries tied at exactly 0 may be picked otherwise when a prompt comes in
 chunks, see the README). Prefix caching stays off (capability table): a cached block would need a snapshot of the
 carry at its boundary.
+
+Speculative decoding (megapipe.inference.speculative) verifies a sequence's last token and its drafts as one chunk.
+What rejected drafts left in the window's pool and in the entry pools lies past the sequence's computed length:
+masked, written again, the blocks taken for it given back (``Scheduler.rollback``). The carry would hold them, so a
+verifying chunk's carry update is deferred: the step pools the entries its tokens complete from the carry as usual
+and sets the chunk's projections aside; the verdict advances the carry over the kept tokens only (``commit_carry``).
+Exact, as the carry is a function of the projections alone, and simpler than a snapshot of the slot to restore,
+which would still need the kept tokens' projections to advance it again.
 """
 
 from __future__ import annotations
@@ -101,6 +109,8 @@ class CompressorState:
         self.kv, self.gate = (torch.zeros(slots, r, width, dtype=dtype, device=device) for _ in range(2))
         self.before = tuple(torch.zeros(slots, r, width, dtype=dtype, device=device) for _ in range(2)) \
             if compressor.overlap else ()
+        # a verification's projections by state slot, until its drafts' verdict (``commit``)
+        self.pending: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
 
     def tensors(self) -> tuple:
         return (self.kv, self.gate, *self.before)
@@ -125,19 +135,36 @@ class CompressorState:
             kv, gate = kv_rows[offset:offset + n], gate_rows[offset:offset + n]
             if have:
                 kv, gate = torch.cat([self.kv[slot, :have], kv]), torch.cat([self.gate[slot, :have], gate])
-            blocks = (start + n) // r - first
-            if blocks:
+            whole = ((start + n) // r - first) * r
+            if whole:
                 before = (self.before[0][slot][None], self.before[1][slot][None]) if self.before and first else None
-                whole = blocks * r
                 pooled = comp.pool(kv[None, :whole], gate[None, :whole], before)
-                store.index_copy_(0, slots[index, first:first + blocks],
+                store.index_copy_(0, slots[index, first:first + whole // r],
                                   entry_rope(pooled, r, cos_sin, first)[0].to(store.dtype))
-                if self.before:
-                    self.before[0][slot] = kv[whole - r:whole]
-                    self.before[1][slot] = gate[whole - r:whole]
-                kv, gate = kv[whole:], gate[whole:]
-            self.kv[slot, :len(kv)] = kv
-            self.gate[slot, :len(gate)] = gate
+            if slot in plan.deferred:
+                self.pending[slot] = (start, kv_rows[offset:offset + n].clone(), gate_rows[offset:offset + n].clone())
+            else:
+                self._carry(slot, kv, gate, whole)
+
+    def _carry(self, slot: int, kv: torch.Tensor, gate: torch.Tensor, whole: int) -> None:
+        """The carry after the projections ``kv``, ``gate`` from the start of the slot's partial block, the first
+        ``whole`` of them in complete blocks."""
+        r = self.compressor.rate
+        if whole and self.before:
+            self.before[0][slot] = kv[whole - r:whole]
+            self.before[1][slot] = gate[whole - r:whole]
+        self.kv[slot, :len(kv) - whole] = kv[whole:]
+        self.gate[slot, :len(gate) - whole] = gate[whole:]
+
+    def commit(self, slot: int, kept: int) -> None:
+        """A deferred sequence's verdict: its carry advances over the first ``kept`` tokens of its step (the last
+        token and the accepted drafts); the rejected ones' are dropped (their entries lie past the sequence's count,
+        masked and written again)."""
+        start, kv, gate = self.pending.pop(slot)
+        r = self.compressor.rate
+        have = start % r
+        kv, gate = torch.cat([self.kv[slot, :have], kv[:kept]]), torch.cat([self.gate[slot, :have], gate[:kept]])
+        self._carry(slot, kv, gate, ((start + kept) // r - start // r) * r)
 
     def _decodes(self, kv_rows: torch.Tensor, gate_rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  cos_sin, store: torch.Tensor, entry_slots: torch.Tensor) -> None:
@@ -191,6 +218,7 @@ class StepPlan:
     entries_after: torch.Tensor  # [T] each row's sequence's length after the step (its entries: // rate)
     num_decodes: int  # the first sequences have one token each
     inv_freq: Optional[torch.Tensor] = None  # the compressed layers' rope frequencies, once per step
+    deferred: frozenset = frozenset()  # state slots whose carry waits for their drafts' verdict (commit)
 
 
 def _entry_slots(tables: Sequence[Sequence[int]], width: int, block_size: int) -> torch.Tensor:
@@ -205,10 +233,11 @@ def _entry_slots(tables: Sequence[Sequence[int]], width: int, block_size: int) -
 
 
 def plan_step(batch, decodes: Sequence[tuple], chunks: Sequence[tuple], state_slots: Sequence[int],
-              window: int) -> torch.Tensor:
+              window: int, deferred: Sequence[int] = ()) -> torch.Tensor:
     """PagedBatch.plan for a DeepSeek-V4 model, whose block tables are (the window's block ids, {rate: entry block
     ids}) pairs: sets ``batch.slots`` (where each token's key goes), ``batch.num_decodes`` and ``batch.compressed``
-    (a StepPlan); -> positions [1, T]."""
+    (a StepPlan); -> positions [1, T]. ``deferred``: the state slots of chunks that verify drafts (their carry
+    advances at ``commit_carry``)."""
     bs, dev = batch.pool.block_size, batch.pool.device
     spans = [(blocks, pos, 1) for blocks, pos in decodes] + list(chunks)
     sequences, slots, windows, positions, row_slots, row_seqs, after = [], [], [], [], [], [], []
@@ -224,7 +253,8 @@ def plan_step(batch, decodes: Sequence[tuple], chunks: Sequence[tuple], state_sl
         positions.append(pos)
         row_slots.append(torch.full((n,), slot, dtype=torch.long))
         row_seqs.append(torch.full((n,), index, dtype=torch.long))
-        after.append(torch.full((n,), start + n, dtype=torch.long))
+        # a verification's rows rank the indexer's entries as the decodes they stand for: over those they see
+        after.append(pos + 1 if slot in deferred else torch.full((n,), start + n, dtype=torch.long))
         sequences.append((offset, start, n, slot))
         offset += n
     entries = batch.pool.entries
@@ -237,8 +267,16 @@ def plan_step(batch, decodes: Sequence[tuple], chunks: Sequence[tuple], state_sl
     batch.num_decodes = len(decodes)
     batch.compressed = StepPlan(positions_t.to(dev), torch.cat(row_slots).to(dev), torch.cat(row_seqs).to(dev),
                                 window_slots.to(dev), (torch.cat(windows) >= 0).to(dev), sequences, entry_slots,
-                                torch.cat(after).to(dev), len(decodes))
+                                torch.cat(after).to(dev), len(decodes), deferred=frozenset(deferred))
     return positions_t[None].to(dev)
+
+
+def commit_carry(states, slot: int, kept: int) -> None:
+    """After a verification of the sequence in state slot ``slot`` (a StatePool's) that kept ``kept`` tokens: every
+    compressor's carry advances over them (CompressorState.commit)."""
+    for parts in states.compressed.values():
+        for state in parts:
+            state.commit(slot, kept)
 
 
 def attend(batch, layer: CompressedAttention, x: torch.Tensor, pos: V4Positions) -> torch.Tensor:

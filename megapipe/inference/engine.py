@@ -213,8 +213,11 @@ class LLMEngine:
         # decoding: the MTP blocks' too (pool layers num_layers + depth - 1)
         kv_layers = sorted({m.layer_id for m in model.layers.modules()
                             if isinstance(m, (Attention, MLAttention, CompressedAttention))})
+        evict = eviction_window(cfg)  # every layer windowed: the blocks behind it are given back
         if config.speculative_tokens and not ngram:
             kv_layers += range(cfg.num_layers, cfg.num_layers + cfg.mtp_depth)
+            if evict is not None:  # ... behind what the MTP blocks read (MTPSpeculator.reach) and one more key
+                evict = evict * cfg.mtp_depth + 1
         per_block = KVPool.bytes_per_block(len(kv_layers), bs, dtype=p.dtype, **kv_layout(cfg))
         # windowed layers beside full ones (GPT-OSS): blocks of their own, in a table of their own that gives back
         # what falls behind the window, so they need only enough for every sequence's window and a step's chunks
@@ -230,7 +233,7 @@ class LLMEngine:
         entry_blocks = dict.fromkeys(entry_bytes, num_blocks)
         if num_blocks is None and entry_bytes:
             num_blocks, entry_blocks = compressed_cache.pool_blocks(
-                entry_bytes, config.kv_cache_memory, state_bytes, per_block, eviction_window(cfg), max_num_seqs,
+                entry_bytes, config.kv_cache_memory, state_bytes, per_block, evict, max_num_seqs,
                 self.max_model_len, bs, config.max_num_batched_tokens, GiB)
         elif num_blocks is None:
             want = max_num_seqs * ((self.max_model_len + bs - 1) // bs)
@@ -259,7 +262,7 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, bs, self.prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, config.max_num_batched_tokens,
                                    self._lookahead if config.speculative_tokens else None, self.states,
-                                   window if windowed else eviction_window(cfg),
+                                   window if windowed else evict,
                                    BlockManager(windowed_blocks, bs, self.prefix_caching) if windowed else None,
                                    self._admit if config.max_loras else None,
                                    {r: BlockManager(n, bs, False) for r, n in entry_blocks.items()})
@@ -670,8 +673,19 @@ class LLMEngine:
             line += f", {self.states.bytes_per_sequence()} state bytes/sequence x {self.states.num_slots} sequences"
         return line
 
+    def kv_cache_usage(self) -> float:
+        """The fraction of the KV memory sequences hold: the block pool's, with DeepSeek-V4's entry pools weighed
+        by their bytes."""
+        pool = self.pool
+        per_block = pool.bytes_per_block(pool.num_layers, pool.block_size, pool.kv_heads, pool.head_dim, pool.dtype,
+                                         pool.latent)
+        parts = [(self.blocks, per_block)]
+        parts += [(b, pool.entries.bytes_per_block(r)) for r, b in self.scheduler.entry_blocks.items()]
+        total = sum(b.num_blocks * size for b, size in parts)
+        return sum((b.num_blocks - b.num_free()) * size for b, size in parts) / total if total else 0.0
+
     def stats(self) -> dict:
-        return {"running": self.num_running(), "waiting": self.num_waiting(), "kv_cache_usage": self.blocks.usage(),
+        return {"running": self.num_running(), "waiting": self.num_waiting(), "kv_cache_usage": self.kv_cache_usage(),
                 "prefix_cache_queries": self.blocks.query_tokens, "prefix_cache_hits": self.blocks.hit_tokens,
                 "prefix_cache_hit_rate": self.blocks.hit_rate(), "num_blocks": self.blocks.num_blocks,
                 "preemptions": self.scheduler.num_preemptions, "prompt_tokens": self.num_prompt_tokens,

@@ -213,14 +213,15 @@ class PagedBatch:
         return blocks[0] if window is None else blocks[1]
 
     def plan(self, decodes: Sequence[tuple[Sequence[int], int]], chunks: Sequence[tuple[Sequence[int], int, int]],
-             state_slots: Optional[Sequence[int]] = None):
+             state_slots: Optional[Sequence[int]] = None, deferred: Sequence[int] = ()):
         """decodes: (block ids, position) of each one-token query; chunks: (block ids, start, n); state_slots: each
         one's slot in the state pool (decodes, then chunks; hybrid models); block ids are (full, windowed) pairs
-        under a split pool, (window's, {rate: entry blocks}) pairs for DeepSeek-V4. Returns the positions [1, T] of
+        under a split pool, (window's, {rate: entry blocks}) pairs for DeepSeek-V4 (``deferred``: the state slots of
+        its chunks that verify drafts, compressed_cache.plan_step). Returns the positions [1, T] of
         the flattened batch in that order."""
         if self.states is not None and self.states.compressed:  # DeepSeek-V4 plans its own step
             window = max(self.windows.values()) if self.windows is not None else self.window
-            return compressed_cache.plan_step(self, decodes, chunks, state_slots, window)
+            return compressed_cache.plan_step(self, decodes, chunks, state_slots, window, deferred)
         bs, dev = self.pool.block_size, self.pool.device
         if self.pool.latent and chunks and all(n <= ABSORB_ROWS for _, _, n in chunks):
             # short chunks (speculative verification, MTP drafting): each row attends to the latents like a decode

@@ -34,6 +34,7 @@ from torch import nn
 import megapipe.inference.kernels as kernels  # the module alone: the package's __init__ imports the engine
 from megapipe import torch_compat
 from megapipe.errors import ConfigError, MegapipeError
+from megapipe.inference.compressed_cache import commit_carry
 from megapipe.inference.host_memory import collapse_resident_memory, keep_freed_buffers
 from megapipe.inference.images import multimodal_step
 from megapipe.inference.kv_cache import KVPool, PagedBatch, layer_windows
@@ -492,7 +493,7 @@ class ModelRunner:
         if spec is not None:
             verify = [s for s in decodes if s.num_lookahead]
             decodes = [s for s in decodes if not s.num_lookahead]
-            spec.propose(verify)
+            spec.propose(verify, plan.tables)
         # (sequence, first position, tokens) of each part of the flattened batch, and its first row there
         work = [(s, s.num_computed, [s.tokens[s.num_computed]]) for s in decodes]
         work += [(s, s.num_computed, s.tokens[s.num_computed:] + s.draft.tokens) for s in verify]
@@ -523,7 +524,8 @@ class ModelRunner:
         logits = self.run([(plan.tables[s.seq_id], start, toks[0]) for s, start, toks in work[:len(decodes)]],
                           [(plan.tables[s.seq_id], start, toks) for s, start, toks in work[len(decodes):]], rows,
                           hidden=want_hidden, state_slots=[s.state_slot for s, _, _ in work] if self.states else None,
-                          images=images if any(i is not None for i in images) else None, lora_rows=lora_rows)
+                          images=images if any(i is not None for i in images) else None, lora_rows=lora_rows,
+                          deferred=[s.state_slot for s in verify] if self.states else ())
         hidden = None
         if want_hidden:
             logits, hidden = logits
@@ -549,6 +551,8 @@ class ModelRunner:
         """``seq``'s drafts checked against its logits [1 + drafts, V]: the tokens it emits (the accepted drafts and
         the one after them)."""
         emitted = self.speculator.verify(seq, logits)
+        if self.states:  # DeepSeek-V4's compressors' carry over the kept tokens only
+            commit_carry(self.states, seq.state_slot, len(emitted))
         self.speculator.keep(seq, seq.num_computed, hidden[:len(emitted)] if hidden is not None else None)
         out.sampled[seq.seq_id] = emitted
         out.num_accepted[seq.seq_id] = len(emitted) - 1
@@ -572,15 +576,17 @@ class ModelRunner:
     def run(self, decodes: Sequence[tuple[Sequence[int], int, int]],
             chunks: Sequence[tuple[Sequence[int], int, Sequence[int]]], rows: Sequence[int],
             hidden: bool = False, state_slots: Optional[Sequence[int]] = None, images: Optional[Sequence] = None,
-            lora_rows: Optional[Sequence[int]] = None):
+            lora_rows: Optional[Sequence[int]] = None, deferred: Sequence[int] = ()):
         """decodes: (block ids, position, token); chunks: (block ids, start, tokens); state_slots: each one's slot
         in the state pool (a hybrid model's); images: each one's PromptImages or None (megapipe.inference.images);
-        lora_rows: each row's LoRA adapter slot (``adapters``, 0: none). Returns fp32 logits of the batch rows
+        lora_rows: each row's LoRA adapter slot (``adapters``, 0: none); deferred: the state slots of chunks that
+        verify drafts (DeepSeek-V4's carry waits for ``commit_carry``). Returns fp32 logits of the batch rows
         ``rows`` (indices into the flattened batch: decodes first, then the chunks in order); with ``hidden``, also
-        the final normed hidden states of every row (what MTP drafting starts from)."""
+        what MTP depth 1 takes at every row (the final normed hidden states; DeepSeek-V4: the last layer's
+        hyper-connection streams), where MTP drafting starts from."""
         batch = PagedBatch(self.pool, self.window, self.attention_kernel, self.states, self.mamba_step)
         positions = batch.plan([(b, pos) for b, pos, _ in decodes], [(b, s, len(t)) for b, s, t in chunks],
-                               state_slots)
+                               state_slots, deferred)
         ids = [t for _, _, t in decodes]
         for _, _, toks in chunks:
             ids.extend(toks)
@@ -591,7 +597,8 @@ class ModelRunner:
         if self.layers is None:
             if images is not None:
                 raise MegapipeError("images need the engine's layer path, which this model does not take")
-            normed = self.model(tokens[None], positions, batch, return_hidden=True)[0]
+            normed, depth1 = self.model(tokens[None], positions, batch, return_hidden=True, mtp_input=True)
+            normed, depth1 = normed[0], depth1[0]
         else:
             h = self.model.tok_embeddings(tokens)
             if images is None:
@@ -607,9 +614,9 @@ class ModelRunner:
             h = h.add_(delta)
             if not hidden and select is not None:  # the norm of the rows asked for only (rows are independent)
                 h, select = h[select], None
-            normed = self.layers[-1].norm(h, None, self.model.norm)
+            normed = depth1 = self.layers[-1].norm(h, None, self.model.norm)
         logits = self.logits(normed if select is None else normed[select])
-        return (logits, normed) if hidden else logits
+        return (logits, depth1) if hidden else logits
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         if self.head is not None:

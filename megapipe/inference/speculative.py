@@ -13,7 +13,8 @@ of a row is the one the engine samples from without speculation (megapipe.infere
 suppression, temperature, top-k / top-p / min-p), computed as if the drafts before it were already output; a seeded
 request is reproducible but draws its random numbers in another order than without speculation. Rejected positions
 need no undo: their keys lie beyond the sequence's computed length and are overwritten, and the blocks allocated for
-them are returned (``Scheduler.rollback``).
+them are returned (``Scheduler.rollback``); DeepSeek-V4's compressed entries alike, its compressors' carry advanced
+over the kept tokens only (megapipe.inference.compressed_cache).
 
 N-gram drafting (vLLM's ``ngram`` method): the longest suffix of the sequence's tokens, from ``prompt_lookup_max``
 down to ``prompt_lookup_min`` tokens, that occurred before in the sequence (prompt and output), its latest earlier
@@ -34,6 +35,12 @@ they are the prompt's (the first step fills the MTP cache over the whole prompt)
 from the prefix cache starts its MTP positions after them: the MTP entries of a cached block's last N positions were
 computed with whatever followed it in the sequence that wrote it, which changes drafts only, never what the engine
 outputs.
+
+DeepSeek-V4 (hyper-connections): depth 1 takes the main model's last-layer streams [n, H] per position instead of
+its final hidden state (``Transformer.forward(mtp_input=True)``), and the MTP block's keys share the window's
+blocks, planned as the main layers' steps are (their (window, entries) tables and state slots). With every layer
+windowed, a query reads one window back, so only the last ``reach`` (depth x window) positions' states are kept and
+recomputed, and the engine keeps the blocks that far back (one key more than the main layers read).
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from megapipe.inference.kv_cache import PagedBatch
+from megapipe.inference.kv_cache import PagedBatch, eviction_window
 from megapipe.inference.runner import DecoderLayer, pack_linears, rms_norm
 from megapipe.inference.sampling import SampleRow, distribution, draw, penalised, uniforms
 
@@ -110,8 +117,9 @@ class Speculator:
         self.drafted = [0] * tokens  # drafts proposed at each position 1..K
         self.accepted = [0] * tokens  # of which accepted
 
-    def propose(self, seqs: Sequence) -> None:
-        """Sets ``seq.draft`` (a Draft of ``seq.num_lookahead`` tokens at most) for every sequence in ``seqs``."""
+    def propose(self, seqs: Sequence, tables: dict) -> None:
+        """Sets ``seq.draft`` (a Draft of ``seq.num_lookahead`` tokens at most) for every sequence in ``seqs``;
+        ``tables``: their block tables by seq_id (SchedulerOutput.tables)."""
         raise NotImplementedError
 
     def record(self, seq, start: int, hidden: Optional[torch.Tensor]) -> None:
@@ -167,6 +175,12 @@ class MTPSpeculator(Speculator):
         self.model, self.runner, self.pool = model, runner, runner.pool
         self.depth = model.cfg.mtp_depth
         self.window, self.kernel = runner.window, runner.attention_kernel
+        self.states = runner.states if runner.states else None  # DeepSeek-V4 plans its steps with the state slots
+        # a model whose every layer is windowed (DeepSeek-V4): the hidden states of the last ``reach`` positions are
+        # all the drafts read (depth d's keys there need depth d - 1's outputs one window further back); the engine
+        # keeps their blocks (eviction_window's reach + 1)
+        window = eviction_window(model.cfg)
+        self.reach = None if window is None else self.depth * window
         if runner.packed:  # the MTP modules' matmuls packed as the main layers' are
             pack_linears(model.mtp, runner.own_linears)
         # the runner's fast layer path for the MTP blocks too, where it runs the main layers
@@ -183,20 +197,23 @@ class MTPSpeculator(Speculator):
         if state is not None and state.end == start:
             state.hidden = torch.cat([state.hidden, hidden])
         else:
-            seq.spec = SpecState(start, hidden.clone())
+            state = seq.spec = SpecState(start, hidden.clone())
+        if self.reach is not None and len(state.hidden) > self.reach:
+            state.start, state.hidden = state.end - self.reach, state.hidden[-self.reach:]
 
     # ------------------------------------------------------------------------------------------------ drafting
 
     @torch.inference_mode()
-    def propose(self, seqs: Sequence) -> None:
+    def propose(self, seqs: Sequence, tables: dict) -> None:
         for seq in seqs:
             seq.draft = Draft()
         ready = [s for s in seqs if getattr(s, "spec", None) is not None and s.spec.end == len(s.tokens) - 1]
         if not ready:
             return
         spans = [(s.spec.start, len(s.spec.hidden)) for s in ready]
-        batch = PagedBatch(self.pool, self.window, self.kernel)
-        positions = batch.plan([], [(s.block_ids, start, n) for s, (start, n) in zip(ready, spans, strict=True)])
+        batch = self._batch()
+        positions = batch.plan([], [(tables[s.seq_id], start, n) for s, (start, n) in zip(ready, spans, strict=True)],
+                               self._slots(ready))
         last = torch.tensor(list(accumulate(n for _, n in spans)), device=positions.device) - 1
         hidden = torch.cat([s.spec.hidden for s in ready])
         for depth in range(1, self.depth + 1):
@@ -210,14 +227,21 @@ class MTPSpeculator(Speculator):
             if not going:
                 break
             seqs_j = [ready[i] for i in going]
-            batch = PagedBatch(self.pool, self.window, self.kernel)
-            pos = batch.plan([(s.block_ids, len(s.tokens) - 2 + j - self.depth) for s in seqs_j], [])
+            batch = self._batch()
+            pos = batch.plan([(tables[s.seq_id], len(s.tokens) - 2 + j - self.depth) for s in seqs_j], [],
+                             self._slots(seqs_j))
             ids = [s.draft.tokens[j - 2] for s in seqs_j]
             logits, h = self._mtp(self.depth, tail[going], ids, pos, batch, None)
             tail[going] = h
             self._take(seqs_j, logits)
         for s in ready:
             del s.draft.tokens[s.num_lookahead:], s.draft.probs[s.num_lookahead:]
+
+    def _batch(self) -> PagedBatch:
+        return PagedBatch(self.pool, self.window, self.kernel, self.states)
+
+    def _slots(self, seqs: Sequence) -> Optional[list[int]]:
+        return [s.state_slot for s in seqs] if self.states is not None else None
 
     def _mtp(self, depth: int, hidden: torch.Tensor, ids: list[int], positions: torch.Tensor, batch: PagedBatch,
              rows: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -269,7 +293,7 @@ class NgramSpeculator(Speculator):
         super().__init__(tokens, sample_row)
         self.longest, self.shortest = longest, shortest
 
-    def propose(self, seqs: Sequence) -> None:
+    def propose(self, seqs: Sequence, tables: dict) -> None:
         for seq in seqs:
             seq.draft = Draft(lookup(seq.tokens, seq.num_lookahead, self.longest, self.shortest))
 

@@ -112,12 +112,14 @@ KINDS: dict[str, Capabilities] = {
     # cp: ring attention through the compressor (entries pooled from blocks on other ranks) is not implemented; no
     # packed documents (a compressed block would straddle two); the engine keeps the compressed cache
     # (megapipe.inference.compressed_cache: window keys and entries paged, entries in a pool per compression rate;
-    # the compressors' carry in a state slot per sequence): no prefix caching (a cached block would need a snapshot of
-    # the carry), CPU kernels or MTP drafting (its MTP modules train, import and export, megapipe.models.mtp); no LoRA
-    # targets, quantization, TensorRT-LLM writer, pruning rule,
-    # distillation or RL run with it yet
+    # the compressors' carry in a state slot per sequence) and drafts with its MTP module (its sliding-window block's
+    # keys in the window's pool; a verification's carry advances over the kept tokens only, rejected entries and
+    # keys lie past the sequence's length: tests/inference/test_deepseek_v4_speculative.py), n-gram drafts alike: no
+    # prefix caching (a cached block would need a snapshot of the carry) or CPU kernels; no LoRA targets,
+    # quantization, TensorRT-LLM writer, pruning rule, distillation or RL run with it yet
     "compressed": Capabilities(layouts=frozenset(LAYOUTS) - {"cp"}, packing=False,
-                               engine=frozenset({"paged_kv", "chunked_prefill"}), lora=frozenset(), quant=frozenset(),
+                               engine=frozenset({"paged_kv", "chunked_prefill", "speculative", "ngram_speculative"}),
+                               lora=frozenset(), quant=frozenset(),
                                trt=frozenset(),
                                stages=frozenset({"pretrain", "sft", "eval", "generate", "serve", "export_hf"})),
     # a vision tower and its projector in front of the decoder (megapipe.models.vision, model.vision_depth > 0, in
@@ -138,10 +140,7 @@ KINDS: dict[str, Capabilities] = {
 FEATURE_WHY = {("sinks", "trt", "legacy"): "the legacy writer was not checked on attention sinks; TensorRT-LLM's "
                "PyTorch backend loads the unified checkpoint (trtllm-serve OUT)",
                ("compressed", "layouts", "cp"): "ring attention through DeepSeek-V4's compressor is not implemented",
-               ("vision", "layouts", "cp"): "the ring attention does not cut M-RoPE's image positions into its chunks",
-               ("compressed", "engine", "speculative"): "drafting with DeepSeek-V4's MTP modules needs the engine's "
-               "compressed cache to roll back rejected drafts (entries and compressor carry) and to keep the MTP "
-               "block's window, neither of which is implemented"}
+               ("vision", "layouts", "cp"): "the ring attention does not cut M-RoPE's image positions into its chunks"}
 # Falcon-H1's layers (megapipe.models.parallel_hybrid): a Mamba-2 mixer beside the attention, so what Mamba layers allow
 KINDS["parallel_hybrid"] = KINDS["mamba"]
 

@@ -58,7 +58,7 @@ class Transformer(nn.Module):
                 last_only: bool = False, return_hidden: bool = False,
                 document_ids: Optional[torch.Tensor] = None, head: Optional[Callable] = None,
                 prefix_ids: Optional[torch.Tensor] = None, mtp: bool = False,
-                mtp_tokens: Optional[torch.Tensor] = None):
+                mtp_tokens: Optional[torch.Tensor] = None, mtp_input: bool = False):
         """tokens [B, S] ids (or [B, S, H] hidden states on a later pipeline stage); positions [S] or [B, S].
 
         ``document_ids`` [B, S]: packed sequences; attention stays within each document (block-diagonal causal) and
@@ -75,7 +75,9 @@ class Transformer(nn.Module):
         ``mtp``: also run the MTP modules; their outputs, one per depth, come as a second value (logits, or final
         normed hidden states with ``return_hidden``) or as ``head``'s third argument. ``mtp_tokens`` [B, S, N]: the
         tokens each depth embeds (``tokens_ahead``), where the forward cannot shift ``tokens`` itself (a pipeline
-        stage that gets hidden states, a context-parallel chunk of the sequence).
+        stage that gets hidden states, a context-parallel chunk of the sequence). ``mtp_input`` (with
+        ``return_hidden``, without ``mtp``): also what MTP depth 1 takes at every position, as a second value (the
+        final normed hidden states; DeepSeek-V4: the last layer's streams), for drafting with ``mtp_step``.
         """
         if positions is None and document_ids is not None:
             positions = positions_from_documents(document_ids)
@@ -115,6 +117,8 @@ class Transformer(nn.Module):
             return head(h, self.output_weight(), *extra)
         if not return_hidden:
             h, extra = self.logits(h), tuple([self.logits(s) for s in states] for states in extra)
+        elif mtp_input:
+            return h, depth1
         return (h, *extra) if mtp else h
 
     def _rope(self, positions: torch.Tensor, h: torch.Tensor, tokens: Optional[torch.Tensor] = None):
@@ -146,8 +150,8 @@ class Transformer(nn.Module):
     def mtp_step(self, depth: int, hidden: torch.Tensor, next_token_ids: torch.Tensor, positions: torch.Tensor,
                  cache=None) -> tuple[torch.Tensor, torch.Tensor]:
         """One MTP depth on its own, for drafting: ``hidden`` [B, T, H] the previous depth's output at some
-        positions (depth 1: ``forward(..., return_hidden=True)``, not DeepSeek-V4's streams, which the engine does
-        not draft with yet; depth k: what step k - 1 returned),
+        positions (depth 1: ``forward(..., return_hidden=True)``, DeepSeek-V4's streams [B, T, n, H] from
+        ``forward(..., return_hidden=True, mtp_input=True)``; depth k: what step k - 1 returned),
         ``next_token_ids`` [B, T] the tokens ``depth`` positions after each, ``positions`` [T] or [B, T] the
         positions of ``hidden`` (not of the tokens). Returns (logits [B, T, V] of the token depth + 1 ahead, this
         depth's hidden [B, T, H] for depth + 1). ``cache``: a KV cache as the main layers take it, holding layer

@@ -144,8 +144,8 @@ def test_drafts_are_the_mtp_chain_of_the_full_sequence(random_model):
     seen = []
     propose = e.speculator.propose
 
-    def spy(seqs):
-        propose(seqs)
+    def spy(seqs, tables):
+        propose(seqs, tables)
         seen.extend((list(s.tokens), list(s.draft.tokens)) for s in seqs)
 
     e.speculator.propose = spy
@@ -210,9 +210,9 @@ def test_refusals_and_stats(random_model):
         engine(plain, 2)
     with pytest.raises(MegapipeError, match="generate of Llama models does not support engine speculative"):
         require(plain.cfg, "generate", engine=["speculative"])
-    v4 = build_model(ModelConfig(**{**MODELS["dsv4_mtp"], "vocab_size": V}), seed=0)  # MTP modules, no drafting yet
-    with pytest.raises(ConfigError, match="prediction modules, which DeepSeek-V4 with MTP models cannot draft with yet"):
-        engine(v4, 2)
+    v32 = build_model(ModelConfig(**{**MODELS["dsa"], "vocab_size": V, "mtp_num_layers": 1}), seed=0)
+    with pytest.raises(ConfigError, match="prediction modules, which DeepSeek-V3.2 .+ with MTP models cannot draft with yet"):
+        engine(v32, 2)
     require(CFG, "serve", engine=["speculative"])
     with pytest.raises(ConfigError, match="--speculative-tokens = -1 must be an integer >= 0"):
         engine(random_model, -1)

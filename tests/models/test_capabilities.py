@@ -42,11 +42,10 @@ def test_a_row_is_the_meet_of_kinds_and_family():
     (lambda: require(ModelConfig(**MODELS["dsv4"]), "pretrain", layouts=["tp", "pp", "cp"]),
      "pretrain of DeepSeek-V4 models does not support layouts cp (supported: dp_replicate, dp_shard, tp, sp, pp, ep): "
      "ring attention through DeepSeek-V4's compressor is not implemented"),
-    # V4 with its MTP module trains and exports, but does not draft: why
-    (lambda: require(ModelConfig(**MODELS["dsv4_mtp"]), "generate", engine=["speculative"]),
-     "generate of DeepSeek-V4 with MTP models does not support engine speculative (supported: paged_kv, "
-     "chunked_prefill): drafting with DeepSeek-V4's MTP modules needs the engine's compressed cache to roll back "
-     "rejected drafts"),
+    # V4 drafts with its MTP module, but keeps no prefix cache (a cached block would need the carry's snapshot)
+    (lambda: require(ModelConfig(**MODELS["dsv4_mtp"]), "generate", engine=["speculative", "prefix_caching"]),
+     "generate of DeepSeek-V4 with MTP models does not support engine prefix_caching (supported: paged_kv, "
+     "chunked_prefill, speculative, ngram_speculative)"),
     # GPT-OSS goes to TensorRT-LLM as its published MXFP4 layout (unified): why not legacy
     (lambda: require(ModelConfig(arch="gpt_oss", num_experts=4, attention_sinks=True), "export_trt", trt="legacy"),
      "export trt of GPT-OSS models does not support trt legacy (supported: unified): the legacy writer was not "
@@ -60,6 +59,7 @@ def test_refusals_are_one_sentence_naming_architecture_and_stage(call, words):
 
 def test_declared_features_pass():
     require(ModelConfig(), "export_trt", trt="legacy")
+    require(ModelConfig(**MODELS["dsv4_mtp"]), "serve", engine=["speculative"])
     require(ModelConfig(arch="qwen2_moe", num_experts=4), "pretrain", layouts=["ep", "tp", "sp"], packing=True)
     with pytest.raises(ValueError):
         require(ModelConfig(), "no-such-stage")
