@@ -9,7 +9,8 @@ SGD as the trainer builds it (megapipe.training.optim: foreach once any paramete
 of plain tensors and DTensors). Bounds: loss relative difference <= 1e-5 over 2 steps; gradients after step 1,
 clipped-gradient norm and weights after 2 steps within 1e-6 absolute (observed: ~1e-7 relative losses, ~1e-8
 absolute tensors: the order of fp32 summations differs between layouts, nothing else); Muon cases over 10 steps,
-their weights within 1e-5. MoE models (expert
+their weights within 1e-5 (DeepSeek-V4's hyper-connections: within twice one process's own drift, check_equivalence).
+MoE models (expert
 parallelism "epN" alone and with dp / tp / pp / cp, and MoE under the other layouts) also match on their expert
 biases after every step (aux-loss-free balancing: exactly) and on their MoE metrics (balancing losses, expert load,
 dropped fraction: 1e-5 relative).
