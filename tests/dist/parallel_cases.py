@@ -12,7 +12,11 @@ are per micro-batch), and also on their expert biases (aux-loss-free balancing) 
 Rank 0 writes {case: {"loss_rel": .., "grad_abs": .., "param_abs": .., "norm_rel": .., "error": ..}} to OUT.json.
 
 "optim=muon" trains with Muon + AdamW (megapipe.training.optim) instead of SGD, in the layout and the reference, for
-MUON_STEPS steps.
+MUON_STEPS steps. The hyper-connections' weights (DeepSeek-V4's, AdamW's) are compared apart ("hc_abs"): many of
+their gradients' entries are all but zero (layer 0's Sinkhorn mix acts on equal streams; a 2 x 2 doubly-stochastic
+matrix keeps one of its 4 logits' directions), so fp32 summation-order noise near AdamW's eps is normalised into
+O(lr) steps. The reference also reports how far one process drifts from itself in those weights when only its
+micro-batches change ("hc_order_abs"), the bound test_dist_layouts.py holds a layout to.
 
 Checkpoint cases (AdamW, or Muon + AdamW with "optim=muon"; next to OUT.json): "tp2,pp2:save=NAME" trains 2 steps, saves NAME/step_00000002 with
 megapipe.checkpoint and writes the full model + optimizer tensors to NAME.ref.pt (plus the loss of a 3rd step);
@@ -268,18 +272,30 @@ _REFERENCE: dict = {}
 
 def reference(cfg: Config, masked: bool = False, opts: dict | None = None) -> dict:
     """Single-process losses, step-1 gradients, clip norm and final weights (cached per model, masking and
-    optimizer), the global batch in one micro-batch (an MoE model: in the layouts' micro-batches)."""
+    optimizer), the global batch in one micro-batch (an MoE model: in the layouts' micro-batches). With Muon on a
+    model with hyper-connections, also "hc_order_abs": how far the hyper-connections' weights of one process drift
+    from themselves when only the micro-batches (the order of the gradients' fp32 sums) change (see the top)."""
     opts = opts or {}
     key = json.dumps(cfg.model.__dict__, sort_keys=True, default=str) + str(masked) + opts.get("optim", "sgd")
-    if key in _REFERENCE:
-        return _REFERENCE[key]
+    if key not in _REFERENCE:
+        out = _REFERENCE[key] = train_reference(cfg, masked, opts, MICRO if cfg.model.is_moe else GLOBAL_BATCH)
+        if opts.get("optim") == "muon" and cfg.model.hc_mult:
+            twin = train_reference(cfg, masked, opts, GLOBAL_BATCH // 2)["params"]
+            hc = hyper_connection_params(build(cfg))
+            out["hc_order_abs"] = max_diff(((n, twin[n]) for n in hc), out["params"])
+    return _REFERENCE[key]
+
+
+def train_reference(cfg: Config, masked: bool, opts: dict, size: int) -> dict:
+    """reference() in micro-batches of ``size`` rows."""
     model = build(cfg)
     opt = optimizer(model, opts)
     trivial = ParallelDims()
     out = {"losses": [], "biases": [], "moe": [], "init": {n: p.detach().clone() for n, p in model.named_parameters()}}
     for i, batch in enumerate(batches(cfg, num_steps(opts), masked)):
         opt.zero_grad()
-        result = train_step(model, micro(batch, 0, GLOBAL_BATCH, MICRO) if cfg.model.is_moe else [batch], trivial)
+        mbs = [batch] if size == GLOBAL_BATCH else micro(batch, 0, GLOBAL_BATCH, size)
+        result = train_step(model, mbs, trivial)
         out["losses"].append(result.item())
         out["moe"].append({k: v for k, v in result.metrics.items() if k.startswith("moe/")})
         if i == 0:
@@ -293,8 +309,15 @@ def reference(cfg: Config, masked: bool = False, opts: dict | None = None) -> di
     out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     last = batches(cfg, 1, masked)[0]
     out["eval"] = eval_step(model, micro(last, 0, GLOBAL_BATCH, MICRO) if cfg.model.is_moe else [last], trivial).item()
-    _REFERENCE[key] = out
     return out
+
+
+def hyper_connection_params(model) -> set[str]:
+    """Names of the hyper-connections' parameters (DeepSeek-V4's ``fn``, ``base``, ``scale``; AdamW's under Muon)."""
+    from megapipe.models.hyper_connections import HyperConnection, HyperHead
+
+    kinds = (HyperConnection, HyperHead)
+    return {f"{m}.{p}" for m, mod in model.named_modules() if isinstance(mod, kinds) for p, _ in mod.named_parameters()}
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -370,9 +393,14 @@ def run_case(text: str) -> dict:
         if i == 0 and cfg.model.moe_router_bias_update_rate == 0.0 and result.expert_load:
             # the skewed model: no token for experts 2 and 3, whose ep ranks got nothing to compute
             res["idle_experts"] = float(all(load[2:].sum() == 0 for load in result.expert_load.values()))
-    res["param_abs"] = max_diff(model.named_parameters(), ref["params"])
+    # the hyper-connections' weights apart (see the top): "hc_abs", beside one process's own drift ("hc_order_abs")
+    hc = hyper_connection_params(model)
+    res["param_abs"] = max_diff(((n, p) for n, p in model.named_parameters() if n not in hc), ref["params"])
+    if hc:
+        res["hc_abs"] = max_diff(((n, p) for n, p in model.named_parameters() if n in hc), ref["params"])
+        res["hc_order_abs"] = ref.get("hc_order_abs", 0.0)
     # what the steps changed, against what they changed in the reference: 1.0 for a run that never updates
-    updates = ((n, full(p.detach()) - init[n]) for n, p in model.named_parameters())
+    updates = ((n, full(p.detach()) - init[n]) for n, p in model.named_parameters() if n not in hc)
     res["update_rel"] = max_rel(updates, {n: ref["params"][n] - ref["init"][n] for n in ref["params"]})
     # master weights and their gradients stay fp32 whatever the compute precision
     res["not_fp32"] = float(any(p.dtype != torch.float32 or (p.requires_grad and p.grad.dtype != torch.float32)
