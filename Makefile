@@ -27,7 +27,7 @@ SMOLLM2 ?= $(HOME)/.cache/megapipe/smollm2
 
 test: setup
 	$(PY) tools/prepare_smollm2.py --output $(SMOLLM2) --if-available
-	MEGAPIPE_SMOLLM2_DIR=$(SMOLLM2) $(PY) -m pytest -q -ra
+	MEGAPIPE_SMOLLM2_DIR=$(SMOLLM2) $(PY) -m pytest -q -ra -n 2 --dist loadfile
 
 lint: setup
 	$(VENV)/bin/ruff check .
