@@ -241,7 +241,7 @@ def train_step(run: Path, stage: str, base: Path, args, steps: int, lr: float, e
 def step_seconds(train: list[dict]) -> float:
     """Mean seconds per step, from each step's tokens and tokens_per_s as the run logged them."""
     seen = [0] + [r["tokens_seen"] for r in train]
-    return sum((b - a) / r["tokens_per_s"] for a, b, r in zip(seen, seen[1:], train, strict=True)) / len(train)
+    return sum((b - a) / r["tokens_per_s"] for a, b, r in zip(seen[:-1], seen[1:], train, strict=True)) / len(train)
 
 
 def rl_step(run: Path, start: Path, prompts: Path, rm: str, args) -> dict:
