@@ -7,16 +7,16 @@ this machine's CPUs. Every step is a megapipe command (import hf, posttrain dpo,
         [--rl-steps 12] [--prompts-per-step 4] [--group-size 4] [--max-completion-tokens 40] [--show 4]
 
 The pairs are split 75 / 25 in file order (``--split 75,25,0``: the first 60 train, the last 20 are held out).
-1. DPO from the base model on the training pairs, with RPO's NLL term on the chosen answer (``--rpo-alpha``: without
-   it the log-ratios separate while the greedy answers keep the base's style). On the held-out pairs, under the base
-   and the DPO model: the DPO loss, margin and accuracy against the base (0 for the base itself: its rewards are
-   all 0), and how often the model's own log-probs rank the chosen answer first.
+1. DPO from the base model on the training pairs, with RPO's NLL term on the chosen answer (``--rpo-alpha``), which
+   raises the chosen answer's own likelihood, not only its ratio to the rejected's (an earlier run without it, lr
+   5e-6 and 6 steps, left every greedy answer in the base's style). On the held-out pairs, under the base and the DPO
+   model: the DPO loss, margin and accuracy against the base (0 for the base itself: its rewards are all 0), and how
+   often the model's own log-probs rank the chosen answer first.
 2. A reward model (``posttrain rm``) from the base model on the same pairs; its held-out accuracy and margin.
 3. GRPO (``posttrain rl --reward-model RM --reward accuracy=0``: the reward model's score is the whole reward, the
-   accuracy only logged) on the training pairs' prompts, from a DPO run of --rl-start-steps steps: the mean reward of
-   the first and last --window steps. Neither the base nor the full DPO model suits: the base never writes either
-   trained style and the DPO model always writes the preferred one, so the reward model scores all samples of a
-   prompt alike and GRPO has no spread to climb; a short DPO run samples both.
+   accuracy only logged) on the training pairs' prompts, from a DPO run of --rl-start-steps steps (0: from the
+   base): the mean reward of the first and last --window steps. Not from the DPO model: its samples all read
+   ``ANSWER: <n>`` and score alike, leaving GRPO's group advantages nothing to climb.
 4. The greedy answers of the base, DPO, GRPO-start and GRPO models to the held-out prompts, with the reward model's score.
 
 Prints each figure and writes WORK/demo.json. Exits 1 unless GRPO raised the reward model's reward. A --work that
