@@ -40,31 +40,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tools.demo_rl import ROOT, greedy, load, megapipe  # noqa: E402
 
-TRAIN = [
-    "--split",
-    "75,25,0",
-    "--seq-length",
-    "128",
-    "--micro-batch-size",
-    "4",
-    "--global-batch-size",
-    "4",
-    "--eval-iters",
-    "5",
-    "--precision",
-    "fp32",
-    "--lr-decay-style",
-    "constant",
-    "--lr-warmup-iters",
-    "0",
-    "--log-interval",
-    "1",
-    "--save-interval",
-    "1000",
-    "--keep-last",
-    "1",
-    "--quiet",
-]
+# what every run of the demonstration shares: fp32, a constant learning rate, a record every step, one checkpoint
+RUN = "--precision fp32 --lr-decay-style constant --lr-warmup-iters 0 --log-interval 1 --save-interval 1000 " \
+      "--keep-last 1 --quiet".split()
+TRAIN = ["--split", "75,25,0", "--seq-length", "128", "--micro-batch-size", "4", "--global-batch-size", "4",
+         "--eval-iters", "5", *RUN]
 
 
 def main() -> int:
@@ -278,21 +258,9 @@ def rl_step(run: Path, start: Path, prompts: Path, rm: str, args) -> dict:
             str(args.rl_steps),
             "--lr",
             str(args.rl_lr),
-            "--lr-decay-style",
-            "constant",
-            "--lr-warmup-iters",
-            "0",
-            "--precision",
-            "fp32",
-            "--log-interval",
-            "1",
-            "--save-interval",
-            "1000",
-            "--keep-last",
-            "1",
             "--seed",
             str(args.seed),
-            "--quiet",
+            *RUN,
         )
     wall = time.monotonic() - t0
     curve = [r for r in metrics(run) if r.get("kind", "train") == "train" and "reward" in r]
