@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import sys
 import tempfile
@@ -312,18 +311,21 @@ def pair_logps(ckpt: Path, pairs: list[dict]) -> list[tuple[float, float, int, i
 
 def preference(policy: list, reference: list, beta: float) -> dict:
     """Held-out preference figures of a policy: the DPO loss, margin and accuracy against the reference (the base;
-    strict ``>``, so 0 when policy = reference), and how often its own summed / per-token log-prob ranks the chosen
-    answer above the rejected."""
-    r = [(beta * (a[0] - b[0]), beta * (a[1] - b[1])) for a, b in zip(policy, reference, strict=True)]
-    n = len(r)
+    strict ``>``, so 0 when policy = reference; the loss as posttrain dpo computes it, sigmoid at ``beta``), and how
+    often its own summed / per-token log-prob ranks the chosen answer above the rejected."""
+    from megapipe.posttrain.dpo_losses import PreferenceSpec, preference_loss
+
+    pc, pr, nc, nr = torch.tensor(policy, dtype=torch.float64).T
+    rc, rr = torch.tensor(reference, dtype=torch.float64).T[:2]
+    loss, chosen, rejected = preference_loss(PreferenceSpec(beta=beta), pc, pr, nc, nr, rc, rr)
     return {
-        "loss": sum(math.log1p(math.exp(-(c - j))) for c, j in r) / n,
-        "margin": sum(c - j for c, j in r) / n,
-        "accuracy": sum(c > j for c, j in r) / n,
-        "logp_accuracy": sum(p[0] > p[1] for p in policy) / n,
-        "logp_per_token_accuracy": sum(p[0] / p[2] > p[1] / p[3] for p in policy) / n,
-        "logps/chosen": sum(p[0] for p in policy) / n,
-        "logps/rejected": sum(p[1] for p in policy) / n,
+        "loss": loss.mean().item(),
+        "margin": (chosen - rejected).mean().item(),
+        "accuracy": (chosen > rejected).double().mean().item(),
+        "logp_accuracy": (pc > pr).double().mean().item(),
+        "logp_per_token_accuracy": (pc / nc > pr / nr).double().mean().item(),
+        "logps/chosen": pc.mean().item(),
+        "logps/rejected": pr.mean().item(),
     }
 
 
