@@ -293,6 +293,8 @@ def pair_logps(ckpt: Path, pairs: list[dict]) -> list[tuple[float, float, int, i
     from megapipe.checkpoint.load import load_model
     from megapipe.data.preference import encode_pair, parse_pair
     from megapipe.data.sft import ChatEncoder
+    from megapipe.posttrain.rl.logprobs import DEFAULT_CHUNK
+    from megapipe.posttrain.rl.rollout import sequence_logprobs
 
     loaded = load_model(str(ckpt), "cpu", torch.float32)
     encoder = ChatEncoder(loaded.tokenizer_dir, None)
@@ -301,10 +303,13 @@ def pair_logps(ckpt: Path, pairs: list[dict]) -> list[tuple[float, float, int, i
         prompt, *answers = encode_pair(encoder, *parse_pair(pair, f"held-out pair {i}"))
         sums = []
         for ids, mask in answers:
-            seq = torch.from_numpy(np.concatenate([prompt, ids]))
-            logp = torch.log_softmax(loaded.model(seq[None, :-1])[0].float(), -1)
-            tok = logp.gather(-1, seq[1:, None])[len(prompt) - 1 :, 0]
-            sums.append((float(tok[torch.from_numpy(mask)].sum()), int(mask.sum())))
+            seq = torch.from_numpy(np.concatenate([prompt, ids]))[None]
+            on = torch.zeros_like(seq[:, 1:], dtype=torch.bool)  # the answer's trained tokens, as labels
+            on[0, len(prompt) - 1 :] = torch.from_numpy(mask)
+            with torch.no_grad():
+                (logp,) = sequence_logprobs(loaded.model, {"tokens": seq[:, :-1], "labels": seq[:, 1:]}, on, [1.0],
+                                            DEFAULT_CHUNK)
+            sums.append((float(logp.sum()), int(mask.sum())))
         out.append((sums[0][0], sums[1][0], sums[0][1], sums[1][1]))
     return out
 
