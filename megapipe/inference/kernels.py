@@ -155,26 +155,28 @@ def isa_summary() -> str:
 
 
 BF16_LINEAR_CHOICES = ("auto", "own", "onednn")
-CHOICE_ROWS = (1, 8, 32)  # the decode batch sizes the choice is measured at: where the engine spends its steps
+CHOICE_ROWS = (1, 2, 4, 8, 16, 32, 64)  # decode batches up to prefill chunks: where the two kernels cross over
+OWN_ALWAYS = sys.maxsize  # a row limit for megapipe's kernel that every matmul is under
 
 
-def _median_seconds(fn: Callable[[], object], reps: int) -> float:
+def _fastest_seconds(fn: Callable[[], object], reps: int) -> float:
+    """The fastest of ``reps`` calls: another process sharing the cores only ever adds time."""
     times = []
     for _ in range(reps):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    return min(times)
 
 
-def measure_bf16_linear(n: int, k: int, reps: int = 9) -> dict[str, float]:
-    """Seconds one bf16 matmul on an [n, k] weight takes, summed over CHOICE_ROWS rows, on megapipe's kernel
-    (``own``) and on oneDNN's packed matmul (``onednn``); the two interleaved so a load change hits both."""
+def measure_bf16_linear(n: int, k: int, reps: int = 15) -> dict[int, dict[str, float]]:
+    """Seconds one bf16 matmul on an [n, k] weight takes at each of CHOICE_ROWS rows, on megapipe's kernel (``own``)
+    and on oneDNN's packed matmul (``onednn``); the two interleaved so a load change hits both."""
     from megapipe import torch_compat
 
     weight = torch.randn(n, k).bfloat16()
     own_w, onednn_w = pack_bf16_weight(weight), torch_compat.reorder_linear_weight(weight, 16)
-    totals = {"own": 0.0, "onednn": 0.0}
+    times = {}
     with torch.inference_mode():
         for m in CHOICE_ROWS:
             x = torch.randn(m, k).bfloat16()
@@ -183,27 +185,49 @@ def measure_bf16_linear(n: int, k: int, reps: int = 9) -> dict[str, float]:
                     "onednn": functools.partial(torch_compat.linear_pointwise, x, onednn_w, None, "none")}
             for fn in runs.values():
                 fn()  # first call: oneDNN builds its primitive
-            for name, fn in runs.items():
-                totals[name] += _median_seconds(fn, reps)
-    return totals
+            times[m] = {name: _fastest_seconds(fn, reps) for name, fn in runs.items()}
+    return times
 
 
-def choose_bf16_linear(setting: str, n: int, k: int) -> tuple[bool, str]:
-    """Whether the engine's bf16 matmuls run on megapipe's kernel (True) or oneDNN's (False), and why in one line.
-    ``auto`` measures both on the model's widest layer weight [n, k]: on AMX CPUs oneDNN's tiles win, on
-    AVX512-BF16 CPUs without AMX the bandwidth-bound own kernel usually does, and a measurement settles it on
-    whatever CPU this is."""
+def own_row_limit(times: dict[int, dict[str, float]]) -> int:
+    """The most rows a matmul may have and still run on megapipe's kernel: the split of the measured row counts
+    (megapipe's kernel up to it, oneDNN's above) that costs least, each row count's time taken relative to its
+    faster kernel's, so that one noisy measurement moves the split less than a first-crossover rule would (0: oneDNN
+    only; OWN_ALWAYS: megapipe's at every count measured)."""
+    rows = sorted(times)
+
+    def cost(limit: int) -> float:
+        return sum(times[m]["own" if m <= limit else "onednn"] / min(times[m].values()) for m in rows)
+
+    return min([0] + rows[:-1] + [OWN_ALWAYS], key=cost)  # min keeps the first (smallest) of equal costs
+
+
+def describe_row_limit(limit: int) -> str:
+    if limit == OWN_ALWAYS:
+        return "megapipe"
+    if limit == 0:
+        return "oneDNN"
+    return f"megapipe up to {limit} rows, oneDNN above"
+
+
+def choose_bf16_linear(setting: str, n: int, k: int) -> tuple[int, str]:
+    """The most rows a bf16 matmul may have to run on megapipe's kernel (above it oneDNN's runs; 0: oneDNN only,
+    OWN_ALWAYS: megapipe's only), and why in one line. ``auto`` measures both on the model's widest layer weight
+    [n, k] at CHOICE_ROWS rows: on AMX CPUs oneDNN's tiles win from a few rows up while the bandwidth-bound own
+    kernel wins a decode of one or two rows (both layouts are then kept: the weights twice); on AVX512-BF16 CPUs
+    without AMX the own kernel usually wins throughout. A measurement settles it on whatever CPU this is."""
     if setting not in BF16_LINEAR_CHOICES:
         raise ValueError(f"bf16_linear = {setting!r} must be one of {', '.join(BF16_LINEAR_CHOICES)}")
     if not bf16_linear_built():
-        return False, f"bf16 matmuls on oneDNN (megapipe's kernel needs AVX512-BF16; this CPU: {isa_summary()})"
+        return 0, f"bf16 matmuls on oneDNN (megapipe's kernel needs AVX512-BF16; this CPU: {isa_summary()})"
     if setting != "auto":
-        return setting == "own", f"bf16 matmuls on {'megapipe' if setting == 'own' else 'oneDNN'} (as set)"
-    t = measure_bf16_linear(n, k)
-    own = t["own"] < t["onednn"]
-    rows = ",".join(map(str, CHOICE_ROWS))
-    return own, (f"bf16 matmuls on {'megapipe' if own else 'oneDNN'} ({isa_summary()}; measured on a {n}x{k} "
-                 f"weight at {rows} rows: megapipe {t['own'] * 1e6:.0f} us, oneDNN {t['onednn'] * 1e6:.0f} us)")
+        limit = OWN_ALWAYS if setting == "own" else 0
+        return limit, f"bf16 matmuls on {describe_row_limit(limit)} (as set)"
+    times = measure_bf16_linear(n, k)
+    limit = own_row_limit(times)
+    measured = ", ".join(f"{m}: {t['own'] * 1e6:.0f}/{t['onednn'] * 1e6:.0f}" for m, t in times.items())
+    return limit, (f"bf16 matmuls on {describe_row_limit(limit)} ({isa_summary()}; measured on a {n}x{k} weight, "
+                   f"rows: megapipe/oneDNN us: {measured})")
 
 
 def bf16_linear_built() -> bool:

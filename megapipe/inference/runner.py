@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import sys
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -57,14 +57,23 @@ def _pack(weight: torch.Tensor, own: bool) -> torch.Tensor:
 
 
 class PackedLinear(nn.Module):
-    """A linear layer on a pre-packed weight: megapipe's bf16 kernel (``own``; kernels.py) or oneDNN's."""
+    """A linear layer on a pre-packed weight: megapipe's bf16 kernel (``own``; kernels.py) or oneDNN's. ``own`` is
+    the most rows a call may have to run on megapipe's kernel (True: any; False or 0: none); with a limit in
+    between the weight is kept in both layouts and each call takes the kernel its row count is faster on."""
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, own: bool = False):
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, own: Union[bool, int] = False):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.own = own and self.in_features % 2 == 0 and kernels.bf16_linear_built()  # it reads inputs in pairs
-        self.packed = _pack(weight, self.own)
+        fits = self.in_features % 2 == 0 and kernels.bf16_linear_built()  # it reads inputs in pairs
+        self.own_rows = (kernels.OWN_ALWAYS if own is True else int(own)) if fits else 0
+        self.own = self.own_rows > 0
+        self._pack(weight)
         self.bias = None if bias is None else bias.detach()
+
+    def _pack(self, weight: torch.Tensor) -> None:
+        self.packed = _pack(weight, self.own)
+        mixed = 0 < self.own_rows < kernels.OWN_ALWAYS
+        self.onednn = _pack(weight, False) if mixed else None  # oneDNN's copy for calls over own_rows rows
 
     def dense(self) -> torch.Tensor:
         """The weight [out_features, in_features] read back from its packed layout."""
@@ -72,18 +81,24 @@ class PackedLinear(nn.Module):
             return kernels.unpack_bf16_weight(self.packed, self.out_features)
         return self.packed.to_dense()
 
+    def _on_own(self, x: torch.Tensor) -> bool:
+        return self.own and (self.onednn is None or x.numel() <= self.own_rows * self.in_features)
+
+    def _onednn_weight(self) -> torch.Tensor:
+        return self.packed if self.onednn is None else self.onednn
+
     def forward(self, x: torch.Tensor, activation: str = "none") -> torch.Tensor:
-        if self.own:
+        if self._on_own(x):
             if activation not in ("none", "swish"):
                 raise ValueError(f"megapipe's bf16 linear fuses no {activation!r} (only 'none' and 'swish')")
             return self._own(x, activation == "swish", None)
-        return torch_compat.linear_pointwise(x, self.packed, self.bias, activation)
+        return torch_compat.linear_pointwise(x, self._onednn_weight(), self.bias, activation)
 
     def times(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """(x W^T + b) * other, the product taken on the matmul's result before rounding."""
-        if self.own:
+        if self._on_own(x):
             return self._own(x, False, other)
-        return torch_compat.linear_pointwise_binary(x, other, self.packed, self.bias, "mul")
+        return torch_compat.linear_pointwise_binary(x, other, self._onednn_weight(), self.bias, "mul")
 
     def _own(self, x: torch.Tensor, swish: bool, other: Optional[torch.Tensor]) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -113,7 +128,7 @@ class PackedSwiGLU(nn.Module):
     oneDNN on each matmul's fp32 result before it is rounded (post-ops): no elementwise passes over the hidden
     activations, which in a long prefill cost as much as a fifth of the MLP."""
 
-    def __init__(self, ff: nn.Module, own: bool = False):
+    def __init__(self, ff: nn.Module, own: Union[bool, int] = False):
         super().__init__()
         self.w1, self.w3, self.w2 = (PackedLinear(w.weight, w.bias, own) for w in (ff.w1, ff.w3, ff.w2))
 
@@ -133,7 +148,7 @@ class PackedSwiGLU(nn.Module):
 class PackedQKV(nn.Module):
     """wq, wk, wv of one attention layer as one packed matmul; returns the three projections (views)."""
 
-    def __init__(self, attn: nn.Module, own: bool = False):
+    def __init__(self, attn: nn.Module, own: Union[bool, int] = False):
         super().__init__()
         parts = (attn.wq, attn.wk, attn.wv)
         self.sizes = [p.out_features for p in parts]
@@ -153,19 +168,20 @@ class PackedExperts(nn.Module):
     GEMM on every call: at decode batch sizes (a few rows per expert) it takes 2-5x as long as this kernel, which
     streams each weight once (tools/bench_generate.py on a Mixtral-like model: the decode step 4x faster)."""
 
-    def __init__(self, experts: nn.Module, own: bool = True):
+    def __init__(self, experts: nn.Module, own: Union[bool, int] = True):
         super().__init__()
         self.num_experts, self.ffn, self.hidden = experts.w1.shape
-        self.w1, self.w3, self.w2 = (PackedLinear(w.detach().reshape(-1, w.shape[-1]), None, own)
+        # own's row limit does not apply: each expert's slice runs on megapipe's kernel at whatever rows it got
+        self.w1, self.w3, self.w2 = (PackedLinear(w.detach().reshape(-1, w.shape[-1]), None, bool(own))
                                      for w in (experts.w1, experts.w3, experts.w2))
         self._views_of = None
 
     @staticmethod
-    def fits(experts: nn.Module, own: bool) -> bool:
+    def fits(experts: nn.Module, own: Union[bool, int]) -> bool:
         """The weights can take this form: megapipe's bf16 kernel (``own``) and widths in whole 16-output lines; plain
         SwiGLU experts without biases (GPT-OSS's biased, clamped ones keep their grouped GEMM)."""
         w = experts.w1
-        return (own and experts.w1_bias is None and experts.activation == ("swiglu",) and kernels.bf16_linear_built() and w.dtype == torch.bfloat16 and type(w) is nn.Parameter
+        return (bool(own) and experts.w1_bias is None and experts.activation == ("swiglu",) and kernels.bf16_linear_built() and w.dtype == torch.bfloat16 and type(w) is nn.Parameter
                 and w.shape[1] % 16 == 0 and w.shape[2] % 16 == 0)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -194,7 +210,7 @@ class PackedExperts(nn.Module):
         return self._views
 
 
-def pack_linears(model: nn.Module, own: bool = False) -> int:
+def pack_linears(model: nn.Module, own: Union[bool, int] = False) -> int:
     """Replace every nn.Linear (and swiglu FeedForward) under ``model`` by its packed form (for megapipe's bf16
     kernel with ``own``, else oneDNN's); returns matmuls packed. A module's ``plain_linears`` (names of its children,
     e.g. an MoE router it reads in fp32) stay as they are. MoE experts become PackedExperts where megapipe's bf16
@@ -258,7 +274,7 @@ def repack(linear: PackedLinear, weight: torch.Tensor, bias: Optional[torch.Tens
     if tuple(weight.shape) != (linear.out_features, linear.in_features):
         raise ValueError(f"a packed linear of {linear.out_features}x{linear.in_features} got a {tuple(weight.shape)} "
                          "weight")
-    linear.packed = _pack(weight, linear.own)
+    linear._pack(weight)
     if linear.bias is not None:
         linear.bias.copy_(bias)
 
@@ -410,8 +426,9 @@ class ModelRunner:
                               f"{describe(model.cfg)} models (megapipe/models/capabilities.py)")
         if self.ops is not None and "cpu_kernels" in capabilities(model.cfg).engine:
             self.attention_kernel = kernels.attention_kernel_for(pool.head_dim, self.dtype, self.device)
-        # bf16 matmuls on megapipe's own kernel or oneDNN's, whichever is faster on this CPU (kernels.py)
-        self.own_linears = False
+        # bf16 matmuls on megapipe's own kernel or oneDNN's, whichever is faster on this CPU at a call's row count:
+        # own_linears is the most rows megapipe's kernel takes (kernels.choose_bf16_linear)
+        self.own_linears = 0
         if self.packed and self.ops is not None and self.dtype == torch.bfloat16:
             n, k = widest_linear(model)
             self.own_linears, why = kernels.choose_bf16_linear(bf16_linear, n, k)

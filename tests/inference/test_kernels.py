@@ -11,8 +11,9 @@ import torch
 
 from megapipe.errors import ConfigError
 from megapipe.inference import LLMEngine, SamplingParams, kernels
+from megapipe.inference import runner as runner_module
 from megapipe.inference.kv_cache import KVPool, PagedBatch
-from megapipe.inference.runner import PackedLinear, rope_
+from megapipe.inference.runner import PackedLinear, repack, rope_
 from megapipe.models.norms import RMSNorm
 from megapipe.models.rope import inv_frequencies, rope_cos_sin
 from tests.helpers.hf_tiny import make_hf_dir
@@ -267,6 +268,58 @@ def test_bf16_linear_refuses_mismatched_shapes_and_leaves_odd_widths_to_onednn(b
         PackedLinear(w, own=True)(torch.zeros(2, 64, dtype=torch.bfloat16), "gelu")
 
 
+def test_own_row_limit_is_the_cheapest_split_of_the_measured_rows():
+    def times(*own_wins):
+        return {m: {"own": 1.0, "onednn": 2.0 if win else 0.5} for m, win in zip(kernels.CHOICE_ROWS, own_wins, strict=True)}
+
+    assert kernels.own_row_limit(times(True, True, False, False, False, False, False)) == 2
+    assert kernels.own_row_limit(times(True, False, True, True, False, False, False)) == 8  # one noisy count
+    assert kernels.own_row_limit(times(False, True, False, False, False, False, False)) == 0
+    assert kernels.own_row_limit(times(*[True] * len(kernels.CHOICE_ROWS))) == kernels.OWN_ALWAYS
+    assert kernels.own_row_limit(times(True, True, True, True, True, True, False)) == 32
+    assert kernels.describe_row_limit(4) == "megapipe up to 4 rows, oneDNN above"
+
+
+def test_a_linear_with_a_row_limit_runs_each_call_on_its_kernel(bf16_linear, monkeypatch):
+    """Both layouts kept; up to 2 rows on megapipe's kernel, more on oneDNN's; both give the same product, and a
+    repack reaches both copies."""
+    g = torch.Generator().manual_seed(7)
+    w, b = (torch.randn(48, 64, generator=g) * 0.05).bfloat16(), torch.randn(48, generator=g).bfloat16()
+    lin = PackedLinear(w, b, own=2)
+    assert lin.own and lin.own_rows == 2 and lin.onednn is not None
+    assert PackedLinear(w, b, own=True).onednn is None and PackedLinear(w, b, own=0).onednn is None
+    calls = []
+    monkeypatch.setattr(runner_module, "torch_compat", _Counting(runner_module.torch_compat, calls))
+    for m in (1, 2, 3, 16):
+        x = torch.randn(m, 64, generator=g).bfloat16()
+        want = x.double() @ w.double().t() + b.double()
+        for got in (lin(x), lin(x, "swish"), lin.times(x, x[:, :48])):
+            assert got.shape == (m, 48)
+        torch.testing.assert_close(lin(x).double(), want, rtol=2 ** -7, atol=1e-2)
+    assert calls == ["linear_pointwise", "linear_pointwise", "linear_pointwise_binary", "linear_pointwise"] * 2
+    w2 = (torch.randn(48, 64, generator=g) * 0.05).bfloat16()
+    repack(lin, w2, b)
+    for m in (1, 16):
+        x = torch.randn(m, 64, generator=g).bfloat16()
+        torch.testing.assert_close(lin(x).double(), x.double() @ w2.double().t() + b.double(), rtol=2 ** -7,
+                                   atol=1e-2)
+
+
+class _Counting:
+    """torch_compat with its oneDNN calls recorded by name."""
+
+    def __init__(self, module, calls):
+        self.module, self.calls = module, calls
+
+    def __getattr__(self, name):
+        fn = getattr(self.module, name)
+
+        def counted(*args, **kwargs):
+            self.calls.append(name)
+            return fn(*args, **kwargs)
+        return counted
+
+
 def test_bf16_engine_on_the_own_linears_scores_as_on_onednn(bf16_linear, hf_llama, one_thread):
     """Teacher-forced (prompt logprobs, so no diverging continuation): the same log-probs within bf16 round-off."""
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, **GREEDY)
@@ -279,11 +332,11 @@ def test_bf16_engine_on_the_own_linears_scores_as_on_onednn(bf16_linear, hf_llam
 
 
 def test_bf16_linear_choice_is_measured_or_as_set(bf16_linear, hf_llama, capsys, one_thread):
-    own, why = kernels.choose_bf16_linear("auto", 96, 64)
-    assert f"bf16 matmuls on {'megapipe' if own else 'oneDNN'}" in why and "96x64 weight" in why
-    assert "megapipe" in why.split("measured")[1] and "oneDNN" in why.split("measured")[1]
-    assert kernels.choose_bf16_linear("onednn", 96, 64)[0] is False
-    assert kernels.choose_bf16_linear("own", 96, 64)[0] is True
+    limit, why = kernels.choose_bf16_linear("auto", 96, 64)
+    assert f"bf16 matmuls on {kernels.describe_row_limit(limit)}" in why and "96x64 weight" in why
+    assert all(f"{m}: " in why.split("measured")[1] for m in kernels.CHOICE_ROWS)
+    assert kernels.choose_bf16_linear("onednn", 96, 64)[0] == 0
+    assert kernels.choose_bf16_linear("own", 96, 64)[0] == kernels.OWN_ALWAYS
     with pytest.raises(ValueError, match="bf16_linear = 'amx' must be one of auto, own, onednn"):
         kernels.choose_bf16_linear("amx", 96, 64)
     engine = LLMEngine.from_pretrained(hf_llama[0], device="cpu", dtype="bfloat16", bf16_linear="onednn")
