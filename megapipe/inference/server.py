@@ -262,6 +262,33 @@ class OpenAIServer:
             last = out
         return last
 
+    @staticmethod
+    async def _started(outputs: AsyncIterator, params) -> AsyncIterator:
+        """A constrained stream's outputs, the first one (or the request's error) awaited before the response starts:
+        an engine core process compiles the grammar when the request reaches it, and a compile that fails there is
+        then a 400 as it is without streaming, not an error event after a 200. The first event waits for that output
+        anyway, so the time to first token is the same; an unconstrained stream starts at once."""
+        if params.structured is None:
+            return outputs
+        try:
+            first = [await outputs.__anext__()]
+        except StopAsyncIteration:
+            first = []
+        except BaseException:
+            await outputs.aclose()  # cancelled while waiting: abort the request
+            raise
+
+        async def replay():
+            try:
+                for item in first:
+                    yield item
+                async for item in outputs:
+                    yield item
+            finally:
+                await outputs.aclose()
+
+        return replay()
+
     async def _until_done(self, request: Request, coros: list) -> list:
         """Run the coroutines; cancel them (aborting their requests) if the client disconnects first."""
         tasks = [asyncio.ensure_future(c) for c in coros]
@@ -503,7 +530,8 @@ class OpenAIServer:
         await self._validate_all(prompts, params)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            return StreamingResponse(self._stream_completion(request, body, prompts, params, rid, created, echo_only),
+            outputs = await self._started(self._merged(request, prompts, params), params)
+            return StreamingResponse(self._stream_completion(body, outputs, rid, created, echo_only),
                                      media_type="text/event-stream")
         outs = await self._until_done(request, [self._final(request, p, params) for p in prompts])
         choices = []
@@ -556,7 +584,7 @@ class OpenAIServer:
             for t in tasks:
                 t.cancel()
 
-    async def _stream_completion(self, request, body, prompts, params, rid, created, echo_only):
+    async def _stream_completion(self, body, outputs, rid, created, echo_only):
         name, n = self._model_name(), body.n
         sent_text: dict[int, int] = {}
         sent_ids: dict[int, int] = {}
@@ -568,7 +596,7 @@ class OpenAIServer:
                          "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]})
 
         try:
-            async for i, out in self._merged(request, prompts, params):
+            async for i, out in outputs:
                 for c in out.outputs:
                     key = i * n + c.index
                     if key not in sent_text:
@@ -637,7 +665,8 @@ class OpenAIServer:
         await self._validate_all([prompt], params)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            return StreamingResponse(self._stream_chat(request, body, prompt, params, rid, created, tools, images),
+            outputs = await self._started(self._stream(request, prompt, params, images), params)
+            return StreamingResponse(self._stream_chat(body, outputs, rid, created, tools),
                                      media_type="text/event-stream")
         (out,) = await self._until_done(request, [self._final(request, prompt, params, images)])
         choices = []
@@ -683,7 +712,7 @@ class OpenAIServer:
             content.append(item)
         return {"content": content}
 
-    async def _stream_chat(self, request, body, prompt, params, rid, created, tools: ToolChoice, images=None):
+    async def _stream_chat(self, body, outputs, rid, created, tools: ToolChoice):
         name = self._model_name()
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         sent_text: dict[int, dict] = {}  # per choice: how much of each reply field was sent
@@ -697,7 +726,7 @@ class OpenAIServer:
                                       "finish_reason": finish}]})
 
         try:
-            async for out in self._stream(request, prompt, params, images):
+            async for out in outputs:
                 last = out
                 for c in out.outputs:
                     if c.index not in sent_text:

@@ -43,6 +43,7 @@ from tests.inference.test_server_sampling import (  # noqa: F401 - stop tokens a
 from tests.inference.test_structured import (  # noqa: F401 - grammars parsed in the front end, compiled in the core
     SCHEMA,
     Counting,
+    test_a_grammar_that_fails_to_compile_is_400_streaming_too,
     test_invalid_constraints_are_400,
     test_json_schema_n_logprobs,
     test_named_and_required_tool_choice,

@@ -13,6 +13,7 @@ import pytest
 from megapipe.data.chat_template import CHATML, ChatTemplate
 from megapipe.inference import SamplingParams
 from megapipe.inference.protocol import ChatMessage
+from megapipe.inference.sampling import ParamError
 from megapipe.inference.structured import Constraint
 from megapipe.inference.tool_calls import HarmonyParser, HermesParser, Llama3JsonParser, ToolStream
 
@@ -131,6 +132,50 @@ def test_invalid_constraints_are_400(live):
             c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, **kwargs)
         err = e.value.body
         assert err["param"] == param and words in err["message"], err
+
+
+# parses without a tokenizer (an engine core's front end), fails to compile against one: the token id is past the vocabulary
+UNCOMPILABLE = 'root ::= TokenTagDispatch((99999999, b))\nb ::= "x"'
+
+
+def test_a_grammar_that_fails_to_compile_is_400_streaming_too(live):
+    """Where the grammar is compiled (here, or in the engine core process after the front end's parse) it fails;
+    streaming or not, completions and chat, n = 2: a 400 naming the field and xgrammar's reason, and the server
+    answers the next request."""
+    c = live.client()
+    extra = {"guided_grammar": UNCOMPILABLE}
+    calls = [lambda stream: c.completions.create(model="tiny", prompt=["Count:", "Go:"], max_tokens=4, n=2,
+                                                 stream=stream, extra_body=extra),
+             lambda stream: c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, n=2,
+                                                      stream=stream, extra_body=extra)]
+    for call in calls:
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as e:
+                list(call(stream)) if stream else call(stream)
+            err = e.value.body
+            assert err["param"] == "guided_grammar" and err["type"] == "invalid_request_error", err
+            assert err["message"].startswith("guided_grammar: the grammar cannot be compiled (") and (
+                "Token id 99999999 in the grammar is out of the vocabulary range" in err["message"]), err
+    r = c.completions.create(model="tiny", prompt="Count:", max_tokens=8, temperature=1.0, seed=1, stream=True,
+                             extra_body={"guided_grammar": 'root ::= "one" | "two"'})
+    assert "".join(ch.choices[0].text for ch in r) in ("one", "two")
+
+
+def test_engine_thread_refusing_a_stream_is_400(live, monkeypatch):
+    """The engine thread's own compile failing after the server's passed (a grammar evicted from the cache in
+    between): a streaming request is still a 400, not an error event after a 200."""
+    def refuse(c):
+        raise ParamError(c.param, f"{c.param}: the grammar cannot be compiled (out of luck)")
+
+    monkeypatch.setattr(live.engine.grammars, "matcher", refuse)
+    with pytest.raises(openai.BadRequestError) as e:
+        list(live.client().chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, n=2, stream=True,
+                                                   extra_body={"guided_choice": ["yes", "no"]}))
+    assert e.value.body["message"] == "guided_choice: the grammar cannot be compiled (out of luck)"
+    monkeypatch.undo()
+    r = live.client().chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, stream=True,
+                                              extra_body={"guided_choice": ["yes", "no"]})
+    assert "".join(ch.choices[0].delta.content or "" for ch in r) in ("yes", "no")
 
 
 def test_named_and_required_tool_choice(live):
