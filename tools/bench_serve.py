@@ -34,6 +34,7 @@ from typing import Optional
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+HEADROOM = 64  # tokens past prompt + --max-tokens that a started server's max_model_len allows
 
 
 @dataclass
@@ -55,8 +56,11 @@ def percentile(values: list, q: float) -> float:
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
-async def one_request(client: httpx.AsyncClient, args, prompt: list[int]) -> Result:
-    body = {"model": args.model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": args.temperature,
+async def one_request(client: httpx.AsyncClient, args, prompt: list[int], leave: bool = False) -> Result:
+    """One streamed completion; with ``leave`` the client asks for HEADROOM more tokens (what a server that kept
+    decoding it would spend) and closes the stream after its first text chunk."""
+    body = {"model": args.model, "prompt": prompt, "max_tokens": args.max_tokens + (HEADROOM if leave else 0),
+            "temperature": args.temperature,
             "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
     res = Result()
     start = time.perf_counter()
@@ -82,6 +86,9 @@ async def one_request(client: httpx.AsyncClient, args, prompt: list[int]) -> Res
                     now = time.perf_counter()
                     if res.ttft is None:
                         res.ttft = now - start
+                        if leave:
+                            res.ok, res.e2e = True, now - start
+                            return res
                     else:
                         res.itl.append(now - last)
                     last = now
@@ -95,13 +102,21 @@ async def one_request(client: httpx.AsyncClient, args, prompt: list[int]) -> Res
     return res
 
 
-async def run_load(args) -> tuple[list[Result], float]:
-    rng = random.Random(args.seed)
-    prompts = [[rng.randrange(100, args.vocab - 100) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
+def client_for(args) -> httpx.AsyncClient:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=max(args.concurrency, 1) + 8, max_keepalive_connections=args.concurrency)
+    return httpx.AsyncClient(headers=headers, limits=limits, timeout=args.timeout)
+
+
+def random_prompts(rng: random.Random, args, count: int) -> list[list[int]]:
+    return [[rng.randrange(100, args.vocab - 100) for _ in range(args.prompt_len)] for _ in range(count)]
+
+
+async def run_load(args) -> tuple[list[Result], float]:
+    rng = random.Random(args.seed)
+    prompts = random_prompts(rng, args, args.num_requests)
     sem = asyncio.Semaphore(args.concurrency)
-    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=args.timeout) as client:
+    async with client_for(args) as client:
         async def gated(p):
             async with sem:
                 return await one_request(client, args, p)
@@ -114,6 +129,27 @@ async def run_load(args) -> tuple[list[Result], float]:
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
         return results, time.perf_counter() - start
+
+
+async def run_disconnects(args) -> dict:
+    """``--disconnect N`` requests at the same concurrency, every other one closing its stream after the first
+    token; once they are all done, one fresh request (its time to a full answer is what a server that keeps
+    decoding abandoned requests loses), and the server's running-request gauge after it."""
+    rng = random.Random(args.seed + 1)
+    sem = asyncio.Semaphore(args.concurrency)
+    async with client_for(args) as client:
+        async def gated(p, leave):
+            async with sem:
+                return await one_request(client, args, p, leave)
+
+        results = await asyncio.gather(*(gated(p, i % 2 == 1) for i, p in enumerate(random_prompts(rng, args,
+                                                                                                     args.disconnect))))
+        fresh = await one_request(client, args, random_prompts(rng, args, 1)[0])
+        metrics = (await client.get(args.base_url + "/metrics")).text
+    running = [line.split()[-1] for line in metrics.splitlines() if line.startswith("vllm:num_requests_running")]
+    return {"disconnect_requests": len(results), "disconnect_errors": sum(not r.ok for r in results),
+            "fresh_ok": fresh.ok, "fresh_error": fresh.error, "fresh_e2e_s": fresh.e2e,
+            "running_after": float(running[0]) if running else None}
 
 
 def _tree(pid: int) -> list[int]:
@@ -167,7 +203,7 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "megapipe.cli", "serve", args.serve, "--port", str(port), "--served-model-name",
            args.model, "--engine", args.engine, "--max-num-seqs", str(args.max_num_seqs), "--dtype", args.dtype,
-           "--max-model-len", str(args.prompt_len + args.max_tokens + 64), "--max-queue", str(args.num_requests)]
+           "--max-model-len", str(args.prompt_len + args.max_tokens + HEADROOM), "--max-queue", str(args.num_requests)]
     threads = args.threads or os.cpu_count() or 1
     if args.engine == "vllm":
         cmd += ["--vllm-python", args.vllm_python, "--kv-cache-memory", "2GiB"]
@@ -221,10 +257,13 @@ def main() -> None:
     ap.add_argument("--vllm-python", default=os.environ.get("MEGAPIPE_VLLM_PYTHON", str(ROOT / ".venv-vllm/bin/python")))
     ap.add_argument("--no-engine-process", action="store_true",
                     help="megapipe: the engine in a thread of the server (serve --no-engine-process)")
+    ap.add_argument("--disconnect", type=int, default=0, metavar="N",
+                    help="after the load, N requests of which every other one disconnects after its first token, "
+                         "then one fresh request (its time to a full answer is reported)")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
 
-    proc, peak = None, [0.0]
+    proc, peak, dropped = None, [0.0], None
     if args.serve:
         proc, args.base_url = start_server(args)
     try:
@@ -242,6 +281,7 @@ def main() -> None:
         results, wall = loop.run_until_complete(run_load(args))
         load_after = os.getloadavg()[0]
         cpu_after = tree_cpu_s(proc.pid) if proc is not None else {}
+        dropped = loop.run_until_complete(run_disconnects(args)) if args.disconnect else None
         if sampler is not None:
             sampler.cancel()
             loop.run_until_complete(asyncio.gather(sampler, return_exceptions=True))
@@ -293,9 +333,17 @@ def main() -> None:
     print(f"  load average {load_before:.1f} before, {load_after:.1f} after")
     for e in sorted(set(errors))[:5]:
         print(f"  error: {e} (x{errors.count(e)})")
+    failed = bool(errors)
+    if dropped is not None:
+        out.update(dropped)
+        print(f"  then {dropped['disconnect_requests']} requests, every other one disconnecting after its first token: "
+              f"{dropped['disconnect_errors']} errors; a fresh request after them: "
+              f"{'answered in %.2f s' % dropped['fresh_e2e_s'] if dropped['fresh_ok'] else dropped['fresh_error']}; "
+              f"requests running on the server after it: {dropped['running_after']}")
+        failed = failed or dropped["disconnect_errors"] or not dropped["fresh_ok"] or dropped["running_after"]
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
-    sys.exit(1 if errors else 0)
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":
