@@ -21,11 +21,12 @@ micro-batches -3.8% (the last stage; it was -17.4% before the planner counted wh
 in-flight micro-batch: the last stage's logits and the other stages' outputs; the first stage is -7.9%: send/recv
 buffers and the embedding gradient's accumulation copy are not modelled), MoE (8 experts of FFN 176, top-2) -0.4%,
 MoE with ep2 x dp_shard2 +6.0%. Saved activations: -0.1% dense, -0.0% MoE (the unmodelled RoPE cos/sin tables).
-Hybrid Transformer-Mamba (2026-12-02, same machine, ``--cases hybrid`` / ``--cases Falcon``; h256 x 4, Mamba 16 heads
-x 32 (Falcon-H1: x 16), 2 groups x 32 state, chunk 64): Nemotron-H kinds ``M*M-`` fp32 -0.9%, bf16 -4.8%, selective -1.5%, full
--1.7%, TP+SP tp2 -1.5%; Falcon-H1's parallel layers ``PPPP`` fp32 -0.7%, bf16 -3.4% (before the planner counted
-layers by kind, as attention + MLP each: -20%, -22%, -0.9%, -1.7%, -16%, -32%, -29%). Saved activations -0.02% /
--0.01% (Nemotron-H fp32 / bf16), -0.05% / -0.06% (Falcon-H1).
+Hybrid Transformer-Mamba (2026-12-03, a 2-vCPU Intel Xeon at load 3-7, ``--cases hybrid`` / ``--cases Falcon``; h256
+x 4, Mamba 16 heads x 32 (Falcon-H1: x 16), 2 groups x 32 state, chunk 64; the SSD scan's backward written out):
+Nemotron-H kinds ``M*M-`` fp32 -3.0%, bf16 -5.2%, selective -3.5%, full -4.4%, TP+SP tp2 -3.4%; Falcon-H1's parallel
+layers ``PPPP`` fp32 -2.2%, bf16 -3.7% (the scan backward's temporaries are not modelled; with autograd's scan,
+2026-12-02: -0.9%, -4.8%, -1.5%, -1.7%, -1.5%, -0.7%, -3.4%). Saved activations -0.0% / +0.0% (Nemotron-H fp32 /
+bf16), -0.1% / -0.1% (Falcon-H1).
 
     .venv/bin/python tools/check_plan_memory.py --cases hybrid   # only the cases whose name contains "hybrid"
 """

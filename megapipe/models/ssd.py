@@ -10,9 +10,8 @@ caller gets the same y.
 
 Packed documents (``document_ids`` [B, S]; a document is a run of equal ids, a change starts the next one): a
 token never sees an earlier document's inputs, in the convolution or the scan. The decays across a document start
-are masked to exactly zero (exp(-inf)), never made small by adding large negative numbers to the log-decays, and
-every log-decay sum is a cumulative sum over the positions it spans, never a difference of two cumulative sums, so
-no precision is lost. An incoming state (conv window or SSM state) continues the row's first document.
+are set to exactly zero, never made small by adding large negative numbers to the log-decays, and every log-decay
+sum is a sum over the positions it spans, never a difference of two cumulative sums, so no precision is lost. An incoming state (conv window or SSM state) continues the row's first document.
 
 Numerics: the scan runs in float32 whatever the input dtype and returns y in the input's dtype, states in float32.
 """
@@ -142,14 +141,16 @@ def conv_step(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
 
 
 def segment_sums(a: torch.Tensor) -> torch.Tensor:
-    """a [..., Q] -> [..., Q, Q]: out[i, j] = a[j+1] + ... + a[i] for j <= i (0 on the diagonal), -inf above it.
-    Each entry is its own cumulative sum over the masked row, not a difference of two prefix sums."""
+    """a [..., Q] -> [..., Q, Q]: out[i, j] = a[j+1] + ... + a[i] for j < i, 0 on and above the diagonal. Each entry
+    is its own sum of the terms it spans (one matmul with 0/1 weights), not a difference of two prefix sums."""
     q = a.shape[-1]
-    strictly_lower = torch.ones(q, q, dtype=torch.bool, device=a.device).tril(-1)
-    terms = a[..., :, None].expand(*a.shape, q).masked_fill(~strictly_lower, 0.0)  # [i, j] = a[i] for i > j
-    out = terms.cumsum(dim=-2)  # [i, j] = sum_{j < m <= i} a[m]
-    lower = torch.ones(q, q, dtype=torch.bool, device=a.device).tril()
-    return out.masked_fill(~lower, float("-inf"))
+    return (a.reshape(-1, q) @ _spans(q, a)).view(*a.shape, q)
+
+
+def _spans(q: int, like: torch.Tensor) -> torch.Tensor:
+    """[Q, Q*Q] 0/1: entry (m, (i, j)) is 1 where j < m <= i, the terms segment i, j spans."""
+    i, j, m = (torch.arange(q, device=like.device).view(shape) for shape in ((1, q, 1), (1, 1, q), (q, 1, 1)))
+    return ((j < m) & (m <= i)).to(like.dtype).view(q, q * q)
 
 
 def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
@@ -160,76 +161,177 @@ def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Ten
     document_ids [B, S] (optional) -> (y [B, S, H, P] in x's dtype, final state [B, H, P, N] float32)."""
     b, s, h, p = x.shape
     g, n = B.shape[-2], B.shape[-1]
-    r, q = h // g, chunk_size  # heads per group share B and C: products with them are taken once per group
-    pad = (-s) % q
-    nc = (s + pad) // q
+    pad = (-s) % chunk_size
     dt = dt.float()
     a = dt * A.float()  # [B, S, H]: log-decay of each step (<= 0)
-    xdt = x.float() * dt[..., None]
-    Bg, Cg = B.float(), C.float()
+    xf, Bf, Cf = x.float(), B.float(), C.float()
     runs = document_runs(document_ids) if document_ids is not None else None
     if pad:  # padded steps decay by exp(0) = 1 and add nothing: the final state is the last real token's
-        a = F.pad(a, (0, 0, 0, pad))
-        xdt, Bg, Cg = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (xdt, Bg, Cg))
+        a, dt = F.pad(a, (0, 0, 0, pad)), F.pad(dt, (0, 0, 0, pad))
+        xf, Bf, Cf = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (xf, Bf, Cf))
         if runs is not None:
             runs = torch.cat([runs, runs[:, -1:].expand(b, pad)], dim=-1)
-    # head-major layouts [B, G, R, c, Q, .] (R heads of a group share its B and C): each product below is one
-    # batched matmul over contiguous blocks, with no layout copies inside and none between them
-    a = a.view(b, nc, q, g, r).permute(0, 3, 4, 1, 2)  # [B, G, R, c, Q]
-    xdt = xdt.view(b, nc, q, g, r, p).permute(0, 3, 4, 1, 2, 5).contiguous()  # [B, G, R, c, Q, P]
-    Bg = Bg.view(b, nc, q, g, n).permute(0, 3, 1, 2, 4)[:, :, None]  # [B, G, 1, c, Q, N]
-    Cg = Cg.view(b, nc, q, g, n).permute(0, 3, 1, 2, 4)[:, :, None]
-    seg = segment_sums(a)  # [B, G, R, c, Q, Q]: log-decay from just after token j to token i of one chunk
-    into = a.cumsum(-1)  # [B, G, R, c, Q]: log-decay from the chunk's incoming state to token l
+    r = h // g
+    initial = None if initial_state is None else initial_state.float().view(b, g, r * p, n).transpose(-1, -2)
+    y, state = _ChunkScan.apply(xf, dt, a, Bf, Cf, None if D is None else D.float(), initial, runs, chunk_size)
+    return y[:, :s].to(x.dtype), state.transpose(-1, -2).reshape(b, h, p, n)
+
+
+def _decays(a: torch.Tensor, runs: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-decays a [B, G, c, R, Q] (document runs [B, 1, c, 1, Q] or None) -> (L [B, G, c, R, Q, Q]: the decay
+    from just after token j to token i of a chunk, 0 above the diagonal and across a document start; E [B, G, c, R,
+    Q]: the decay from the chunk's incoming state to token l, 0 where a document started since). The masked
+    entries are zeroed after exp, never exp(-inf): exp is several times slower on -inf than on finite inputs."""
+    q = a.shape[-1]
+    # exp out of place: selective recompute replays the matmul's saved output, which must stay as it was
+    L = segment_sums(a).exp().masked_fill_(~torch.ones(q, q, dtype=torch.bool, device=a.device).tril(), 0.0)
+    E = a.cumsum(-1).exp_()
     if runs is not None:
-        rr = runs.view(b, 1, 1, nc, q)
-        seg = seg.masked_fill(rr[..., :, None] != rr[..., None, :], float("-inf"))
-        before = torch.cat([rr[..., :1, :1], rr[..., :-1, -1:]], dim=-2)  # run of the token before each chunk
-        into = into.masked_fill(rr != before, float("-inf"))
-    decay = seg.exp()
-    y = ((Cg @ Bg.transpose(-1, -2)) * decay) @ xdt  # within each chunk: [B, G, R, c, Q, P]
-    weighted = xdt * decay[..., -1, :, None]  # decayed to the chunk's last token
-    chunk_states = weighted.transpose(-1, -2) @ Bg  # [B, G, R, c, P, N]
-    into = into.exp()
-    initial = None if initial_state is None else initial_state.float().view(b, g, r, p, n)
-    # [B, G, R, c, P, N]: the state entering each chunk (fp32 even where autocast made the chunk states bf16)
-    starts, state = _ChunkStates.apply(chunk_states.float(), into[..., -1], initial)
-    y = y + (Cg @ starts.transpose(-1, -2)) * into[..., None]
-    y = y.permute(0, 3, 4, 1, 2, 5).reshape(b, nc * q, h, p)[:, :s]
-    state = state.view(b, h, p, n)
-    if D is not None:
-        y = y + x.float() * D.float()[:, None]
-    return y.to(x.dtype), state
+        L.masked_fill_(runs[..., :, None] != runs[..., None, :], 0.0)
+        before = torch.cat([runs[:, :, :1, :, :1], runs[:, :, :-1, :, -1:]], dim=2)  # run of the token before a chunk
+        E.masked_fill_(runs != before, 0.0)
+    return L, E
 
 
-class _ChunkStates(torch.autograd.Function):
-    """The state entering each chunk and the final one, from the chunks' own states [B, G, R, c, P, N], their
-    decays [B, G, R, c] and an initial state (None: zeros): state_{c+1} = state_c * decay_c + chunk_state_c, written
-    into one tensor as it goes; backward runs the recurrence in reverse. Only the entering states (and the decays)
-    are saved: autograd through a loop would keep every state twice (the loop's and a stacked copy) and stack the
-    chunks' gradients back together."""
+class _ChunkScan(torch.autograd.Function):
+    """The chunked scan: x [B, S, H, P] (S a multiple of the chunk Q), dt and the log-decays a [B, S, H], B/C
+    [B, S, G, N], D [H] or None, an initial state [B, G, N, R*P] or None (R = H / G heads share a group's B and C;
+    the states kept transposed), document runs [B, S] or None -> (y [B, S, H, P] incl. the D skip, final state
+    [B, G, N, R*P]), in fp32.
+
+    Within a chunk the heads' products run head-major ([B, G, c, R, Q, .] blocks, one small matmul per head); the
+    products with B and C token-major ([B, G, c, Q, R*P]: the R heads of a group side by side, one matmul per chunk
+    and group). Every operand is written in the layout its matmul reads (no copies inside the matmuls). Backward is
+    written out and keeps the inputs, x*dt (head-major) and the states entering the chunks; the decays and the
+    products with them are recomputed. (Autograd through the same ops kept every intermediate and took a pass per
+    mask, expand, broadcast and layout copy.)"""
 
     @staticmethod
-    def forward(ctx, chunk_states: torch.Tensor, decay: torch.Tensor, initial: Optional[torch.Tensor]):
-        starts = torch.empty_like(chunk_states)
-        state = initial if initial is not None else chunk_states.new_zeros(starts[:, :, :, 0].shape)
-        for c in range(chunk_states.shape[3]):
-            starts[:, :, :, c] = state
-            state = torch.addcmul(chunk_states[:, :, :, c], state, decay[..., c, None, None])
-        ctx.save_for_backward(starts, decay)
+    def forward(ctx, x, dt, a, Bf, Cf, D, initial, runs, q):
+        with torch.autocast(x.device.type, enabled=False):
+            b, s, h, p = x.shape
+            g, c = Bf.shape[-2], s // q
+            r = h // g
+            x_t, dt_t = _token_major(x, q, g), _token_major(dt, q, g)[..., None]  # [B, G, c, Q, R, .] views
+            xh = torch.mul(x_t.transpose(3, 4), dt_t.transpose(3, 4), out=x.new_empty(b, g, c, r, q, p))
+            ah, Bg, Cg = _head_major(a, q, g), _token_major(Bf, q, g)[..., 0, :], _token_major(Cf, q, g)[..., 0, :]
+            Bg, Cg = Bg.contiguous(), Cg.contiguous()  # [B, G, c, Q, N]
+            rh = None if runs is None else runs.view(b, 1, c, 1, q)
+            L, E = _decays(ah, rh)  # [B, G, c, R, Q, Q], [B, G, c, R, Q]
+            y_in = (L * (Cg @ Bg.transpose(-1, -2))[:, :, :, None]) @ xh  # within each chunk, per head
+            # each chunk's own state (transposed): B^T times its inputs decayed to its last token
+            w = _decayed_inputs(x_t, dt_t, L)
+            starts, final = _chunk_states_forward(Bg.transpose(-1, -2) @ w, E[..., -1], initial)  # [B, G, c, N, R*P]
+            y = x.new_empty(b, s, h, p)
+            torch.addcmul(y_in.transpose(3, 4), (Cg @ starts).view(b, g, c, q, r, p), E.transpose(-1, -2)[..., None],
+                          out=_token_major(y, q, g))
+            if D is not None:
+                y.addcmul_(x, D[:, None])
+        ctx.save_for_backward(x, dt, xh, ah, Bg, Cg, D, starts, rh)
         ctx.has_initial = initial is not None
-        return starts, state
+        return y, final
 
     @staticmethod
-    def backward(ctx, grad_starts: torch.Tensor, grad_final: torch.Tensor):
-        starts, decay = ctx.saved_tensors
-        grad_chunks, grad_decay = torch.empty_like(starts), torch.empty_like(decay)
-        grad = grad_final  # of the state leaving chunk c, from c = last down
-        for c in reversed(range(starts.shape[3])):
-            grad_chunks[:, :, :, c] = grad
-            grad_decay[..., c] = (grad * starts[:, :, :, c]).sum((-1, -2))
-            grad = torch.addcmul(grad_starts[:, :, :, c], grad, decay[..., c, None, None])
-        return grad_chunks, grad_decay, grad if ctx.has_initial else None
+    def backward(ctx, gy, g_final):
+        x, dt, xh, ah, Bg, Cg, D, starts, rh = ctx.saved_tensors
+        with torch.autocast(x.device.type, enabled=False):
+            b, s, h, p = x.shape
+            g, c, q = Bg.shape[1], Bg.shape[2], Bg.shape[3]
+            r = h // g
+            L, E = _decays(ah, rh)
+            Et = E.transpose(-1, -2)[..., None]  # [B, G, c, Q, R, 1]
+            x_t, dt_t, gy_t = _token_major(x, q, g), _token_major(dt, q, g)[..., None], _token_major(gy, q, g)
+            gD = None if D is None else (gy * x).sum((0, 1, 3))
+            # y += (C @ starts) * E
+            g_from = torch.mul(gy_t, Et, out=x.new_empty(b, g, c, q, r, p)).view(b, g, c, q, r * p)
+            gE = (gy_t * (Cg @ starts).view(b, g, c, q, r, p)).sum(-1).transpose(-1, -2)  # [B, G, c, R, Q]
+            gC = g_from @ starts.transpose(-1, -2)
+            g_chunks, g_chunk_decay, g_initial = _chunk_states_backward(
+                Cg.transpose(-1, -2) @ g_from, g_final, starts, E[..., -1])
+            gE[..., -1] += g_chunk_decay
+            # chunk states = B^T @ w, w = x * dt * dl, dl = L[..., -1, :]
+            gB = _decayed_inputs(x_t, dt_t, L) @ g_chunks.transpose(-1, -2)
+            g_w = (Bg @ g_chunks).view(b, g, c, q, r, p)
+            dl = L[..., -1, :].transpose(-1, -2)[..., None]  # [B, G, c, Q, R, 1]
+            g_dl = ((g_w * x_t).sum(-1) * dt_t[..., 0]).transpose(-1, -2)  # [B, G, c, R, Q]
+            g_xdt = x.new_empty(b, s, h, p)
+            g_xdt_t = torch.mul(g_w, dl, out=_token_major(g_xdt, q, g))
+            # y_in = (L * CB) @ xh, per head
+            CB = (Cg @ Bg.transpose(-1, -2))[:, :, :, None]
+            gy_h = gy_t.transpose(3, 4).contiguous()  # [B, G, c, R, Q, P]
+            g_xdt_t += ((L * CB).transpose(-1, -2) @ gy_h).transpose(3, 4)
+            gM = gy_h @ xh.transpose(-1, -2)
+            gCB = (gM * L).sum(3)
+            gL = gM.mul_(CB)
+            gL[..., -1, :] += g_dl
+            gC += gCB @ Bg
+            gB += gCB.transpose(-1, -2) @ Cg
+            # L = exp(segment sums of a), E = exp(cumulative sums of a); their masked entries are 0: no gradient
+            g_a = (gL.mul_(L).view(-1, q * q) @ _spans(q, x).T).view(ah.shape)
+            g_a += gE.mul_(E).flip(-1).cumsum(-1).flip(-1)  # E's exponent is a cumulative sum
+            # xdt = x * dt, y += x * D
+            g_dt = (g_xdt * x).sum(-1)
+            g_x = g_xdt.mul_(dt[..., None])
+            if D is not None:
+                g_x.addcmul_(gy, D[:, None])
+            g_a = g_a.permute(0, 2, 4, 1, 3).reshape(b, s, h)
+            gB, gC = (t.permute(0, 2, 3, 1, 4).reshape(b, s, g, -1) for t in (gB, gC))
+        return g_x, g_dt, g_a, gB, gC, gD, g_initial if ctx.has_initial else None, None, None
+
+
+def _decayed_inputs(x_t: torch.Tensor, dt_t: torch.Tensor, L: torch.Tensor) -> torch.Tensor:
+    """x * dt decayed to its chunk's last token, [B, G, c, Q, R*P] (written token-major), from x and dt as
+    ``_token_major`` views and the decays L [B, G, c, R, Q, Q]."""
+    b, g, c, q, r, p = x_t.shape
+    to_end = dt_t * L[..., -1, :].transpose(-1, -2)[..., None]  # [B, G, c, Q, R, 1]
+    return torch.mul(x_t, to_end, out=x_t.new_empty(b, g, c, q, r, p)).view(b, g, c, q, r * p)
+
+
+def _token_major(t: torch.Tensor, q: int, g: int) -> torch.Tensor:
+    """[B, S, G*R, ...] -> a view [B, G, c, Q, R, ...] (chunks of Q tokens, groups of R heads)."""
+    b, s = t.shape[:2]
+    t = t.view(b, s // q, q, g, -1, *t.shape[3:])
+    return t.permute(0, 3, 1, 2, *range(4, t.dim()))
+
+
+def _head_major(t: torch.Tensor, q: int, g: int) -> torch.Tensor:
+    """[B, S, G*R] -> [B, G, c, R, Q] (contiguous)."""
+    return _token_major(t, q, g).transpose(-1, -2).contiguous()
+
+
+def _chunk_states_forward(chunk_states: torch.Tensor, decay: torch.Tensor,
+                          initial: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The state entering each chunk [B, G, c, N, R*P] (transposed) and the final one, from the chunks' own states,
+    their decays [B, G, c, R] and an initial state [B, G, N, R*P] (None: zeros): state_{i+1} = state_i * decay_i +
+    chunk_state_i, each written straight into its slot."""
+    b, g, c, n, rp = chunk_states.shape
+    r = decay.shape[-1]
+    starts = torch.empty_like(chunk_states)
+    if initial is None:
+        starts[:, :, 0].zero_()
+    else:
+        starts[:, :, 0] = initial
+    by_head = starts.view(b, g, c, n, r, -1)
+    for i in range(c):
+        out = by_head[:, :, i + 1] if i + 1 < c else None
+        final = torch.addcmul(chunk_states[:, :, i].view(b, g, n, r, -1), by_head[:, :, i], decay[:, :, i, None, :, None],
+                              out=out)
+    return starts, final.view(b, g, n, rp)
+
+
+def _chunk_states_backward(grad_starts: torch.Tensor, grad_final: torch.Tensor, starts: torch.Tensor,
+                           decay: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of the chunks' own states, their decays and the initial state: the recurrence in reverse."""
+    b, g, c, n, rp = starts.shape
+    r = decay.shape[-1]
+    grad_chunks = torch.empty_like(starts)  # [i]: the gradient of the state leaving chunk i
+    grad_chunks[:, :, c - 1] = grad_final
+    by_head, starts_by_head = grad_chunks.view(b, g, c, n, r, -1), grad_starts.view(b, g, c, n, r, -1)
+    for i in reversed(range(c)):
+        out = by_head[:, :, i - 1] if i > 0 else None
+        grad_initial = torch.addcmul(starts_by_head[:, :, i], by_head[:, :, i], decay[:, :, i, None, :, None], out=out)
+    grad_decay = (by_head * starts.view(b, g, c, n, r, -1)).sum((3, 5))
+    return grad_chunks, grad_decay, grad_initial.view(b, g, n, rp)
 
 
 def ssd_step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,

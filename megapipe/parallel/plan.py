@@ -45,8 +45,8 @@ so the fp32 parameters ARE the master weights, there is no separate master copy)
   (``block_activation_bytes``): a single-mixer layer (M Mamba-2, * attention, - MLP, E MoE) one norm's residual
   terms + its mixer's; Falcon-H1's P layer two norms + the Mamba mixer, attention and MLP. The Mamba mixer
   (``mamba_mixer_activation_bytes``) is counted from what autograd saves in our PyTorch scan: per token, the
-  in-projection output, the conv and SiLU, and the chunked scan's per-token tensors (H*P, H*N, H*Q wide: the
-  intra-chunk decays are Q wide) + the states entering each chunk (H*P*N per chunk, so H*P*N/Q per token);
+  in-projection output, the conv and SiLU, and the chunked scan's inputs (x*dt, the log-decays, B and C; it
+  recomputes the rest in backward) + the states entering each chunk (H*P*N per chunk, so H*P*N/Q per token);
   heads and groups split by tp. Outside TP a mixer also saves its in-projection weights concatenated (one matmul):
   a compute copy per Mamba layer under fp32 or FSDP (autocast's cast of it is the copy counted above otherwise).
 - not modelled: qk_norm's extra saved tensors (~8 B per q/kv element), context parallelism's ring-attention K/V
@@ -316,18 +316,16 @@ def mamba_mixer_activation_bytes(m, precision: str, recompute: str, tp: int = 1)
     splits heads and groups); e = 2 under autocast (matmul operands are cast to it) else 4:
       in-projection: its input (fp32 4h; autocast a 2h cast, five under TP where the projections run one by one)
       and output z|x|B|C|dt (e*(2I + 2GN + H), one storage that the conv, the gate and dt keep alive);
-      conv: its output e*C (its input is the projection's); fp32: the SiLU output 4C, autocast: two fp32 copies of
-      x (8I: the scan's and the D skip's); dt before and after softplus 8H (+4H after dt limits);
-      chunked SSD scan: the intra-chunk decays 4HQ, the copies of C and B for C.B^T 2eGN and its output eGQ, x*dt
-      4HP (+ its cast eHP), (C.B^T * decay) eHQ, x*dt decayed to the chunk end eHP, B and C expanded over a group's
-      heads 2eHN, the cumulative decays 4H, C.states eHP; the states entering each chunk (HPN each: fp32 as the
-      chunk-state pass keeps them, + e for their cast under autocast), per token HPN(4 + e)/Q, fp32 4HPN/Q;
+      conv: its output e*C (its input is the projection's); fp32: the SiLU output 4C, autocast: the scan's fp32
+      copy of x 4I; dt before and after softplus 8H (+4H after dt limits);
+      chunked SSD scan (fp32 whatever the autocast): x*dt 4HP, the log-decays 4H, B and C 8GN (their chunked
+      copies), the states entering each chunk (HPN each) 4HPN/Q per token;
       gated RMSNorm (Nemotron-H's, norm of y*silu(z)): y, silu(z), their product, the normalised tensor (fp32 each,
       autocast also z's fp32 copy and the normalised cast: 20I either way) + the out-projection input (4I; autocast
       2I) and the per-group rsqrt 4G; norm before the gate (Falcon-H1's): 20I (autocast 22I) + 4G; no norm:
       y, silu(z) and their product 3eI.
-    Selective recompute keeps the matmul outputs: the in-projection's, the scan's (C.B^T eGQ, two eHP, the chunk
-    states eHPN/Q), split by tp, and the out-projection's full-sequence output e*h; full recompute is counted by
+    Selective recompute keeps the matmul outputs: the in-projection's, the scan's (fp32: the log-decays' segment
+    sums 4HQ, C.B^T 4GQ, two 4HP, the chunk states 4HPN/Q), split by tp, and the out-projection's full-sequence output e*h; full recompute is counted by
     the block (its input only)."""
     h, e = m.hidden_size, DTYPE_BYTES[precision]
     H, P, N, Q = m.mamba_heads / tp, m.mamba_head_dim, m.mamba_state_dim, m.mamba_chunk_size
@@ -336,13 +334,12 @@ def mamba_mixer_activation_bytes(m, precision: str, recompute: str, tp: int = 1)
     proj = 2 * inner + 2 * gn + H
     states = H * P * N / Q
     if recompute == "selective":
-        return e * (proj + G * Q + 2 * H * P + states) + e * h
+        return e * proj + 4 * (H * Q + G * Q + 2 * H * P + states) + e * h
     proj_in = 4 * h if e == 4 else 2 * h * (1 if tp == 1 else 5)
-    conv = e * (inner + 2 * gn) + (4 * (inner + 2 * gn) if e == 4 else 8 * inner)
+    conv = e * (inner + 2 * gn) + 4 * (inner + 2 * gn if e == 4 else inner)
     lo, hi = m.mamba_dt_limit
     dt = 8 * H + (4 * H if lo > 0 or hi != math.inf else 0)
-    scan = (4 * H * Q + 2 * e * gn + e * G * Q + 4 * H * P + (e * H * P if e < 4 else 0) + e * H * Q + e * H * P
-            + 2 * e * H * N + 4 * H + e * H * P + (4 + (e if e < 4 else 0)) * states)
+    scan = 4 * H * P + 4 * H + 8 * gn + 4 * states
     if not m.mamba_gated_norm:
         gate = 3 * e * inner
     elif m.mamba_norm_before_gate:

@@ -447,12 +447,11 @@ def test_hybrid_kinds_tp_split_and_recompute():
     m = load_config(None, {f"model.{k}": v for k, v in _HYBRIDS["nemotron"].items()}).model
     H, P_, N, Q, G, h = 4, 16, 16, 8, 1, 64  # per TP rank
     inner, gn, proj = H * P_, G * N, 2 * 64 + 2 * 16 + 4
-    scan = 4 * H * Q + 4 * gn + 2 * G * Q + 6 * H * P_ + 2 * H * Q + 2 * H * P_ + 4 * H * N + 4 * H + 2 * H * P_ \
-        + 6 * H * P_ * N / Q
-    mixer = 10 * h + 2 * proj + 2 * (inner + 2 * gn) + 8 * inner + 8 * H + scan + 20 * inner + 4 * G
+    scan = 4 * H * P_ + 4 * H + 8 * gn + 4 * H * P_ * N / Q
+    mixer = 10 * h + 2 * proj + 2 * (inner + 2 * gn) + 4 * inner + 8 * H + scan + 20 * inner + 4 * G
     assert P.block_activation_bytes(m, "mamba", "bf16", "none", tp=2) == (8 * h + 4) / 2 + mixer
     assert P.block_activation_bytes(m, "mamba", "bf16", "selective", tp=2) == \
-        4 * h / 2 + 2 * (proj + G * Q + 2 * H * P_ + H * P_ * N / Q) + 2 * h
+        4 * h / 2 + 2 * proj + 4 * (H * Q + G * Q + 2 * H * P_ + H * P_ * N / Q) + 2 * h
     for kind in ("mamba", "attention", "mlp"):
         assert P.block_activation_bytes(m, kind, "bf16", "full", tp=2) == 4 * h / 2
     # a dense block is its attention-only and MLP-only halves, one layer input between them
