@@ -435,9 +435,10 @@ def test_a_build_is_announced_only_when_one_is_needed(ops, tmp_path, monkeypatch
 @pytest.mark.parametrize("state_dim", [16, 12])
 def test_mamba_step_is_the_mixers_decode_step(ops, dtype, state_dim):
     """The fused decode step of a Mamba layer (conv, SiLU, dt with its limits, state update, read-out, D) against
-    the mixer's in-place step, on strided rows of a projection output as the engine passes them; a state size of
-    whole 16-lane groups and one with a tail. fp32 within round-off; bf16 within its ulp (the kernel keeps the conv
-    output in fp32, the torch path rounds it)."""
+    the mixer's in-place step, on strided rows of a projection output as the engine passes them, each row's state
+    at its slot of a larger pool, out of order (the slots a continuous batch holds); the other slots untouched; a
+    state size of whole 16-lane groups and one with a tail. fp32 within round-off; bf16 within its ulp (the kernel
+    keeps the conv output in fp32, the torch path rounds it)."""
     from tests.models.test_mamba import _mixer
 
     mixer = _mixer(4, mamba_state_dim=state_dim, mamba_dt_limit_max=0.5).to(dtype)
@@ -445,14 +446,18 @@ def test_mamba_step_is_the_mixers_decode_step(ops, dtype, state_dim):
     g = torch.Generator().manual_seed(7)
     proj = torch.randn(3, channels + heads + 5, generator=g).to(dtype)  # xbc | dt | more: strided rows
     xbc, dt = proj[:, :channels], proj[:, channels:channels + heads]
-    conv = torch.randn(3, channels, 3, generator=g).to(dtype)
-    ssm = torch.randn(3, heads, mixer.head_dim, state_dim, generator=g)
+    conv = torch.randn(5, channels, 3, generator=g).to(dtype)
+    ssm = torch.randn(5, heads, mixer.head_dim, state_dim, generator=g)
+    slots = torch.tensor([3, 0, 2])
     want_conv, want_ssm = conv.clone(), ssm.clone()
     with torch.no_grad():
-        want, _, _ = mixer.ssm(xbc[:, None], dt[:, None], want_conv, want_ssm, inplace=True)
+        rows_conv, rows_ssm = want_conv[slots], want_ssm[slots]
+        want, _, _ = mixer.ssm(xbc[:, None], dt[:, None], rows_conv, rows_ssm, inplace=True)
+        want_conv[slots], want_ssm[slots] = rows_conv, rows_ssm
         out = torch.empty(3, heads * mixer.head_dim, dtype=dtype)
-        ops.mamba_step(xbc, dt, conv, ssm, *mixer.step_params(), out)
+        ops.mamba_step(xbc, dt, conv, ssm, slots, *mixer.step_params(), out)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     assert torch.equal(conv, want_conv)
+    assert torch.equal(ssm[[1, 4]], want_ssm[[1, 4]])
     torch.testing.assert_close(ssm, want_ssm, **tol)
     torch.testing.assert_close(out.view(want.shape), want, **tol)
