@@ -264,7 +264,7 @@ def test_bf16_linear_refuses_mismatched_shapes_and_leaves_odd_widths_to_onednn(b
     with pytest.raises(RuntimeError, match="linear_bf16 takes bf16 tensors"):
         bf16_linear(torch.zeros(2, 64), packed, 32, None, False, None, out)
     assert not PackedLinear(torch.randn(8, 63).bfloat16(), own=True).own
-    with pytest.raises(ValueError, match="megapipe's bf16 linear fuses no 'gelu'"):
+    with pytest.raises(ValueError, match="megapipe's linear fuses no 'gelu'"):
         PackedLinear(w, own=True)(torch.zeros(2, 64, dtype=torch.bfloat16), "gelu")
 
 
@@ -318,6 +318,26 @@ class _Counting:
             self.calls.append(name)
             return fn(*args, **kwargs)
         return counted
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 16, 32), (3, 40, 63), (8, 200, 576), (70, 1536, 576)])
+def test_f32_linear_is_the_product_within_fp32_round_off(ops, m, n, k):
+    """megapipe's fp32 kernel (AVX-512 CPUs): row blocks and tiles with remainders, odd widths, bias, SiLU and a
+    product in the epilogue, against the float64 product; the packed weight reads back as it was."""
+    if not kernels.f32_linear_built():
+        pytest.skip("megapipe's fp32 linear is built on AVX-512 CPUs only")
+    g = torch.Generator().manual_seed(m + n + k)
+    w, b = torch.randn(n, k, generator=g) * 0.05, torch.randn(n, generator=g)
+    x, other = torch.randn(m, k, generator=g), torch.randn(m, n, generator=g)
+    mine = PackedLinear(w, b, own=True)
+    assert mine.own and mine.packed.shape == (-(-n // 16), k, 16) and torch.equal(mine.dense(), w)
+    exact = x.double() @ w.double().t() + b.double()
+    for got, want in ((mine(x), exact), (mine(x, "swish"), exact * exact.sigmoid()),
+                      (mine.times(x, other), exact * other.double())):
+        assert got.dtype == torch.float32 and got.shape == (m, n)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match=f"x has {k + 1} features and the weight {k} for {n} outputs"):
+        ops.linear_f32(torch.zeros(m, k + 1), mine.packed, n, None, False, None, torch.empty(m, n))
 
 
 def test_bf16_engine_on_the_own_linears_scores_as_on_onednn(bf16_linear, hf_llama, one_thread):
