@@ -6,7 +6,8 @@
   one pass each (the residual add fused into the next norm; the rotary embedding fused with storing k and v);
 - ``mamba_step`` (csrc/mamba_step.cpp): a Mamba-2 layer's decode token for a batch in one pass over its states;
 - ``linear_bf16`` (csrc/linear_bf16.cpp, only on CPUs with AVX512-BF16): bf16 linear layers on weights packed by
-  ``pack_bf16_weight``, with the bias, SiLU and a product fused into the epilogue.
+  ``pack_bf16_weight``, with the bias, SiLU and a product fused into the epilogue;
+- ``linear_f32`` (csrc/linear_f32.cpp, on AVX-512 CPUs): the same for fp32, on weights packed by ``pack_f32_weight``.
 
 They land in ``torch.ops.megapipe``. ``ops()`` returns that namespace, or None when the kernels cannot be built here
 (no C++ compiler, a torch without its headers, ``MEGAPIPE_CPU_KERNELS=0``): the engine then keeps its pure-torch
@@ -36,6 +37,8 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp", CSRC / "mamba_step.cpp"]
 BF16_SOURCES = [CSRC / "linear_bf16.cpp"]  # vdpbf16ps: built where the CPU has AVX512-BF16
+F32_SOURCES = [CSRC / "linear_f32.cpp"]  # AVX-512 only
+HEADERS = [CSRC / "linear_tiles.h"]
 # ATen's own flags for its vectorized kernels at each capability (what at::vec::Vectorized selects on)
 ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
@@ -66,11 +69,13 @@ def _build_spec() -> tuple[str, list[Path], list[str]]:
     sources = list(SOURCES)
     if isa in ISA_FLAGS:
         flags += ISA_FLAGS[isa] + [f"-DCPU_CAPABILITY={isa}", f"-DCPU_CAPABILITY_{isa}"]
+    if isa == "AVX512":
+        sources += F32_SOURCES
     if has_avx512_bf16():
         flags.append("-mavx512bf16")
         sources += BF16_SOURCES
     digest = hashlib.sha1(" ".join(flags).encode())
-    for source in sources:
+    for source in sources + HEADERS:
         digest.update(source.read_bytes())
     return f"megapipe_cpu_{isa.lower()}_{digest.hexdigest()[:10]}", sources, flags
 
@@ -235,6 +240,19 @@ def bf16_linear_built() -> bool:
     return has_avx512_bf16() and ops() is not None and hasattr(ops(), "linear_bf16")
 
 
+def f32_linear_built() -> bool:
+    """``linear_f32`` is built and loaded here (AVX-512 CPUs)."""
+    return capability() == "AVX512" and ops() is not None and hasattr(ops(), "linear_f32")
+
+
+def pack_f32_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] fp32 -> [ceil(N/16), K, 16]: 64-byte lines of 16 outputs (zero rows pad N)."""
+    n, k = weight.shape
+    padded = torch.zeros(-(-n // 16) * 16, k, dtype=torch.float32)
+    padded[:n] = weight.detach()
+    return padded.view(-1, 16, k).transpose(1, 2).contiguous()
+
+
 def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] -> [ceil(N/16), K/2, 16, 2]: 64-byte lines of 16 outputs x 2 consecutive inputs (zero rows pad N)."""
     n, k = weight.shape
@@ -246,6 +264,11 @@ def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:
 def unpack_bf16_weight(packed: torch.Tensor, n: int) -> torch.Tensor:
     """pack_bf16_weight's inverse: the [n, K] weight it was packed from."""
     return packed.permute(0, 2, 1, 3).reshape(-1, packed.shape[1] * 2)[:n]
+
+
+def unpack_f32_weight(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """pack_f32_weight's inverse."""
+    return packed.transpose(1, 2).reshape(-1, packed.shape[1])[:n]
 
 
 def paged_attention() -> Optional[Callable]:

@@ -386,10 +386,9 @@ class PagedBatch:
         parts = []
         for offset, count, n, resume, slots, first in self.state_runs:
             rows = slice(offset, offset + count * n)
-            if resume and first is not None and self.mamba_step is not None:
+            if resume and n == 1 and self.mamba_step is not None:  # decodes: their states updated in their slots
                 y = xbc.new_empty(count, ssm.shape[1] * ssm.shape[2])
-                self.mamba_step(xbc[0, rows], dt[0, rows], conv[first:first + count], ssm[first:first + count],
-                                *mixer.step_params(), y)
+                self.mamba_step(xbc[0, rows], dt[0, rows], conv, ssm, slots, *mixer.step_params(), y)
                 parts.append(y.view(1, count, ssm.shape[1], ssm.shape[2]))
                 continue
             if resume and first is not None:

@@ -3,10 +3,11 @@
 On CPU the linear layers are swapped for oneDNN ones with the weight pre-packed once into the blocked layout the
 kernel reads (what inductor's freezing and IPEX do), q/k/v fused into one matmul, and the swiglu MLP's SiLU and
 product done by oneDNN on the matmul results (post-ops): ~1.5x faster matmuls for the small batches of decoding
-and no elementwise passes over the MLP's activations. The values differ from the plain modules' by round-off
-only: in fp32 in the last bits (greedy parity with HF and logprobs within 1e-4 of a full forward hold,
-tests/inference); in bf16 the fused SiLU and product are taken before rounding to bf16 rather than after. The
-model object is the engine's to modify.
+and no elementwise passes over the MLP's activations. fp32 matmuls run on megapipe's own kernel where it is built
+(AVX-512: csrc/linear_f32.cpp), which streams the weights of a decode step ~1.4x faster than oneDNN's. The values
+differ from the plain modules' by round-off only: in fp32 in the last bits (greedy parity with HF and logprobs
+within 1e-4 of a full forward hold, tests/inference); in bf16 the fused SiLU and product are taken before rounding
+to bf16 rather than after. The model object is the engine's to modify.
 
 Plain dense and MoE blocks (Llama / Qwen2 / Qwen3 / Mistral, Mixtral / Qwen2-MoE / Qwen3-MoE shapes) run through
 :class:`DecoderLayer`, the same arithmetic as the module's forward in a third of the operations: decoding a small model on CPU is otherwise dominated by the
@@ -49,22 +50,30 @@ from megapipe.models.rope import model_rope_parts, rope_cos_sin
 
 
 def _pack(weight: torch.Tensor, own: bool) -> torch.Tensor:
-    """The weight in the layout its kernel reads: megapipe's linear_bf16 (``own``) or oneDNN's blocked layout
-    (tuned for batches of about 16 rows)."""
+    """The weight in the layout its kernel reads: megapipe's linear_bf16 / linear_f32 (``own``) or oneDNN's blocked
+    layout (tuned for batches of about 16 rows)."""
     if own:
-        return kernels.pack_bf16_weight(weight)
+        return kernels.pack_f32_weight(weight) if weight.dtype == torch.float32 else kernels.pack_bf16_weight(weight)
     return torch_compat.reorder_linear_weight(weight.detach(), 16)
 
 
+def own_kernel_serves(weight: torch.Tensor) -> bool:
+    """megapipe's linear kernel for this weight's dtype is built here (bf16's reads its inputs in pairs: even
+    in_features only)."""
+    if weight.dtype == torch.float32:
+        return kernels.f32_linear_built()
+    return weight.shape[1] % 2 == 0 and kernels.bf16_linear_built()
+
+
 class PackedLinear(nn.Module):
-    """A linear layer on a pre-packed weight: megapipe's bf16 kernel (``own``; kernels.py) or oneDNN's. ``own`` is
-    the most rows a call may have to run on megapipe's kernel (True: any; False or 0: none); with a limit in
-    between the weight is kept in both layouts and each call takes the kernel its row count is faster on."""
+    """A linear layer on a pre-packed weight: megapipe's bf16 or fp32 kernel (``own``; kernels.py) or oneDNN's.
+    ``own`` is the most rows a call may have to run on megapipe's kernel (True: any; False or 0: none); with a limit
+    in between the weight is kept in both layouts and each call takes the kernel its row count is faster on."""
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, own: Union[bool, int] = False):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        fits = self.in_features % 2 == 0 and kernels.bf16_linear_built()  # it reads inputs in pairs
+        fits = own_kernel_serves(weight)
         self.own_rows = (kernels.OWN_ALWAYS if own is True else int(own)) if fits else 0
         self.own = self.own_rows > 0
         self._pack(weight)
@@ -77,6 +86,8 @@ class PackedLinear(nn.Module):
 
     def dense(self) -> torch.Tensor:
         """The weight [out_features, in_features] read back from its packed layout."""
+        if self.own and self.packed.dtype == torch.float32:
+            return kernels.unpack_f32_weight(self.packed, self.out_features)
         if self.own:
             return kernels.unpack_bf16_weight(self.packed, self.out_features)
         return self.packed.to_dense()
@@ -90,7 +101,7 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor, activation: str = "none") -> torch.Tensor:
         if self._on_own(x):
             if activation not in ("none", "swish"):
-                raise ValueError(f"megapipe's bf16 linear fuses no {activation!r} (only 'none' and 'swish')")
+                raise ValueError(f"megapipe's linear fuses no {activation!r} (only 'none' and 'swish')")
             return self._own(x, activation == "swish", None)
         return torch_compat.linear_pointwise(x, self._onednn_weight(), self.bias, activation)
 
@@ -106,7 +117,9 @@ class PackedLinear(nn.Module):
             rows = rows.contiguous()
         out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype, device=x.device)
         other = None if other is None else other.reshape(-1, self.out_features)
-        torch.ops.megapipe.linear_bf16(rows, self.packed, self.out_features, self.bias, swish, other, out)
+        ops = torch.ops.megapipe
+        matmul = ops.linear_f32 if self.packed.dtype == torch.float32 else ops.linear_bf16
+        matmul(rows, self.packed, self.out_features, self.bias, swish, other, out)
         return out.view(*x.shape[:-1], self.out_features)
 
 
@@ -433,6 +446,8 @@ class ModelRunner:
             n, k = widest_linear(model)
             self.own_linears, why = kernels.choose_bf16_linear(bf16_linear, n, k)
             say_once(why)
+        elif self.packed and self.dtype == torch.float32:  # fp32: no AMX for oneDNN, megapipe's loop streams faster
+            self.own_linears = kernels.f32_linear_built()
         head = model.output_weight().detach()
         self.head = None
         if self.packed:

@@ -264,7 +264,7 @@ def test_bf16_linear_refuses_mismatched_shapes_and_leaves_odd_widths_to_onednn(b
     with pytest.raises(RuntimeError, match="linear_bf16 takes bf16 tensors"):
         bf16_linear(torch.zeros(2, 64), packed, 32, None, False, None, out)
     assert not PackedLinear(torch.randn(8, 63).bfloat16(), own=True).own
-    with pytest.raises(ValueError, match="megapipe's bf16 linear fuses no 'gelu'"):
+    with pytest.raises(ValueError, match="megapipe's linear fuses no 'gelu'"):
         PackedLinear(w, own=True)(torch.zeros(2, 64, dtype=torch.bfloat16), "gelu")
 
 
@@ -318,6 +318,26 @@ class _Counting:
             self.calls.append(name)
             return fn(*args, **kwargs)
         return counted
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 16, 32), (3, 40, 63), (8, 200, 576), (70, 1536, 576)])
+def test_f32_linear_is_the_product_within_fp32_round_off(ops, m, n, k):
+    """megapipe's fp32 kernel (AVX-512 CPUs): row blocks and tiles with remainders, odd widths, bias, SiLU and a
+    product in the epilogue, against the float64 product; the packed weight reads back as it was."""
+    if not kernels.f32_linear_built():
+        pytest.skip("megapipe's fp32 linear is built on AVX-512 CPUs only")
+    g = torch.Generator().manual_seed(m + n + k)
+    w, b = torch.randn(n, k, generator=g) * 0.05, torch.randn(n, generator=g)
+    x, other = torch.randn(m, k, generator=g), torch.randn(m, n, generator=g)
+    mine = PackedLinear(w, b, own=True)
+    assert mine.own and mine.packed.shape == (-(-n // 16), k, 16) and torch.equal(mine.dense(), w)
+    exact = x.double() @ w.double().t() + b.double()
+    for got, want in ((mine(x), exact), (mine(x, "swish"), exact * exact.sigmoid()),
+                      (mine.times(x, other), exact * other.double())):
+        assert got.dtype == torch.float32 and got.shape == (m, n)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match=f"x has {k + 1} features and the weight {k} for {n} outputs"):
+        ops.linear_f32(torch.zeros(m, k + 1), mine.packed, n, None, False, None, torch.empty(m, n))
 
 
 def test_bf16_engine_on_the_own_linears_scores_as_on_onednn(bf16_linear, hf_llama, one_thread):
@@ -435,9 +455,10 @@ def test_a_build_is_announced_only_when_one_is_needed(ops, tmp_path, monkeypatch
 @pytest.mark.parametrize("state_dim", [16, 12])
 def test_mamba_step_is_the_mixers_decode_step(ops, dtype, state_dim):
     """The fused decode step of a Mamba layer (conv, SiLU, dt with its limits, state update, read-out, D) against
-    the mixer's in-place step, on strided rows of a projection output as the engine passes them; a state size of
-    whole 16-lane groups and one with a tail. fp32 within round-off; bf16 within its ulp (the kernel keeps the conv
-    output in fp32, the torch path rounds it)."""
+    the mixer's in-place step, on strided rows of a projection output as the engine passes them, each row's state
+    at its slot of a larger pool, out of order (the slots a continuous batch holds); the other slots untouched; a
+    state size of whole 16-lane groups and one with a tail. fp32 within round-off; bf16 within its ulp (the kernel
+    keeps the conv output in fp32, the torch path rounds it)."""
     from tests.models.test_mamba import _mixer
 
     mixer = _mixer(4, mamba_state_dim=state_dim, mamba_dt_limit_max=0.5).to(dtype)
@@ -445,14 +466,18 @@ def test_mamba_step_is_the_mixers_decode_step(ops, dtype, state_dim):
     g = torch.Generator().manual_seed(7)
     proj = torch.randn(3, channels + heads + 5, generator=g).to(dtype)  # xbc | dt | more: strided rows
     xbc, dt = proj[:, :channels], proj[:, channels:channels + heads]
-    conv = torch.randn(3, channels, 3, generator=g).to(dtype)
-    ssm = torch.randn(3, heads, mixer.head_dim, state_dim, generator=g)
+    conv = torch.randn(5, channels, 3, generator=g).to(dtype)
+    ssm = torch.randn(5, heads, mixer.head_dim, state_dim, generator=g)
+    slots = torch.tensor([3, 0, 2])
     want_conv, want_ssm = conv.clone(), ssm.clone()
     with torch.no_grad():
-        want, _, _ = mixer.ssm(xbc[:, None], dt[:, None], want_conv, want_ssm, inplace=True)
+        rows_conv, rows_ssm = want_conv[slots], want_ssm[slots]
+        want, _, _ = mixer.ssm(xbc[:, None], dt[:, None], rows_conv, rows_ssm, inplace=True)
+        want_conv[slots], want_ssm[slots] = rows_conv, rows_ssm
         out = torch.empty(3, heads * mixer.head_dim, dtype=dtype)
-        ops.mamba_step(xbc, dt, conv, ssm, *mixer.step_params(), out)
+        ops.mamba_step(xbc, dt, conv, ssm, slots, *mixer.step_params(), out)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     assert torch.equal(conv, want_conv)
+    assert torch.equal(ssm[[1, 4]], want_ssm[[1, 4]])
     torch.testing.assert_close(ssm, want_ssm, **tol)
     torch.testing.assert_close(out.view(want.shape), want, **tol)

@@ -14,18 +14,14 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include "linear_tiles.h"
+
 #include <algorithm>
 #include <optional>
 
 namespace {
 
-constexpr int kTile = 16;  // outputs per 64-byte weight line
-// rows of x x weight tiles per register block: 24 accumulators and 3 weight lines of the 32 vector registers; of
-// the blocks that fit, the one that loads the fewest weight lines per product, and whose 3-tile groups split a
-// layer's 36 / 60 / 96 tiles evenly between two threads
-constexpr int kRows = 8;
-constexpr int kTiles = 3;
-constexpr int64_t kRowChunk = 64;  // rows per parallel task
+using namespace megapipe_linear;
 
 struct Epilogue {
   const c10::BFloat16* bias;  // [N] or null
@@ -107,24 +103,10 @@ void linear_bf16(const at::Tensor& x, const at::Tensor& weight, int64_t n, const
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.const_data_ptr<c10::BFloat16>());
   c10::BFloat16* op = out.mutable_data_ptr<c10::BFloat16>();
   const int64_t x_row = x.stride(0), out_row = out.stride(0), tile_stride = pairs * 2 * kTile;
-  const int64_t groups = (tiles + kTiles - 1) / kTiles, chunks = (m + kRowChunk - 1) / kRowChunk;
-  at::parallel_for(0, groups * chunks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t g = item % groups, chunk = item / groups;
-      const int64_t t0 = g * kTiles, nt = std::min<int64_t>(kTiles, tiles - t0);
-      const uint16_t* wg = wp + t0 * tile_stride;
-      for (int64_t m0 = chunk * kRowChunk; m0 < std::min(m, (chunk + 1) * kRowChunk); m0 += kRows) {
-        const int mb = int(std::min<int64_t>(kRows, m - m0));
-        const uint16_t* xr = xp + m0 * x_row;
-        if (nt == kTiles) {
-          rows_block<kTiles>(mb, xr, x_row, wg, pairs, tile_stride, t0 * kTile, n, m0, ep, op, out_row);
-        } else {
-          for (int64_t t = 0; t < nt; ++t)
-            rows_block<1>(mb, xr, x_row, wg + t * tile_stride, pairs, tile_stride, (t0 + t) * kTile, n, m0, ep, op,
-                          out_row);
-        }
-      }
-    }
+  for_each_block(m, tiles, [&](auto nt, int64_t t0, int64_t m0, int mb) {
+    const int64_t n0 = t0 * kTile;
+    rows_block<decltype(nt)::value>(mb, xp + m0 * x_row, x_row, wp + t0 * tile_stride, pairs, tile_stride, n0, n,
+                                    m0, ep, op, out_row);
   });
 }
 

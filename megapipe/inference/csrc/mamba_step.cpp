@@ -1,6 +1,7 @@
 // One decode token of a Mamba-2 layer for every sequence of a batch, in one pass over its state (megapipe.models.
-// mamba's conv step, SiLU, dt, state update, read-out and D skip): the engine's state cache calls it for a decode run
-// whose state slots follow one another (megapipe/inference/kv_cache.py). Torch's ops take four passes over the
+// mamba's conv step, SiLU, dt, state update, read-out and D skip): the engine's state cache calls it for a decode
+// run, each row's state read and written where it lies in the pool (its slot), whatever order the slots are in
+// (megapipe/inference/kv_cache.py). Torch's ops take four passes over the
 // fp32 SSM state ([B, heads, head_dim, state], megabytes per layer) and a temporary as large; here each state row is
 // read and written once while it is in registers.
 //
@@ -24,14 +25,14 @@ inline float silu(float v) { return v / (1.f + std::exp(-v)); }
 
 inline float softplus(float v) { return v > 20.f ? v : std::log1p(std::exp(v)); }  // F.softplus's threshold
 
-// xbc [B, C] (rows may be strided), raw dt [B, H] (likewise), conv_state [B, C, K-1] and ssm_state [B, H, P, N]
-// (fp32) contiguous, updated in place; conv_weight [C, K], conv_bias [C] or empty, dt_bias / A / D [H] fp32;
-// out [B, H * P] in xbc's dtype. C = H * P + 2 * G * N.
+// xbc [B, C] (rows may be strided), raw dt [B, H] (likewise), the pools conv_state [S, C, K-1] and ssm_state
+// [S, H, P, N] (fp32) contiguous, row r's at slots[r], updated in place; conv_weight [C, K], conv_bias [C] or
+// empty, dt_bias / A / D [H] fp32; out [B, H * P] in xbc's dtype. C = H * P + 2 * G * N.
 template <typename T>
 void step(const at::Tensor& xbc, const at::Tensor& dt, at::Tensor& conv_state, at::Tensor& ssm_state,
-          const at::Tensor& weight, const at::Tensor& bias, const at::Tensor& dt_bias, const at::Tensor& A,
-          const at::Tensor& D, double dt_min, double dt_max, int64_t groups, at::Tensor& out) {
-  const int64_t batch = ssm_state.size(0), heads = ssm_state.size(1), P = ssm_state.size(2), N = ssm_state.size(3);
+          const int64_t* slots, const at::Tensor& weight, const at::Tensor& bias, const at::Tensor& dt_bias,
+          const at::Tensor& A, const at::Tensor& D, double dt_min, double dt_max, int64_t groups, at::Tensor& out) {
+  const int64_t batch = xbc.size(0), heads = ssm_state.size(1), P = ssm_state.size(2), N = ssm_state.size(3);
   const int64_t channels = xbc.size(1), K = weight.size(1), inner = heads * P, per_group = heads / groups;
   std::vector<float> act(batch * channels);  // SiLU(conv) of each row: x | B | C
   const T* xp = xbc.const_data_ptr<T>();
@@ -42,7 +43,7 @@ void step(const at::Tensor& xbc, const at::Tensor& dt, at::Tensor& conv_state, a
     for (int64_t r = begin; r < end; ++r) {
       const T* x = xp + r * xbc.stride(0);
       for (int64_t c = 0; c < channels; ++c) {
-        T* window = cs + (r * channels + c) * (K - 1);
+        T* window = cs + (slots[r] * channels + c) * (K - 1);
         const T* wc = w + c * K;
         float v = b ? float(b[c]) : 0.f;
         for (int64_t j = 0; j < K - 1; ++j) v += float(window[j]) * float(wc[j]);
@@ -70,7 +71,7 @@ void step(const at::Tensor& xbc, const at::Tensor& dt, at::Tensor& conv_state, a
       const float* Cg = a + inner + groups * N + g * N;
       for (int64_t p = 0; p < P; ++p) {
         const float xv = a[h * P + p], xdt = xv * step_dt;
-        float* s = state + ((r * heads + h) * P + p) * N;
+        float* s = state + ((slots[r] * heads + h) * P + p) * N;
         float lanes[16] = {0.f};
         int64_t n = 0;
         for (; n + 16 <= N; n += 16)
@@ -93,12 +94,19 @@ void step(const at::Tensor& xbc, const at::Tensor& dt, at::Tensor& conv_state, a
 }
 
 void mamba_step(const at::Tensor& xbc, const at::Tensor& dt, at::Tensor conv_state, at::Tensor ssm_state,
-                const at::Tensor& weight, const c10::optional<at::Tensor>& bias, const at::Tensor& dt_bias,
-                const at::Tensor& A, const at::Tensor& D, double dt_min, double dt_max, int64_t groups, at::Tensor out) {
+                const at::Tensor& slots, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                const at::Tensor& dt_bias, const at::Tensor& A, const at::Tensor& D, double dt_min, double dt_max,
+                int64_t groups, at::Tensor out) {
   TORCH_CHECK(ssm_state.dim() == 4 && ssm_state.is_contiguous() && ssm_state.scalar_type() == at::kFloat,
-              "mamba_step: ssm_state must be contiguous fp32 [B, H, P, N]");
-  const int64_t batch = ssm_state.size(0), heads = ssm_state.size(1), P = ssm_state.size(2), N = ssm_state.size(3);
+              "mamba_step: ssm_state must be contiguous fp32 [S, H, P, N]");
+  const int64_t batch = xbc.size(0), heads = ssm_state.size(1), P = ssm_state.size(2), N = ssm_state.size(3);
   const auto dtype = xbc.scalar_type();
+  TORCH_CHECK(slots.dim() == 1 && slots.numel() == batch && slots.scalar_type() == at::kLong && slots.is_contiguous(),
+              "mamba_step: slots must be int64 [B], one per row of xbc");
+  const int64_t* slot = slots.const_data_ptr<int64_t>();
+  for (int64_t r = 0; r < batch; ++r)
+    TORCH_CHECK(slot[r] >= 0 && slot[r] < ssm_state.size(0), "mamba_step: slot ", slot[r], " is outside the pool of ",
+                ssm_state.size(0));
   TORCH_CHECK(xbc.dim() == 2 && xbc.size(0) == batch && xbc.stride(1) == 1 && dt.dim() == 2 && dt.size(0) == batch &&
                   dt.size(1) == heads && dt.stride(1) == 1 && dt.scalar_type() == dtype,
               "mamba_step: xbc [B, C] and dt [B, H] need contiguous rows of one dtype");
@@ -106,9 +114,9 @@ void mamba_step(const at::Tensor& xbc, const at::Tensor& dt, at::Tensor conv_sta
               "mamba_step: xbc's width is not heads * head_dim + 2 * groups * state");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.size(0) == xbc.size(1) &&
                   weight.scalar_type() == dtype && conv_state.is_contiguous() && conv_state.scalar_type() == dtype &&
-                  conv_state.dim() == 3 && conv_state.size(0) == batch && conv_state.size(1) == xbc.size(1) &&
-                  conv_state.size(2) == weight.size(1) - 1,
-              "mamba_step: conv weight [C, K] and conv_state [B, C, K-1] must be contiguous in xbc's dtype");
+                  conv_state.dim() == 3 && conv_state.size(0) == ssm_state.size(0) &&
+                  conv_state.size(1) == xbc.size(1) && conv_state.size(2) == weight.size(1) - 1,
+              "mamba_step: conv weight [C, K] and conv_state [S, C, K-1] must be contiguous in xbc's dtype");
   for (const at::Tensor* t : {&dt_bias, &A, &D})
     TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kFloat && t->numel() == heads,
                 "mamba_step: dt_bias, A and D must be fp32 [H]");
@@ -118,7 +126,7 @@ void mamba_step(const at::Tensor& xbc, const at::Tensor& dt, at::Tensor conv_sta
   TORCH_CHECK(out.is_contiguous() && out.scalar_type() == dtype && out.numel() == batch * heads * P,
               "mamba_step: out must be contiguous [B, H * P] in xbc's dtype");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "mamba_step", [&] {
-    step<scalar_t>(xbc, dt, conv_state, ssm_state, weight, b, dt_bias, A, D, dt_min, dt_max, groups, out);
+    step<scalar_t>(xbc, dt, conv_state, ssm_state, slot, weight, b, dt_bias, A, D, dt_min, dt_max, groups, out);
   });
 }
 
@@ -126,7 +134,8 @@ void mamba_step(const at::Tensor& xbc, const at::Tensor& dt, at::Tensor conv_sta
 
 TORCH_LIBRARY_FRAGMENT(megapipe, m) {
   m.def(
-      "mamba_step(Tensor xbc, Tensor dt, Tensor(a!) conv_state, Tensor(b!) ssm_state, Tensor weight, Tensor? bias, "
+      "mamba_step(Tensor xbc, Tensor dt, Tensor(a!) conv_state, Tensor(b!) ssm_state, Tensor slots, Tensor weight, "
+      "Tensor? bias, "
       "Tensor dt_bias, Tensor A, Tensor D, float dt_min, float dt_max, int groups, Tensor(c!) out) -> ()");
 }
 

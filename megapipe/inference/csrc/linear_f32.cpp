@@ -1,0 +1,108 @@
+// An fp32 linear layer, out = act(x W^T + b) [* other], for AVX-512 CPUs, the weight packed once by
+// pack_f32_weight into 64-byte lines of 16 outputs ([N/16, K, 16]): linear_bf16.cpp's loop on fp32 values. A decode
+// step's few rows stream every weight from DRAM once; oneDNN's and MKL's fp32 matmuls reach about two thirds of this
+// loop's speed at 1-32 rows (tools/bench_generate.py on a hybrid Nemotron-H), and are ~10% faster at hundreds of
+// rows (prefill). Each output is one fp32 sum over k in order (the fused multiply-add rounds once per product).
+
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include "linear_tiles.h"
+
+#include <algorithm>
+#include <optional>
+
+namespace {
+
+using namespace megapipe_linear;
+
+struct Epilogue {
+  const float* bias;  // [N] or null
+  bool swish;
+  const float* other;  // [M, other_row] or null
+  int64_t other_row;
+};
+
+template <int MB, int NT>
+inline void block(const float* x, int64_t x_row, const float* w, int64_t k_len, int64_t tile_stride, int64_t n0,
+                  int64_t n, int64_t m0, const Epilogue& ep, float* out, int64_t out_row) {
+  __m512 acc[MB][NT];
+  for (int m = 0; m < MB; ++m)
+    for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < k_len; ++k) {
+    __m512 wv[NT];
+    for (int t = 0; t < NT; ++t) wv[t] = _mm512_loadu_ps(w + t * tile_stride + k * kTile);
+    for (int m = 0; m < MB; ++m) {
+      const __m512 xv = _mm512_set1_ps(x[m * x_row + k]);
+      for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_fmadd_ps(xv, wv[t], acc[m][t]);
+    }
+  }
+  using Vec = at::vec::Vectorized<float>;
+  for (int t = 0; t < NT; ++t) {
+    const int64_t col = n0 + t * kTile;
+    const int64_t valid = std::min<int64_t>(kTile, n - col);
+    const __mmask16 mask = valid >= kTile ? __mmask16(0xffff) : __mmask16((1u << valid) - 1);
+    const __m512 bias = ep.bias ? _mm512_maskz_loadu_ps(mask, ep.bias + col) : _mm512_setzero_ps();
+    for (int m = 0; m < MB; ++m) {
+      __m512 v = _mm512_add_ps(acc[m][t], bias);
+      if (ep.swish) {
+        const Vec x(v);
+        v = x / (Vec(1.f) + x.neg().exp());
+      }
+      if (ep.other) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mask, ep.other + (m0 + m) * ep.other_row + col));
+      _mm512_mask_storeu_ps(out + (m0 + m) * out_row + col, mask, v);
+    }
+  }
+}
+
+template <int NT, int R = kRows>
+inline void rows_block(int mb, const float* x, int64_t x_row, const float* w, int64_t k_len, int64_t tile_stride,
+                       int64_t n0, int64_t n, int64_t m0, const Epilogue& ep, float* out, int64_t out_row) {
+  if (mb == R) return block<R, NT>(x, x_row, w, k_len, tile_stride, n0, n, m0, ep, out, out_row);
+  if constexpr (R > 1) rows_block<NT, R - 1>(mb, x, x_row, w, k_len, tile_stride, n0, n, m0, ep, out, out_row);
+}
+
+// x [M, K] fp32 (rows contiguous), weight from pack_f32_weight for N outputs, bias [N] or none, other [M, N] or
+// none; out [M, N]
+void linear_f32(const at::Tensor& x, const at::Tensor& weight, int64_t n, const std::optional<at::Tensor>& bias,
+                bool swish, const std::optional<at::Tensor>& other, at::Tensor out) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              "linear_f32 takes fp32 tensors");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.dim() == 3 && weight.is_contiguous() &&
+                  weight.size(2) == kTile, "linear_f32: x [M, K], weight [N/16, K, 16]");
+  const int64_t m = x.size(0), k = x.size(1), tiles = weight.size(0);
+  TORCH_CHECK(k == weight.size(1) && (n + kTile - 1) / kTile == tiles,
+              "linear_f32: x has ", k, " features and the weight ", weight.size(1), " for ", n, " outputs");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == m && out.size(1) == n && out.stride(1) == 1,
+              "linear_f32: out must be [M, N]");
+  Epilogue ep{nullptr, swish, nullptr, 0};
+  if (bias) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+                "linear_f32: bias must be fp32 [N]");
+    ep.bias = bias->const_data_ptr<float>();
+  }
+  if (other) {
+    TORCH_CHECK(other->scalar_type() == at::kFloat && other->dim() == 2 && other->size(0) == m &&
+                    other->size(1) == n && other->stride(1) == 1, "linear_f32: other must be fp32 [M, N]");
+    ep.other = other->const_data_ptr<float>();
+    ep.other_row = other->stride(0);
+  }
+  const float* xp = x.const_data_ptr<float>();
+  const float* wp = weight.const_data_ptr<float>();
+  float* op = out.mutable_data_ptr<float>();
+  const int64_t x_row = x.stride(0), out_row = out.stride(0), tile_stride = k * kTile;
+  for_each_block(m, tiles, [&](auto nt, int64_t t0, int64_t m0, int mb) {
+    const float* w = wp + t0 * tile_stride;
+    rows_block<decltype(nt)::value>(mb, xp + m0 * x_row, x_row, w, k, tile_stride, t0 * kTile, n, m0, ep, op, out_row);
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(megapipe, m) {
+  m.def("linear_f32(Tensor x, Tensor weight, int n, Tensor? bias, bool swish, Tensor? other, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(megapipe, CPU, m) { m.impl("linear_f32", &linear_f32); }

@@ -1,0 +1,43 @@
+// The work split of megapipe's linear kernels (linear_bf16.cpp, linear_f32.cpp): the packed weight's 16-output
+// tiles in groups of kTiles, the rows in chunks of kRowChunk, each (group, chunk) one parallel task, whose rows go
+// through the register block in runs of at most kRows.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+namespace megapipe_linear {
+
+constexpr int kTile = 16;  // outputs per 64-byte weight line
+// rows of x x weight tiles per register block: 24 accumulators and 3 weight lines of the 32 vector registers; of
+// the blocks that fit, the one that loads the fewest weight lines per product, and whose 3-tile groups split a
+// layer's 36 / 60 / 96 tiles evenly between two threads
+constexpr int kRows = 8;
+constexpr int kTiles = 3;
+constexpr int64_t kRowChunk = 64;  // rows per parallel task
+
+// block(std::integral_constant<int, NT>, first tile, first row, rows (<= kRows)) for every block of the matmul: NT =
+// kTiles, or 1 for each tile of a last, partial group
+template <typename Block>
+void for_each_block(int64_t m, int64_t tiles, const Block& block) {
+  const int64_t groups = (tiles + kTiles - 1) / kTiles, chunks = (m + kRowChunk - 1) / kRowChunk;
+  at::parallel_for(0, groups * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t g = item % groups, chunk = item / groups;
+      const int64_t t0 = g * kTiles, nt = std::min<int64_t>(kTiles, tiles - t0);
+      for (int64_t m0 = chunk * kRowChunk; m0 < std::min(m, (chunk + 1) * kRowChunk); m0 += kRows) {
+        const int mb = int(std::min<int64_t>(kRows, m - m0));
+        if (nt == kTiles) {
+          block(std::integral_constant<int, kTiles>{}, t0, m0, mb);
+        } else {
+          for (int64_t t = t0; t < t0 + nt; ++t) block(std::integral_constant<int, 1>{}, t, m0, mb);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace megapipe_linear
