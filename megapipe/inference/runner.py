@@ -86,11 +86,10 @@ class PackedLinear(nn.Module):
 
     def dense(self) -> torch.Tensor:
         """The weight [out_features, in_features] read back from its packed layout."""
-        if self.own and self.packed.dtype == torch.float32:
-            return kernels.unpack_f32_weight(self.packed, self.out_features)
-        if self.own:
-            return kernels.unpack_bf16_weight(self.packed, self.out_features)
-        return self.packed.to_dense()
+        if not self.own:
+            return self.packed.to_dense()
+        unpack = kernels.unpack_f32_weight if self.packed.dtype == torch.float32 else kernels.unpack_bf16_weight
+        return unpack(self.packed, self.out_features)
 
     def _on_own(self, x: torch.Tensor) -> bool:
         return self.own and (self.onednn is None or x.numel() <= self.own_rows * self.in_features)
@@ -446,8 +445,8 @@ class ModelRunner:
             n, k = widest_linear(model)
             self.own_linears, why = kernels.choose_bf16_linear(bf16_linear, n, k)
             say_once(why)
-        elif self.packed and self.dtype == torch.float32:  # fp32: no AMX for oneDNN, megapipe's loop streams faster
-            self.own_linears = kernels.f32_linear_built()
+        elif self.packed and self.ops is not None and self.dtype == torch.float32 and kernels.f32_linear_built():
+            self.own_linears = kernels.OWN_ALWAYS  # fp32: no AMX for oneDNN, megapipe's loop streams faster
         head = model.output_weight().detach()
         self.head = None
         if self.packed:

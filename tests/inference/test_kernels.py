@@ -376,6 +376,7 @@ def test_engine_with_the_kernels_gives_the_torch_paths_tokens_and_logprobs(ops, 
         engine = LLMEngine.from_pretrained(path, device="cpu", max_num_batched_tokens=8, cpu_kernels=kernel)
         assert (engine.runner.attention_kernel is not None) == kernel
         assert all((layer.ops is not None) == kernel for layer in engine.runner.layers)
+        assert (engine.runner.own_linears > 0) == (kernel and kernels.f32_linear_built())  # fp32 matmuls too
         outs.append(run_staggered(engine, PROMPTS, params, every=1,
                                   pick=lambda out: (out.outputs[0].token_ids, out.outputs[0].logprobs)))
     assert outs[0].keys() == outs[1].keys()
