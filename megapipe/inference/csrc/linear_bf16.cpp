@@ -23,12 +23,7 @@ namespace {
 
 using namespace megapipe_linear;
 
-struct Epilogue {
-  const c10::BFloat16* bias;  // [N] or null
-  bool swish;
-  const c10::BFloat16* other;  // [M, other_row] or null
-  int64_t other_row;
-};
+using Epilogue = megapipe_linear::Epilogue<c10::BFloat16>;
 
 inline __m512 bf16_to_fp32(__m256i v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
@@ -87,18 +82,7 @@ void linear_bf16(const at::Tensor& x, const at::Tensor& weight, int64_t n, const
               "linear_bf16: x has ", k, " features and the weight ", 2 * pairs, " for ", n, " outputs");
   TORCH_CHECK(out.dim() == 2 && out.size(0) == m && out.size(1) == n && out.stride(1) == 1,
               "linear_bf16: out must be [M, N]");
-  Epilogue ep{nullptr, swish, nullptr, 0};
-  if (bias) {
-    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == n,
-                "linear_bf16: bias must be bf16 [N]");
-    ep.bias = bias->const_data_ptr<c10::BFloat16>();
-  }
-  if (other) {
-    TORCH_CHECK(other->scalar_type() == at::kBFloat16 && other->dim() == 2 && other->size(0) == m &&
-                    other->size(1) == n && other->stride(1) == 1, "linear_bf16: other must be bf16 [M, N]");
-    ep.other = other->const_data_ptr<c10::BFloat16>();
-    ep.other_row = other->stride(0);
-  }
+  const Epilogue ep = checked_epilogue<c10::BFloat16>("linear_bf16", at::kBFloat16, "bf16", m, n, swish, bias, other);
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr<c10::BFloat16>());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.const_data_ptr<c10::BFloat16>());
   c10::BFloat16* op = out.mutable_data_ptr<c10::BFloat16>();

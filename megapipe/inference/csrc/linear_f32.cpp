@@ -18,12 +18,7 @@ namespace {
 
 using namespace megapipe_linear;
 
-struct Epilogue {
-  const float* bias;  // [N] or null
-  bool swish;
-  const float* other;  // [M, other_row] or null
-  int64_t other_row;
-};
+using Epilogue = megapipe_linear::Epilogue<float>;
 
 template <int MB, int NT>
 inline void block(const float* x, int64_t x_row, const float* w, int64_t k_len, int64_t tile_stride, int64_t n0,
@@ -77,18 +72,7 @@ void linear_f32(const at::Tensor& x, const at::Tensor& weight, int64_t n, const 
               "linear_f32: x has ", k, " features and the weight ", weight.size(1), " for ", n, " outputs");
   TORCH_CHECK(out.dim() == 2 && out.size(0) == m && out.size(1) == n && out.stride(1) == 1,
               "linear_f32: out must be [M, N]");
-  Epilogue ep{nullptr, swish, nullptr, 0};
-  if (bias) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
-                "linear_f32: bias must be fp32 [N]");
-    ep.bias = bias->const_data_ptr<float>();
-  }
-  if (other) {
-    TORCH_CHECK(other->scalar_type() == at::kFloat && other->dim() == 2 && other->size(0) == m &&
-                    other->size(1) == n && other->stride(1) == 1, "linear_f32: other must be fp32 [M, N]");
-    ep.other = other->const_data_ptr<float>();
-    ep.other_row = other->stride(0);
-  }
+  const Epilogue ep = checked_epilogue<float>("linear_f32", at::kFloat, "fp32", m, n, swish, bias, other);
   const float* xp = x.const_data_ptr<float>();
   const float* wp = weight.const_data_ptr<float>();
   float* op = out.mutable_data_ptr<float>();

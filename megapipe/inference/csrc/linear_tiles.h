@@ -4,9 +4,11 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <type_traits>
 
 namespace megapipe_linear {
@@ -18,6 +20,36 @@ constexpr int kTile = 16;  // outputs per 64-byte weight line
 constexpr int kRows = 8;
 constexpr int kTiles = 3;
 constexpr int64_t kRowChunk = 64;  // rows per parallel task
+
+// What a kernel applies to each [M, N] output before storing it: + bias, SiLU, * other (T: the kernel's dtype)
+template <typename T>
+struct Epilogue {
+  const T* bias;  // [N] or null
+  bool swish;
+  const T* other;  // [M, other_row] or null
+  int64_t other_row;
+};
+
+// The epilogue of op's [m, n] output, its optional bias [N] and other [M, N] checked to be `type` (named `type_name`
+// in the errors) with contiguous rows
+template <typename T>
+Epilogue<T> checked_epilogue(const char* op, at::ScalarType type, const char* type_name, int64_t m, int64_t n,
+                             bool swish, const std::optional<at::Tensor>& bias,
+                             const std::optional<at::Tensor>& other) {
+  Epilogue<T> ep{nullptr, swish, nullptr, 0};
+  if (bias) {
+    TORCH_CHECK(bias->scalar_type() == type && bias->is_contiguous() && bias->numel() == n,
+                op, ": bias must be ", type_name, " [N]");
+    ep.bias = bias->const_data_ptr<T>();
+  }
+  if (other) {
+    TORCH_CHECK(other->scalar_type() == type && other->dim() == 2 && other->size(0) == m && other->size(1) == n &&
+                    other->stride(1) == 1, op, ": other must be ", type_name, " [M, N]");
+    ep.other = other->const_data_ptr<T>();
+    ep.other_row = other->stride(0);
+  }
+  return ep;
+}
 
 // block(std::integral_constant<int, NT>, first tile, first row, rows (<= kRows)) for every block of the matmul: NT =
 // kTiles, or 1 for each tile of a last, partial group
