@@ -51,17 +51,17 @@ Epilogue<T> checked_epilogue(const char* op, at::ScalarType type, const char* ty
   return ep;
 }
 
-// block(std::integral_constant<int, NT>, first tile, first row, rows (<= kRows)) for every block of the matmul: NT =
+// block(std::integral_constant<int, NT>, first tile, first row, rows (<= Rows)) for every block of the matmul: NT =
 // kTiles, or 1 for each tile of a last, partial group
-template <typename Block>
+template <int Rows = kRows, typename Block>
 void for_each_block(int64_t m, int64_t tiles, const Block& block) {
   const int64_t groups = (tiles + kTiles - 1) / kTiles, chunks = (m + kRowChunk - 1) / kRowChunk;
   at::parallel_for(0, groups * chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t g = item % groups, chunk = item / groups;
       const int64_t t0 = g * kTiles, nt = std::min<int64_t>(kTiles, tiles - t0);
-      for (int64_t m0 = chunk * kRowChunk; m0 < std::min(m, (chunk + 1) * kRowChunk); m0 += kRows) {
-        const int mb = int(std::min<int64_t>(kRows, m - m0));
+      for (int64_t m0 = chunk * kRowChunk; m0 < std::min(m, (chunk + 1) * kRowChunk); m0 += Rows) {
+        const int mb = int(std::min<int64_t>(Rows, m - m0));
         if (nt == kTiles) {
           block(std::integral_constant<int, kTiles>{}, t0, m0, mb);
         } else {
