@@ -13,7 +13,7 @@
 // logit per query head: GPT-OSS's attention sinks) each row's softmax has one more term in its denominator, taken
 // into its running max as well. Key and value rows are prefetched about 4 KB ahead of use (a sequence's blocks lie
 // anywhere in the pool, where the hardware's stream prefetcher stops): 1.5x at 32 decodes of 164 positions whose
-// keys are not in cache (tools/bench_generate.py). Built at first use by
+// keys are not in cache (measured on this kernel alone). Built at first use by
 // megapipe/inference/kernels.py for the CPU it runs on.
 
 #include <ATen/Parallel.h>
