@@ -61,9 +61,10 @@ inline void rows_block(int mb, const uint16_t* x, int64_t x_row, const uint16_t*
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 // AMX: the packed weight's 16 lines of 2 inputs x 16 outputs are exactly a tile of the second operand of tdpbf16ps,
 // so a tile multiply takes 16 rows x 32 inputs of x against 32 inputs x 16 outputs of the weight in one
-// instruction; the matmul is then the weight stream alone at any row count up to 16, with no per-call cost to
-// speak of (oneDNN's call costs ~20 us before any arithmetic, a decode step makes ~150 of them).
-constexpr int kTileRows = 16;
+// instruction; a decode's matmul is then the weight stream alone, with no per-call cost to speak of (oneDNN's call
+// costs ~20 us before any arithmetic, a decode step makes ~150 of them). A block is up to 32 rows (two x tiles) by
+// two weight tiles: four products per four tile loads, as a prefill's many rows need.
+constexpr int kTileRows = 32, kTileGroup = 2;
 
 // Linux hands a process AMX's tile registers only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA)
 bool amx_permitted() {
@@ -77,44 +78,67 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tiles 0 .. NT-1: the fp32 sums of NT weight tiles for mb rows; 4: mb rows x 32 inputs of x; 5 and 6, in turn: a
-// weight tile's 16 lines (32 inputs x 16 outputs)
+// A parallel task's tile configuration: set when a block's row count differs from the last one's (loading it
+// costs too much to repeat for every block), released when the task ends, so oneDNN's AMX kernels on this thread
+// start from released tiles as they expect
+class TaskTiles {
+ public:
+  ~TaskTiles() {
+    if (rows_) _tile_release();
+  }
+  // tiles 0, 1: the fp32 sums of two weight tiles for the block's first 16 rows; 2, 3: for the rest; 4, 5: those
+  // rows' 32 inputs of x; 6, 7: two weight tiles' 16 lines (32 inputs x 16 outputs)
+  void configure(int mb) {
+    if (mb == rows_) return;
+    const int top = std::min(mb, 16), bottom = mb - top;
+    TileConfig cfg;
+    for (int t : {0, 1, 4}) cfg.rows[t] = top;
+    for (int t : {2, 3, 5}) cfg.rows[t] = bottom;
+    cfg.rows[6] = cfg.rows[7] = 16;
+    for (int t = 0; t < 8; ++t) cfg.colsb[t] = cfg.rows[t] ? 64 : 0;
+    _tile_loadconfig(&cfg);
+    rows_ = mb;
+  }
+
+ private:
+  int rows_ = 0;
+};
+
 template <int NT>
 void tile_block(const uint16_t* x, int64_t x_row, const uint16_t* w, int64_t pairs, int64_t tile_stride,
                 int64_t n0, int64_t n, int64_t m0, int mb, const Epilogue& ep, c10::BFloat16* out,
-                int64_t out_row) {
-  static_assert(NT == 1 || NT == 3, "tile_block names its tiles: one or three weight tiles at once");
-  TileConfig cfg;
-  for (int t = 0; t < NT; ++t) cfg.rows[t] = mb, cfg.colsb[t] = kTile * 4;
-  cfg.rows[4] = mb, cfg.colsb[4] = 64;
-  cfg.rows[5] = cfg.rows[6] = 16, cfg.colsb[5] = cfg.colsb[6] = 64;
-  _tile_loadconfig(&cfg);
+                int64_t out_row, TaskTiles& tiles) {
+  static_assert(NT == 1 || NT == 2, "tile_block names its tiles: one or two weight tiles at once");
+  tiles.configure(mb);
+  const bool bottom = mb > 16;
   _tile_zero(0);
-  if constexpr (NT == 3) {
-    _tile_zero(1);
+  if constexpr (NT == 2) _tile_zero(1);
+  if (bottom) {
     _tile_zero(2);
+    if constexpr (NT == 2) _tile_zero(3);
   }
   for (int64_t k = 0; k < pairs; k += 16) {
     _tile_loadd(4, x + 2 * k, x_row * 2);
-    _tile_loadd(5, w + k * 2 * kTile, 64);
-    _tile_dpbf16ps(0, 4, 5);
-    if constexpr (NT == 3) {
-      _tile_loadd(6, w + tile_stride + k * 2 * kTile, 64);
-      _tile_dpbf16ps(1, 4, 6);
-      _tile_loadd(5, w + 2 * tile_stride + k * 2 * kTile, 64);
-      _tile_dpbf16ps(2, 4, 5);
+    _tile_loadd(6, w + k * 2 * kTile, 64);
+    if constexpr (NT == 2) _tile_loadd(7, w + tile_stride + k * 2 * kTile, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NT == 2) _tile_dpbf16ps(1, 4, 7);
+    if (bottom) {
+      _tile_loadd(5, x + 16 * x_row + 2 * k, x_row * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (NT == 2) _tile_dpbf16ps(3, 5, 7);
     }
   }
-  alignas(64) float sums[NT][kTileRows][kTile];
-  _tile_stored(0, sums[0], kTile * 4);
-  if constexpr (NT == 3) {
-    _tile_stored(1, sums[1], kTile * 4);
-    _tile_stored(2, sums[2], kTile * 4);
+  alignas(64) float sums[2][NT][16][kTile];  // [top/bottom][weight tile][row][output]
+  _tile_stored(0, sums[0][0], kTile * 4);
+  if constexpr (NT == 2) _tile_stored(1, sums[0][1], kTile * 4);
+  if (bottom) {
+    _tile_stored(2, sums[1][0], kTile * 4);
+    if constexpr (NT == 2) _tile_stored(3, sums[1][NT - 1], kTile * 4);
   }
-  _tile_release();
   for (int t = 0; t < NT; ++t) {
     const TileColumns cols(n0 + t * kTile, n, ep);
-    for (int m = 0; m < mb; ++m) finish_row(_mm512_load_ps(sums[t][m]), cols, m0 + m, ep, out, out_row);
+    for (int m = 0; m < mb; ++m) finish_row(_mm512_load_ps(sums[m / 16][t][m % 16]), cols, m0 + m, ep, out, out_row);
   }
 }
 
@@ -122,13 +146,14 @@ bool amx_serves(int64_t pairs) {
   return pairs % 16 == 0 && amx_permitted();
 }
 #else
-constexpr int kTileRows = 16;
+constexpr int kTileRows = 32, kTileGroup = 2;
+struct TaskTiles {};
 bool amx_serves(int64_t) {
   return false;
 }
 template <int NT>
 void tile_block(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int,
-                const Epilogue&, c10::BFloat16*, int64_t) {}
+                const Epilogue&, c10::BFloat16*, int64_t, TaskTiles&) {}
 #endif
 
 // x [M, K] bf16 (rows contiguous), weight from pack_bf16_weight for N outputs, bias [N] or none, other [M, N] or
@@ -150,9 +175,9 @@ void linear_bf16(const at::Tensor& x, const at::Tensor& weight, int64_t n, const
   c10::BFloat16* op = out.mutable_data_ptr<c10::BFloat16>();
   const int64_t x_row = x.stride(0), out_row = out.stride(0), tile_stride = pairs * 2 * kTile;
   if (amx && amx_serves(pairs)) {
-    for_each_block<kTileRows>(m, tiles, [&](auto nt, int64_t t0, int64_t m0, int mb) {
+    for_each_block<kTileRows, kTileGroup, TaskTiles>(m, tiles, [&](auto nt, int64_t t0, int64_t m0, int mb, TaskTiles& state) {
       tile_block<decltype(nt)::value>(xp + m0 * x_row, x_row, wp + t0 * tile_stride, pairs, tile_stride, t0 * kTile,
-                                      n, m0, mb, ep, op, out_row);
+                                      n, m0, mb, ep, op, out_row, state);
     });
     return;
   }

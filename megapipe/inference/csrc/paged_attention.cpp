@@ -11,9 +11,10 @@
 // short and long rows. Scores, softmax and the weighted sum of values are all in fp32 (ATen's vectorized types and
 // Sleef's exp, as torch's own softmax); only the output is rounded to the model's dtype. With `sinks` (fp32, one
 // logit per query head: GPT-OSS's attention sinks) each row's softmax has one more term in its denominator, taken
-// into its running max as well. Key and value rows are prefetched about 4 KB ahead of use (a sequence's blocks lie
-// anywhere in the pool, where the hardware's stream prefetcher stops): 1.5x at 32 decodes of 164 positions whose
-// keys are not in cache (measured on this kernel alone). Built at first use by
+// into its running max as well. A decode row prefetches its key and value rows about 4 KB ahead of use (a
+// sequence's blocks lie anywhere in the pool, where the hardware's stream prefetcher stops): 1.5x at 32 decodes of
+// 164 positions whose keys are not in cache; a prefill chunk's runs reread their keys from cache, and prefetching
+// there cost 20% (both measured on this kernel alone). Built at first use by
 // megapipe/inference/kernels.py for the CPU it runs on.
 
 #include <ATen/Parallel.h>
@@ -176,10 +177,7 @@ void attend_rows(const Step<T>& s, int64_t b0, int64_t rows, int64_t g, std::vec
   s.key_offsets(b0, g, first, n, dim, at);
   scores.resize(n * W);
   const float* q = qt.data() + W * dim;
-  constexpr int64_t kAhead = keys_ahead<T>(dim);
-  for (int64_t t = 0; t < std::min(n, kAhead); ++t) prefetch_row(s.k + at[t], dim * sizeof(T));
   for (int64_t t = 0; t < n; ++t) {
-    if (t + kAhead < n) prefetch_row(s.k + at[t + kAhead], dim * sizeof(T));
     const T* row = s.k + at[t];
     alignas(64) float key[dim];
     for (int c = 0; c < C; ++c) load_float(row + c * W).store(key + c * W);
@@ -205,12 +203,10 @@ void attend_rows(const Step<T>& s, int64_t b0, int64_t rows, int64_t g, std::vec
   if (s.sinks) total = total + (sink_v - top).exp();
   alignas(64) float inv[W];
   (Vec(1.f) / total).store(inv);
-  for (int64_t t = 0; t < std::min(n, kAhead); ++t) prefetch_row(s.v + at[t], dim * sizeof(T));
   for (int c = 0; c < C; ++c) {
     Vec acc[W];
     for (int64_t l = 0; l < W; ++l) acc[l] = Vec(0.f);
     for (int64_t t = 0; t < n; ++t) {
-      if (c == 0 && t + kAhead < n) prefetch_row(s.v + at[t + kAhead], dim * sizeof(T));
       const Vec v = load_float(s.v + at[t] + c * W);
       const float* p = scores.data() + t * W;
       for (int64_t l = 0; l < W; ++l) acc[l] = at::vec::fmadd(Vec(p[l]), v, acc[l]);
