@@ -6,7 +6,8 @@
   one pass each (the residual add fused into the next norm; the rotary embedding fused with storing k and v);
 - ``mamba_step`` (csrc/mamba_step.cpp): a Mamba-2 layer's decode token for a batch in one pass over its states;
 - ``linear_bf16`` (csrc/linear_bf16.cpp, only on CPUs with AVX512-BF16): bf16 linear layers on weights packed by
-  ``pack_bf16_weight``, with the bias, SiLU and a product fused into the epilogue;
+  ``pack_bf16_weight``, with the bias, SiLU and a product fused into the epilogue; on AMX tiles where the CPU has
+  them (built with -mamx-tile/-mamx-bf16 there; ``amx=False`` takes the vdpbf16ps loop);
 - ``linear_f32`` (csrc/linear_f32.cpp, on AVX-512 CPUs): the same for fp32, on weights packed by ``pack_f32_weight``.
 
 They land in ``torch.ops.megapipe``. ``ops()`` returns that namespace, or None when the kernels cannot be built here
@@ -38,7 +39,7 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp", CSRC / "mamba_step.cpp"]
 BF16_SOURCES = [CSRC / "linear_bf16.cpp"]  # vdpbf16ps: built where the CPU has AVX512-BF16
 F32_SOURCES = [CSRC / "linear_f32.cpp"]  # AVX-512 only
-HEADERS = [CSRC / "linear_tiles.h"]
+HEADERS = [CSRC / "linear_tiles.h", CSRC / "bf16_epilogue.h"]
 # ATen's own flags for its vectorized kernels at each capability (what at::vec::Vectorized selects on)
 ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
@@ -73,6 +74,8 @@ def _build_spec() -> tuple[str, list[Path], list[str]]:
         sources += F32_SOURCES
     if has_avx512_bf16():
         flags.append("-mavx512bf16")
+        if has_amx():  # linear_bf16 on AMX tiles (built in, used where the kernel asks Linux for them and may)
+            flags += ["-mamx-tile", "-mamx-bf16"]
         sources += BF16_SOURCES
     digest = hashlib.sha1(" ".join(flags).encode())
     for source in sources + HEADERS:
@@ -218,9 +221,10 @@ def describe_row_limit(limit: int) -> str:
 def choose_bf16_linear(setting: str, n: int, k: int) -> tuple[int, str]:
     """The most rows a bf16 matmul may have to run on megapipe's kernel (above it oneDNN's runs; 0: oneDNN only,
     OWN_ALWAYS: megapipe's only), and why in one line. ``auto`` measures both on the model's widest layer weight
-    [n, k] at CHOICE_ROWS rows: on AMX CPUs oneDNN's tiles win from a few rows up while the bandwidth-bound own
-    kernel wins a decode of one or two rows (both layouts are then kept: the weights twice); on AVX512-BF16 CPUs
-    without AMX the own kernel usually wins throughout. A measurement settles it on whatever CPU this is."""
+    [n, k] at CHOICE_ROWS rows: on AVX512-BF16 CPUs without AMX the own vdpbf16ps loop wins a decode's few rows
+    and oneDNN may win from some row count up (both layouts are then kept: the weights twice); on AMX CPUs the own
+    kernel multiplies AMX tiles itself and measured faster than oneDNN at every count (a oneDNN call costs ~20 us
+    before any arithmetic). A measurement settles it on whatever CPU this is."""
     if setting not in BF16_LINEAR_CHOICES:
         raise ValueError(f"bf16_linear = {setting!r} must be one of {', '.join(BF16_LINEAR_CHOICES)}")
     if not bf16_linear_built():

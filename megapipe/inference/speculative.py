@@ -54,7 +54,7 @@ import torch
 
 from megapipe.inference.kv_cache import PagedBatch, eviction_window
 from megapipe.inference.runner import DecoderLayer, pack_linears, rms_norm
-from megapipe.inference.sampling import SampleRow, distribution, draw, penalised, uniforms
+from megapipe.inference.sampling import SampleRow, distribution, draw, greedy_ids, penalised, uniforms
 
 
 @dataclass
@@ -137,7 +137,7 @@ class Speculator:
         rows = [self.sample_row(seq, draft[:i]) for i in range(len(draft) + 1)]
         logits = penalised(logits, rows)
         if rows[0].params.greedy:
-            out = accept_greedy(draft, logits.argmax(dim=-1).tolist())
+            out = accept_greedy(draft, greedy_ids(logits).tolist())
         else:
             p = distribution(logits, rows)
             if seq.draft.probs:
@@ -267,7 +267,7 @@ class MTPSpeculator(Speculator):
         logits = penalised(logits.float(), rows)
         for i, (s, row) in enumerate(zip(seqs, rows, strict=True)):
             if row.params.greedy:
-                s.draft.tokens.append(int(logits[i].argmax()))
+                s.draft.tokens.append(int(greedy_ids(logits[i])))
                 s.draft.probs.append(None)
             else:
                 q = distribution(logits[i:i + 1], [row])

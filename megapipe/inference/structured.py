@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import torch
 
-from megapipe.inference.sampling import ParamError
+from megapipe.inference.sampling import ParamError, greedy_ids
 
 KINDS = ("json", "regex", "choice", "grammar")
 ANY_OBJECT = '{"type": "object"}'
@@ -183,7 +183,7 @@ class Matcher:
             rows[i].matcher.fill(bitmask, i)
         greedy = [i for i in held if rows[i].params.greedy]
         if greedy:
-            top = logits[greedy].argmax(dim=-1).tolist()
+            top = greedy_ids(logits[greedy]).tolist()
             fine = {i for i, t in zip(greedy, top, strict=True) if int(bitmask[i, t // 32]) >> (t % 32) & 1}
             held = [i for i in held if i not in fine]
         if not held:

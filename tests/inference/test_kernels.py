@@ -482,3 +482,20 @@ def test_mamba_step_is_the_mixers_decode_step(ops, dtype, state_dim):
     assert torch.equal(ssm[[1, 4]], want_ssm[[1, 4]])
     torch.testing.assert_close(ssm, want_ssm, **tol)
     torch.testing.assert_close(out.view(want.shape), want, **tol)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 16, 32), (7, 40, 64), (16, 200, 576), (45, 96, 1536), (3, 48, 40)])
+def test_bf16_linear_on_amx_tiles_matches_its_vdpbf16ps_loop(bf16_linear, m, n, k):
+    """Where the CPU has AMX the kernel multiplies tiles of 16 rows x 32 inputs (k = 40: not a whole tile, the
+    vdpbf16ps loop serves); both sum the same exact products in fp32 in another order: within a rounding of each
+    other, and nearly always equal, with bias, SiLU and the product in the epilogue."""
+    g = torch.Generator().manual_seed(m * n + k)
+    w, b = (torch.randn(n, k, generator=g) * 0.05).bfloat16(), torch.randn(n, generator=g).bfloat16()
+    x, other = torch.randn(m, k, generator=g).bfloat16(), torch.randn(m, n, generator=g).bfloat16()
+    packed = kernels.pack_bf16_weight(w)
+    for swish, times in ((False, None), (True, None), (False, other)):
+        tiles, loop = (torch.empty(m, n, dtype=torch.bfloat16) for _ in range(2))
+        bf16_linear(x, packed, n, b, swish, times, tiles)
+        bf16_linear(x, packed, n, b, swish, times, loop, amx=False)
+        torch.testing.assert_close(tiles.float(), loop.float(), rtol=2 ** -7, atol=2 ** -7)
+        assert (tiles == loop).float().mean() > 0.95

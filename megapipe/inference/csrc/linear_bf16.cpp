@@ -3,7 +3,8 @@
 // line feeds 16 output columns at once and no horizontal sums are needed. A decode step's few rows stream every
 // weight from DRAM once; this loop keeps that stream at the memory's speed where oneDNN's packed matmul reaches
 // about two thirds of it (tools/bench_generate.py). Products and sums in fp32 (vdpbf16ps), the epilogue (bias,
-// SiLU, the product with `other`) in fp32 before one rounding to bf16.
+// SiLU, the product with `other`) in fp32 before one rounding to bf16. Where the CPU has AMX the same packed lines
+// are tiles for tdpbf16ps (tile_block below), which serve any row count.
 //
 // Built only where the CPU has AVX512-BF16 (megapipe/inference/kernels.py).
 
@@ -14,7 +15,11 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include "bf16_epilogue.h"
 #include "linear_tiles.h"
+
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <optional>
@@ -24,10 +29,6 @@ namespace {
 using namespace megapipe_linear;
 
 using Epilogue = megapipe_linear::Epilogue<c10::BFloat16>;
-
-inline __m512 bf16_to_fp32(__m256i v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
 
 template <int MB, int NT>
 inline void block(const uint16_t* x, int64_t x_row, const uint16_t* w, int64_t pairs, int64_t tile_stride,
@@ -43,21 +44,9 @@ inline void block(const uint16_t* x, int64_t x_row, const uint16_t* w, int64_t p
       for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_dpbf16_ps(acc[m][t], (__m512bh)xv, (__m512bh)wv[t]);
     }
   }
-  using Vec = at::vec::Vectorized<float>;
   for (int t = 0; t < NT; ++t) {
-    const int64_t col = n0 + t * kTile;
-    const int64_t valid = std::min<int64_t>(kTile, n - col);
-    const __mmask16 mask = valid >= kTile ? __mmask16(0xffff) : __mmask16((1u << valid) - 1);
-    const __m512 bias = ep.bias ? bf16_to_fp32(_mm256_maskz_loadu_epi16(mask, ep.bias + col)) : _mm512_setzero_ps();
-    for (int m = 0; m < MB; ++m) {
-      __m512 v = _mm512_add_ps(acc[m][t], bias);
-      if (ep.swish) {
-        const Vec x(v);
-        v = x / (Vec(1.f) + x.neg().exp());
-      }
-      if (ep.other) v = _mm512_mul_ps(v, bf16_to_fp32(_mm256_maskz_loadu_epi16(mask, ep.other + (m0 + m) * ep.other_row + col)));
-      _mm256_mask_storeu_epi16(out + (m0 + m) * out_row + col, mask, (__m256i)_mm512_cvtneps_pbh(v));
-    }
+    const TileColumns cols(n0 + t * kTile, n, ep);
+    for (int m = 0; m < MB; ++m) finish_row(acc[m][t], cols, m0 + m, ep, out, out_row);
   }
 }
 
@@ -69,10 +58,108 @@ inline void rows_block(int mb, const uint16_t* x, int64_t x_row, const uint16_t*
   if constexpr (R > 1) rows_block<NT, R - 1>(mb, x, x_row, w, pairs, tile_stride, n0, n, m0, ep, out, out_row);
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// AMX: the packed weight's 16 lines of 2 inputs x 16 outputs are exactly a tile of the second operand of tdpbf16ps,
+// so a tile multiply takes 16 rows x 32 inputs of x against 32 inputs x 16 outputs of the weight in one
+// instruction; a decode's matmul is then the weight stream alone, with no per-call cost to speak of (oneDNN's call
+// costs ~20 us before any arithmetic, a decode step makes ~150 of them). A block is up to 32 rows (two x tiles) by
+// two weight tiles: four products per four tile loads, as a prefill's many rows need.
+constexpr int kTileRows = 32, kTileGroup = 2;
+
+// Linux hands a process AMX's tile registers only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA)
+bool amx_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return permitted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// A parallel task's tile configuration: set when a block's row count differs from the last one's (loading it
+// costs too much to repeat for every block), released when the task ends, so oneDNN's AMX kernels on this thread
+// start from released tiles as they expect
+class TaskTiles {
+ public:
+  ~TaskTiles() {
+    if (rows_) _tile_release();
+  }
+  // tiles 0, 1: the fp32 sums of two weight tiles for the block's first 16 rows; 2, 3: for the rest; 4, 5: those
+  // rows' 32 inputs of x; 6, 7: two weight tiles' 16 lines (32 inputs x 16 outputs)
+  void configure(int mb) {
+    if (mb == rows_) return;
+    const int top = std::min(mb, 16), bottom = mb - top;
+    TileConfig cfg;
+    for (int t : {0, 1, 4}) cfg.rows[t] = top;
+    for (int t : {2, 3, 5}) cfg.rows[t] = bottom;
+    cfg.rows[6] = cfg.rows[7] = 16;
+    for (int t = 0; t < 8; ++t) cfg.colsb[t] = cfg.rows[t] ? 64 : 0;
+    _tile_loadconfig(&cfg);
+    rows_ = mb;
+  }
+
+ private:
+  int rows_ = 0;
+};
+
+template <int NT>
+void tile_block(const uint16_t* x, int64_t x_row, const uint16_t* w, int64_t pairs, int64_t tile_stride,
+                int64_t n0, int64_t n, int64_t m0, int mb, const Epilogue& ep, c10::BFloat16* out,
+                int64_t out_row, TaskTiles& tiles) {
+  static_assert(NT == 1 || NT == 2, "tile_block names its tiles: one or two weight tiles at once");
+  tiles.configure(mb);
+  const bool bottom = mb > 16;
+  _tile_zero(0);
+  if constexpr (NT == 2) _tile_zero(1);
+  if (bottom) {
+    _tile_zero(2);
+    if constexpr (NT == 2) _tile_zero(3);
+  }
+  for (int64_t k = 0; k < pairs; k += 16) {
+    _tile_loadd(4, x + 2 * k, x_row * 2);
+    _tile_loadd(6, w + k * 2 * kTile, 64);
+    if constexpr (NT == 2) _tile_loadd(7, w + tile_stride + k * 2 * kTile, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NT == 2) _tile_dpbf16ps(1, 4, 7);
+    if (bottom) {
+      _tile_loadd(5, x + 16 * x_row + 2 * k, x_row * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (NT == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  alignas(64) float sums[2][NT][16][kTile];  // [top/bottom][weight tile][row][output]
+  _tile_stored(0, sums[0][0], kTile * 4);
+  if constexpr (NT == 2) _tile_stored(1, sums[0][1], kTile * 4);
+  if (bottom) {
+    _tile_stored(2, sums[1][0], kTile * 4);
+    if constexpr (NT == 2) _tile_stored(3, sums[1][NT - 1], kTile * 4);
+  }
+  for (int t = 0; t < NT; ++t) {
+    const TileColumns cols(n0 + t * kTile, n, ep);
+    for (int m = 0; m < mb; ++m) finish_row(_mm512_load_ps(sums[m / 16][t][m % 16]), cols, m0 + m, ep, out, out_row);
+  }
+}
+
+bool amx_serves(int64_t pairs) {
+  return pairs % 16 == 0 && amx_permitted();
+}
+#else
+constexpr int kTileRows = 32, kTileGroup = 2;
+struct TaskTiles {};
+bool amx_serves(int64_t) {
+  return false;
+}
+template <int NT>
+void tile_block(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int,
+                const Epilogue&, c10::BFloat16*, int64_t, TaskTiles&) {}
+#endif
+
 // x [M, K] bf16 (rows contiguous), weight from pack_bf16_weight for N outputs, bias [N] or none, other [M, N] or
 // none; out [M, N]
 void linear_bf16(const at::Tensor& x, const at::Tensor& weight, int64_t n, const std::optional<at::Tensor>& bias,
-                 bool swish, const std::optional<at::Tensor>& other, at::Tensor out) {
+                 bool swish, const std::optional<at::Tensor>& other, at::Tensor out, bool amx) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
                   out.scalar_type() == at::kBFloat16, "linear_bf16 takes bf16 tensors");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.dim() == 4 && weight.is_contiguous() &&
@@ -87,6 +174,13 @@ void linear_bf16(const at::Tensor& x, const at::Tensor& weight, int64_t n, const
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.const_data_ptr<c10::BFloat16>());
   c10::BFloat16* op = out.mutable_data_ptr<c10::BFloat16>();
   const int64_t x_row = x.stride(0), out_row = out.stride(0), tile_stride = pairs * 2 * kTile;
+  if (amx && amx_serves(pairs)) {
+    for_each_block<kTileRows, kTileGroup, TaskTiles>(m, tiles, [&](auto nt, int64_t t0, int64_t m0, int mb, TaskTiles& state) {
+      tile_block<decltype(nt)::value>(xp + m0 * x_row, x_row, wp + t0 * tile_stride, pairs, tile_stride, t0 * kTile,
+                                      n, m0, mb, ep, op, out_row, state);
+    });
+    return;
+  }
   for_each_block(m, tiles, [&](auto nt, int64_t t0, int64_t m0, int mb) {
     const int64_t n0 = t0 * kTile;
     rows_block<decltype(nt)::value>(mb, xp + m0 * x_row, x_row, wp + t0 * tile_stride, pairs, tile_stride, n0, n,
@@ -97,7 +191,9 @@ void linear_bf16(const at::Tensor& x, const at::Tensor& weight, int64_t n, const
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(megapipe, m) {
-  m.def("linear_bf16(Tensor x, Tensor weight, int n, Tensor? bias, bool swish, Tensor? other, Tensor(a!) out) -> ()");
+  m.def(
+      "linear_bf16(Tensor x, Tensor weight, int n, Tensor? bias, bool swish, Tensor? other, Tensor(a!) out, "
+      "bool amx=True) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(megapipe, CPU, m) {

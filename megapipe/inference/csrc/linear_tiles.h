@@ -51,21 +51,32 @@ Epilogue<T> checked_epilogue(const char* op, at::ScalarType type, const char* ty
   return ep;
 }
 
-// block(std::integral_constant<int, NT>, first tile, first row, rows (<= kRows)) for every block of the matmul: NT =
-// kTiles, or 1 for each tile of a last, partial group
-template <typename Block>
+struct NoTaskState {};
+
+// block(std::integral_constant<int, NT>, first tile, first row, rows (<= Rows)[, state]) for every block of the
+// matmul: NT = Tiles, or 1 for each tile of a last, partial group. With a TaskState, each parallel task makes one
+// and passes it to every block it runs (AMX's tile configuration, set once per task and released at its end).
+template <int Rows = kRows, int Tiles = kTiles, typename TaskState = NoTaskState, typename Block>
 void for_each_block(int64_t m, int64_t tiles, const Block& block) {
-  const int64_t groups = (tiles + kTiles - 1) / kTiles, chunks = (m + kRowChunk - 1) / kRowChunk;
+  const int64_t groups = (tiles + Tiles - 1) / Tiles, chunks = (m + kRowChunk - 1) / kRowChunk;
   at::parallel_for(0, groups * chunks, 1, [&](int64_t begin, int64_t end) {
+    TaskState state;
+    auto run = [&](auto nt, int64_t t0, int64_t m0, int mb) {
+      if constexpr (std::is_same_v<TaskState, NoTaskState>) {
+        block(nt, t0, m0, mb);
+      } else {
+        block(nt, t0, m0, mb, state);
+      }
+    };
     for (int64_t item = begin; item < end; ++item) {
       const int64_t g = item % groups, chunk = item / groups;
-      const int64_t t0 = g * kTiles, nt = std::min<int64_t>(kTiles, tiles - t0);
-      for (int64_t m0 = chunk * kRowChunk; m0 < std::min(m, (chunk + 1) * kRowChunk); m0 += kRows) {
-        const int mb = int(std::min<int64_t>(kRows, m - m0));
-        if (nt == kTiles) {
-          block(std::integral_constant<int, kTiles>{}, t0, m0, mb);
+      const int64_t t0 = g * Tiles, nt = std::min<int64_t>(Tiles, tiles - t0);
+      for (int64_t m0 = chunk * kRowChunk; m0 < std::min(m, (chunk + 1) * kRowChunk); m0 += Rows) {
+        const int mb = int(std::min<int64_t>(Rows, m - m0));
+        if (nt == Tiles) {
+          run(std::integral_constant<int, Tiles>{}, t0, m0, mb);
         } else {
-          for (int64_t t = t0; t < t0 + nt; ++t) block(std::integral_constant<int, 1>{}, t, m0, mb);
+          for (int64_t t = t0; t < t0 + nt; ++t) run(std::integral_constant<int, 1>{}, t, m0, mb);
         }
       }
     }

@@ -11,7 +11,10 @@
 // short and long rows. Scores, softmax and the weighted sum of values are all in fp32 (ATen's vectorized types and
 // Sleef's exp, as torch's own softmax); only the output is rounded to the model's dtype. With `sinks` (fp32, one
 // logit per query head: GPT-OSS's attention sinks) each row's softmax has one more term in its denominator, taken
-// into its running max as well. Built at first use by
+// into its running max as well. A decode row prefetches its key and value rows about 4 KB ahead of use (a
+// sequence's blocks lie anywhere in the pool, where the hardware's stream prefetcher stops): 1.5x at 32 decodes of
+// 164 positions whose keys are not in cache; a prefill chunk's runs reread their keys from cache, and prefetching
+// there cost 20% (both measured on this kernel alone). Built at first use by
 // megapipe/inference/kernels.py for the CPU it runs on.
 
 #include <ATen/Parallel.h>
@@ -70,15 +73,28 @@ struct Step {
   void key_offsets(int64_t b, int64_t g, int64_t first, int64_t n, int64_t dim, std::vector<int64_t>& at) const {
     const int32_t* blocks = table + int64_t(seq[b]) * table_row;
     at.resize(n);
+    int64_t block = first / block_size, in_block = first % block_size;  // one division, not two per key
     for (int64_t t = 0; t < n; ++t) {
-      const int64_t pos = first + t;
-      at[t] = (g * slots + int64_t(blocks[pos / block_size]) * block_size + pos % block_size) * dim;
+      at[t] = (g * slots + int64_t(blocks[block]) * block_size + in_block) * dim;
+      if (++in_block == block_size) in_block = 0, ++block;
     }
   }
   int64_t first_key(int64_t b) const {
     return window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
   }
 };
+
+// Asks for the cache lines of the `bytes` bytes at p: a sequence's blocks lie anywhere in the pool, so the
+// hardware's stream prefetcher stops at each block's end.
+inline void prefetch_row(const void* p, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(static_cast<const char*>(p) + line);
+}
+
+// how many keys ahead of the one in use are asked for: about 4 KB of the pool ahead
+template <typename T>
+constexpr int64_t keys_ahead(int64_t dim) {
+  return std::max<int64_t>(2, 4096 / (dim * int64_t(sizeof(T))));
+}
 
 // C = head_dim / Vec::size(), known at compile time so a key or value row lives in registers.
 // One row (a decode) and kv head: its `group` query heads share each key and value row, loaded and widened once.
@@ -87,6 +103,7 @@ void attend_row(const Step<T>& s, int64_t b, int64_t g, std::vector<Vec>& qv, st
                 std::vector<float>& scores, std::vector<float>& total, std::vector<int64_t>& at) {
   constexpr int64_t W = Vec::size(), dim = C * W;
   const int64_t group = s.group, first = s.first_key(b), n = s.lens[b] - first;
+  constexpr int64_t kAhead = keys_ahead<T>(dim);
   const Vec vscale(s.scale);
   for (int64_t j = 0; j < group; ++j) {
     const T* src = s.q + b * s.q_row + (g * group + j) * s.q_head;
@@ -94,7 +111,9 @@ void attend_row(const Step<T>& s, int64_t b, int64_t g, std::vector<Vec>& qv, st
   }
   s.key_offsets(b, g, first, n, dim, at);
   scores.resize(group * n);
+  for (int64_t t = 0; t < std::min(n, kAhead); ++t) prefetch_row(s.k + at[t], dim * sizeof(T));
   for (int64_t t = 0; t < n; ++t) {
+    if (t + kAhead < n) prefetch_row(s.k + at[t + kAhead], dim * sizeof(T));
     const T* row = s.k + at[t];
     Vec kc[C];
     for (int c = 0; c < C; ++c) kc[c] = load_float(row + c * W);
@@ -113,8 +132,10 @@ void attend_row(const Step<T>& s, int64_t b, int64_t g, std::vector<Vec>& qv, st
     total[j] = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, p, n);
     if (s.sinks) total[j] += std::exp(sink - top);
   }
+  for (int64_t t = 0; t < std::min(n, kAhead); ++t) prefetch_row(s.v + at[t], dim * sizeof(T));
   std::fill(acc.begin(), acc.end(), Vec(0.f));
   for (int64_t t = 0; t < n; ++t) {
+    if (t + kAhead < n) prefetch_row(s.v + at[t + kAhead], dim * sizeof(T));
     const T* row = s.v + at[t];
     Vec vc[C];
     for (int c = 0; c < C; ++c) vc[c] = load_float(row + c * W);
