@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megapipe.inference import SamplingParams
-from megapipe.inference.sampling import SampleRow, apply_penalties, filter_logits, sample
+from megapipe.inference.sampling import SampleRow, apply_penalties, filter_logits, greedy_ids, sample
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.5])
 DRAWS = 40_000
@@ -130,3 +130,16 @@ def test_engine_first_token_frequencies_follow_the_tempered_model(tiny_engine_fa
         sigma = (probs[top] * (1 - probs[top]) / draws).sqrt()
         assert ((freq[top] - probs[top]).abs() <= 5 * sigma).all(), (temperature, freq[top], probs[top])
         assert len(out[0].outputs[0].token_ids) == 1
+
+
+def test_greedy_ids_are_argmax_with_its_ties_and_nans():
+    """``max``'s indices stand in for argmax on the greedy path: the first of equal maxima, and a NaN where a row has
+    one (argmax's rules), in rows of a real vocabulary's width."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 4, (64, 49152), generator=g).float()  # every row full of ties at its maximum
+    logits[3, 17] = float("nan")
+    logits[5, [40000, 9]] = float("nan")
+    want = logits.argmax(dim=-1)
+    assert torch.equal(greedy_ids(logits), want)
+    assert want[3] == 17 and want[5] == 9 and want[0] == (logits[0] == logits[0].max()).nonzero()[0, 0]
+    assert torch.equal(greedy_ids(logits.bfloat16()), logits.bfloat16().argmax(dim=-1))
