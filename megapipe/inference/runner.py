@@ -3,8 +3,10 @@
 On CPU the linear layers are swapped for oneDNN ones with the weight pre-packed once into the blocked layout the
 kernel reads (what inductor's freezing and IPEX do), q/k/v fused into one matmul, and the swiglu MLP's SiLU and
 product done by oneDNN on the matmul results (post-ops): ~1.5x faster matmuls for the small batches of decoding
-and no elementwise passes over the MLP's activations. fp32 matmuls run on megapipe's own kernel where it is built
-(AVX-512: csrc/linear_f32.cpp), which streams the weights of a decode step ~1.4x faster than oneDNN's. The values
+and no elementwise passes over the MLP's activations. bf16 matmuls run on megapipe's own kernel (csrc/linear_bf16.cpp:
+vdpbf16ps, or AMX tiles) at the row counts where a measurement at start finds it faster (kernels.choose_bf16_linear;
+on AMX CPUs all of them), fp32 matmuls on megapipe's own kernel where it is built (AVX-512: csrc/linear_f32.cpp),
+which streams the weights of a decode step ~1.4x faster than oneDNN's. The values
 differ from the plain modules' by round-off only: in fp32 in the last bits (greedy parity with HF and logprobs
 within 1e-4 of a full forward hold, tests/inference); in bf16 the fused SiLU and product are taken before rounding
 to bf16 rather than after. The model object is the engine's to modify.

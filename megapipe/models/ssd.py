@@ -11,7 +11,8 @@ caller gets the same y.
 Packed documents (``document_ids`` [B, S]; a document is a run of equal ids, a change starts the next one): a
 token never sees an earlier document's inputs, in the convolution or the scan. The decays across a document start
 are set to exactly zero, never made small by adding large negative numbers to the log-decays, and every log-decay
-sum is a sum over the positions it spans, never a difference of two cumulative sums, so no precision is lost. An incoming state (conv window or SSM state) continues the row's first document.
+sum is a sum over the positions it spans, never a difference of two cumulative sums, so no precision is lost. An
+incoming state (conv window or SSM state) continues the row's first document.
 
 Numerics: the scan runs in float32 whatever the input dtype and returns y in the input's dtype, states in float32.
 """

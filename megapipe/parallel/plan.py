@@ -325,8 +325,8 @@ def mamba_mixer_activation_bytes(m, precision: str, recompute: str, tp: int = 1)
       2I) and the per-group rsqrt 4G; norm before the gate (Falcon-H1's): 20I (autocast 22I) + 4G; no norm:
       y, silu(z) and their product 3eI.
     Selective recompute keeps the matmul outputs: the in-projection's, the scan's (fp32: the log-decays' segment
-    sums 4HQ, C.B^T 4GQ, two 4HP, the chunk states 4HPN/Q), split by tp, and the out-projection's full-sequence output e*h; full recompute is counted by
-    the block (its input only)."""
+    sums 4HQ, C.B^T 4GQ, two 4HP, the chunk states 4HPN/Q), split by tp, and the out-projection's full-sequence
+    output e*h; full recompute is counted by the block (its input only)."""
     h, e = m.hidden_size, DTYPE_BYTES[precision]
     H, P, N, Q = m.mamba_heads / tp, m.mamba_head_dim, m.mamba_state_dim, m.mamba_chunk_size
     G = m.mamba_num_groups / tp

@@ -58,13 +58,15 @@ inline void rows_block(int mb, const uint16_t* x, int64_t x_row, const uint16_t*
   if constexpr (R > 1) rows_block<NT, R - 1>(mb, x, x_row, w, pairs, tile_stride, n0, n, m0, ep, out, out_row);
 }
 
+// Rows and weight tiles of a block on AMX tiles (tile_block)
+constexpr int kTileRows = 32, kTileGroup = 2;
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 // AMX: the packed weight's 16 lines of 2 inputs x 16 outputs are exactly a tile of the second operand of tdpbf16ps,
 // so a tile multiply takes 16 rows x 32 inputs of x against 32 inputs x 16 outputs of the weight in one
 // instruction; a decode's matmul is then the weight stream alone, with no per-call cost to speak of (oneDNN's call
 // costs ~20 us before any arithmetic, a decode step makes ~150 of them). A block is up to 32 rows (two x tiles) by
 // two weight tiles: four products per four tile loads, as a prefill's many rows need.
-constexpr int kTileRows = 32, kTileGroup = 2;
 
 // Linux hands a process AMX's tile registers only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA)
 bool amx_permitted() {
@@ -134,7 +136,7 @@ void tile_block(const uint16_t* x, int64_t x_row, const uint16_t* w, int64_t pai
   if constexpr (NT == 2) _tile_stored(1, sums[0][1], kTile * 4);
   if (bottom) {
     _tile_stored(2, sums[1][0], kTile * 4);
-    if constexpr (NT == 2) _tile_stored(3, sums[1][NT - 1], kTile * 4);
+    if constexpr (NT == 2) _tile_stored(3, sums[1][1], kTile * 4);
   }
   for (int t = 0; t < NT; ++t) {
     const TileColumns cols(n0 + t * kTile, n, ep);
@@ -146,7 +148,6 @@ bool amx_serves(int64_t pairs) {
   return pairs % 16 == 0 && amx_permitted();
 }
 #else
-constexpr int kTileRows = 32, kTileGroup = 2;
 struct TaskTiles {};
 bool amx_serves(int64_t) {
   return false;

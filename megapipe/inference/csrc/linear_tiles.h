@@ -1,6 +1,6 @@
 // The work split of megapipe's linear kernels (linear_bf16.cpp, linear_f32.cpp): the packed weight's 16-output
 // tiles in groups of kTiles, the rows in chunks of kRowChunk, each (group, chunk) one parallel task, whose rows go
-// through the register block in runs of at most kRows.
+// through the register block in runs of at most kRows (the AMX tile path sets its own group and run sizes).
 #pragma once
 
 #include <ATen/Parallel.h>

@@ -135,8 +135,7 @@ void mamba_step(const at::Tensor& xbc, const at::Tensor& dt, at::Tensor conv_sta
 TORCH_LIBRARY_FRAGMENT(megapipe, m) {
   m.def(
       "mamba_step(Tensor xbc, Tensor dt, Tensor(a!) conv_state, Tensor(b!) ssm_state, Tensor slots, Tensor weight, "
-      "Tensor? bias, "
-      "Tensor dt_bias, Tensor A, Tensor D, float dt_min, float dt_max, int groups, Tensor(c!) out) -> ()");
+      "Tensor? bias, Tensor dt_bias, Tensor A, Tensor D, float dt_min, float dt_max, int groups, Tensor(c!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(megapipe, CPU, m) { m.impl("mamba_step", &mamba_step); }
