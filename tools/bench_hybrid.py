@@ -71,9 +71,7 @@ def parse_args(argv=None):
 def model_fields(a, pattern: str | None = None) -> dict:
     from megapipe.presets import PRESETS
 
-    # dt floored at transformers' time_step_min (its mixer always clamps there; 0 would break its init's log)
-    fields = {**PRESETS[PRESET], "vocab_size": a.vocab, "max_position_embeddings": max(a.seq, *_lengths(a)),
-              "mamba_dt_limit_min": 1e-3}
+    fields = {**PRESETS[PRESET], "vocab_size": a.vocab, "max_position_embeddings": max(a.seq, *_lengths(a))}
     if pattern is not None:
         fields["hybrid_override_pattern"] = pattern
     return fields

@@ -21,8 +21,9 @@ transformers = pytest.importorskip("transformers")
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
 TOKENS = torch.randint(0, 320, (2, 21), generator=torch.Generator().manual_seed(0))
-# time_step_min 0.5: softplus(dt + dt_bias) falls below it for about a third of the heads, so the clamp matters
-CLAMPED = dict(time_step_min=0.5, time_step_max=1.0, use_bias=True, mlp_bias=True)
+# a dt clamp at 0.5: softplus(dt + dt_bias) falls below it for about a third of the heads, so the clamp matters
+CLAMPED = dict(time_step_limit=[0.5, float("inf")], time_step_min=0.5, time_step_max=1.0, use_bias=True,
+               mlp_bias=True)
 
 
 def cli(*args) -> int:
@@ -65,7 +66,7 @@ def test_import_logits_and_export_tensors_equal_transformers(tmp_path, variant):
     cfg = loaded.cfg
     assert (cfg.arch, cfg.layer_kinds, cfg.position_embedding, cfg.activation) == ("nemotron_h", "M*-M-", "none",
                                                                                    "relu2")
-    assert cfg.mamba_dt_limit == (variant.get("time_step_min", 0.001), float("inf"))
+    assert cfg.mamba_dt_limit == tuple(variant.get("time_step_limit", (0.0, float("inf"))))
     assert cfg.mamba_proj_bias == bool(variant) and cfg.mlp_bias == bool(variant)
     want = _logits(hf_model)
     torch.testing.assert_close(_logits(loaded.model.eval()), want, atol=1e-5, rtol=0)
@@ -106,21 +107,26 @@ def test_model_names_and_legacy_config_keys_import(tmp_path):
     torch.testing.assert_close(_logits(loaded.model.eval()), _logits(hf_model), atol=1e-5, rtol=0)
 
 
-def test_a_megapipe_dt_limit_of_zero_exports_as_time_step_min_zero(tmp_path):
-    """megapipe's own models (the presets) do not clamp dt, as Megatron: the export says so with time_step_min 0
-    (transformers' clamp to [0, inf) is then no clamp) and transformers computes what megapipe does."""
+def test_a_dt_limit_exports_as_time_step_limit(tmp_path):
+    """megapipe's dt limit (both ends here) is transformers' time_step_limit; time_step_min/max stay dt_bias's init
+    range, and transformers computes what megapipe does."""
     hf_dir, _ = make_hf_dir(tmp_path / "hf", "nemotron_h", time_step_min=0.5, time_step_max=1.0)
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     assert cli("import", "hf", hf_dir, ckpt, "--quiet") == 0
     manifest = json.loads((ckpt / "megapipe.json").read_text())
-    manifest["model"]["mamba_dt_limit_min"] = 0.0
+    assert manifest["model"]["mamba_dt_limit_min"] == 0.0 and manifest["model"]["mamba_dt_min"] == 0.5
+    manifest["model"].update(mamba_dt_limit_min=0.6, mamba_dt_limit_max=0.9)
     (ckpt / "megapipe.json").write_text(json.dumps(manifest))
     assert cli("export", "hf", ckpt, out, "--dtype", "fp32", "--quiet") == 0
-    assert json.loads((out / "config.json").read_text())["time_step_min"] == 0.0
+    config = json.loads((out / "config.json").read_text())
+    assert (config["time_step_limit"], config["time_step_min"], config["time_step_max"]) == ([0.6, 0.9], 0.5, 1.0)
     ours = load_model(ckpt).model.eval()
-    assert ours.cfg.mamba_dt_limit == (0.0, float("inf"))
+    assert ours.cfg.mamba_dt_limit == (0.6, 0.9)
     exported = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
-    torch.testing.assert_close(_logits(exported), _logits(ours), atol=1e-5, rtol=0)
+    want = _logits(exported)
+    torch.testing.assert_close(_logits(ours), want, atol=1e-5, rtol=0)
+    ours.layers["0"].mixer.dt_limit = (0.0, float("inf"))
+    assert (_logits(ours) - want).abs().max() > 1e-3  # the limit is what makes them equal
 
 
 @pytest.mark.parametrize("change, words", [
@@ -144,9 +150,8 @@ def test_refuses_configs_megapipe_cannot_represent(tmp_path, capsys, change, wor
 @pytest.mark.parametrize("field, value, words", [
     ("tie_embeddings", True, "model.tie_embeddings = True cannot be expressed in a Hugging Face "
                              "NemotronHForCausalLM config (it would read back as model.tie_embeddings = False)"),
-    ("mamba_dt_limit_max", 10.0, "model.mamba_dt_limit_max = 10.0 cannot be expressed"),
     ("qkv_bias", True, "model.qkv_bias = True cannot be expressed"),
-], ids=["tied", "dt_limit_max", "qkv_bias"])
+], ids=["tied", "qkv_bias"])
 def test_export_refuses_what_transformers_cannot_express(tmp_path, capsys, field, value, words):
     hf_dir, _ = make_hf_dir(tmp_path / "hf", "nemotron_h")
     ckpt = tmp_path / "ckpt"
@@ -189,8 +194,7 @@ def test_lora_adapters_load_into_peft_on_transformers(tmp_path):
 
 
 def test_published_8b_config_reads_as_the_preset(tmp_path):
-    """nvidia/Nemotron-H-8B-Base-8K's config.json (its legacy keys) is the nemotron-h-8b preset, but for the dt
-    clamp transformers applies (time_step_min)."""
+    """nvidia/Nemotron-H-8B-Base-8K's config.json (its legacy keys) is the nemotron-h-8b preset."""
     from megapipe.checkpoint.hf.bridge import read_hf_config
     from megapipe.config import ModelConfig, resolve_preset
 
@@ -206,9 +210,9 @@ def test_published_8b_config_reads_as_the_preset(tmp_path):
         bos_token_id=1, eos_token_id=2, initializer_range=0.02, torch_dtype="bfloat16", num_logits_to_keep=1)))
     _, cfg, _ = read_hf_config(tmp_path)
     preset = ModelConfig(**resolve_preset("nemotron-h-8b"))
-    assert cfg.mamba_dt_limit == (0.001, float("inf")) and preset.mamba_dt_limit == (0.0, float("inf"))
     for name in ("arch", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                  "head_dim", "norm_eps", "tie_embeddings", "activation", "position_embedding", "layer_kinds",
                  "mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_heads", "mamba_chunk_size",
-                 "mamba_conv_kernel", "mamba_conv_bias", "mamba_proj_bias", "qkv_bias", "mlp_bias"):
+                 "mamba_conv_kernel", "mamba_conv_bias", "mamba_proj_bias", "qkv_bias", "mlp_bias", "mamba_dt_limit",
+                 "mamba_dt_min", "mamba_dt_max"):
         assert getattr(cfg, name) == getattr(preset, name), name

@@ -17,7 +17,7 @@ from megapipe.parallel.plan import param_counts
 
 MIXER = dict(arch="nemotron_h", vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, hybrid_override_pattern="M",
              mamba_state_dim=8, mamba_head_dim=8, mamba_num_groups=2, mamba_num_heads=8, mamba_chunk_size=8,
-             mamba_dt_limit_min=0.001)  # transformers clamps dt at time_step_min in its chunked path
+             mamba_dt_limit_min=0.05, mamba_dt_limit_max=2.0)  # a clamp on dt both ends, as time_step_limit
 TINY = dict(arch="nemotron_h", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=6, num_heads=4,
             num_kv_heads=2, activation="relu2", position_embedding="none", hybrid_override_pattern="M*-M*M",
             mamba_state_dim=8, mamba_head_dim=8, mamba_num_groups=2, mamba_chunk_size=4)
@@ -45,7 +45,7 @@ def _hf_mixer(ours: Mamba2Mixer):
         vocab_size=64, hidden_size=m.hidden_size, num_hidden_layers=1, hybrid_override_pattern="M",
         mamba_num_heads=m.mamba_heads, mamba_head_dim=m.mamba_head_dim, n_groups=m.mamba_num_groups,
         ssm_state_size=m.mamba_state_dim, chunk_size=m.mamba_chunk_size, conv_kernel=m.mamba_conv_kernel,
-        layer_norm_epsilon=m.norm_eps, time_step_min=m.mamba_dt_limit_min, use_conv_bias=True, mamba_proj_bias=False)
+        layer_norm_epsilon=m.norm_eps, time_step_limit=m.mamba_dt_limit, use_conv_bias=True, mamba_proj_bias=False)
     hf = NemotronHMamba2Mixer(hf_cfg, 0).eval()
     with torch.no_grad():
         hf.in_proj.weight.copy_(torch.cat([ours.in_z.weight, ours.in_x.weight, ours.in_B.weight, ours.in_C.weight,

@@ -36,8 +36,7 @@ class Conversion:
 
 
 # ModelConfig fields that say nothing about the weights or the maths, so they are not compared on export (the MoE
-# ones only shape training: balancing losses, token dropping, the expert kernel; mamba_dt_min only the dt_bias init,
-# where Nemotron-H's time_step_min is also its dt clamp, which megapipe's mamba_dt_limit_min maps).
+# ones only shape training: balancing losses, token dropping, the expert kernel; mamba_dt_min only the dt_bias init).
 UNMAPPED_FIELDS = ("preset", "arch", "make_vocab_size_divisible_by", "init_std",
                    "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
                    "moe_router_bias_update_rate", "moe_expert_capacity_factor", "moe_token_drop_policy",

@@ -12,12 +12,11 @@ forward in eval (and every forward without mamba-ssm) honours it, as megapipe do
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from megapipe.checkpoint.hf.base import Conversion, refuse, register
 from megapipe.checkpoint.hf.llama import LlamaAdapter
-from megapipe.checkpoint.hf.mamba import fused_mamba_conversions
+from megapipe.checkpoint.hf.mamba import dt_limit_from_hf, dt_limit_to_hf, fused_mamba_conversions
 from megapipe.checkpoint.hf.moe import block_conversions
 from megapipe.config import ModelConfig
 from megapipe.errors import MegapipeError
@@ -55,7 +54,6 @@ class FalconH1Adapter(LlamaAdapter):
         if head_dim * heads != inner:
             raise refuse(where, "mamba_d_head", head_dim, f"mamba_n_heads {heads} x mamba_d_head must be the "
                          f"Mamba width {inner}")
-        lo, hi = hf.get("time_step_limit") or (0.0, math.inf)
         return dict(
             mamba_num_heads=heads,
             mamba_head_dim=head_dim,
@@ -68,15 +66,13 @@ class FalconH1Adapter(LlamaAdapter):
             mamba_out_proj_bias=bool(hf.get("projectors_bias", False)),
             mamba_gated_norm=bool(hf.get("mamba_rms_norm", False)),
             mamba_norm_before_gate=bool(hf.get("mamba_norm_before_gate", True)),
-            mamba_dt_limit_min=float(lo),
-            mamba_dt_limit_max=None if math.isinf(float(hi)) else float(hi),
+            **dt_limit_from_hf(hf),
             mamba_proj_multipliers=[float(m) for m in hf.get("ssm_multipliers") or [1.0] * 5],
             mlp_multipliers=[float(m) for m in hf.get("mlp_multipliers") or [1.0] * 2],
             **{ours: float(1.0 if hf.get(theirs) is None else hf[theirs]) for ours, theirs in MULTIPLIERS.items()},
         )
 
     def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
-        lo, hi = cfg.mamba_dt_limit
         return dict(
             super().config_to_hf(cfg),
             mamba_d_ssm=cfg.mamba_inner,
@@ -91,7 +87,7 @@ class FalconH1Adapter(LlamaAdapter):
             projectors_bias=cfg.mamba_out_bias,
             mamba_rms_norm=cfg.mamba_gated_norm,
             mamba_norm_before_gate=cfg.mamba_norm_before_gate,
-            time_step_limit=[lo, hi],
+            time_step_limit=dt_limit_to_hf(cfg),
             ssm_multipliers=list(cfg.mamba_proj_multipliers),
             mlp_multipliers=list(cfg.mlp_multipliers),
             **{theirs: getattr(cfg, ours) for ours, theirs in MULTIPLIERS.items()},

@@ -1,9 +1,13 @@
 """The Mamba-2 mixer's fused tensors in Hugging Face checkpoints (Nemotron-H, Falcon-H1, Mamba2): ``in_proj`` is
 [z | x | B | C | dt] (megapipe's ``in_z``, ``in_x``, ``in_B``, ``in_C``, ``in_dt``) and ``conv1d`` runs over the
 channels [x | B | C] with a weight [C, 1, K] (megapipe's ``conv_x``, ``conv_B``, ``conv_C``, weights [C, K]); the
-conversions split them on import and join them on export."""
+conversions split them on import and join them on export. ``time_step_limit`` [lo, hi] is the clamp on dt (after its
+bias and softplus), megapipe's ``mamba_dt_limit``; ``time_step_min``/``time_step_max`` are only dt_bias's init range."""
 
 from __future__ import annotations
+
+import math
+from typing import Any
 
 import torch
 
@@ -40,3 +44,13 @@ def fused_mamba_conversions(cfg: ModelConfig, mp: str, hf: str) -> list[Conversi
         out.append(Conversion(hf=(f"{hf}.conv1d.{param}",), mp=tuple(f"{mp}.conv_{p}.{param}" for p in "xBC"),
                               to_mp=_splitter([inner, gn, gn], conv), to_hf=_joiner(conv)))
     return out
+
+
+def dt_limit_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """``time_step_limit`` (absent: no clamp, [0, inf)) as megapipe's dt limit fields."""
+    lo, hi = hf.get("time_step_limit") or (0.0, math.inf)
+    return dict(mamba_dt_limit_min=float(lo), mamba_dt_limit_max=None if math.isinf(float(hi)) else float(hi))
+
+
+def dt_limit_to_hf(cfg: ModelConfig) -> list[float]:
+    return list(cfg.mamba_dt_limit)

@@ -7,9 +7,8 @@ weight [C, 1, K] (megapipe's ``conv_x``, ``conv_B``, ``conv_C``, weights [C, K])
 Tensors are named as on the Hub and as transformers saves them, under ``backbone.``; transformers' in-memory ``model.``
 names import too.
 
-transformers' mixer clamps dt (after its bias and softplus) to (time_step_min, inf) whatever time_step_limit says:
-that is megapipe's dt limit on import (``mamba_dt_limit_min``; no upper limit), and an export writes the limit as
-time_step_min.
+dt is clamped to ``time_step_limit`` (megapipe's dt limit), as in mamba-ssm and transformers from 5.25 (earlier
+releases clamped at ``time_step_min`` instead); ``time_step_min``/``time_step_max`` are dt_bias's init range.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from typing import Any
 
 from megapipe.checkpoint.hf.base import Conversion, refuse, register
 from megapipe.checkpoint.hf.llama import LlamaAdapter
-from megapipe.checkpoint.hf.mamba import fused_mamba_conversions
+from megapipe.checkpoint.hf.mamba import dt_limit_from_hf, dt_limit_to_hf, fused_mamba_conversions
 from megapipe.checkpoint.hf.moe import block_conversions
 from megapipe.config import ModelConfig
 from megapipe.errors import MegapipeError
@@ -98,14 +97,13 @@ class NemotronHAdapter(LlamaAdapter):
                 mamba_chunk_size=int(hf["chunk_size"]),
                 mamba_conv_bias=bool(hf.get("use_conv_bias", True)),
                 mamba_proj_bias=bool(hf.get("use_bias", False)),  # in_proj and out_proj (mamba_proj_bias is unused)
-                mamba_dt_limit_min=dt_min,
-                mamba_dt_limit_max=None,
+                **dt_limit_from_hf(hf),
                 mamba_dt_max=dt_max,
                 mamba_dt_init_floor=float(hf.get("time_step_floor", 1e-4)),
             )
         except KeyError as e:
             raise MegapipeError(f"{where}: the field {e.args[0]!r} is missing") from None
-        if 0 < dt_min <= dt_max:  # the dt_bias init's range (an exported limit of 0 leaves megapipe's default)
+        if 0 < dt_min <= dt_max:  # the dt_bias init's range
             fields["mamba_dt_min"] = dt_min
         return fields
 
@@ -138,7 +136,8 @@ class NemotronHAdapter(LlamaAdapter):
             use_bias=cfg.mamba_proj_bias,
             mamba_proj_bias=cfg.mamba_proj_bias,
             mamba_hidden_act="silu",
-            time_step_min=cfg.mamba_dt_limit_min,  # transformers' clamp; also its dt_bias init's lower end
+            time_step_limit=dt_limit_to_hf(cfg),
+            time_step_min=cfg.mamba_dt_min,
             time_step_max=cfg.mamba_dt_max,
             time_step_floor=cfg.mamba_dt_init_floor,
             num_nextn_predict_layers=0,
