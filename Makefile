@@ -4,17 +4,29 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megapipe-installed
 
-.PHONY: setup demo test lint
+.PHONY: setup demo test lint lock
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+# constraints.txt holds every package's version as last tested, so a fresh setup (and CI) installs what passed rather
+# than whatever was released since; pyproject.toml keeps the ranges megapipe supports. `make lock` refreshes it.
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# the CPU build of torch first, so nothing below can pull a CUDA build
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
 	touch $(STAMP)
+
+# The newest versions pyproject.toml admits, resolved in a throwaway venv, written to constraints.txt (then run the
+# tests: `make test`).
+lock:
+	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock
+	.venv-lock/bin/python -m pip install -q --upgrade pip
+	.venv-lock/bin/python -m pip install -q torch==2.13.0
+	.venv-lock/bin/python -m pip install -q -e '.[test]'
+	.venv-lock/bin/python -m pip freeze --exclude-editable --exclude pip --exclude torch > constraints.txt
+	rm -rf .venv-lock
 
 # DEMO_ARGS: e.g. "--set vars.steps=100"; a second `make demo` is a cache hit. Ends with the steps' status table.
 demo: setup
