@@ -7,7 +7,8 @@
 - ``mamba_step`` (csrc/mamba_step.cpp): a Mamba-2 layer's decode token for a batch in one pass over its states;
 - ``linear_bf16`` (csrc/linear_bf16.cpp, only on CPUs with AVX512-BF16): bf16 linear layers on weights packed by
   ``pack_bf16_weight``, with the bias, SiLU and a product fused into the epilogue; on AMX tiles where the CPU has
-  them (built with -mamx-tile/-mamx-bf16 there; ``amx=False`` takes the vdpbf16ps loop);
+  them (built with -mamx-tile/-mamx-bf16 there; ``amx=False`` takes the vdpbf16ps loop); ``glu_bf16`` a SwiGLU's
+  gate and up projections in one call, silu(x Wg^T) * (x Wu^T);
 - ``linear_f32`` (csrc/linear_f32.cpp, on AVX-512 CPUs): the same for fp32, on weights packed by ``pack_f32_weight``.
 
 They land in ``torch.ops.megapipe``. ``ops()`` returns that namespace, or None when the kernels cannot be built here
@@ -232,6 +233,13 @@ def choose_bf16_linear(setting: str, n: int, k: int) -> tuple[int, str]:
     if setting != "auto":
         limit = OWN_ALWAYS if setting == "own" else 0
         return limit, f"bf16 matmuls on {describe_row_limit(limit)} (as set)"
+    return _measured_choice(n, k)
+
+
+@functools.lru_cache(maxsize=None)
+def _measured_choice(n: int, k: int) -> tuple[int, str]:
+    """choose_bf16_linear's measurement, once per process and shape: every engine of a process (RL rebuilds them,
+    tests compare two) then runs the same kernels, so their outputs agree to the bit."""
     times = measure_bf16_linear(n, k)
     limit = own_row_limit(times)
     measured = ", ".join(f"{m}: {t['own'] * 1e6:.0f}/{t['onednn'] * 1e6:.0f}" for m, t in times.items())

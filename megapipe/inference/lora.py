@@ -57,6 +57,7 @@ class AdaptedLinear:
         self._pack()
         self.base_forward, self.base_times = linear.forward, getattr(linear, "times", None)
         linear.forward = self.forward  # the instance attribute wins over the class's method
+        linear.adapted = True  # a fused SwiGLU (PackedSwiGLU) calls it on its own again
         if self.base_times is not None:
             linear.times = self.times
 

@@ -72,6 +72,8 @@ class PackedLinear(nn.Module):
     ``own`` is the most rows a call may have to run on megapipe's kernel (True: any; False or 0: none); with a limit
     in between the weight is kept in both layouts and each call takes the kernel its row count is faster on."""
 
+    adapted = False  # LoRA adapters wrap this layer's forward (megapipe.inference.lora): no fusing it with another
+
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, own: Union[bool, int] = False):
         super().__init__()
         self.out_features, self.in_features = weight.shape
@@ -113,15 +115,19 @@ class PackedLinear(nn.Module):
         return torch_compat.linear_pointwise_binary(x, other, self._onednn_weight(), self.bias, "mul")
 
     def _own(self, x: torch.Tensor, swish: bool, other: Optional[torch.Tensor]) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+        rows, out = self.rows_and_out(x)
         other = None if other is None else other.reshape(-1, self.out_features)
         ops = torch.ops.megapipe
         matmul = ops.linear_f32 if self.packed.dtype == torch.float32 else ops.linear_bf16
         matmul(rows, self.packed, self.out_features, self.bias, swish, other, out)
         return out.view(*x.shape[:-1], self.out_features)
+
+    def rows_and_out(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x as [rows, in_features] with contiguous rows, and an empty output [rows, out_features] for it."""
+        rows = x.reshape(-1, self.in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        return rows, torch.empty(rows.shape[0], self.out_features, dtype=x.dtype, device=x.device)
 
 
 def packing_works(dtype: torch.dtype) -> bool:
@@ -138,17 +144,28 @@ def packing_works(dtype: torch.dtype) -> bool:
 
 
 class PackedSwiGLU(nn.Module):
-    """A swiglu FeedForward as three packed matmuls, w2(silu(x w1) * (x w3)), the SiLU and the product done by
-    oneDNN on each matmul's fp32 result before it is rounded (post-ops): no elementwise passes over the hidden
-    activations, which in a long prefill cost as much as a fifth of the MLP."""
+    """A swiglu FeedForward as packed matmuls, w2(silu(x w1) * (x w3)), the SiLU and the product taken on the fp32
+    sums before rounding: no elementwise passes over the hidden activations, which in a long prefill cost as much as
+    a fifth of the MLP. On megapipe's bf16 kernel the first half is one call (``glu_bf16``: each block multiplies
+    the gate's and the up projection's tiles of the same outputs, so neither half is written out and read back); on
+    oneDNN (and with biases, or LoRA adapters on w1 / w3) it is two, the SiLU and the product their post-ops."""
 
     def __init__(self, ff: nn.Module, own: Union[bool, int] = False):
         super().__init__()
         self.w1, self.w3, self.w2 = (PackedLinear(w.weight, w.bias, own) for w in (ff.w1, ff.w3, ff.w2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._glu_serves(x):
+            rows, out = self.w1.rows_and_out(x)
+            torch.ops.megapipe.glu_bf16(rows, self.w1.packed, self.w3.packed, self.w1.out_features, out)
+            return self.w2(out.view(*x.shape[:-1], -1))
         gate = self.w1(x, "swish")
         return self.w2(self.w3.times(x, gate))
+
+    def _glu_serves(self, x: torch.Tensor) -> bool:
+        w1, w3 = self.w1, self.w3
+        return (w1._on_own(x) and w3._on_own(x) and w1.packed.dtype == torch.bfloat16 and w1.bias is None
+                and w3.bias is None and not (w1.adapted or w3.adapted))
 
     @staticmethod
     def fits(ff: nn.Module) -> bool:
@@ -177,7 +194,7 @@ class PackedExperts(nn.Module):
     """An MoE layer's experts (megapipe.models.moe.GroupedExperts, same ``forward(x, counts)``) on megapipe's bf16
     kernel: each 3-D weight [E, F, H] packed once as one [E*F, H] matmul, expert e's rows being a contiguous slice of
     it (the kernel's 16-output lines; F and H multiples of 16). Every expert that got rows runs as PackedSwiGLU does
-    (SiLU and product fused, taken before rounding) on its slice of the sorted rows, writing its part of one output;
+    (gate and up in one glu_bf16 call) on its slice of the sorted rows, writing its part of one output;
     an expert that got none costs nothing. On CPU, torch._grouped_mm reorders each group's bf16 weight for a plain
     GEMM on every call: at decode batch sizes (a few rows per expert) it takes 2-5x as long as this kernel, which
     streams each weight once (tools/bench_generate.py on a Mixtral-like model: the decode step 4x faster)."""
@@ -202,17 +219,15 @@ class PackedExperts(nn.Module):
         if x.stride(-1) != 1 or x.dtype != torch.bfloat16:
             x = x.contiguous().to(torch.bfloat16)
         out = torch.empty(len(x), self.hidden, dtype=x.dtype, device=x.device)
-        gate = torch.empty(len(x), self.ffn, dtype=x.dtype, device=x.device)
-        hidden = torch.empty_like(gate)
+        hidden = torch.empty(len(x), self.ffn, dtype=x.dtype, device=x.device)
         sizes = counts.tolist()
         w1, w3, w2 = self._experts()
-        matmul = torch.ops.megapipe.linear_bf16
-        parts = zip(sizes, x.split(sizes), gate.split(sizes), hidden.split(sizes), out.split(sizes), strict=True)
-        for e, (n, xe, ge, he, oe) in enumerate(parts):
+        ops = torch.ops.megapipe
+        for e, (n, xe, he, oe) in enumerate(zip(sizes, x.split(sizes), hidden.split(sizes), out.split(sizes),
+                                                strict=True)):
             if n:
-                matmul(xe, w1[e], self.ffn, None, True, None, ge)
-                matmul(xe, w3[e], self.ffn, None, False, ge, he)
-                matmul(he, w2[e], self.hidden, None, False, None, oe)
+                ops.glu_bf16(xe, w1[e], w3[e], self.ffn, he)
+                ops.linear_bf16(he, w2[e], self.hidden, None, False, None, oe)
         return out
 
     def _experts(self) -> tuple:

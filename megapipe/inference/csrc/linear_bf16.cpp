@@ -22,7 +22,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <optional>
+#include <type_traits>
 
 namespace {
 
@@ -30,33 +32,59 @@ using namespace megapipe_linear;
 
 using Epilogue = megapipe_linear::Epilogue<c10::BFloat16>;
 
-template <int MB, int NT>
-inline void block(const uint16_t* x, int64_t x_row, const uint16_t* w, int64_t pairs, int64_t tile_stride,
-                  int64_t n0, int64_t n, int64_t m0, const Epilogue& ep, c10::BFloat16* out, int64_t out_row) {
+// A register block: rows m0 .. m0 + MB of x against the weight tiles at w[0 .. NT) (each `pairs` lines), its fp32
+// sums handed to `finish` (a LinearFinish or a GluFinish)
+template <int MB, int NT, typename Finish>
+inline void block(const uint16_t* x, int64_t x_row, const uint16_t* const* w, int64_t pairs, int64_t m0,
+                  const Finish& finish) {
   __m512 acc[MB][NT];
   for (int m = 0; m < MB; ++m)
     for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_setzero_ps();
   for (int64_t k = 0; k < pairs; ++k) {
     __m512i wv[NT];
-    for (int t = 0; t < NT; ++t) wv[t] = _mm512_loadu_si512(w + t * tile_stride + k * 2 * kTile);
+    for (int t = 0; t < NT; ++t) wv[t] = _mm512_loadu_si512(w[t] + k * 2 * kTile);
     for (int m = 0; m < MB; ++m) {
       const __m512i xv = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + m * x_row + 2 * k));
       for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_dpbf16_ps(acc[m][t], (__m512bh)xv, (__m512bh)wv[t]);
     }
   }
-  for (int t = 0; t < NT; ++t) {
-    const TileColumns cols(n0 + t * kTile, n, ep);
-    for (int m = 0; m < MB; ++m) finish_row(acc[m][t], cols, m0 + m, ep, out, out_row);
-  }
+  finish.template rows<NT>(m0, MB, [&](int m, int t) { return acc[m][t]; });
 }
 
-template <int NT, int R = kRows>
-inline void rows_block(int mb, const uint16_t* x, int64_t x_row, const uint16_t* w, int64_t pairs,
-                       int64_t tile_stride, int64_t n0, int64_t n, int64_t m0, const Epilogue& ep,
-                       c10::BFloat16* out, int64_t out_row) {
-  if (mb == R) return block<R, NT>(x, x_row, w, pairs, tile_stride, n0, n, m0, ep, out, out_row);
-  if constexpr (R > 1) rows_block<NT, R - 1>(mb, x, x_row, w, pairs, tile_stride, n0, n, m0, ep, out, out_row);
+template <int NT, typename Finish, int R = kRows>
+inline void rows_block(int mb, const uint16_t* x, int64_t x_row, const uint16_t* const* w, int64_t pairs,
+                       int64_t m0, const Finish& finish) {
+  if (mb == R) return block<R, NT>(x, x_row, w, pairs, m0, finish);
+  if constexpr (R > 1) rows_block<NT, Finish, R - 1>(mb, x, x_row, w, pairs, m0, finish);
 }
+
+// How a block's sums become outputs. A linear layer's: each weight tile its own 16 columns from n0 on, through the
+// epilogue (bias, SiLU, * other).
+struct LinearFinish {
+  const Epilogue& ep;
+  c10::BFloat16* out;
+  int64_t out_row, n, n0;
+  template <int NT, typename Sum>
+  void rows(int64_t m0, int mb, const Sum& sum) const {
+    for (int t = 0; t < NT; ++t) {
+      const TileColumns cols(n0 + t * kTile, n, ep);
+      for (int m = 0; m < mb; ++m) finish_row(sum(m, t), cols, m0 + m, ep, out, out_row);
+    }
+  }
+};
+
+// A gated unit's (SwiGLU: silu(x W_gate^T) * (x W_up^T)): its two tiles, gate and up, are one tile of outputs from
+// col on
+struct GluFinish {
+  c10::BFloat16* out;
+  int64_t out_row, n, col;
+  template <int NT, typename Sum>
+  void rows(int64_t m0, int mb, const Sum& sum) const {
+    static_assert(NT == 2, "a gated unit's block is its gate tile and its up tile");
+    const __mmask16 mask = column_mask(col, n);
+    for (int m = 0; m < mb; ++m) store_row(_mm512_mul_ps(silu(sum(m, 0)), sum(m, 1)), mask, out + (m0 + m) * out_row + col);
+  }
+};
 
 // Rows and weight tiles of a block on AMX tiles (tile_block)
 constexpr int kTileRows = 32, kTileGroup = 2;
@@ -98,6 +126,9 @@ class TaskTiles {
     for (int t : {2, 3, 5}) cfg.rows[t] = bottom;
     cfg.rows[6] = cfg.rows[7] = 16;
     for (int t = 0; t < 8; ++t) cfg.colsb[t] = cfg.rows[t] ? 64 : 0;
+    // GCC's _tile_loadconfig tells the compiler it reads 8 bytes of cfg, so the other stores could be dropped as
+    // dead (and were, in one build: ldtilecfg then faults on rows without columns): all of cfg is read here
+    asm volatile("" : : "r"(&cfg) : "memory");
     _tile_loadconfig(&cfg);
     rows_ = mb;
   }
@@ -106,10 +137,9 @@ class TaskTiles {
   int rows_ = 0;
 };
 
-template <int NT>
-void tile_block(const uint16_t* x, int64_t x_row, const uint16_t* w, int64_t pairs, int64_t tile_stride,
-                int64_t n0, int64_t n, int64_t m0, int mb, const Epilogue& ep, c10::BFloat16* out,
-                int64_t out_row, TaskTiles& tiles) {
+template <int NT, typename Finish>
+void tile_block(const uint16_t* x, int64_t x_row, const uint16_t* const* w, int64_t pairs, int64_t m0, int mb,
+                TaskTiles& tiles, const Finish& finish) {
   static_assert(NT == 1 || NT == 2, "tile_block names its tiles: one or two weight tiles at once");
   tiles.configure(mb);
   const bool bottom = mb > 16;
@@ -121,8 +151,8 @@ void tile_block(const uint16_t* x, int64_t x_row, const uint16_t* w, int64_t pai
   }
   for (int64_t k = 0; k < pairs; k += 16) {
     _tile_loadd(4, x + 2 * k, x_row * 2);
-    _tile_loadd(6, w + k * 2 * kTile, 64);
-    if constexpr (NT == 2) _tile_loadd(7, w + tile_stride + k * 2 * kTile, 64);
+    _tile_loadd(6, w[0] + k * 2 * kTile, 64);
+    if constexpr (NT == 2) _tile_loadd(7, w[1] + k * 2 * kTile, 64);
     _tile_dpbf16ps(0, 4, 6);
     if constexpr (NT == 2) _tile_dpbf16ps(1, 4, 7);
     if (bottom) {
@@ -138,10 +168,7 @@ void tile_block(const uint16_t* x, int64_t x_row, const uint16_t* w, int64_t pai
     _tile_stored(2, sums[1][0], kTile * 4);
     if constexpr (NT == 2) _tile_stored(3, sums[1][1], kTile * 4);
   }
-  for (int t = 0; t < NT; ++t) {
-    const TileColumns cols(n0 + t * kTile, n, ep);
-    for (int m = 0; m < mb; ++m) finish_row(_mm512_load_ps(sums[m / 16][t][m % 16]), cols, m0 + m, ep, out, out_row);
-  }
+  finish.template rows<NT>(m0, mb, [&](int m, int t) { return _mm512_load_ps(sums[m / 16][t][m % 16]); });
 }
 
 bool amx_serves(int64_t pairs) {
@@ -152,41 +179,88 @@ struct TaskTiles {};
 bool amx_serves(int64_t) {
   return false;
 }
-template <int NT>
-void tile_block(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int,
-                const Epilogue&, c10::BFloat16*, int64_t, TaskTiles&) {}
+template <int NT, typename Finish>
+void tile_block(const uint16_t*, int64_t, const uint16_t* const*, int64_t, int64_t, int, TaskTiles&,
+                const Finish&) {}
 #endif
+
+// Every block of x [M, K] against the packed weight tiles, on AMX tiles where they serve, else the vdpbf16ps loop:
+// the outputs' tiles in groups (TileGroup or LoopGroup of them, the last ones alone where that does not divide),
+// each output tile made from Width weight tiles; weights<NT>(t0) gives the NT weight tiles of output tiles t0 ..,
+// finish(t0) what their sums become.
+template <int TileGroup, int LoopGroup, int Width, typename Weights, typename MakeFinish>
+void run_blocks(const at::Tensor& x, int64_t pairs, int64_t tiles, bool amx, const Weights& weights,
+                const MakeFinish& finish) {
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr<c10::BFloat16>());
+  const int64_t m = x.size(0), x_row = x.stride(0);
+  if (amx && amx_serves(pairs)) {
+    for_each_block<kTileRows, TileGroup, TaskTiles>(m, tiles, [&](auto nt, int64_t t0, int64_t m0, int mb,
+                                                                  TaskTiles& state) {
+      constexpr int NT = decltype(nt)::value * Width;
+      tile_block<NT>(xp + m0 * x_row, x_row, weights(std::integral_constant<int, NT>{}, t0).data(), pairs, m0, mb, state,
+                     finish(t0));
+    });
+    return;
+  }
+  for_each_block<kRows, LoopGroup>(m, tiles, [&](auto nt, int64_t t0, int64_t m0, int mb) {
+    constexpr int NT = decltype(nt)::value * Width;
+    rows_block<NT>(mb, xp + m0 * x_row, x_row, weights(std::integral_constant<int, NT>{}, t0).data(), pairs, m0, finish(t0));
+  });
+}
+
+const uint16_t* packed_lines(const at::Tensor& weight) {
+  return reinterpret_cast<const uint16_t*>(weight.const_data_ptr<c10::BFloat16>());
+}
+
+void check_operands(const char* op, const at::Tensor& x, const at::Tensor& weight, int64_t n, int64_t tiles,
+                    const at::Tensor& out) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
+                  out.scalar_type() == at::kBFloat16, op, " takes bf16 tensors");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.dim() == 4 && weight.is_contiguous() &&
+                  weight.size(2) == kTile && weight.size(3) == 2, op, ": x [M, K], weight [N/16, K/2, 16, 2]");
+  const int64_t k = x.size(1), pairs = weight.size(1);
+  TORCH_CHECK(k == 2 * pairs && (n + kTile - 1) / kTile == tiles,
+              op, ": x has ", k, " features and the weight ", 2 * pairs, " for ", n, " outputs");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == n && out.stride(1) == 1,
+              op, ": out must be [M, N]");
+}
 
 // x [M, K] bf16 (rows contiguous), weight from pack_bf16_weight for N outputs, bias [N] or none, other [M, N] or
 // none; out [M, N]
 void linear_bf16(const at::Tensor& x, const at::Tensor& weight, int64_t n, const std::optional<at::Tensor>& bias,
                  bool swish, const std::optional<at::Tensor>& other, at::Tensor out, bool amx) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
-                  out.scalar_type() == at::kBFloat16, "linear_bf16 takes bf16 tensors");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.dim() == 4 && weight.is_contiguous() &&
-                  weight.size(2) == kTile && weight.size(3) == 2, "linear_bf16: x [M, K], weight [N/16, K/2, 16, 2]");
-  const int64_t m = x.size(0), k = x.size(1), pairs = weight.size(1), tiles = weight.size(0);
-  TORCH_CHECK(k == 2 * pairs && (n + kTile - 1) / kTile == tiles,
-              "linear_bf16: x has ", k, " features and the weight ", 2 * pairs, " for ", n, " outputs");
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == m && out.size(1) == n && out.stride(1) == 1,
-              "linear_bf16: out must be [M, N]");
-  const Epilogue ep = checked_epilogue<c10::BFloat16>("linear_bf16", at::kBFloat16, "bf16", m, n, swish, bias, other);
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr<c10::BFloat16>());
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.const_data_ptr<c10::BFloat16>());
+  const int64_t tiles = weight.dim() == 4 ? weight.size(0) : 0, pairs = weight.dim() == 4 ? weight.size(1) : 0;
+  check_operands("linear_bf16", x, weight, n, tiles, out);
+  const Epilogue ep = checked_epilogue<c10::BFloat16>("linear_bf16", at::kBFloat16, "bf16", x.size(0), n, swish,
+                                                      bias, other);
+  const uint16_t* wp = packed_lines(weight);
   c10::BFloat16* op = out.mutable_data_ptr<c10::BFloat16>();
-  const int64_t x_row = x.stride(0), out_row = out.stride(0), tile_stride = pairs * 2 * kTile;
-  if (amx && amx_serves(pairs)) {
-    for_each_block<kTileRows, kTileGroup, TaskTiles>(m, tiles, [&](auto nt, int64_t t0, int64_t m0, int mb, TaskTiles& state) {
-      tile_block<decltype(nt)::value>(xp + m0 * x_row, x_row, wp + t0 * tile_stride, pairs, tile_stride, t0 * kTile,
-                                      n, m0, mb, ep, op, out_row, state);
-    });
-    return;
-  }
-  for_each_block(m, tiles, [&](auto nt, int64_t t0, int64_t m0, int mb) {
-    const int64_t n0 = t0 * kTile;
-    rows_block<decltype(nt)::value>(mb, xp + m0 * x_row, x_row, wp + t0 * tile_stride, pairs, tile_stride, n0, n,
-                                    m0, ep, op, out_row);
-  });
+  const int64_t tile_stride = pairs * 2 * kTile, out_row = out.stride(0);
+  run_blocks<kTileGroup, kTiles, 1>(
+      x, pairs, tiles, amx,
+      [&](auto nt, int64_t t0) {
+        constexpr int NT = decltype(nt)::value;
+        std::array<const uint16_t*, NT> w;
+        for (int t = 0; t < NT; ++t) w[t] = wp + (t0 + t) * tile_stride;
+        return w;
+      },
+      [&](int64_t t0) { return LinearFinish{ep, op, out_row, n, t0 * kTile}; });
+}
+
+// out [M, N] = silu(x W_gate^T) * (x W_up^T), gate and up from pack_bf16_weight (N outputs each): a SwiGLU MLP's
+// first half in one pass, each block the gate's and the up projection's tiles of the same 16 outputs
+void glu_bf16(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up, int64_t n, at::Tensor out,
+              bool amx) {
+  const int64_t tiles = gate.dim() == 4 ? gate.size(0) : 0, pairs = gate.dim() == 4 ? gate.size(1) : 0;
+  check_operands("glu_bf16", x, gate, n, tiles, out);
+  check_operands("glu_bf16", x, up, n, tiles, out);
+  const uint16_t *gp = packed_lines(gate), *up_p = packed_lines(up);
+  c10::BFloat16* op = out.mutable_data_ptr<c10::BFloat16>();
+  const int64_t tile_stride = pairs * 2 * kTile, out_row = out.stride(0);
+  run_blocks<1, 1, 2>(
+      x, pairs, tiles, amx,
+      [&](auto, int64_t t0) { return std::array<const uint16_t*, 2>{gp + t0 * tile_stride, up_p + t0 * tile_stride}; },
+      [&](int64_t t0) { return GluFinish{op, out_row, n, t0 * kTile}; });
 }
 
 }  // namespace
@@ -195,8 +269,10 @@ TORCH_LIBRARY_FRAGMENT(megapipe, m) {
   m.def(
       "linear_bf16(Tensor x, Tensor weight, int n, Tensor? bias, bool swish, Tensor? other, Tensor(a!) out, "
       "bool amx=True) -> ()");
+  m.def("glu_bf16(Tensor x, Tensor gate, Tensor up, int n, Tensor(a!) out, bool amx=True) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(megapipe, CPU, m) {
   m.impl("linear_bf16", &linear_bf16);
+  m.impl("glu_bf16", &glu_bf16);
 }
