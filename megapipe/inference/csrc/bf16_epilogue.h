@@ -53,7 +53,10 @@ inline void finish_row(__m512 v, const TileColumns& c, int64_t row, const Epilog
                        c10::BFloat16* out, int64_t out_row) {
   v = _mm512_add_ps(v, c.bias);
   if (ep.swish) v = silu(v);
-  if (ep.other) v = _mm512_mul_ps(v, bf16_to_fp32(_mm256_maskz_loadu_epi16(c.mask, ep.other + row * ep.other_row + c.col)));
+  if (ep.other) {
+    const __m256i other = _mm256_maskz_loadu_epi16(c.mask, ep.other + row * ep.other_row + c.col);
+    v = _mm512_mul_ps(v, bf16_to_fp32(other));
+  }
   store_row(v, c.mask, out + row * out_row + c.col);
 }
 

@@ -82,12 +82,16 @@ struct GluFinish {
   void rows(int64_t m0, int mb, const Sum& sum) const {
     static_assert(NT == 2, "a gated unit's block is its gate tile and its up tile");
     const __mmask16 mask = column_mask(col, n);
-    for (int m = 0; m < mb; ++m) store_row(_mm512_mul_ps(silu(sum(m, 0)), sum(m, 1)), mask, out + (m0 + m) * out_row + col);
+    for (int m = 0; m < mb; ++m)
+      store_row(_mm512_mul_ps(silu(sum(m, 0)), sum(m, 1)), mask, out + (m0 + m) * out_row + col);
   }
 };
 
 // Rows and weight tiles of a block on AMX tiles (tile_block)
 constexpr int kTileRows = 32, kTileGroup = 2;
+// rows per parallel task on AMX tiles: a task's weight tiles are read from the L1 cache by 8 blocks of rows, not 2
+// (a 2048-row prefill ~6% faster end to end than with the loop's 64)
+constexpr int64_t kTileRowChunk = 256;
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 // AMX: the packed weight's 16 lines of 2 inputs x 16 outputs are exactly a tile of the second operand of tdpbf16ps,
@@ -194,17 +198,18 @@ void run_blocks(const at::Tensor& x, int64_t pairs, int64_t tiles, bool amx, con
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr<c10::BFloat16>());
   const int64_t m = x.size(0), x_row = x.stride(0);
   if (amx && amx_serves(pairs)) {
-    for_each_block<kTileRows, TileGroup, TaskTiles>(m, tiles, [&](auto nt, int64_t t0, int64_t m0, int mb,
-                                                                  TaskTiles& state) {
+    auto block = [&](auto nt, int64_t t0, int64_t m0, int mb, TaskTiles& state) {
       constexpr int NT = decltype(nt)::value * Width;
-      tile_block<NT>(xp + m0 * x_row, x_row, weights(std::integral_constant<int, NT>{}, t0).data(), pairs, m0, mb, state,
-                     finish(t0));
-    });
+      tile_block<NT>(xp + m0 * x_row, x_row, weights(std::integral_constant<int, NT>{}, t0).data(), pairs, m0, mb,
+                     state, finish(t0));
+    };
+    for_each_block<kTileRows, TileGroup, TaskTiles, kTileRowChunk>(m, tiles, block);
     return;
   }
   for_each_block<kRows, LoopGroup>(m, tiles, [&](auto nt, int64_t t0, int64_t m0, int mb) {
     constexpr int NT = decltype(nt)::value * Width;
-    rows_block<NT>(mb, xp + m0 * x_row, x_row, weights(std::integral_constant<int, NT>{}, t0).data(), pairs, m0, finish(t0));
+    rows_block<NT>(mb, xp + m0 * x_row, x_row, weights(std::integral_constant<int, NT>{}, t0).data(), pairs, m0,
+                   finish(t0));
   });
 }
 

@@ -19,7 +19,7 @@ constexpr int kTile = 16;  // outputs per 64-byte weight line
 // layer's 36 / 60 / 96 tiles evenly between two threads
 constexpr int kRows = 8;
 constexpr int kTiles = 3;
-constexpr int64_t kRowChunk = 64;  // rows per parallel task
+constexpr int64_t kRowChunk = 64;  // rows per parallel task (AMX's tile path: its own, more)
 
 // What a kernel applies to each [M, N] output before storing it: + bias, SiLU, * other (T: the kernel's dtype)
 template <typename T>
@@ -56,9 +56,10 @@ struct NoTaskState {};
 // block(std::integral_constant<int, NT>, first tile, first row, rows (<= Rows)[, state]) for every block of the
 // matmul: NT = Tiles, or 1 for each tile of a last, partial group. With a TaskState, each parallel task makes one
 // and passes it to every block it runs (AMX's tile configuration, set once per task and released at its end).
-template <int Rows = kRows, int Tiles = kTiles, typename TaskState = NoTaskState, typename Block>
+template <int Rows = kRows, int Tiles = kTiles, typename TaskState = NoTaskState, int64_t RowChunk = kRowChunk,
+          typename Block>
 void for_each_block(int64_t m, int64_t tiles, const Block& block) {
-  const int64_t groups = (tiles + Tiles - 1) / Tiles, chunks = (m + kRowChunk - 1) / kRowChunk;
+  const int64_t groups = (tiles + Tiles - 1) / Tiles, chunks = (m + RowChunk - 1) / RowChunk;
   at::parallel_for(0, groups * chunks, 1, [&](int64_t begin, int64_t end) {
     TaskState state;
     auto run = [&](auto nt, int64_t t0, int64_t m0, int mb) {
@@ -71,7 +72,7 @@ void for_each_block(int64_t m, int64_t tiles, const Block& block) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t g = item % groups, chunk = item / groups;
       const int64_t t0 = g * Tiles, nt = std::min<int64_t>(Tiles, tiles - t0);
-      for (int64_t m0 = chunk * kRowChunk; m0 < std::min(m, (chunk + 1) * kRowChunk); m0 += Rows) {
+      for (int64_t m0 = chunk * RowChunk; m0 < std::min(m, (chunk + 1) * RowChunk); m0 += Rows) {
         const int mb = int(std::min<int64_t>(Rows, m - m0));
         if (nt == Tiles) {
           run(std::integral_constant<int, Tiles>{}, t0, m0, mb);
