@@ -70,7 +70,8 @@ def describe(model_dir: str) -> str:
     """The model's directory name, architecture and shape: 'smollm2 (Llama, h576 x 30 layers, vocab 49152)'."""
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     arch = (cfg.get("architectures") or [cfg.get("model_type", "?")])[0].removesuffix("ForCausalLM")
-    shape = f"h{cfg.get('hidden_size')} x {cfg.get('num_hidden_layers')} layers"
+    layers = cfg.get("num_hidden_layers") or len(cfg.get("layers_block_type") or []) or "?"  # Nemotron-H: its kinds
+    shape = f"h{cfg.get('hidden_size')} x {layers} layers"
     experts = cfg.get("num_local_experts") or cfg.get("num_experts")
     if experts:
         shape += (f", {experts} experts of FFN {cfg.get('moe_intermediate_size') or cfg.get('intermediate_size')}"
