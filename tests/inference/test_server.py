@@ -296,7 +296,9 @@ def test_a_sample_a_stop_string_ends_stops_decoding(live, reference):
     assert got.num_generated_tokens == want.num_generated_tokens == 100 + kept
     late = decoded - (100 + kept)  # sample 0's tokens the engine decoded past its stop string (100 - kept if never cut)
     assert 0 <= late <= 20, (decoded, kept)
-    assert running[-1] == 1  # sample 1 alone, sample 0's sequence finished
+    # sample 1 ran alone once sample 0's sequence finished (not necessarily at its last output: through a core
+    # process the stats can already say 0 there, the core having finished sample 1 before the front end read it)
+    assert 1 in running, running
 
 
 def test_full_queue_is_503(hf_llama):
