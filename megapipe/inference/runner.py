@@ -146,9 +146,10 @@ def packing_works(dtype: torch.dtype) -> bool:
 class PackedSwiGLU(nn.Module):
     """A swiglu FeedForward as packed matmuls, w2(silu(x w1) * (x w3)), the SiLU and the product taken on the fp32
     sums before rounding: no elementwise passes over the hidden activations, which in a long prefill cost as much as
-    a fifth of the MLP. On megapipe's bf16 kernel the first half is one call (``glu_bf16``: each block multiplies
-    the gate's and the up projection's tiles of the same outputs, so neither half is written out and read back); on
-    oneDNN (and with biases, or LoRA adapters on w1 / w3) it is two, the SiLU and the product their post-ops."""
+    a fifth of the MLP. On megapipe's bf16 kernel on AMX tiles the first half is one call (``glu_bf16``: each
+    block multiplies the gate's and the up projection's tiles of the same outputs, so neither half is written out
+    and read back); elsewhere (oneDNN, the vdpbf16ps loop, biases, LoRA adapters on w1 / w3) it is two, the SiLU and
+    the product in their epilogues (kernels.glu_on_tiles)."""
 
     def __init__(self, ff: nn.Module, own: Union[bool, int] = False):
         super().__init__()
@@ -165,7 +166,7 @@ class PackedSwiGLU(nn.Module):
     def _glu_serves(self, x: torch.Tensor) -> bool:
         w1, w3 = self.w1, self.w3
         return (w1._on_own(x) and w3._on_own(x) and w1.packed.dtype == torch.bfloat16 and w1.bias is None
-                and w3.bias is None and not (w1.adapted or w3.adapted))
+                and w3.bias is None and not (w1.adapted or w3.adapted) and kernels.glu_on_tiles(w1.in_features))
 
     @staticmethod
     def fits(ff: nn.Module) -> bool:
@@ -194,7 +195,7 @@ class PackedExperts(nn.Module):
     """An MoE layer's experts (megapipe.models.moe.GroupedExperts, same ``forward(x, counts)``) on megapipe's bf16
     kernel: each 3-D weight [E, F, H] packed once as one [E*F, H] matmul, expert e's rows being a contiguous slice of
     it (the kernel's 16-output lines; F and H multiples of 16). Every expert that got rows runs as PackedSwiGLU does
-    (gate and up in one glu_bf16 call) on its slice of the sorted rows, writing its part of one output;
+    (gate and up in one glu_bf16 call where AMX serves it) on its slice of the sorted rows, writing its part of one output;
     an expert that got none costs nothing. On CPU, torch._grouped_mm reorders each group's bf16 weight for a plain
     GEMM on every call: at decode batch sizes (a few rows per expert) it takes 2-5x as long as this kernel, which
     streams each weight once (tools/bench_generate.py on a Mixtral-like model: the decode step 4x faster)."""
@@ -220,14 +221,21 @@ class PackedExperts(nn.Module):
             x = x.contiguous().to(torch.bfloat16)
         out = torch.empty(len(x), self.hidden, dtype=x.dtype, device=x.device)
         hidden = torch.empty(len(x), self.ffn, dtype=x.dtype, device=x.device)
+        gate = None if kernels.glu_on_tiles(self.hidden) else torch.empty_like(hidden)
         sizes = counts.tolist()
+        gates = [None] * len(sizes) if gate is None else gate.split(sizes)
         w1, w3, w2 = self._experts()
         ops = torch.ops.megapipe
-        for e, (n, xe, he, oe) in enumerate(zip(sizes, x.split(sizes), hidden.split(sizes), out.split(sizes),
-                                                strict=True)):
-            if n:
+        parts = zip(sizes, x.split(sizes), gates, hidden.split(sizes), out.split(sizes), strict=True)
+        for e, (n, xe, ge, he, oe) in enumerate(parts):
+            if not n:
+                continue
+            if ge is None:
                 ops.glu_bf16(xe, w1[e], w3[e], self.ffn, he)
-                ops.linear_bf16(he, w2[e], self.hidden, None, False, None, oe)
+            else:  # no AMX: two calls, the SiLU and then the product in their epilogues
+                ops.linear_bf16(xe, w1[e], self.ffn, None, True, None, ge)
+                ops.linear_bf16(xe, w3[e], self.ffn, None, False, ge, he)
+            ops.linear_bf16(he, w2[e], self.hidden, None, False, None, oe)
         return out
 
     def _experts(self) -> tuple:

@@ -360,7 +360,7 @@ def test_moe_in_bf16_and_at_batch_32(arch, tmp_path_factory, one_thread):
     assert diff.median() <= 0.05 and diff.mean() <= 0.1, diff
 
 
-def test_packed_experts_match_the_grouped_gemm_and_take_new_weights(one_thread):
+def test_packed_experts_match_the_grouped_gemm_and_take_new_weights(one_thread, monkeypatch):
     """In bf16 with megapipe's matmul kernel the engine runs MoE experts as PackedExperts (each 3-D weight one packed
     matmul, an expert a slice of it, only experts that got rows run): within bf16 round-off of the grouped GEMM
     against the fp32 product, empty experts included; load_weights re-packs them from the model's 3-D tensors, and
@@ -390,6 +390,11 @@ def test_packed_experts_match_the_grouped_gemm_and_take_new_weights(one_thread):
     assert not torch.equal(packed, grouped)  # the SiLU and product are taken before rounding
     assert (packed - exact).abs().max() <= 1.5 * (grouped - exact).abs().max()
     torch.testing.assert_close(packed, exact, atol=0.02, rtol=0.02)
+    with torch.inference_mode(), monkeypatch.context() as m:  # gate and up as two calls, as without AMX
+        m.setattr(kernels, "glu_on_tiles", lambda width: False)
+        two_calls = holder.experts(x, counts).float()
+    assert (two_calls - exact).abs().max() <= 1.5 * (grouped - exact).abs().max()
+    torch.testing.assert_close(two_calls, exact, atol=0.02, rtol=0.02)
 
     cfg = ModelConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                       num_kv_heads=2, max_position_embeddings=64, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32)

@@ -541,7 +541,7 @@ def test_the_fused_silu_holds_at_extreme_inputs(bf16_linear):
         torch.testing.assert_close(out[:, 0].double(), want, rtol=2 ** -8, atol=1e-30)
 
 
-def test_packed_swiglu_runs_the_fused_glu_unless_an_adapter_wraps_a_half(bf16_linear, monkeypatch):
+def test_packed_swiglu_runs_the_fused_glu_on_amx_unless_an_adapter_wraps_a_half(bf16_linear, monkeypatch):
     from megapipe.config import ModelConfig
     from megapipe.inference.runner import PackedSwiGLU
     from megapipe.models.dense import FeedForward
@@ -559,12 +559,18 @@ def test_packed_swiglu_runs_the_fused_glu_unless_an_adapter_wraps_a_half(bf16_li
             return getattr(real, name)
 
     monkeypatch.setattr(torch.ops, "megapipe", Counting(), raising=False)
+    monkeypatch.setattr(kernels, "glu_on_tiles", lambda width: True)  # as on AMX; its loop serves here otherwise
     fused = packed(x)
     assert calls == ["glu_bf16", "linear_bf16"]
-    packed.w1.adapted = True
-    calls.clear()
-    two = packed(x)
-    assert calls == ["linear_bf16"] * 3
+    for leave in ("adapted", "no AMX"):
+        if leave == "adapted":
+            packed.w1.adapted = True
+        else:
+            packed.w1.adapted = False
+            monkeypatch.setattr(kernels, "glu_on_tiles", lambda width: False)
+        calls.clear()
+        two = packed(x)
+        assert calls == ["linear_bf16"] * 3, leave
     with torch.no_grad():
         want = ff(x).double()
     torch.testing.assert_close(fused.double(), want, rtol=2 ** -6, atol=2e-2)
