@@ -154,19 +154,18 @@ class PackedSwiGLU(nn.Module):
     def __init__(self, ff: nn.Module, own: Union[bool, int] = False):
         super().__init__()
         self.w1, self.w3, self.w2 = (PackedLinear(w.weight, w.bias, own) for w in (ff.w1, ff.w3, ff.w2))
+        w1, w3 = self.w1, self.w3  # the same shape and row limit: w1's kernel choice is w3's
+        self.glu = (w1.own and w1.packed.dtype == torch.bfloat16 and w1.bias is None and w3.bias is None
+                    and kernels.glu_on_tiles(w1.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._glu_serves(x):
-            rows, out = self.w1.rows_and_out(x)
-            torch.ops.megapipe.glu_bf16(rows, self.w1.packed, self.w3.packed, self.w1.out_features, out)
-            return self.w2(out.view(*x.shape[:-1], -1))
-        gate = self.w1(x, "swish")
-        return self.w2(self.w3.times(x, gate))
-
-    def _glu_serves(self, x: torch.Tensor) -> bool:
         w1, w3 = self.w1, self.w3
-        return (w1._on_own(x) and w3._on_own(x) and w1.packed.dtype == torch.bfloat16 and w1.bias is None
-                and w3.bias is None and not (w1.adapted or w3.adapted) and kernels.glu_on_tiles(w1.in_features))
+        if self.glu and w1._on_own(x) and not (w1.adapted or w3.adapted):
+            rows, out = w1.rows_and_out(x)
+            torch.ops.megapipe.glu_bf16(rows, w1.packed, w3.packed, w1.out_features, out)
+            return self.w2(out.view(*x.shape[:-1], -1))
+        gate = w1(x, "swish")
+        return self.w2(w3.times(x, gate))
 
     @staticmethod
     def fits(ff: nn.Module) -> bool:

@@ -549,6 +549,7 @@ def test_packed_swiglu_runs_the_fused_glu_on_amx_unless_an_adapter_wraps_a_half(
     torch.manual_seed(0)
     ff = FeedForward(ModelConfig(hidden_size=64, intermediate_size=96)).bfloat16()
     x = torch.randn(2, 5, 64).bfloat16()
+    monkeypatch.setattr(kernels, "glu_on_tiles", lambda width: True)  # as on AMX; its loop serves here otherwise
     packed = PackedSwiGLU(ff, own=True)
     calls = []
     real = torch.ops.megapipe
@@ -559,15 +560,14 @@ def test_packed_swiglu_runs_the_fused_glu_on_amx_unless_an_adapter_wraps_a_half(
             return getattr(real, name)
 
     monkeypatch.setattr(torch.ops, "megapipe", Counting(), raising=False)
-    monkeypatch.setattr(kernels, "glu_on_tiles", lambda width: True)  # as on AMX; its loop serves here otherwise
     fused = packed(x)
     assert calls == ["glu_bf16", "linear_bf16"]
     for leave in ("adapted", "no AMX"):
         if leave == "adapted":
             packed.w1.adapted = True
         else:
-            packed.w1.adapted = False
             monkeypatch.setattr(kernels, "glu_on_tiles", lambda width: False)
+            packed = PackedSwiGLU(ff, own=True)
         calls.clear()
         two = packed(x)
         assert calls == ["linear_bf16"] * 3, leave
