@@ -162,6 +162,9 @@ def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Ten
     document_ids [B, S] (optional) -> (y [B, S, H, P] in x's dtype, final state [B, H, P, N] float32)."""
     b, s, h, p = x.shape
     g, n = B.shape[-2], B.shape[-1]
+    # the fewest chunks of at most chunk_size, evened out: the least padding (a 64-token prompt is one chunk of 64,
+    # not 128 with half of it padding; the scan costs Q^2 to Q^3 per chunk); the result does not depend on Q
+    chunk_size = -(-s // -(-s // chunk_size))
     pad = (-s) % chunk_size
     dt = dt.float()
     a = dt * A.float()  # [B, S, H]: log-decay of each step (<= 0)
@@ -224,8 +227,11 @@ class _ChunkScan(torch.autograd.Function):
             w = _decayed_inputs(x_t, dt_t, L)
             starts, final = _chunk_states_forward(Bg.transpose(-1, -2) @ w, E[..., -1], initial)  # [B, G, c, N, R*P]
             y = x.new_empty(b, s, h, p)
-            torch.addcmul(y_in.transpose(3, 4), (Cg @ starts).view(b, g, c, q, r, p), E.transpose(-1, -2)[..., None],
-                          out=_token_major(y, q, g))
+            if initial is None and c == 1:  # no state enters: y is the within-chunk part (a prompt's prefill)
+                _token_major(y, q, g).copy_(y_in.transpose(3, 4))
+            else:
+                torch.addcmul(y_in.transpose(3, 4), (Cg @ starts).view(b, g, c, q, r, p),
+                              E.transpose(-1, -2)[..., None], out=_token_major(y, q, g))
             if D is not None:
                 y.addcmul_(x, D[:, None])
         ctx.save_for_backward(x, dt, xh, ah, Bg, Cg, D, starts, rh)

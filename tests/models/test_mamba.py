@@ -93,10 +93,12 @@ def _reference_scan(x, dt, A, B, C, D, state=None):
     return torch.stack(ys, 1), state
 
 
-@pytest.mark.parametrize("chunk", [1, 4, 7, 32])
-def test_chunked_scan_equals_the_recurrence(chunk):
+@pytest.mark.parametrize("with_state", [True, False])
+@pytest.mark.parametrize("chunk", [1, 4, 7, 8, 32])
+def test_chunked_scan_equals_the_recurrence(chunk, with_state):
+    """21 tokens: chunks of 1, 4 (+3 padding), 7, 8 (evened out to 3 x 7) and 32 (one chunk of 21)."""
     x, dt, A, B, C, D = _ssm_inputs()
-    init = torch.randn(2, 4, 3, 5)
+    init = torch.randn(2, 4, 3, 5) if with_state else None
     y, state = ssd_chunked(x, dt, A, B, C, chunk, D, init)
     ref_y, ref_state = _reference_scan(x, dt, A, B, C, D, init)
     torch.testing.assert_close(y.double(), ref_y, atol=1e-5, rtol=1e-5)
