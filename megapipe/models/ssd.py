@@ -113,18 +113,19 @@ class _DepthwiseCausalConv(torch.autograd.Function):
                 grad_prefix[:, j:j + shift].addcmul_(grad[:, :shift], weight[:, j])
         if ctx.needs_input_grad[2]:
             grad_weight = torch.empty_like(weight)
-            product = torch.empty_like(grad)  # one buffer for every tap's grad * input
+            # one contiguous buffer for every tap's grad * input, the rows before the sequence included (zeros or
+            # the prefix's products), summed as one [B*S, C] matrix: a sum over a slice of the rows is 6x slower
+            product = grad.new_empty(grad.shape)
             for j in range(k):
-                shift = k - 1 - j
-                if shift < s:
-                    torch.mul(grad[:, shift:], x[:, :s - shift], out=product[:, shift:])
-                    grad_weight[:, j] = product[:, shift:].sum((0, 1))
+                shift = min(k - 1 - j, s)  # tap j reads the input k-1-j steps back
+                torch.mul(grad[:, shift:], x[:, :s - shift], out=product[:, shift:])
+                if prefix is None:
+                    product[:, :shift].zero_()
                 else:
-                    grad_weight[:, j] = 0
-                if prefix is not None:
-                    grad_weight[:, j] += (grad[:, :shift] * prefix[:, j:j + min(shift, s)]).sum((0, 1))
+                    torch.mul(grad[:, :shift], prefix[:, j:j + shift], out=product[:, :shift])
+                grad_weight[:, j] = product.view(-1, product.shape[-1]).sum(0)
         if ctx.has_bias and ctx.needs_input_grad[3]:
-            grad_bias = grad.sum((0, 1))
+            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
         return grad_x, grad_prefix, grad_weight, grad_bias
 
 

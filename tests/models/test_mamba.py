@@ -144,6 +144,35 @@ def test_mixer_prefill_then_decode_equals_whole_sequence():
     torch.testing.assert_close(ssm, ssm_end, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("length", [2, 3, 9])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_conv_values_and_gradients_equal_torch_conv1d(length, with_state):
+    """causal_conv1d's own forward and backward (input, incoming window, weight, bias) against autograd through
+    F.conv1d (depthwise, the window or zeros in front), fp64; sequences shorter than the window (K-1 = 3) too."""
+    g = torch.Generator().manual_seed(3)
+    b, c, k = 2, 6, 4
+    leaves = [t.double().requires_grad_() for t in (torch.randn(b, length, c, generator=g),
+                                                    torch.randn(b, c, k - 1, generator=g),
+                                                    torch.randn(c, k, generator=g), torch.randn(c, generator=g))]
+    x, state, weight, bias = leaves
+    weights = torch.randn(b, length, c, generator=g).double()
+    y, _ = causal_conv1d(x, weight, bias, state if with_state else None)
+    (y * weights).sum().backward()
+    ours = [t.grad for t in leaves]
+    for t in leaves:
+        t.grad = None
+    front = state if with_state else torch.zeros_like(state)
+    full = torch.cat([front, x.transpose(1, 2)], dim=-1)
+    ref = torch.nn.functional.conv1d(full, weight[:, None], bias, groups=c).transpose(1, 2)
+    torch.testing.assert_close(y, ref)
+    (ref * weights).sum().backward()
+    for i, (got, want) in enumerate(zip(ours, [t.grad for t in leaves], strict=True)):
+        if i == 1 and not with_state:
+            assert got is None
+        else:
+            torch.testing.assert_close(got, want, msg=f"input {i}")
+
+
 # document lengths: boundaries inside chunks and on them, documents shorter than the conv window
 DOCS = [[5, 1, 2, 9, 4], [8, 8, 5]]
 
