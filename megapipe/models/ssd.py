@@ -335,10 +335,13 @@ def _chunk_states_backward(grad_starts: torch.Tensor, grad_final: torch.Tensor, 
     grad_chunks = torch.empty_like(starts)  # [i]: the gradient of the state leaving chunk i
     grad_chunks[:, :, c - 1] = grad_final
     by_head, starts_by_head = grad_chunks.view(b, g, c, n, r, -1), grad_starts.view(b, g, c, n, r, -1)
+    entering = starts.view(b, g, c, n, r, -1)
+    grad_decay = decay.new_empty(b, g, c, r)
+    product = by_head.new_empty(by_head[:, :, 0].shape)  # one chunk's: still in cache when summed
     for i in reversed(range(c)):
+        torch.sum(torch.mul(by_head[:, :, i], entering[:, :, i], out=product), (2, 4), out=grad_decay[:, :, i])
         out = by_head[:, :, i - 1] if i > 0 else None
         grad_initial = torch.addcmul(starts_by_head[:, :, i], by_head[:, :, i], decay[:, :, i, None, :, None], out=out)
-    grad_decay = (by_head * starts.view(b, g, c, n, r, -1)).sum((3, 5))
     return grad_chunks, grad_decay, grad_initial.view(b, g, n, rp)
 
 
