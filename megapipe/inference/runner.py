@@ -46,6 +46,7 @@ from megapipe.inference.scheduler import SchedulerOutput
 from megapipe.inference.state_cache import StatePool
 from megapipe.models.capabilities import capabilities, describe
 from megapipe.models.dense import FeedForward, TransformerBlock
+from megapipe.models.mamba import Mamba2Mixer
 from megapipe.models.moe import GroupedExperts, MoEBlock
 from megapipe.models.norms import RMSNorm
 from megapipe.models.rope import model_rope_parts, rope_cos_sin
@@ -177,17 +178,40 @@ class PackedSwiGLU(nn.Module):
 
 
 class PackedQKV(nn.Module):
-    """wq, wk, wv of one attention layer as one packed matmul; returns the three projections (views)."""
+    """Projections of one input as one packed matmul (``parts``: names of ``owner``'s nn.Linear children; an
+    attention layer's wq, wk, wv by default); returns their outputs, views of its result."""
 
-    def __init__(self, attn: nn.Module, own: Union[bool, int] = False):
+    def __init__(self, owner: nn.Module, own: Union[bool, int] = False, parts: Sequence[str] = ("wq", "wk", "wv")):
         super().__init__()
-        parts = (attn.wq, attn.wk, attn.wv)
-        self.sizes = [p.out_features for p in parts]
-        bias = None if attn.wq.bias is None else torch.cat([p.bias for p in parts]).detach()
-        self.wqkv = PackedLinear(torch.cat([p.weight for p in parts]).detach(), bias, own)
+        linears = [getattr(owner, n) for n in parts]
+        self.parts, self.sizes = tuple(parts), [p.out_features for p in linears]
+        bias = None if linears[0].bias is None else torch.cat([p.bias for p in linears]).detach()
+        self.wqkv = PackedLinear(torch.cat([p.weight for p in linears]).detach(), bias, own)
 
     def forward(self, x: torch.Tensor):
         return self.wqkv(x).split(self.sizes, dim=-1)
+
+
+class PackedMambaIn(PackedQKV):
+    """A Mamba-2 mixer's five in-projections as one packed matmul, in place of its ``project``: (z, xbc, dt) as views
+    of the result, the muP multipliers (Falcon-H1's) applied as the mixer's own fused path applies them."""
+
+    PARTS = ("in_z", "in_x", "in_B", "in_C", "in_dt")
+
+    def __init__(self, mixer: nn.Module, own: Union[bool, int] = False):
+        super().__init__(mixer, own, self.PARTS)
+        self.in_multiplier = mixer.in_multiplier
+        multipliers, dtype = mixer.proj_multipliers, mixer.in_z.weight.dtype
+        self.scale = None if all(m == 1 for m in multipliers) else torch.cat(
+            [torch.full((n,), m, dtype=dtype) for n, m in zip(self.sizes, multipliers, strict=True)])
+        z, x, b, c, dt = self.sizes
+        self.split_sizes = [z, x + b + c, dt]
+
+    def forward(self, x: torch.Tensor):
+        out = self.wqkv(x if self.in_multiplier == 1 else x * self.in_multiplier)
+        if self.scale is not None:
+            out = out * self.scale
+        return out.split(self.split_sizes, dim=-1)
 
 
 class PackedExperts(nn.Module):
@@ -254,14 +278,18 @@ def pack_linears(model: nn.Module, own: Union[bool, int] = False) -> int:
 
     count = 0
     keep = set(getattr(model, "plain_linears", ()))
+    fused = None
     if hasattr(model, "project_qkv") and all(isinstance(getattr(model, n, None), nn.Linear) for n in ("wq", "wk", "wv")):
-        qkv = PackedQKV(model, own)
-        model.add_module("fused_qkv", qkv)
+        fused, method = PackedQKV(model, own), "project_qkv"
+    elif isinstance(model, Mamba2Mixer) and all(type(getattr(model, n)) is nn.Linear for n in PackedMambaIn.PARTS):
+        fused, method = PackedMambaIn(model, own), "project"
+    if fused is not None:
+        model.add_module("fused_qkv", fused)
         # an instance attribute wins over the class method: the model's forward now calls the fused matmul
-        object.__setattr__(model, "project_qkv", qkv)
-        for n in ("wq", "wk", "wv"):
+        object.__setattr__(model, method, fused)
+        for n in fused.parts:
             setattr(model, n, None)
-        count += 3
+        count += len(fused.parts)
     for name, child in list(model.named_children()):
         if child is None or name == "fused_qkv" or name in keep:
             continue
@@ -288,7 +316,7 @@ def packed_parts(model: nn.Module):
         prefix = name + "." if name else ""
         if isinstance(module, PackedQKV):
             owner = prefix[: -len("fused_qkv.")]
-            parts = [f"{owner}{p}" for p in ("wq", "wk", "wv")]
+            parts = [f"{owner}{p}" for p in module.parts]
             yield module.wqkv, [f"{p}.weight" for p in parts], [f"{p}.bias" for p in parts], module.sizes
             fused.add(prefix + "wqkv")
         elif isinstance(module, PackedSwiGLU):

@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from megapipe.inference.compressed_cache import compressed_bytes_per_sequence, compressed_states
+from megapipe.models.attention import local
 from megapipe.models.mamba import Mamba2Mixer
 
 
@@ -30,7 +31,7 @@ def state_shapes(model) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
     for mixer in model.modules():
         if isinstance(mixer, Mamba2Mixer):
             weight, _ = mixer.conv_params()
-            inner = weight.shape[0] - 2 * mixer.in_B.out_features  # x's channels: heads * head_dim
+            inner = local(mixer.conv_x.weight).shape[0]  # x's channels: heads * head_dim
             shapes[mixer.layer_id] = ((weight.shape[0], weight.shape[1] - 1),
                                       (inner // mixer.head_dim, mixer.head_dim, mixer.state_dim))
     return shapes

@@ -154,10 +154,16 @@ def test_no_prefix_cache_hits_and_no_kv_for_a_model_without_attention(hybrid, on
 
 
 def test_load_weights_reaches_the_packed_mixers(hybrid, one_thread):
-    """New weights (an RL update) replace the Mamba mixers' packed projections and their conv / SSM parameters."""
+    """New weights (an RL update) replace the Mamba mixers' packed projections (their five in-projections one
+    matmul) and their conv / SSM parameters."""
+    from megapipe.inference.runner import PackedMambaIn
+    from megapipe.models.mamba import Mamba2Mixer
+
     model, _ = hybrid
     other = build_model(ModelConfig(**TINY), seed=3).eval()
     engine = engine_on(model)
+    mixers = [m for m in engine.runner.model.modules() if isinstance(m, Mamba2Mixer)]
+    assert mixers and all(isinstance(m.project, PackedMambaIn) and m.in_z is None for m in mixers)
     engine.load_weights(other.state_dict())
     greedy = SamplingParams(max_tokens=8, **GREEDY)
     assert engine.generate([PROMPTS[0]], greedy)[0].outputs[0].token_ids == full_greedy(other, PROMPTS[0], 8)
