@@ -84,19 +84,17 @@ class AdaptedLinear:
         mask = self.slots.mask(self.band)
         if mask is None:
             return self.base_forward(x) if activation == "none" else self.base_forward(x, activation)
+        if activation not in ("none", "swish"):
+            raise ValueError(f"an adapted linear fuses no {activation!r} (only 'none' and 'swish')")
         y = self.base_forward(x)
         rows = x.reshape(-1, self.in_features)
-        if self.packed is not None:
-            low = self.packed[0](rows).mul_(mask)
-            y.view(-1, self.out_features).add_(self.packed[1](low))
-        else:
-            low = torch.matmul(rows, self.a.T).mul_(mask)
-            y.view(-1, self.out_features).addmm_(low, self.b)
-        if activation == "swish":
-            return F.silu(y)
-        if activation != "none":
-            raise ValueError(f"an adapted linear fuses no {activation!r} (only 'none' and 'swish')")
-        return y
+        if self.packed is not None:  # the mask in the first matmul's epilogue, the sum (and SiLU) in the second's
+            self.packed[1].add_to(self.packed[0].times(rows, mask), y.view(-1, self.out_features),
+                                  swish=activation == "swish")
+            return y
+        low = torch.matmul(rows, self.a.T).mul_(mask)
+        y.view(-1, self.out_features).addmm_(low, self.b)
+        return F.silu(y) if activation == "swish" else y
 
     def times(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         if self.slots.mask(self.band) is None:

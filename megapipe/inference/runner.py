@@ -118,10 +118,26 @@ class PackedLinear(nn.Module):
     def _own(self, x: torch.Tensor, swish: bool, other: Optional[torch.Tensor]) -> torch.Tensor:
         rows, out = self.rows_and_out(x)
         other = None if other is None else other.reshape(-1, self.out_features)
-        ops = torch.ops.megapipe
-        matmul = ops.linear_f32 if self.packed.dtype == torch.float32 else ops.linear_bf16
-        matmul(rows, self.packed, self.out_features, self.bias, swish, other, out)
+        self._matmul(rows, swish, other, out)
         return out.view(*x.shape[:-1], self.out_features)
+
+    def _matmul(self, rows: torch.Tensor, swish: bool, other: Optional[torch.Tensor], out: torch.Tensor,
+                add: bool = False) -> None:
+        if self.packed.dtype == torch.float32:
+            torch.ops.megapipe.linear_f32(rows, self.packed, self.out_features, self.bias, swish, other, out, add=add)
+        else:
+            torch.ops.megapipe.linear_bf16(rows, self.packed, self.out_features, self.bias, swish, other, out, add=add)
+
+    def add_to(self, x: torch.Tensor, out: torch.Tensor, swish: bool = False) -> None:
+        """out = act(out + x W^T + b) in place (out [rows, out_features], contiguous rows): on megapipe's kernel the
+        sum is taken in its epilogue, before one rounding, with no pass of its own."""
+        if self._on_own(x) and out.stride(-1) == 1:
+            rows = x.reshape(-1, self.in_features)
+            self._matmul(rows if rows.stride(-1) == 1 else rows.contiguous(), swish, out, out, add=True)
+            return
+        out.add_(self(x))
+        if swish:
+            F.silu(out, inplace=True)
 
     def rows_and_out(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x as [rows, in_features] with contiguous rows, and an empty output [rows, out_features] for it."""

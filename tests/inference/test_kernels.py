@@ -251,6 +251,13 @@ def test_bf16_linear_matches_onednn_and_the_exact_product(bf16_linear, m, n, k):
         assert got.dtype == torch.bfloat16 and got.shape == (m, n)
         torch.testing.assert_close(got.double(), want, rtol=2 ** -7, atol=1e-2)
         assert (got == theirs).float().mean() > 0.99
+    for swish in (False, True):  # out = act(out + x W^T + b) in place: the sum in the epilogue (oneDNN: a pass more)
+        summed = exact + other.double()
+        want = summed * summed.sigmoid() if swish else summed
+        for lin in (mine, onednn):
+            out = other.clone()
+            lin.add_to(x, out, swish)
+            torch.testing.assert_close(out.double(), want, rtol=2 ** -6, atol=2e-2)
     no_bias = PackedLinear(w, None, own=True)
     torch.testing.assert_close(no_bias(x[None]).double(), (exact - b.double())[None], rtol=2 ** -7, atol=1e-2)
 
@@ -332,8 +339,13 @@ def test_f32_linear_is_the_product_within_fp32_round_off(ops, m, n, k):
     mine = PackedLinear(w, b, own=True)
     assert mine.own and mine.packed.shape == (-(-n // 16), k, 16) and torch.equal(mine.dense(), w)
     exact = x.double() @ w.double().t() + b.double()
+    added, added_swish = other.clone(), other.clone()
+    mine.add_to(x, added)
+    mine.add_to(x, added_swish, swish=True)
+    summed = exact + other.double()
     for got, want in ((mine(x), exact), (mine(x, "swish"), exact * exact.sigmoid()),
-                      (mine.times(x, other), exact * other.double())):
+                      (mine.times(x, other), exact * other.double()), (added, summed),
+                      (added_swish, summed * summed.sigmoid())):
         assert got.dtype == torch.float32 and got.shape == (m, n)
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match=f"x has {k + 1} features and the weight {k} for {n} outputs"):
@@ -493,10 +505,10 @@ def test_bf16_linear_on_amx_tiles_matches_its_vdpbf16ps_loop(bf16_linear, m, n, 
     w, b = (torch.randn(n, k, generator=g) * 0.05).bfloat16(), torch.randn(n, generator=g).bfloat16()
     x, other = torch.randn(m, k, generator=g).bfloat16(), torch.randn(m, n, generator=g).bfloat16()
     packed = kernels.pack_bf16_weight(w)
-    for swish, times in ((False, None), (True, None), (False, other)):
+    for swish, times, add in ((False, None, False), (True, None, False), (False, other, False), (True, other, True)):
         tiles, loop = (torch.empty(m, n, dtype=torch.bfloat16) for _ in range(2))
-        bf16_linear(x, packed, n, b, swish, times, tiles)
-        bf16_linear(x, packed, n, b, swish, times, loop, amx=False)
+        bf16_linear(x, packed, n, b, swish, times, tiles, add=add)
+        bf16_linear(x, packed, n, b, swish, times, loop, amx=False, add=add)
         torch.testing.assert_close(tiles.float(), loop.float(), rtol=2 ** -7, atol=2 ** -7)
         assert (tiles == loop).float().mean() > 0.95
 

@@ -226,8 +226,9 @@ def test_bf16_kernel_path_equals_the_plain_matmuls():
     x = torch.randn(5, 64, dtype=torch.bfloat16)
     slots.set_rows([0, 2, 2, 0, 2])
     with torch.inference_mode():
-        got = layer.forward(x).float()
+        got, swished = layer.forward(x).float(), layer.forward(x, "swish").float()
     a, b = weights["w.weight"]
     want = (x @ base.weight.T).float()
     want[[1, 2, 4]] += ((x[[1, 2, 4]] @ a.T) @ b.T).float()
     torch.testing.assert_close(got, want, atol=0.1, rtol=0.02)
+    torch.testing.assert_close(swished, torch.nn.functional.silu(want), atol=0.1, rtol=0.02)  # SiLU after the sum

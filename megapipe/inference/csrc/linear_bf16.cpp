@@ -231,13 +231,13 @@ void check_operands(const char* op, const at::Tensor& x, const at::Tensor& weigh
 }
 
 // x [M, K] bf16 (rows contiguous), weight from pack_bf16_weight for N outputs, bias [N] or none, other [M, N] or
-// none; out [M, N]
+// none (add: other is added, and may be out itself); out [M, N]
 void linear_bf16(const at::Tensor& x, const at::Tensor& weight, int64_t n, const std::optional<at::Tensor>& bias,
-                 bool swish, const std::optional<at::Tensor>& other, at::Tensor out, bool amx) {
+                 bool swish, const std::optional<at::Tensor>& other, at::Tensor out, bool amx, bool add) {
   const int64_t tiles = weight.dim() == 4 ? weight.size(0) : 0, pairs = weight.dim() == 4 ? weight.size(1) : 0;
   check_operands("linear_bf16", x, weight, n, tiles, out);
   const Epilogue ep = checked_epilogue<c10::BFloat16>("linear_bf16", at::kBFloat16, "bf16", x.size(0), n, swish,
-                                                      bias, other);
+                                                      bias, other, add);
   const uint16_t* wp = packed_lines(weight);
   c10::BFloat16* op = out.mutable_data_ptr<c10::BFloat16>();
   const int64_t tile_stride = pairs * 2 * kTile, out_row = out.stride(0);
@@ -273,7 +273,7 @@ void glu_bf16(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up,
 TORCH_LIBRARY_FRAGMENT(megapipe, m) {
   m.def(
       "linear_bf16(Tensor x, Tensor weight, int n, Tensor? bias, bool swish, Tensor? other, Tensor(a!) out, "
-      "bool amx=True) -> ()");
+      "bool amx=True, bool add=False) -> ()");
   m.def("glu_bf16(Tensor x, Tensor gate, Tensor up, int n, Tensor(a!) out, bool amx=True) -> ()");
 }
 

@@ -42,11 +42,14 @@ inline void block(const float* x, int64_t x_row, const float* w, int64_t k_len, 
     const __m512 bias = ep.bias ? _mm512_maskz_loadu_ps(mask, ep.bias + col) : _mm512_setzero_ps();
     for (int m = 0; m < MB; ++m) {
       __m512 v = _mm512_add_ps(acc[m][t], bias);
+      const __m512 other =
+          ep.other ? _mm512_maskz_loadu_ps(mask, ep.other + (m0 + m) * ep.other_row + col) : _mm512_setzero_ps();
+      if (ep.add_other) v = _mm512_add_ps(v, other);
       if (ep.swish) {
         const Vec x(v);
         v = x / (Vec(1.f) + x.neg().exp());
       }
-      if (ep.other) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mask, ep.other + (m0 + m) * ep.other_row + col));
+      if (ep.other && !ep.add_other) v = _mm512_mul_ps(v, other);
       _mm512_mask_storeu_ps(out + (m0 + m) * out_row + col, mask, v);
     }
   }
@@ -60,9 +63,9 @@ inline void rows_block(int mb, const float* x, int64_t x_row, const float* w, in
 }
 
 // x [M, K] fp32 (rows contiguous), weight from pack_f32_weight for N outputs, bias [N] or none, other [M, N] or
-// none; out [M, N]
+// none (add: other is added, and may be out itself); out [M, N]
 void linear_f32(const at::Tensor& x, const at::Tensor& weight, int64_t n, const std::optional<at::Tensor>& bias,
-                bool swish, const std::optional<at::Tensor>& other, at::Tensor out) {
+                bool swish, const std::optional<at::Tensor>& other, at::Tensor out, bool add) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
               "linear_f32 takes fp32 tensors");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.dim() == 3 && weight.is_contiguous() &&
@@ -72,7 +75,7 @@ void linear_f32(const at::Tensor& x, const at::Tensor& weight, int64_t n, const 
               "linear_f32: x has ", k, " features and the weight ", weight.size(1), " for ", n, " outputs");
   TORCH_CHECK(out.dim() == 2 && out.size(0) == m && out.size(1) == n && out.stride(1) == 1,
               "linear_f32: out must be [M, N]");
-  const Epilogue ep = checked_epilogue<float>("linear_f32", at::kFloat, "fp32", m, n, swish, bias, other);
+  const Epilogue ep = checked_epilogue<float>("linear_f32", at::kFloat, "fp32", m, n, swish, bias, other, add);
   const float* xp = x.const_data_ptr<float>();
   const float* wp = weight.const_data_ptr<float>();
   float* op = out.mutable_data_ptr<float>();
@@ -86,7 +89,8 @@ void linear_f32(const at::Tensor& x, const at::Tensor& weight, int64_t n, const 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(megapipe, m) {
-  m.def("linear_f32(Tensor x, Tensor weight, int n, Tensor? bias, bool swish, Tensor? other, Tensor(a!) out) -> ()");
+  m.def("linear_f32(Tensor x, Tensor weight, int n, Tensor? bias, bool swish, Tensor? other, Tensor(a!) out, "
+        "bool add=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(megapipe, CPU, m) { m.impl("linear_f32", &linear_f32); }

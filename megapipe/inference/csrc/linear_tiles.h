@@ -21,13 +21,15 @@ constexpr int kRows = 8;
 constexpr int kTiles = 3;
 constexpr int64_t kRowChunk = 64;  // rows per parallel task (AMX's tile path: its own, more)
 
-// What a kernel applies to each [M, N] output before storing it: + bias, SiLU, * other (T: the kernel's dtype)
+// What a kernel applies to each [M, N] output before storing it: + bias, SiLU, * other (T: the kernel's dtype); with
+// add_other, + other before the SiLU instead of * other after it (other may be the output itself: out += x W^T)
 template <typename T>
 struct Epilogue {
   const T* bias;  // [N] or null
   bool swish;
   const T* other;  // [M, other_row] or null
   int64_t other_row;
+  bool add_other = false;
 };
 
 // The epilogue of op's [m, n] output, its optional bias [N] and other [M, N] checked to be `type` (named `type_name`
@@ -35,8 +37,9 @@ struct Epilogue {
 template <typename T>
 Epilogue<T> checked_epilogue(const char* op, at::ScalarType type, const char* type_name, int64_t m, int64_t n,
                              bool swish, const std::optional<at::Tensor>& bias,
-                             const std::optional<at::Tensor>& other) {
-  Epilogue<T> ep{nullptr, swish, nullptr, 0};
+                             const std::optional<at::Tensor>& other, bool add_other = false) {
+  TORCH_CHECK(!add_other || other, op, ": add needs other");
+  Epilogue<T> ep{nullptr, swish, nullptr, 0, add_other};
   if (bias) {
     TORCH_CHECK(bias->scalar_type() == type && bias->is_contiguous() && bias->numel() == n,
                 op, ": bias must be ", type_name, " [N]");
