@@ -131,19 +131,22 @@ class PackedLinear(nn.Module):
     def add_to(self, x: torch.Tensor, out: torch.Tensor, swish: bool = False) -> None:
         """out = act(out + x W^T + b) in place (out [rows, out_features], contiguous rows): on megapipe's kernel the
         sum is taken in its epilogue, before one rounding, with no pass of its own."""
-        if self._on_own(x) and out.stride(-1) == 1:
-            rows = x.reshape(-1, self.in_features)
-            self._matmul(rows if rows.stride(-1) == 1 else rows.contiguous(), swish, out, out, add=True)
+        rows = self.as_rows(x)
+        if self._on_own(rows) and out.stride(-1) == 1:
+            self._matmul(rows, swish, out, out, add=True)
             return
-        out.add_(self(x))
+        out.add_(self(rows))
         if swish:
             F.silu(out, inplace=True)
 
+    def as_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x as [rows, in_features] with contiguous rows."""
+        rows = x.reshape(-1, self.in_features)
+        return rows if rows.stride(-1) == 1 else rows.contiguous()
+
     def rows_and_out(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x as [rows, in_features] with contiguous rows, and an empty output [rows, out_features] for it."""
-        rows = x.reshape(-1, self.in_features)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
+        rows = self.as_rows(x)
         return rows, torch.empty(rows.shape[0], self.out_features, dtype=x.dtype, device=x.device)
 
 
@@ -217,9 +220,7 @@ class PackedMambaIn(PackedQKV):
     def __init__(self, mixer: nn.Module, own: Union[bool, int] = False):
         super().__init__(mixer, own, self.PARTS)
         self.in_multiplier = mixer.in_multiplier
-        multipliers, dtype = mixer.proj_multipliers, mixer.in_z.weight.dtype
-        self.scale = None if all(m == 1 for m in multipliers) else torch.cat(
-            [torch.full((n,), m, dtype=dtype) for n, m in zip(self.sizes, multipliers, strict=True)])
+        self.scale = mixer.projection_scale(self.sizes, mixer.in_z.weight)
         z, x, b, c, dt = self.sizes
         self.split_sizes = [z, x + b + c, dt]
 

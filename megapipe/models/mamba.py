@@ -130,13 +130,20 @@ class Mamba2Mixer(nn.Module):
         projections = (self.in_z, self.in_x, self.in_B, self.in_C, self.in_dt)
         zxbcdt = fused_linear(x, projections)
         if zxbcdt is not None:
-            if any(m != 1 for m in self.proj_multipliers):
-                zxbcdt = zxbcdt * torch.cat([zxbcdt.new_full((p.weight.shape[0],), m)
-                                             for p, m in zip(projections, self.proj_multipliers, strict=True)])
+            scale = self.projection_scale([p.weight.shape[0] for p in projections], zxbcdt)
+            if scale is not None:
+                zxbcdt = zxbcdt * scale
             inner, heads = self.in_z.weight.shape[0], self.in_dt.weight.shape[0]
             return zxbcdt.split([inner, zxbcdt.shape[-1] - inner - heads, heads], dim=-1)
         z, xs, B, C, dt = (scale_by(proj(x), m) for proj, m in zip(projections, self.proj_multipliers, strict=True))
         return z, torch.cat([xs, B, C], dim=-1), dt
+
+    def projection_scale(self, widths: list[int], like: torch.Tensor) -> Optional[torch.Tensor]:
+        """The multipliers of the z, x, B, C, dt projections (``widths`` outputs each) as one vector over their
+        outputs side by side, in ``like``'s dtype and device; None where they are all 1."""
+        if all(m == 1 for m in self.proj_multipliers):
+            return None
+        return torch.cat([like.new_full((w,), m) for w, m in zip(widths, self.proj_multipliers, strict=True)])
 
     def conv_params(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(weight [C, K], bias [C] or None) of the conv over the x|B|C channels."""

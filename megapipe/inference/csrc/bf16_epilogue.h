@@ -17,12 +17,6 @@ inline __m512 bf16_to_fp32(__m256i v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
 
-// The lanes of the outputs col .. col + 15 that are under n
-inline __mmask16 column_mask(int64_t col, int64_t n) {
-  const int64_t valid = std::min<int64_t>(kTile, n - col);
-  return valid >= kTile ? __mmask16(0xffff) : __mmask16((1u << valid) - 1);
-}
-
 // x * sigmoid(x), the reciprocal of 1 + exp(-x) from vrcp14ps and one Newton step (relative error ~2^-27, far
 // under the bf16 rounding that follows; a division costs several times as much and showed in a long prefill's
 // gated MLP). exp's argument stops at 80, so 1 + exp(-x) stays finite and the Newton step never sees inf * 0.
@@ -54,10 +48,7 @@ inline void finish_row(__m512 v, const TileColumns& c, int64_t row, const Epilog
   v = _mm512_add_ps(v, c.bias);
   const __m512 other = ep.other ? bf16_to_fp32(_mm256_maskz_loadu_epi16(c.mask, ep.other + row * ep.other_row + c.col))
                                 : _mm512_setzero_ps();
-  if (ep.add_other) v = _mm512_add_ps(v, other);
-  if (ep.swish) v = silu(v);
-  if (ep.other && !ep.add_other) v = _mm512_mul_ps(v, other);
-  store_row(v, c.mask, out + row * out_row + c.col);
+  store_row(other_and_silu(v, other, ep, [](__m512 s) { return silu(s); }), c.mask, out + row * out_row + c.col);
 }
 
 }  // namespace megapipe_linear

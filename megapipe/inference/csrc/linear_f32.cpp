@@ -37,19 +37,16 @@ inline void block(const float* x, int64_t x_row, const float* w, int64_t k_len, 
   using Vec = at::vec::Vectorized<float>;
   for (int t = 0; t < NT; ++t) {
     const int64_t col = n0 + t * kTile;
-    const int64_t valid = std::min<int64_t>(kTile, n - col);
-    const __mmask16 mask = valid >= kTile ? __mmask16(0xffff) : __mmask16((1u << valid) - 1);
+    const __mmask16 mask = column_mask(col, n);
     const __m512 bias = ep.bias ? _mm512_maskz_loadu_ps(mask, ep.bias + col) : _mm512_setzero_ps();
     for (int m = 0; m < MB; ++m) {
       __m512 v = _mm512_add_ps(acc[m][t], bias);
       const __m512 other =
           ep.other ? _mm512_maskz_loadu_ps(mask, ep.other + (m0 + m) * ep.other_row + col) : _mm512_setzero_ps();
-      if (ep.add_other) v = _mm512_add_ps(v, other);
-      if (ep.swish) {
-        const Vec x(v);
-        v = x / (Vec(1.f) + x.neg().exp());
-      }
-      if (ep.other && !ep.add_other) v = _mm512_mul_ps(v, other);
+      v = other_and_silu(v, other, ep, [](__m512 s) {
+        const Vec x(s);
+        return __m512(x / (Vec(1.f) + x.neg().exp()));
+      });
       _mm512_mask_storeu_ps(out + (m0 + m) * out_row + col, mask, v);
     }
   }

@@ -5,6 +5,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -31,6 +32,22 @@ struct Epilogue {
   int64_t other_row;
   bool add_other = false;
 };
+
+// The lanes of the outputs col .. col + 15 that are under n
+inline __mmask16 column_mask(int64_t col, int64_t n) {
+  const int64_t valid = std::min<int64_t>(kTile, n - col);
+  return valid >= kTile ? __mmask16(0xffff) : __mmask16((1u << valid) - 1);
+}
+
+// Epilogue `ep` past the bias on 16 fp32 sums `v`: + other, SiLU (the kernel's `silu`), * other; `other` holds
+// other's 16 values there (anything when ep has none)
+template <typename T, typename Silu>
+inline __m512 other_and_silu(__m512 v, __m512 other, const Epilogue<T>& ep, const Silu& silu) {
+  if (ep.add_other) v = _mm512_add_ps(v, other);
+  if (ep.swish) v = silu(v);
+  if (ep.other && !ep.add_other) v = _mm512_mul_ps(v, other);
+  return v;
+}
 
 // The epilogue of op's [m, n] output, its optional bias [N] and other [M, N] checked to be `type` (named `type_name`
 // in the errors) with contiguous rows
