@@ -270,6 +270,8 @@ def test_bf16_linear_refuses_mismatched_shapes_and_leaves_odd_widths_to_onednn(b
         bf16_linear(torch.zeros(2, 62, dtype=torch.bfloat16), packed, 32, None, False, None, out)
     with pytest.raises(RuntimeError, match="linear_bf16 takes bf16 tensors"):
         bf16_linear(torch.zeros(2, 64), packed, 32, None, False, None, out)
+    with pytest.raises(RuntimeError, match="linear_bf16: add needs other"):
+        bf16_linear(torch.zeros(2, 64, dtype=torch.bfloat16), packed, 32, None, False, None, out, add=True)
     assert not PackedLinear(torch.randn(8, 63).bfloat16(), own=True).own
     with pytest.raises(ValueError, match="megapipe's linear fuses no 'gelu'"):
         PackedLinear(w, own=True)(torch.zeros(2, 64, dtype=torch.bfloat16), "gelu")
@@ -350,6 +352,8 @@ def test_f32_linear_is_the_product_within_fp32_round_off(ops, m, n, k):
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match=f"x has {k + 1} features and the weight {k} for {n} outputs"):
         ops.linear_f32(torch.zeros(m, k + 1), mine.packed, n, None, False, None, torch.empty(m, n))
+    with pytest.raises(RuntimeError, match="linear_f32: add needs other"):
+        ops.linear_f32(x, mine.packed, n, None, False, None, torch.empty(m, n), add=True)
 
 
 def test_bf16_engine_on_the_own_linears_scores_as_on_onednn(bf16_linear, hf_llama, one_thread):
