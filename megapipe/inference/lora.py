@@ -2,18 +2,20 @@
 
 Up to ``max_loras`` adapters are resident, each in a slot 1 .. max_loras (slot 0: the base model, no adapter); more
 can be registered, and one is loaded into the least recently used slot that no running sequence holds when a request
-for it is admitted (``acquire``). Every adapted linear layer of the base model keeps the resident adapters stacked: A
-as [max_loras * R, in] and B (times alpha / rank) as [max_loras * R, out], R = ``max_rank`` per adapted weight (a
-fused q/k/v matmul has three such bands side by side; a smaller rank and a weight an adapter leaves alone are zeros).
-A step computes, on every row x of the flattened batch, y = base(x) + ((x A^T) * mask) B, the mask keeping the row's
-own slot's band only (vLLM's punica idea, per-row gather, as two dense matmuls: rows of any adapter, or of none, batch
-together, and the cost is one low-rank matmul pair per layer whatever the mix). Where the base layer runs on
-megapipe's bf16 kernel, so do the two low-rank matmuls (aten's small bf16 matmuls take several times as long).
+for it is admitted (``acquire``). The linear layers that read one input (a fused q/k/v matmul, a SwiGLU's gate and
+up projections, any other alone) keep the resident adapters stacked: A as [max_loras * R, in] and each layer's B
+(times alpha / rank) as [max_loras * R, out], R = ``max_rank`` per adapted weight (a fused q/k/v matmul has three
+such bands side by side; a smaller rank and a weight an adapter leaves alone are zeros). A step computes, on every
+row x of the flattened batch, y = base(x) + ((x A^T) * mask) B, the mask keeping the row's own slot's band only
+(vLLM's punica idea, per-row gather, as dense matmuls: rows of any adapter, or of none, batch together, and the cost
+is the same whatever the mix). On megapipe's kernels B is a band of extra input columns of the base layer's packed
+weight, so the low-rank sums enter the base matmul as more inputs (one pass: no matmul or elementwise pass for the
+sum, and a SwiGLU keeps its fused gate-and-up kernel); see AdaptedInput.
 
-The layers stay the engine's (packed or not); their ``forward`` and ``times`` (PackedLinear's fused product) are
-wrapped on the instance, so the runner's fast path and the model's own forward both take the adapters. The rows'
-slots are set once per step (``set_rows``). Adapters apply to the decoder layers' linears (q, k, v, o, gate, up,
-down and a shared expert's), not to MTP drafting, which only proposes.
+The layers stay the engine's (packed or not); their ``forward`` (a SwiGLU's: PackedSwiGLU's) is wrapped on the
+instance, so the runner's fast path and the model's own forward both take the adapters. The rows' slots are set
+once per step (``set_rows``). Adapters apply to the decoder layers' linears (q, k, v, o, gate, up, down and a shared
+expert's), not to MTP drafting, which only proposes.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megapipe.errors import MegapipeError
-from megapipe.inference.runner import PackedLinear, packed_parts
+from megapipe.inference.runner import PackedLinear, PackedSwiGLU, packed_parts
 
 
 @dataclass
@@ -40,26 +42,43 @@ class Adapter:
     uid: bytes  # salts its sequences' prefix-cache hashes: KV computed under another adapter is never reused
 
 
-class AdaptedLinear:
-    """One linear layer of the base model (its fused weights ``names`` of ``rows`` output rows each) with the
-    resident adapters' bands."""
+@dataclass
+class Part:
+    """A linear layer that adapters may change: its fused weights' names and their output rows."""
+    linear: nn.Module
+    names: list[str]
+    rows: list[int]
 
-    def __init__(self, linear: nn.Module, names: list[str], rows: list[int], slots: "AdapterSlots"):
-        self.linear, self.names, self.slots = linear, names, slots
-        self.offsets = list(itertools.accumulate([0] + rows))
-        self.in_features, self.out_features = linear.in_features, self.offsets[-1]
-        self.band = band = slots.max_rank * len(names)
-        # bands of slots 1 .. max_loras (slot 0, the base model, needs none)
-        self.a = torch.zeros(slots.max_loras * band, self.in_features, dtype=slots.dtype, device=slots.device)
-        self.b = torch.zeros(slots.max_loras * band, self.out_features, dtype=slots.dtype, device=slots.device)
-        # on megapipe's bf16 kernel where the base layer is: aten's small bf16 matmuls take several times as long
-        self.own = getattr(linear, "own", False)
+
+class AdaptedInput:
+    """Linear layers of the base model that read one input (``parts``: one layer, or a SwiGLU's gate and up
+    projections, ``ff``), with the resident adapters' bands: A [width, in] for all of them, one B [width, out] per
+    layer, width = max_loras * band (padded to whole AMX tiles), band = max_rank * the parts' weight names.
+
+    On megapipe's kernels each layer's packed weight is extended by ``width`` inputs holding its B columns
+    (PackedLinear.extend): a step's low-rank sums, low = (x A^T) * mask (the mask in the A matmul's epilogue), are
+    then the extra inputs' values, and the base matmul (a SwiGLU's fused glu_bf16 included) takes them in the same
+    pass: y = [x | low] [W | B]^T, with no pass of its own for the sum. Elsewhere (oneDNN, plain nn.Linear, a call
+    over the kernel's row limit) y = base(x) + low B, as aten matmuls."""
+
+    def __init__(self, parts: list[Part], slots: "AdapterSlots", ff: Optional[nn.Module] = None):
+        self.parts, self.slots, self.ff = parts, slots, ff
+        self.names = [n for p in parts for n in p.names]
+        self.in_features = parts[0].linear.in_features
+        self.band = slots.max_rank * len(self.names)
+        self.width = -(-slots.max_loras * self.band // 32) * 32  # AMX tiles read 32 inputs at a time
+        self.a = torch.zeros(self.width, self.in_features, dtype=slots.dtype, device=slots.device)
+        self.b = [torch.zeros(self.width, p.linear.out_features, dtype=slots.dtype, device=slots.device)
+                  for p in parts]
+        self.own = all(getattr(p.linear, "own", False) for p in parts)
+        if self.own:
+            for p in parts:
+                p.linear.extend(self.width)
         self._pack()
-        self.base_forward, self.base_times = linear.forward, getattr(linear, "times", None)
-        linear.forward = self.forward  # the instance attribute wins over the class's method
-        linear.adapted = True  # a fused SwiGLU (PackedSwiGLU) calls it on its own again
-        if self.base_times is not None:
-            linear.times = self.times
+        # the instance attribute wins over the class's method: the model's own forward now takes the adapters
+        wrapped = ff if ff is not None else parts[0].linear
+        self.base_forward = wrapped.forward
+        wrapped.forward = self.forward_swiglu if ff is not None else self.forward
 
     @torch.inference_mode()  # the bands may have been made in a step (inference tensors)
     def put(self, slot: int, adapter: Optional[Adapter]) -> None:
@@ -67,39 +86,62 @@ class AdaptedLinear:
         rank = self.slots.max_rank
         start = (slot - 1) * self.band
         self.a[start:start + self.band].zero_()
-        self.b[start:start + self.band].zero_()
-        for j, name in enumerate(self.names):
-            if adapter is not None and name in adapter.weights:
-                a, b = adapter.weights[name]
-                at = start + j * rank
-                self.a[at:at + adapter.rank] = a
-                self.b[at:at + adapter.rank, self.offsets[j]:self.offsets[j + 1]] = b.T
+        for b in self.b:
+            b[start:start + self.band].zero_()
+        j = 0
+        for p, b in zip(self.parts, self.b, strict=True):
+            offsets = list(itertools.accumulate([0] + p.rows))
+            for i, name in enumerate(p.names):
+                if adapter is not None and name in adapter.weights:
+                    a_w, b_w = adapter.weights[name]
+                    at = start + j * rank
+                    self.a[at:at + adapter.rank] = a_w
+                    b[at:at + adapter.rank, offsets[i]:offsets[i + 1]] = b_w.T
+                j += 1
         self._pack()
 
     def _pack(self) -> None:
-        self.packed = (PackedLinear(self.a, own=True), PackedLinear(self.b.T.contiguous(), own=True)) if self.own \
-            else None
+        if self.own:  # the A matmul on megapipe's kernel too: aten's small bf16 matmuls take several times as long
+            self.a_packed = PackedLinear(self.a, own=True)
+            for p, b in zip(self.parts, self.b, strict=True):
+                p.linear.set_extra_inputs(b.T)
+
+    def low(self, x: torch.Tensor) -> tuple[Optional[torch.Tensor], bool]:
+        """The step's low-rank sums of x's rows, (x A^T) * mask [rows, width] (None when no row has an adapter), and
+        whether the layers take them as extra inputs on megapipe's kernel."""
+        mask = self.slots.mask(self.band, self.width)
+        if mask is None:
+            return None, False
+        rows = x.reshape(-1, self.in_features)
+        if self.own and self.parts[0].linear._on_own(rows):
+            return self.a_packed.times(rows, mask), True
+        return torch.matmul(rows, self.a.T).mul_(mask), False
+
+    def plain(self, i: int, x: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+        """Part i's output as aten computes it, base(x) + low B."""
+        y = (self.base_forward if self.ff is None else self.parts[i].linear)(x)
+        y.view(-1, y.shape[-1]).addmm_(low, self.b[i])
+        return y
 
     def forward(self, x: torch.Tensor, activation: str = "none") -> torch.Tensor:
-        mask = self.slots.mask(self.band)
-        if mask is None:
+        low, extra = self.low(x)
+        if low is None:
             return self.base_forward(x) if activation == "none" else self.base_forward(x, activation)
         if activation not in ("none", "swish"):
             raise ValueError(f"an adapted linear fuses no {activation!r} (only 'none' and 'swish')")
-        y = self.base_forward(x)
-        rows = x.reshape(-1, self.in_features)
-        if self.packed is not None:  # the mask in the first matmul's epilogue, the sum (and SiLU) in the second's
-            self.packed[1].add_to(self.packed[0].times(rows, mask), y.view(-1, self.out_features),
-                                  swish=activation == "swish")
-            return y
-        low = torch.matmul(rows, self.a.T).mul_(mask)
-        y.view(-1, self.out_features).addmm_(low, self.b)
+        if extra:
+            return self.base_forward(x, activation, x2=low)
+        y = self.plain(0, x, low)
         return F.silu(y) if activation == "swish" else y
 
-    def times(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-        if self.slots.mask(self.band) is None:
-            return self.base_times(x, other)
-        return self.forward(x).mul_(other)
+    def forward_swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """A SwiGLU (PackedSwiGLU) whose gate and up projections are the parts."""
+        low, extra = self.low(x)
+        if low is None:
+            return self.base_forward(x)
+        if extra:
+            return self.base_forward(x, x2=low)
+        return self.ff.w2(F.silu(self.plain(0, x, low)).mul_(self.plain(1, x, low)))
 
 
 class AdapterSlots:
@@ -112,8 +154,8 @@ class AdapterSlots:
         self.registered: dict[str, Adapter] = {}
         self.resident: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recently used first
         self.free = list(range(1, self.num_slots))
-        self.layers: dict[str, AdaptedLinear] = {}  # by each fused weight name
-        self._linears = linear_parts(model)
+        self.layers: dict[str, AdaptedInput] = {}  # by each weight name of its parts
+        self._inputs = adaptable_inputs(model)
         self._ids = itertools.count(1)
         self._onehot: Optional[torch.Tensor] = None
         self._masks: dict[int, torch.Tensor] = {}
@@ -126,15 +168,16 @@ class AdapterSlots:
                                 f"{self.max_rank}")
         kept = {}
         for weight, (a, b) in weights.items():
-            where = self._linears.get(weight)
+            where = self._inputs.get(weight)
             if where is None:
                 raise MegapipeError(f"LoRA adapter {name!r} ({path}) adapts {weight}, which this model's engine has "
                                     f"no linear layer for")
-            linear, j, rows = where
-            if tuple(a.shape) != (rank, linear.in_features) or tuple(b.shape) != (rows[j], rank):
+            part = next(p for p in where[1] if weight in p.names)
+            inputs, rows = part.linear.in_features, part.rows[part.names.index(weight)]
+            if tuple(a.shape) != (rank, inputs) or tuple(b.shape) != (rows, rank):
                 raise MegapipeError(f"LoRA adapter {name!r} ({path}): {weight} has A {tuple(a.shape)} and B "
-                                    f"{tuple(b.shape)}, but this model's layer takes {linear.in_features} -> "
-                                    f"{rows[j]} at rank {rank}: the adapter is for another base model")
+                                    f"{tuple(b.shape)}, but this model's layer takes {inputs} -> {rows} at rank "
+                                    f"{rank}: the adapter is for another base model")
             kept[weight] = (a.to(self.device, self.dtype), (b.float() * scale).to(self.device, self.dtype))
         self.registered[name] = Adapter(name, str(path), rank, kept, next(self._ids).to_bytes(8, "little"))
 
@@ -142,7 +185,7 @@ class AdapterSlots:
         self.registered.pop(name)
         slot = self.resident.pop(name, None)
         if slot is not None:
-            for layer in self.layers.values():
+            for layer in set(self.layers.values()):
                 layer.put(slot, None)
             self.free.append(slot)
 
@@ -170,12 +213,11 @@ class AdapterSlots:
     def _adapt(self, weight: str) -> None:
         if weight in self.layers:
             return
-        linear, _, rows = self._linears[weight]
-        names = [n for n, (m, _, _) in self._linears.items() if m is linear]
-        layer = AdaptedLinear(linear, names, rows, self)
-        for slot_name, slot in self.resident.items():  # the resident adapters' weights of this layer too
+        ff, parts = self._inputs[weight]
+        layer = AdaptedInput(parts, self, ff)
+        for slot_name, slot in self.resident.items():  # the resident adapters' weights of these layers too
             layer.put(slot, self.registered[slot_name])
-        for n in names:
+        for n in layer.names:
             self.layers[n] = layer
 
     def slot(self, name: Optional[str]) -> int:
@@ -190,27 +232,30 @@ class AdapterSlots:
         ids = torch.tensor(slots, dtype=torch.long, device=self.device)
         self._onehot = F.one_hot(ids, self.num_slots)[:, 1:].to(self.dtype)  # slot 0 has no band
 
-    def mask(self, band: int) -> Optional[torch.Tensor]:
-        """[rows, max_loras * band]: 1 on each row's own slot's band (none for slot 0)."""
+    def mask(self, band: int, width: int) -> Optional[torch.Tensor]:
+        """[rows, width]: 1 on each row's own slot's band (none for slot 0; 0 past max_loras * band)."""
         if self._onehot is None:
             return None
-        mask = self._masks.get(band)
+        mask = self._masks.get((band, width))
         if mask is None:
-            mask = self._onehot.repeat_interleave(band, dim=1)
-            self._masks[band] = mask
+            mask = F.pad(self._onehot.repeat_interleave(band, dim=1), (0, width - band * self.max_loras))
+            self._masks[band, width] = mask
         return mask
 
 
-def linear_parts(model: nn.Module) -> dict[str, tuple[nn.Module, int, list[int]]]:
-    """Every linear layer of the decoder layers by the weight names it holds: name -> (layer, its index among the
-    layer's fused weights, the fused weights' row counts). Packed layers (megapipe.inference.runner) by the names of
-    the weights they fuse, plain nn.Linear by their own."""
-    out = {}
+def adaptable_inputs(model: nn.Module) -> dict[str, tuple[Optional[nn.Module], list[Part]]]:
+    """Every linear layer of the decoder layers by the weight names it holds, with the layers that read the same
+    input: name -> (the PackedSwiGLU whose gate and up projections are the parts, or None; the parts). Packed layers
+    (megapipe.inference.runner) by the names of the weights they fuse, plain nn.Linear by their own."""
+    parts = {}
     for linear, weights, _, rows in packed_parts(model):
         if isinstance(linear, PackedLinear) and all(w.startswith("layers.") for w in weights) and len(weights) == len(rows):
-            for j, w in enumerate(weights):
-                out[w] = (linear, j, rows)
+            parts[linear] = Part(linear, weights, rows)
     for name, module in model.named_modules():
         if type(module) is nn.Linear and name.startswith("layers."):
-            out[f"{name}.weight"] = (module, 0, [module.out_features])
-    return out
+            parts[module] = Part(module, [f"{name}.weight"], [module.out_features])
+    groups = {p.linear: (None, [p]) for p in parts.values()}
+    for ff in model.modules():
+        if isinstance(ff, PackedSwiGLU) and ff.w1 in parts and ff.w3 in parts:
+            groups[ff.w1] = groups[ff.w3] = (ff, [parts[ff.w1], parts[ff.w3]])
+    return {name: group for linear, group in groups.items() for name in parts[linear].names}

@@ -73,21 +73,46 @@ class PackedLinear(nn.Module):
     ``own`` is the most rows a call may have to run on megapipe's kernel (True: any; False or 0: none); with a limit
     in between the weight is kept in both layouts and each call takes the kernel its row count is faster on."""
 
-    adapted = False  # LoRA adapters wrap this layer's forward (megapipe.inference.lora): no fusing it with another
-
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, own: Union[bool, int] = False):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         fits = own_kernel_serves(weight)
         self.own_rows = (kernels.OWN_ALWAYS if own is True else int(own)) if fits else 0
         self.own = self.own_rows > 0
+        self.wide = None  # the packed weight with room for more inputs (extend)
         self._pack(weight)
         self.bias = None if bias is None else bias.detach()
 
     def _pack(self, weight: torch.Tensor) -> None:
-        self.packed = _pack(weight, self.own)
+        packed = _pack(weight, self.own)
+        if self.wide is not None:  # extended: the weight's own inputs are the first of the wide one's
+            self.packed.copy_(packed)
+        else:
+            self.packed = packed
         mixed = 0 < self.own_rows < kernels.OWN_ALWAYS
         self.onednn = _pack(weight, False) if mixed else None  # oneDNN's copy for calls over own_rows rows
+
+    def extend(self, extra: int) -> None:
+        """Room for ``extra`` more inputs after the weight's own, zero until ``set_extra_inputs``: a call given x2
+        [rows, extra] (their values) on megapipe's kernel then sums both products in one pass (LoRA's low-rank
+        sums, megapipe.inference.lora). ``packed`` stays the weight of the layer's own inputs (a view)."""
+        if not self.own:
+            raise ValueError("only a layer on megapipe's kernel takes extra inputs")
+        dense = self.dense()
+        self.wide = _pack(torch.cat([dense, dense.new_zeros(self.out_features, extra)], dim=1), True)
+        self.packed = self.wide[:, :self._packed_inputs(self.in_features)]
+
+    def set_extra_inputs(self, columns: torch.Tensor) -> None:
+        """The extra inputs' weight columns [out_features, extra] (``extend``)."""
+        self.wide[:, self._packed_inputs(self.in_features):] = _pack(columns.to(self.wide.dtype), True)
+
+    def _packed_inputs(self, inputs: int) -> int:
+        """Length along the packed layout's input dimension of ``inputs`` inputs (bf16's holds them in pairs)."""
+        return inputs // 2 if self.packed.dtype == torch.bfloat16 else inputs
+
+    def weight_for(self, x2: Optional[torch.Tensor]) -> torch.Tensor:
+        """The packed weight a call with extra inputs ``x2`` (or none) multiplies."""
+        return self.packed if x2 is None else self.wide
 
     def dense(self) -> torch.Tensor:
         """The weight [out_features, in_features] read back from its packed layout."""
@@ -102,51 +127,32 @@ class PackedLinear(nn.Module):
     def _onednn_weight(self) -> torch.Tensor:
         return self.packed if self.onednn is None else self.onednn
 
-    def forward(self, x: torch.Tensor, activation: str = "none") -> torch.Tensor:
-        if self._on_own(x):
+    def forward(self, x: torch.Tensor, activation: str = "none", x2: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """act(x W^T + b); with ``x2`` the extra inputs' values too (``extend``: megapipe's kernel only)."""
+        if x2 is not None or self._on_own(x):
             if activation not in ("none", "swish"):
                 raise ValueError(f"megapipe's linear fuses no {activation!r} (only 'none' and 'swish')")
-            return self._own(x, activation == "swish", None)
+            return self._own(x, activation == "swish", None, x2)
         return torch_compat.linear_pointwise(x, self._onednn_weight(), self.bias, activation)
 
-    def times(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-        """(x W^T + b) * other, the product taken on the matmul's result before rounding."""
-        if self._on_own(x):
-            return self._own(x, False, other)
+    def times(self, x: torch.Tensor, other: torch.Tensor, x2: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """(x W^T + b) * other, the product taken on the matmul's result before rounding (``x2`` as in forward)."""
+        if x2 is not None or self._on_own(x):
+            return self._own(x, False, other, x2)
         return torch_compat.linear_pointwise_binary(x, other, self._onednn_weight(), self.bias, "mul")
 
-    def _own(self, x: torch.Tensor, swish: bool, other: Optional[torch.Tensor]) -> torch.Tensor:
+    def _own(self, x: torch.Tensor, swish: bool, other: Optional[torch.Tensor],
+             x2: Optional[torch.Tensor] = None) -> torch.Tensor:
         rows, out = self.rows_and_out(x)
         other = None if other is None else other.reshape(-1, self.out_features)
-        self._matmul(rows, swish, other, out)
+        op = torch.ops.megapipe.linear_f32 if self.packed.dtype == torch.float32 else torch.ops.megapipe.linear_bf16
+        op(rows, self.weight_for(x2), self.out_features, self.bias, swish, other, out, x2=x2)
         return out.view(*x.shape[:-1], self.out_features)
-
-    def _matmul(self, rows: torch.Tensor, swish: bool, other: Optional[torch.Tensor], out: torch.Tensor,
-                add: bool = False) -> None:
-        if self.packed.dtype == torch.float32:
-            torch.ops.megapipe.linear_f32(rows, self.packed, self.out_features, self.bias, swish, other, out, add=add)
-        else:
-            torch.ops.megapipe.linear_bf16(rows, self.packed, self.out_features, self.bias, swish, other, out, add=add)
-
-    def add_to(self, x: torch.Tensor, out: torch.Tensor, swish: bool = False) -> None:
-        """out = act(out + x W^T + b) in place (out [rows, out_features], contiguous rows): on megapipe's kernel the
-        sum is taken in its epilogue, before one rounding, with no pass of its own."""
-        rows = self.as_rows(x)
-        if self._on_own(rows) and out.stride(-1) == 1:
-            self._matmul(rows, swish, out, out, add=True)
-            return
-        out.add_(self(rows))
-        if swish:
-            F.silu(out, inplace=True)
-
-    def as_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """x as [rows, in_features] with contiguous rows."""
-        rows = x.reshape(-1, self.in_features)
-        return rows if rows.stride(-1) == 1 else rows.contiguous()
 
     def rows_and_out(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x as [rows, in_features] with contiguous rows, and an empty output [rows, out_features] for it."""
-        rows = self.as_rows(x)
+        rows = x.reshape(-1, self.in_features)
+        rows = rows if rows.stride(-1) == 1 else rows.contiguous()
         return rows, torch.empty(rows.shape[0], self.out_features, dtype=x.dtype, device=x.device)
 
 
@@ -168,7 +174,7 @@ class PackedSwiGLU(nn.Module):
     sums before rounding: no elementwise passes over the hidden activations, which in a long prefill cost as much as
     a fifth of the MLP. On megapipe's bf16 kernel on AMX tiles the first half is one call (``glu_bf16``: each
     block multiplies the gate's and the up projection's tiles of the same outputs, so neither half is written out
-    and read back); elsewhere (oneDNN, the vdpbf16ps loop, biases, LoRA adapters on w1 / w3) it is two, the SiLU and
+    and read back); elsewhere (oneDNN, the vdpbf16ps loop, biases) it is two, the SiLU and
     the product in their epilogues (kernels.glu_on_tiles)."""
 
     def __init__(self, ff: nn.Module, own: Union[bool, int] = False):
@@ -178,14 +184,15 @@ class PackedSwiGLU(nn.Module):
         self.glu = (w1.own and w1.packed.dtype == torch.bfloat16 and w1.bias is None and w3.bias is None
                     and kernels.glu_on_tiles(w1.in_features))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, x2: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``x2``: values of extra inputs of w1 and w3 (PackedLinear.extend), as the rows of x."""
         w1, w3 = self.w1, self.w3
-        if self.glu and w1._on_own(x) and not (w1.adapted or w3.adapted):
+        if self.glu and (x2 is not None or w1._on_own(x)):
             rows, out = w1.rows_and_out(x)
-            torch.ops.megapipe.glu_bf16(rows, w1.packed, w3.packed, w1.out_features, out)
+            torch.ops.megapipe.glu_bf16(rows, w1.weight_for(x2), w3.weight_for(x2), w1.out_features, out, x2=x2)
             return self.w2(out.view(*x.shape[:-1], -1))
-        gate = w1(x, "swish")
-        return self.w2(w3.times(x, gate))
+        gate = w1(x, "swish", x2)
+        return self.w2(w3.times(x, gate, x2))
 
     @staticmethod
     def fits(ff: nn.Module) -> bool:

@@ -231,6 +231,27 @@ def bf16_linear(ops):
     return ops.linear_bf16
 
 
+def check_extra_inputs(lin, w, b, extra, x, x2, other, **tol):
+    """``lin`` (on megapipe's kernel, weight w, bias b) extended by extra's input columns: with x2 their values,
+    the product is [x | x2] [w | extra]^T + b, with SiLU and the product with other in the epilogue; without x2 it is
+    the layer's own, also after a repack (which keeps the extra columns); the weight reads back as it was."""
+    lin.extend(extra.shape[1])
+    lin.set_extra_inputs(extra)
+
+    def exact(weight):
+        return torch.cat([x, x2], 1).double() @ torch.cat([weight, extra], 1).double().t() + b.double()
+
+    both = exact(w)
+    for got, want in ((lin(x, x2=x2), both), (lin(x, "swish", x2=x2), both * both.sigmoid()),
+                      (lin.times(x, other, x2=x2), both * other.double()),
+                      (lin(x), x.double() @ w.double().t() + b.double())):
+        assert got.shape == other.shape
+        torch.testing.assert_close(got.double(), want, **tol)
+    assert torch.equal(lin.dense(), w)
+    repack(lin, w.flip(0), b)
+    torch.testing.assert_close(lin(x, x2=x2).double(), exact(w.flip(0)), **tol)
+
+
 @pytest.mark.parametrize("m,n,k", [(1, 16, 32), (3, 40, 64), (5, 200, 576), (70, 1536, 576), (9, 576, 1536)])
 def test_bf16_linear_matches_onednn_and_the_exact_product(bf16_linear, m, n, k):
     """Row blocks and weight tiles with remainders (n = 40: a part tile; 200: groups of tiles and single ones),
@@ -251,13 +272,9 @@ def test_bf16_linear_matches_onednn_and_the_exact_product(bf16_linear, m, n, k):
         assert got.dtype == torch.bfloat16 and got.shape == (m, n)
         torch.testing.assert_close(got.double(), want, rtol=2 ** -7, atol=1e-2)
         assert (got == theirs).float().mean() > 0.99
-    for swish in (False, True):  # out = act(out + x W^T + b) in place: the sum in the epilogue (oneDNN: a pass more)
-        summed = exact + other.double()
-        want = summed * summed.sigmoid() if swish else summed
-        for lin in (mine, onednn):
-            out = other.clone()
-            lin.add_to(x, out, swish)
-            torch.testing.assert_close(out.double(), want, rtol=2 ** -6, atol=2e-2)
+    extra = (torch.randn(n, 32, generator=g) * 0.05).bfloat16()  # 32 more inputs: x2 (LoRA's low-rank sums)
+    x2 = torch.randn(m, 32, generator=g).bfloat16()
+    check_extra_inputs(mine, w, b, extra, x, x2, other, rtol=2 ** -7, atol=1e-2)
     no_bias = PackedLinear(w, None, own=True)
     torch.testing.assert_close(no_bias(x[None]).double(), (exact - b.double())[None], rtol=2 ** -7, atol=1e-2)
 
@@ -270,8 +287,13 @@ def test_bf16_linear_refuses_mismatched_shapes_and_leaves_odd_widths_to_onednn(b
         bf16_linear(torch.zeros(2, 62, dtype=torch.bfloat16), packed, 32, None, False, None, out)
     with pytest.raises(RuntimeError, match="linear_bf16 takes bf16 tensors"):
         bf16_linear(torch.zeros(2, 64), packed, 32, None, False, None, out)
-    with pytest.raises(RuntimeError, match="linear_bf16: add needs other"):
-        bf16_linear(torch.zeros(2, 64, dtype=torch.bfloat16), packed, 32, None, False, None, out, add=True)
+    x, x2 = torch.zeros(2, 32, dtype=torch.bfloat16), torch.zeros(2, 30, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"x has 32 \(\+ x2's 30\) features and the weight 64 for 32 outputs"):
+        bf16_linear(x, packed, 32, None, False, None, out, x2=x2)
+    with pytest.raises(RuntimeError, match=r"linear_bf16: x2 must be \[M, K2\]"):
+        bf16_linear(x, packed, 32, None, False, None, out, x2=torch.zeros(3, 32, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="only a layer on megapipe's kernel takes extra inputs"):
+        PackedLinear(w, own=False).extend(32)
     assert not PackedLinear(torch.randn(8, 63).bfloat16(), own=True).own
     with pytest.raises(ValueError, match="megapipe's linear fuses no 'gelu'"):
         PackedLinear(w, own=True)(torch.zeros(2, 64, dtype=torch.bfloat16), "gelu")
@@ -341,19 +363,16 @@ def test_f32_linear_is_the_product_within_fp32_round_off(ops, m, n, k):
     mine = PackedLinear(w, b, own=True)
     assert mine.own and mine.packed.shape == (-(-n // 16), k, 16) and torch.equal(mine.dense(), w)
     exact = x.double() @ w.double().t() + b.double()
-    added, added_swish = other.clone(), other.clone()
-    mine.add_to(x, added)
-    mine.add_to(x, added_swish, swish=True)
-    summed = exact + other.double()
     for got, want in ((mine(x), exact), (mine(x, "swish"), exact * exact.sigmoid()),
-                      (mine.times(x, other), exact * other.double()), (added, summed),
-                      (added_swish, summed * summed.sigmoid())):
+                      (mine.times(x, other), exact * other.double())):
         assert got.dtype == torch.float32 and got.shape == (m, n)
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match=f"x has {k + 1} features and the weight {k} for {n} outputs"):
         ops.linear_f32(torch.zeros(m, k + 1), mine.packed, n, None, False, None, torch.empty(m, n))
-    with pytest.raises(RuntimeError, match="linear_f32: add needs other"):
-        ops.linear_f32(x, mine.packed, n, None, False, None, torch.empty(m, n), add=True)
+    with pytest.raises(RuntimeError, match=r"linear_f32: x2 must be \[M, K2\]"):
+        ops.linear_f32(x, mine.packed, n, None, False, None, torch.empty(m, n), x2=torch.zeros(m + 1, 3))
+    check_extra_inputs(mine, w, b, torch.randn(n, 5, generator=g) * 0.05, x, torch.randn(m, 5, generator=g), other,
+                       rtol=1e-5, atol=1e-5)
 
 
 def test_bf16_engine_on_the_own_linears_scores_as_on_onednn(bf16_linear, hf_llama, one_thread):
@@ -504,15 +523,18 @@ def test_mamba_step_is_the_mixers_decode_step(ops, dtype, state_dim):
 def test_bf16_linear_on_amx_tiles_matches_its_vdpbf16ps_loop(bf16_linear, m, n, k):
     """Where the CPU has AMX the kernel multiplies tiles of 16 rows x 32 inputs (k = 40: not a whole tile, the
     vdpbf16ps loop serves); both sum the same exact products in fp32 in another order: within a rounding of each
-    other, and nearly always equal, with bias, SiLU and the product in the epilogue."""
+    other, and nearly always equal, with bias, SiLU and the product in the epilogue, and a second input x2."""
     g = torch.Generator().manual_seed(m * n + k)
     w, b = (torch.randn(n, k, generator=g) * 0.05).bfloat16(), torch.randn(n, generator=g).bfloat16()
     x, other = torch.randn(m, k, generator=g).bfloat16(), torch.randn(m, n, generator=g).bfloat16()
     packed = kernels.pack_bf16_weight(w)
-    for swish, times, add in ((False, None, False), (True, None, False), (False, other, False), (True, other, True)):
+    x2 = torch.randn(m, 64, generator=g).bfloat16()  # x's last 64 inputs as a second input instead
+    wide = kernels.pack_bf16_weight(torch.cat([w, (torch.randn(n, 64, generator=g) * 0.05).bfloat16()], 1))
+    for swish, times, extra in ((False, None, None), (True, None, None), (False, other, None), (True, other, x2)):
         tiles, loop = (torch.empty(m, n, dtype=torch.bfloat16) for _ in range(2))
-        bf16_linear(x, packed, n, b, swish, times, tiles, add=add)
-        bf16_linear(x, packed, n, b, swish, times, loop, amx=False, add=add)
+        weight = packed if extra is None else wide
+        bf16_linear(x, weight, n, b, swish, times, tiles, x2=extra)
+        bf16_linear(x, weight, n, b, swish, times, loop, amx=False, x2=extra)
         torch.testing.assert_close(tiles.float(), loop.float(), rtol=2 ** -7, atol=2 ** -7)
         assert (tiles == loop).float().mean() > 0.95
 
@@ -536,6 +558,9 @@ def test_glu_is_the_gated_product_of_its_two_linears_in_one_call(bf16_linear, op
         torch.testing.assert_close(fused.double(), want, rtol=2 ** -7, atol=1e-3)
         torch.testing.assert_close(two.double(), want, rtol=2 ** -6, atol=1e-3)
         assert (fused.double() - want).abs().mean() <= (two.double() - want).abs().mean()
+        split = torch.empty(m, n, dtype=torch.bfloat16)  # x's last 32 inputs as a second input: the same sums
+        ops.glu_bf16(x[:, :k - 32], packed_gate, packed_up, n, split, amx=amx, x2=x[:, k - 32:])
+        assert torch.equal(split, fused)
     with pytest.raises(RuntimeError, match="glu_bf16: x has 64 features and the weight 32 for 16 outputs"):
         ops.glu_bf16(torch.zeros(2, 64, dtype=torch.bfloat16), kernels.pack_bf16_weight(gate[:16, :32]),
                      kernels.pack_bf16_weight(up[:16, :32]), 16, torch.empty(2, 16, dtype=torch.bfloat16))
@@ -557,16 +582,23 @@ def test_the_fused_silu_holds_at_extreme_inputs(bf16_linear):
         torch.testing.assert_close(out[:, 0].double(), want, rtol=2 ** -8, atol=1e-30)
 
 
-def test_packed_swiglu_runs_the_fused_glu_on_amx_unless_an_adapter_wraps_a_half(bf16_linear, monkeypatch):
+def test_packed_swiglu_runs_the_fused_glu_on_amx_with_or_without_extra_inputs(bf16_linear, monkeypatch):
+    """On AMX the gate and up projections are one glu_bf16 call, also with extra inputs (LoRA's low-rank sums,
+    PackedLinear.extend); without AMX two linear calls; each is the SwiGLU of [x | x2] against the extended
+    weights."""
     from megapipe.config import ModelConfig
     from megapipe.inference.runner import PackedSwiGLU
     from megapipe.models.dense import FeedForward
 
     torch.manual_seed(0)
     ff = FeedForward(ModelConfig(hidden_size=64, intermediate_size=96)).bfloat16()
-    x = torch.randn(2, 5, 64).bfloat16()
-    monkeypatch.setattr(kernels, "glu_on_tiles", lambda width: True)  # as on AMX; its loop serves here otherwise
-    packed = PackedSwiGLU(ff, own=True)
+    x, x2 = torch.randn(2, 5, 64).bfloat16(), torch.randn(10, 32).bfloat16()
+    extra = {name: (torch.randn(96, 32) * 0.05).bfloat16() for name in ("w1", "w3")}
+    with torch.no_grad():
+        want = ff(x).double()
+        wide = torch.cat([x.view(10, 64), x2], 1)
+        gate, up = (wide @ torch.cat([getattr(ff, n).weight, extra[n]], 1).T for n in ("w1", "w3"))
+        want_extra = ff.w2(torch.nn.functional.silu(gate.float()).bfloat16() * up).double().view(2, 5, 64)
     calls = []
     real = torch.ops.megapipe
 
@@ -576,18 +608,14 @@ def test_packed_swiglu_runs_the_fused_glu_on_amx_unless_an_adapter_wraps_a_half(
             return getattr(real, name)
 
     monkeypatch.setattr(torch.ops, "megapipe", Counting(), raising=False)
-    fused = packed(x)
-    assert calls == ["glu_bf16", "linear_bf16"]
-    for leave in ("adapted", "no AMX"):
-        if leave == "adapted":
-            packed.w1.adapted = True
-        else:
-            monkeypatch.setattr(kernels, "glu_on_tiles", lambda width: False)
-            packed = PackedSwiGLU(ff, own=True)
+    for amx in (True, False):
+        monkeypatch.setattr(kernels, "glu_on_tiles", lambda width, amx=amx: amx)  # AMX or not, whatever this CPU is
+        packed = PackedSwiGLU(ff, own=True)
         calls.clear()
-        two = packed(x)
-        assert calls == ["linear_bf16"] * 3, leave
-    with torch.no_grad():
-        want = ff(x).double()
-    torch.testing.assert_close(fused.double(), want, rtol=2 ** -6, atol=2e-2)
-    torch.testing.assert_close(two.double(), want, rtol=2 ** -6, atol=2e-2)
+        got = packed(x)
+        torch.testing.assert_close(got.double(), want, rtol=2 ** -6, atol=2e-2)
+        for name in ("w1", "w3"):
+            getattr(packed, name).extend(32)
+            getattr(packed, name).set_extra_inputs(extra[name])
+        torch.testing.assert_close(packed(x, x2).double(), want_extra, rtol=2 ** -6, atol=3e-2)
+        assert calls == (["glu_bf16", "linear_bf16"] if amx else ["linear_bf16"] * 3) * 2, amx

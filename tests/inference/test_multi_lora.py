@@ -14,7 +14,7 @@ import torch
 from megapipe.checkpoint.hf.peft import read_adapters
 from megapipe.checkpoint.load import load_model
 from megapipe.errors import ConfigError, MegapipeError
-from megapipe.inference import LLMEngine, SamplingParams
+from megapipe.inference import LLMEngine, SamplingParams, kernels
 from megapipe.inference.engine import EngineConfig
 from megapipe.inference.sampling import ParamError
 
@@ -103,16 +103,21 @@ def test_peft_directory_reads_as_peft_merges_it(hf_llama, adapters):
     assert (rank, scale, len(weights)) == (4, 2.0, 7 * engine.model_config.num_layers)
 
 
-@pytest.mark.parametrize("pack", [None, False], ids=["packed", "torch_path"])
-def test_a_batch_mixing_base_and_two_adapters_equals_the_merged_models(hf_llama, adapters, pack):
+@pytest.mark.parametrize("pack,cpu_kernels", [(None, None), (True, False), (False, False)],
+                         ids=["own_kernels", "onednn", "torch_path"])
+def test_a_batch_mixing_base_and_two_adapters_equals_the_merged_models(hf_llama, adapters, pack, cpu_kernels):
     """Every prompt under the base and both adapters, all in one continuous batch (shared prompts: the prefix cache
-    must keep each adapter's KV apart), equals each merged model on its own."""
+    must keep each adapter's KV apart), equals each merged model on its own: on megapipe's kernels (the low-rank
+    sums as extra inputs of the base matmuls), on oneDNN's packed matmuls and on plain torch modules (a matmul
+    more for the sums)."""
     paths, _ = adapters
     hf_dir = hf_llama[0]
     want = {None: merged_engine(hf_dir).generate(PROMPTS, GREEDY)}
     for name in ("peft", "run"):
         want[name] = merged_engine(hf_dir, paths[name]).generate(PROMPTS, GREEDY)
-    engine = lora_engine(hf_dir, paths, max_loras=2, pack_weights=pack, cpu_kernels=pack)
+    engine = lora_engine(hf_dir, paths, max_loras=2, pack_weights=pack, cpu_kernels=cpu_kernels)
+    on_own = pack is None and kernels.f32_linear_built()
+    assert all(layer.own == on_own for layer in engine.adapters.layers.values())
     requests = [(p, name) for p in PROMPTS for name in (None, "peft", "run")]
     got = run(engine, requests)
     for (prompt, name), out in zip(requests, got, strict=True):
@@ -208,9 +213,9 @@ def test_server_routes(hf_llama, adapters, tmp_path, engine_process):
 
 
 def test_bf16_kernel_path_equals_the_plain_matmuls():
-    """On megapipe's bf16 kernel (where it builds) the adapted layer gives what bf16 matmuls give (round-off)."""
-    from megapipe.inference import kernels
-    from megapipe.inference.lora import AdaptedLinear, AdapterSlots
+    """On megapipe's bf16 kernel (where it builds) the adapted layer (its low-rank sums as extra inputs of the base
+    matmul) gives what bf16 matmuls give (round-off)."""
+    from megapipe.inference.lora import AdaptedInput, AdapterSlots, Part
     from megapipe.inference.runner import PackedLinear
 
     if not kernels.bf16_linear_built():
@@ -218,15 +223,16 @@ def test_bf16_kernel_path_equals_the_plain_matmuls():
     torch.manual_seed(0)
     base = torch.nn.Linear(64, 48, bias=False).to(torch.bfloat16)
     slots = AdapterSlots(base, max_loras=2, max_rank=4)
-    layer = AdaptedLinear(PackedLinear(base.weight, own=True), ["w.weight"], [48], slots)
-    assert layer.packed is not None
+    linear = PackedLinear(base.weight, own=True)
+    layer = AdaptedInput([Part(linear, ["w.weight"], [48])], slots)
+    assert layer.own and linear.wide.shape == (3, 32 + 16, 16, 2)  # 2 slots x rank 4, padded to 32 extra inputs
     weights = {"w.weight": (torch.randn(4, 64).bfloat16(), torch.randn(48, 4).bfloat16())}
     slots.registered["x"] = slots_adapter = type("A", (), {"rank": 4, "weights": weights})()
     layer.put(2, slots_adapter)
     x = torch.randn(5, 64, dtype=torch.bfloat16)
     slots.set_rows([0, 2, 2, 0, 2])
     with torch.inference_mode():
-        got, swished = layer.forward(x).float(), layer.forward(x, "swish").float()
+        got, swished = linear(x).float(), linear(x, "swish").float()
     a, b = weights["w.weight"]
     want = (x @ base.weight.T).float()
     want[[1, 2, 4]] += ((x[[1, 2, 4]] @ a.T) @ b.T).float()

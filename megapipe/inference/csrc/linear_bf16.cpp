@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <array>
 #include <optional>
+#include <string>
 #include <type_traits>
 
 namespace {
@@ -32,14 +33,23 @@ using namespace megapipe_linear;
 
 using Epilogue = megapipe_linear::Epilogue<c10::BFloat16>;
 
-// A register block: rows m0 .. m0 + MB of x against the weight tiles at w[0 .. NT) (each `pairs` lines), its fp32
-// sums handed to `finish` (a LinearFinish or a GluFinish)
-template <int MB, int NT, typename Finish>
-inline void block(const uint16_t* x, int64_t x_row, const uint16_t* const* w, int64_t pairs, int64_t m0,
-                  const Finish& finish) {
-  __m512 acc[MB][NT];
-  for (int m = 0; m < MB; ++m)
-    for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_setzero_ps();
+// A matmul's inputs from row m0 on: x [M, 2 * pairs], and optionally x2 [M, 2 * pairs2], whose values meet the
+// weight's inputs after x's (a weight extended by more input columns: LoRA's low-rank sums, megapipe.inference.lora)
+struct Inputs {
+  const uint16_t* x;
+  int64_t x_row, pairs;
+  const uint16_t* x2;
+  int64_t x2_row, pairs2;
+  Inputs from_row(int64_t m0) const {
+    return {x + m0 * x_row, x_row, pairs, x2 ? x2 + m0 * x2_row : x2, x2_row, pairs2};
+  }
+};
+
+// acc[m][t] += the products of `pairs` input pairs of rows x (x_row apart) with the weight lines w[t] .. (one line
+// of 16 outputs per pair)
+template <int MB, int NT>
+inline void accumulate(__m512 (&acc)[MB][NT], const uint16_t* x, int64_t x_row, const uint16_t* const* w,
+                       int64_t pairs) {
   for (int64_t k = 0; k < pairs; ++k) {
     __m512i wv[NT];
     for (int t = 0; t < NT; ++t) wv[t] = _mm512_loadu_si512(w[t] + k * 2 * kTile);
@@ -48,14 +58,28 @@ inline void block(const uint16_t* x, int64_t x_row, const uint16_t* const* w, in
       for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_dpbf16_ps(acc[m][t], (__m512bh)xv, (__m512bh)wv[t]);
     }
   }
+}
+
+// A register block: rows m0 .. m0 + MB of the inputs against the weight tiles at w[0 .. NT), its fp32 sums handed
+// to `finish` (a LinearFinish or a GluFinish)
+template <int MB, int NT, typename Finish>
+inline void block(const Inputs& in, const uint16_t* const* w, int64_t m0, const Finish& finish) {
+  __m512 acc[MB][NT];
+  for (int m = 0; m < MB; ++m)
+    for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_setzero_ps();
+  accumulate<MB, NT>(acc, in.x, in.x_row, w, in.pairs);
+  if (in.pairs2) {
+    std::array<const uint16_t*, NT> w2;
+    for (int t = 0; t < NT; ++t) w2[t] = w[t] + in.pairs * 2 * kTile;
+    accumulate<MB, NT>(acc, in.x2, in.x2_row, w2.data(), in.pairs2);
+  }
   finish.template rows<NT>(m0, MB, [&](int m, int t) { return acc[m][t]; });
 }
 
 template <int NT, typename Finish, int R = kRows>
-inline void rows_block(int mb, const uint16_t* x, int64_t x_row, const uint16_t* const* w, int64_t pairs,
-                       int64_t m0, const Finish& finish) {
-  if (mb == R) return block<R, NT>(x, x_row, w, pairs, m0, finish);
-  if constexpr (R > 1) rows_block<NT, Finish, R - 1>(mb, x, x_row, w, pairs, m0, finish);
+inline void rows_block(int mb, const Inputs& in, const uint16_t* const* w, int64_t m0, const Finish& finish) {
+  if (mb == R) return block<R, NT>(in, w, m0, finish);
+  if constexpr (R > 1) rows_block<NT, Finish, R - 1>(mb, in, w, m0, finish);
 }
 
 // How a block's sums become outputs. A linear layer's: each weight tile its own 16 columns from n0 on, through the
@@ -141,18 +165,10 @@ class TaskTiles {
   int rows_ = 0;
 };
 
-template <int NT, typename Finish>
-void tile_block(const uint16_t* x, int64_t x_row, const uint16_t* const* w, int64_t pairs, int64_t m0, int mb,
-                TaskTiles& tiles, const Finish& finish) {
-  static_assert(NT == 1 || NT == 2, "tile_block names its tiles: one or two weight tiles at once");
-  tiles.configure(mb);
-  const bool bottom = mb > 16;
-  _tile_zero(0);
-  if constexpr (NT == 2) _tile_zero(1);
-  if (bottom) {
-    _tile_zero(2);
-    if constexpr (NT == 2) _tile_zero(3);
-  }
+// The tile products of `pairs` input pairs of rows x (x_row apart; the first 16 into tiles 0, 1, the rest into 2, 3)
+// with the weight lines w[t] ..
+template <int NT>
+inline void tile_products(const uint16_t* x, int64_t x_row, const uint16_t* const* w, int64_t pairs, bool bottom) {
   for (int64_t k = 0; k < pairs; k += 16) {
     _tile_loadd(4, x + 2 * k, x_row * 2);
     _tile_loadd(6, w[0] + k * 2 * kTile, 64);
@@ -165,6 +181,26 @@ void tile_block(const uint16_t* x, int64_t x_row, const uint16_t* const* w, int6
       if constexpr (NT == 2) _tile_dpbf16ps(3, 5, 7);
     }
   }
+}
+
+template <int NT, typename Finish>
+void tile_block(const Inputs& in, const uint16_t* const* w, int64_t m0, int mb, TaskTiles& tiles,
+                const Finish& finish) {
+  static_assert(NT == 1 || NT == 2, "tile_block names its tiles: one or two weight tiles at once");
+  tiles.configure(mb);
+  const bool bottom = mb > 16;
+  _tile_zero(0);
+  if constexpr (NT == 2) _tile_zero(1);
+  if (bottom) {
+    _tile_zero(2);
+    if constexpr (NT == 2) _tile_zero(3);
+  }
+  tile_products<NT>(in.x, in.x_row, w, in.pairs, bottom);
+  if (in.pairs2) {
+    std::array<const uint16_t*, NT> w2;
+    for (int t = 0; t < NT; ++t) w2[t] = w[t] + in.pairs * 2 * kTile;
+    tile_products<NT>(in.x2, in.x2_row, w2.data(), in.pairs2, bottom);
+  }
   alignas(64) float sums[2][NT][16][kTile];  // [top/bottom][weight tile][row][output]
   _tile_stored(0, sums[0][0], kTile * 4);
   if constexpr (NT == 2) _tile_stored(1, sums[0][1], kTile * 4);
@@ -175,74 +211,80 @@ void tile_block(const uint16_t* x, int64_t x_row, const uint16_t* const* w, int6
   finish.template rows<NT>(m0, mb, [&](int m, int t) { return _mm512_load_ps(sums[m / 16][t][m % 16]); });
 }
 
-bool amx_serves(int64_t pairs) {
-  return pairs % 16 == 0 && amx_permitted();
+bool amx_serves(const Inputs& in) {
+  return in.pairs % 16 == 0 && in.pairs2 % 16 == 0 && amx_permitted();
 }
 #else
 struct TaskTiles {};
-bool amx_serves(int64_t) {
+bool amx_serves(const Inputs&) {
   return false;
 }
 template <int NT, typename Finish>
-void tile_block(const uint16_t*, int64_t, const uint16_t* const*, int64_t, int64_t, int, TaskTiles&,
-                const Finish&) {}
+void tile_block(const Inputs&, const uint16_t* const*, int64_t, int, TaskTiles&, const Finish&) {}
 #endif
 
-// Every block of x [M, K] against the packed weight tiles, on AMX tiles where they serve, else the vdpbf16ps loop:
-// the outputs' tiles in groups (TileGroup or LoopGroup of them, the last ones alone where that does not divide),
-// each output tile made from Width weight tiles; weights<NT>(t0) gives the NT weight tiles of output tiles t0 ..,
-// finish(t0) what their sums become.
+// Every block of the inputs against the packed weight tiles, on AMX tiles where they serve, else the vdpbf16ps
+// loop: the outputs' tiles in groups (TileGroup or LoopGroup of them, the last ones alone where that does not
+// divide), each output tile made from Width weight tiles; weights<NT>(t0) gives the NT weight tiles of output tiles
+// t0 .., finish(t0) what their sums become.
 template <int TileGroup, int LoopGroup, int Width, typename Weights, typename MakeFinish>
-void run_blocks(const at::Tensor& x, int64_t pairs, int64_t tiles, bool amx, const Weights& weights,
+void run_blocks(const Inputs& in, int64_t m, int64_t tiles, bool amx, const Weights& weights,
                 const MakeFinish& finish) {
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr<c10::BFloat16>());
-  const int64_t m = x.size(0), x_row = x.stride(0);
-  if (amx && amx_serves(pairs)) {
+  if (amx && amx_serves(in)) {
     auto block = [&](auto nt, int64_t t0, int64_t m0, int mb, TaskTiles& state) {
       constexpr int NT = decltype(nt)::value * Width;
-      tile_block<NT>(xp + m0 * x_row, x_row, weights(std::integral_constant<int, NT>{}, t0).data(), pairs, m0, mb,
-                     state, finish(t0));
+      tile_block<NT>(in.from_row(m0), weights(std::integral_constant<int, NT>{}, t0).data(), m0, mb, state,
+                     finish(t0));
     };
     for_each_block<kTileRows, TileGroup, TaskTiles, kTileRowChunk>(m, tiles, block);
     return;
   }
   for_each_block<kRows, LoopGroup>(m, tiles, [&](auto nt, int64_t t0, int64_t m0, int mb) {
     constexpr int NT = decltype(nt)::value * Width;
-    rows_block<NT>(mb, xp + m0 * x_row, x_row, weights(std::integral_constant<int, NT>{}, t0).data(), pairs, m0,
-                   finish(t0));
+    rows_block<NT>(mb, in.from_row(m0), weights(std::integral_constant<int, NT>{}, t0).data(), m0, finish(t0));
   });
 }
 
-const uint16_t* packed_lines(const at::Tensor& weight) {
-  return reinterpret_cast<const uint16_t*>(weight.const_data_ptr<c10::BFloat16>());
+const uint16_t* rows_of(const at::Tensor& x) {
+  return reinterpret_cast<const uint16_t*>(x.const_data_ptr<c10::BFloat16>());
 }
 
-void check_operands(const char* op, const at::Tensor& x, const at::Tensor& weight, int64_t n, int64_t tiles,
-                    const at::Tensor& out) {
+// The inputs x [M, K] and x2 [M, K2] (or none) checked against the weight [N/16, (K + K2)/2, 16, 2] for n outputs
+// and out [M, N]. The weight may be a view of the first inputs of a wider packed weight (its 16-output tiles then
+// lie further apart than its own inputs take).
+Inputs checked_inputs(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& x2,
+                      const at::Tensor& weight, int64_t n, const at::Tensor& out) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
-                  out.scalar_type() == at::kBFloat16, op, " takes bf16 tensors");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.dim() == 4 && weight.is_contiguous() &&
-                  weight.size(2) == kTile && weight.size(3) == 2, op, ": x [M, K], weight [N/16, K/2, 16, 2]");
-  const int64_t k = x.size(1), pairs = weight.size(1);
-  TORCH_CHECK(k == 2 * pairs && (n + kTile - 1) / kTile == tiles,
-              op, ": x has ", k, " features and the weight ", 2 * pairs, " for ", n, " outputs");
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == n && out.stride(1) == 1,
+                  out.scalar_type() == at::kBFloat16 && (!x2 || x2->scalar_type() == at::kBFloat16),
+              op, " takes bf16 tensors");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.dim() == 4 && weight.size(2) == kTile &&
+                  weight.size(3) == 2 && weight.stride(3) == 1 && weight.stride(2) == 2 &&
+                  weight.stride(1) == 2 * kTile, op, ": x [M, K], weight [N/16, K/2, 16, 2]");
+  const int64_t m = x.size(0), k = x.size(1), k2 = x2 ? x2->size(1) : 0, pairs = weight.size(1);
+  TORCH_CHECK(!x2 || (x2->dim() == 2 && x2->size(0) == m && x2->stride(1) == 1 && k % 2 == 0),
+              op, ": x2 must be [M, K2] beside an x of even K");
+  TORCH_CHECK(k + k2 == 2 * pairs && (n + kTile - 1) / kTile == weight.size(0), op, ": x has ", k,
+              x2 ? " (+ x2's " + std::to_string(k2) + ")" : std::string(), " features and the weight ", 2 * pairs,
+              " for ", n, " outputs");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == m && out.size(1) == n && out.stride(1) == 1,
               op, ": out must be [M, N]");
+  return {rows_of(x), x.stride(0), k / 2, x2 ? rows_of(*x2) : nullptr, x2 ? x2->stride(0) : 0, k2 / 2};
 }
 
 // x [M, K] bf16 (rows contiguous), weight from pack_bf16_weight for N outputs, bias [N] or none, other [M, N] or
-// none (add: other is added, and may be out itself); out [M, N]
+// none; out [M, N]. With x2 [M, K2], the weight's last K2 inputs
+// take x2's values.
 void linear_bf16(const at::Tensor& x, const at::Tensor& weight, int64_t n, const std::optional<at::Tensor>& bias,
-                 bool swish, const std::optional<at::Tensor>& other, at::Tensor out, bool amx, bool add) {
-  const int64_t tiles = weight.dim() == 4 ? weight.size(0) : 0, pairs = weight.dim() == 4 ? weight.size(1) : 0;
-  check_operands("linear_bf16", x, weight, n, tiles, out);
+                 bool swish, const std::optional<at::Tensor>& other, at::Tensor out, bool amx,
+                 const std::optional<at::Tensor>& x2) {
+  const Inputs in = checked_inputs("linear_bf16", x, x2, weight, n, out);
   const Epilogue ep = checked_epilogue<c10::BFloat16>("linear_bf16", at::kBFloat16, "bf16", x.size(0), n, swish,
-                                                      bias, other, add);
-  const uint16_t* wp = packed_lines(weight);
+                                                      bias, other);
+  const uint16_t* wp = rows_of(weight);
   c10::BFloat16* op = out.mutable_data_ptr<c10::BFloat16>();
-  const int64_t tile_stride = pairs * 2 * kTile, out_row = out.stride(0);
+  const int64_t tile_stride = weight.stride(0), out_row = out.stride(0);
   run_blocks<kTileGroup, kTiles, 1>(
-      x, pairs, tiles, amx,
+      in, x.size(0), weight.size(0), amx,
       [&](auto nt, int64_t t0) {
         constexpr int NT = decltype(nt)::value;
         std::array<const uint16_t*, NT> w;
@@ -253,17 +295,18 @@ void linear_bf16(const at::Tensor& x, const at::Tensor& weight, int64_t n, const
 }
 
 // out [M, N] = silu(x W_gate^T) * (x W_up^T), gate and up from pack_bf16_weight (N outputs each): a SwiGLU MLP's
-// first half in one pass, each block the gate's and the up projection's tiles of the same 16 outputs
+// first half in one pass, each block the gate's and the up projection's tiles of the same 16 outputs (x2 as in
+// linear_bf16, for both)
 void glu_bf16(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up, int64_t n, at::Tensor out,
-              bool amx) {
-  const int64_t tiles = gate.dim() == 4 ? gate.size(0) : 0, pairs = gate.dim() == 4 ? gate.size(1) : 0;
-  check_operands("glu_bf16", x, gate, n, tiles, out);
-  check_operands("glu_bf16", x, up, n, tiles, out);
-  const uint16_t *gp = packed_lines(gate), *up_p = packed_lines(up);
+              bool amx, const std::optional<at::Tensor>& x2) {
+  const Inputs in = checked_inputs("glu_bf16", x, x2, gate, n, out);
+  checked_inputs("glu_bf16", x, x2, up, n, out);
+  TORCH_CHECK(gate.stride(0) == up.stride(0), "glu_bf16: gate and up must be packed alike");
+  const uint16_t *gp = rows_of(gate), *up_p = rows_of(up);
   c10::BFloat16* op = out.mutable_data_ptr<c10::BFloat16>();
-  const int64_t tile_stride = pairs * 2 * kTile, out_row = out.stride(0);
+  const int64_t tile_stride = gate.stride(0), out_row = out.stride(0);
   run_blocks<1, 1, 2>(
-      x, pairs, tiles, amx,
+      in, x.size(0), gate.size(0), amx,
       [&](auto, int64_t t0) { return std::array<const uint16_t*, 2>{gp + t0 * tile_stride, up_p + t0 * tile_stride}; },
       [&](int64_t t0) { return GluFinish{op, out_row, n, t0 * kTile}; });
 }
@@ -273,8 +316,8 @@ void glu_bf16(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up,
 TORCH_LIBRARY_FRAGMENT(megapipe, m) {
   m.def(
       "linear_bf16(Tensor x, Tensor weight, int n, Tensor? bias, bool swish, Tensor? other, Tensor(a!) out, "
-      "bool amx=True, bool add=False) -> ()");
-  m.def("glu_bf16(Tensor x, Tensor gate, Tensor up, int n, Tensor(a!) out, bool amx=True) -> ()");
+      "bool amx=True, Tensor? x2=None) -> ()");
+  m.def("glu_bf16(Tensor x, Tensor gate, Tensor up, int n, Tensor(a!) out, bool amx=True, Tensor? x2=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(megapipe, CPU, m) {

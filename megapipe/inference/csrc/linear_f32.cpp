@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <string>
 
 namespace {
 
@@ -20,12 +21,20 @@ using namespace megapipe_linear;
 
 using Epilogue = megapipe_linear::Epilogue<float>;
 
+// A matmul's inputs from some row on: x [M, k], and optionally x2 [M, k2], whose values meet the weight's inputs
+// after x's (a weight extended by more input columns: LoRA's low-rank sums, megapipe.inference.lora)
+struct Inputs {
+  const float* x;
+  int64_t x_row, k;
+  const float* x2;
+  int64_t x2_row, k2;
+};
+
+// acc[m][t] += the products of `k_len` inputs of rows x (x_row apart) with the weight lines at w (tile t's
+// tile_stride further on)
 template <int MB, int NT>
-inline void block(const float* x, int64_t x_row, const float* w, int64_t k_len, int64_t tile_stride, int64_t n0,
-                  int64_t n, int64_t m0, const Epilogue& ep, float* out, int64_t out_row) {
-  __m512 acc[MB][NT];
-  for (int m = 0; m < MB; ++m)
-    for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_setzero_ps();
+inline void accumulate(__m512 (&acc)[MB][NT], const float* x, int64_t x_row, const float* w, int64_t k_len,
+                       int64_t tile_stride) {
   for (int64_t k = 0; k < k_len; ++k) {
     __m512 wv[NT];
     for (int t = 0; t < NT; ++t) wv[t] = _mm512_loadu_ps(w + t * tile_stride + k * kTile);
@@ -34,6 +43,16 @@ inline void block(const float* x, int64_t x_row, const float* w, int64_t k_len, 
       for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_fmadd_ps(xv, wv[t], acc[m][t]);
     }
   }
+}
+
+template <int MB, int NT>
+inline void block(const Inputs& in, const float* w, int64_t tile_stride, int64_t n0, int64_t n, int64_t m0,
+                  const Epilogue& ep, float* out, int64_t out_row) {
+  __m512 acc[MB][NT];
+  for (int m = 0; m < MB; ++m)
+    for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_setzero_ps();
+  accumulate<MB, NT>(acc, in.x + m0 * in.x_row, in.x_row, w, in.k, tile_stride);
+  if (in.k2) accumulate<MB, NT>(acc, in.x2 + m0 * in.x2_row, in.x2_row, w + in.k * kTile, in.k2, tile_stride);
   using Vec = at::vec::Vectorized<float>;
   for (int t = 0; t < NT; ++t) {
     const int64_t col = n0 + t * kTile;
@@ -43,7 +62,7 @@ inline void block(const float* x, int64_t x_row, const float* w, int64_t k_len, 
       __m512 v = _mm512_add_ps(acc[m][t], bias);
       const __m512 other =
           ep.other ? _mm512_maskz_loadu_ps(mask, ep.other + (m0 + m) * ep.other_row + col) : _mm512_setzero_ps();
-      v = other_and_silu(v, other, ep, [](__m512 s) {
+      v = silu_and_other(v, other, ep, [](__m512 s) {
         const Vec x(s);
         return __m512(x / (Vec(1.f) + x.neg().exp()));
       });
@@ -53,33 +72,37 @@ inline void block(const float* x, int64_t x_row, const float* w, int64_t k_len, 
 }
 
 template <int NT, int R = kRows>
-inline void rows_block(int mb, const float* x, int64_t x_row, const float* w, int64_t k_len, int64_t tile_stride,
-                       int64_t n0, int64_t n, int64_t m0, const Epilogue& ep, float* out, int64_t out_row) {
-  if (mb == R) return block<R, NT>(x, x_row, w, k_len, tile_stride, n0, n, m0, ep, out, out_row);
-  if constexpr (R > 1) rows_block<NT, R - 1>(mb, x, x_row, w, k_len, tile_stride, n0, n, m0, ep, out, out_row);
+inline void rows_block(int mb, const Inputs& in, const float* w, int64_t tile_stride, int64_t n0, int64_t n,
+                       int64_t m0, const Epilogue& ep, float* out, int64_t out_row) {
+  if (mb == R) return block<R, NT>(in, w, tile_stride, n0, n, m0, ep, out, out_row);
+  if constexpr (R > 1) rows_block<NT, R - 1>(mb, in, w, tile_stride, n0, n, m0, ep, out, out_row);
 }
 
 // x [M, K] fp32 (rows contiguous), weight from pack_f32_weight for N outputs, bias [N] or none, other [M, N] or
-// none (add: other is added, and may be out itself); out [M, N]
+// none; out [M, N]. With x2 [M, K2], the weight's last K2 inputs take
+// x2's values. The weight may be a view of the first inputs of a wider packed weight.
 void linear_f32(const at::Tensor& x, const at::Tensor& weight, int64_t n, const std::optional<at::Tensor>& bias,
-                bool swish, const std::optional<at::Tensor>& other, at::Tensor out, bool add) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
-              "linear_f32 takes fp32 tensors");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.dim() == 3 && weight.is_contiguous() &&
-                  weight.size(2) == kTile, "linear_f32: x [M, K], weight [N/16, K, 16]");
-  const int64_t m = x.size(0), k = x.size(1), tiles = weight.size(0);
-  TORCH_CHECK(k == weight.size(1) && (n + kTile - 1) / kTile == tiles,
-              "linear_f32: x has ", k, " features and the weight ", weight.size(1), " for ", n, " outputs");
+                bool swish, const std::optional<at::Tensor>& other, at::Tensor out,
+                const std::optional<at::Tensor>& x2) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
+                  (!x2 || x2->scalar_type() == at::kFloat), "linear_f32 takes fp32 tensors");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.dim() == 3 && weight.size(2) == kTile &&
+                  weight.stride(2) == 1 && weight.stride(1) == kTile, "linear_f32: x [M, K], weight [N/16, K, 16]");
+  const int64_t m = x.size(0), k = x.size(1), k2 = x2 ? x2->size(1) : 0, tiles = weight.size(0);
+  TORCH_CHECK(!x2 || (x2->dim() == 2 && x2->size(0) == m && x2->stride(1) == 1), "linear_f32: x2 must be [M, K2]");
+  TORCH_CHECK(k + k2 == weight.size(1) && (n + kTile - 1) / kTile == tiles, "linear_f32: x has ", k,
+              x2 ? " (+ x2's " + std::to_string(k2) + ")" : std::string(), " features and the weight ",
+              weight.size(1), " for ", n, " outputs");
   TORCH_CHECK(out.dim() == 2 && out.size(0) == m && out.size(1) == n && out.stride(1) == 1,
               "linear_f32: out must be [M, N]");
-  const Epilogue ep = checked_epilogue<float>("linear_f32", at::kFloat, "fp32", m, n, swish, bias, other, add);
-  const float* xp = x.const_data_ptr<float>();
+  const Epilogue ep = checked_epilogue<float>("linear_f32", at::kFloat, "fp32", m, n, swish, bias, other);
+  const Inputs in{x.const_data_ptr<float>(), x.stride(0), k, x2 ? x2->const_data_ptr<float>() : nullptr,
+                  x2 ? x2->stride(0) : 0, k2};
   const float* wp = weight.const_data_ptr<float>();
   float* op = out.mutable_data_ptr<float>();
-  const int64_t x_row = x.stride(0), out_row = out.stride(0), tile_stride = k * kTile;
+  const int64_t out_row = out.stride(0), tile_stride = weight.stride(0);
   for_each_block(m, tiles, [&](auto nt, int64_t t0, int64_t m0, int mb) {
-    const float* w = wp + t0 * tile_stride;
-    rows_block<decltype(nt)::value>(mb, xp + m0 * x_row, x_row, w, k, tile_stride, t0 * kTile, n, m0, ep, op, out_row);
+    rows_block<decltype(nt)::value>(mb, in, wp + t0 * tile_stride, tile_stride, t0 * kTile, n, m0, ep, op, out_row);
   });
 }
 
@@ -87,7 +110,7 @@ void linear_f32(const at::Tensor& x, const at::Tensor& weight, int64_t n, const 
 
 TORCH_LIBRARY_FRAGMENT(megapipe, m) {
   m.def("linear_f32(Tensor x, Tensor weight, int n, Tensor? bias, bool swish, Tensor? other, Tensor(a!) out, "
-        "bool add=False) -> ()");
+        "Tensor? x2=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(megapipe, CPU, m) { m.impl("linear_f32", &linear_f32); }

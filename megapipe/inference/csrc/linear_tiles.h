@@ -22,15 +22,13 @@ constexpr int kRows = 8;
 constexpr int kTiles = 3;
 constexpr int64_t kRowChunk = 64;  // rows per parallel task (AMX's tile path: its own, more)
 
-// What a kernel applies to each [M, N] output before storing it: + bias, SiLU, * other (T: the kernel's dtype); with
-// add_other, + other before the SiLU instead of * other after it (other may be the output itself: out += x W^T)
+// What a kernel applies to each [M, N] output before storing it: + bias, SiLU, * other (T: the kernel's dtype)
 template <typename T>
 struct Epilogue {
   const T* bias;  // [N] or null
   bool swish;
   const T* other;  // [M, other_row] or null
   int64_t other_row;
-  bool add_other = false;
 };
 
 // The lanes of the outputs col .. col + 15 that are under n
@@ -39,13 +37,12 @@ inline __mmask16 column_mask(int64_t col, int64_t n) {
   return valid >= kTile ? __mmask16(0xffff) : __mmask16((1u << valid) - 1);
 }
 
-// Epilogue `ep` past the bias on 16 fp32 sums `v`: + other, SiLU (the kernel's `silu`), * other; `other` holds
-// other's 16 values there (anything when ep has none)
+// Epilogue `ep` past the bias on 16 fp32 sums `v`: SiLU (the kernel's `silu`), * other; `other` holds other's 16
+// values there (anything when ep has none)
 template <typename T, typename Silu>
-inline __m512 other_and_silu(__m512 v, __m512 other, const Epilogue<T>& ep, const Silu& silu) {
-  if (ep.add_other) v = _mm512_add_ps(v, other);
+inline __m512 silu_and_other(__m512 v, __m512 other, const Epilogue<T>& ep, const Silu& silu) {
   if (ep.swish) v = silu(v);
-  if (ep.other && !ep.add_other) v = _mm512_mul_ps(v, other);
+  if (ep.other) v = _mm512_mul_ps(v, other);
   return v;
 }
 
@@ -54,9 +51,8 @@ inline __m512 other_and_silu(__m512 v, __m512 other, const Epilogue<T>& ep, cons
 template <typename T>
 Epilogue<T> checked_epilogue(const char* op, at::ScalarType type, const char* type_name, int64_t m, int64_t n,
                              bool swish, const std::optional<at::Tensor>& bias,
-                             const std::optional<at::Tensor>& other, bool add_other = false) {
-  TORCH_CHECK(!add_other || other, op, ": add needs other");
-  Epilogue<T> ep{nullptr, swish, nullptr, 0, add_other};
+                             const std::optional<at::Tensor>& other) {
+  Epilogue<T> ep{nullptr, swish, nullptr, 0};
   if (bias) {
     TORCH_CHECK(bias->scalar_type() == type && bias->is_contiguous() && bias->numel() == n,
                 op, ": bias must be ", type_name, " [N]");
