@@ -10,7 +10,8 @@
 Each request sends ``--prompt-len`` random token ids and asks for exactly ``--max-tokens`` tokens (``ignore_eos``),
 streamed with ``include_usage``. Reported: request throughput, output tokens/s, time to first token (TTFT), time per
 output token after the first (TPOT), inter-token latency between chunks (ITL) and end-to-end latency at p50 / p90 /
-p99, errors (any non-200, error event, wrong token count or timeout), the load average, and with ``--serve`` the
+p99, errors (any non-200, error event, wrong token count or timeout), the load average and the client's own CPU time
+(it runs on the same machine), and with ``--serve`` the
 server's peak RSS (its process tree) sampled every 0.5 s and the CPU time its processes spent over the load.
 """
 
@@ -277,9 +278,9 @@ def main() -> None:
             sampler = loop.create_task(sample_memory())
         idle_rss = tree_rss_mib(proc.pid) if proc is not None else None
         cpu_before = tree_cpu_s(proc.pid) if proc is not None else {}
-        load_before = os.getloadavg()[0]
+        load_before, client_before = os.getloadavg()[0], time.process_time()
         results, wall = loop.run_until_complete(run_load(args))
-        load_after = os.getloadavg()[0]
+        load_after, client_cpu = os.getloadavg()[0], time.process_time() - client_before
         cpu_after = tree_cpu_s(proc.pid) if proc is not None else {}
         dropped = loop.run_until_complete(run_disconnects(args)) if args.disconnect else None
         if sampler is not None:
@@ -316,7 +317,7 @@ def main() -> None:
         out.update(server_rss_idle_mib=idle_rss, server_rss_peak_mib=peak[0], server_rss_after_mib=after_rss)
         cpu = {p: t - cpu_before.get(p, 0.0) for p, t in cpu_after.items()}
         out.update(server_cpu_s=sum(cpu.values()), server_front_end_cpu_s=cpu.get(proc.pid, 0.0))
-    out.update(load_average_before=load_before, load_average_after=load_after)
+    out.update(load_average_before=load_before, load_average_after=load_after, client_cpu_s=client_cpu)
     label = args.engine if args.serve else args.base_url
     print(f"\n{label}: {len(results)} requests, concurrency {args.concurrency}"
           f"{f', Poisson {args.request_rate}/s' if args.request_rate else ''}, {args.prompt_len}-token prompts, "
@@ -330,7 +331,8 @@ def main() -> None:
         print(f"  server RSS: idle {idle_rss:.0f} MiB, peak {peak[0]:.0f} MiB, after {after_rss:.0f} MiB")
         print(f"  server CPU time over the load: {out['server_cpu_s']:.1f} s (front end {out['server_front_end_cpu_s']:.1f}"
               f" s), {out['server_cpu_s'] / max(1, sum(r.tokens for r in ok)) * 1000:.2f} ms per output token")
-    print(f"  load average {load_before:.1f} before, {load_after:.1f} after")
+    print(f"  load average {load_before:.1f} before, {load_after:.1f} after; this client's CPU time over the load "
+          f"{client_cpu:.1f} s (it shares the machine)")
     for e in sorted(set(errors))[:5]:
         print(f"  error: {e} (x{errors.count(e)})")
     failed = bool(errors)
