@@ -35,9 +35,9 @@ def generate(
     """Complete each --prompt with the model of CKPT and print the completions."""
     import json
 
-    from megapipe.omp import prefer_passive_wait
+    from megapipe.omp import prefer_bounded_spin
 
-    prefer_passive_wait()  # before torch loads OpenMP
+    prefer_bounded_spin()  # before torch loads OpenMP
     import torch
 
     # lazy: imports torch; megapipe --help stays fast

@@ -66,9 +66,10 @@ def serve(
     import sys
     from pathlib import Path
 
-    from megapipe.omp import prefer_passive_wait
+    from megapipe.omp import prefer_bounded_spin
 
-    prefer_passive_wait()  # before torch loads OpenMP
+    if engine == "megapipe":  # vLLM's process keeps vLLM's own OpenMP defaults
+        prefer_bounded_spin()  # before torch loads OpenMP
     # lazy: imports torch; megapipe --help stays fast
     from megapipe.checkpoint.hf.files import parse_size
 

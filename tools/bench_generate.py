@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+VLLM_UNSET: list[str] = []  # variables of this process that vLLM's is not given (megapipe's OpenMP policy)
 VLLM_SCRIPT = r'''
 import json, sys, time
 def main():
@@ -142,6 +143,8 @@ def run_in_vllm(python: str, script: str, cfg: dict, threads: int) -> dict:
         (Path(tmp) / "bench_vllm.py").write_text(script)
         env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_KVCACHE_SPACE="2",
                    OMP_NUM_THREADS=str(threads), VLLM_LOGGING_LEVEL="WARNING")
+        for name in VLLM_UNSET:
+            env.pop(name, None)
         proc = subprocess.run([python, str(Path(tmp) / "bench_vllm.py"), str(Path(tmp) / "cfg.json")], env=env,
                               capture_output=True, text=True, timeout=3600)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
@@ -165,10 +168,18 @@ def main() -> None:
     ap.add_argument("--json", help="also write the figures here")
     ap.add_argument("--co-runner", action="store_true",
                     help="run the whole benchmark next to one CPU-bound process (a busy loop), as a shared machine has")
-    ap.add_argument("--omp-wait-policy", choices=["active", "passive"],
-                    help="OpenMP's wait policy for this process (default: what megapipe's serve/generate set)")
+    ap.add_argument("--omp-wait-policy", choices=["active", "passive", "bounded"], default="bounded",
+                    help="OpenMP's wait policy for this process and vLLM's (default: bounded, a short spin, what "
+                         "megapipe's serve and generate set, megapipe/omp.py: for this process only, vLLM keeping "
+                         "its own defaults as `megapipe serve --engine vllm` does)")
     args = ap.parse_args()
-    if args.omp_wait_policy:  # read by the OpenMP runtime when torch loads it: before the import
+    # read by the OpenMP runtime when torch loads it: before the import
+    if args.omp_wait_policy == "bounded":
+        from megapipe.omp import prefer_bounded_spin
+
+        if prefer_bounded_spin():
+            VLLM_UNSET.extend(["GOMP_SPINCOUNT", "OMP_WAIT_POLICY"])
+    else:
         os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.co_runner else None
     try:
@@ -243,7 +254,8 @@ def run(args) -> None:
     print(f"\n{describe(args.model)} greedy, {args.prompt_len}-token prompts, {args.new_tokens} new tokens, {args.dtype}, "
           f"{args.threads} threads, median of {args.reps}; load average at start {load_start:.1f}, at end "
           f"{os.getloadavg()[0]:.1f} ({os.cpu_count()} CPUs)")
-    print(f"CPU: {cpu_description()}; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}"
+    print(f"CPU: {cpu_description()}; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, "
+          f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', 'unset')}"
           f"{'; next to one CPU-bound process' if args.co_runner else ''}")
     for label, tok, ttft in (("wall clock", "tok_s", "ttft_ms"), ("CPU seconds", "cpu_tok_s", "cpu_ttft_ms")):
         print(f"by {label}:")
@@ -270,7 +282,8 @@ def run(args) -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": {f"{n}:b{b}": v for (n, b), v in rows.items()},
                                                "ratios": summary, "args": vars(args), "cpu": cpu_description(),
-                                               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}, indent=2))
+                                               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+                                               "gomp_spincount": os.environ.get("GOMP_SPINCOUNT")}, indent=2))
 
 
 if __name__ == "__main__":

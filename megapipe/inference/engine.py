@@ -16,6 +16,7 @@ running sequence for its Mamba layers (megapipe.inference.state_cache); prefix c
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,7 @@ from megapipe.inference.scheduler import FINISHED, Scheduler, SchedulerOutput, n
 from megapipe.inference.scheduler import Sequence as Seq
 from megapipe.inference.speculative import MTPSpeculator, NgramSpeculator
 from megapipe.inference.state_cache import StatePool, state_bytes_per_sequence
+from megapipe.inference.threads import ThreadGovernor
 from megapipe.models.attention import Attention
 from megapipe.models.capabilities import capabilities, describe
 from megapipe.models.compressed_attention import CompressedAttention
@@ -74,6 +76,7 @@ class EngineConfig:
     prompt_lookup_min: int = 2  # ngram: the shortest
     max_loras: int = 0  # LoRA adapters resident at once (megapipe.inference.lora); 0: none served
     max_lora_rank: int = 16  # the largest rank an adapter may have
+    thread_governor: bool = True  # CPU: steps on one thread while another process competes for the cores (threads.py)
 
     @property
     def drafter_feature(self) -> Optional[str]:
@@ -112,6 +115,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value not in (None, True, False):
                 raise ConfigError(f"EngineConfig.{name} = {value!r} must be True, False or None (automatic)")
+        if self.thread_governor not in (True, False):
+            raise ConfigError(f"EngineConfig.thread_governor = {self.thread_governor!r} must be True or False")
         if self.bf16_linear not in kernels.BF16_LINEAR_CHOICES:
             raise ConfigError(f"--bf16-linear = {self.bf16_linear!r} must be one of "
                               f"{', '.join(kernels.BF16_LINEAR_CHOICES)}")
@@ -278,6 +283,7 @@ class LLMEngine:
             self.speculator = MTPSpeculator(self.runner, config.speculative_tokens, self.runner.sample_row)
         self.runner.speculator = self.speculator
         self.device = p.device
+        self.governor = ThreadGovernor() if config.thread_governor and p.device.type == "cpu" else None
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_prompt_tokens = 0  # computed prompt tokens (prefix-cache hits excluded)
@@ -444,7 +450,9 @@ class LLMEngine:
                 raise self._stalled()
             return []
         self.num_steps += 1
-        return self.update_from_output(plan, self.runner.execute(plan))
+        with self.governor.step() if self.governor is not None else contextlib.nullcontext():
+            result = self.runner.execute(plan)
+        return self.update_from_output(plan, result)
 
     def update_from_output(self, plan: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
         """Apply a step: the sequences' computed counts advance (their new full blocks offered to the prefix cache,
