@@ -6,9 +6,10 @@
   one pass each (the residual add fused into the next norm; the rotary embedding fused with storing k and v);
 - ``mamba_step`` (csrc/mamba_step.cpp): a Mamba-2 layer's decode token for a batch in one pass over its states;
 - ``linear_bf16`` (csrc/linear_bf16.cpp, only on CPUs with AVX512-BF16): bf16 linear layers on weights packed by
-  ``pack_bf16_weight``, with the bias, SiLU and a product or a sum (``add``) fused into the epilogue; on AMX tiles
-  where the CPU has them (built with -mamx-tile/-mamx-bf16 there; ``amx=False`` takes the vdpbf16ps loop);
-  ``glu_bf16`` a SwiGLU's gate and up projections in one call, silu(x Wg^T) * (x Wu^T);
+  ``pack_bf16_weight``, with the bias, SiLU and a product fused into the epilogue, and optionally a second input
+  ``x2`` for the weight's last inputs (LoRA's low-rank sums); on AMX tiles where the CPU has them (built with
+  -mamx-tile/-mamx-bf16 there; ``amx=False`` takes the vdpbf16ps loop); ``glu_bf16`` a SwiGLU's gate and up
+  projections in one call, silu(x Wg^T) * (x Wu^T);
 - ``linear_f32`` (csrc/linear_f32.cpp, on AVX-512 CPUs): the same for fp32, on weights packed by ``pack_f32_weight``.
 
 They land in ``torch.ops.megapipe``. ``ops()`` returns that namespace, or None when the kernels cannot be built here

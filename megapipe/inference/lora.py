@@ -158,7 +158,7 @@ class AdapterSlots:
         self._inputs = adaptable_inputs(model)
         self._ids = itertools.count(1)
         self._onehot: Optional[torch.Tensor] = None
-        self._masks: dict[int, torch.Tensor] = {}
+        self._masks: dict[tuple[int, int], torch.Tensor] = {}  # by (band, width)
         self.num_loads = 0
 
     def register(self, name: str, path: str, rank: int, scale: float, weights: dict) -> None:

@@ -100,15 +100,16 @@ class PackedLinear(nn.Module):
             raise ValueError("only a layer on megapipe's kernel takes extra inputs")
         dense = self.dense()
         self.wide = _pack(torch.cat([dense, dense.new_zeros(self.out_features, extra)], dim=1), True)
-        self.packed = self.wide[:, :self._packed_inputs(self.in_features)]
+        self.packed = self.wide[:, :self._own_inputs()]
 
     def set_extra_inputs(self, columns: torch.Tensor) -> None:
         """The extra inputs' weight columns [out_features, extra] (``extend``)."""
-        self.wide[:, self._packed_inputs(self.in_features):] = _pack(columns.to(self.wide.dtype), True)
+        self.wide[:, self._own_inputs():] = _pack(columns.to(self.wide.dtype), True)
 
-    def _packed_inputs(self, inputs: int) -> int:
-        """Length along the packed layout's input dimension of ``inputs`` inputs (bf16's holds them in pairs)."""
-        return inputs // 2 if self.packed.dtype == torch.bfloat16 else inputs
+    def _own_inputs(self) -> int:
+        """Length of the layer's own inputs along the packed layout's input dimension (bf16's holds them in
+        pairs)."""
+        return self.in_features // 2 if self.packed.dtype == torch.bfloat16 else self.in_features
 
     def weight_for(self, x2: Optional[torch.Tensor]) -> torch.Tensor:
         """The packed weight a call with extra inputs ``x2`` (or none) multiplies."""
@@ -152,7 +153,8 @@ class PackedLinear(nn.Module):
     def rows_and_out(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x as [rows, in_features] with contiguous rows, and an empty output [rows, out_features] for it."""
         rows = x.reshape(-1, self.in_features)
-        rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
         return rows, torch.empty(rows.shape[0], self.out_features, dtype=x.dtype, device=x.device)
 
 

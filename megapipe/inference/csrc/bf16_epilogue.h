@@ -1,5 +1,5 @@
 // The bf16 linear kernels' last step (linear_bf16.cpp: vdpbf16ps and AMX tiles): 16 outputs of one row from their
-// fp32 sums, + bias, SiLU, (* other), rounded once to bf16. Needs AVX512-BF16.
+// fp32 sums, + bias, SiLU, * other, rounded once to bf16. Needs AVX512-BF16.
 #pragma once
 
 #include <ATen/cpu/vec/vec.h>
@@ -46,9 +46,12 @@ struct TileColumns {
 inline void finish_row(__m512 v, const TileColumns& c, int64_t row, const Epilogue<c10::BFloat16>& ep,
                        c10::BFloat16* out, int64_t out_row) {
   v = _mm512_add_ps(v, c.bias);
-  const __m512 other = ep.other ? bf16_to_fp32(_mm256_maskz_loadu_epi16(c.mask, ep.other + row * ep.other_row + c.col))
-                                : _mm512_setzero_ps();
-  store_row(silu_and_other(v, other, ep, [](__m512 s) { return silu(s); }), c.mask, out + row * out_row + c.col);
+  if (ep.swish) v = silu(v);
+  if (ep.other) {
+    const __m256i other = _mm256_maskz_loadu_epi16(c.mask, ep.other + row * ep.other_row + c.col);
+    v = _mm512_mul_ps(v, bf16_to_fp32(other));
+  }
+  store_row(v, c.mask, out + row * out_row + c.col);
 }
 
 }  // namespace megapipe_linear

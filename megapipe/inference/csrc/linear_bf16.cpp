@@ -272,8 +272,7 @@ Inputs checked_inputs(const char* op, const at::Tensor& x, const std::optional<a
 }
 
 // x [M, K] bf16 (rows contiguous), weight from pack_bf16_weight for N outputs, bias [N] or none, other [M, N] or
-// none; out [M, N]. With x2 [M, K2], the weight's last K2 inputs
-// take x2's values.
+// none; out [M, N]. With x2 [M, K2], the weight's last K2 inputs take x2's values.
 void linear_bf16(const at::Tensor& x, const at::Tensor& weight, int64_t n, const std::optional<at::Tensor>& bias,
                  bool swish, const std::optional<at::Tensor>& other, at::Tensor out, bool amx,
                  const std::optional<at::Tensor>& x2) {

@@ -60,12 +60,11 @@ inline void block(const Inputs& in, const float* w, int64_t tile_stride, int64_t
     const __m512 bias = ep.bias ? _mm512_maskz_loadu_ps(mask, ep.bias + col) : _mm512_setzero_ps();
     for (int m = 0; m < MB; ++m) {
       __m512 v = _mm512_add_ps(acc[m][t], bias);
-      const __m512 other =
-          ep.other ? _mm512_maskz_loadu_ps(mask, ep.other + (m0 + m) * ep.other_row + col) : _mm512_setzero_ps();
-      v = silu_and_other(v, other, ep, [](__m512 s) {
-        const Vec x(s);
-        return __m512(x / (Vec(1.f) + x.neg().exp()));
-      });
+      if (ep.swish) {
+        const Vec x(v);
+        v = x / (Vec(1.f) + x.neg().exp());
+      }
+      if (ep.other) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mask, ep.other + (m0 + m) * ep.other_row + col));
       _mm512_mask_storeu_ps(out + (m0 + m) * out_row + col, mask, v);
     }
   }
@@ -79,8 +78,8 @@ inline void rows_block(int mb, const Inputs& in, const float* w, int64_t tile_st
 }
 
 // x [M, K] fp32 (rows contiguous), weight from pack_f32_weight for N outputs, bias [N] or none, other [M, N] or
-// none; out [M, N]. With x2 [M, K2], the weight's last K2 inputs take
-// x2's values. The weight may be a view of the first inputs of a wider packed weight.
+// none; out [M, N]. With x2 [M, K2], the weight's last K2 inputs take x2's values. The weight may be a view of the
+// first inputs of a wider packed weight.
 void linear_f32(const at::Tensor& x, const at::Tensor& weight, int64_t n, const std::optional<at::Tensor>& bias,
                 bool swish, const std::optional<at::Tensor>& other, at::Tensor out,
                 const std::optional<at::Tensor>& x2) {

@@ -37,15 +37,6 @@ inline __mmask16 column_mask(int64_t col, int64_t n) {
   return valid >= kTile ? __mmask16(0xffff) : __mmask16((1u << valid) - 1);
 }
 
-// Epilogue `ep` past the bias on 16 fp32 sums `v`: SiLU (the kernel's `silu`), * other; `other` holds other's 16
-// values there (anything when ep has none)
-template <typename T, typename Silu>
-inline __m512 silu_and_other(__m512 v, __m512 other, const Epilogue<T>& ep, const Silu& silu) {
-  if (ep.swish) v = silu(v);
-  if (ep.other) v = _mm512_mul_ps(v, other);
-  return v;
-}
-
 // The epilogue of op's [m, n] output, its optional bias [N] and other [M, N] checked to be `type` (named `type_name`
 // in the errors) with contiguous rows
 template <typename T>
