@@ -82,8 +82,15 @@ def test_engine_steps_are_governed_with_the_same_tokens(hf_llama):
             loaded = load_model(hf_llama[0], torch.device("cpu"), torch.float32)
             engine = LLMEngine(loaded.model, None, EngineConfig(block_size=4, num_blocks=64), eos_token_ids=[0])
             engine.governor.single = single
+            seen, execute = set(), engine.runner.execute
+
+            def counted(plan, execute=execute, seen=seen):
+                seen.add(torch.get_num_threads())
+                return execute(plan)
+
+            engine.runner.execute = counted
             outs[single] = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
-            assert torch.get_num_threads() == 2
+            assert seen == {1 if single else 2} and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
     assert outs[True] == outs[False]
