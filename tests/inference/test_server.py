@@ -231,7 +231,7 @@ def test_dropped_streams_abort_and_free_their_blocks(live):
     """100 streams dropped after their first chunk: the engine empties, a fresh request completes promptly."""
     body = {"model": NAME, "prompt": "The quick brown fox", "max_tokens": 100, "stream": True, "ignore_eos": True,
             "temperature": 1.0}
-    aborted_before = _abort_count(live)
+    ended_before = _ended_counts(live)
 
     async def drop_one(client: httpx.AsyncClient):
         async with client.stream("POST", live.url + "/v1/completions", json=body,
@@ -252,7 +252,12 @@ def test_dropped_streams_abort_and_free_their_blocks(live):
         time.sleep(0.05)
     assert not _busy(live.async_engine.stats())
     assert live.metric("vllm:kv_cache_usage_perc") == 0 and live.metric("vllm:num_requests_running") == 0
-    assert _abort_count(live) - aborted_before >= 95  # a few may have finished before their client left
+    # the core's stats arrive before the outputs of the same step reach the metrics: wait for all 100 to be counted
+    while time.time() < deadline and sum(_ended_counts(live).values()) - sum(ended_before.values()) < 100:
+        time.sleep(0.05)
+    ended = {k: v - ended_before.get(k, 0.0) for k, v in _ended_counts(live).items()}
+    assert sum(ended.values()) == 100, ended
+    assert ended.get("abort", 0) >= 95, ended  # a few may have finished before their client left
     start = time.time()
     r = live.client().completions.create(model=NAME, prompt="fresh", max_tokens=5, temperature=0)
     assert r.choices[0].finish_reason in ("length", "stop") and time.time() - start < 10
@@ -262,10 +267,11 @@ def _busy(stats: dict) -> bool:
     return bool(stats["running"] or stats["waiting"] or stats["kv_cache_usage"])
 
 
-def _abort_count(live) -> float:
+def _ended_counts(live) -> dict[str, float]:
+    """vllm:request_success_total by finished_reason."""
     text = httpx.get(live.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
-    m = re.search(r'^vllm:request_success_total{[^}]*finished_reason="abort"[^}]*} (\S+)$', text, re.M)
-    return float(m.group(1)) if m else 0.0
+    found = re.findall(r'^vllm:request_success_total{[^}]*finished_reason="(\w+)"[^}]*} (\S+)$', text, re.M)
+    return {reason: float(count) for reason, count in found}
 
 
 def test_a_sample_a_stop_string_ends_stops_decoding(live, reference):
