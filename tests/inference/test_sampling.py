@@ -92,6 +92,30 @@ def test_filter_logits_by_hand():
     assert torch.isfinite(two_rows).nonzero().tolist() == [[0, 0], [1, 3]]
 
 
+def test_top_p_on_candidates_equals_a_sort_of_the_whole_row():
+    """The nucleus is found among a row's most likely tokens where they hold it (a peaked row), among more of them
+    or by a sort of the whole row where they do not (flatter rows): the same tokens kept as the definition, a
+    descending sort and the mass before each token, gives."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 5000, generator=g)
+    logits[0, :5] += 12.0  # nucleus inside the first 64 candidates
+    logits[1, :200] += 4.0  # beyond 64, inside 1024
+    logits[2] *= 0.01  # nearly flat: the whole row sorted (top_p 0.5)
+    logits[3, 7] = 50.0  # one token holds it all
+    for top_p in (0.1, 0.5, 0.9, 0.99):
+        values, order = logits.sort(dim=-1, descending=True)
+        probs = values.softmax(-1)
+        drop = (probs.cumsum(-1) - probs >= top_p)
+        want = torch.ones_like(drop).scatter_(-1, order, ~drop)
+        got = torch.isfinite(filter_logits(logits, top_p=top_p))
+        assert torch.equal(got, want), top_p
+        assert torch.equal(filter_logits(logits, top_p=top_p)[got], logits[got])  # kept logits unchanged
+        one = torch.isfinite(filter_logits(logits[1], top_p=top_p))  # a single row [V]
+        assert torch.equal(one, want[1])
+    sizes = torch.isfinite(filter_logits(logits, top_p=0.5)).sum(-1).tolist()
+    assert sizes[0] <= 64 < sizes[1] <= 1024 < sizes[2] and sizes[3] == 1  # each way of finding the set was taken
+
+
 def test_penalties_follow_their_formulas():
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
     row = SampleRow(SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25), None,
