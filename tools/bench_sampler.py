@@ -1,7 +1,7 @@
 """The sampler's cost per step: ``megapipe.inference.sampling.sample`` over a batch of rows of a real-sized
-vocabulary, for the sampling settings clients send (temperature, top-p, top-k, min-p), against greedy in the same
-run; top-p also against finding its set by a sort of every row (``TOP_P_CANDIDATES = ()``, the way it was done
-before), in the same run.
+vocabulary for the sampling settings clients send (temperature, top-k, top-p, min-p), against greedy in the same
+run; and its truncation (``filter_logits``) over the whole batch against the same truncation one row at a time with
+top-p by a sort of each row (``TOP_P_CANDIDATES = ()``), the way it was done before, in the same run.
 
 The logits are model-like: a few strong tokens over a random tail (``--peak``), so a top-p of 0.9 keeps a few
 tokens, as it does for a trained model's next-token distribution; ``--peak 0`` makes them flat.
@@ -22,13 +22,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 
 
-def step_ms(sampling, logits, params, reps: int) -> float:
-    rows = [sampling.SampleRow(params, None, [1], [2]) for _ in range(logits.shape[0])]
-    sampling.sample(logits, rows)
+def median_ms(fn, reps: int) -> float:
+    fn()
     times = []
     for _ in range(reps):
         start = time.perf_counter()
-        sampling.sample(logits, rows)
+        fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1000
 
@@ -51,22 +50,33 @@ def main() -> None:
     logits = 2 * torch.randn(args.rows, args.vocab, generator=g)
     logits[:, :20] += torch.linspace(args.peak, args.peak / 2, 20)
     P = sampling.SamplingParams
-    greedy = step_ms(sampling, logits, P(temperature=0.0), args.reps)
+
+    def step(params):
+        rows = [sampling.SampleRow(params, None, [1], [2]) for _ in range(args.rows)]
+        return median_ms(lambda: sampling.sample(logits, rows), args.reps)
+
+    greedy = step(P(temperature=0.0))
     print(f"{args.rows} rows x {args.vocab} vocabulary, {args.threads} threads, median of {args.reps} steps")
-    print(f"  {'greedy':<26} {greedy:8.2f} ms")
+    print(f"  {'setting':<22} {'step':>9} {'x greedy':>9} {'truncation':>11} {'row by row':>11}")
+    print(f"  {'greedy':<22} {greedy:8.2f}  {1.0:8.1f}")
+    x = logits / 0.7
     for name, params in [("temperature 0.7", P(temperature=0.7)), ("0.7, top-k 50", P(temperature=0.7, top_k=50)),
-                         ("1.0, min-p 0.05", P(temperature=1.0, min_p=0.05)),
-                         ("0.7, top-p 0.9", P(temperature=0.7, top_p=0.9))]:
-        ms = step_ms(sampling, logits, params, args.reps)
-        print(f"  {name:<26} {ms:8.2f} ms  ({ms / greedy:.1f}x greedy)")
-    candidates = sampling.TOP_P_CANDIDATES
-    try:
-        sampling.TOP_P_CANDIDATES = ()
-        sorted_ms = step_ms(sampling, logits, P(temperature=0.7, top_p=0.9), max(2, args.reps // 3))
-    finally:
-        sampling.TOP_P_CANDIDATES = candidates
-    ms = step_ms(sampling, logits, P(temperature=0.7, top_p=0.9), args.reps)
-    print(f"  {'0.7, top-p 0.9, row sorts':<26} {sorted_ms:8.2f} ms  ({sorted_ms / ms:.1f}x the candidates' time)")
+                         ("0.7, top-p 0.9", P(temperature=0.7, top_p=0.9)),
+                         ("0.7, min-p 0.05", P(temperature=0.7, min_p=0.05)),
+                         ("0.7, top-k 50, top-p 0.9", P(temperature=0.7, top_k=50, top_p=0.9))]:
+        ms = step(params)
+        line = f"  {name:<22} {ms:8.2f}  {ms / greedy:8.1f}"
+        if (params.top_k, params.top_p, params.min_p) != (0, 1.0, 0.0):
+            cut = (params.top_k, params.top_p, params.min_p)
+            batch = median_ms(lambda cut=cut: sampling.filter_logits(x, *cut), args.reps)
+            candidates, sampling.TOP_P_CANDIDATES = sampling.TOP_P_CANDIDATES, ()
+            try:
+                one_by_one = median_ms(lambda cut=cut: [sampling.filter_logits(row, *cut) for row in x],
+                                       max(2, args.reps // 3))
+            finally:
+                sampling.TOP_P_CANDIDATES = candidates
+            line += f"  {batch:9.2f}  {one_by_one:9.2f}  ({one_by_one / batch:.1f}x)"
+        print(line)
 
 
 if __name__ == "__main__":

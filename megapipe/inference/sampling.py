@@ -150,44 +150,92 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Te
     return logits
 
 
-TOP_P_CANDIDATES = (64, 1024)  # top-p looks for its set among this many most likely tokens, then sorts the row
+TOP_P_CANDIDATES = (64, 1024, 8192)  # top-p looks for its set among this many most likely tokens, then sorts the row
 
 
-def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
-    """[.., V] tempered logits -> the same with -inf outside the top-k, then outside the smallest set of most likely
-    tokens whose probability reaches top_p, then below min_p times the most likely token's probability."""
-    if 0 < top_k < logits.shape[-1]:
-        kth = logits.topk(top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        logits = _top_p(logits.reshape(-1, logits.shape[-1]), top_p).view(logits.shape)
-    if min_p > 0.0:
-        probs = logits.softmax(dim=-1)
-        logits = logits.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
+def filter_logits(logits: torch.Tensor, top_k=0, top_p=1.0, min_p=0.0) -> torch.Tensor:
+    """[R, V] (or [V]) tempered logits -> the same with -inf outside the top-k, then outside the smallest set of most
+    likely tokens whose probability reaches top_p, then below min_p times the most likely token's probability. Each
+    of top_k, top_p, min_p is one value for every row or a sequence of one per row (0, 1.0, 0.0: off). Rows are
+    handled together: one top-k, softmax or mask over the batch is several times cheaper than one per row."""
+    if logits.dim() == 1:
+        return filter_logits(logits[None], top_k, top_p, min_p)[0]
+    rows, vocab = logits.shape
+    ks, ps, mins = (list(v) if isinstance(v, (list, tuple)) else [v] * rows for v in (top_k, top_p, min_p))
+    with_k = [i for i, k in enumerate(ks) if 0 < k < vocab]
+    if with_k:
+        values = _rows(logits, with_k).topk(max(ks[i] for i in with_k), dim=-1).values
+        picked = values.gather(-1, _column([ks[i] - 1 for i in with_k], torch.long, logits.device))
+        logits = logits.masked_fill(logits < _per_row(picked, with_k, rows, float("-inf")), float("-inf"))
+    with_p = [i for i, p in enumerate(ps) if p < 1.0]
+    if with_p:
+        logits = logits.masked_fill(logits < _nucleus_floor(logits, with_p, [ps[i] for i in with_p]),
+                                    float("-inf"))
+    with_min = [i for i, m in enumerate(mins) if m > 0.0]
+    if with_min:
+        probs = _rows(logits, with_min).softmax(dim=-1)
+        floor = _column([mins[i] for i in with_min], probs.dtype, probs.device) * probs.amax(-1, keepdim=True)
+        drop = torch.zeros_like(logits, dtype=torch.bool)
+        drop[with_min] = probs < floor
+        logits = logits.masked_fill(drop, float("-inf"))
     return logits
 
 
-def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Rows [R, V] keep the smallest set of their most likely tokens whose mass reaches top_p (the most likely token
-    always stays). The set is looked for among a row's TOP_P_CANDIDATES most likely tokens first, then by a sort of
-    the whole row: a sort of a 49k vocabulary costs ~2.5 ms on a CPU core, a top-64 a few hundred µs. The next
-    candidates are skipped where even they cannot hold it (their mass is at most their count times the last
-    candidate's probability)."""
+def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    return x if len(rows) == x.shape[0] else x[rows]
+
+
+def _column(values: list, dtype, device) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)[:, None]
+
+
+def _per_row(column: torch.Tensor, rows: list[int], count: int, fill: float) -> torch.Tensor:
+    """[count, 1]: column's values at ``rows``, ``fill`` elsewhere."""
+    if len(rows) == count:
+        return column
+    out = torch.full((count, 1), fill, dtype=column.dtype, device=column.device)
+    out[rows] = column
+    return out
+
+
+def _nucleus_floor(logits: torch.Tensor, rows: list[int], top_p: list[float]) -> torch.Tensor:
+    """[R, 1]: for each of ``rows``, the least logit of the smallest set of its most likely tokens whose mass reaches
+    its top_p (the most likely token always stays); -inf for the other rows. The set is looked for among the rows'
+    TOP_P_CANDIDATES[0] most likely tokens, then among more of them for the rows whose set is larger, and last in a
+    sort of those rows, each step for all its rows at once: a sort of a 49k vocabulary costs ~2.5 ms on a CPU core,
+    a top-64 of 64 such rows ~2.5 ms in all. A row skips candidates that cannot hold its set (their mass is at most
+    their count times the last candidate's probability)."""
     vocab = logits.shape[-1]
     counts = [c for c in TOP_P_CANDIDATES if c < vocab] + [vocab]
-    kept = torch.full_like(logits, float("-inf"))
-    for row, x in enumerate(logits):
-        probs, count = x.softmax(dim=-1), counts[0]
-        while True:
-            values, order = x.topk(count) if count < vocab else x.sort(descending=True)
-            p = probs[order]
-            keep = p.cumsum(dim=-1) - p < top_p  # the mass before each token, in order
-            if count == vocab or not keep[-1]:  # the set ends within these candidates
-                kept[row, order[keep]] = values[keep]
-                break
-            held, last = float(p.sum()), float(p[-1])
-            count = next((c for c in counts if c > count and held + (c - count) * last >= top_p), vocab)
-    return kept
+    sub, p_col = _rows(logits, rows), _column(top_p, logits.dtype, logits.device)
+    floors = torch.full((len(rows), 1), float("-inf"), dtype=logits.dtype, device=logits.device)
+    pending = {counts[0]: list(range(len(rows)))}
+    for count in counts:
+        js = pending.pop(count, [])
+        if not js:
+            continue
+        x = _rows(sub, js)
+        if count < vocab:
+            values = x.topk(count, dim=-1).values
+            p = (values - torch.logsumexp(x, dim=-1, keepdim=True)).exp()
+        else:  # the softmax of the sorted rows, summed in that order: the definition's own rounding
+            values = x.sort(dim=-1, descending=True).values
+            p = values.softmax(dim=-1)
+        kept = (p.cumsum(dim=-1) - p < _rows(p_col, js)).sum(-1, keepdim=True)  # the mass before each, in order
+        found = kept[:, 0] < count if count < vocab else torch.ones(len(js), dtype=torch.bool)
+        floors[[js[i] for i in found.nonzero()[:, 0].tolist()]] = values[found].gather(-1, kept[found] - 1)
+        if not found.all():
+            held, last = p.sum(-1).tolist(), p[:, -1].tolist()
+            for i in (~found).nonzero()[:, 0].tolist():
+                pending.setdefault(_wider(counts, count, held[i], last[i], top_p[js[i]]), []).append(js[i])
+    return _per_row(floors, rows, logits.shape[0], float("-inf"))
+
+
+def _wider(counts: list[int], count: int, held: float, last: float, top_p: float) -> int:
+    """The next candidate count that can hold the set, given the mass ``held`` by the ``count`` most likely tokens
+    and the probability ``last`` of the count-th (the vocabulary's size, the last of counts, always can)."""
+    return next(c for c in counts if c > count and (c == counts[-1] or held + (c - count) * last >= top_p))
+
 
 def penalised(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
     """fp32 logits [R, V] with penalties applied, suppressed ids and those a row's grammar forbids at -inf (a copy
@@ -207,11 +255,11 @@ def penalised(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
 def distribution(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
     """Penalised logits [R, V] of sampled (not greedy) rows -> the probabilities [R, V] sampling draws from:
     tempered, then top-k / top-p / min-p truncated."""
-    temps = torch.tensor([r.params.temperature for r in rows], device=logits.device, dtype=logits.dtype)
-    x = logits / temps[:, None]
+    temps = [r.params.temperature for r in rows]
+    x = logits if all(t == 1.0 for t in temps) else logits / _column(temps, logits.dtype, logits.device)
     if not all(r.params.top_k == 0 and r.params.top_p == 1.0 and r.params.min_p == 0.0 for r in rows):
-        x = torch.stack([filter_logits(x[j], r.params.top_k, r.params.top_p, r.params.min_p)
-                         for j, r in enumerate(rows)])
+        x = filter_logits(x, [r.params.top_k for r in rows], [r.params.top_p for r in rows],
+                          [r.params.min_p for r in rows])
     return x.softmax(dim=-1)
 
 

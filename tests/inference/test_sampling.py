@@ -97,23 +97,53 @@ def test_top_p_on_candidates_equals_a_sort_of_the_whole_row():
     or by a sort of the whole row where they do not (flatter rows): the same tokens kept as the definition, a
     descending sort and the mass before each token, gives."""
     g = torch.Generator().manual_seed(3)
-    logits = torch.randn(6, 5000, generator=g)
+    logits = torch.randn(6, 10000, generator=g)
     logits[0, :5] += 12.0  # nucleus inside the first 64 candidates
     logits[1, :200] += 4.0  # beyond 64, inside 1024
-    logits[2] *= 0.01  # nearly flat: the whole row sorted (top_p 0.5)
+    logits[2] *= 0.01  # nearly flat
     logits[3, 7] = 50.0  # one token holds it all
     for top_p in (0.1, 0.5, 0.9, 0.99):
-        values, order = logits.sort(dim=-1, descending=True)
-        probs = values.softmax(-1)
-        drop = (probs.cumsum(-1) - probs >= top_p)
-        want = torch.ones_like(drop).scatter_(-1, order, ~drop)
+        want = torch.isfinite(torch.stack([reference_filter(row, 0, top_p, 0.0) for row in logits]))
         got = torch.isfinite(filter_logits(logits, top_p=top_p))
         assert torch.equal(got, want), top_p
         assert torch.equal(filter_logits(logits, top_p=top_p)[got], logits[got])  # kept logits unchanged
         one = torch.isfinite(filter_logits(logits[1], top_p=top_p))  # a single row [V]
         assert torch.equal(one, want[1])
     sizes = torch.isfinite(filter_logits(logits, top_p=0.5)).sum(-1).tolist()
-    assert sizes[0] <= 64 < sizes[1] <= 1024 < sizes[2] and sizes[3] == 1  # each way of finding the set was taken
+    assert sizes[0] <= 64 < sizes[1] <= 1024 < sizes[2] <= 8192 and sizes[3] == 1  # every candidate count served
+    assert torch.isfinite(filter_logits(logits[2], top_p=0.99)).sum() > 8192  # and the sort
+
+
+def reference_filter(row: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """The definitions, one row at a time: k-th largest value, a descending sort and the mass before each token,
+    probabilities against min_p times the largest."""
+    if 0 < top_k < row.numel():
+        row = row.masked_fill(row < row.topk(top_k).values[-1], float("-inf"))
+    if top_p < 1.0:
+        values, order = row.sort(descending=True)
+        probs = values.softmax(-1)
+        drop = torch.zeros_like(row, dtype=torch.bool).scatter_(-1, order, probs.cumsum(-1) - probs >= top_p)
+        row = row.masked_fill(drop, float("-inf"))
+    if min_p > 0.0:
+        probs = row.softmax(-1)
+        row = row.masked_fill(probs < min_p * probs.max(), float("-inf"))
+    return row
+
+
+def test_each_row_of_a_batch_keeps_its_own_truncation():
+    """One batch, every row with its own top-k / top-p / min-p (some off, some combined): each row keeps what the
+    definitions keep for it alone."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(8, 3000, generator=g) * 2
+    logits[:, :10] += torch.linspace(9, 3, 10)
+    settings = [(0, 1.0, 0.0), (50, 1.0, 0.0), (0, 0.9, 0.0), (0, 1.0, 0.05), (20, 0.8, 0.0), (0, 0.95, 0.1),
+                (5, 0.5, 0.2), (0, 0.999, 0.0)]
+    got = filter_logits(logits, *map(list, zip(*settings, strict=True)))
+    for i, (k, p, m) in enumerate(settings):
+        want = reference_filter(logits[i], k, p, m)
+        assert torch.equal(torch.isfinite(got[i]), torch.isfinite(want)), settings[i]
+        assert torch.equal(got[i][torch.isfinite(want)], logits[i][torch.isfinite(want)])
+    assert torch.isfinite(got[7]).sum() > 64  # its set is not among the first candidates
 
 
 def test_penalties_follow_their_formulas():
