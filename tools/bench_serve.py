@@ -61,7 +61,7 @@ async def one_request(client: httpx.AsyncClient, args, prompt: list[int], leave:
     """One streamed completion; with ``leave`` the client asks for HEADROOM more tokens (what a server that kept
     decoding it would spend) and closes the stream after its first text chunk."""
     body = {"model": args.model, "prompt": prompt, "max_tokens": args.max_tokens + (HEADROOM if leave else 0),
-            "temperature": args.temperature,
+            "temperature": args.temperature, "top_p": args.top_p,
             "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
     res = Result()
     start = time.perf_counter()
@@ -247,6 +247,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (with --temperature > 0)")
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--seed", type=int, default=0)
@@ -321,7 +322,7 @@ def main() -> None:
     label = args.engine if args.serve else args.base_url
     print(f"\n{label}: {len(results)} requests, concurrency {args.concurrency}"
           f"{f', Poisson {args.request_rate}/s' if args.request_rate else ''}, {args.prompt_len}-token prompts, "
-          f"{args.max_tokens} tokens each")
+          f"{args.max_tokens} tokens each, temperature {args.temperature}, top-p {args.top_p}")
     print(f"  errors {len(errors)}; wall {wall:.1f} s; {out['request_throughput']:.2f} req/s; "
           f"{out['output_tokens_per_s']:.1f} output tok/s")
     for name in ("ttft", "tpot", "itl", "e2e"):
