@@ -215,9 +215,9 @@ def _nucleus_floor(logits: torch.Tensor, rows: list[int], top_p: list[float]) ->
         if not js:
             continue
         x = _rows(sub, js)
-        if count < vocab:
-            values = x.topk(count, dim=-1).values
-            p = (values - torch.logsumexp(x, dim=-1, keepdim=True)).exp()
+        if count < vocab:  # (a softmax, not logsumexp: that is 5x slower on rows a top-k left mostly -inf)
+            values, order = x.topk(count, dim=-1)
+            p = x.softmax(dim=-1).gather(-1, order)
         else:  # the softmax of the sorted rows, summed in that order: the definition's own rounding
             values = x.sort(dim=-1, descending=True).values
             p = values.softmax(dim=-1)
