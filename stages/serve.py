@@ -34,8 +34,9 @@ def serve(
                                                        "at most 1 GiB)."),
     num_blocks: Optional[int] = typer.Option(None, "--num-blocks", help="KV-cache pool size in blocks instead."),
     block_size: int = typer.Option(16, "--block-size", help="Tokens per KV-cache block."),
-    max_num_batched_tokens: int = typer.Option(2048, "--max-num-batched-tokens",
-                                               help="Token budget of one engine step (prefill is chunked to it)."),
+    max_num_batched_tokens: Optional[int] = typer.Option(
+        None, "--max-num-batched-tokens", help="Token budget of one engine step (prefill is chunked to it; default "
+                                               "1024 on a CPU, 2048 on a GPU; vLLM: its own default)."),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Do not reuse cached prompt blocks."),
     speculative_tokens: int = SPECULATIVE_TOKENS,
     speculative_method: str = SPECULATIVE_METHOD,

@@ -205,6 +205,8 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "megapipe.cli", "serve", args.serve, "--port", str(port), "--served-model-name",
            args.model, "--engine", args.engine, "--max-num-seqs", str(args.max_num_seqs), "--dtype", args.dtype,
            "--max-model-len", str(args.prompt_len + args.max_tokens + HEADROOM), "--max-queue", str(args.num_requests)]
+    if args.max_num_batched_tokens is not None:
+        cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     threads = args.threads or os.cpu_count() or 1
     if args.engine == "vllm":
         cmd += ["--vllm-python", args.vllm_python, "--kv-cache-memory", "2GiB"]
@@ -255,6 +257,8 @@ def main() -> None:
     ap.add_argument("--engine", default="megapipe", choices=["megapipe", "vllm"])
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="the server's prefill chunk (default: "
+                                                                             "the engine's own)")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads of the started server (default: all)")
     ap.add_argument("--vllm-python", default=os.environ.get("MEGAPIPE_VLLM_PYTHON", str(ROOT / ".venv-vllm/bin/python")))
     ap.add_argument("--no-engine-process", action="store_true",

@@ -407,3 +407,29 @@ def test_packed_experts_match_the_grouped_gemm_and_take_new_weights(one_thread, 
     again = [o.outputs[0].token_ids for o in engine.generate(PROMPTS, greedy)]
     fresh = LLMEngine(build_model(cfg, seed=2).to(torch.bfloat16), None, EngineConfig(num_blocks=32), eos_token_ids=[])
     assert again == [o.outputs[0].token_ids for o in fresh.generate(PROMPTS, greedy)] != first
+
+
+def test_the_step_token_budget_defaults_by_device_and_a_given_one_wins():
+    """--max-num-batched-tokens: 1024 by default on a CPU (a 2048-token chunk holds every decode ~0.3 s there), 2048
+    elsewhere (vLLM's server's default), the given value on any device; the engine's scheduler plans with it, and a
+    prompt longer than the budget is prefilled in chunks of it."""
+    from megapipe.config import ModelConfig
+    from megapipe.inference.engine import CPU_TOKEN_BUDGET, EngineConfig
+    from megapipe.models import build_model
+
+    assert EngineConfig().token_budget("cpu") == CPU_TOKEN_BUDGET == 1024
+    assert EngineConfig().token_budget("cuda") == 2048
+    assert EngineConfig(max_num_batched_tokens=300).token_budget("cpu") == 300
+    with pytest.raises(ConfigError, match="--max-num-batched-tokens = 0 must be an integer >= 1"):
+        EngineConfig(max_num_batched_tokens=0).check()
+    cfg = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+                      max_position_embeddings=2048)
+    engine = LLMEngine(build_model(cfg, seed=1), None, EngineConfig(num_blocks=160), eos_token_ids=[])
+    assert engine.token_budget == engine.scheduler.max_num_batched_tokens == 1024
+    engine.add_request("long", list(range(1, 90)) * 15, SamplingParams(max_tokens=1, temperature=0.0))
+    chunks = []
+    while engine.has_unfinished():
+        before = engine.num_prompt_tokens
+        engine.step()
+        chunks.append(engine.num_prompt_tokens - before)
+    assert chunks == [1024, 1335 - 1024]
