@@ -211,7 +211,7 @@ def _nucleus_floor(logits: torch.Tensor, rows: list[int], top_p: list[float]) ->
     floors = torch.full((len(rows), 1), float("-inf"), dtype=logits.dtype, device=logits.device)
     pending = {counts[0]: list(range(len(rows)))}
     for count in counts:
-        js = pending.pop(count, [])
+        js = sorted(pending.pop(count, []))  # in row order: _rows takes the whole batch as it is
         if not js:
             continue
         x = _rows(sub, js)
@@ -222,7 +222,7 @@ def _nucleus_floor(logits: torch.Tensor, rows: list[int], top_p: list[float]) ->
             values = x.sort(dim=-1, descending=True).values
             p = values.softmax(dim=-1)
         kept = (p.cumsum(dim=-1) - p < _rows(p_col, js)).sum(-1, keepdim=True)  # the mass before each, in order
-        found = kept[:, 0] < count if count < vocab else torch.ones(len(js), dtype=torch.bool)
+        found = kept[:, 0] < count if count < vocab else torch.ones(len(js), dtype=torch.bool, device=x.device)
         floors[[js[i] for i in found.nonzero()[:, 0].tolist()]] = values[found].gather(-1, kept[found] - 1)
         if not found.all():
             held, last = p.sum(-1).tolist(), p[:, -1].tolist()

@@ -4,6 +4,8 @@ min-p keep exactly the sets their definitions name, penalties follow their formu
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -144,6 +146,29 @@ def test_each_row_of_a_batch_keeps_its_own_truncation():
         assert torch.equal(torch.isfinite(got[i]), torch.isfinite(want)), settings[i]
         assert torch.equal(got[i][torch.isfinite(want)], logits[i][torch.isfinite(want)])
     assert torch.isfinite(got[7]).sum() > 64  # its set is not among the first candidates
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_top_p_over_random_batches_equals_the_definition(seed):
+    """Batches whose rows take different ways to their set (some straight from 64 to 8192 candidates, some through
+    1024, some to the sort), at several top_p: each row keeps what the definition keeps."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(6, 10000, generator=g) * torch.tensor([[3.0], [1.0], [0.3], [0.05], [2.0], [0.5]])
+    for top_p in (0.3, 0.7, 0.95):
+        want = torch.stack([torch.isfinite(reference_filter(row, 0, top_p, 0.0)) for row in logits])
+        assert torch.equal(torch.isfinite(filter_logits(logits, top_p=top_p)), want), top_p
+
+
+def test_top_p_rows_reaching_the_same_candidates_by_different_ways():
+    """Row 1 (flat) goes from 64 candidates straight to 8192, row 0 (64 strong tokens over a flat tail) through 1024:
+    both are looked up among 8192 together, each keeping its own set."""
+    g = torch.Generator().manual_seed(5)
+    logits = 0.01 * torch.randn(2, 10000, generator=g)
+    logits[0, :64] += math.log(0.3 / 64 * 9936 / 0.7)  # the first 64 hold 30%
+    want = torch.stack([torch.isfinite(reference_filter(row, 0, 0.5, 0.0)) for row in logits])
+    got = torch.isfinite(filter_logits(logits, top_p=0.5))
+    assert torch.equal(got, want)
+    assert 1024 < got[0].sum() <= 8192 and 1024 < got[1].sum() <= 8192
 
 
 def test_penalties_follow_their_formulas():
