@@ -120,7 +120,7 @@ def test_preempted_for_entry_blocks_and_recomputed(v4, one_thread):
     path, hf, model = v4
     greedy = SamplingParams(max_tokens=STEPS, **GREEDY)
     probe = engine_on(model, block_size=4, max_model_len=52, max_num_seqs=10)
-    window_blocks = 10 * (2 + 2) + 2048 // 4
+    window_blocks = 10 * (2 + 2) + probe.token_budget // 4  # each sequence's window, and a step's chunks
     assert probe.pool.num_blocks == window_blocks
     per_block = probe.pool.bytes_per_block(4, 4, 1, 32, torch.float32, True)
     one = sum(entry_blocks_for(52, r, 4) * probe.pool.entries.bytes_per_block(r) for r in (2, 4))
