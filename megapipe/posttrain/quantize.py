@@ -184,17 +184,18 @@ def quantize_checkpoint(
 
     started = time.perf_counter()
     ckpt, out = Path(ckpt).expanduser(), Path(out).expanduser()
-    quantize_config(fmt, kv_cache)  # bad names and a missing ModelOpt fail before any work
     for name, value, low in (("--calib-samples", calib_samples, 1), ("--calib-seq-len", seq_length, 1),
                              ("--calib-batch-size", batch_size, 1), ("--eval-iters", eval_iters, 0)):
         if value < low:
             raise MegapipeError(f"{name} {value} is too small (at least {low})")
     device = resolve_device(device)
-    check_device(fmt, device)
     given, ckpt = Path(ckpt).expanduser(), resolve_checkpoint(ckpt)
     refuse_overlap([out], [given, ckpt])  # before --overwrite: no output may replace or sit inside what it reads
     if out.exists() and not overwrite:
         raise MegapipeError(f"{out} already exists: pick another output or pass --overwrite")
+    # bad names, then a missing ModelOpt, before any work; after the paths, which need no minute of importing it
+    quantize_config(fmt, kv_cache)
+    check_device(fmt, device)
     manifest = read_manifest(ckpt)
     if manifest.get("quantization"):
         raise MegapipeError(f"{ckpt} is already quantized ({manifest['quantization'].get('format')}): quantize its "
