@@ -175,8 +175,11 @@ def filter_logits(logits: torch.Tensor, top_k=0, top_p=1.0, min_p=0.0) -> torch.
     if with_min:
         probs = _rows(logits, with_min).softmax(dim=-1)
         floor = _column([mins[i] for i in with_min], probs.dtype, probs.device) * probs.amax(-1, keepdim=True)
-        drop = torch.zeros_like(logits, dtype=torch.bool)
-        drop[with_min] = probs < floor
+        drop = probs < floor
+        if len(with_min) < rows:  # the other rows keep everything
+            every = torch.zeros_like(logits, dtype=torch.bool)
+            every[with_min] = drop
+            drop = every
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
 
@@ -209,15 +212,16 @@ def _nucleus_floor(logits: torch.Tensor, rows: list[int], top_p: list[float]) ->
     counts = [c for c in TOP_P_CANDIDATES if c < vocab] + [vocab]
     sub, p_col = _rows(logits, rows), _column(top_p, logits.dtype, logits.device)
     floors = torch.full((len(rows), 1), float("-inf"), dtype=logits.dtype, device=logits.device)
+    probs = sub.softmax(dim=-1) if counts[0] < vocab else None  # (not logsumexp: 5x slower on rows mostly -inf)
     pending = {counts[0]: list(range(len(rows)))}
     for count in counts:
         js = sorted(pending.pop(count, []))  # in row order: _rows takes the whole batch as it is
         if not js:
             continue
         x = _rows(sub, js)
-        if count < vocab:  # (a softmax, not logsumexp: that is 5x slower on rows a top-k left mostly -inf)
+        if count < vocab:
             values, order = x.topk(count, dim=-1)
-            p = x.softmax(dim=-1).gather(-1, order)
+            p = _rows(probs, js).gather(-1, order)
         else:  # the softmax of the sorted rows, summed in that order: the definition's own rounding
             values = x.sort(dim=-1, descending=True).values
             p = values.softmax(dim=-1)
