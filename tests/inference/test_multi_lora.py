@@ -24,15 +24,18 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=
 
 @pytest.fixture(scope="module")
 def adapters(hf_llama, tmp_path_factory):
+    return make_adapters(hf_llama, tmp_path_factory.mktemp("loras"))
+
+
+def make_adapters(hf_llama, root):
     """{"peft": a peft directory (rank 4 on every projection, made by peft itself), "run": a megapipe LoRA checkpoint
-    (rank 8 on q, v, down)}, and peft's merged transformers model of the first."""
+    (rank 8 on q, v, down)} under ``root``, and peft's merged transformers model of the first."""
     import peft
 
     from megapipe.checkpoint import write_checkpoint
     from megapipe.models.lora import LoRASpec, apply_lora, lora_layers
 
     hf_dir, hf_model = hf_llama
-    root = tmp_path_factory.mktemp("loras")
     torch.manual_seed(3)
     config = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=[
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])

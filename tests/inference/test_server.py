@@ -36,15 +36,15 @@ class LiveServer:
     or (``engine_process``) in an engine-core process as serve runs it (then ``engine`` is the front end's client)."""
 
     def __init__(self, model_dir: Path, max_queue=256, body=64 * 1024, server_config=None, engine_process=False,
-                 **engine_config):
+                 device="cpu", **engine_config):
         import uvicorn
 
         self.engine_process = engine_process
         if engine_process:
-            spec = CoreSpec(str(model_dir), EngineConfig(**engine_config), device="cpu")
+            spec = CoreSpec(str(model_dir), EngineConfig(**engine_config), device=device)
             self.engine = self.async_engine = EngineCoreClient(spec, max_queue)
         else:
-            self.engine = LLMEngine.from_pretrained(model_dir, device="cpu", **engine_config)
+            self.engine = LLMEngine.from_pretrained(model_dir, device=device, **engine_config)
             self.async_engine = AsyncEngine(self.engine, max_queue)
         config = ServerConfig(NAME, str(model_dir), api_key=KEY, max_queue=max_queue, max_body_bytes=body,
                               shutdown_timeout=5, **(server_config or {}))
