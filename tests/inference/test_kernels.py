@@ -619,3 +619,19 @@ def test_packed_swiglu_runs_the_fused_glu_on_amx_with_or_without_extra_inputs(bf
             getattr(packed, name).set_extra_inputs(extra[name])
         torch.testing.assert_close(packed(x, x2).double(), want_extra, rtol=2 ** -6, atol=3e-2)
         assert calls == (["glu_bf16", "linear_bf16"] if amx else ["linear_bf16"] * 3) * 2, amx
+
+
+def test_onednn_max_cpu_isa_caps_megapipe_kernels_too(monkeypatch):
+    """ONEDNN_MAX_CPU_ISA below AMX (or below AVX512-BF16) makes the kernels build and choose as on a CPU without
+    them, as oneDNN does: one variable to run an AMX machine as a CPU without AMX."""
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    amx, bf16 = kernels.has_amx(), kernels.has_avx512_bf16()
+    assert amx == bool(torch.cpu._is_amx_tile_supported())
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx512_core_bf16")
+    assert not kernels.has_amx() and kernels.has_avx512_bf16() == bf16
+    assert "-mamx-tile" not in kernels._build_spec()[2]
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert not kernels.has_amx() and not kernels.has_avx512_bf16()
+    assert "-mavx512bf16" not in kernels._build_spec()[2] and "amx" not in kernels.isa_summary()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")
+    assert (kernels.has_amx(), kernels.has_avx512_bf16()) == (amx, bf16)
