@@ -288,8 +288,16 @@ def draw(probs: torch.Tensor, generators: Sequence[Optional[torch.Generator]]) -
 
 
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
-    """argmax over the last dim (the first of equal maxima; a NaN wins): ``max``'s indices, which are argmax's, in
-    under half its time on CPU (torch 2.13: 0.44 against 1.17 ms for 32 rows of a 49k vocabulary)."""
+    """argmax over the last dim (the first of equal maxima; a NaN wins). On CPU megapipe's kernel where it is
+    loaded (kernels.py: 64 rows of a 49k vocabulary in ~0.3 ms against ~0.9 ms), else ``max``'s indices, which are
+    argmax's, in under half its time (torch 2.13: 0.44 against 1.17 ms for 32 rows)."""
+    if logits.dim() == 2 and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.shape[1]:
+        op = getattr(torch.ops.megapipe, "argmax_rows", None)
+        if op is not None:
+            rows = logits if logits.stride(-1) == 1 else logits.contiguous()
+            out = torch.empty(len(rows), dtype=torch.long)
+            op(rows, out)
+            return out
     return logits.max(dim=-1).indices
 
 

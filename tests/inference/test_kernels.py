@@ -635,3 +635,45 @@ def test_onednn_max_cpu_isa_caps_megapipe_kernels_too(monkeypatch):
     assert "-mavx512bf16" not in kernels._build_spec()[2] and "amx" not in kernels.isa_summary()
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")
     assert (kernels.has_amx(), kernels.has_avx512_bf16()) == (amx, bf16)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 16, 32), (7, 40, 64), (45, 1536, 576), (3, 48, 40)])
+def test_bf16_linear_writes_fp32_outputs_as_its_rounded_bf16_ones(bf16_linear, m, n, k):
+    """An fp32 ``out`` holds exactly the bf16 outputs widened (a head's logits without a widening pass), on AMX
+    tiles and on the vdpbf16ps loop, with a bias; a bf16 op refuses other output dtypes."""
+    g = torch.Generator().manual_seed(m + n + k)
+    w, b = (torch.randn(n, k, generator=g) * 0.05).bfloat16(), torch.randn(n, generator=g).bfloat16()
+    x, packed = torch.randn(m, k, generator=g).bfloat16(), kernels.pack_bf16_weight(w)
+    for amx in (True, False):
+        rounded, wide = torch.empty(m, n, dtype=torch.bfloat16), torch.full((m, n), float("nan"))
+        bf16_linear(x, packed, n, b, False, None, rounded, amx=amx)
+        bf16_linear(x, packed, n, b, False, None, wide, amx=amx)
+        assert torch.equal(wide, rounded.float())
+    with pytest.raises(RuntimeError, match="takes bf16 tensors"):
+        bf16_linear(x, packed, n, b, False, None, torch.empty(m, n, dtype=torch.float16))
+    lin = PackedLinear(w, b, own=True)
+    assert torch.equal(lin.forward_float(x[None]), lin(x[None]).float()) and lin.forward_float(x).dtype == torch.float32
+    onednn = PackedLinear(w, b, own=False)  # another kernel: the plain widening
+    assert torch.equal(onednn.forward_float(x), onednn(x).float())
+
+
+def test_argmax_rows_is_max_indices_with_ties_nans_and_infinities(ops):
+    from megapipe.inference.sampling import greedy_ids
+
+    g = torch.Generator().manual_seed(3)
+    for shape in [(64, 49152), (1, 7), (3, 17), (5, 1), (2, 1003)]:
+        x = torch.randn(*shape, generator=g)
+        assert torch.equal(greedy_ids(x), x.max(-1).indices), shape
+    x = torch.randn(7, 50, generator=g)
+    x[1, 7] = x[1, 30] = float("nan")  # the first NaN wins
+    x[2, :] = float("-inf")
+    x[3, 5] = x[3, 40] = 100.0  # the first of equal maxima
+    x[4, 49] = 1e9  # in the tail past the last whole vector
+    x[5, 10] = float("inf")
+    x[6, 45:] = float("nan")
+    got = greedy_ids(x)
+    assert got.tolist() == x.max(-1).indices.tolist() == [int(x[0].argmax()), 7, 0, 5, 49, 10, 45]
+    assert torch.equal(greedy_ids(x[:, ::2]), x[:, ::2].max(-1).indices)  # strided rows: made contiguous
+    assert torch.equal(greedy_ids(x[0]), x[0].max(-1).indices)  # one row as a vector: torch's
+    with pytest.raises(RuntimeError, match="argmax_rows: x must be fp32"):
+        ops.argmax_rows(x.double(), torch.empty(7, dtype=torch.long))

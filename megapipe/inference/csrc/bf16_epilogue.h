@@ -32,6 +32,11 @@ inline void store_row(__m512 v, __mmask16 mask, c10::BFloat16* dst) {
   _mm256_mask_storeu_epi16(dst, mask, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
+// The same bf16 values widened to fp32 (a head's logits: the sampler's fp32 input without a widening pass of its own)
+inline void store_row(__m512 v, __mmask16 mask, float* dst) {
+  _mm512_mask_storeu_ps(dst, mask, bf16_to_fp32((__m256i)_mm512_cvtneps_pbh(v)));
+}
+
 // The outputs col .. col + 15 (those under n) of the tile that starts at col: their lane mask and bias
 struct TileColumns {
   int64_t col;
@@ -42,9 +47,10 @@ struct TileColumns {
   }
 };
 
-// Row `row`'s outputs of tile `c` from their fp32 sums `v`
-inline void finish_row(__m512 v, const TileColumns& c, int64_t row, const Epilogue<c10::BFloat16>& ep,
-                       c10::BFloat16* out, int64_t out_row) {
+// Row `row`'s outputs of tile `c` from their fp32 sums `v` (Out: bf16, or fp32 holding the bf16-rounded values)
+template <typename Out>
+inline void finish_row(__m512 v, const TileColumns& c, int64_t row, const Epilogue<c10::BFloat16>& ep, Out* out,
+                       int64_t out_row) {
   v = _mm512_add_ps(v, c.bias);
   if (ep.swish) v = silu(v);
   if (ep.other) {

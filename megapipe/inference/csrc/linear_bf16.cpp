@@ -84,9 +84,10 @@ inline void rows_block(int mb, const Inputs& in, const uint16_t* const* w, int64
 
 // How a block's sums become outputs. A linear layer's: each weight tile its own 16 columns from n0 on, through the
 // epilogue (bias, SiLU, * other).
+template <typename Out>
 struct LinearFinish {
   const Epilogue& ep;
-  c10::BFloat16* out;
+  Out* out;
   int64_t out_row, n, n0;
   template <int NT, typename Sum>
   void rows(int64_t m0, int mb, const Sum& sum) const {
@@ -253,10 +254,11 @@ const uint16_t* rows_of(const at::Tensor& x) {
 // and out [M, N]. The weight may be a view of the first inputs of a wider packed weight (its 16-output tiles then
 // lie further apart than its own inputs take).
 Inputs checked_inputs(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& x2,
-                      const at::Tensor& weight, int64_t n, const at::Tensor& out) {
+                      const at::Tensor& weight, int64_t n, const at::Tensor& out, bool fp32_out = false) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
-                  out.scalar_type() == at::kBFloat16 && (!x2 || x2->scalar_type() == at::kBFloat16),
-              op, " takes bf16 tensors");
+                  (out.scalar_type() == at::kBFloat16 || (out.scalar_type() == at::kFloat && fp32_out)) &&
+                  (!x2 || x2->scalar_type() == at::kBFloat16),
+              op, " takes bf16 tensors", fp32_out ? " (out: bf16 or fp32)" : "");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.dim() == 4 && weight.size(2) == kTile &&
                   weight.size(3) == 2 && weight.stride(3) == 1 && weight.stride(2) == 2 &&
                   weight.stride(1) == 2 * kTile, op, ": x [M, K], weight [N/16, K/2, 16, 2]");
@@ -272,25 +274,32 @@ Inputs checked_inputs(const char* op, const at::Tensor& x, const std::optional<a
 }
 
 // x [M, K] bf16 (rows contiguous), weight from pack_bf16_weight for N outputs, bias [N] or none, other [M, N] or
-// none; out [M, N]. With x2 [M, K2], the weight's last K2 inputs take x2's values.
+// none; out [M, N], bf16 or fp32 (then holding the bf16-rounded outputs). With x2 [M, K2], the weight's last K2
+// inputs take x2's values.
 void linear_bf16(const at::Tensor& x, const at::Tensor& weight, int64_t n, const std::optional<at::Tensor>& bias,
                  bool swish, const std::optional<at::Tensor>& other, at::Tensor out, bool amx,
                  const std::optional<at::Tensor>& x2) {
-  const Inputs in = checked_inputs("linear_bf16", x, x2, weight, n, out);
+  const Inputs in = checked_inputs("linear_bf16", x, x2, weight, n, out, true);
   const Epilogue ep = checked_epilogue<c10::BFloat16>("linear_bf16", at::kBFloat16, "bf16", x.size(0), n, swish,
                                                       bias, other);
   const uint16_t* wp = rows_of(weight);
-  c10::BFloat16* op = out.mutable_data_ptr<c10::BFloat16>();
   const int64_t tile_stride = weight.stride(0), out_row = out.stride(0);
-  run_blocks<kTileGroup, kTiles, 1>(
-      in, x.size(0), weight.size(0), amx,
-      [&](auto nt, int64_t t0) {
-        constexpr int NT = decltype(nt)::value;
-        std::array<const uint16_t*, NT> w;
-        for (int t = 0; t < NT; ++t) w[t] = wp + (t0 + t) * tile_stride;
-        return w;
-      },
-      [&](int64_t t0) { return LinearFinish{ep, op, out_row, n, t0 * kTile}; });
+  auto weights = [&](auto nt, int64_t t0) {
+    constexpr int NT = decltype(nt)::value;
+    std::array<const uint16_t*, NT> w;
+    for (int t = 0; t < NT; ++t) w[t] = wp + (t0 + t) * tile_stride;
+    return w;
+  };
+  auto run = [&](auto* op) {
+    using Out = std::remove_pointer_t<decltype(op)>;
+    run_blocks<kTileGroup, kTiles, 1>(in, x.size(0), weight.size(0), amx, weights,
+                                      [&](int64_t t0) { return LinearFinish<Out>{ep, op, out_row, n, t0 * kTile}; });
+  };
+  if (out.scalar_type() == at::kFloat) {
+    run(out.mutable_data_ptr<float>());
+  } else {
+    run(out.mutable_data_ptr<c10::BFloat16>());
+  }
 }
 
 // out [M, N] = silu(x W_gate^T) * (x W_up^T), gate and up from pack_bf16_weight (N outputs each): a SwiGLU MLP's
