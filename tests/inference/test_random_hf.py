@@ -3,25 +3,13 @@ id, and a served stream's first chunk is its first text), and what the trained m
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 from tokenizers import Tokenizer
 
 from megapipe.data.tokenizer import train_tokenizer
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def load_tool():
-    spec = importlib.util.spec_from_file_location("make_random_hf", ROOT / "tools" / "make_random_hf.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tools import make_random_hf as tool
 
 
 def test_every_id_decodes_to_text(tmp_path):
-    tool = load_tool()
     train_tokenizer(tool.TEXTS, vocab_size=512, output=tmp_path)
     path = tmp_path / "tokenizer.json"
     trained = Tokenizer.from_file(str(path))
