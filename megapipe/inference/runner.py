@@ -141,9 +141,7 @@ class PackedLinear(nn.Module):
         stored widened in the same pass, with no widening pass of its own (at 64 rows of a 49k vocabulary that pass
         took half as long as the matmul)."""
         if self.packed.dtype == torch.bfloat16 and self._on_own(x):
-            rows = x.reshape(-1, self.in_features)
-            rows = rows if rows.stride(-1) == 1 else rows.contiguous()
-            out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32, device=x.device)
+            rows, out = self.rows_and_out(x, torch.float32)
             torch.ops.megapipe.linear_bf16(rows, self.packed, self.out_features, self.bias, False, None, out)
             return out.view(*x.shape[:-1], self.out_features)
         return self(x).float()
@@ -162,12 +160,13 @@ class PackedLinear(nn.Module):
         op(rows, self.weight_for(x2), self.out_features, self.bias, swish, other, out, x2=x2)
         return out.view(*x.shape[:-1], self.out_features)
 
-    def rows_and_out(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x as [rows, in_features] with contiguous rows, and an empty output [rows, out_features] for it."""
+    def rows_and_out(self, x: torch.Tensor, dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x as [rows, in_features] with contiguous rows, and an empty output [rows, out_features] for it (of
+        ``dtype``, default x's)."""
         rows = x.reshape(-1, self.in_features)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        return rows, torch.empty(rows.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+        return rows, torch.empty(rows.shape[0], self.out_features, dtype=dtype or x.dtype, device=x.device)
 
 
 def packing_works(dtype: torch.dtype) -> bool:
