@@ -151,6 +151,32 @@ void attend_row(const Step<T>& s, int64_t b, int64_t g, std::vector<Vec>& qv, st
   }
 }
 
+// Scores of keys t0 .. t0 + kb - 1 (kb <= KB) for a run's lanes, from q^T [dim][lanes] (scaled, fp32): the keys
+// widened into `keys` once, then KB sums in flight, each query vector loaded once per KB keys and each key element
+// broadcast from memory into its multiply-add (one key at a time, each query vector and key element loaded per
+// product, the loads bound it: 16 x 64-token prompts' attention 0.8 -> 0.6 ms). A last block of fewer keys
+// scores its last key again in the spare sums.
+template <typename T, int C, int KB, typename Store>
+inline void score_block(const float* q, const T* k, const int64_t* at, int64_t t0, int64_t kb, float* keys,
+                        const Store& store) {
+  constexpr int64_t W = Vec::size(), dim = C * W;
+  for (int j = 0; j < KB; ++j) {
+    const T* row = k + at[t0 + std::min<int64_t>(j, kb - 1)];
+    for (int c = 0; c < C; ++c) load_float(row + c * W).store(keys + j * dim + c * W);
+  }
+  Vec acc[KB];
+  for (int j = 0; j < KB; ++j) acc[j] = Vec(0.f);
+  for (int64_t d0 = 0; d0 < dim; d0 += 8) {
+    Vec qv[8];
+    for (int i = 0; i < 8; ++i) qv[i] = Vec::loadu(q + (d0 + i) * W);
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i)
+#pragma GCC unroll 16
+      for (int j = 0; j < KB; ++j) acc[j] = at::vec::fmadd(qv[i], Vec(keys[j * dim + d0 + i]), acc[j]);
+  }
+  for (int j = 0; j < kb; ++j) store(t0 + j, acc[j]);
+}
+
 // Rows b0 .. b0 + rows - 1 of one sequence at consecutive positions (part of a prefill chunk) and kv head g, with
 // a (row, query head) pair in each vector lane: every key and value row is loaded once for all of them, and the
 // scores come out one vector per key, so the softmax runs down the keys with no sums across lanes. Lanes past
@@ -176,22 +202,15 @@ void attend_rows(const Step<T>& s, int64_t b0, int64_t rows, int64_t g, std::vec
   const int64_t first = s.first_key(b0), n = s.lens[b0 + rows - 1] - first;
   s.key_offsets(b0, g, first, n, dim, at);
   scores.resize(n * W);
-  const float* q = qt.data() + W * dim;
-  for (int64_t t = 0; t < n; ++t) {
-    const T* row = s.k + at[t];
-    alignas(64) float key[dim];
-    for (int c = 0; c < C; ++c) load_float(row + c * W).store(key + c * W);
-    Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f);  // four chains to hide the multiply-add latency
-    for (int64_t d = 0; d < dim; d += 4) {
-      a0 = at::vec::fmadd(Vec::loadu(q + d * W), Vec(key[d]), a0);
-      a1 = at::vec::fmadd(Vec::loadu(q + (d + 1) * W), Vec(key[d + 1]), a1);
-      a2 = at::vec::fmadd(Vec::loadu(q + (d + 2) * W), Vec(key[d + 2]), a2);
-      a3 = at::vec::fmadd(Vec::loadu(q + (d + 3) * W), Vec(key[d + 3]), a3);
-    }
+  // key t's scores, masked per lane: causal and sliding window
+  auto store_scores = [&](int64_t t, Vec sum) {
     const Vec pos(float(first + t));
-    const Vec seen = (pos < lens_v) & (pos >= firsts_v);  // causal and sliding-window mask per lane
-    Vec::blendv(minus_inf, (a0 + a1) + (a2 + a3), seen).store(scores.data() + t * W);
-  }
+    Vec::blendv(minus_inf, sum, (pos < lens_v) & (pos >= firsts_v)).store(scores.data() + t * W);
+  };
+  constexpr int KB = 8;
+  alignas(64) float keys[KB * dim];
+  for (int64_t t = 0; t < n; t += KB)
+    score_block<T, C, KB>(qt.data() + W * dim, s.k, at.data(), t, std::min<int64_t>(KB, n - t), keys, store_scores);
   const Vec sink_v = Vec::loadu(sink_lane);
   Vec top = sink_v, total(0.f);  // no sinks: -inf lanes, exp(-inf) = 0 below
   for (int64_t t = 0; t < n; ++t) top = at::vec::maximum(top, Vec::loadu(scores.data() + t * W));
