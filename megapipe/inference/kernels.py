@@ -8,7 +8,8 @@
 - ``linear_bf16`` (csrc/linear_bf16.cpp, only on CPUs with AVX512-BF16): bf16 linear layers on weights packed by
   ``pack_bf16_weight``, with the bias, SiLU and a product fused into the epilogue, and optionally a second input
   ``x2`` for the weight's last inputs (LoRA's low-rank sums); on AMX tiles where the CPU has them (built with
-  -mamx-tile/-mamx-bf16 there; ``amx=False`` takes the vdpbf16ps loop); ``glu_bf16`` a SwiGLU's gate and up
+  -mamx-tile/-mamx-bf16 there; ``amx=False`` takes the loop, on vdpbf16ps or fp32 FMAs as ``bf16_loop`` measured
+  faster); ``glu_bf16`` a SwiGLU's gate and up
   projections in one call, silu(x Wg^T) * (x Wu^T);
 - ``linear_f32`` (csrc/linear_f32.cpp, on AVX-512 CPUs): the same for fp32, on weights packed by ``pack_f32_weight``.
 
@@ -256,8 +257,16 @@ def _measured_choice(n: int, k: int) -> tuple[int, str]:
     times = measure_bf16_linear(n, k)
     limit = own_row_limit(times)
     measured = ", ".join(f"{m}: {t['own'] * 1e6:.0f}/{t['onednn'] * 1e6:.0f}" for m, t in times.items())
+    loop = "" if has_amx() else "; megapipe's loop on {} ({})".format(*bf16_loop())
     return limit, (f"bf16 matmuls on {describe_row_limit(limit)} ({isa_summary()}; measured on a {n}x{k} weight, "
-                   f"rows: megapipe/oneDNN us: {measured})")
+                   f"rows: megapipe/oneDNN us: {measured}{loop})")
+
+
+def bf16_loop() -> tuple[str, str]:
+    """How megapipe's bf16 loop (the kernel without AMX tiles) multiplies here, and why: ``vdpbf16ps`` (two
+    products per lane and instruction) or ``fma`` (the values widened to fp32: on the Xeons with AMX, run without
+    it, FMAs make 1.5x the products per second that vdpbf16ps does), chosen by a ~1 ms measurement at first use."""
+    return tuple(ops().bf16_loop(""))
 
 
 def bf16_linear_built() -> bool:

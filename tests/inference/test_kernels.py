@@ -390,6 +390,7 @@ def test_bf16_linear_choice_is_measured_or_as_set(bf16_linear, hf_llama, capsys,
     limit, why = kernels.choose_bf16_linear("auto", 96, 64)
     assert f"bf16 matmuls on {kernels.describe_row_limit(limit)}" in why and "96x64 weight" in why
     assert all(f"{m}: " in why.split("measured")[1] for m in kernels.CHOICE_ROWS)
+    assert ("megapipe's loop on" in why) == (not kernels.has_amx())  # what the loop multiplies on, where it serves
     assert kernels.choose_bf16_linear("onednn", 96, 64)[0] == 0
     assert kernels.choose_bf16_linear("own", 96, 64)[0] == kernels.OWN_ALWAYS
     with pytest.raises(ValueError, match="bf16_linear = 'amx' must be one of auto, own, onednn"):
@@ -537,6 +538,41 @@ def test_bf16_linear_on_amx_tiles_matches_its_vdpbf16ps_loop(bf16_linear, m, n, 
         bf16_linear(x, weight, n, b, swish, times, loop, amx=False, x2=extra)
         torch.testing.assert_close(tiles.float(), loop.float(), rtol=2 ** -7, atol=2 ** -7)
         assert (tiles == loop).float().mean() > 0.95
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 16, 32), (9, 40, 64), (17, 200, 600), (3, 48, 40)])
+def test_bf16_loop_on_fmas_sums_the_exact_products_as_on_vdpbf16ps(bf16_linear, ops, m, n, k):
+    """The loop multiplies on vdpbf16ps or, the bf16 values widened, on fp32 FMAs (what a measurement at first use
+    picks for this CPU): both sum the exact products in fp32, so both are within a rounding of the exact result and
+    nearly always equal, with bias, SiLU, the product and a second input x2 (k = 600: x widened in two parts of 256
+    and 44 pairs); the setting is refused by name and reported with the measurement that chose it."""
+    g = torch.Generator().manual_seed(m * n + k)
+    w, b = (torch.randn(n, k, generator=g) * 0.05).bfloat16(), torch.randn(n, generator=g).bfloat16()
+    x, other = torch.randn(m, k, generator=g).bfloat16(), torch.randn(m, n, generator=g).bfloat16()
+    packed = kernels.pack_bf16_weight(w)
+    exact = x.double() @ w.double().t() + b.double()
+    chosen = ops.bf16_loop("")
+    assert chosen[0] in ("vdpbf16ps", "fma") and chosen[1]
+    try:
+        outs = {}
+        for mode in ("vdpbf16ps", "fma"):
+            assert ops.bf16_loop(mode) == (mode, "as set")
+            for swish, times, split in ((False, None, 0), (True, other, 0), (True, other, 8)):
+                out = torch.empty(m, n, dtype=torch.bfloat16)
+                inputs = (x, None) if not split else (x[:, :k - split], x[:, k - split:])
+                bf16_linear(inputs[0], packed, n, b, swish, times, out, amx=False, x2=inputs[1])
+                want = exact * exact.sigmoid() if swish else exact
+                want = want if times is None else want * other.double()
+                torch.testing.assert_close(out.double(), want, rtol=2 ** -7, atol=1e-2)
+                outs[mode, swish, split] = out
+        for (_, swish, split), out in outs.items():
+            assert (out == outs["vdpbf16ps", swish, split]).float().mean() > 0.95
+        auto = ops.bf16_loop("auto")
+        assert auto[0] in ("vdpbf16ps", "fma") and auto[1].startswith("measured: fma ")
+        with pytest.raises(RuntimeError, match="bf16_loop: 'fast' must be one of auto, vdpbf16ps, fma"):
+            ops.bf16_loop("fast")
+    finally:
+        ops.bf16_loop(chosen[0])
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 16, 32), (7, 40, 64), (45, 1536, 576), (70, 200, 576), (3, 48, 40)])
