@@ -552,7 +552,7 @@ def test_bf16_loop_on_fmas_sums_the_exact_products_as_on_vdpbf16ps(bf16_linear, 
     packed = kernels.pack_bf16_weight(w)
     exact = x.double() @ w.double().t() + b.double()
     chosen = ops.bf16_loop("")
-    assert chosen[0] in ("vdpbf16ps", "fma") and chosen[1]
+    assert chosen[0] in ("vdpbf16ps", "fma") and chosen[1] and kernels.bf16_loop() == chosen
     try:
         outs = {}
         for mode in ("vdpbf16ps", "fma"):
