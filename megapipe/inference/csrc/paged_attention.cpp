@@ -110,50 +110,51 @@ inline void with_group(int64_t group, const F& f) {
   }
 }
 
+// f(t, row) for t = 0 .. n - 1, `row` the pool's row at[t] widened to fp32 (C vectors), each asked for ~4 KB ahead
+template <typename T, int C, typename F>
+inline void for_each_row(const T* pool, const int64_t* at, int64_t n, const F& f) {
+  constexpr int64_t W = Vec::size(), dim = C * W;
+  constexpr int64_t kAhead = keys_ahead<T>(dim);
+  for (int64_t t = 0; t < n; ++t) {
+    if (t + kAhead < n) prefetch_row(pool + at[t + kAhead], dim * sizeof(T));
+    Vec row[C];
+    for (int c = 0; c < C; ++c) row[c] = load_float(pool + at[t] + c * W);
+    f(t, row);
+  }
+}
+
 // A decode row's scores for its `group` heads (G as in with_group):
 // scores[j * n + t] = q_j . k_t, each key row loaded and widened once for all heads
 template <typename T, int C, int G>
 inline void score_keys(const Step<T>& s, int64_t n, const Vec* qv, const int64_t* at, float* scores) {
-  constexpr int64_t W = Vec::size(), dim = C * W;
-  constexpr int64_t kAhead = keys_ahead<T>(dim);
   const int64_t group = G > 0 ? G : s.group;
   Vec local[G > 0 ? G * C : 1];
   if (G > 0)
     for (int64_t i = 0; i < group * C; ++i) local[i] = qv[i];
   const Vec* q = G > 0 ? local : qv;
-  for (int64_t t = 0; t < n; ++t) {
-    if (t + kAhead < n) prefetch_row(s.k + at[t + kAhead], dim * sizeof(T));
-    const T* row = s.k + at[t];
-    Vec kc[C];
-    for (int c = 0; c < C; ++c) kc[c] = load_float(row + c * W);
+  for_each_row<T, C>(s.k, at, n, [&](int64_t t, const Vec* key) {
     for (int64_t j = 0; j < group; ++j) {
-      Vec d = q[j * C] * kc[0];
-      for (int c = 1; c < C; ++c) d = at::vec::fmadd(q[j * C + c], kc[c], d);
+      Vec d = q[j * C] * key[0];
+      for (int c = 1; c < C; ++c) d = at::vec::fmadd(q[j * C + c], key[c], d);
       scores[j * n + t] = d.reduce_add();
     }
-  }
+  });
 }
 
 // The weighted sum of a decode row's values for its `group` heads (G as in with_group; 0: the sums in `acc`):
 // acc[j * C + c] = sum_t p[j][t] v[t]
 template <typename T, int C, int G>
 inline void weigh_values(const Step<T>& s, int64_t n, const float* p, const int64_t* at, Vec* acc) {
-  constexpr int64_t W = Vec::size(), dim = C * W;
-  constexpr int64_t kAhead = keys_ahead<T>(dim);
   const int64_t group = G > 0 ? G : s.group;
   Vec local[G > 0 ? G * C : 1];
   Vec* sums = G > 0 ? local : acc;
   for (int64_t i = 0; i < group * C; ++i) sums[i] = Vec(0.f);
-  for (int64_t t = 0; t < n; ++t) {
-    if (t + kAhead < n) prefetch_row(s.v + at[t + kAhead], dim * sizeof(T));
-    const T* row = s.v + at[t];
-    Vec vc[C];
-    for (int c = 0; c < C; ++c) vc[c] = load_float(row + c * W);
+  for_each_row<T, C>(s.v, at, n, [&](int64_t t, const Vec* value) {
     for (int64_t j = 0; j < group; ++j) {
       const Vec pj(p[j * n + t]);
-      for (int c = 0; c < C; ++c) sums[j * C + c] = at::vec::fmadd(pj, vc[c], sums[j * C + c]);
+      for (int c = 0; c < C; ++c) sums[j * C + c] = at::vec::fmadd(pj, value[c], sums[j * C + c]);
     }
-  }
+  });
   if (G > 0)
     for (int64_t i = 0; i < group * C; ++i) acc[i] = sums[i];
 }
