@@ -202,7 +202,6 @@ inline void rows_block(int mb, const Inputs& in, const uint16_t* const* w, int64
 // epilogue (bias, SiLU, * other).
 template <typename Out>
 struct LinearFinish {
-  static constexpr int kTiles = 0;  // blocks of one or two weight tiles
   // on AMX tiles each block's epilogue runs right after it (spread over the next block's products it was 12-20%
   // slower: a linear's epilogue is light, and each part pays its setup)
   static constexpr bool kSpread = false;
@@ -221,7 +220,6 @@ struct LinearFinish {
 // A gated unit's (SwiGLU: silu(x W_gate^T) * (x W_up^T)): its two tiles, gate and up, are one tile of outputs from
 // col on
 struct GluFinish {
-  static constexpr int kTiles = 2;
   static constexpr bool kSpread = true;  // its SiLU is worth overlapping with the next block's tile products
   c10::BFloat16* out;
   int64_t out_row, n, col;
@@ -290,34 +288,33 @@ class TaskTiles {
   }
   // where the block being multiplied stores its sums: [top/bottom][weight tile][row][output]
   float (&sums())[2][2][16][kTile] { return sums_[current_]; }
-  // the block whose sums were just stored waits for its epilogue (the one before it finished first)
-  void hold(const Finish& finish, int64_t m0, int mb, int nt) {
+  // the block whose sums were just stored waits for its epilogue (the one before it finished first); only a
+  // spread finish (a gated unit's: two weight tiles per block) is held
+  void hold(const Finish& finish, int64_t m0, int mb) {
+    static_assert(Finish::kSpread, "only a spread epilogue waits for the next block");
     finish_rows(kTileRows);
     held_.emplace(finish);
-    m0_ = m0, mb_ = mb, nt_ = nt, done_ = 0, current_ ^= 1;
+    m0_ = m0, mb_ = mb, done_ = 0, current_ ^= 1;
   }
   // the held block's next `rows` rows through its epilogue
   void finish_rows(int rows) {
-    if (!held_) return;
-    const int first = done_, count = std::min(mb_ - first, rows);
-    const auto& sums = sums_[current_ ^ 1];
-    auto sum = [&](int m, int t) { return _mm512_load_ps(sums[(first + m) / 16][t][(first + m) % 16]); };
-    if constexpr (Finish::kTiles == 2) {
-      held_->template rows<2>(m0_ + first, count, sum);
-    } else if (nt_ == 2) {
-      held_->template rows<2>(m0_ + first, count, sum);
-    } else {
-      held_->template rows<1>(m0_ + first, count, sum);
+    if constexpr (Finish::kSpread) {
+      if (!held_) return;
+      const int first = done_, count = std::min(mb_ - first, rows);
+      const auto& sums = sums_[current_ ^ 1];
+      held_->template rows<2>(m0_ + first, count, [&](int m, int t) {
+        return _mm512_load_ps(sums[(first + m) / 16][t][(first + m) % 16]);
+      });
+      done_ += count;
+      if (done_ == mb_) held_.reset();
     }
-    done_ += count;
-    if (done_ == mb_) held_.reset();
   }
 
  private:
   alignas(64) float sums_[2][2][2][16][kTile];
   std::optional<Finish> held_;
   int64_t m0_ = 0;
-  int rows_ = 0, mb_ = 0, nt_ = 0, done_ = 0, current_ = 0;
+  int rows_ = 0, mb_ = 0, done_ = 0, current_ = 0;
 };
 
 // The tile products of `pairs` input pairs of rows x (x_row apart; the first 16 into tiles 0, 1, the rest into 2, 3)
@@ -371,7 +368,7 @@ void tile_block(const Inputs& in, const uint16_t* const* w, int64_t m0, int mb, 
     if constexpr (NT == 2) _tile_stored(3, sums[1][1], kTile * 4);
   }
   if constexpr (Finish::kSpread) {
-    tiles.hold(finish, m0, mb, NT);
+    tiles.hold(finish, m0, mb);
   } else {
     finish.template rows<NT>(m0, mb, [&](int m, int t) { return _mm512_load_ps(sums[m / 16][t][m % 16]); });
   }
