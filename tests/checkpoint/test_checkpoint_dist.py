@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from megapipe.checkpoint import lineage, load_checkpoint, read_manifest, save_checkpoint
 from megapipe.checkpoint.convert import to_safetensors
+from tests.helpers.torchrun import failure
 
 WORKER = Path(__file__).parents[1] / "dist" / "ckpt_fsdp_worker.py"
 
@@ -55,7 +56,7 @@ def test_fsdp2_checkpoints_load_in_a_single_process_and_back(tmp_path):
         text=True,
         timeout=300,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, failure(proc)
     assert "rank 0 ok" in proc.stdout and "rank 1 ok" in proc.stdout
 
     torch.manual_seed(3)

@@ -21,6 +21,7 @@ from megapipe.checkpoint import read_manifest  # noqa: E402
 from megapipe.checkpoint.load import load_model  # noqa: E402
 from megapipe.cli import main  # noqa: E402
 from megapipe.data.tokenizer import train_tokenizer  # noqa: E402
+from tests.helpers.torchrun import failure  # noqa: E402
 
 VOCAB = 320
 CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|endoftext|>{% endfor %}"
@@ -301,7 +302,7 @@ def test_export_is_the_same_from_any_layout(tmp_path, tokenizer_dir):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            __file__, str(ckpt), str(sharded)], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, failure(proc)
     assert len(list((sharded / "step_00000007" / "model").glob("*.distcp"))) == 2
     assert cli("export", "hf", ckpt, tmp_path / "a", "--max-shard-size", "50KB") == 0
     assert cli("export", "hf", sharded, tmp_path / "b", "--max-shard-size", "50KB") == 0

@@ -26,6 +26,7 @@ from tests.checkpoint.test_hf_bridge import (  # noqa: E402
     tensors_of,
     tokens,
 )
+from tests.helpers.torchrun import failure  # noqa: E402
 
 BASE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=128, rms_norm_eps=1e-6)
@@ -135,7 +136,7 @@ def test_export_from_an_expert_parallel_checkpoint_is_identical(tmp_path, tokeni
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            __file__, str(ckpt), str(sharded)], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, failure(proc)
     assert len(list((sharded / "step_00000003" / "model").glob("*.distcp"))) == 2
     assert cli("export", "hf", ckpt, tmp_path / "a") == 0
     assert cli("export", "hf", sharded, tmp_path / "b") == 0

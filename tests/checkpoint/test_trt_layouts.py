@@ -20,6 +20,7 @@ from quant_twins import make_checkpoint, model_config  # noqa: E402
 from megapipe.checkpoint import write_checkpoint  # noqa: E402
 from megapipe.checkpoint.trt import export_trt  # noqa: E402
 from megapipe.models import build_model  # noqa: E402
+from tests.helpers.torchrun import failure
 
 WORKER = Path(__file__).parents[1] / "dist" / "trt_export_worker.py"
 
@@ -56,7 +57,7 @@ def test_export_of_fsdp2_checkpoint_equals_single_process(tmp_path):
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER),
          str(tmp_path / "fsdp"), arch, str(Path(__file__).parents[1] / "posttrain")],
         env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, failure(proc)
     assert "rank 0 ok" in proc.stdout and "rank 1 ok" in proc.stdout
 
     export_trt(single, tmp_path / "a", "legacy", tp=2)
@@ -74,7 +75,7 @@ def test_moe_export_of_expert_parallel_checkpoint_equals_single_process(tmp_path
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          str(Path(__file__).parent / "test_hf_moe.py"), str(single), str(tmp_path / "ep")],
         env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, failure(proc)
 
     for fmt, kw in (("legacy", {"tp": 2}), ("unified", {})):
         export_trt(single, tmp_path / f"a-{fmt}", fmt, **kw)

@@ -16,7 +16,8 @@ MUON_STEPS steps. The hyper-connections' weights (DeepSeek-V4's, AdamW's) are co
 their gradients' entries are all but zero (layer 0's Sinkhorn mix acts on equal streams; a 2 x 2 doubly-stochastic
 matrix keeps one of its 4 logits' directions), so fp32 summation-order noise near AdamW's eps is normalised into
 O(lr) steps. The reference also reports how far one process drifts from itself in those weights when only its
-micro-batches change ("hc_order_abs"), the bound test_dist_layouts.py holds a layout to.
+micro-batches change ("hc_order_abs"), the bound test_dist_layouts.py holds a layout to; the other weights, which
+those hyper-connections feed, also drift from themselves ("param_order_abs").
 
 Checkpoint cases (AdamW, or Muon + AdamW with "optim=muon"; next to OUT.json): "tp2,pp2:save=NAME" trains 2 steps, saves NAME/step_00000002 with
 megapipe.checkpoint and writes the full model + optimizer tensors to NAME.ref.pt (plus the loss of a 3rd step);
@@ -26,6 +27,7 @@ and optimizer tensor to the reference and the relative difference of the 3rd-ste
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -274,7 +276,8 @@ def reference(cfg: Config, masked: bool = False, opts: dict | None = None) -> di
     """Single-process losses, step-1 gradients, clip norm and final weights (cached per model, masking and
     optimizer), the global batch in one micro-batch (an MoE model: in the layouts' micro-batches). With Muon on a
     model with hyper-connections, also "hc_order_abs": how far the hyper-connections' weights of one process drift
-    from themselves when only the micro-batches (the order of the gradients' fp32 sums) change (see the top)."""
+    from themselves when only the micro-batches (the order of the gradients' fp32 sums) change (see the top), and
+    "param_order_abs": how far the other weights drift with them."""
     opts = opts or {}
     key = json.dumps(cfg.model.__dict__, sort_keys=True, default=str) + str(masked) + opts.get("optim", "sgd")
     if key not in _REFERENCE:
@@ -283,6 +286,7 @@ def reference(cfg: Config, masked: bool = False, opts: dict | None = None) -> di
             twin = train_reference(cfg, masked, opts, GLOBAL_BATCH // 2)["params"]
             hc = hyper_connection_params(build(cfg))
             out["hc_order_abs"] = max_diff(((n, twin[n]) for n in hc), out["params"])
+            out["param_order_abs"] = max_diff(((n, twin[n]) for n in twin if n not in hc), out["params"])
     return _REFERENCE[key]
 
 
@@ -399,6 +403,7 @@ def run_case(text: str) -> dict:
     if hc:
         res["hc_abs"] = max_diff(((n, p) for n, p in model.named_parameters() if n in hc), ref["params"])
         res["hc_order_abs"] = ref.get("hc_order_abs", 0.0)
+        res["param_order_abs"] = ref.get("param_order_abs", 0.0)
     # what the steps changed, against what they changed in the reference: 1.0 for a run that never updates
     updates = ((n, full(p.detach()) - init[n]) for n, p in model.named_parameters() if n not in hc)
     res["update_rel"] = max_rel(updates, {n: ref["params"][n] - ref["init"][n] for n in ref["params"]})
@@ -493,6 +498,7 @@ def reduce_max(res: dict) -> dict:
 
 def main() -> None:
     out_path, cases = sys.argv[1], sys.argv[2:]
+    faulthandler.enable()  # an abort (gloo's, a kernel's) leaves the Python stacks in the failure message
     dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=120))
     torch.use_deterministic_algorithms(True)
     results = {}

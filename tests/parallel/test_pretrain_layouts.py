@@ -24,6 +24,7 @@ import pytest
 
 from megapipe.cli import main
 from megapipe.errors import MegapipeError
+from tests.helpers.torchrun import failure
 
 STEPS = 6
 REL = 1e-5
@@ -50,7 +51,7 @@ def megapipe(args: list[str]) -> None:
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "megapipe.cli"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([*cmd, *args], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert proc.returncode == 0, failure(proc)
 
 
 def losses(run_dir: Path, kind: str = "train") -> dict[int, float]:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from megapipe.cli import main
+from tests.helpers.torchrun import failure
 
 pytestmark = pytest.mark.dist
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,7 +31,7 @@ def megapipe(args: list[str]) -> str:
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "megapipe.cli"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([*cmd, *args], env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert proc.returncode == 0, failure(proc)
     return proc.stdout
 
 

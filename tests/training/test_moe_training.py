@@ -15,6 +15,7 @@ import torch
 
 from megapipe.cli import main
 from megapipe.errors import MegapipeError
+from tests.helpers.torchrun import failure
 
 MODEL = ["--model", "tiny-moe", "--set", "model.num_layers=2", "--set", "model.hidden_size=64", "--set",
          "model.intermediate_size=64", "--set", "model.num_heads=4", "--set", "model.num_kv_heads=2",
@@ -91,7 +92,7 @@ def test_expert_parallel_run_follows_the_single_process_run(args, reference, tmp
     proc = subprocess.run([*cmd, *args, "--train-iters", str(STEPS), "--save", str(run), "--nproc-per-node", "2",
                            "--ep", "2"], env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert proc.returncode == 0, failure(proc)
     got, want = records(run), records(reference)
     assert json.loads((run / f"step_{STEPS:08d}" / "megapipe.json").read_text())["layout"]["parallel"] == "dp_shard2,ep2"
     for step in range(1, STEPS + 1):

@@ -20,6 +20,7 @@ import pytest
 
 from megapipe.cli import main
 from tests.helpers.rl import records
+from tests.helpers.torchrun import failure
 
 pytestmark = pytest.mark.dist
 ROOT = Path(__file__).resolve().parents[3]
@@ -37,7 +38,7 @@ def test_dp2_fsdp_equals_one_process_on_the_same_rollouts(rl_base, tmp_path, cap
     # --save-interval 1: steps 1 and 3 end inside a rollout batch, so both ranks' unfinished rows are gathered
     proc = subprocess.run([sys.executable, "-m", "megapipe.cli", *args, "--save", str(tmp_path / "two"),
                            "--nproc-per-node", "2", "--save-interval", "1"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert proc.returncode == 0, failure(proc)
 
     one, two = records(tmp_path / "one"), records(tmp_path / "two")
     assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2, 3, 4]
@@ -84,7 +85,7 @@ def test_dp2_ddp_on_policy_equals_one_process(rl_base, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "megapipe.cli", *args, "--save", str(tmp_path / "two"),
                            "--nproc-per-node", "2", "--dp-mode", "ddp"], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert proc.returncode == 0, failure(proc)
     one, two = records(tmp_path / "one"), records(tmp_path / "two")
     assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2, 3]
     for a, b in zip(one, two, strict=True):
