@@ -265,8 +265,9 @@ def _measured_choice(n: int, k: int) -> tuple[int, str]:
 def bf16_loop() -> tuple[str, str]:
     """How megapipe's bf16 loop (the kernel without AMX tiles) multiplies here, and why: ``vdpbf16ps`` (two
     products per lane and instruction) or ``fma`` (the values widened to fp32: on the 2-vCPU AMX Xeon these
-    figures come from, run without AMX, that loop makes ~1.5x the products per second), chosen by a ~1 ms
-    measurement at first use."""
+    figures come from, run without AMX, that loop makes ~1.5x the products per second; on AMD's Zen 4, whose
+    vdpbf16ps retires at the FMAs' rate, the vdpbf16ps loop makes ~2.2x), chosen by a ~2 ms measurement at first
+    use."""
     return tuple(ops().bf16_loop(""))
 
 
