@@ -12,9 +12,11 @@ _SUMMARY = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
 def failure(proc: subprocess.CompletedProcess, keep: int = 6000) -> str:
     err = proc.stderr or ""
     cut = err.find(_SUMMARY)
-    if cut >= 0:
-        cut = max(err.rfind("Traceback (most recent call last)", 0, cut), 0)
-    workers, summary = (err[:cut], err[cut:]) if cut > 0 else (err, "")
+    if cut < 0:
+        cut = len(err)
+    elif (traceback := err.rfind("Traceback (most recent call last)", 0, cut)) >= 0:
+        cut = traceback  # torchrun's own traceback belongs to the summary
+    workers, summary = err[:cut], err[cut:]
     exits = "\n".join(line for line in summary.splitlines() if "exitcode" in line or "Signal" in line)
     return (f"torchrun exited {proc.returncode}\n{exits}\n--- stdout (tail) ---\n{(proc.stdout or '')[-2000:]}"
             f"\n--- workers' stderr (tail) ---\n{workers[-keep:]}")

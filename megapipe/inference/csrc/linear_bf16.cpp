@@ -168,6 +168,10 @@ double time_loop_block(int products) {
   return best;
 }
 
+const char* loop_name(int products) {
+  return products == kFmaProducts ? "fma" : "vdpbf16ps";
+}
+
 // The loop's multiplication: "vdpbf16ps" or "fma" as set, or with "auto" whichever a short measurement at first
 // use finds faster on this CPU (~2 ms); "" keeps the current one. Returns the one in use and the measurement.
 std::tuple<std::string, std::string> bf16_loop(const std::string& setting) {
@@ -187,12 +191,13 @@ std::tuple<std::string, std::string> bf16_loop(const std::string& setting) {
       fma = std::min(fma, time_loop_block(kFmaProducts));
     }
     loop_products = fma < pairs ? kFmaProducts : kPairProducts;
-    loop_measurement = fma < pairs ? "measured: fma " + std::to_string(pairs / fma).substr(0, 4) + "x vdpbf16ps"
-                                   : "measured: vdpbf16ps " + std::to_string(fma / pairs).substr(0, 4) + "x fma";
+    loop_measurement = std::string("measured: ") + loop_name(loop_products) + " " +
+                       std::to_string(std::max(pairs, fma) / std::min(pairs, fma)).substr(0, 4) + "x " +
+                       loop_name(loop_products == kFmaProducts ? kPairProducts : kFmaProducts);
   } else {
     TORCH_CHECK(setting.empty(), "bf16_loop: '", setting, "' must be one of auto, vdpbf16ps, fma");
   }
-  return {loop_products == kFmaProducts ? "fma" : "vdpbf16ps", loop_measurement};
+  return {loop_name(loop_products), loop_measurement};
 }
 
 int current_loop_products() {
