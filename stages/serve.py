@@ -33,6 +33,9 @@ def serve(
                                                   help="KV-cache pool size, e.g. 2GiB (default: what the batch needs, "
                                                        "at most 1 GiB)."),
     num_blocks: Optional[int] = typer.Option(None, "--num-blocks", help="KV-cache pool size in blocks instead."),
+    gpu_memory_utilization: Optional[float] = typer.Option(
+        None, "--gpu-memory-utilization", help="On a GPU, the share of its memory the server may use; the KV cache "
+                                               "gets what the weights and a step leave of it (default 0.9)."),
     block_size: int = typer.Option(16, "--block-size", help="Tokens per KV-cache block."),
     max_num_batched_tokens: Optional[int] = typer.Option(
         None, "--max-num-batched-tokens", help="Token budget of one engine step (prefill is chunked to it; default "
@@ -105,6 +108,8 @@ def serve(
         block_size=block_size, num_blocks=num_blocks, kv_cache_memory=memory, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
         prefix_caching=not no_prefix_caching, **spec)
+    if gpu_memory_utilization is not None:
+        engine_config.gpu_memory_utilization = gpu_memory_utilization
     engine_config.check()
     if not Path(model).expanduser().exists():
         raise MegapipeError(f"{model} does not exist (give a checkpoint, a run directory or a Hugging Face model dir)")
@@ -124,7 +129,7 @@ def serve(
         cmd = vllm_command(python, hf_dir, host=host, port=port, api_key=api_key, served_model_name=name,
                            max_num_seqs=max_num_seqs, max_model_len=max_model_len, dtype=dtype,
                            max_num_batched_tokens=max_num_batched_tokens, prefix_caching=not no_prefix_caching,
-                           tool_call_parser=tool_call_parser)
+                           tool_call_parser=tool_call_parser, gpu_memory_utilization=gpu_memory_utilization)
         typer.echo(f"megapipe serve: starting vLLM ({python}) on {hf_dir}; --max-queue and --max-body-size do not "
                    f"apply to vLLM's server", err=True)
         code = run_vllm(cmd, env, shutdown_timeout)

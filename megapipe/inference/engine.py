@@ -28,13 +28,13 @@ import megapipe.inference.kernels as kernels
 from megapipe.checkpoint.load import eos_ids_of, load_model
 from megapipe.dtypes import resolve_device, resolve_dtype
 from megapipe.errors import ConfigError, MegapipeError
-from megapipe.inference import compressed_cache
+from megapipe.inference import compressed_cache, device_memory
 from megapipe.inference.block_manager import BlockManager
 from megapipe.inference.detokenize import Detokenizer, special_ids
 from megapipe.inference.images import PromptImages
 from megapipe.inference.kv_cache import KVPool, eviction_window, kv_layout, layer_windows, split_window
 from megapipe.inference.lora import AdapterSlots
-from megapipe.inference.runner import ModelRunner, RunnerOutput, say_once
+from megapipe.inference.runner import ModelRunner, RunnerOutput, say_once, widest_linear
 from megapipe.inference.sampling import ParamError, SamplingParams
 from megapipe.inference.scheduler import FINISHED, Scheduler, SchedulerOutput, now
 from megapipe.inference.scheduler import Sequence as Seq
@@ -63,7 +63,10 @@ CPU_TOKEN_BUDGET = 1024  # EngineConfig.token_budget's default on a CPU
 class EngineConfig:
     block_size: int = 16
     num_blocks: Optional[int] = None  # KV pool size in blocks (V4: the window pool and each entry pool)
-    kv_cache_memory: Optional[int] = None  # bytes; default: what max_num_seqs full-length sequences need, <= 1 GiB
+    # bytes; default: what max_num_seqs full-length sequences need, at most 1 GiB on a CPU and at most what
+    # gpu_memory_utilization leaves on CUDA (device_memory.py)
+    kv_cache_memory: Optional[int] = None
+    gpu_memory_utilization: float = 0.9  # CUDA: the share of the GPU's memory the engine's process may use (vLLM's)
     max_num_seqs: int = 256
     max_num_batched_tokens: Optional[int] = None  # tokens per step; default: token_budget's
     max_model_len: Optional[int] = None  # default: the model's max_position_embeddings
@@ -125,6 +128,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigError(f"--{name.replace('_', '-')} = {value!r} must be an integer >= 1")
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
+            raise ConfigError(f"--gpu-memory-utilization = {u!r} must be a number in (0, 1]")
         for name in ("pack_weights", "huge_pages", "cpu_kernels"):
             value = getattr(self, name)
             if value not in (None, True, False):
@@ -259,7 +265,9 @@ class LLMEngine:
             want = max_num_seqs * ((self.max_model_len + bs - 1) // bs)
             memory = config.kv_cache_memory
             if memory is None:
-                memory = min(want * (per_block - per_windowed) + windowed_need * per_windowed, GiB) + state_bytes
+                wanted = want * (per_block - per_windowed) + windowed_need * per_windowed
+                memory = self._default_kv_memory(model, config, p, wanted, -(-self.max_model_len // bs) * per_block,
+                                                 budget, max_num_seqs) + state_bytes
             elif memory < state_bytes:
                 raise ConfigError(f"--kv-cache-memory = {memory} bytes does not hold the recurrent state of "
                                   f"--max-num-seqs {config.max_num_seqs} sequences ({state_bytes} bytes): give more "
@@ -326,6 +334,23 @@ class LLMEngine:
                 raise ParamError("response_format", "structured outputs need a tokenizer, and this engine has none")
             self._grammars = Grammars.for_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_ids)
         return self._grammars
+
+    @staticmethod
+    def _default_kv_memory(model, config: EngineConfig, p: torch.Tensor, wanted: int, minimum: int, budget: int,
+                           max_num_seqs: int) -> int:
+        """The KV cache's bytes without --kv-cache-memory / --num-blocks: what ``wanted`` (max_num_seqs sequences of
+        max_model_len), at most 1 GiB on a CPU and at most --gpu-memory-utilization of the GPU's memory less what is
+        in use and a step's activations on CUDA (device_memory.py), said once there."""
+        if p.device.type != "cuda":
+            return min(wanted, GiB)
+        rows = min(max_num_seqs * (1 + config.speculative_tokens), budget)
+        reserve = device_memory.step_reserve(model.cfg.hidden_size, widest_linear(model)[0], model.cfg.vocab_size,
+                                             budget, rows, p.element_size())
+        memory = device_memory.kv_memory_on_gpu(p.device, config.gpu_memory_utilization, reserve, wanted, minimum)
+        say_once(f"KV cache: {memory / GiB:.2f} GiB on {p.device} (--gpu-memory-utilization "
+                 f"{config.gpu_memory_utilization}: {reserve / GiB:.2f} GiB kept for a step's activations"
+                 f"{'; all that --max-num-seqs sequences of --max-model-len need' if memory == wanted else ''})")
+        return memory
 
     @staticmethod
     def _state_slots(model, config: EngineConfig, dtype: torch.dtype) -> int:

@@ -145,3 +145,40 @@ def test_serve_on_cuda_answers_the_openai_client(hf_llama):
         assert isinstance(json.loads(r.choices[0].message.content)["a"], int)
     finally:
         server.stop()
+
+
+def test_the_kv_cache_takes_what_gpu_memory_utilization_leaves():
+    """Without --kv-cache-memory / --num-blocks the pool gets --gpu-memory-utilization of the GPU less what is in use
+    and a step's reserve (vLLM's sizing), where the batch wants more; the process stays inside that share while it
+    decodes; a share too small for one sequence is refused with the figures."""
+    import gc
+
+    from megapipe.config import ModelConfig
+    from megapipe.errors import ConfigError
+    from megapipe.inference.device_memory import step_reserve
+    from megapipe.inference.runner import widest_linear
+    from megapipe.models import build_model
+
+    # 4 layers x 2 x 8 kv heads x 128 x 2 bytes = 16 KiB of KV per token: 256 sequences of 32768 want 128 GiB
+    cfg = ModelConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_layers=4, num_heads=8,
+                      num_kv_heads=8, head_dim=128, max_position_embeddings=32768)
+    model = build_model(cfg, seed=0).to(DEVICE, torch.bfloat16)
+    with pytest.raises(ConfigError, match=r"--gpu-memory-utilization 0.001 allows .* leaving 0.00 GiB for the KV"):
+        LLMEngine(model, None, EngineConfig(gpu_memory_utilization=0.001), eos_token_ids=[])
+    share = 0.5
+    free, total = torch.cuda.mem_get_info()
+    reserve = step_reserve(256, widest_linear(model)[0], 1024, 2048, 256, 2)
+    expected = int(share * total) - (total - free) - reserve
+    engine = LLMEngine(model, None, EngineConfig(gpu_memory_utilization=share), eos_token_ids=[])
+    try:
+        pool = engine.pool
+        kv = sum(t.numel() * t.element_size() for t in [*pool.k.values(), *pool.v.values()])
+        assert 60 << 30 < kv <= expected + (64 << 20) and kv > expected - (64 << 20), (kv, expected)
+        outs = engine.generate([[5, 6, 7] * 300] * 64, SamplingParams(max_tokens=16, **GREEDY))
+        assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
+        free, total = torch.cuda.mem_get_info()
+        assert total - free <= share * total
+    finally:
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()

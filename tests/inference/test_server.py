@@ -417,6 +417,8 @@ def test_serve_cli_refusals_are_one_sentence(hf_llama, tmp_path, capsys):
              "no executable Python there"),
             # the engine's own checks, before anything loads, for either engine
             (["serve", str(hf_llama[0]), "--max-num-seqs", "0"], "--max-num-seqs = 0 must be an integer >= 1"),
+            (["serve", str(hf_llama[0]), "--gpu-memory-utilization", "1.5"],
+             "--gpu-memory-utilization = 1.5 must be a number in (0, 1]"),
             (["serve", str(hf_llama[0]), "--engine", "vllm", "--block-size", "0"],
              "--block-size = 0 must be an integer >= 1"),
         ]
