@@ -380,10 +380,11 @@ def run_case(text: str) -> dict:
         res["loss_rel"] = max(res["loss_rel"], abs(loss - ref["losses"][i]) / abs(ref["losses"][i]))
         res["moe_rel"] = max(res["moe_rel"], moe_rel({k: v for k, v in result.metrics.items() if k.startswith("moe/")},
                                                      ref["moe"][i]))
-        if i == 0:
-            grads = [(n, p.grad) for n, p in model.named_parameters() if p.requires_grad]  # not a frozen indexer
-            res["grad_abs"] = max_diff(grads, ref["grads"])
-            res["grad_rel"] = max_rel(((n, full(g)) for n, g in grads), ref["grads"])
+        if i == 0:  # each gathered once (a collective per tensor: most of a case's checking time)
+            grads = {n: p.grad if p.grad is None else full(p.grad) for n, p in model.named_parameters()
+                     if p.requires_grad}  # not a frozen indexer
+            res["grad_abs"] = max_diff(grads.items(), ref["grads"])
+            res["grad_rel"] = max_rel(grads.items(), ref["grads"])
         norm = clip_grad_norm_(model, CLIP, dims)
         if i == 0:
             res["norm_rel"] = abs(norm.item() - ref["norm"]) / ref["norm"]
@@ -399,13 +400,14 @@ def run_case(text: str) -> dict:
             res["idle_experts"] = float(all(load[2:].sum() == 0 for load in result.expert_load.values()))
     # the hyper-connections' weights apart (see the top): "hc_abs", beside one process's own drift ("hc_order_abs")
     hc = hyper_connection_params(model)
-    res["param_abs"] = max_diff(((n, p) for n, p in model.named_parameters() if n not in hc), ref["params"])
+    params = {n: full(p.detach()) for n, p in model.named_parameters()}
+    res["param_abs"] = max_diff(((n, p) for n, p in params.items() if n not in hc), ref["params"])
     if hc:
-        res["hc_abs"] = max_diff(((n, p) for n, p in model.named_parameters() if n in hc), ref["params"])
+        res["hc_abs"] = max_diff(((n, p) for n, p in params.items() if n in hc), ref["params"])
         res["hc_order_abs"] = ref.get("hc_order_abs", 0.0)
         res["param_order_abs"] = ref.get("param_order_abs", 0.0)
     # what the steps changed, against what they changed in the reference: 1.0 for a run that never updates
-    updates = ((n, full(p.detach()) - init[n]) for n, p in model.named_parameters() if n not in hc)
+    updates = ((n, p - init[n]) for n, p in params.items() if n not in hc)
     res["update_rel"] = max_rel(updates, {n: ref["params"][n] - ref["init"][n] for n in ref["params"]})
     # master weights and their gradients stay fp32 whatever the compute precision
     res["not_fp32"] = float(any(p.dtype != torch.float32 or (p.requires_grad and p.grad.dtype != torch.float32)
