@@ -182,19 +182,23 @@ CHOICE_ROWS = (1, 2, 4, 8, 16, 32, 64)  # decode batches up to prefill chunks: w
 OWN_ALWAYS = sys.maxsize  # a row limit for megapipe's kernel that every matmul is under
 
 
-def _fastest_seconds(fn: Callable[[], object], reps: int) -> float:
-    """The fastest of ``reps`` calls: another process sharing the cores only ever adds time."""
-    times = []
+def _fastest_seconds(runs: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
+    """The fastest of ``reps`` calls of each of ``runs``, the calls taking turns: another process sharing the cores
+    only ever adds time, and a slice of it (a few ms) then slows one call of each rather than all calls of one (one
+    after the other, 15 calls of 150 us fit in one such slice: megapipe's kernel measured 231 us to oneDNN's 112 at
+    16 rows on AMD's Zen 4, where it is the faster one)."""
+    times = {name: [] for name in runs}
     for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+        for name, fn in runs.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: min(t) for name, t in times.items()}
 
 
 def measure_bf16_linear(n: int, k: int, reps: int = 15) -> dict[int, dict[str, float]]:
     """Seconds one bf16 matmul on an [n, k] weight takes at each of CHOICE_ROWS rows, on megapipe's kernel (``own``)
-    and on oneDNN's packed matmul (``onednn``); the two interleaved so a load change hits both."""
+    and on oneDNN's packed matmul (``onednn``); the two taking turns so a load change hits both."""
     from megapipe import torch_compat
 
     weight = torch.randn(n, k).bfloat16()
@@ -208,7 +212,7 @@ def measure_bf16_linear(n: int, k: int, reps: int = 15) -> dict[int, dict[str, f
                     "onednn": functools.partial(torch_compat.linear_pointwise, x, onednn_w, None, "none")}
             for fn in runs.values():
                 fn()  # first call: oneDNN builds its primitive
-            times[m] = {name: _fastest_seconds(fn, reps) for name, fn in runs.items()}
+            times[m] = _fastest_seconds(runs, reps)
     return times
 
 

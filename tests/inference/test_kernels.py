@@ -312,6 +312,20 @@ def test_own_row_limit_is_the_cheapest_split_of_the_measured_rows():
     assert kernels.describe_row_limit(4) == "megapipe up to 4 rows, oneDNN above"
 
 
+def test_the_kernels_measured_take_turns_and_each_keeps_its_fastest_call():
+    """A few ms of another process then slow one call of each kernel, not every call of one."""
+    calls = []
+    pause = {"own": iter([0.004, 0.0, 0.0]), "onednn": iter([0.0, 0.002, 0.0])}
+
+    def run(name):
+        calls.append(name)
+        time.sleep(next(pause[name]))
+
+    times = kernels._fastest_seconds({"own": lambda: run("own"), "onednn": lambda: run("onednn")}, 3)
+    assert calls == ["own", "onednn"] * 3
+    assert set(times) == {"own", "onednn"} and all(t < 0.002 for t in times.values())
+
+
 def test_a_linear_with_a_row_limit_runs_each_call_on_its_kernel(bf16_linear, monkeypatch):
     """Both layouts kept; up to 2 rows on megapipe's kernel, more on oneDNN's; both give the same product, and a
     repack reaches both copies."""
