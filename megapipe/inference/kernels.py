@@ -280,13 +280,49 @@ def bf16_linear_built() -> bool:
     return has_avx512_bf16() and ops() is not None and hasattr(ops(), "linear_bf16")
 
 
+GLU_ROWS = (8, 64)  # the row counts glu_choice times: a decode's, and a batch's
+
+
+def _two_calls(x: torch.Tensor, weight: list, n: int, gate: torch.Tensor, out: torch.Tensor) -> None:
+    """The gate's SiLU and then the product with the up projection, in the two linear calls' epilogues."""
+    ops().linear_bf16(x, weight[0], n, None, True, None, gate)
+    ops().linear_bf16(x, weight[1], n, None, False, gate, out)
+
+
+def glu_fused(n: int, k: int) -> bool:
+    """``glu_bf16`` serves a SwiGLU's gate and up projections, [n, k] each, in one call (glu_choice)."""
+    return glu_choice(n, k)[0]
+
+
 @functools.lru_cache(maxsize=None)
-def glu_on_tiles(in_features: int) -> bool:
-    """``glu_bf16`` runs on AMX tiles for this input width (it reads 32 inputs per tile): where it is faster than
-    the gate and up projections as two calls. On its vdpbf16ps loop (no AMX) a decode's 8 rows took ~1.45x as long
-    as the two calls (8 output rows of 16 x 2 weight tiles per block against the linear's 3), so it is not used
-    there."""
-    return has_amx() and in_features % 32 == 0 and bf16_linear_built() and hasattr(ops(), "glu_bf16")
+def glu_choice(n: int, k: int) -> tuple[bool, str]:
+    """Whether a SwiGLU's gate and up projections ([n, k] each) run as one ``glu_bf16`` call (each block both
+    halves' tiles of the same outputs: the gate is never written out and read back, and the SiLU and product are
+    taken on the fp32 sums before one rounding) rather than two linear calls, and why in one line. On AMX tiles
+    (k a multiple of 32) always. On the loop a block holds 8 rows of 2 tiles against the linear's 3, which costs
+    where vdpbf16ps is slow (a decode's 8 rows ~1.45x the two calls on the AMX Xeon run without AMX) and gains
+    where it is fast (AMD's Zen 4: 1.10x at 8 rows, 1.03x at 64, 1.05x at 1024), so there a measurement at first
+    use decides: the fused call where it is the faster at GLU_ROWS, the two kernels taking turns."""
+    if not (bf16_linear_built() and hasattr(ops(), "glu_bf16")):
+        return False, "SwiGLU gate and up as two calls (no megapipe bf16 kernel here)"
+    if has_amx():
+        fused = k % 32 == 0
+        return fused, f"SwiGLU gate and up {'in one call' if fused else 'as two calls'} on AMX tiles"
+    weight = [pack_bf16_weight(torch.randn(n, k).bfloat16() * 0.05) for _ in range(2)]
+    times = {}
+    with torch.inference_mode():
+        for m in GLU_ROWS:
+            x = torch.randn(m, k).bfloat16()
+            gate, out = (torch.empty(m, n, dtype=torch.bfloat16) for _ in range(2))
+            runs = {"glu": functools.partial(ops().glu_bf16, x, weight[0], weight[1], n, out),
+                    "two": functools.partial(_two_calls, x, weight, n, gate, out)}
+            for fn in runs.values():
+                fn()
+            times[m] = _fastest_seconds(runs, 15)
+    fused = all(t["glu"] < t["two"] for t in times.values())
+    measured = ", ".join(f"{m}: {t['glu'] * 1e6:.0f}/{t['two'] * 1e6:.0f}" for m, t in times.items())
+    return fused, (f"SwiGLU gate and up {'in one call' if fused else 'as two calls'} (measured on {n}x{k} weights, "
+                   f"rows: one call/two calls us: {measured})")
 
 
 def f32_linear_built() -> bool:

@@ -185,17 +185,19 @@ def packing_works(dtype: torch.dtype) -> bool:
 class PackedSwiGLU(nn.Module):
     """A swiglu FeedForward as packed matmuls, w2(silu(x w1) * (x w3)), the SiLU and the product taken on the fp32
     sums before rounding: no elementwise passes over the hidden activations, which in a long prefill cost as much as
-    a fifth of the MLP. On megapipe's bf16 kernel on AMX tiles the first half is one call (``glu_bf16``: each
-    block multiplies the gate's and the up projection's tiles of the same outputs, so neither half is written out
-    and read back); elsewhere (oneDNN, the vdpbf16ps loop, biases) it is two, the SiLU and
-    the product in their epilogues (kernels.glu_on_tiles)."""
+    a fifth of the MLP. On megapipe's bf16 kernel the first half is one call where it is the faster (``glu_bf16``:
+    each block multiplies the gate's and the up projection's tiles of the same outputs, so neither half is written
+    out and read back; always on AMX tiles, by a measurement on the loop: kernels.glu_choice); elsewhere (oneDNN,
+    biases) it is two, the SiLU and the product in their epilogues."""
 
     def __init__(self, ff: nn.Module, own: Union[bool, int] = False):
         super().__init__()
         self.w1, self.w3, self.w2 = (PackedLinear(w.weight, w.bias, own) for w in (ff.w1, ff.w3, ff.w2))
         w1, w3 = self.w1, self.w3  # the same shape and row limit: w1's kernel choice is w3's
         self.glu = (w1.own and w1.packed.dtype == torch.bfloat16 and w1.bias is None and w3.bias is None
-                    and kernels.glu_on_tiles(w1.in_features))
+                    and kernels.glu_fused(w1.out_features, w1.in_features))
+        if w1.own and w1.packed.dtype == torch.bfloat16:
+            say_once(kernels.glu_choice(w1.out_features, w1.in_features)[1])
 
     def forward(self, x: torch.Tensor, x2: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``x2``: values of extra inputs of w1 and w3 (PackedLinear.extend), as the rows of x."""
@@ -255,7 +257,7 @@ class PackedExperts(nn.Module):
     """An MoE layer's experts (megapipe.models.moe.GroupedExperts, same ``forward(x, counts)``) on megapipe's bf16
     kernel: each 3-D weight [E, F, H] packed once as one [E*F, H] matmul, expert e's rows being a contiguous slice of
     it (the kernel's 16-output lines; F and H multiples of 16). Every expert that got rows runs as PackedSwiGLU does
-    (gate and up in one glu_bf16 call where AMX serves it) on its slice of the sorted rows, writing its part of one output;
+    (gate and up in one glu_bf16 call where kernels.glu_fused says so) on its slice of the sorted rows, writing its part of one output;
     an expert that got none costs nothing. On CPU, torch._grouped_mm reorders each group's bf16 weight for a plain
     GEMM on every call: at decode batch sizes (a few rows per expert) it takes 2-5x as long as this kernel, which
     streams each weight once (tools/bench_generate.py on a Mixtral-like model: the decode step 4x faster)."""
@@ -281,7 +283,7 @@ class PackedExperts(nn.Module):
             x = x.contiguous().to(torch.bfloat16)
         out = torch.empty(len(x), self.hidden, dtype=x.dtype, device=x.device)
         hidden = torch.empty(len(x), self.ffn, dtype=x.dtype, device=x.device)
-        gate = None if kernels.glu_on_tiles(self.hidden) else torch.empty_like(hidden)
+        gate = None if kernels.glu_fused(self.ffn, self.hidden) else torch.empty_like(hidden)
         sizes = counts.tolist()
         gates = [None] * len(sizes) if gate is None else gate.split(sizes)
         w1, w3, w2 = self._experts()

@@ -635,10 +635,10 @@ def test_the_fused_silu_holds_at_extreme_inputs(bf16_linear):
         torch.testing.assert_close(out[:, 0].double(), want, rtol=2 ** -8, atol=1e-30)
 
 
-def test_packed_swiglu_runs_the_fused_glu_on_amx_with_or_without_extra_inputs(bf16_linear, monkeypatch):
-    """On AMX the gate and up projections are one glu_bf16 call, also with extra inputs (LoRA's low-rank sums,
-    PackedLinear.extend); without AMX two linear calls; each is the SwiGLU of [x | x2] against the extended
-    weights."""
+def test_packed_swiglu_runs_the_fused_glu_where_chosen_with_or_without_extra_inputs(bf16_linear, monkeypatch):
+    """Where kernels.glu_fused says so the gate and up projections are one glu_bf16 call, also with extra inputs
+    (LoRA's low-rank sums, PackedLinear.extend); elsewhere two linear calls; each is the SwiGLU of [x | x2] against
+    the extended weights."""
     from megapipe.config import ModelConfig
     from megapipe.inference.runner import PackedSwiGLU
     from megapipe.models.dense import FeedForward
@@ -662,7 +662,7 @@ def test_packed_swiglu_runs_the_fused_glu_on_amx_with_or_without_extra_inputs(bf
 
     monkeypatch.setattr(torch.ops, "megapipe", Counting(), raising=False)
     for amx in (True, False):
-        monkeypatch.setattr(kernels, "glu_on_tiles", lambda width, amx=amx: amx)  # AMX or not, whatever this CPU is
+        monkeypatch.setattr(kernels, "glu_fused", lambda n, k, amx=amx: amx)  # fused or not, whatever this CPU chose
         packed = PackedSwiGLU(ff, own=True)
         calls.clear()
         got = packed(x)
