@@ -203,15 +203,24 @@ def measure_bf16_linear(n: int, k: int, reps: int = 15) -> dict[int, dict[str, f
 
     weight = torch.randn(n, k).bfloat16()
     own_w, onednn_w = pack_bf16_weight(weight), torch_compat.reorder_linear_weight(weight, 16)
+
+    def runs_at(m: int) -> dict:
+        x, out = torch.randn(m, k).bfloat16(), torch.empty(m, n, dtype=torch.bfloat16)
+        return {"own": functools.partial(ops().linear_bf16, x, own_w, n, None, False, None, out),
+                "onednn": functools.partial(torch_compat.linear_pointwise, x, onednn_w, None, "none")}
+
+    return _fastest_at_rows(CHOICE_ROWS, runs_at, reps)
+
+
+def _fastest_at_rows(rows, runs_at: Callable[[int], dict], reps: int) -> dict[int, dict[str, float]]:
+    """{m: _fastest_seconds of the calls ``runs_at(m)`` returns} for each row count m, each call made once untimed
+    first (oneDNN builds its primitive there)."""
     times = {}
     with torch.inference_mode():
-        for m in CHOICE_ROWS:
-            x = torch.randn(m, k).bfloat16()
-            out = torch.empty(m, n, dtype=torch.bfloat16)
-            runs = {"own": functools.partial(ops().linear_bf16, x, own_w, n, None, False, None, out),
-                    "onednn": functools.partial(torch_compat.linear_pointwise, x, onednn_w, None, "none")}
+        for m in rows:
+            runs = runs_at(m)
             for fn in runs.values():
-                fn()  # first call: oneDNN builds its primitive
+                fn()
             times[m] = _fastest_seconds(runs, reps)
     return times
 
@@ -309,16 +318,14 @@ def glu_choice(n: int, k: int) -> tuple[bool, str]:
         fused = k % 32 == 0
         return fused, f"SwiGLU gate and up {'in one call' if fused else 'as two calls'} on AMX tiles"
     weight = [pack_bf16_weight(torch.randn(n, k).bfloat16() * 0.05) for _ in range(2)]
-    times = {}
-    with torch.inference_mode():
-        for m in GLU_ROWS:
-            x = torch.randn(m, k).bfloat16()
-            gate, out = (torch.empty(m, n, dtype=torch.bfloat16) for _ in range(2))
-            runs = {"glu": functools.partial(ops().glu_bf16, x, weight[0], weight[1], n, out),
-                    "two": functools.partial(_two_calls, x, weight, n, gate, out)}
-            for fn in runs.values():
-                fn()
-            times[m] = _fastest_seconds(runs, 15)
+
+    def runs_at(m: int) -> dict:
+        x = torch.randn(m, k).bfloat16()
+        gate, out = (torch.empty(m, n, dtype=torch.bfloat16) for _ in range(2))
+        return {"glu": functools.partial(ops().glu_bf16, x, weight[0], weight[1], n, out),
+                "two": functools.partial(_two_calls, x, weight, n, gate, out)}
+
+    times = _fastest_at_rows(GLU_ROWS, runs_at, 15)
     fused = all(t["glu"] < t["two"] for t in times.values())
     measured = ", ".join(f"{m}: {t['glu'] * 1e6:.0f}/{t['two'] * 1e6:.0f}" for m, t in times.items())
     return fused, (f"SwiGLU gate and up {'in one call' if fused else 'as two calls'} (measured on {n}x{k} weights, "

@@ -194,9 +194,10 @@ class PackedSwiGLU(nn.Module):
         super().__init__()
         self.w1, self.w3, self.w2 = (PackedLinear(w.weight, w.bias, own) for w in (ff.w1, ff.w3, ff.w2))
         w1, w3 = self.w1, self.w3  # the same shape and row limit: w1's kernel choice is w3's
-        self.glu = (w1.own and w1.packed.dtype == torch.bfloat16 and w1.bias is None and w3.bias is None
-                    and kernels.glu_fused(w1.out_features, w1.in_features))
-        if w1.own and w1.packed.dtype == torch.bfloat16:
+        own_bf16 = w1.own and w1.packed.dtype == torch.bfloat16
+        self.glu = own_bf16 and w1.bias is None and w3.bias is None and kernels.glu_fused(w1.out_features,
+                                                                                           w1.in_features)
+        if own_bf16:
             say_once(kernels.glu_choice(w1.out_features, w1.in_features)[1])
 
     def forward(self, x: torch.Tensor, x2: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -268,6 +269,7 @@ class PackedExperts(nn.Module):
         # own's row limit does not apply: each expert's slice runs on megapipe's kernel at whatever rows it got
         self.w1, self.w3, self.w2 = (PackedLinear(w.detach().reshape(-1, w.shape[-1]), None, bool(own))
                                      for w in (experts.w1, experts.w3, experts.w2))
+        self.glu = kernels.glu_fused(self.ffn, self.hidden)  # decided (measured) here, not at the first forward
         self._views_of = None
 
     @staticmethod
@@ -283,7 +285,7 @@ class PackedExperts(nn.Module):
             x = x.contiguous().to(torch.bfloat16)
         out = torch.empty(len(x), self.hidden, dtype=x.dtype, device=x.device)
         hidden = torch.empty(len(x), self.ffn, dtype=x.dtype, device=x.device)
-        gate = None if kernels.glu_fused(self.ffn, self.hidden) else torch.empty_like(hidden)
+        gate = None if self.glu else torch.empty_like(hidden)
         sizes = counts.tolist()
         gates = [None] * len(sizes) if gate is None else gate.split(sizes)
         w1, w3, w2 = self._experts()
