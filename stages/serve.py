@@ -36,7 +36,9 @@ def serve(
     gpu_memory_utilization: Optional[float] = typer.Option(
         None, "--gpu-memory-utilization", help="On a GPU, the share of its memory the server may use; the KV cache "
                                                "gets what the weights and a step leave of it (default 0.9)."),
-    block_size: int = typer.Option(16, "--block-size", help="Tokens per KV-cache block."),
+    block_size: Optional[int] = typer.Option(
+        None, "--block-size", help="Tokens per KV-cache block (default: 128 on a CPU where every layer is softmax "
+                                   "attention, as vLLM's CPU backend; 16 elsewhere)."),
     max_num_batched_tokens: Optional[int] = typer.Option(
         None, "--max-num-batched-tokens", help="Token budget of one engine step (prefill is chunked to it; default "
                                                "1024 on a CPU, 2048 on a GPU; vLLM: its own default)."),
@@ -129,7 +131,8 @@ def serve(
         cmd = vllm_command(python, hf_dir, host=host, port=port, api_key=api_key, served_model_name=name,
                            max_num_seqs=max_num_seqs, max_model_len=max_model_len, dtype=dtype,
                            max_num_batched_tokens=max_num_batched_tokens, prefix_caching=not no_prefix_caching,
-                           tool_call_parser=tool_call_parser, gpu_memory_utilization=gpu_memory_utilization)
+                           tool_call_parser=tool_call_parser, gpu_memory_utilization=gpu_memory_utilization,
+                           block_size=block_size)
         typer.echo(f"megapipe serve: starting vLLM ({python}) on {hf_dir}; --max-queue and --max-body-size do not "
                    f"apply to vLLM's server", err=True)
         code = run_vllm(cmd, env, shutdown_timeout)

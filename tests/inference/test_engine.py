@@ -70,7 +70,7 @@ def test_prefix_cache_hits_give_identical_tokens(hf_llama, cpu_kernels, one_thre
     system = list(range(10, 58))  # 48 tokens: three full blocks of 16
     prompts = [system + [i, i + 1, i + 2] for i in (100, 120, 140)]
     want = [hf_greedy(hf, p, 10) for p in prompts]
-    engine = LLMEngine.from_pretrained(path, device="cpu", cpu_kernels=cpu_kernels)
+    engine = LLMEngine.from_pretrained(path, device="cpu", block_size=16, cpu_kernels=cpu_kernels)
     first = engine.generate(prompts[:1], SamplingParams(max_tokens=10, **GREEDY))
     assert first[0].num_cached_tokens == 0
     rest = engine.generate(prompts[1:], SamplingParams(max_tokens=10, **GREEDY))
@@ -131,7 +131,7 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tiny_engine_factory, one_t
 
 
 def test_n_samples_share_the_prompt_through_the_prefix_cache(tiny_engine_factory):
-    engine = tiny_engine_factory()
+    engine = tiny_engine_factory(block_size=16)
     prompt = list(range(1, 40))  # two full blocks
     out = engine.generate([prompt], SamplingParams(n=4, max_tokens=3, temperature=1.0, seed=0))[0]
     assert len(out.outputs) == 4
@@ -206,7 +206,7 @@ def test_pool_accounting_abort_and_errors(tiny_engine_factory):
     with pytest.raises(ParamError, match="temperature = nan must be a finite number"):
         engine.add_request("g", [1], SamplingParams(temperature=float("nan")))
     with pytest.raises(ConfigError, match="holds 2 blocks of 16 tokens"):
-        tiny_engine_factory(num_blocks=2)
+        tiny_engine_factory(block_size=16, num_blocks=2)
     with pytest.raises(ConfigError, match="--max-num-seqs = 0"):
         tiny_engine_factory(max_num_seqs=0)
     assert not engine.has_unfinished()
@@ -291,13 +291,13 @@ def test_load_weights_replaces_the_model_and_empties_the_prefix_cache(dtype):
     a, b = build_model(cfg, seed=1).to(dtype), build_model(cfg, seed=2).to(dtype)
     prompt = [[3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61]]
     greedy = SamplingParams(max_tokens=8, temperature=0.0)
-    engine = LLMEngine(a, None, EngineConfig(num_blocks=16), eos_token_ids=[])
+    engine = LLMEngine(a, None, EngineConfig(block_size=16, num_blocks=16), eos_token_ids=[])
     first = engine.generate(prompt, greedy)[0].outputs[0].token_ids
     assert engine.blocks.evictable  # the prompt's full block is cached
     engine.load_weights({k: v.float() for k, v in b.state_dict().items()})
     assert not engine.blocks.evictable
     again = engine.generate(prompt, greedy)[0].outputs[0].token_ids
-    fresh = LLMEngine(build_model(cfg, seed=2).to(dtype), None, EngineConfig(num_blocks=16), eos_token_ids=[])
+    fresh = LLMEngine(build_model(cfg, seed=2).to(dtype), None, EngineConfig(block_size=16, num_blocks=16), eos_token_ids=[])
     assert again == fresh.generate(prompt, greedy)[0].outputs[0].token_ids != first
 
 
@@ -433,3 +433,20 @@ def test_the_step_token_budget_defaults_by_device_and_a_given_one_wins():
         engine.step()
         chunks.append(engine.num_prompt_tokens - before)
     assert chunks == [1024, 1335 - 1024]
+
+
+def test_kv_blocks_are_128_tokens_on_a_cpu_where_every_layer_is_softmax_attention(tiny_engine_factory):
+    """The block size's default: vLLM's CPU backend's 128 for plain attention on a CPU (a decode row's keys in runs
+    the cores' prefetchers follow), 16 on other devices and for MLA / recurrent-state models (their tests say so:
+    test_mla_engine.py, test_mamba_engine.py), the given size anywhere."""
+    from megapipe.inference.engine import CPU_BLOCK_SIZE, EngineConfig
+
+    assert EngineConfig().kv_block_size("cpu", plain_attention=True) == CPU_BLOCK_SIZE == 128
+    assert EngineConfig().kv_block_size("cpu", plain_attention=False) == 16
+    assert EngineConfig().kv_block_size("cuda", plain_attention=True) == 16
+    assert EngineConfig(block_size=32).kv_block_size("cpu", plain_attention=True) == 32
+    engine = tiny_engine_factory()
+    assert engine.blocks.block_size == engine.pool.block_size == 128
+    assert engine.kv_cache_line().split(",")[0].endswith("KV blocks of 128")
+    with pytest.raises(ConfigError, match="--block-size = 0 must be an integer >= 1"):
+        EngineConfig(block_size=0).check()

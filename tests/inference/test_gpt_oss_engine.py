@@ -79,7 +79,7 @@ def test_prefix_cache_shared_prefix(gpt_oss, cpu_kernels, one_thread):
     path, hf = gpt_oss
     system = list(range(10, 42))  # two full blocks of 16, far longer than the window
     prompts = [system + [i, i + 1, i + 2] for i in (100, 120)]
-    engine = LLMEngine.from_pretrained(path, device="cpu", cpu_kernels=cpu_kernels)
+    engine = LLMEngine.from_pretrained(path, device="cpu", block_size=16, cpu_kernels=cpu_kernels)
     greedy = SamplingParams(max_tokens=10, **GREEDY)
     first = engine.generate([prompts[0]], greedy)[0].outputs[0].token_ids
     second = engine.generate([prompts[1]], greedy)[0]

@@ -19,7 +19,7 @@ def cacheable_tokens(prompt: list[int], block_size: int) -> int:
 
 def test_a_block_differing_only_in_its_last_token_is_not_reused(hf_llama, cpu_kernels, one_thread):
     path, hf = hf_llama
-    engine = LLMEngine.from_pretrained(path, device="cpu", cpu_kernels=cpu_kernels)
+    engine = LLMEngine.from_pretrained(path, device="cpu", block_size=BS, cpu_kernels=cpu_kernels)
     first = list(range(10, 50))  # 40 tokens: two full blocks and 8 more
     engine.generate([first], GREEDY_8)
     for changed, cached in ((BS - 1, 0), (2 * BS - 1, BS)):  # the last token of block 0, then of block 1
@@ -32,7 +32,7 @@ def test_a_block_differing_only_in_its_last_token_is_not_reused(hf_llama, cpu_ke
 
 def test_an_exactly_two_block_prompt_repeated(hf_llama, cpu_kernels, one_thread):
     path, hf = hf_llama
-    engine = LLMEngine.from_pretrained(path, device="cpu", cpu_kernels=cpu_kernels)
+    engine = LLMEngine.from_pretrained(path, device="cpu", block_size=BS, cpu_kernels=cpu_kernels)
     prompt = list(range(100, 100 + 2 * BS))
     want = hf_greedy(hf, prompt, 8)
     cached = []
