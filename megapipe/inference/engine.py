@@ -60,6 +60,17 @@ CPU_TOKEN_BUDGET = 1024  # EngineConfig.token_budget's default on a CPU
 CPU_BLOCK_SIZE = 128  # EngineConfig.kv_block_size's default on a CPU (vLLM's CPU backend's too)
 
 
+def _kv_modules(model) -> list:
+    """The model's modules that keep keys and values in the pool."""
+    return [m for m in model.layers.modules() if isinstance(m, (Attention, MLAttention, CompressedAttention))]
+
+
+def plain_attention(model) -> bool:
+    """Every layer of ``model`` that keeps keys is softmax attention over the pool and none keeps a recurrent state
+    (EngineConfig.kv_block_size's condition)."""
+    return not state_bytes_per_sequence(model, torch.float32) and all(type(m) is Attention for m in _kv_modules(model))
+
+
 @dataclass
 class EngineConfig:
     block_size: Optional[int] = None  # tokens per KV block; default: kv_block_size's
@@ -247,9 +258,8 @@ class LLMEngine:
         state_bytes = self.states.bytes_per_sequence() * max_num_seqs
         # keys and values of the layers that attend (a hybrid model's Mamba and MLP layers have none); speculative
         # decoding: the MTP blocks' too (pool layers num_layers + depth - 1)
-        kv_modules = [m for m in model.layers.modules() if isinstance(m, (Attention, MLAttention, CompressedAttention))]
-        kv_layers = sorted({m.layer_id for m in kv_modules})
-        bs = config.kv_block_size(p.device, not state_bytes and all(type(m) is Attention for m in kv_modules))
+        kv_layers = sorted({m.layer_id for m in _kv_modules(model)})
+        bs = config.kv_block_size(p.device, plain_attention(model))
         evict = eviction_window(cfg)  # every layer windowed: the blocks behind it are given back
         if config.speculative_tokens and not ngram:
             kv_layers += range(cfg.num_layers, cfg.num_layers + cfg.mtp_depth)

@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 from megapipe.checkpoint.load import eos_ids_of
 from megapipe.errors import MegapipeError
-from megapipe.inference.engine import EngineConfig, LLMEngine
+from megapipe.inference.engine import EngineConfig, LLMEngine, plain_attention
 from megapipe.inference.sampling import ParamError, SamplingParams
 
 
@@ -24,7 +24,7 @@ def _engine_for(model, tokenizer, prompts: Sequence[Sequence[int]], max_new_toke
         if len(p) + max_new_tokens > limit:  # learned: no position; RoPE: never trained there
             raise MegapipeError(f"prompt {i + 1} ({len(p)} tokens) + --max-new-tokens ({max_new_tokens}) exceeds the "
                                 f"model's max_position_embeddings = {limit}")
-    bs = 16
+    bs = EngineConfig().kv_block_size(next(model.parameters()).device, plain_attention(model))
     need = sum(-(-(len(p) + max_new_tokens) // bs) for p in prompts)
     config = EngineConfig(block_size=bs, num_blocks=max(need, -(-limit // bs)), max_num_seqs=max(1, len(prompts)),
                           max_num_batched_tokens=max(2048, max(len(p) for p in prompts)),

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from megapipe.errors import MegapipeError
-from megapipe.inference.engine import EngineConfig, LLMEngine
+from megapipe.inference.engine import EngineConfig, LLMEngine, plain_attention
 from megapipe.inference.runner import packed_parts
 from megapipe.models import build_model
 
@@ -44,7 +44,7 @@ def build_engine(model_cfg, tokenizer, eos_token_ids, dtype: torch.dtype, device
     """An LLMEngine for ``model_cfg`` holding ``state`` (through load_weights, as every later sync)."""
     model = build_model(model_cfg, device="meta").to_empty(device=device).to(dtype)
     model.load_state_dict({k: v.to(device, dtype) for k, v in state.items()}, strict=True)
-    bs = 16
+    bs = EngineConfig().kv_block_size(device, plain_attention(model))
     blocks = max_num_seqs * -(-max_model_len // bs) + 1
     config = EngineConfig(block_size=bs, num_blocks=blocks, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                           max_num_batched_tokens=max(2048, max_model_len))
