@@ -85,10 +85,12 @@ def test_kill9_and_sigterm_then_resume_is_bitwise_exact(pretrain_data, tmp_path)
     killed_at = latest_step(run_dir)
     assert 5 <= killed_at < ITERS
 
-    # 2. resume; SIGTERM once it has made progress: it finishes the step, saves, exits 0
+    # 2. resume; SIGTERM once it has made progress: it finishes the step, saves, exits 0. The killed run may have
+    # logged steps past its checkpoint: progress is a step past those too (else the signal can land while the
+    # resumed run still loads, before its handlers are in place)
+    logged = max([killed_at + 1] + [r["step"] for r in records(run_dir, running=True)])
     b = start(command(pretrain_data, run_dir, "--load", str(run_dir)))
-    wait_for(lambda: any(r["step"] > killed_at + 1 for r in records(run_dir, running=True)), b,
-             "progress after the resume")
+    wait_for(lambda: any(r["step"] > logged for r in records(run_dir, running=True)), b, "progress after the resume")
     b.send_signal(signal.SIGTERM)
     out = finish(b)
     assert b.returncode == 0, out
