@@ -50,19 +50,50 @@ struct Inputs {
   }
 };
 
+// The weight lines a block fetches ahead for the thread's next task (Ahead): the same run of lines (bytes `offset`
+// to `end`) of each of the next task's weight tiles, kLinesPerFetch of each every kLinesPerFetch * `spacing` steps
+// of the block's products
+struct Prefetch {
+  static constexpr int kMaxTiles = 4;
+  static constexpr int kLinesPerFetch = 4;
+  const char* tiles[kMaxTiles] = {};
+  int count = 0, spacing = 0;
+  int64_t offset = 0, end = 0;  // bytes into each tile
+  // fetches the next lines of each tile at step `step` of `steps`; returns the step at which to fetch again
+  int64_t fetch(int64_t step, int64_t steps) {
+    if (offset >= end) return steps;
+    const int64_t stop = std::min(end, offset + kLinesPerFetch * 64);
+    for (int i = 0; i < count; ++i)
+      for (int64_t at = offset; at < stop; at += 64) _mm_prefetch(tiles[i] + at, _MM_HINT_T1);
+    offset = stop;
+    return std::min(steps, step + kLinesPerFetch * spacing);
+  }
+};
+
 // acc[m][t] += the products of `pairs` input pairs of rows x (x_row apart) with the weight lines w[t] .. (one line
 // of 16 outputs per pair)
 template <int MB, int NT>
 inline void accumulate(__m512 (&acc)[MB][NT], const uint16_t* x, int64_t x_row, const uint16_t* const* w,
-                       int64_t pairs) {
-  for (int64_t k = 0; k < pairs; ++k) {
-    __m512i wv[NT];
-    for (int t = 0; t < NT; ++t) wv[t] = _mm512_loadu_si512(w[t] + k * 2 * kTile);
-    for (int m = 0; m < MB; ++m) {
-      const __m512i xv = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + m * x_row + 2 * k));
-      for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_dpbf16_ps(acc[m][t], (__m512bh)xv, (__m512bh)wv[t]);
+                       int64_t pairs, Prefetch& ahead) {
+  // copied in: vector types may alias anything, so the stores of the fetches ahead would otherwise send the sums
+  // through memory
+  __m512 sums[MB][NT];
+  for (int m = 0; m < MB; ++m)
+    for (int t = 0; t < NT; ++t) sums[m][t] = acc[m][t];
+  // runs of steps between fetches ahead (kLinesPerFetch lines of each tile at a time): fetched from inside the
+  // loop, a line every few steps, the fetch's state took registers from the products and cost more than it saved
+  for (int64_t k = 0; k < pairs;) {
+    for (const int64_t stop = ahead.fetch(k, pairs); k < stop; ++k) {
+      __m512i wv[NT];
+      for (int t = 0; t < NT; ++t) wv[t] = _mm512_loadu_si512(w[t] + k * 2 * kTile);
+      for (int m = 0; m < MB; ++m) {
+        const __m512i xv = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + m * x_row + 2 * k));
+        for (int t = 0; t < NT; ++t) sums[m][t] = _mm512_dpbf16_ps(sums[m][t], (__m512bh)xv, (__m512bh)wv[t]);
+      }
     }
   }
+  for (int m = 0; m < MB; ++m)
+    for (int t = 0; t < NT; ++t) acc[m][t] = sums[m][t];
 }
 
 // The same sums on fp32 FMAs: each weight line widened to its even inputs' 16 outputs (the pair's low halves
@@ -72,7 +103,7 @@ inline void accumulate(__m512 (&acc)[MB][NT], const uint16_t* x, int64_t x_row, 
 // 32 rows: 230 -> 330 GFLOP/s on 2 cores); the products are the same exact ones, summed one at a time in fp32.
 template <int MB, int NT>
 inline void accumulate_fma(__m512 (&sums)[MB][NT], const uint16_t* x, int64_t x_row, const uint16_t* const* w,
-                           int64_t pairs) {
+                           int64_t pairs, Prefetch& ahead) {
   constexpr int64_t kPairsWidened = 256;
   alignas(64) float xf[MB][2 * kPairsWidened];
   const __m512i high_halves = _mm512_set1_epi32(int(0xFFFF0000u));
@@ -86,22 +117,23 @@ inline void accumulate_fma(__m512 (&sums)[MB][NT], const uint16_t* x, int64_t x_
         const __mmask16 mask = column_mask(i, 2 * kn);
         _mm512_store_ps(xf[m] + i, bf16_to_fp32(_mm256_maskz_loadu_epi16(mask, x + m * x_row + 2 * k0 + i)));
       }
-    for (int64_t kk = 0; kk < kn; ++kk) {
-      const int64_t line = (k0 + kk) * 2 * kTile;
-      __m512 wv[NT];  // the even inputs' weights, then the odd ones' in the same registers
-      for (int t = 0; t < NT; ++t)
-        wv[t] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(w[t] + line), 16));
-      for (int m = 0; m < MB; ++m) {
-        const __m512 xe = _mm512_set1_ps(xf[m][2 * kk]);
-        for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_fmadd_ps(xe, wv[t], acc[m][t]);
+    for (int64_t kk = 0; kk < kn;)
+      for (const int64_t stop = std::min(kn, ahead.fetch(k0 + kk, pairs) - k0); kk < stop; ++kk) {
+        const int64_t line = (k0 + kk) * 2 * kTile;
+        __m512 wv[NT];  // the even inputs' weights, then the odd ones' in the same registers
+        for (int t = 0; t < NT; ++t)
+          wv[t] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(w[t] + line), 16));
+        for (int m = 0; m < MB; ++m) {
+          const __m512 xe = _mm512_set1_ps(xf[m][2 * kk]);
+          for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_fmadd_ps(xe, wv[t], acc[m][t]);
+        }
+        for (int t = 0; t < NT; ++t)
+          wv[t] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(w[t] + line), high_halves));
+        for (int m = 0; m < MB; ++m) {
+          const __m512 xo = _mm512_set1_ps(xf[m][2 * kk + 1]);
+          for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_fmadd_ps(xo, wv[t], acc[m][t]);
+        }
       }
-      for (int t = 0; t < NT; ++t)
-        wv[t] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(w[t] + line), high_halves));
-      for (int m = 0; m < MB; ++m) {
-        const __m512 xo = _mm512_set1_ps(xf[m][2 * kk + 1]);
-        for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_fmadd_ps(xo, wv[t], acc[m][t]);
-      }
-    }
   }
   for (int m = 0; m < MB; ++m)
     for (int t = 0; t < NT; ++t) sums[m][t] = acc[m][t];
@@ -117,26 +149,27 @@ std::string loop_measurement;
 
 template <int MB, int NT>
 inline void accumulate_with(int products, __m512 (&acc)[MB][NT], const uint16_t* x, int64_t x_row,
-                            const uint16_t* const* w, int64_t pairs) {
+                            const uint16_t* const* w, int64_t pairs, Prefetch& ahead) {
   if (products == kFmaProducts) {
-    accumulate_fma<MB, NT>(acc, x, x_row, w, pairs);
+    accumulate_fma<MB, NT>(acc, x, x_row, w, pairs, ahead);
   } else {
-    accumulate<MB, NT>(acc, x, x_row, w, pairs);
+    accumulate<MB, NT>(acc, x, x_row, w, pairs, ahead);
   }
 }
 
 // A register block: rows m0 .. m0 + MB of the inputs against the weight tiles at w[0 .. NT), its fp32 sums handed
 // to `finish` (a LinearFinish or a GluFinish)
 template <int MB, int NT, typename Finish>
-inline void block(const Inputs& in, const uint16_t* const* w, int64_t m0, const Finish& finish, int products) {
+inline void block(const Inputs& in, const uint16_t* const* w, int64_t m0, const Finish& finish, int products,
+                  Prefetch& ahead) {
   __m512 acc[MB][NT];
   for (int m = 0; m < MB; ++m)
     for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_setzero_ps();
-  accumulate_with<MB, NT>(products, acc, in.x, in.x_row, w, in.pairs);
+  accumulate_with<MB, NT>(products, acc, in.x, in.x_row, w, in.pairs, ahead);
   if (in.pairs2) {
     std::array<const uint16_t*, NT> w2;
     for (int t = 0; t < NT; ++t) w2[t] = w[t] + in.pairs * 2 * kTile;
-    accumulate_with<MB, NT>(products, acc, in.x2, in.x2_row, w2.data(), in.pairs2);
+    accumulate_with<MB, NT>(products, acc, in.x2, in.x2_row, w2.data(), in.pairs2, ahead);
   }
   finish.template rows<NT>(m0, MB, [&](int m, int t) { return acc[m][t]; });
 }
@@ -150,6 +183,7 @@ double time_loop_block(int products) {
   for (auto& tile : w) std::fill(std::begin(tile), std::end(tile), uint16_t(0x3c00));  // 2^-7
   static_assert(kTiles == 3, "the measurement names its tiles");
   const uint16_t* tiles[kTiles] = {w[0], w[1], w[2]};
+  Prefetch none;
   double best = 1e30;
   float sink = 0.f;
   for (int round = 0; round < 5; ++round) {
@@ -158,7 +192,7 @@ double time_loop_block(int products) {
       __m512 acc[kRows][kTiles];
       for (auto& row : acc)
         for (auto& v : row) v = _mm512_setzero_ps();
-      accumulate_with<kRows, kTiles>(products, acc, x[0], 2 * pairs, tiles, pairs);
+      accumulate_with<kRows, kTiles>(products, acc, x[0], 2 * pairs, tiles, pairs, none);
       sink += _mm512_reduce_add_ps(acc[rep % kRows][rep % kTiles]);
     }
     best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
@@ -207,9 +241,9 @@ int current_loop_products() {
 
 template <int NT, typename Finish, int R = kRows>
 inline void rows_block(int mb, const Inputs& in, const uint16_t* const* w, int64_t m0, const Finish& finish,
-                       int products) {
-  if (mb == R) return block<R, NT>(in, w, m0, finish, products);
-  if constexpr (R > 1) rows_block<NT, Finish, R - 1>(mb, in, w, m0, finish, products);
+                       int products, Prefetch& ahead) {
+  if (mb == R) return block<R, NT>(in, w, m0, finish, products, ahead);
+  if constexpr (R > 1) rows_block<NT, Finish, R - 1>(mb, in, w, m0, finish, products, ahead);
 }
 
 // How a block's sums become outputs. A linear layer's: each weight tile its own 16 columns from n0 on, through the
@@ -410,7 +444,7 @@ void run_blocks(const Inputs& in, int64_t m, int64_t tiles, bool amx, const Weig
                 const MakeFinish& finish) {
   if (amx && amx_serves(in)) {
     using Tiles = TaskTiles<decltype(finish(0))>;
-    auto block = [&](auto nt, int64_t t0, int64_t m0, int mb, Tiles& state) {
+    auto block = [&](auto nt, int64_t t0, int64_t m0, int mb, const Ahead&, Tiles& state) {
       constexpr int NT = decltype(nt)::value * Width;
       tile_block<NT>(in.from_row(m0), weights(std::integral_constant<int, NT>{}, t0).data(), m0, mb, state,
                      finish(t0));
@@ -419,10 +453,22 @@ void run_blocks(const Inputs& in, int64_t m, int64_t tiles, bool amx, const Weig
     return;
   }
   const int products = current_loop_products();
-  for_each_block<kRows, LoopGroup>(m, tiles, [&](auto nt, int64_t t0, int64_t m0, int mb) {
+  static_assert(LoopGroup * Width <= Prefetch::kMaxTiles, "a task's weight tiles must fit Prefetch");
+  const int64_t steps = in.pairs + in.pairs2;
+  for_each_block<kRows, LoopGroup>(m, tiles, [&](auto nt, int64_t t0, int64_t m0, int mb, const Ahead& next) {
     constexpr int NT = decltype(nt)::value * Width;
+    Prefetch ahead;
+    if (next.tiles) {
+      for (int64_t t = next.t0; t < next.t0 + next.tiles; ++t)
+        for (const uint16_t* tile : weights(std::integral_constant<int, Width>{}, t))
+          ahead.tiles[ahead.count++] = reinterpret_cast<const char*>(tile);
+      // a tile has a 64-byte line per input pair; this block fetches its part of every tile's lines
+      const int64_t first = steps * next.part / next.parts, last = steps * (next.part + 1) / next.parts;
+      ahead.offset = first * 64, ahead.end = last * 64;
+      ahead.spacing = int(std::max<int64_t>(1, steps / std::max<int64_t>(1, last - first)));
+    }
     rows_block<NT>(mb, in.from_row(m0), weights(std::integral_constant<int, NT>{}, t0).data(), m0, finish(t0),
-                   products);
+                   products, ahead);
   });
 }
 

@@ -100,7 +100,7 @@ void linear_f32(const at::Tensor& x, const at::Tensor& weight, int64_t n, const 
   const float* wp = weight.const_data_ptr<float>();
   float* op = out.mutable_data_ptr<float>();
   const int64_t out_row = out.stride(0), tile_stride = weight.stride(0);
-  for_each_block(m, tiles, [&](auto nt, int64_t t0, int64_t m0, int mb) {
+  for_each_block(m, tiles, [&](auto nt, int64_t t0, int64_t m0, int mb, const Ahead&) {
     rows_block<decltype(nt)::value>(mb, in, wp + t0 * tile_stride, tile_stride, t0 * kTile, n, m0, ep, op, out_row);
   });
 }

@@ -60,8 +60,18 @@ Epilogue<T> checked_epilogue(const char* op, at::ScalarType type, const char* ty
 
 struct NoTaskState {};
 
-// block(std::integral_constant<int, NT>, first tile, first row, rows (<= Rows)[, state]) for every block of the
-// matmul: NT = Tiles, or 1 for each tile of a last, partial group. With a TaskState, each parallel task makes one
+// The weight tiles a thread's next task reads (output tiles t0 .. t0 + tiles; none where tiles is 0) and the share
+// of them a block fetches ahead into the cache while it multiplies (part of parts). A task's first block of rows
+// streams its tiles from memory and the rest find them in the cache; fetched ahead over those later blocks, the next
+// task's tiles arrive while the cores compute instead of stalling its first block (SmolLM2's 30 layers and head at
+// 64 rows, weights out of the cache: 43.1-43.8 -> 41.4-42.5 ms, the 49k-output head 9.3 -> 8.7 ms).
+struct Ahead {
+  int64_t t0 = 0, tiles = 0;
+  int part = 0, parts = 1;
+};
+
+// block(std::integral_constant<int, NT>, first tile, first row, rows (<= Rows), Ahead[, state]) for every block of
+// the matmul: NT = Tiles, or 1 for each tile of a last, partial group. With a TaskState, each parallel task makes one
 // and passes it to every block it runs (AMX's tile configuration, set once per task and released at its end).
 template <int Rows = kRows, int Tiles = kTiles, typename TaskState = NoTaskState, int64_t RowChunk = kRowChunk,
           typename Block>
@@ -69,22 +79,37 @@ void for_each_block(int64_t m, int64_t tiles, const Block& block) {
   const int64_t groups = (tiles + Tiles - 1) / Tiles, chunks = (m + RowChunk - 1) / RowChunk;
   at::parallel_for(0, groups * chunks, 1, [&](int64_t begin, int64_t end) {
     TaskState state;
-    auto run = [&](auto nt, int64_t t0, int64_t m0, int mb) {
+    auto run = [&](auto nt, int64_t t0, int64_t m0, int mb, const Ahead& ahead) {
       if constexpr (std::is_same_v<TaskState, NoTaskState>) {
-        block(nt, t0, m0, mb);
+        block(nt, t0, m0, mb, ahead);
       } else {
-        block(nt, t0, m0, mb, state);
+        block(nt, t0, m0, mb, ahead, state);
       }
     };
     for (int64_t item = begin; item < end; ++item) {
       const int64_t g = item % groups, chunk = item / groups;
       const int64_t t0 = g * Tiles, nt = std::min<int64_t>(Tiles, tiles - t0);
-      for (int64_t m0 = chunk * RowChunk; m0 < std::min(m, (chunk + 1) * RowChunk); m0 += Rows) {
-        const int mb = int(std::min<int64_t>(Rows, m - m0));
+      const int64_t first = chunk * RowChunk, last = std::min(m, (chunk + 1) * RowChunk);
+      const int blocks = int((last - first + Rows - 1) / Rows);
+      Ahead next;
+      if (item + 1 < end) {
+        next.t0 = ((item + 1) % groups) * Tiles;
+        next.tiles = std::min<int64_t>(Tiles, tiles - next.t0);
+      }
+      // the first block reads its own tiles from memory: the next task's are fetched over the others
+      next.parts = std::max(blocks - 1, 1);
+      for (int64_t m0 = first; m0 < last; m0 += Rows) {
+        const int b = int((m0 - first) / Rows), mb = int(std::min<int64_t>(Rows, m - m0));
+        Ahead ahead = next;
+        if (blocks > 1 && b == 0) ahead.tiles = 0;
+        ahead.part = std::max(b - 1, 0);
         if (nt == Tiles) {
-          run(std::integral_constant<int, Tiles>{}, t0, m0, mb);
+          run(std::integral_constant<int, Tiles>{}, t0, m0, mb, ahead);
         } else {
-          for (int64_t t = t0; t < t0 + nt; ++t) run(std::integral_constant<int, 1>{}, t, m0, mb);
+          for (int64_t t = t0; t < t0 + nt; ++t) {
+            run(std::integral_constant<int, 1>{}, t, m0, mb, ahead);
+            ahead.tiles = 0;
+          }
         }
       }
     }

@@ -123,8 +123,25 @@ inline void for_each_row(const T* pool, const int64_t* at, int64_t n, const F& f
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// The sums of the 16 lanes of each of a, b, c, d, in that order: two rounds of interleaving pairs and adding them
+// leave each 128-bit lane holding partial sums of all four, then two folds of the 128-bit lanes (13 instructions
+// for four sums, where a horizontal sum each takes 8)
+inline __m128 sums_of_four(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512 abcd = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
+                                    _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
+  const __m512 halves = _mm512_add_ps(abcd, _mm512_shuffle_f32x4(abcd, abcd, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm512_castps512_ps128(_mm512_add_ps(halves, _mm512_shuffle_f32x4(halves, halves, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+#endif
+
 // A decode row's scores for its `group` heads (G as in with_group):
-// scores[j * n + t] = q_j . k_t, each key row loaded and widened once for all heads
+// scores[j * n + t] = q_j . k_t, each key row loaded and widened once for all heads. With AVX-512 and a group in
+// registers, four keys at a time, their products summed across lanes together (sums_of_four) instead of a
+// horizontal sum per key and head: 64 decodes of 128 positions (9 heads on 3 kv heads of 64) 300 -> 223 us a
+// layer with the pool in cache, 420 -> 357 us from memory.
 template <typename T, int C, int G>
 inline void score_keys(const Step<T>& s, int64_t n, const Vec* qv, const int64_t* at, float* scores) {
   const int64_t group = G > 0 ? G : s.group;
@@ -132,7 +149,30 @@ inline void score_keys(const Step<T>& s, int64_t n, const Vec* qv, const int64_t
   if (G > 0)
     for (int64_t i = 0; i < group * C; ++i) local[i] = qv[i];
   const Vec* q = G > 0 ? local : qv;
-  for_each_row<T, C>(s.k, at, n, [&](int64_t t, const Vec* key) {
+  int64_t first = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (G > 0) {
+    constexpr int64_t W = Vec::size(), dim = C * W, kAhead = keys_ahead<T>(dim);
+    for (; first + 4 <= n; first += 4) {
+      __m512 part[G][4];
+      for (int u = 0; u < 4; ++u) {
+        const int64_t t = first + u;
+        if (t + kAhead < n) prefetch_row(s.k + at[t + kAhead], dim * sizeof(T));
+        Vec key[C];
+        for (int c = 0; c < C; ++c) key[c] = load_float(s.k + at[t] + c * W);
+        for (int j = 0; j < G; ++j) {
+          Vec d = q[j * C] * key[0];
+          for (int c = 1; c < C; ++c) d = at::vec::fmadd(q[j * C + c], key[c], d);
+          part[j][u] = d;
+        }
+      }
+      for (int j = 0; j < G; ++j)
+        _mm_storeu_ps(scores + j * n + first, sums_of_four(part[j][0], part[j][1], part[j][2], part[j][3]));
+    }
+  }
+#endif
+  for_each_row<T, C>(s.k, at + first, n - first, [&](int64_t i, const Vec* key) {
+    const int64_t t = first + i;
     for (int64_t j = 0; j < group; ++j) {
       Vec d = q[j * C] * key[0];
       for (int c = 1; c < C; ++c) d = at::vec::fmadd(q[j * C + c], key[c], d);
