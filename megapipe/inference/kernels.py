@@ -42,7 +42,7 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp", CSRC / "mamba_step.cpp"]
 BF16_SOURCES = [CSRC / "linear_bf16.cpp"]  # vdpbf16ps: built where the CPU has AVX512-BF16
 F32_SOURCES = [CSRC / "linear_f32.cpp"]  # AVX-512 only
-HEADERS = [CSRC / "linear_tiles.h", CSRC / "bf16_epilogue.h"]
+HEADERS = [CSRC / "linear_tiles.h", CSRC / "bf16_epilogue.h", CSRC / "parallel_tasks.h"]
 # ATen's own flags for its vectorized kernels at each capability (what at::vec::Vectorized selects on)
 ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],

@@ -12,6 +12,8 @@
 #include <optional>
 #include <type_traits>
 
+#include "parallel_tasks.h"
+
 namespace megapipe_linear {
 
 constexpr int kTile = 16;  // outputs per 64-byte weight line
@@ -77,7 +79,7 @@ template <int Rows = kRows, int Tiles = kTiles, typename TaskState = NoTaskState
           typename Block>
 void for_each_block(int64_t m, int64_t tiles, const Block& block) {
   const int64_t groups = (tiles + Tiles - 1) / Tiles, chunks = (m + RowChunk - 1) / RowChunk;
-  at::parallel_for(0, groups * chunks, 1, [&](int64_t begin, int64_t end) {
+  megapipe_parallel::parallel_tasks(groups * chunks, [&](megapipe_parallel::TaskQueue& queue) {
     TaskState state;
     auto run = [&](auto nt, int64_t t0, int64_t m0, int mb, const Ahead& ahead) {
       if constexpr (std::is_same_v<TaskState, NoTaskState>) {
@@ -86,14 +88,16 @@ void for_each_block(int64_t m, int64_t tiles, const Block& block) {
         block(nt, t0, m0, mb, ahead, state);
       }
     };
-    for (int64_t item = begin; item < end; ++item) {
+    // each task takes the thread's next one as it starts, so that its blocks can fetch that one's tiles ahead
+    for (int64_t item = queue.take(), following; item >= 0; item = following) {
+      following = queue.take();
       const int64_t g = item % groups, chunk = item / groups;
       const int64_t t0 = g * Tiles, nt = std::min<int64_t>(Tiles, tiles - t0);
       const int64_t first = chunk * RowChunk, last = std::min(m, (chunk + 1) * RowChunk);
       const int blocks = int((last - first + Rows - 1) / Rows);
       Ahead next;
-      if (item + 1 < end) {
-        next.t0 = ((item + 1) % groups) * Tiles;
+      if (following >= 0) {
+        next.t0 = (following % groups) * Tiles;
         next.tiles = std::min<int64_t>(Tiles, tiles - next.t0);
       }
       // the first block reads its own tiles from memory: the next task's are fetched over the others

@@ -33,6 +33,8 @@
 #include <utility>
 #include <vector>
 
+#include "parallel_tasks.h"
+
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
@@ -344,14 +346,14 @@ void attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& 
     runs.emplace_back(b, n);
     b += n;
   }
-  // a zig-zag order (first, last, second, ...) so the threads' contiguous shares mix a chunk's short and long rows
+  // taken last to first: a prefill chunk's rows in falling length, so the region ends on its shortest tasks
   const int64_t items = int64_t(runs.size()) * kv_heads;
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  megapipe_parallel::parallel_tasks(items, [&](megapipe_parallel::TaskQueue& queue) {
     std::vector<Vec> qv(group * C), acc(group * C);
     std::vector<float> scores, total(group), qt(2 * dim * W);
     std::vector<int64_t> at;
-    for (int64_t zig = begin; zig < end; ++zig) {
-      const int64_t item = zig % 2 == 0 ? zig / 2 : items - 1 - zig / 2;
+    for (int64_t task; (task = queue.take()) >= 0;) {
+      const int64_t item = items - 1 - task;
       const auto [b, rows] = runs[item / kv_heads];
       if (rows == 1) {
         attend_row<T, C>(s, b, item % kv_heads, qv, acc, scores, total, at);
