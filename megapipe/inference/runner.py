@@ -41,7 +41,7 @@ from megapipe.inference.compressed_cache import commit_carry
 from megapipe.inference.host_memory import collapse_resident_memory, keep_freed_buffers
 from megapipe.inference.images import multimodal_step
 from megapipe.inference.kv_cache import KVPool, PagedBatch, layer_windows
-from megapipe.inference.sampling import SampleRow, sample, top_logprobs
+from megapipe.inference.sampling import SampleRow, greedy_ids, sample, top_logprobs
 from megapipe.inference.scheduler import SchedulerOutput
 from megapipe.inference.state_cache import StatePool
 from megapipe.models.capabilities import capabilities, describe
@@ -146,6 +146,17 @@ class PackedLinear(nn.Module):
             return out.view(*x.shape[:-1], self.out_features)
         return self(x).float()
 
+    def greedy_ids(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """The argmax of forward_float(x) over the last dim (sampling.greedy_ids' rule) without the logits, on
+        megapipe's bf16 kernel; None where that kernel does not serve x."""
+        if self.packed.dtype != torch.bfloat16 or not self._on_own(x):
+            return None
+        rows = x.reshape(-1, self.in_features)
+        rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+        out = torch.empty(rows.shape[0], dtype=torch.long, device=x.device)
+        torch.ops.megapipe.linear_bf16_argmax(rows, self.packed, self.out_features, self.bias, out)
+        return out
+
     def times(self, x: torch.Tensor, other: torch.Tensor, x2: Optional[torch.Tensor] = None) -> torch.Tensor:
         """(x W^T + b) * other, the product taken on the matmul's result before rounding (``x2`` as in forward)."""
         if x2 is not None or self._on_own(x):
@@ -167,6 +178,14 @@ class PackedLinear(nn.Module):
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         return rows, torch.empty(rows.shape[0], self.out_features, dtype=dtype or x.dtype, device=x.device)
+
+
+def plain_greedy(seq) -> bool:
+    """``seq``'s next token is the argmax of its logits as they are: greedy, with no penalty, logprobs, grammar or
+    suppressed id (min_tokens) to apply first (the sampler's rules: ModelRunner.sample_row, sampling.sample)."""
+    p = seq.params
+    return (p.greedy and not p.penalised and p.logprobs is None and seq.matcher is None
+            and (p.min_tokens == 0 or len(seq.output_ids) >= p.min_tokens))
 
 
 def packing_works(dtype: torch.dtype) -> bool:
@@ -645,11 +664,19 @@ class ModelRunner:
         if self.adapters is not None:  # each row's adapter slot
             lora_rows = [r for s, _, toks in work for r in [self.adapters.slot(s.request.lora)] * len(toks)]
         images = [s.request.images for s, _, _ in work]
+        # rows that are all plain greedy want their argmax only: the head then never writes the logits
+        greedy = (not checked and not prompt_rows and not want_hidden and len(samplers) == len(rows)
+                  and all(plain_greedy(s) for s, _ in samplers))
         logits = self.run([(plan.tables[s.seq_id], start, toks[0]) for s, start, toks in work[:len(decodes)]],
                           [(plan.tables[s.seq_id], start, toks) for s, start, toks in work[len(decodes):]], rows,
                           hidden=want_hidden, state_slots=[s.state_slot for s, _, _ in work] if self.states else None,
                           images=images if any(i is not None for i in images) else None, lora_rows=lora_rows,
-                          deferred=[s.state_slot for s in verify] if self.states else ())
+                          deferred=[s.state_slot for s in verify] if self.states else (), greedy=greedy)
+        if greedy:
+            out = RunnerOutput()
+            for (seq, _), token in zip(samplers, logits.tolist(), strict=True):
+                out.sampled[seq.seq_id] = [token]
+            return out
         hidden = None
         if want_hidden:
             logits, hidden = logits
@@ -700,14 +727,15 @@ class ModelRunner:
     def run(self, decodes: Sequence[tuple[Sequence[int], int, int]],
             chunks: Sequence[tuple[Sequence[int], int, Sequence[int]]], rows: Sequence[int],
             hidden: bool = False, state_slots: Optional[Sequence[int]] = None, images: Optional[Sequence] = None,
-            lora_rows: Optional[Sequence[int]] = None, deferred: Sequence[int] = ()):
+            lora_rows: Optional[Sequence[int]] = None, deferred: Sequence[int] = (), greedy: bool = False):
         """decodes: (block ids, position, token); chunks: (block ids, start, tokens); state_slots: each one's slot
         in the state pool (a hybrid model's); images: each one's PromptImages or None (megapipe.inference.images);
         lora_rows: each row's LoRA adapter slot (``adapters``, 0: none); deferred: the state slots of chunks that
         verify drafts (DeepSeek-V4's carry waits for ``commit_carry``). Returns fp32 logits of the batch rows
         ``rows`` (indices into the flattened batch: decodes first, then the chunks in order); with ``hidden``, also
         what MTP depth 1 takes at every row (the final normed hidden states; DeepSeek-V4: the last layer's
-        hyper-connection streams), where MTP drafting starts from."""
+        hyper-connection streams), where MTP drafting starts from. With ``greedy`` (not with ``hidden``), the
+        rows' argmax token ids [R] instead of their logits."""
         batch = PagedBatch(self.pool, self.window, self.attention_kernel, self.states, self.mamba_step)
         positions = batch.plan([(b, pos) for b, pos, _ in decodes], [(b, s, len(t)) for b, s, t in chunks],
                                state_slots, deferred)
@@ -739,10 +767,18 @@ class ModelRunner:
             if not hidden and select is not None:  # the norm of the rows asked for only (rows are independent)
                 h, select = h[select], None
             normed = depth1 = self.layers[-1].norm(h, None, self.model.norm)
-        logits = self.logits(normed if select is None else normed[select])
+        normed = normed if select is None else normed[select]
+        if greedy and not hidden:
+            return self.greedy_tokens(normed)
+        logits = self.logits(normed)
         return (logits, depth1) if hidden else logits
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         if self.head is not None:
             return self.head.forward_float(h)
         return F.linear(h, self.head_weight).float()
+
+    def greedy_tokens(self, h: torch.Tensor) -> torch.Tensor:
+        """The argmax of logits(h)'s rows (sampling.greedy_ids), from the head's kernel where it gives them."""
+        ids = self.head.greedy_ids(h) if self.head is not None else None
+        return ids if ids is not None else greedy_ids(self.logits(h))

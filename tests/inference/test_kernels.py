@@ -401,6 +401,26 @@ def test_bf16_engine_on_the_own_linears_scores_as_on_onednn(bf16_linear, hf_llam
     torch.testing.assert_close(torch.tensor(scored[0]), torch.tensor(scored[1]), atol=0.1, rtol=0)
 
 
+def test_bf16_engine_takes_plain_greedy_tokens_from_the_head_without_its_logits(bf16_linear, hf_llama, one_thread,
+                                                                               monkeypatch):
+    """Steps whose rows are all plain greedy take the head's argmax (linear_bf16_argmax), no logits written; a step
+    that needs logits (logprobs; before min_tokens, whose suppressed ids apply) takes the logits path; the tokens
+    agree."""
+    engine = LLMEngine.from_pretrained(hf_llama[0], device="cpu", dtype="bfloat16", bf16_linear="own")
+    calls, real = [], PackedLinear.greedy_ids
+    monkeypatch.setattr(PackedLinear, "greedy_ids", lambda self, x: calls.append(len(x)) or real(self, x))
+
+    def tokens(**extra):
+        return [out.outputs[0].token_ids for out in engine.generate(PROMPTS, SamplingParams(max_tokens=10, **GREEDY,
+                                                                                            **extra))]
+
+    fused = tokens()
+    assert calls and sum(calls) == 10 * len(PROMPTS)  # every token of every prompt
+    calls.clear()
+    assert tokens(logprobs=0) == fused and not calls
+    assert tokens(min_tokens=3) == fused and sum(calls) == 7 * len(PROMPTS)  # from the 4th token on
+
+
 def test_bf16_linear_choice_is_measured_or_as_set(bf16_linear, hf_llama, capsys, one_thread):
     limit, why = kernels.choose_bf16_linear("auto", 96, 64)
     assert f"bf16 matmuls on {kernels.describe_row_limit(limit)}" in why and "96x64 weight" in why
@@ -708,6 +728,42 @@ def test_bf16_linear_writes_fp32_outputs_as_its_rounded_bf16_ones(bf16_linear, m
     assert torch.equal(lin.forward_float(x[None]), lin(x[None]).float()) and lin.forward_float(x).dtype == torch.float32
     onednn = PackedLinear(w, b, own=False)  # another kernel: the plain widening
     assert torch.equal(onednn.forward_float(x), onednn(x).float())
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 16, 32), (7, 40, 64), (64, 4099, 576), (70, 1536, 96), (3, 48, 40)])
+def test_bf16_argmax_is_argmax_rows_of_the_fp32_outputs(bf16_linear, ops, m, n, k):
+    """A head's greedy tokens without its logits: the index argmax_rows picks from linear_bf16's fp32 outputs, on
+    AMX tiles and the loop, with a bias, over part tiles (n = 40, 4099) and rows spread over both threads; ties take
+    the first column, a NaN wins (over +inf too) and all -inf keeps column 0."""
+    g = torch.Generator().manual_seed(m + n + k)
+    w, b = (torch.randn(n, k, generator=g) * 0.05).bfloat16(), torch.randn(n, generator=g).bfloat16()
+    x = torch.randn(m, k, generator=g).bfloat16()
+    x[:, 0] = 1.0
+    cases = [(w, b)]
+    tied = w.clone()
+    tied[1], tied[n // 2] = 0.0, 0.0
+    tied[1, 0] = tied[n // 2, 0] = 50.0  # columns 1 and n // 2: the equal largest logits of every row
+    cases.append((tied, None))
+    odd = w.clone()
+    odd[n - 2, 0], odd[n // 3, 0] = float("nan"), float("inf")  # x[:, 0] = 1: every row's logit there
+    cases.append((odd, b))
+    cases.append((w, torch.full((n,), float("-inf")).bfloat16()))
+    picked = []
+    for weight, bias in cases:
+        packed = kernels.pack_bf16_weight(weight)
+        for amx in (True, False):
+            logits, want, got = torch.empty(m, n), torch.empty(m, dtype=torch.long), torch.full((m,), -1)
+            bf16_linear(x, packed, n, bias, False, None, logits, amx=amx)
+            ops.argmax_rows(logits, want)
+            ops.linear_bf16_argmax(x, packed, n, bias, got, amx=amx)
+            assert torch.equal(got, want), (amx, got, want)
+        picked.append(want)
+    assert (picked[1] == 1).all()  # the first of the tied columns
+    assert (picked[2] == n - 2).all() and (picked[3] == 0).all()  # the NaN; all -inf
+    with pytest.raises(RuntimeError, match="out must be int64"):
+        ops.linear_bf16_argmax(x, packed, n, None, torch.empty(m, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="features and the weight"):
+        ops.linear_bf16_argmax(x[:, :-2], packed, n, None, torch.empty(m, dtype=torch.long))
 
 
 def test_argmax_rows_is_max_indices_with_ties_nans_and_infinities(ops):

@@ -26,11 +26,14 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <cmath>
+#include <limits>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -261,6 +264,57 @@ struct LinearFinish {
     for (int t = 0; t < NT; ++t) {
       const TileColumns cols(n0 + t * kTile, n, ep);
       for (int m = 0; m < mb; ++m) finish_row(sum(m, t), cols, m0 + m, ep, out, out_row);
+    }
+  }
+};
+
+// The largest of a row's values seen so far and its column: the first of equal values, and a NaN above any number
+// (the first NaN above later ones), as argmax_rows (layer_ops.cpp) picks from stored logits
+struct Best {
+  float value = 0.f;
+  int64_t col = -1;  // none yet
+  bool beaten_by(float v, int64_t c) const {
+    if (col < 0) return true;
+    if (std::isnan(v)) return !std::isnan(value) || c < col;
+    if (std::isnan(value)) return false;
+    return v > value || (v == value && c < col);
+  }
+};
+
+// A head's greedy tokens without its logits: each row's outputs as LinearFinish would store them (+ bias, rounded to
+// bf16), the best of them kept per thread (best: [threads, M]; merged after the matmul). A block that holds no NaN
+// and nothing above the row's best so far costs a lane maximum and one compare, which is nearly every block past
+// a row's first few; writing 64 rows of a 49k vocabulary's fp32 logits and reading them back cost more (~3 ms).
+struct ArgmaxFinish {
+  static constexpr bool kSpread = false;
+  const Epilogue& ep;  // its bias only
+  Best* best;
+  int64_t m, n, n0;
+  template <int NT, typename Sum>
+  void rows(int64_t m0, int mb, const Sum& sum) const {
+    Best* mine = best + int64_t(at::get_thread_num()) * m;
+    for (int r = 0; r < mb; ++r) {
+      Best& b = mine[m0 + r];
+      __m512 v[NT];
+      __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      __mmask16 nan = 0;
+      for (int t = 0; t < NT; ++t) {
+        const TileColumns cols(n0 + t * kTile, n, ep);
+        const __m512 rounded = bf16_to_fp32((__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(sum(r, t), cols.bias)));
+        v[t] = _mm512_mask_blend_ps(cols.mask, top, rounded);
+        nan |= _mm512_cmp_ps_mask(v[t], v[t], _CMP_UNORD_Q);
+      }
+      if (!nan && b.col >= 0) {
+        for (int t = 0; t < NT; ++t) top = _mm512_max_ps(top, v[t]);
+        if (std::isnan(b.value) || _mm512_reduce_max_ps(top) < b.value) continue;
+      }
+      for (int t = 0; t < NT; ++t) {
+        alignas(64) float lanes[kTile];
+        _mm512_store_ps(lanes, v[t]);
+        const int64_t col = n0 + t * kTile;
+        for (int l = 0; l < kTile && col + l < n; ++l)
+          if (b.beaten_by(lanes[l], col + l)) b = Best{lanes[l], col + l};
+      }
     }
   }
 };
@@ -528,6 +582,41 @@ void linear_bf16(const at::Tensor& x, const at::Tensor& weight, int64_t n, const
   }
 }
 
+// out [M] int64 = each row's argmax over act-free linear_bf16 outputs (x W^T + b, rounded to bf16): a head's greedy
+// tokens, equal to argmax_rows over linear_bf16's fp32 out, without writing the logits
+void linear_bf16_argmax(const at::Tensor& x, const at::Tensor& weight, int64_t n,
+                        const std::optional<at::Tensor>& bias, at::Tensor out, bool amx) {
+  const int64_t m = x.size(0);
+  TORCH_CHECK(out.scalar_type() == at::kLong && out.dim() == 1 && out.size(0) == m && out.stride(0) == 1,
+              "linear_bf16_argmax: out must be int64 [M]");
+  TORCH_CHECK(n > 0, "linear_bf16_argmax: no outputs to choose from");
+  const at::Tensor shape = x.new_empty({m, n}, x.options().device(at::kMeta));  // checked like linear_bf16's out
+  const Inputs in = checked_inputs("linear_bf16_argmax", x, std::nullopt, weight, n, shape);
+  const Epilogue ep = checked_epilogue<c10::BFloat16>("linear_bf16_argmax", at::kBFloat16, "bf16", m, n, false,
+                                                      bias, std::nullopt);
+  const uint16_t* wp = rows_of(weight);
+  const int64_t tile_stride = weight.stride(0), threads = at::get_num_threads();
+  std::vector<Best> best(threads * m);
+  run_blocks<kTileGroup, kTiles, 1>(
+      in, m, weight.size(0), amx,
+      [&](auto nt, int64_t t0) {
+        constexpr int NT = decltype(nt)::value;
+        std::array<const uint16_t*, NT> w;
+        for (int t = 0; t < NT; ++t) w[t] = wp + (t0 + t) * tile_stride;
+        return w;
+      },
+      [&](int64_t t0) { return ArgmaxFinish{ep, best.data(), m, n, t0 * kTile}; });
+  int64_t* dst = out.mutable_data_ptr<int64_t>();
+  for (int64_t r = 0; r < m; ++r) {
+    Best b;
+    for (int64_t t = 0; t < threads; ++t) {
+      const Best& other = best[t * m + r];
+      if (other.col >= 0 && b.beaten_by(other.value, other.col)) b = other;
+    }
+    dst[r] = b.col;
+  }
+}
+
 // out [M, N] = silu(x W_gate^T) * (x W_up^T), gate and up from pack_bf16_weight (N outputs each): a SwiGLU MLP's
 // first half in one pass, each block the gate's and the up projection's tiles of the same 16 outputs (x2 as in
 // linear_bf16, for both)
@@ -551,11 +640,13 @@ TORCH_LIBRARY_FRAGMENT(megapipe, m) {
   m.def(
       "linear_bf16(Tensor x, Tensor weight, int n, Tensor? bias, bool swish, Tensor? other, Tensor(a!) out, "
       "bool amx=True, Tensor? x2=None) -> ()");
+  m.def("linear_bf16_argmax(Tensor x, Tensor weight, int n, Tensor? bias, Tensor(a!) out, bool amx=True) -> ()");
   m.def("glu_bf16(Tensor x, Tensor gate, Tensor up, int n, Tensor(a!) out, bool amx=True, Tensor? x2=None) -> ()");
   m.def("bf16_loop(str setting='') -> (str, str)", &bf16_loop);
 }
 
 TORCH_LIBRARY_IMPL(megapipe, CPU, m) {
   m.impl("linear_bf16", &linear_bf16);
+  m.impl("linear_bf16_argmax", &linear_bf16_argmax);
   m.impl("glu_bf16", &glu_bf16);
 }
