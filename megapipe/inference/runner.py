@@ -422,6 +422,18 @@ class DecoderLayer:
         self.wo, self.sinks = attn.wo, attn.sinks
         self.ffn = block.moe if hasattr(block, "moe") else block.feed_forward
         self.ops = ops
+        self.direct_rows = self._direct_rows()
+
+    def _direct_rows(self) -> int:
+        """The most rows a step may have for ``direct`` to run this layer (0: never): the kernels' path with a fused
+        q/k/v projection, no q/k norms and a packed SwiGLU, every matmul on megapipe's kernel at that row count."""
+        if (self.ops is None or not isinstance(self.qkv, PackedQKV) or self.q_norm is not None
+                or not isinstance(self.ffn, PackedSwiGLU) or not isinstance(self.wo, PackedLinear)):
+            return 0
+        linears = (self.qkv.wqkv, self.wo, self.ffn.w1, self.ffn.w3, self.ffn.w2)
+        if not all(lin.own for lin in linears):
+            return 0
+        return min(kernels.OWN_ALWAYS if lin.onednn is None else lin.own_rows for lin in linears)
 
     @staticmethod
     def supports(block: nn.Module) -> bool:
@@ -465,6 +477,38 @@ class DecoderLayer:
             attended = batch.attend_flat(self.layer_id, q, k, v, sinks=self.sinks)
         x = self.norm(h, self.wo(attended), self.norm2)
         return h, self.ffn(x)
+
+    def direct(self, h: torch.Tensor, delta: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+               batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``__call__``'s values (the same kernels on the same inputs, bit for bit) as direct kernel calls, none of
+        the modules' per-call checks and reshapes: a decode step's ~10 calls per layer cost about as much Python
+        as the layer's norms and rotary embedding cost arithmetic. For steps of at most ``direct_rows`` rows whose
+        batch attends on the kernel, with no LoRA adapters (they wrap the modules' forwards)."""
+        ops, d, rows = self.ops, self.head_dim, len(h)
+        wqkv, wo, ffn = self.qkv.wqkv, self.wo, self.ffn
+        linear = ops.linear_bf16 if wqkv.packed.dtype == torch.bfloat16 else ops.linear_f32
+        x = self.norm(h, delta, self.norm1)
+        qkv = h.new_empty(rows, wqkv.out_features)
+        linear(x, wqkv.packed, wqkv.out_features, wqkv.bias, False, None, qkv)
+        nq, nk = self.qkv.sizes[0] // d, self.qkv.sizes[1] // d
+        pool, layer = batch.pool, self.layer_id
+        ops.rope_and_cache(qkv, cos, sin, pool.k[layer], pool.v[layer], batch.slots_of(layer), nq, nk)
+        attended = batch.attend_flat(layer, qkv[:, :nq * d].view(rows, nq, d), None, None, stored=True,
+                                     sinks=self.sinks)
+        out = h.new_empty(rows, wo.out_features)
+        linear(attended, wo.packed, wo.out_features, wo.bias, False, None, out)
+        x = self.norm(h, out, self.norm2)
+        w1, w3, w2 = ffn.w1, ffn.w3, ffn.w2
+        gated = h.new_empty(rows, w1.out_features)
+        if ffn.glu:
+            ops.glu_bf16(x, w1.packed, w3.packed, w1.out_features, gated)
+        else:
+            gate = h.new_empty(rows, w1.out_features)
+            linear(x, w1.packed, w1.out_features, w1.bias, True, None, gate)
+            linear(x, w3.packed, w3.out_features, w3.bias, False, gate, gated)
+        out = h.new_empty(rows, w2.out_features)
+        linear(gated, w2.packed, w2.out_features, w2.bias, False, None, out)
+        return h, out
 
     def norm(self, h: torch.Tensor, delta: Optional[torch.Tensor], norm: nn.Module) -> torch.Tensor:
         """h += delta in place (when given), then RMSNorm(h)."""
@@ -587,6 +631,7 @@ class ModelRunner:
         if (not self.quantized and cfg.position_embedding == "rope" and isinstance(m.norm, RMSNorm) and m.tok_embeddings is not None
                 and all(DecoderLayer.supports(b) for b in m.layers.values())):
             self.layers = [DecoderLayer(b, self.ops) for b in m.layers.values()]
+            self.direct_rows = min(layer.direct_rows for layer in self.layers)
             self.inv_freq, self.rope_scale = model_rope_parts(cfg, self.device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -761,8 +806,9 @@ class ModelRunner:
                 cos, sin = multimodal_step(self.model, self.inv_freq, self.rope_scale, images, starts, lengths,
                                            positions, h)
             delta = None
+            direct = self.adapters is None and batch.kernel is not None and len(ids) <= self.direct_rows
             for layer in self.layers:
-                h, delta = layer(h, delta, cos, sin, batch)
+                h, delta = layer.direct(h, delta, cos, sin, batch) if direct else layer(h, delta, cos, sin, batch)
             h = h.add_(delta)
             if not hidden and select is not None:  # the norm of the rows asked for only (rows are independent)
                 h, select = h[select], None

@@ -459,6 +459,33 @@ def test_engine_with_the_kernels_gives_the_torch_paths_tokens_and_logprobs(ops, 
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)  # the issue's bound for fp32 logprobs
 
 
+@pytest.mark.parametrize("arch,dtype", [("qwen2", "bfloat16"), ("mistral", "float32"), ("llama", "bfloat16")])
+def test_direct_kernel_calls_give_the_modules_values_bit_for_bit(ops, arch, dtype, tmp_path_factory, one_thread,
+                                                                 monkeypatch):
+    """DecoderLayer.direct (a step's layers as direct kernel calls) against the modules' path: the same tokens and
+    the same logprobs to the bit, with biases (qwen2) and a sliding window (mistral); a step over its row limit
+    takes the modules (as an engine with LoRA adapters does: test_multi_lora's outputs on the kernels)."""
+    if dtype == "bfloat16" and not kernels.bf16_linear_built():
+        pytest.skip("this CPU has no AVX512-BF16: bf16 linears stay on oneDNN")
+    if dtype == "float32" and not kernels.f32_linear_built():
+        pytest.skip("megapipe's fp32 linear needs AVX-512")
+    path, _ = make_hf_dir(tmp_path_factory.mktemp(f"direct_{arch}"), arch)
+    engine = LLMEngine.from_pretrained(path, device="cpu", dtype=dtype, max_num_batched_tokens=8,
+                                       bf16_linear="own")
+    runner = engine.runner
+    assert runner.direct_rows == kernels.OWN_ALWAYS
+    calls, real = [], runner_module.DecoderLayer.direct
+    monkeypatch.setattr(runner_module.DecoderLayer, "direct", lambda self, *a: calls.append(1) or real(self, *a))
+    params = SamplingParams(max_tokens=12, logprobs=2, **GREEDY)
+    pick = lambda out: (out.outputs[0].token_ids, out.outputs[0].logprobs)  # noqa: E731
+    direct = run_staggered(engine, PROMPTS, params, every=1, pick=pick)
+    assert calls
+    calls.clear()
+    runner.direct_rows = 0
+    modules = run_staggered(engine, PROMPTS, params, every=1, pick=pick)
+    assert not calls and direct == modules
+
+
 def test_kernels_that_cannot_be_built_leave_the_torch_path(tmp_path, monkeypatch, caplog, tiny_engine_factory):
     broken = tmp_path / "broken.cpp"
     broken.write_text("this is not C++\n")
