@@ -306,9 +306,14 @@ def test_own_row_limit_is_the_cheapest_split_of_the_measured_rows():
 
     assert kernels.own_row_limit(times(True, True, False, False, False, False, False)) == 2
     assert kernels.own_row_limit(times(True, False, True, True, False, False, False)) == 8  # one noisy count
-    assert kernels.own_row_limit(times(False, True, False, False, False, False, False)) == 0
+    assert kernels.own_row_limit(times(False, False, True, False, False, False, False)) == 0
+    assert kernels.own_row_limit(times(False, True, False, False, False, False, False)) == 2  # even: OWN_EDGE tips it
     assert kernels.own_row_limit(times(*[True] * len(kernels.CHOICE_ROWS))) == kernels.OWN_ALWAYS
     assert kernels.own_row_limit(times(True, True, True, True, True, True, False)) == 32
+    close = {m: {"own": 1.0, "onednn": 0.97} for m in kernels.CHOICE_ROWS}  # oneDNN 3% faster: within OWN_EDGE
+    assert kernels.own_row_limit(close) == kernels.OWN_ALWAYS
+    close[64]["onednn"] = 0.9  # 10%: beyond it
+    assert kernels.own_row_limit(close) == 32
     assert kernels.describe_row_limit(4) == "megapipe up to 4 rows, oneDNN above"
 
 
