@@ -481,9 +481,9 @@ class DecoderLayer:
     def direct(self, h: torch.Tensor, delta: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """``__call__``'s values (the same kernels on the same inputs, bit for bit) as direct kernel calls, none of
-        the modules' per-call checks and reshapes: a decode step's ~10 calls per layer cost about as much Python
-        as the layer's norms and rotary embedding cost arithmetic. For steps of at most ``direct_rows`` rows whose
-        batch attends on the kernel, with no LoRA adapters (they wrap the modules' forwards)."""
+        the modules' per-call checks and reshapes, which a decode step pays ~10 times a layer (SmolLM2, 64 rows:
+        69.9 -> 67.7 ms a step). For steps of at most ``direct_rows`` rows whose batch attends on the kernel, with
+        no LoRA adapters (they wrap the modules' forwards)."""
         ops, d, rows = self.ops, self.head_dim, len(h)
         wqkv, wo, ffn = self.qkv.wqkv, self.wo, self.ffn
         linear = ops.linear_bf16 if wqkv.packed.dtype == torch.bfloat16 else ops.linear_f32

@@ -359,12 +359,13 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// A parallel task's tile configuration and its last block's sums: the configuration set when a block's row count
-// differs from the last one's (loading it costs too much to repeat for every block), released when the task ends,
-// so oneDNN's AMX kernels on this thread start from released tiles as they expect. Where the finish asks for it
-// (kSpread: the gated unit's), a block's sums go through its epilogue a few rows per step of the next block's tile
-// products (finish_rows), which the tile unit runs meanwhile; run after the block's own products, the epilogue
-// leaves the tile unit idle (the fused SwiGLU at 2048 rows of 576 or 1536 inputs: ~10% faster spread).
+// A thread's tile configuration over the tasks it takes, and its last block's sums: the configuration set when a
+// block's row count differs from the last one's (loading it costs too much to repeat for every block), released
+// when the thread's last task ends, so oneDNN's AMX kernels on this thread start from released tiles as they
+// expect. Where the finish asks for it (kSpread: the gated unit's), a block's sums go through its epilogue a few
+// rows per step of the next block's tile products (finish_rows), which the tile unit runs meanwhile; run after the
+// block's own products, the epilogue leaves the tile unit idle (the fused SwiGLU at 2048 rows of 576 or 1536
+// inputs: ~10% faster spread).
 template <typename Finish>
 class TaskTiles {
  public:

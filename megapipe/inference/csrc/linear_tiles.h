@@ -73,8 +73,8 @@ struct Ahead {
 };
 
 // block(std::integral_constant<int, NT>, first tile, first row, rows (<= Rows), Ahead[, state]) for every block of
-// the matmul: NT = Tiles, or 1 for each tile of a last, partial group. With a TaskState, each parallel task makes one
-// and passes it to every block it runs (AMX's tile configuration, set once per task and released at its end).
+// the matmul: NT = Tiles, or 1 for each tile of a last, partial group. With a TaskState, each thread makes one and
+// passes it to every block of the tasks it takes (AMX's tile configuration, set once and released at its end).
 template <int Rows = kRows, int Tiles = kTiles, typename TaskState = NoTaskState, int64_t RowChunk = kRowChunk,
           typename Block>
 void for_each_block(int64_t m, int64_t tiles, const Block& block) {
