@@ -151,8 +151,7 @@ class PackedLinear(nn.Module):
         megapipe's bf16 kernel; None where that kernel does not serve x."""
         if self.packed.dtype != torch.bfloat16 or not self._on_own(x):
             return None
-        rows = x.reshape(-1, self.in_features)
-        rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+        rows = self.as_rows(x)
         out = torch.empty(rows.shape[0], dtype=torch.long, device=x.device)
         torch.ops.megapipe.linear_bf16_argmax(rows, self.packed, self.out_features, self.bias, out)
         return out
@@ -167,16 +166,21 @@ class PackedLinear(nn.Module):
              x2: Optional[torch.Tensor] = None) -> torch.Tensor:
         rows, out = self.rows_and_out(x)
         other = None if other is None else other.reshape(-1, self.out_features)
-        op = torch.ops.megapipe.linear_f32 if self.packed.dtype == torch.float32 else torch.ops.megapipe.linear_bf16
-        op(rows, self.weight_for(x2), self.out_features, self.bias, swish, other, out, x2=x2)
+        self.own_op()(rows, self.weight_for(x2), self.out_features, self.bias, swish, other, out, x2=x2)
         return out.view(*x.shape[:-1], self.out_features)
 
-    def rows_and_out(self, x: torch.Tensor, dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x as [rows, in_features] with contiguous rows, and an empty output [rows, out_features] for it (of
-        ``dtype``, default x's)."""
+    def own_op(self):
+        """megapipe's linear kernel for the packed weight's dtype: linear_bf16 or linear_f32 (one signature)."""
+        return torch.ops.megapipe.linear_f32 if self.packed.dtype == torch.float32 else torch.ops.megapipe.linear_bf16
+
+    def as_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x as [rows, in_features] with contiguous rows."""
         rows = x.reshape(-1, self.in_features)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
+        return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+    def rows_and_out(self, x: torch.Tensor, dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``as_rows(x)`` and an empty output [rows, out_features] for it (of ``dtype``, default x's)."""
+        rows = self.as_rows(x)
         return rows, torch.empty(rows.shape[0], self.out_features, dtype=dtype or x.dtype, device=x.device)
 
 
@@ -486,7 +490,7 @@ class DecoderLayer:
         no LoRA adapters (they wrap the modules' forwards)."""
         ops, d, rows = self.ops, self.head_dim, len(h)
         wqkv, wo, ffn = self.qkv.wqkv, self.wo, self.ffn
-        linear = ops.linear_bf16 if wqkv.packed.dtype == torch.bfloat16 else ops.linear_f32
+        linear = wqkv.own_op()  # every linear of the layer: the same dtype
         x = self.norm(h, delta, self.norm1)
         qkv = h.new_empty(rows, wqkv.out_features)
         linear(x, wqkv.packed, wqkv.out_features, wqkv.bias, False, None, qkv)

@@ -554,6 +554,16 @@ Inputs checked_inputs(const char* op, const at::Tensor& x, const std::optional<a
   return {rows_of(x), x.stride(0), k / 2, x2 ? rows_of(*x2) : nullptr, x2 ? x2->stride(0) : 0, k2 / 2};
 }
 
+// weights(std::integral_constant<int, NT>, t0): the NT weight tiles of output tiles t0 .. of a linear's packed weight
+inline auto tile_pointers(const at::Tensor& weight) {
+  return [wp = rows_of(weight), tile_stride = weight.stride(0)](auto nt, int64_t t0) {
+    constexpr int NT = decltype(nt)::value;
+    std::array<const uint16_t*, NT> w;
+    for (int t = 0; t < NT; ++t) w[t] = wp + (t0 + t) * tile_stride;
+    return w;
+  };
+}
+
 // x [M, K] bf16 (rows contiguous), weight from pack_bf16_weight for N outputs, bias [N] or none, other [M, N] or
 // none; out [M, N], bf16 or fp32 (then holding the bf16-rounded outputs). With x2 [M, K2], the weight's last K2
 // inputs take x2's values.
@@ -563,14 +573,8 @@ void linear_bf16(const at::Tensor& x, const at::Tensor& weight, int64_t n, const
   const Inputs in = checked_inputs("linear_bf16", x, x2, weight, n, out, true);
   const Epilogue ep = checked_epilogue<c10::BFloat16>("linear_bf16", at::kBFloat16, "bf16", x.size(0), n, swish,
                                                       bias, other);
-  const uint16_t* wp = rows_of(weight);
-  const int64_t tile_stride = weight.stride(0), out_row = out.stride(0);
-  auto weights = [&](auto nt, int64_t t0) {
-    constexpr int NT = decltype(nt)::value;
-    std::array<const uint16_t*, NT> w;
-    for (int t = 0; t < NT; ++t) w[t] = wp + (t0 + t) * tile_stride;
-    return w;
-  };
+  const int64_t out_row = out.stride(0);
+  const auto weights = tile_pointers(weight);
   auto run = [&](auto* op) {
     using Out = std::remove_pointer_t<decltype(op)>;
     run_blocks<kTileGroup, kTiles, 1>(in, x.size(0), weight.size(0), amx, weights,
@@ -595,18 +599,10 @@ void linear_bf16_argmax(const at::Tensor& x, const at::Tensor& weight, int64_t n
   const Inputs in = checked_inputs("linear_bf16_argmax", x, std::nullopt, weight, n, shape);
   const Epilogue ep = checked_epilogue<c10::BFloat16>("linear_bf16_argmax", at::kBFloat16, "bf16", m, n, false,
                                                       bias, std::nullopt);
-  const uint16_t* wp = rows_of(weight);
-  const int64_t tile_stride = weight.stride(0), threads = at::get_num_threads();
+  const int64_t threads = at::get_num_threads();
   std::vector<Best> best(threads * m);
-  run_blocks<kTileGroup, kTiles, 1>(
-      in, m, weight.size(0), amx,
-      [&](auto nt, int64_t t0) {
-        constexpr int NT = decltype(nt)::value;
-        std::array<const uint16_t*, NT> w;
-        for (int t = 0; t < NT; ++t) w[t] = wp + (t0 + t) * tile_stride;
-        return w;
-      },
-      [&](int64_t t0) { return ArgmaxFinish{ep, best.data(), m, n, t0 * kTile}; });
+  run_blocks<kTileGroup, kTiles, 1>(in, m, weight.size(0), amx, tile_pointers(weight),
+                                    [&](int64_t t0) { return ArgmaxFinish{ep, best.data(), m, n, t0 * kTile}; });
   int64_t* dst = out.mutable_data_ptr<int64_t>();
   for (int64_t r = 0; r < m; ++r) {
     Best b;
