@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megapipe.errors import MegapipeError
-from megapipe.inference.runner import PackedLinear, PackedSwiGLU, packed_parts
+from megapipe.inference.runner import ExtraInputs, PackedLinear, PackedSwiGLU, packed_parts
 
 
 @dataclass
@@ -65,7 +65,7 @@ class AdaptedInput:
         self.parts, self.slots, self.ff = parts, slots, ff
         self.names = [n for p in parts for n in p.names]
         self.in_features = parts[0].linear.in_features
-        self.band = slots.max_rank * len(self.names)
+        self.band = -(-slots.max_rank * len(self.names) // 2) * 2  # even: bf16 kernels read inputs in pairs
         self.width = -(-slots.max_loras * self.band // 32) * 32  # AMX tiles read 32 inputs at a time
         self.a = torch.zeros(self.width, self.in_features, dtype=slots.dtype, device=slots.device)
         self.b = [torch.zeros(self.width, p.linear.out_features, dtype=slots.dtype, device=slots.device)
@@ -79,6 +79,7 @@ class AdaptedInput:
         wrapped = ff if ff is not None else parts[0].linear
         self.base_forward = wrapped.forward
         wrapped.forward = self.forward_swiglu if ff is not None else self.forward
+        wrapped.adapted = self  # what the runner's direct kernel calls ask for the extra inputs (DecoderLayer.direct)
 
     @torch.inference_mode()  # the bands may have been made in a step (inference tensors)
     def put(self, slot: int, adapter: Optional[Adapter]) -> None:
@@ -106,16 +107,17 @@ class AdaptedInput:
             for p, b in zip(self.parts, self.b, strict=True):
                 p.linear.set_extra_inputs(b.T)
 
-    def low(self, x: torch.Tensor) -> tuple[Optional[torch.Tensor], bool]:
+    def low(self, x: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[ExtraInputs]]:
         """The step's low-rank sums of x's rows, (x A^T) * mask [rows, width] (None when no row has an adapter), and
-        whether the layers take them as extra inputs on megapipe's kernel."""
+        the same as the layers' extra inputs on megapipe's kernel, each row's band marked (None off that kernel)."""
         mask = self.slots.mask(self.band, self.width)
         if mask is None:
-            return None, False
+            return None, None
         rows = x.reshape(-1, self.in_features)
         if self.own and self.parts[0].linear._on_own(rows):
-            return self.a_packed.times(rows, mask), True
-        return torch.matmul(rows, self.a.T).mul_(mask), False
+            low = self.a_packed.times(rows, mask)
+            return low, ExtraInputs(low, self.slots.starts(self.band), self.band)
+        return torch.matmul(rows, self.a.T).mul_(mask), None
 
     def plain(self, i: int, x: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
         """Part i's output as aten computes it, base(x) + low B."""
@@ -129,8 +131,8 @@ class AdaptedInput:
             return self.base_forward(x) if activation == "none" else self.base_forward(x, activation)
         if activation not in ("none", "swish"):
             raise ValueError(f"an adapted linear fuses no {activation!r} (only 'none' and 'swish')")
-        if extra:
-            return self.base_forward(x, activation, x2=low)
+        if extra is not None:
+            return self.base_forward(x, activation, extra)
         y = self.plain(0, x, low)
         return F.silu(y) if activation == "swish" else y
 
@@ -139,8 +141,8 @@ class AdaptedInput:
         low, extra = self.low(x)
         if low is None:
             return self.base_forward(x)
-        if extra:
-            return self.base_forward(x, x2=low)
+        if extra is not None:
+            return self.base_forward(x, extra)
         return self.ff.w2(F.silu(self.plain(0, x, low)).mul_(self.plain(1, x, low)))
 
 
@@ -157,8 +159,10 @@ class AdapterSlots:
         self.layers: dict[str, AdaptedInput] = {}  # by each weight name of its parts
         self._inputs = adaptable_inputs(model)
         self._ids = itertools.count(1)
+        self._slots: Optional[torch.Tensor] = None  # each row's slot this step (None: no row has an adapter)
         self._onehot: Optional[torch.Tensor] = None
         self._masks: dict[tuple[int, int], torch.Tensor] = {}  # by (band, width)
+        self._starts: dict[int, torch.Tensor] = {}  # by band
         self.num_loads = 0
 
     def register(self, name: str, path: str, rank: int, scale: float, weights: dict) -> None:
@@ -225,12 +229,12 @@ class AdapterSlots:
 
     def set_rows(self, slots: Optional[Sequence[int]]) -> None:
         """The slot of every row of the next forward (None or all 0: no adapter runs)."""
-        self._masks = {}
+        self._masks, self._starts = {}, {}
         if not slots or not any(slots):
-            self._onehot = None
+            self._slots = self._onehot = None
             return
-        ids = torch.tensor(slots, dtype=torch.long, device=self.device)
-        self._onehot = F.one_hot(ids, self.num_slots)[:, 1:].to(self.dtype)  # slot 0 has no band
+        self._slots = torch.tensor(slots, dtype=torch.long, device=self.device)
+        self._onehot = F.one_hot(self._slots, self.num_slots)[:, 1:].to(self.dtype)  # slot 0 has no band
 
     def mask(self, band: int, width: int) -> Optional[torch.Tensor]:
         """[rows, width]: 1 on each row's own slot's band (none for slot 0; 0 past max_loras * band)."""
@@ -241,6 +245,14 @@ class AdapterSlots:
             mask = F.pad(self._onehot.repeat_interleave(band, dim=1), (0, width - band * self.max_loras))
             self._masks[band, width] = mask
         return mask
+
+    def starts(self, band: int) -> torch.Tensor:
+        """int32 [rows]: where each row's band of ``band`` columns starts in the mask (-1: slot 0, no band)."""
+        starts = self._starts.get(band)
+        if starts is None:
+            starts = ((self._slots - 1) * band).clamp_(min=-1).to(torch.int32)
+            self._starts[band] = starts
+        return starts
 
 
 def adaptable_inputs(model: nn.Module) -> dict[str, tuple[Optional[nn.Module], list[Part]]]:

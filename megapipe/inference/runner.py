@@ -68,6 +68,23 @@ def own_kernel_serves(weight: torch.Tensor) -> bool:
     return weight.shape[1] % 2 == 0 and kernels.bf16_linear_built()
 
 
+@dataclass
+class ExtraInputs:
+    """Values [rows, extra] of a packed weight's extra inputs (PackedLinear.extend: LoRA's low-rank sums), and
+    optionally ``start`` (int32 [rows]) and ``band``: row r's values are zero but for the ``band`` columns from
+    start[r] on (-1: all zero), so megapipe's kernels multiply that band alone."""
+    values: torch.Tensor
+    start: Optional[torch.Tensor] = None
+    band: int = 0
+
+    @staticmethod
+    def kernel_args(extra: Optional[ExtraInputs]) -> dict:
+        """The keyword arguments of linear_bf16 / linear_f32 / glu_bf16 that give them ``extra``."""
+        if extra is None:
+            return {}
+        return {"x2": extra.values, "x2_start": extra.start, "x2_band": extra.band}
+
+
 class PackedLinear(nn.Module):
     """A linear layer on a pre-packed weight: megapipe's bf16 or fp32 kernel (``own``; kernels.py) or oneDNN's.
     ``own`` is the most rows a call may have to run on megapipe's kernel (True: any; False or 0: none); with a limit
@@ -93,9 +110,9 @@ class PackedLinear(nn.Module):
         self.onednn = _pack(weight, False) if mixed else None  # oneDNN's copy for calls over own_rows rows
 
     def extend(self, extra: int) -> None:
-        """Room for ``extra`` more inputs after the weight's own, zero until ``set_extra_inputs``: a call given x2
-        [rows, extra] (their values) on megapipe's kernel then sums both products in one pass (LoRA's low-rank
-        sums, megapipe.inference.lora). ``packed`` stays the weight of the layer's own inputs (a view)."""
+        """Room for ``extra`` more inputs after the weight's own, zero until ``set_extra_inputs``: a call given
+        ExtraInputs (their values [rows, extra]) on megapipe's kernel then sums both products in one pass (LoRA's
+        low-rank sums, megapipe.inference.lora). ``packed`` stays the weight of the layer's own inputs (a view)."""
         if not self.own:
             raise ValueError("only a layer on megapipe's kernel takes extra inputs")
         dense = self.dense()
@@ -111,9 +128,9 @@ class PackedLinear(nn.Module):
         pairs)."""
         return self.in_features // 2 if self.packed.dtype == torch.bfloat16 else self.in_features
 
-    def weight_for(self, x2: Optional[torch.Tensor]) -> torch.Tensor:
-        """The packed weight a call with extra inputs ``x2`` (or none) multiplies."""
-        return self.packed if x2 is None else self.wide
+    def weight_for(self, extra: Optional[ExtraInputs]) -> torch.Tensor:
+        """The packed weight a call with ``extra`` inputs (or none) multiplies."""
+        return self.packed if extra is None else self.wide
 
     def dense(self) -> torch.Tensor:
         """The weight [out_features, in_features] read back from its packed layout."""
@@ -128,12 +145,13 @@ class PackedLinear(nn.Module):
     def _onednn_weight(self) -> torch.Tensor:
         return self.packed if self.onednn is None else self.onednn
 
-    def forward(self, x: torch.Tensor, activation: str = "none", x2: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """act(x W^T + b); with ``x2`` the extra inputs' values too (``extend``: megapipe's kernel only)."""
-        if x2 is not None or self._on_own(x):
+    def forward(self, x: torch.Tensor, activation: str = "none",
+                extra: Optional[ExtraInputs] = None) -> torch.Tensor:
+        """act(x W^T + b); with ``extra`` the extra inputs' products too (``extend``: megapipe's kernel only)."""
+        if extra is not None or self._on_own(x):
             if activation not in ("none", "swish"):
                 raise ValueError(f"megapipe's linear fuses no {activation!r} (only 'none' and 'swish')")
-            return self._own(x, activation == "swish", None, x2)
+            return self._own(x, activation == "swish", None, extra)
         return torch_compat.linear_pointwise(x, self._onednn_weight(), self.bias, activation)
 
     def forward_float(self, x: torch.Tensor) -> torch.Tensor:
@@ -156,17 +174,19 @@ class PackedLinear(nn.Module):
         torch.ops.megapipe.linear_bf16_argmax(rows, self.packed, self.out_features, self.bias, out)
         return out
 
-    def times(self, x: torch.Tensor, other: torch.Tensor, x2: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """(x W^T + b) * other, the product taken on the matmul's result before rounding (``x2`` as in forward)."""
-        if x2 is not None or self._on_own(x):
-            return self._own(x, False, other, x2)
+    def times(self, x: torch.Tensor, other: torch.Tensor, extra: Optional[ExtraInputs] = None) -> torch.Tensor:
+        """(x W^T + b) * other, the product taken on the matmul's result before rounding (``extra`` as in
+        forward)."""
+        if extra is not None or self._on_own(x):
+            return self._own(x, False, other, extra)
         return torch_compat.linear_pointwise_binary(x, other, self._onednn_weight(), self.bias, "mul")
 
     def _own(self, x: torch.Tensor, swish: bool, other: Optional[torch.Tensor],
-             x2: Optional[torch.Tensor] = None) -> torch.Tensor:
+             extra: Optional[ExtraInputs] = None) -> torch.Tensor:
         rows, out = self.rows_and_out(x)
         other = None if other is None else other.reshape(-1, self.out_features)
-        self.own_op()(rows, self.weight_for(x2), self.out_features, self.bias, swish, other, out, x2=x2)
+        self.own_op()(rows, self.weight_for(extra), self.out_features, self.bias, swish, other, out,
+                      **ExtraInputs.kernel_args(extra))
         return out.view(*x.shape[:-1], self.out_features)
 
     def own_op(self):
@@ -223,15 +243,16 @@ class PackedSwiGLU(nn.Module):
         if own_bf16:
             say_once(kernels.glu_choice(w1.out_features, w1.in_features)[1])
 
-    def forward(self, x: torch.Tensor, x2: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``x2``: values of extra inputs of w1 and w3 (PackedLinear.extend), as the rows of x."""
+    def forward(self, x: torch.Tensor, extra: Optional[ExtraInputs] = None) -> torch.Tensor:
+        """``extra``: w1's and w3's extra inputs (PackedLinear.extend), as the rows of x."""
         w1, w3 = self.w1, self.w3
-        if self.glu and (x2 is not None or w1._on_own(x)):
+        if self.glu and (extra is not None or w1._on_own(x)):
             rows, out = w1.rows_and_out(x)
-            torch.ops.megapipe.glu_bf16(rows, w1.weight_for(x2), w3.weight_for(x2), w1.out_features, out, x2=x2)
+            torch.ops.megapipe.glu_bf16(rows, w1.weight_for(extra), w3.weight_for(extra), w1.out_features, out,
+                                        **ExtraInputs.kernel_args(extra))
             return self.w2(out.view(*x.shape[:-1], -1))
-        gate = w1(x, "swish", x2)
-        return self.w2(w3.times(x, gate, x2))
+        gate = w1(x, "swish", extra)
+        return self.w2(w3.times(x, gate, extra))
 
     @staticmethod
     def fits(ff: nn.Module) -> bool:
@@ -486,33 +507,37 @@ class DecoderLayer:
                batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """``__call__``'s values (the same kernels on the same inputs, bit for bit) as direct kernel calls, none of
         the modules' per-call checks and reshapes, which a decode step pays ~10 times a layer (SmolLM2, 64 rows:
-        69.9 -> 67.7 ms a step). For steps of at most ``direct_rows`` rows whose batch attends on the kernel, with
-        no LoRA adapters (they wrap the modules' forwards)."""
+        69.9 -> 67.7 ms a step). For steps of at most ``direct_rows`` rows whose batch attends on the kernel; LoRA
+        adapters' low-rank sums (megapipe.inference.lora) enter as the matmuls' extra inputs, as in their
+        forwards."""
         ops, d, rows = self.ops, self.head_dim, len(h)
         wqkv, wo, ffn = self.qkv.wqkv, self.wo, self.ffn
-        linear = wqkv.own_op()  # every linear of the layer: the same dtype
+        op = wqkv.own_op()  # every linear of the layer: the same dtype
+
+        def linear(lin: PackedLinear, x: torch.Tensor, extra: Optional[ExtraInputs], swish: bool = False,
+                   other: Optional[torch.Tensor] = None) -> torch.Tensor:
+            out = h.new_empty(rows, lin.out_features)
+            op(x, lin.weight_for(extra), lin.out_features, lin.bias, swish, other, out,
+               **ExtraInputs.kernel_args(extra))
+            return out
+
         x = self.norm(h, delta, self.norm1)
-        qkv = h.new_empty(rows, wqkv.out_features)
-        linear(x, wqkv.packed, wqkv.out_features, wqkv.bias, False, None, qkv)
+        qkv = linear(wqkv, x, extra_inputs(wqkv, x))
         nq, nk = self.qkv.sizes[0] // d, self.qkv.sizes[1] // d
         pool, layer = batch.pool, self.layer_id
         ops.rope_and_cache(qkv, cos, sin, pool.k[layer], pool.v[layer], batch.slots_of(layer), nq, nk)
         attended = batch.attend_flat(layer, qkv[:, :nq * d].view(rows, nq, d), None, None, stored=True,
                                      sinks=self.sinks)
-        out = h.new_empty(rows, wo.out_features)
-        linear(attended, wo.packed, wo.out_features, wo.bias, False, None, out)
-        x = self.norm(h, out, self.norm2)
+        x = self.norm(h, linear(wo, attended, extra_inputs(wo, attended)), self.norm2)
         w1, w3, w2 = ffn.w1, ffn.w3, ffn.w2
-        gated = h.new_empty(rows, w1.out_features)
+        extra = extra_inputs(ffn, x)  # the gate's and the up projection's: one input
         if ffn.glu:
-            ops.glu_bf16(x, w1.packed, w3.packed, w1.out_features, gated)
+            gated = h.new_empty(rows, w1.out_features)
+            ops.glu_bf16(x, w1.weight_for(extra), w3.weight_for(extra), w1.out_features, gated,
+                         **ExtraInputs.kernel_args(extra))
         else:
-            gate = h.new_empty(rows, w1.out_features)
-            linear(x, w1.packed, w1.out_features, w1.bias, True, None, gate)
-            linear(x, w3.packed, w3.out_features, w3.bias, False, gate, gated)
-        out = h.new_empty(rows, w2.out_features)
-        linear(gated, w2.packed, w2.out_features, w2.bias, False, None, out)
-        return h, out
+            gated = linear(w3, x, extra, other=linear(w1, x, extra, swish=True))
+        return h, linear(w2, gated, extra_inputs(w2, gated))
 
     def norm(self, h: torch.Tensor, delta: Optional[torch.Tensor], norm: nn.Module) -> torch.Tensor:
         """h += delta in place (when given), then RMSNorm(h)."""
@@ -524,6 +549,18 @@ class DecoderLayer:
         else:
             self.ops.add_rms_norm(h, delta, norm.weight, norm.eps, out)
         return out
+
+
+def extra_inputs(module: nn.Module, x: torch.Tensor) -> Optional[ExtraInputs]:
+    """The extra inputs LoRA adapters give ``module`` (a linear, or a SwiGLU for its gate and up projections) on
+    the rows x this step, on megapipe's kernel (None: no adapter on it, or no row with one)."""
+    adapted = getattr(module, "adapted", None)  # megapipe.inference.lora.AdaptedInput
+    if adapted is None:
+        return None
+    low, extra = adapted.low(x)
+    if low is not None and extra is None:
+        raise MegapipeError("an adapted layer's direct call ran off megapipe's kernel")  # direct_rows' rule broken
+    return extra
 
 
 def rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
@@ -810,7 +847,7 @@ class ModelRunner:
                 cos, sin = multimodal_step(self.model, self.inv_freq, self.rope_scale, images, starts, lengths,
                                            positions, h)
             delta = None
-            direct = self.adapters is None and batch.kernel is not None and len(ids) <= self.direct_rows
+            direct = batch.kernel is not None and len(ids) <= self.direct_rows
             for layer in self.layers:
                 h, delta = layer.direct(h, delta, cos, sin, batch) if direct else layer(h, delta, cos, sin, batch)
             h = h.add_(delta)

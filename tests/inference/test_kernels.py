@@ -14,7 +14,7 @@ from megapipe.errors import ConfigError
 from megapipe.inference import LLMEngine, SamplingParams, kernels
 from megapipe.inference import runner as runner_module
 from megapipe.inference.kv_cache import KVPool, PagedBatch
-from megapipe.inference.runner import PackedLinear, repack, rope_
+from megapipe.inference.runner import ExtraInputs, PackedLinear, repack, rope_
 from megapipe.models.norms import RMSNorm
 from megapipe.models.rope import inv_frequencies, rope_cos_sin
 from tests.helpers.hf_tiny import make_hf_dir
@@ -243,14 +243,15 @@ def check_extra_inputs(lin, w, b, extra, x, x2, other, **tol):
         return torch.cat([x, x2], 1).double() @ torch.cat([weight, extra], 1).double().t() + b.double()
 
     both = exact(w)
-    for got, want in ((lin(x, x2=x2), both), (lin(x, "swish", x2=x2), both * both.sigmoid()),
-                      (lin.times(x, other, x2=x2), both * other.double()),
+    extra_inputs = ExtraInputs(x2)
+    for got, want in ((lin(x, extra=extra_inputs), both), (lin(x, "swish", extra_inputs), both * both.sigmoid()),
+                      (lin.times(x, other, extra_inputs), both * other.double()),
                       (lin(x), x.double() @ w.double().t() + b.double())):
         assert got.shape == other.shape
         torch.testing.assert_close(got.double(), want, **tol)
     assert torch.equal(lin.dense(), w)
     repack(lin, w.flip(0), b)
-    torch.testing.assert_close(lin(x, x2=x2).double(), exact(w.flip(0)), **tol)
+    torch.testing.assert_close(lin(x, extra=extra_inputs).double(), exact(w.flip(0)), **tol)
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 16, 32), (3, 40, 64), (5, 200, 576), (70, 1536, 576), (9, 576, 1536)])
@@ -278,6 +279,74 @@ def test_bf16_linear_matches_onednn_and_the_exact_product(bf16_linear, m, n, k):
     check_extra_inputs(mine, w, b, extra, x, x2, other, rtol=2 ** -7, atol=1e-2)
     no_bias = PackedLinear(w, None, own=True)
     torch.testing.assert_close(no_bias(x[None]).double(), (exact - b.double())[None], rtol=2 ** -7, atol=1e-2)
+
+
+def banded(m: int, band: int, slots: int, dtype, g) -> tuple[torch.Tensor, torch.Tensor]:
+    """x2 [m, slots * band] zero but for each row's band, and the bands' starts (int32 [m], -1: none): a block of 8
+    rows in one band, 8 rows in bands of their own (and none), the rest in one band again, then rows with none."""
+    slot = [2] * 8 + [r % (slots + 1) - 1 for r in range(8)] + [slots - 1] * (m - 20) + [-1] * 4
+    start = torch.tensor([s * band if s >= 0 else -1 for s in slot[:m]], dtype=torch.int32)
+    x2 = torch.zeros(m, slots * band)
+    for r, s in enumerate(start.tolist()):
+        if s >= 0:
+            x2[r, s:s + band] = torch.randn(band, generator=g)
+    return x2.to(dtype), start
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_extra_inputs_over_each_rows_band_give_the_full_products_bit_for_bit(ops, dtype):
+    """With x2_start the kernels multiply each row's band of x2 alone (LoRA's rows, each with its own adapter's
+    band): the same outputs as over all of x2, whose other values are zeros, for rows sharing a band, rows of mixed
+    bands and rows with none, on the loop and (here the same loop where the CPU has no AMX) the tile path, the fused
+    SwiGLU too."""
+    if not (kernels.bf16_linear_built() if dtype == torch.bfloat16 else kernels.f32_linear_built()):
+        pytest.skip("megapipe's kernel for this dtype is not built on this CPU")
+    g = torch.Generator().manual_seed(5)
+    m, n, k, band, slots = 37, 200, 64, 24, 4
+    x = torch.randn(m, k, generator=g).to(dtype)
+    x2, start = banded(m, band, slots, dtype, g)
+    w = (torch.randn(n, k + slots * band, generator=g) * 0.05).to(dtype)
+    b, other = torch.randn(n, generator=g).to(dtype), torch.randn(m, n, generator=g).to(dtype)
+    lin = PackedLinear(w[:, :k], b, own=True)
+    lin.extend(slots * band)
+    lin.set_extra_inputs(w[:, k:])
+    for activation, times in (("none", None), ("swish", None), ("none", other)):
+        for amx in ((True, False) if dtype == torch.bfloat16 else (None,)):
+            kw = {} if amx is None else {"amx": amx}
+            full, bands = torch.empty(m, n, dtype=dtype), torch.empty(m, n, dtype=dtype)
+            lin.own_op()(x, lin.wide, n, b, activation == "swish", times, full, x2=x2, **kw)
+            lin.own_op()(x, lin.wide, n, b, activation == "swish", times, bands, x2=x2, x2_start=start,
+                         x2_band=band, **kw)
+            assert torch.equal(full, bands), (activation, amx)
+    if dtype == torch.bfloat16:
+        gate, up = kernels.pack_bf16_weight(w), kernels.pack_bf16_weight(w.flip(0))
+        for amx in (True, False):
+            full, bands = torch.empty(m, n, dtype=dtype), torch.empty(m, n, dtype=dtype)
+            ops.glu_bf16(x, gate, up, n, full, amx=amx, x2=x2)
+            ops.glu_bf16(x, gate, up, n, bands, amx=amx, x2=x2, x2_start=start, x2_band=band)
+            assert torch.equal(full, bands), amx
+    out = torch.empty(m, n, dtype=dtype)
+
+    def call(**kw):
+        lin.own_op()(x, lin.wide, n, None, False, None, out, **{"x2": x2, "x2_band": band, **kw})
+
+    with pytest.raises(RuntimeError, match=r"x2_start must be int32 \[M\] beside an x2"):
+        call(x2_start=start.long())
+    with pytest.raises(RuntimeError, match=r"x2_start must be int32 \[M\] beside an x2"):
+        lin.own_op()(x, lin.packed, n, None, False, None, out, x2_start=start, x2_band=band)
+    with pytest.raises(RuntimeError, match=rf"x2_band {slots * band + 2} must be in 1 .. {slots * band}"):
+        call(x2_start=start, x2_band=slots * band + 2)
+    bad = start.clone()
+    bad[9] = (slots - 1) * band + 2
+    with pytest.raises(RuntimeError, match=rf"x2_start\[9\] = {int(bad[9])} is not -1 or a start of a band of "
+                                           rf"{band} in x2's {slots * band} columns"):
+        call(x2_start=bad)
+    if dtype == torch.bfloat16:
+        with pytest.raises(RuntimeError, match=rf"x2_band {band + 1} must be .* a multiple of 2"):
+            call(x2_start=start, x2_band=band + 1)
+        bad[9] = 3
+        with pytest.raises(RuntimeError, match=r"x2_start\[9\] = 3 is not -1 .* \(a multiple of 2\)"):
+            call(x2_start=bad)
 
 
 def test_bf16_linear_refuses_mismatched_shapes_and_leaves_odd_widths_to_onednn(bf16_linear):
@@ -722,7 +791,7 @@ def test_packed_swiglu_runs_the_fused_glu_where_chosen_with_or_without_extra_inp
         for name in ("w1", "w3"):
             getattr(packed, name).extend(32)
             getattr(packed, name).set_extra_inputs(extra[name])
-        torch.testing.assert_close(packed(x, x2).double(), want_extra, rtol=2 ** -6, atol=3e-2)
+        torch.testing.assert_close(packed(x, ExtraInputs(x2)).double(), want_extra, rtol=2 ** -6, atol=3e-2)
         assert calls == (["glu_bf16", "linear_bf16"] if amx else ["linear_bf16"] * 3) * 2, amx
 
 

@@ -65,8 +65,8 @@ def merged_engine(hf_dir, path=None) -> LLMEngine:
     return LLMEngine(loaded.model, None, EngineConfig(block_size=4, num_blocks=256), eos_token_ids=[0])
 
 
-def lora_engine(hf_dir, loras: dict, **config) -> LLMEngine:
-    loaded = load_model(hf_dir, torch.device("cpu"), torch.float32)
+def lora_engine(hf_dir, loras: dict, dtype=torch.float32, **config) -> LLMEngine:
+    loaded = load_model(hf_dir, torch.device("cpu"), dtype)
     e = LLMEngine(loaded.model, None, EngineConfig(block_size=4, num_blocks=256, **config), eos_token_ids=[0])
     for name, path in loras.items():
         e.load_lora(name, path)
@@ -135,6 +135,32 @@ def test_a_batch_mixing_base_and_two_adapters_equals_the_merged_models(hf_llama,
     assert engine.blocks.hit_tokens == hits
     same(run(engine, [(PROMPTS[2], "run")])[0], want["run"][2].outputs[0])
     assert engine.blocks.hit_tokens > hits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_direct_kernel_calls_with_adapters_give_the_modules_values_bit_for_bit(hf_llama, adapters, dtype,
+                                                                                monkeypatch):
+    """A batch mixing the base and two adapters through DecoderLayer.direct (the low-rank sums as the kernels' extra
+    inputs over each row's band) gives the modules' path's tokens and logprobs to the bit."""
+    from megapipe.inference import runner as runner_module
+
+    built = kernels.f32_linear_built() if dtype == torch.float32 else kernels.bf16_linear_built()
+    if not built:
+        pytest.skip("megapipe's linear kernel for this dtype is not built on this CPU")
+    paths, _ = adapters
+    engine = lora_engine(hf_llama[0], paths, dtype=dtype, max_loras=2, bf16_linear="own")
+    assert engine.runner.direct_rows == kernels.OWN_ALWAYS
+    calls, real = [], runner_module.DecoderLayer.direct
+    monkeypatch.setattr(runner_module.DecoderLayer, "direct", lambda self, *a: calls.append(1) or real(self, *a))
+    requests = [(p, name) for p in PROMPTS for name in (None, "peft", "run")]
+    pick = lambda outs: [(o.token_ids, o.logprobs) for o in outs]  # noqa: E731
+    direct = pick(run(engine, requests))
+    assert calls
+    calls.clear()
+    engine.runner.direct_rows = 0
+    engine.blocks.reset_prefix_cache()
+    assert pick(run(engine, requests)) == direct and not calls
+    assert direct[1][0] != direct[0][0]  # the adapters do something
 
 
 def test_lru_residency(hf_llama, adapters):

@@ -43,14 +43,18 @@ using Epilogue = megapipe_linear::Epilogue<c10::BFloat16>;
 
 // A matmul's inputs from row m0 on: x [M, 2 * pairs], and optionally x2 [M, 2 * pairs2], whose values meet the
 // weight's inputs after x's (a weight extended by more input columns: LoRA's low-rank sums, megapipe.inference.lora)
+// (the AMX tile path multiplies all of x2, bands or not: the same sums)
 struct Inputs {
   const uint16_t* x;
   int64_t x_row, pairs;
   const uint16_t* x2;
   int64_t x2_row, pairs2;
+  Bands bands;  // by absolute row: from_row keeps them
   Inputs from_row(int64_t m0) const {
-    return {x + m0 * x_row, x_row, pairs, x2 ? x2 + m0 * x2_row : x2, x2_row, pairs2};
+    return {x + m0 * x_row, x_row, pairs, x2 ? x2 + m0 * x2_row : x2, x2_row, pairs2, bands};
   }
+  // input pairs a row's block multiplies
+  int64_t steps() const { return pairs + (bands.start ? bands.len / 2 : pairs2); }
 };
 
 // The weight lines a block fetches ahead for the thread's next task (Ahead): the same run of lines (bytes `offset`
@@ -70,6 +74,10 @@ struct Prefetch {
       for (int64_t at = offset; at < stop; at += 64) _mm_prefetch(tiles[i] + at, _MM_HINT_T1);
     offset = stop;
     return std::min(steps, step + kLinesPerFetch * spacing);
+  }
+  // the lines not fetched yet (a block that ends with fewer steps than planned: x2's bands)
+  void rest() {
+    for (int64_t step = 0; offset < end;) step = fetch(step, step + 1);
   }
 };
 
@@ -160,6 +168,34 @@ inline void accumulate_with(int products, __m512 (&acc)[MB][NT], const uint16_t*
   }
 }
 
+// acc += the products of x2's rows (from m0 on) with the weight's extra inputs over each row's band only
+// (Inputs::bands): one pass for the block where its rows share a band (a prefill's rows of one sequence), else
+// row by row
+template <int MB, int NT>
+inline void band_products(int products, __m512 (&acc)[MB][NT], const Inputs& in, const uint16_t* const* w,
+                          int64_t m0, Prefetch& ahead) {
+  const int64_t shared = in.bands.shared(m0, MB), pairs = in.bands.len / 2;
+  auto at = [&](int64_t start) {  // the weight lines of the band from x2's column `start` on
+    std::array<const uint16_t*, NT> w2;
+    for (int t = 0; t < NT; ++t) w2[t] = w[t] + (in.pairs + start / 2) * 2 * kTile;
+    return w2;
+  };
+  if (shared >= 0) {
+    accumulate_with<MB, NT>(products, acc, in.x2 + shared, in.x2_row, at(shared).data(), pairs, ahead);
+  } else if (shared == Bands::kMixed) {
+    for (int m = 0; m < MB; ++m) {
+      const int64_t start = in.bands.start[m0 + m];
+      if (start < 0) continue;
+      __m512 row[1][NT];
+      for (int t = 0; t < NT; ++t) row[0][t] = acc[m][t];
+      accumulate_with<1, NT>(products, row, in.x2 + m * in.x2_row + start, in.x2_row, at(start).data(), pairs,
+                             ahead);
+      for (int t = 0; t < NT; ++t) acc[m][t] = row[0][t];
+    }
+  }
+  ahead.rest();
+}
+
 // A register block: rows m0 .. m0 + MB of the inputs against the weight tiles at w[0 .. NT), its fp32 sums handed
 // to `finish` (a LinearFinish or a GluFinish)
 template <int MB, int NT, typename Finish>
@@ -169,10 +205,12 @@ inline void block(const Inputs& in, const uint16_t* const* w, int64_t m0, const 
   for (int m = 0; m < MB; ++m)
     for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_setzero_ps();
   accumulate_with<MB, NT>(products, acc, in.x, in.x_row, w, in.pairs, ahead);
-  if (in.pairs2) {
+  if (in.pairs2 && !in.bands.start) {
     std::array<const uint16_t*, NT> w2;
     for (int t = 0; t < NT; ++t) w2[t] = w[t] + in.pairs * 2 * kTile;
     accumulate_with<MB, NT>(products, acc, in.x2, in.x2_row, w2.data(), in.pairs2, ahead);
+  } else if (in.pairs2) {
+    band_products<MB, NT>(products, acc, in, w, m0, ahead);
   }
   finish.template rows<NT>(m0, MB, [&](int m, int t) { return acc[m][t]; });
 }
@@ -509,7 +547,7 @@ void run_blocks(const Inputs& in, int64_t m, int64_t tiles, bool amx, const Weig
   }
   const int products = current_loop_products();
   static_assert(LoopGroup * Width <= Prefetch::kMaxTiles, "a task's weight tiles must fit Prefetch");
-  const int64_t steps = in.pairs + in.pairs2;
+  const int64_t steps = in.steps();
   for_each_block<kRows, LoopGroup>(m, tiles, [&](auto nt, int64_t t0, int64_t m0, int mb, const Ahead& next) {
     constexpr int NT = decltype(nt)::value * Width;
     Prefetch ahead;
@@ -535,7 +573,8 @@ const uint16_t* rows_of(const at::Tensor& x) {
 // and out [M, N]. The weight may be a view of the first inputs of a wider packed weight (its 16-output tiles then
 // lie further apart than its own inputs take).
 Inputs checked_inputs(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& x2,
-                      const at::Tensor& weight, int64_t n, const at::Tensor& out, bool fp32_out = false) {
+                      const at::Tensor& weight, int64_t n, const at::Tensor& out, bool fp32_out = false,
+                      const std::optional<at::Tensor>& x2_start = std::nullopt, int64_t x2_band = 0) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
                   (out.scalar_type() == at::kBFloat16 || (out.scalar_type() == at::kFloat && fp32_out)) &&
                   (!x2 || x2->scalar_type() == at::kBFloat16),
@@ -551,7 +590,8 @@ Inputs checked_inputs(const char* op, const at::Tensor& x, const std::optional<a
               " for ", n, " outputs");
   TORCH_CHECK(out.dim() == 2 && out.size(0) == m && out.size(1) == n && out.stride(1) == 1,
               op, ": out must be [M, N]");
-  return {rows_of(x), x.stride(0), k / 2, x2 ? rows_of(*x2) : nullptr, x2 ? x2->stride(0) : 0, k2 / 2};
+  return {rows_of(x), x.stride(0), k / 2, x2 ? rows_of(*x2) : nullptr, x2 ? x2->stride(0) : 0, k2 / 2,
+          checked_bands(op, x2_start, x2_band, m, k2, 2)};
 }
 
 // weights(std::integral_constant<int, NT>, t0): the NT weight tiles of output tiles t0 .. of a linear's packed weight
@@ -566,11 +606,12 @@ inline auto tile_pointers(const at::Tensor& weight) {
 
 // x [M, K] bf16 (rows contiguous), weight from pack_bf16_weight for N outputs, bias [N] or none, other [M, N] or
 // none; out [M, N], bf16 or fp32 (then holding the bf16-rounded outputs). With x2 [M, K2], the weight's last K2
-// inputs take x2's values.
+// inputs take x2's values; with x2_start [M] too, row m's x2 is zero but for x2_band columns from x2_start[m] on
+// (Bands).
 void linear_bf16(const at::Tensor& x, const at::Tensor& weight, int64_t n, const std::optional<at::Tensor>& bias,
                  bool swish, const std::optional<at::Tensor>& other, at::Tensor out, bool amx,
-                 const std::optional<at::Tensor>& x2) {
-  const Inputs in = checked_inputs("linear_bf16", x, x2, weight, n, out, true);
+                 const std::optional<at::Tensor>& x2, const std::optional<at::Tensor>& x2_start, int64_t x2_band) {
+  const Inputs in = checked_inputs("linear_bf16", x, x2, weight, n, out, true, x2_start, x2_band);
   const Epilogue ep = checked_epilogue<c10::BFloat16>("linear_bf16", at::kBFloat16, "bf16", x.size(0), n, swish,
                                                       bias, other);
   const int64_t out_row = out.stride(0);
@@ -615,11 +656,12 @@ void linear_bf16_argmax(const at::Tensor& x, const at::Tensor& weight, int64_t n
 }
 
 // out [M, N] = silu(x W_gate^T) * (x W_up^T), gate and up from pack_bf16_weight (N outputs each): a SwiGLU MLP's
-// first half in one pass, each block the gate's and the up projection's tiles of the same 16 outputs (x2 as in
-// linear_bf16, for both)
+// first half in one pass, each block the gate's and the up projection's tiles of the same 16 outputs (x2 and its
+// bands as in linear_bf16, for both)
 void glu_bf16(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up, int64_t n, at::Tensor out,
-              bool amx, const std::optional<at::Tensor>& x2) {
-  const Inputs in = checked_inputs("glu_bf16", x, x2, gate, n, out);
+              bool amx, const std::optional<at::Tensor>& x2, const std::optional<at::Tensor>& x2_start,
+              int64_t x2_band) {
+  const Inputs in = checked_inputs("glu_bf16", x, x2, gate, n, out, false, x2_start, x2_band);
   checked_inputs("glu_bf16", x, x2, up, n, out);
   TORCH_CHECK(gate.stride(0) == up.stride(0), "glu_bf16: gate and up must be packed alike");
   const uint16_t *gp = rows_of(gate), *up_p = rows_of(up);
@@ -636,9 +678,11 @@ void glu_bf16(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up,
 TORCH_LIBRARY_FRAGMENT(megapipe, m) {
   m.def(
       "linear_bf16(Tensor x, Tensor weight, int n, Tensor? bias, bool swish, Tensor? other, Tensor(a!) out, "
-      "bool amx=True, Tensor? x2=None) -> ()");
+      "bool amx=True, Tensor? x2=None, Tensor? x2_start=None, int x2_band=0) -> ()");
   m.def("linear_bf16_argmax(Tensor x, Tensor weight, int n, Tensor? bias, Tensor(a!) out, bool amx=True) -> ()");
-  m.def("glu_bf16(Tensor x, Tensor gate, Tensor up, int n, Tensor(a!) out, bool amx=True, Tensor? x2=None) -> ()");
+  m.def(
+      "glu_bf16(Tensor x, Tensor gate, Tensor up, int n, Tensor(a!) out, bool amx=True, Tensor? x2=None, "
+      "Tensor? x2_start=None, int x2_band=0) -> ()");
   m.def("bf16_loop(str setting='') -> (str, str)", &bf16_loop);
 }
 

@@ -28,6 +28,7 @@ struct Inputs {
   int64_t x_row, k;
   const float* x2;
   int64_t x2_row, k2;
+  Bands bands;
 };
 
 // acc[m][t] += the products of `k_len` inputs of rows x (x_row apart) with the weight lines at w (tile t's
@@ -52,7 +53,23 @@ inline void block(const Inputs& in, const float* w, int64_t tile_stride, int64_t
   for (int m = 0; m < MB; ++m)
     for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_setzero_ps();
   accumulate<MB, NT>(acc, in.x + m0 * in.x_row, in.x_row, w, in.k, tile_stride);
-  if (in.k2) accumulate<MB, NT>(acc, in.x2 + m0 * in.x2_row, in.x2_row, w + in.k * kTile, in.k2, tile_stride);
+  const float* x2 = in.x2 + m0 * in.x2_row;
+  const float* w2 = w + in.k * kTile;
+  const int64_t shared = in.bands.start ? in.bands.shared(m0, MB) : 0;
+  if (in.k2 && !in.bands.start) {
+    accumulate<MB, NT>(acc, x2, in.x2_row, w2, in.k2, tile_stride);
+  } else if (in.k2 && shared >= 0) {  // the block's rows share a band: that band alone (Bands)
+    accumulate<MB, NT>(acc, x2 + shared, in.x2_row, w2 + shared * kTile, in.bands.len, tile_stride);
+  } else if (in.k2 && shared == Bands::kMixed) {
+    for (int m = 0; m < MB; ++m) {
+      const int64_t start = in.bands.start[m0 + m];
+      if (start < 0) continue;
+      __m512 row[1][NT];
+      for (int t = 0; t < NT; ++t) row[0][t] = acc[m][t];
+      accumulate<1, NT>(row, x2 + m * in.x2_row + start, in.x2_row, w2 + start * kTile, in.bands.len, tile_stride);
+      for (int t = 0; t < NT; ++t) acc[m][t] = row[0][t];
+    }
+  }
   using Vec = at::vec::Vectorized<float>;
   for (int t = 0; t < NT; ++t) {
     const int64_t col = n0 + t * kTile;
@@ -78,11 +95,12 @@ inline void rows_block(int mb, const Inputs& in, const float* w, int64_t tile_st
 }
 
 // x [M, K] fp32 (rows contiguous), weight from pack_f32_weight for N outputs, bias [N] or none, other [M, N] or
-// none; out [M, N]. With x2 [M, K2], the weight's last K2 inputs take x2's values. The weight may be a view of the
-// first inputs of a wider packed weight.
+// none; out [M, N]. With x2 [M, K2], the weight's last K2 inputs take x2's values; with x2_start [M] too, row m's
+// x2 is zero but for x2_band columns from x2_start[m] on (Bands). The weight may be a view of the first inputs of a
+// wider packed weight.
 void linear_f32(const at::Tensor& x, const at::Tensor& weight, int64_t n, const std::optional<at::Tensor>& bias,
                 bool swish, const std::optional<at::Tensor>& other, at::Tensor out,
-                const std::optional<at::Tensor>& x2) {
+                const std::optional<at::Tensor>& x2, const std::optional<at::Tensor>& x2_start, int64_t x2_band) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
                   (!x2 || x2->scalar_type() == at::kFloat), "linear_f32 takes fp32 tensors");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.dim() == 3 && weight.size(2) == kTile &&
@@ -96,7 +114,7 @@ void linear_f32(const at::Tensor& x, const at::Tensor& weight, int64_t n, const 
               "linear_f32: out must be [M, N]");
   const Epilogue ep = checked_epilogue<float>("linear_f32", at::kFloat, "fp32", m, n, swish, bias, other);
   const Inputs in{x.const_data_ptr<float>(), x.stride(0), k, x2 ? x2->const_data_ptr<float>() : nullptr,
-                  x2 ? x2->stride(0) : 0, k2};
+                  x2 ? x2->stride(0) : 0, k2, checked_bands("linear_f32", x2_start, x2_band, m, k2, 1)};
   const float* wp = weight.const_data_ptr<float>();
   float* op = out.mutable_data_ptr<float>();
   const int64_t out_row = out.stride(0), tile_stride = weight.stride(0);
@@ -109,7 +127,7 @@ void linear_f32(const at::Tensor& x, const at::Tensor& weight, int64_t n, const 
 
 TORCH_LIBRARY_FRAGMENT(megapipe, m) {
   m.def("linear_f32(Tensor x, Tensor weight, int n, Tensor? bias, bool swish, Tensor? other, Tensor(a!) out, "
-        "Tensor? x2=None) -> ()");
+        "Tensor? x2=None, Tensor? x2_start=None, int x2_band=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(megapipe, CPU, m) { m.impl("linear_f32", &linear_f32); }

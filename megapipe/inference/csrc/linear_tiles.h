@@ -60,6 +60,39 @@ Epilogue<T> checked_epilogue(const char* op, at::ScalarType type, const char* ty
   return ep;
 }
 
+// Rows whose extra inputs (x2: LoRA's low-rank sums, megapipe.inference.lora) are zero outside a band of `len`
+// columns from start[m] on (-1: all zero), the row's own adapter's: a kernel multiplies that band alone, the same
+// sums as over all of x2 without the products of zeros (a prefill of one adapter's rows skipped 7 of 8 adapters'
+// bands). start null: every column of x2 is multiplied.
+struct Bands {
+  const int32_t* start = nullptr;
+  int64_t len = 0;
+  // the start rows m0 .. m0 + mb share, or kMixed
+  static constexpr int64_t kMixed = -2;
+  int64_t shared(int64_t m0, int mb) const {
+    for (int m = 1; m < mb; ++m)
+      if (start[m0 + m] != start[m0]) return kMixed;
+    return start[m0];
+  }
+};
+
+// x2_start's bands checked against x2 [M, k2]: int32 [M], each -1 or a start in 0 .. k2 - len (a multiple of
+// `align`); none without x2_start
+inline Bands checked_bands(const char* op, const std::optional<at::Tensor>& x2_start, int64_t len, int64_t m,
+                           int64_t k2, int64_t align) {
+  if (!x2_start) return {};
+  TORCH_CHECK(k2 > 0 && x2_start->scalar_type() == at::kInt && x2_start->dim() == 1 && x2_start->size(0) == m &&
+                  x2_start->stride(0) == 1, op, ": x2_start must be int32 [M] beside an x2");
+  TORCH_CHECK(len > 0 && len <= k2 && len % align == 0, op, ": x2_band ", len, " must be in 1 .. ", k2,
+              " and a multiple of ", align);
+  const int32_t* start = x2_start->const_data_ptr<int32_t>();
+  for (int64_t r = 0; r < m; ++r)
+    TORCH_CHECK(start[r] == -1 || (start[r] >= 0 && start[r] + len <= k2 && start[r] % align == 0), op,
+                ": x2_start[", r, "] = ", start[r], " is not -1 or a start of a band of ", len, " in x2's ", k2,
+                " columns (a multiple of ", align, ")");
+  return {start, len};
+}
+
 struct NoTaskState {};
 
 // The weight tiles a thread's next task reads (output tiles t0 .. t0 + tiles; none where tiles is 0) and the share
