@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megapipe.errors import MegapipeError
-from megapipe.inference.runner import ExtraInputs, PackedLinear, PackedSwiGLU, packed_parts
+from megapipe.inference.runner import ExtraInputs, PackedLinear, PackedSwiGLU, RowBands, packed_parts
 
 
 @dataclass
@@ -115,8 +115,9 @@ class AdaptedInput:
             return None, None
         rows = x.reshape(-1, self.in_features)
         if self.own and self.parts[0].linear._on_own(rows):
-            low = self.a_packed.times(rows, mask)
-            return low, ExtraInputs(low, self.slots.starts(self.band), self.band)
+            bands = self.slots.bands(self.band)  # each row's own adapter's columns: the A matmul's and B's
+            low = self.a_packed.times(rows, mask, out_bands=bands)
+            return low, ExtraInputs(low, bands)
         return torch.matmul(rows, self.a.T).mul_(mask), None
 
     def plain(self, i: int, x: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
@@ -162,7 +163,7 @@ class AdapterSlots:
         self._slots: Optional[torch.Tensor] = None  # each row's slot this step (None: no row has an adapter)
         self._onehot: Optional[torch.Tensor] = None
         self._masks: dict[tuple[int, int], torch.Tensor] = {}  # by (band, width)
-        self._starts: dict[int, torch.Tensor] = {}  # by band
+        self._bands: dict[int, RowBands] = {}  # by band width
         self.num_loads = 0
 
     def register(self, name: str, path: str, rank: int, scale: float, weights: dict) -> None:
@@ -229,7 +230,7 @@ class AdapterSlots:
 
     def set_rows(self, slots: Optional[Sequence[int]]) -> None:
         """The slot of every row of the next forward (None or all 0: no adapter runs)."""
-        self._masks, self._starts = {}, {}
+        self._masks, self._bands = {}, {}
         if not slots or not any(slots):
             self._slots = self._onehot = None
             return
@@ -246,13 +247,13 @@ class AdapterSlots:
             self._masks[band, width] = mask
         return mask
 
-    def starts(self, band: int) -> torch.Tensor:
-        """int32 [rows]: where each row's band of ``band`` columns starts in the mask (-1: slot 0, no band)."""
-        starts = self._starts.get(band)
-        if starts is None:
-            starts = ((self._slots - 1) * band).clamp_(min=-1).to(torch.int32)
-            self._starts[band] = starts
-        return starts
+    def bands(self, band: int) -> RowBands:
+        """Each row's band of ``band`` columns in the mask (slot 0: none)."""
+        bands = self._bands.get(band)
+        if bands is None:
+            bands = RowBands(((self._slots - 1) * band).clamp_(min=-1).to(torch.int32), band)
+            self._bands[band] = bands
+        return bands
 
 
 def adaptable_inputs(model: nn.Module) -> dict[str, tuple[Optional[nn.Module], list[Part]]]:

@@ -69,20 +69,28 @@ def own_kernel_serves(weight: torch.Tensor) -> bool:
 
 
 @dataclass
+class RowBands:
+    """A band of ``width`` columns per row, from start[r] on (int32 [rows]; -1: none): where a row's LoRA low-rank
+    sums may be nonzero (its own adapter's), so megapipe's kernels take products there alone."""
+    start: torch.Tensor
+    width: int
+
+
+@dataclass
 class ExtraInputs:
     """Values [rows, extra] of a packed weight's extra inputs (PackedLinear.extend: LoRA's low-rank sums), and
-    optionally ``start`` (int32 [rows]) and ``band``: row r's values are zero but for the ``band`` columns from
-    start[r] on (-1: all zero), so megapipe's kernels multiply that band alone."""
+    optionally the bands outside which each row's values are zero."""
     values: torch.Tensor
-    start: Optional[torch.Tensor] = None
-    band: int = 0
+    bands: Optional[RowBands] = None
 
     @staticmethod
     def kernel_args(extra: Optional[ExtraInputs]) -> dict:
         """The keyword arguments of linear_bf16 / linear_f32 / glu_bf16 that give them ``extra``."""
         if extra is None:
             return {}
-        return {"x2": extra.values, "x2_start": extra.start, "x2_band": extra.band}
+        if extra.bands is None:
+            return {"x2": extra.values}
+        return {"x2": extra.values, "x2_start": extra.bands.start, "x2_band": extra.bands.width}
 
 
 class PackedLinear(nn.Module):
@@ -174,19 +182,22 @@ class PackedLinear(nn.Module):
         torch.ops.megapipe.linear_bf16_argmax(rows, self.packed, self.out_features, self.bias, out)
         return out
 
-    def times(self, x: torch.Tensor, other: torch.Tensor, extra: Optional[ExtraInputs] = None) -> torch.Tensor:
+    def times(self, x: torch.Tensor, other: torch.Tensor, extra: Optional[ExtraInputs] = None,
+              out_bands: Optional[RowBands] = None) -> torch.Tensor:
         """(x W^T + b) * other, the product taken on the matmul's result before rounding (``extra`` as in
-        forward)."""
-        if extra is not None or self._on_own(x):
-            return self._own(x, False, other, extra)
+        forward). With ``out_bands`` (megapipe's kernel only), where ``other`` is zero outside each row's band:
+        megapipe's loop then multiplies only the outputs' tiles that meet the bands."""
+        if extra is not None or out_bands is not None or self._on_own(x):
+            return self._own(x, False, other, extra, out_bands)
         return torch_compat.linear_pointwise_binary(x, other, self._onednn_weight(), self.bias, "mul")
 
     def _own(self, x: torch.Tensor, swish: bool, other: Optional[torch.Tensor],
-             extra: Optional[ExtraInputs] = None) -> torch.Tensor:
+             extra: Optional[ExtraInputs] = None, out_bands: Optional[RowBands] = None) -> torch.Tensor:
         rows, out = self.rows_and_out(x)
         other = None if other is None else other.reshape(-1, self.out_features)
+        bands = {} if out_bands is None else {"out_start": out_bands.start, "out_band": out_bands.width}
         self.own_op()(rows, self.weight_for(extra), self.out_features, self.bias, swish, other, out,
-                      **ExtraInputs.kernel_args(extra))
+                      **ExtraInputs.kernel_args(extra), **bands)
         return out.view(*x.shape[:-1], self.out_features)
 
     def own_op(self):

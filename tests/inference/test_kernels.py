@@ -298,7 +298,8 @@ def test_extra_inputs_over_each_rows_band_give_the_full_products_bit_for_bit(ops
     """With x2_start the kernels multiply each row's band of x2 alone (LoRA's rows, each with its own adapter's
     band): the same outputs as over all of x2, whose other values are zeros, for rows sharing a band, rows of mixed
     bands and rows with none, on the loop and (here the same loop where the CPU has no AMX) the tile path, the fused
-    SwiGLU too."""
+    SwiGLU too; with out_start the masked low-rank sums multiply only the output tiles that meet each row's band,
+    the same outputs as the full masked product."""
     if not (kernels.bf16_linear_built() if dtype == torch.bfloat16 else kernels.f32_linear_built()):
         pytest.skip("megapipe's kernel for this dtype is not built on this CPU")
     g = torch.Generator().manual_seed(5)
@@ -325,6 +326,21 @@ def test_extra_inputs_over_each_rows_band_give_the_full_products_bit_for_bit(ops
             ops.glu_bf16(x, gate, up, n, full, amx=amx, x2=x2)
             ops.glu_bf16(x, gate, up, n, bands, amx=amx, x2=x2, x2_start=start, x2_band=band)
             assert torch.equal(full, bands), amx
+    # the low-rank sums themselves, (x A^T) * mask, with out_start: only the tiles that meet a row's band multiplied
+    a = PackedLinear((torch.randn(slots * band, k, generator=g) * 0.1).to(dtype), own=True)
+    mask = (x2 != 0).to(dtype)
+    mask[start < 0] = 0
+    for amx in ((True, False) if dtype == torch.bfloat16 else (None,)):
+        kw = {} if amx is None else {"amx": amx}
+        full, bands = torch.empty(m, slots * band, dtype=dtype), torch.empty(m, slots * band, dtype=dtype)
+        a.own_op()(x, a.packed, slots * band, None, False, mask, full, **kw)
+        a.own_op()(x, a.packed, slots * band, None, False, mask, bands, out_start=start, out_band=band, **kw)
+        assert torch.equal(full, bands) and bands.count_nonzero() == mask.count_nonzero(), amx
+    with pytest.raises(RuntimeError, match=rf"out_start\[9\] = {3 * band + 1} is not -1 or a start of a band of "
+                                           rf"{band} in out's {slots * band} columns"):
+        bad = start.clone()
+        bad[9] = 3 * band + 1
+        a.own_op()(x, a.packed, slots * band, None, False, mask, bands, out_start=bad, out_band=band)
     out = torch.empty(m, n, dtype=dtype)
 
     def call(**kw):

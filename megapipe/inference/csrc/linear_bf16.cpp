@@ -532,9 +532,11 @@ void tile_block(const Inputs&, const uint16_t* const*, int64_t, int, TaskTiles<F
 // loop: the outputs' tiles in groups (TileGroup or LoopGroup of them, the last ones alone where that does not
 // divide), each output tile made from Width weight tiles; weights<NT>(t0) gives the NT weight tiles of output tiles
 // t0 .., finish(t0) what their sums become.
+// With out_bands (the loop only: on AMX tiles every block is multiplied), a block none of whose rows' bands meets
+// its output tiles takes zero sums without multiplying.
 template <int TileGroup, int LoopGroup, int Width, typename Weights, typename MakeFinish>
 void run_blocks(const Inputs& in, int64_t m, int64_t tiles, bool amx, const Weights& weights,
-                const MakeFinish& finish) {
+                const MakeFinish& finish, const Bands& out_bands = {}) {
   if (amx && amx_serves(in)) {
     using Tiles = TaskTiles<decltype(finish(0))>;
     auto block = [&](auto nt, int64_t t0, int64_t m0, int mb, const Ahead&, Tiles& state) {
@@ -550,6 +552,10 @@ void run_blocks(const Inputs& in, int64_t m, int64_t tiles, bool amx, const Weig
   const int64_t steps = in.steps();
   for_each_block<kRows, LoopGroup>(m, tiles, [&](auto nt, int64_t t0, int64_t m0, int mb, const Ahead& next) {
     constexpr int NT = decltype(nt)::value * Width;
+    if (out_bands.start && !out_bands.meets(t0 * kTile, (t0 + decltype(nt)::value) * kTile, m0, mb)) {
+      finish(t0).template rows<NT>(m0, mb, [](int, int) { return _mm512_setzero_ps(); });
+      return;
+    }
     Prefetch ahead;
     if (next.tiles) {
       for (int64_t t = next.t0; t < next.t0 + next.tiles; ++t)
@@ -591,7 +597,7 @@ Inputs checked_inputs(const char* op, const at::Tensor& x, const std::optional<a
   TORCH_CHECK(out.dim() == 2 && out.size(0) == m && out.size(1) == n && out.stride(1) == 1,
               op, ": out must be [M, N]");
   return {rows_of(x), x.stride(0), k / 2, x2 ? rows_of(*x2) : nullptr, x2 ? x2->stride(0) : 0, k2 / 2,
-          checked_bands(op, x2_start, x2_band, m, k2, 2)};
+          checked_bands(op, "x2", x2_start, x2_band, m, k2, 2)};
 }
 
 // weights(std::integral_constant<int, NT>, t0): the NT weight tiles of output tiles t0 .. of a linear's packed weight
@@ -607,11 +613,15 @@ inline auto tile_pointers(const at::Tensor& weight) {
 // x [M, K] bf16 (rows contiguous), weight from pack_bf16_weight for N outputs, bias [N] or none, other [M, N] or
 // none; out [M, N], bf16 or fp32 (then holding the bf16-rounded outputs). With x2 [M, K2], the weight's last K2
 // inputs take x2's values; with x2_start [M] too, row m's x2 is zero but for x2_band columns from x2_start[m] on
-// (Bands).
+// (Bands). With out_start [M], row m's products are taken only in the 16-output tiles that meet its out_band
+// columns from out_start[m] on, its other outputs being the epilogue of zero sums: exact where `other` is zero
+// there (LoRA's low-rank sums, masked to each row's adapter's band).
 void linear_bf16(const at::Tensor& x, const at::Tensor& weight, int64_t n, const std::optional<at::Tensor>& bias,
                  bool swish, const std::optional<at::Tensor>& other, at::Tensor out, bool amx,
-                 const std::optional<at::Tensor>& x2, const std::optional<at::Tensor>& x2_start, int64_t x2_band) {
+                 const std::optional<at::Tensor>& x2, const std::optional<at::Tensor>& x2_start, int64_t x2_band,
+                 const std::optional<at::Tensor>& out_start, int64_t out_band) {
   const Inputs in = checked_inputs("linear_bf16", x, x2, weight, n, out, true, x2_start, x2_band);
+  const Bands out_bands = checked_bands("linear_bf16", "out", out_start, out_band, x.size(0), n, 1);
   const Epilogue ep = checked_epilogue<c10::BFloat16>("linear_bf16", at::kBFloat16, "bf16", x.size(0), n, swish,
                                                       bias, other);
   const int64_t out_row = out.stride(0);
@@ -619,7 +629,8 @@ void linear_bf16(const at::Tensor& x, const at::Tensor& weight, int64_t n, const
   auto run = [&](auto* op) {
     using Out = std::remove_pointer_t<decltype(op)>;
     run_blocks<kTileGroup, kTiles, 1>(in, x.size(0), weight.size(0), amx, weights,
-                                      [&](int64_t t0) { return LinearFinish<Out>{ep, op, out_row, n, t0 * kTile}; });
+                                      [&](int64_t t0) { return LinearFinish<Out>{ep, op, out_row, n, t0 * kTile}; },
+                                      out_bands);
   };
   if (out.scalar_type() == at::kFloat) {
     run(out.mutable_data_ptr<float>());
@@ -678,7 +689,8 @@ void glu_bf16(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up,
 TORCH_LIBRARY_FRAGMENT(megapipe, m) {
   m.def(
       "linear_bf16(Tensor x, Tensor weight, int n, Tensor? bias, bool swish, Tensor? other, Tensor(a!) out, "
-      "bool amx=True, Tensor? x2=None, Tensor? x2_start=None, int x2_band=0) -> ()");
+      "bool amx=True, Tensor? x2=None, Tensor? x2_start=None, int x2_band=0, Tensor? out_start=None, "
+      "int out_band=0) -> ()");
   m.def("linear_bf16_argmax(Tensor x, Tensor weight, int n, Tensor? bias, Tensor(a!) out, bool amx=True) -> ()");
   m.def(
       "glu_bf16(Tensor x, Tensor gate, Tensor up, int n, Tensor(a!) out, bool amx=True, Tensor? x2=None, "

@@ -96,11 +96,12 @@ inline void rows_block(int mb, const Inputs& in, const float* w, int64_t tile_st
 
 // x [M, K] fp32 (rows contiguous), weight from pack_f32_weight for N outputs, bias [N] or none, other [M, N] or
 // none; out [M, N]. With x2 [M, K2], the weight's last K2 inputs take x2's values; with x2_start [M] too, row m's
-// x2 is zero but for x2_band columns from x2_start[m] on (Bands). The weight may be a view of the first inputs of a
-// wider packed weight.
+// x2 is zero but for x2_band columns from x2_start[m] on (Bands); out_start / out_band as linear_bf16's. The weight
+// may be a view of the first inputs of a wider packed weight.
 void linear_f32(const at::Tensor& x, const at::Tensor& weight, int64_t n, const std::optional<at::Tensor>& bias,
                 bool swish, const std::optional<at::Tensor>& other, at::Tensor out,
-                const std::optional<at::Tensor>& x2, const std::optional<at::Tensor>& x2_start, int64_t x2_band) {
+                const std::optional<at::Tensor>& x2, const std::optional<at::Tensor>& x2_start, int64_t x2_band,
+                const std::optional<at::Tensor>& out_start, int64_t out_band) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
                   (!x2 || x2->scalar_type() == at::kFloat), "linear_f32 takes fp32 tensors");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.dim() == 3 && weight.size(2) == kTile &&
@@ -114,12 +115,19 @@ void linear_f32(const at::Tensor& x, const at::Tensor& weight, int64_t n, const 
               "linear_f32: out must be [M, N]");
   const Epilogue ep = checked_epilogue<float>("linear_f32", at::kFloat, "fp32", m, n, swish, bias, other);
   const Inputs in{x.const_data_ptr<float>(), x.stride(0), k, x2 ? x2->const_data_ptr<float>() : nullptr,
-                  x2 ? x2->stride(0) : 0, k2, checked_bands("linear_f32", x2_start, x2_band, m, k2, 1)};
+                  x2 ? x2->stride(0) : 0, k2, checked_bands("linear_f32", "x2", x2_start, x2_band, m, k2, 1)};
+  const Bands out_bands = checked_bands("linear_f32", "out", out_start, out_band, m, n, 1);
   const float* wp = weight.const_data_ptr<float>();
   float* op = out.mutable_data_ptr<float>();
   const int64_t out_row = out.stride(0), tile_stride = weight.stride(0);
   for_each_block(m, tiles, [&](auto nt, int64_t t0, int64_t m0, int mb, const Ahead&) {
-    rows_block<decltype(nt)::value>(mb, in, wp + t0 * tile_stride, tile_stride, t0 * kTile, n, m0, ep, op, out_row);
+    constexpr int NT = decltype(nt)::value;
+    if (out_bands.start && !out_bands.meets(t0 * kTile, (t0 + NT) * kTile, m0, mb)) {
+      rows_block<NT>(mb, Inputs{in.x, in.x_row, 0, nullptr, 0, 0, {}}, wp, tile_stride, t0 * kTile, n, m0, ep, op,
+                     out_row);  // no inputs: zero sums through the epilogue
+      return;
+    }
+    rows_block<NT>(mb, in, wp + t0 * tile_stride, tile_stride, t0 * kTile, n, m0, ep, op, out_row);
   });
 }
 
@@ -127,7 +135,7 @@ void linear_f32(const at::Tensor& x, const at::Tensor& weight, int64_t n, const 
 
 TORCH_LIBRARY_FRAGMENT(megapipe, m) {
   m.def("linear_f32(Tensor x, Tensor weight, int n, Tensor? bias, bool swish, Tensor? other, Tensor(a!) out, "
-        "Tensor? x2=None, Tensor? x2_start=None, int x2_band=0) -> ()");
+        "Tensor? x2=None, Tensor? x2_start=None, int x2_band=0, Tensor? out_start=None, int out_band=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(megapipe, CPU, m) { m.impl("linear_f32", &linear_f32); }

@@ -74,22 +74,28 @@ struct Bands {
       if (start[m0 + m] != start[m0]) return kMixed;
     return start[m0];
   }
+  // whether a band of rows m0 .. m0 + mb meets columns lo .. hi - 1
+  bool meets(int64_t lo, int64_t hi, int64_t m0, int mb) const {
+    for (int m = 0; m < mb; ++m)
+      if (start[m0 + m] >= 0 && start[m0 + m] < hi && start[m0 + m] + len > lo) return true;
+    return false;
+  }
 };
 
-// x2_start's bands checked against x2 [M, k2]: int32 [M], each -1 or a start in 0 .. k2 - len (a multiple of
-// `align`); none without x2_start
-inline Bands checked_bands(const char* op, const std::optional<at::Tensor>& x2_start, int64_t len, int64_t m,
-                           int64_t k2, int64_t align) {
-  if (!x2_start) return {};
-  TORCH_CHECK(k2 > 0 && x2_start->scalar_type() == at::kInt && x2_start->dim() == 1 && x2_start->size(0) == m &&
-                  x2_start->stride(0) == 1, op, ": x2_start must be int32 [M] beside an x2");
-  TORCH_CHECK(len > 0 && len <= k2 && len % align == 0, op, ": x2_band ", len, " must be in 1 .. ", k2,
+// Bands (`name`_start, `name`_band: of x2's columns, or of out's) checked against the k2 columns they lie in:
+// int32 [M], each -1 or a start in 0 .. k2 - len (a multiple of `align`); none without a start tensor
+inline Bands checked_bands(const char* op, const char* name, const std::optional<at::Tensor>& starts, int64_t len,
+                           int64_t m, int64_t k2, int64_t align) {
+  if (!starts) return {};
+  TORCH_CHECK(k2 > 0 && starts->scalar_type() == at::kInt && starts->dim() == 1 && starts->size(0) == m &&
+                  starts->stride(0) == 1, op, ": ", name, "_start must be int32 [M] beside an ", name);
+  TORCH_CHECK(len > 0 && len <= k2 && len % align == 0, op, ": ", name, "_band ", len, " must be in 1 .. ", k2,
               " and a multiple of ", align);
-  const int32_t* start = x2_start->const_data_ptr<int32_t>();
+  const int32_t* start = starts->const_data_ptr<int32_t>();
   for (int64_t r = 0; r < m; ++r)
-    TORCH_CHECK(start[r] == -1 || (start[r] >= 0 && start[r] + len <= k2 && start[r] % align == 0), op,
-                ": x2_start[", r, "] = ", start[r], " is not -1 or a start of a band of ", len, " in x2's ", k2,
-                " columns (a multiple of ", align, ")");
+    TORCH_CHECK(start[r] == -1 || (start[r] >= 0 && start[r] + len <= k2 && start[r] % align == 0), op, ": ",
+                name, "_start[", r, "] = ", start[r], " is not -1 or a start of a band of ", len, " in ", name,
+                "'s ", k2, " columns (a multiple of ", align, ")");
   return {start, len};
 }
 
