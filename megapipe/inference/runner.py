@@ -730,6 +730,8 @@ class ModelRunner:
         sequences, changes none of their tokens or counts (drafters keep their own state)."""
         spec = self.speculator
         decodes, verify = plan.decodes, []
+        if self.adapters is not None:  # rows of one adapter side by side: the kernels' blocks then share its band
+            decodes = sorted(decodes, key=lambda s: self.adapters.slot(s.request.lora))
         if spec is not None:
             verify = [s for s in decodes if s.num_lookahead]
             decodes = [s for s in decodes if not s.num_lookahead]
