@@ -7,10 +7,11 @@
 - ``mamba_step`` (csrc/mamba_step.cpp): a Mamba-2 layer's decode token for a batch in one pass over its states;
 - ``linear_bf16`` (csrc/linear_bf16.cpp, only on CPUs with AVX512-BF16): bf16 linear layers on weights packed by
   ``pack_bf16_weight``, with the bias, SiLU and a product fused into the epilogue, and optionally a second input
-  ``x2`` for the weight's last inputs (LoRA's low-rank sums); on AMX tiles where the CPU has them (built with
-  -mamx-tile/-mamx-bf16 there; ``amx=False`` takes the loop, on vdpbf16ps or fp32 FMAs as ``bf16_loop`` measured
-  faster); ``glu_bf16`` a SwiGLU's gate and up
-  projections in one call, silu(x Wg^T) * (x Wu^T);
+  ``x2`` for the weight's last inputs (LoRA's low-rank sums; with ``x2_start`` / ``out_start``, each row's band of
+  x2 or of the outputs, its own adapter's, outside which the loop takes no products); on AMX tiles where the CPU
+  has them (built with -mamx-tile/-mamx-bf16 there; ``amx=False`` takes the loop, on vdpbf16ps or fp32 FMAs as
+  ``bf16_loop`` measured faster); ``glu_bf16`` a SwiGLU's gate and up projections in one call,
+  silu(x Wg^T) * (x Wu^T);
 - ``linear_f32`` (csrc/linear_f32.cpp, on AVX-512 CPUs): the same for fp32, on weights packed by ``pack_f32_weight``.
 
 They land in ``torch.ops.megapipe``. ``ops()`` returns that namespace, or None when the kernels cannot be built here

@@ -7,10 +7,12 @@ up projections, any other alone) keep the resident adapters stacked: A as [max_l
 (times alpha / rank) as [max_loras * R, out], R = ``max_rank`` per adapted weight (a fused q/k/v matmul has three
 such bands side by side; a smaller rank and a weight an adapter leaves alone are zeros). A step computes, on every
 row x of the flattened batch, y = base(x) + ((x A^T) * mask) B, the mask keeping the row's own slot's band only
-(vLLM's punica idea, per-row gather, as dense matmuls: rows of any adapter, or of none, batch together, and the cost
-is the same whatever the mix). On megapipe's kernels B is a band of extra input columns of the base layer's packed
-weight, so the low-rank sums enter the base matmul as more inputs (one pass: no matmul or elementwise pass for the
-sum, and a SwiGLU keeps its fused gate-and-up kernel); see AdaptedInput.
+(vLLM's punica idea, per-row gather, as dense matmuls: rows of any adapter, or of none, batch together). On
+megapipe's kernels B is a band of extra input columns of the base layer's packed weight, so the low-rank sums enter
+the base matmul as more inputs (one pass: no matmul or elementwise pass for the sum, and a SwiGLU keeps its fused
+gate-and-up kernel), and each row's products are taken over its own adapter's band alone, in A and in B (RowBands:
+punica's SGMV grouping inside the one matmul; the runner puts a step's decode rows in adapter order so that the
+kernel's blocks of rows share a band); see AdaptedInput.
 
 The layers stay the engine's (packed or not); their ``forward`` (a SwiGLU's: PackedSwiGLU's) is wrapped on the
 instance, so the runner's fast path and the model's own forward both take the adapters. The rows' slots are set
@@ -58,8 +60,9 @@ class AdaptedInput:
     On megapipe's kernels each layer's packed weight is extended by ``width`` inputs holding its B columns
     (PackedLinear.extend): a step's low-rank sums, low = (x A^T) * mask (the mask in the A matmul's epilogue), are
     then the extra inputs' values, and the base matmul (a SwiGLU's fused glu_bf16 included) takes them in the same
-    pass: y = [x | low] [W | B]^T, with no pass of its own for the sum. Elsewhere (oneDNN, plain nn.Linear, a call
-    over the kernel's row limit) y = base(x) + low B, as aten matmuls."""
+    pass: y = [x | low] [W | B]^T, with no pass of its own for the sum; both matmuls told each row's band
+    (AdapterSlots.bands) skip the other adapters' zeros. Elsewhere (oneDNN, plain nn.Linear, a call over the
+    kernel's row limit) y = base(x) + low B, as aten matmuls."""
 
     def __init__(self, parts: list[Part], slots: "AdapterSlots", ff: Optional[nn.Module] = None):
         self.parts, self.slots, self.ff = parts, slots, ff
