@@ -55,7 +55,8 @@ class Part:
 class AdaptedInput:
     """Linear layers of the base model that read one input (``parts``: one layer, or a SwiGLU's gate and up
     projections, ``ff``), with the resident adapters' bands: A [width, in] for all of them, one B [width, out] per
-    layer, width = max_loras * band (padded to whole AMX tiles), band = max_rank * the parts' weight names.
+    layer, width = max_loras * band (padded to whole AMX tiles), band = max_rank * the parts' weight names (rounded
+    up to even).
 
     On megapipe's kernels each layer's packed weight is extended by ``width`` inputs holding its B columns
     (PackedLinear.extend): a step's low-rank sums, low = (x A^T) * mask (the mask in the A matmul's epilogue), are

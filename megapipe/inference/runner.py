@@ -75,6 +75,10 @@ class RowBands:
     start: torch.Tensor
     width: int
 
+    def kernel_args(self, of: str) -> dict:
+        """The kernels' keyword arguments that give them these bands of ``of`` ("x2" or "out")."""
+        return {f"{of}_start": self.start, f"{of}_band": self.width}
+
 
 @dataclass
 class ExtraInputs:
@@ -88,9 +92,7 @@ class ExtraInputs:
         """The keyword arguments of linear_bf16 / linear_f32 / glu_bf16 that give them ``extra``."""
         if extra is None:
             return {}
-        if extra.bands is None:
-            return {"x2": extra.values}
-        return {"x2": extra.values, "x2_start": extra.bands.start, "x2_band": extra.bands.width}
+        return {"x2": extra.values, **({} if extra.bands is None else extra.bands.kernel_args("x2"))}
 
 
 class PackedLinear(nn.Module):
@@ -195,7 +197,7 @@ class PackedLinear(nn.Module):
              extra: Optional[ExtraInputs] = None, out_bands: Optional[RowBands] = None) -> torch.Tensor:
         rows, out = self.rows_and_out(x)
         other = None if other is None else other.reshape(-1, self.out_features)
-        bands = {} if out_bands is None else {"out_start": out_bands.start, "out_band": out_bands.width}
+        bands = {} if out_bands is None else out_bands.kernel_args("out")
         self.own_op()(rows, self.weight_for(extra), self.out_features, self.bias, swish, other, out,
                       **ExtraInputs.kernel_args(extra), **bands)
         return out.view(*x.shape[:-1], self.out_features)
@@ -727,7 +729,9 @@ class ModelRunner:
         """Run the step ``plan``: its decodes (those with a lookahead verify drafts the speculator proposes now, as a
         chunk of the last token and its drafts), then its chunks, flattened in that order; logits of the rows that
         are sampled, verified or scored for prompt logprobs; then drafts verified and tokens sampled. Reads the
-        sequences, changes none of their tokens or counts (drafters keep their own state)."""
+        sequences, changes none of their tokens or counts (drafters keep their own state). With LoRA adapters the
+        decodes run in adapter order (rows are independent: only the order of a step's outputs, and of unseeded
+        random draws, follows it)."""
         spec = self.speculator
         decodes, verify = plan.decodes, []
         if self.adapters is not None:  # rows of one adapter side by side: the kernels' blocks then share its band

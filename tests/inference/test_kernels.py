@@ -283,8 +283,8 @@ def test_bf16_linear_matches_onednn_and_the_exact_product(bf16_linear, m, n, k):
 
 def banded(m: int, band: int, slots: int, dtype, g) -> tuple[torch.Tensor, torch.Tensor]:
     """x2 [m, slots * band] zero but for each row's band, and the bands' starts (int32 [m], -1: none): a block of 8
-    rows in one band, 8 rows in bands of their own (and none), the rest in one band again, then rows with none."""
-    slot = [2] * 8 + [r % (slots + 1) - 1 for r in range(8)] + [slots - 1] * (m - 20) + [-1] * 4
+    rows in one band, 8 rows in bands of their own (and none), the rest in one band again, then 8 rows with none."""
+    slot = [2] * 8 + [r % (slots + 1) - 1 for r in range(8)] + [slots - 1] * (m - 24) + [-1] * 8
     start = torch.tensor([s * band if s >= 0 else -1 for s in slot[:m]], dtype=torch.int32)
     x2 = torch.zeros(m, slots * band)
     for r, s in enumerate(start.tolist()):
@@ -299,11 +299,23 @@ def test_extra_inputs_over_each_rows_band_give_the_full_products_bit_for_bit(ops
     band): the same outputs as over all of x2, whose other values are zeros, for rows sharing a band, rows of mixed
     bands and rows with none, on the loop and (here the same loop where the CPU has no AMX) the tile path, the fused
     SwiGLU too; with out_start the masked low-rank sums multiply only the output tiles that meet each row's band,
-    the same outputs as the full masked product."""
+    the same outputs as the full masked product. bf16: on both of the loop's ways to multiply."""
     if not (kernels.bf16_linear_built() if dtype == torch.bfloat16 else kernels.f32_linear_built()):
         pytest.skip("megapipe's kernel for this dtype is not built on this CPU")
+    if dtype == torch.float32:
+        return check_bands(ops, dtype)
+    chosen = ops.bf16_loop("")
+    try:
+        for mode in ("vdpbf16ps", "fma"):
+            ops.bf16_loop(mode)
+            check_bands(ops, dtype)
+    finally:
+        ops.bf16_loop(chosen[0])
+
+
+def check_bands(ops, dtype):
     g = torch.Generator().manual_seed(5)
-    m, n, k, band, slots = 37, 200, 64, 24, 4
+    m, n, k, band, slots = 45, 200, 64, 24, 4
     x = torch.randn(m, k, generator=g).to(dtype)
     x2, start = banded(m, band, slots, dtype, g)
     w = (torch.randn(n, k + slots * band, generator=g) * 0.05).to(dtype)

@@ -137,18 +137,19 @@ def test_a_batch_mixing_base_and_two_adapters_equals_the_merged_models(hf_llama,
     assert engine.blocks.hit_tokens > hits
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_direct_kernel_calls_with_adapters_give_the_modules_values_bit_for_bit(hf_llama, adapters, dtype,
+@pytest.mark.parametrize("dtype,max_rank", [(torch.float32, 16), (torch.bfloat16, 16), (torch.bfloat16, 9)])
+def test_direct_kernel_calls_with_adapters_give_the_modules_values_bit_for_bit(hf_llama, adapters, dtype, max_rank,
                                                                                 monkeypatch):
     """A batch mixing the base and two adapters through DecoderLayer.direct (the low-rank sums as the kernels' extra
-    inputs over each row's band) gives the modules' path's tokens and logprobs to the bit."""
+    inputs over each row's band) gives the modules' path's tokens and logprobs to the bit; an odd max rank makes
+    q/k/v's band of 3 x 9 one column wider (bf16 reads inputs in pairs: its bands start at even columns)."""
     from megapipe.inference import runner as runner_module
 
     built = kernels.f32_linear_built() if dtype == torch.float32 else kernels.bf16_linear_built()
     if not built:
         pytest.skip("megapipe's linear kernel for this dtype is not built on this CPU")
     paths, _ = adapters
-    engine = lora_engine(hf_llama[0], paths, dtype=dtype, max_loras=2, bf16_linear="own")
+    engine = lora_engine(hf_llama[0], paths, dtype=dtype, max_loras=2, max_lora_rank=max_rank, bf16_linear="own")
     assert engine.runner.direct_rows == kernels.OWN_ALWAYS
     calls, real = [], runner_module.DecoderLayer.direct
     monkeypatch.setattr(runner_module.DecoderLayer, "direct", lambda self, *a: calls.append(1) or real(self, *a))
@@ -156,6 +157,8 @@ def test_direct_kernel_calls_with_adapters_give_the_modules_values_bit_for_bit(h
     pick = lambda outs: [(o.token_ids, o.logprobs) for o in outs]  # noqa: E731
     direct = pick(run(engine, requests))
     assert calls
+    qkv = next(layer for layer in engine.adapters.layers.values() if len(layer.names) == 3)  # a fused q/k/v
+    assert qkv.band == -(-3 * max_rank // 2) * 2 and qkv.width >= 2 * qkv.band
     calls.clear()
     engine.runner.direct_rows = 0
     engine.blocks.reset_prefix_cache()

@@ -53,8 +53,9 @@ struct Inputs {
   Inputs from_row(int64_t m0) const {
     return {x + m0 * x_row, x_row, pairs, x2 ? x2 + m0 * x2_row : x2, x2_row, pairs2, bands};
   }
-  // input pairs a row's block multiplies
-  int64_t steps() const { return pairs + (bands.start ? bands.len / 2 : pairs2); }
+  // the input pairs whose weight lines a block fetches ahead for the next task: with bands its own inputs' only
+  // (which band the next task's rows take is not known here; a decode's rows take every adapter's)
+  int64_t steps() const { return pairs + (bands.start ? 0 : pairs2); }
 };
 
 // The weight lines a block fetches ahead for the thread's next task (Ahead): the same run of lines (bytes `offset`
@@ -174,25 +175,24 @@ inline void accumulate_with(int products, __m512 (&acc)[MB][NT], const uint16_t*
 template <int MB, int NT>
 inline void band_products(int products, __m512 (&acc)[MB][NT], const Inputs& in, const uint16_t* const* w,
                           int64_t m0, Prefetch& ahead) {
-  const int64_t shared = in.bands.shared(m0, MB), pairs = in.bands.len / 2;
+  const int64_t pairs = in.bands.len / 2;
   auto at = [&](int64_t start) {  // the weight lines of the band from x2's column `start` on
     std::array<const uint16_t*, NT> w2;
     for (int t = 0; t < NT; ++t) w2[t] = w[t] + (in.pairs + start / 2) * 2 * kTile;
     return w2;
   };
-  if (shared >= 0) {
-    accumulate_with<MB, NT>(products, acc, in.x2 + shared, in.x2_row, at(shared).data(), pairs, ahead);
-  } else if (shared == Bands::kMixed) {
-    for (int m = 0; m < MB; ++m) {
-      const int64_t start = in.bands.start[m0 + m];
-      if (start < 0) continue;
-      __m512 row[1][NT];
-      for (int t = 0; t < NT; ++t) row[0][t] = acc[m][t];
-      accumulate_with<1, NT>(products, row, in.x2 + m * in.x2_row + start, in.x2_row, at(start).data(), pairs,
-                             ahead);
-      for (int t = 0; t < NT; ++t) acc[m][t] = row[0][t];
-    }
-  }
+  in.bands.each(
+      m0, MB,
+      [&](int64_t start) {
+        accumulate_with<MB, NT>(products, acc, in.x2 + start, in.x2_row, at(start).data(), pairs, ahead);
+      },
+      [&](int m, int64_t start) {
+        __m512 row[1][NT];
+        for (int t = 0; t < NT; ++t) row[0][t] = acc[m][t];
+        accumulate_with<1, NT>(products, row, in.x2 + m * in.x2_row + start, in.x2_row, at(start).data(), pairs,
+                               ahead);
+        for (int t = 0; t < NT; ++t) acc[m][t] = row[0][t];
+      });
   ahead.rest();
 }
 
@@ -552,7 +552,7 @@ void run_blocks(const Inputs& in, int64_t m, int64_t tiles, bool amx, const Weig
   const int64_t steps = in.steps();
   for_each_block<kRows, LoopGroup>(m, tiles, [&](auto nt, int64_t t0, int64_t m0, int mb, const Ahead& next) {
     constexpr int NT = decltype(nt)::value * Width;
-    if (out_bands.start && !out_bands.meets(t0 * kTile, (t0 + decltype(nt)::value) * kTile, m0, mb)) {
+    if (out_bands.skips(t0 * kTile, (t0 + decltype(nt)::value) * kTile, m0, mb)) {
       finish(t0).template rows<NT>(m0, mb, [](int, int) { return _mm512_setzero_ps(); });
       return;
     }

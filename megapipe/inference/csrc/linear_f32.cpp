@@ -55,20 +55,21 @@ inline void block(const Inputs& in, const float* w, int64_t tile_stride, int64_t
   accumulate<MB, NT>(acc, in.x + m0 * in.x_row, in.x_row, w, in.k, tile_stride);
   const float* x2 = in.x2 + m0 * in.x2_row;
   const float* w2 = w + in.k * kTile;
-  const int64_t shared = in.bands.start ? in.bands.shared(m0, MB) : 0;
   if (in.k2 && !in.bands.start) {
     accumulate<MB, NT>(acc, x2, in.x2_row, w2, in.k2, tile_stride);
-  } else if (in.k2 && shared >= 0) {  // the block's rows share a band: that band alone (Bands)
-    accumulate<MB, NT>(acc, x2 + shared, in.x2_row, w2 + shared * kTile, in.bands.len, tile_stride);
-  } else if (in.k2 && shared == Bands::kMixed) {
-    for (int m = 0; m < MB; ++m) {
-      const int64_t start = in.bands.start[m0 + m];
-      if (start < 0) continue;
-      __m512 row[1][NT];
-      for (int t = 0; t < NT; ++t) row[0][t] = acc[m][t];
-      accumulate<1, NT>(row, x2 + m * in.x2_row + start, in.x2_row, w2 + start * kTile, in.bands.len, tile_stride);
-      for (int t = 0; t < NT; ++t) acc[m][t] = row[0][t];
-    }
+  } else if (in.k2) {  // each row's band alone (Bands)
+    in.bands.each(
+        m0, MB,
+        [&](int64_t start) {
+          accumulate<MB, NT>(acc, x2 + start, in.x2_row, w2 + start * kTile, in.bands.len, tile_stride);
+        },
+        [&](int m, int64_t start) {
+          __m512 row[1][NT];
+          for (int t = 0; t < NT; ++t) row[0][t] = acc[m][t];
+          accumulate<1, NT>(row, x2 + m * in.x2_row + start, in.x2_row, w2 + start * kTile, in.bands.len,
+                            tile_stride);
+          for (int t = 0; t < NT; ++t) acc[m][t] = row[0][t];
+        });
   }
   using Vec = at::vec::Vectorized<float>;
   for (int t = 0; t < NT; ++t) {
@@ -122,7 +123,7 @@ void linear_f32(const at::Tensor& x, const at::Tensor& weight, int64_t n, const 
   const int64_t out_row = out.stride(0), tile_stride = weight.stride(0);
   for_each_block(m, tiles, [&](auto nt, int64_t t0, int64_t m0, int mb, const Ahead&) {
     constexpr int NT = decltype(nt)::value;
-    if (out_bands.start && !out_bands.meets(t0 * kTile, (t0 + NT) * kTile, m0, mb)) {
+    if (out_bands.skips(t0 * kTile, (t0 + NT) * kTile, m0, mb)) {
       rows_block<NT>(mb, Inputs{in.x, in.x_row, 0, nullptr, 0, 0, {}}, wp, tile_stride, t0 * kTile, n, m0, ep, op,
                      out_row);  // no inputs: zero sums through the epilogue
       return;

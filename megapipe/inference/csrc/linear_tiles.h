@@ -74,11 +74,25 @@ struct Bands {
       if (start[m0 + m] != start[m0]) return kMixed;
     return start[m0];
   }
-  // whether a band of rows m0 .. m0 + mb meets columns lo .. hi - 1
-  bool meets(int64_t lo, int64_t hi, int64_t m0, int mb) const {
+  // x2's products of rows m0 .. m0 + mb over their bands: shared(start) once where they share one, else
+  // row(m, start) for each row (m from 0) that has one
+  template <typename Shared, typename Row>
+  void each(int64_t m0, int mb, const Shared& shared_band, const Row& row) const {
+    const int64_t first = shared(m0, mb);
+    if (first >= 0) {
+      shared_band(first);
+    } else if (first == kMixed) {
+      for (int m = 0; m < mb; ++m)
+        if (start[m0 + m] >= 0) row(m, int64_t(start[m0 + m]));
+    }
+  }
+  // out bands: whether a block of rows m0 .. m0 + mb skips its output columns lo .. hi - 1 (no row's band meets
+  // them); never without bands
+  bool skips(int64_t lo, int64_t hi, int64_t m0, int mb) const {
+    if (!start) return false;
     for (int m = 0; m < mb; ++m)
-      if (start[m0 + m] >= 0 && start[m0 + m] < hi && start[m0 + m] + len > lo) return true;
-    return false;
+      if (start[m0 + m] >= 0 && start[m0 + m] < hi && start[m0 + m] + len > lo) return false;
+    return true;
   }
 };
 
