@@ -74,6 +74,7 @@ class AdaptedInput:
         self.a = torch.zeros(self.width, self.in_features, dtype=slots.dtype, device=slots.device)
         self.b = [torch.zeros(self.width, p.linear.out_features, dtype=slots.dtype, device=slots.device)
                   for p in parts]
+        self.holding: frozenset[int] = frozenset()  # the slots whose adapter has weights here (others: zeros)
         self.own = all(getattr(p.linear, "own", False) for p in parts)
         if self.own:
             for p in parts:
@@ -103,6 +104,8 @@ class AdaptedInput:
                     self.a[at:at + adapter.rank] = a_w
                     b[at:at + adapter.rank, offsets[i]:offsets[i + 1]] = b_w.T
                 j += 1
+        holds = adapter is not None and any(name in adapter.weights for name in self.names)
+        self.holding = self.holding | {slot} if holds else self.holding - {slot}
         self._pack()
 
     def _pack(self) -> None:
@@ -112,14 +115,17 @@ class AdaptedInput:
                 p.linear.set_extra_inputs(b.T)
 
     def low(self, x: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[ExtraInputs]]:
-        """The step's low-rank sums of x's rows, (x A^T) * mask [rows, width] (None when no row has an adapter), and
-        the same as the layers' extra inputs on megapipe's kernel, each row's band marked (None off that kernel)."""
+        """The step's low-rank sums of x's rows, (x A^T) * mask [rows, width] (None when no row's adapter has
+        weights here), and the same as the layers' extra inputs on megapipe's kernel, each row's band marked (None
+        off that kernel)."""
         mask = self.slots.mask(self.band, self.width)
         if mask is None:
             return None, None
+        bands = self.slots.bands(self.band, self.holding)  # each row's own adapter's columns: A's and B's
+        if bands is None:
+            return None, None
         rows = x.reshape(-1, self.in_features)
         if self.own and self.parts[0].linear._on_own(rows):
-            bands = self.slots.bands(self.band)  # each row's own adapter's columns: the A matmul's and B's
             low = self.a_packed.times(rows, mask, out_bands=bands)
             return low, ExtraInputs(low, bands)
         return torch.matmul(rows, self.a.T).mul_(mask), None
@@ -167,7 +173,7 @@ class AdapterSlots:
         self._slots: Optional[torch.Tensor] = None  # each row's slot this step (None: no row has an adapter)
         self._onehot: Optional[torch.Tensor] = None
         self._masks: dict[tuple[int, int], torch.Tensor] = {}  # by (band, width)
-        self._bands: dict[int, RowBands] = {}  # by band width
+        self._bands: dict[tuple[int, frozenset], Optional[RowBands]] = {}  # by band width and slots holding
         self.num_loads = 0
 
     def register(self, name: str, path: str, rank: int, scale: float, weights: dict) -> None:
@@ -251,13 +257,17 @@ class AdapterSlots:
             self._masks[band, width] = mask
         return mask
 
-    def bands(self, band: int) -> RowBands:
-        """Each row's band of ``band`` columns in the mask (slot 0: none)."""
-        bands = self._bands.get(band)
-        if bands is None:
-            bands = RowBands(((self._slots - 1) * band).clamp_(min=-1).to(torch.int32), band)
-            self._bands[band] = bands
-        return bands
+    def bands(self, band: int, holding: frozenset) -> Optional[RowBands]:
+        """Each row's band of ``band`` columns in the mask, none for slot 0 and for slots not in ``holding`` (an
+        adapter without weights in the layer: its band is zeros there); None when no row has one."""
+        key = (band, holding)
+        if key not in self._bands:
+            held = torch.zeros(self.num_slots, dtype=torch.bool, device=self.device)
+            held[list(holding)] = True
+            rows_held = held[self._slots]
+            start = torch.where(rows_held, (self._slots - 1) * band, -1).to(torch.int32)
+            self._bands[key] = RowBands(start, band) if bool(rows_held.any()) else None
+        return self._bands[key]
 
 
 def adaptable_inputs(model: nn.Module) -> dict[str, tuple[Optional[nn.Module], list[Part]]]:

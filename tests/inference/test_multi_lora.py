@@ -166,6 +166,27 @@ def test_direct_kernel_calls_with_adapters_give_the_modules_values_bit_for_bit(h
     assert direct[1][0] != direct[0][0]  # the adapters do something
 
 
+def test_an_adapter_without_weights_in_a_layer_takes_no_band_there(hf_llama, adapters):
+    """"run" adapts q, v and down only: in the o and gate/up layers its rows get no band (the kernels skip them), and
+    a step whose rows are all "run" or the base adds nothing there; the outputs stay the merged models'."""
+    paths, _ = adapters
+    engine = lora_engine(hf_llama[0], paths, max_loras=2)
+    slots = engine.adapters
+    got = run(engine, [(PROMPTS[0], "peft"), (PROMPTS[0], "run"), (PROMPTS[1], None)])
+    for out, name, i in zip(got, ("peft", "run", None), (0, 0, 1), strict=True):
+        same(out, merged_engine(hf_llama[0], paths[name] if name else None).generate(PROMPTS, GREEDY)[i].outputs[0])
+    peft, adapted = slots.resident["peft"], slots.layers
+    wo, qkv = adapted["layers.0.attention.wo.weight"], adapted["layers.0.attention.wq.weight"]
+    assert wo.holding == {peft} and qkv.holding == {peft, slots.resident["run"]}
+    slots.set_rows([0, slots.resident["run"], peft, slots.resident["run"]])
+    assert slots.bands(wo.band, wo.holding).start.tolist() == [-1, -1, (peft - 1) * wo.band, -1]
+    run_start = (slots.resident["run"] - 1) * qkv.band
+    assert slots.bands(qkv.band, qkv.holding).start.tolist() == [-1, run_start, (peft - 1) * qkv.band, run_start]
+    slots.set_rows([slots.resident["run"], 0])
+    assert wo.low(torch.zeros(2, wo.in_features)) == (None, None)
+    assert qkv.low(torch.zeros(2, qkv.in_features))[0] is not None
+
+
 def test_lru_residency(hf_llama, adapters):
     """One slot for two adapters: each is loaded when its request is admitted, over the other when that one no longer
     runs; the outputs stay those of the merged models."""
