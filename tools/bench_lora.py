@@ -4,10 +4,12 @@ model alone, same engine settings, same load, taking turns (median of ``--reps``
 The model is the real SmolLM2-135M (``MEGAPIPE_SMOLLM2_DIR``, default ~/.cache/megapipe/smollm2,
 tools/prepare_smollm2.py) in bf16 where the CPU has AVX512-BF16 (``--dtype``), else the ``tiny`` preset with random
 weights. The adapters are random, rank ``--rank`` on every projection (q, k, v, o, gate, up, down: the most work
-an adapter can add); requests go to them round-robin, all admitted at once (``--concurrency`` at most running).
+an adapter can add) or on ``--targets`` (e.g. q,v, a common peft choice); requests go to them round-robin, all
+admitted at once (``--concurrency`` at most running).
 
     .venv/bin/python tools/bench_lora.py                          # a few minutes on 2 CPU cores
     .venv/bin/python tools/bench_lora.py --requests 128 --concurrency 64 --new-tokens 64
+    .venv/bin/python tools/bench_lora.py --targets q,v
 """
 
 from __future__ import annotations
@@ -23,14 +25,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 
 
-def random_adapter(model, rank: int, generator) -> dict:
-    """{weight name: (A [rank, in], B [out, rank])} on every q, k, v, o, gate, up, down projection."""
+def random_adapter(model, rank: int, generator, targets=None) -> dict:
+    """{weight name: (A [rank, in], B [out, rank])} on every projection of ``targets`` (short names; default: all
+    the model has, q, k, v, o, gate, up, down)."""
     import torch
 
     from megapipe.models.lora import present_targets, targeted_layers
 
     out = {}
-    for name, linear in targeted_layers(model, present_targets(model.cfg)):
+    for name, linear in targeted_layers(model, targets or present_targets(model.cfg)):
         a = torch.randn(rank, linear.in_features, generator=generator) / linear.in_features ** 0.5
         b = torch.randn(linear.out_features, rank, generator=generator) * 0.01
         out[f"{name}.weight"] = (a, b)
@@ -41,6 +44,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--adapters", type=int, default=8)
     ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--targets", default="", help="comma-separated projections to adapt (default: all)")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=64)
@@ -56,6 +60,7 @@ def main() -> int:
     from megapipe.inference import LLMEngine, SamplingParams
     from megapipe.inference.engine import EngineConfig
     from megapipe.models import build_model
+    from megapipe.models.lora import present_targets
     from megapipe.presets import PRESETS
 
     torch.set_num_threads(args.threads)
@@ -72,7 +77,12 @@ def main() -> int:
 
     model = fresh_model()
     gen = torch.Generator().manual_seed(0)
-    adapters = [random_adapter(model, args.rank, gen) for _ in range(args.adapters)]  # before packing renames
+    targets = [t for t in args.targets.split(",") if t] or None
+    unknown = sorted(set(targets or ()) - set(present_targets(model.cfg)))
+    if unknown:
+        raise SystemExit(f"--targets: {', '.join(unknown)} not among this model's projections "
+                         f"({', '.join(present_targets(model.cfg))})")
+    adapters = [random_adapter(model, args.rank, gen, targets) for _ in range(args.adapters)]  # before packing
     config = dict(max_num_seqs=args.concurrency, max_model_len=args.prompt_tokens + args.new_tokens + 16)
     base = LLMEngine(model, None, EngineConfig(**config), eos_token_ids=[])
     served = LLMEngine(fresh_model(), None, EngineConfig(max_loras=args.adapters, max_lora_rank=args.rank, **config),
@@ -104,7 +114,8 @@ def main() -> int:
     tokens = args.requests * args.new_tokens
     speed = {name: tokens / statistics.median(t) for name, t in times.items()}
     print(f"{label} {str(dtype).removeprefix('torch.')}, {args.requests} requests ({args.prompt_tokens} prompt + "
-          f"{args.new_tokens} new tokens) at concurrency {args.concurrency}, rank {args.rank} on every projection, "
+          f"{args.new_tokens} new tokens) at concurrency {args.concurrency}, rank {args.rank} on "
+          f"{args.targets or 'every projection'}, "
           f"{args.threads} thread(s), median of {args.reps}")
     first = next(iter(speed))
     for name, s in speed.items():
