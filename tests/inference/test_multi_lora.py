@@ -187,6 +187,19 @@ def test_an_adapter_without_weights_in_a_layer_takes_no_band_there(hf_llama, ada
     assert qkv.low(torch.zeros(2, qkv.in_features))[0] is not None
 
 
+def test_ngram_speculation_with_adapters_keeps_each_adapters_greedy_tokens(hf_llama, adapters):
+    """n-gram drafts verified under each row's adapter (verification rows beside decodes in adapter order): the
+    same greedy tokens as without speculation, with drafts verified (repetitive prompts give the lookup matches)."""
+    paths, _ = adapters
+    repetitive = [p * 3 for p in PROMPTS]
+    requests = [(p, name) for p in repetitive for name in (None, "peft", "run")]
+    plain = run(lora_engine(hf_llama[0], paths, max_loras=2), requests)
+    engine = lora_engine(hf_llama[0], paths, max_loras=2, speculative_tokens=3, speculative_method="ngram")
+    drafted = run(engine, requests)
+    assert [o.token_ids for o in drafted] == [o.token_ids for o in plain]
+    assert sum(engine.speculator.drafted) > 0
+
+
 def test_lru_residency(hf_llama, adapters):
     """One slot for two adapters: each is loaded when its request is admitted, over the other when that one no longer
     runs; the outputs stay those of the merged models."""
