@@ -100,6 +100,8 @@ class PackedLinear(nn.Module):
     ``own`` is the most rows a call may have to run on megapipe's kernel (True: any; False or 0: none); with a limit
     in between the weight is kept in both layouts and each call takes the kernel its row count is faster on."""
 
+    adapted = None  # the megapipe.inference.lora.AdaptedInput whose LoRA adapters this layer takes, if any
+
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, own: Union[bool, int] = False):
         super().__init__()
         self.out_features, self.in_features = weight.shape
@@ -245,6 +247,8 @@ class PackedSwiGLU(nn.Module):
     each block multiplies the gate's and the up projection's tiles of the same outputs, so neither half is written
     out and read back; always on AMX tiles, by a measurement on the loop: kernels.glu_choice); elsewhere (oneDNN,
     biases) it is two, the SiLU and the product in their epilogues."""
+
+    adapted = None  # the megapipe.inference.lora.AdaptedInput of its gate and up projections' adapters, if any
 
     def __init__(self, ff: nn.Module, own: Union[bool, int] = False):
         super().__init__()
@@ -567,7 +571,7 @@ class DecoderLayer:
 def extra_inputs(module: nn.Module, x: torch.Tensor) -> Optional[ExtraInputs]:
     """The extra inputs LoRA adapters give ``module`` (a linear, or a SwiGLU for its gate and up projections) on
     the rows x this step, on megapipe's kernel (None: no adapter on it, or no row with one)."""
-    adapted = getattr(module, "adapted", None)  # megapipe.inference.lora.AdaptedInput
+    adapted = module.adapted
     if adapted is None:
         return None
     low, extra = adapted.low(x)

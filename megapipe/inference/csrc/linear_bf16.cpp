@@ -76,10 +76,6 @@ struct Prefetch {
     offset = stop;
     return std::min(steps, step + kLinesPerFetch * spacing);
   }
-  // the lines not fetched yet (a block that ends with fewer steps than planned: x2's bands)
-  void rest() {
-    for (int64_t step = 0; offset < end;) step = fetch(step, step + 1);
-  }
 };
 
 // acc[m][t] += the products of `pairs` input pairs of rows x (x_row apart) with the weight lines w[t] .. (one line
@@ -193,7 +189,6 @@ inline void band_products(int products, __m512 (&acc)[MB][NT], const Inputs& in,
                                ahead);
         for (int t = 0; t < NT; ++t) acc[m][t] = row[0][t];
       });
-  ahead.rest();
 }
 
 // A register block: rows m0 .. m0 + MB of the inputs against the weight tiles at w[0 .. NT), its fp32 sums handed
