@@ -125,6 +125,15 @@ HARMONY = (
     "{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}"
 )
+
+
+def join_parts(texts: list[str], images: bool) -> str:
+    """A message's content parts as one string for the template: text parts on lines of their own, as vLLM joins
+    them for templates that read a string; beside images (each part its model's markers) run together, as
+    vision-language templates write parts themselves."""
+    return ("" if images else "\n").join(texts)
+
+
 HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>")
 BUILTIN_TEMPLATES = {"chatml": CHATML, "llama3": LLAMA3, "harmony": HARMONY}
 TEMPLATE_TOKENS = {
@@ -163,17 +172,25 @@ class ChatTemplate:
         return self.source == HARMONY
 
     def render(self, messages: list[dict], tools: Optional[list] = None, add_generation_prompt: bool = False,
-               continue_final_message: bool = False) -> str:
+               continue_final_message: bool = False, variables: Optional[dict] = None) -> str:
+        """The conversation as the template writes it; ``variables``: more of the template's variables (a request's
+        chat_template_kwargs, e.g. Qwen3's ``enable_thinking``), which may not replace the ones set here."""
         from jinja2 import TemplateError
         from transformers.utils.chat_template_utils import render_jinja_template
 
         if continue_final_message and add_generation_prompt:
             raise ChatTemplateError("continue_final_message and add_generation_prompt exclude each other")
+        variables = dict(variables or {})
+        taken = sorted(set(variables) & ({"messages", "tools", "documents", "add_generation_prompt",
+                                          "continue_final_message", "chat_template"} | set(self.special_tokens)))
+        if taken:
+            raise ChatTemplateError(f"chat_template_kwargs may not set {taken[0]!r}: the server sets it")
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
         try:
             texts, _ = render_jinja_template([messages], tools=tools, chat_template=self.source,
                                              add_generation_prompt=add_generation_prompt,
-                                             continue_final_message=continue_final_message, **self.special_tokens)
+                                             continue_final_message=continue_final_message, **self.special_tokens,
+                                             **variables)
         except Exception as e:  # Jinja raises many types (undefined names, type errors); transformers ValueErrors
             if type(e) is TemplateError:  # what the template's raise_exception() raises
                 raise ChatTemplateError(f"the chat template {self.name} refused the conversation: {e}") from None

@@ -33,7 +33,13 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 
-from megapipe.data.chat_template import TEMPLATE_CHOICES, ChatTemplateError, load_chat_template, special_tokens
+from megapipe.data.chat_template import (
+    TEMPLATE_CHOICES,
+    ChatTemplateError,
+    join_parts,
+    load_chat_template,
+    special_tokens,
+)
 from megapipe.data.readers import JSON_TYPES, JSONL_SUFFIXES, JSONRecordError, first_line, load_json_record
 from megapipe.data.tokenizer import load_tokenizer, tokenizer_files
 from megapipe.errors import DataError
@@ -101,7 +107,7 @@ def _content(value, where: str, key: str, images: Optional[list] = None):
                 raise DataError(f"{where}: {key}[{i}] is not a text part ({{'type': 'text', 'text': ...}}); "
                                 f"{allowed} are supported here")
             parts.append(part["text"])
-        return "".join(parts)
+        return join_parts(parts, IMAGE_PART in parts)
     raise DataError(f"{where}: {key} is a {_type(value)}, not a string")
 
 

@@ -41,6 +41,23 @@ PARITY_PROBE = (
 )
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character -> byte: printable bytes stand for themselves, the other 68 for
+    the characters from U+0100 on, in byte order."""
+    kept = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    out, extra = {}, 0
+    for b in range(256):
+        if b in kept:
+            out[chr(b)] = b
+        else:
+            out[chr(256 + extra)] = b
+            extra += 1
+    return out
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
+
+
 class Tokenizer:
     """A loaded tokenizer. Use :func:`load_tokenizer` to make one."""
 
@@ -118,6 +135,24 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._hf.token_to_id(token)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for, also where it holds part of a UTF-8 character (which its decoded text
+        shows as U+FFFD): a byte-level BPE token's characters mapped back to bytes, a byte-fallback token
+        ``<0xNN>`` as byte NN; else its decoded text's UTF-8."""
+        cache = self.__dict__.setdefault("_token_bytes", {})
+        if token not in cache:
+            text = self.decode([token])
+            piece = self._hf.id_to_token(int(token))
+            if "\ufffd" not in text or piece is None:
+                cache[token] = text.encode("utf-8")
+            elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                cache[token] = bytes([int(piece[3:5], 16)])
+            elif all(c in _BYTE_OF_CHAR for c in piece):
+                cache[token] = bytes(_BYTE_OF_CHAR[c] for c in piece)
+            else:
+                cache[token] = text.encode("utf-8")
+        return cache[token]
 
     def save(self, directory: str | Path) -> Path:
         """Write the Hugging Face files (tokenizer.json, tokenizer_config.json, special_tokens_map.json) to a dir."""

@@ -41,16 +41,16 @@ def score(engine, sequences: Sequence[Sequence[int]], num_scored: Sequence[int],
         if len(seq) > limit:
             raise MegapipeError(f"sequence {i} holds {len(seq)} tokens; the engine scores at most {limit} "
                                 f"(--max-model-len {engine.max_model_len} - 1)")
-    # top-1 alternatives tell whether each scored token was the argmax; temperature 0: the one sampled token is free
-    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    # each scored token's rank tells whether it was the argmax; temperature 0: the one sampled token is free
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
     out: list[Score] = []
     for start in range(0, len(sequences), batch_size):
         group = [list(s) for s in sequences[start:start + batch_size]]
         for seq, n, result in zip(group, num_scored[start:start + batch_size], engine.generate(group, params),
                                   strict=True):
             entries = result.prompt_logprobs[len(seq) - n:]
-            lps = [lp for lp, _ in entries]
-            greedy = all(tops and tops[0][0] == tok for (_, tops), tok in zip(entries, seq[len(seq) - n:], strict=True))
+            lps = [lp for lp, _, _ in entries]
+            greedy = all(rank == 1 for _, _, rank in entries)
             out.append(Score(float(sum(lps)), greedy, lps))
         if progress is not None:
             progress(len(group))

@@ -73,7 +73,7 @@ class _Sample:
             if len(self.ids) >= params.min_tokens:
                 hit = self.detok.find_stop(new)
                 if hit is not None:
-                    self.detok.text = self.detok.text[:hit[0]]
+                    self.detok.stop_at(hit, params.include_stop_str_in_output)
                     self.finish_reason, self.stop_reason = "stop", hit[1]
                     return s.finish_reason is None
         if s.finish_reason == "stop":

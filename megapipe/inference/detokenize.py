@@ -74,6 +74,10 @@ class Detokenizer:
                 best = (i, s)
         return best
 
+    def stop_at(self, hit: tuple[int, str], keep: bool) -> None:
+        """End the text at stop string ``hit`` (find_stop's), before it or, ``keep``, after it."""
+        self.text = self.text[:hit[0] + (len(hit[1]) if keep else 0)]
+
     def stable_text(self, finished: bool) -> str:
         if finished or self.hold == 0:
             return self.text

@@ -643,7 +643,7 @@ class LLMEngine:
             if n_out >= p.min_tokens:
                 hit = done.detok.find_stop(new)
                 if hit is not None:
-                    done.detok.text = done.detok.text[:hit[0]]
+                    done.detok.stop_at(hit, p.include_stop_str_in_output)
                     reason, stop_reason = "stop", hit[1]
         if reason is None and (n_out >= p.max_tokens or len(seq.tokens) >= self.max_model_len):
             reason = "length"

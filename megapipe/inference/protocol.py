@@ -7,6 +7,7 @@ from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from megapipe.data.chat_template import join_parts
 from megapipe.inference.sampling import ParamError, SamplingParams
 from megapipe.inference.structured import Constraint
 
@@ -40,7 +41,10 @@ class _Sampling(_Body):
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: Optional[list[int]] = None
+    include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: Optional[int] = None
+    request_id: Optional[str] = None  # the response's id (after the X-Request-Id header)
     # vLLM's structured outputs: its current object and its older names
     structured_outputs: Optional[dict[str, Any]] = None
     guided_json: Optional[Union[str, dict]] = None
@@ -118,7 +122,9 @@ class _Sampling(_Body):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
         )
 
 
@@ -153,21 +159,23 @@ class ChatMessage(_Body):
         return urls
 
     def as_template_input(self, image_text: Optional[str] = None) -> dict:
-        """The message for the chat template: text parts joined, each image part as ``image_text`` (the model's
-        image markers, as Qwen2-VL's template writes them), which is None for a model that takes text only."""
+        """The message for the chat template: its parts joined (join_parts), each image part as ``image_text`` (the
+        model's image markers, as Qwen2-VL's template writes them), which is None for a model that takes text
+        only."""
         content = self.content
         if isinstance(content, list):
-            texts = []
+            texts, images = [], False
             for part in content:
                 kind = part.get("type")
                 if kind == "image_url" and image_text is not None:
                     texts.append(image_text)
+                    images = True
                 elif kind != "text":
                     allowed = "'text' and 'image_url'" if image_text is not None else "only 'text'"
                     raise ParamError("messages", f"content part of type {kind!r} is not supported ({allowed})")
                 else:
                     texts.append(str(part.get("text", "")))
-            content = "".join(texts)
+            content = join_parts(texts, images)
         out = {"role": self.role, "content": content or ""}
         if self.name:
             out["name"] = self.name
@@ -200,6 +208,9 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Optional[Any] = None
     response_format: Optional[dict] = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message left open: the reply continues it
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # more variables for the chat template
+    echo: bool = False  # the reply starts with the last message's content when that message is the assistant's
 
 
 class TokenizeRequest(_Body):
@@ -207,6 +218,8 @@ class TokenizeRequest(_Body):
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
 
 
 class DetokenizeRequest(_Body):

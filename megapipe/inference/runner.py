@@ -796,7 +796,8 @@ class ModelRunner:
             scored = logits[row:row + last - start].log_softmax(dim=-1)
             targets = torch.tensor(seq.tokens[start + 1:last + 1], device=logits.device)
             picked, tops = top_logprobs(scored, targets, seq.params.prompt_logprobs)
-            out.prompt_logprobs[seq.seq_id] = (start, list(zip(picked, tops, strict=True)))
+            ranks = (scored > scored.gather(-1, targets[:, None])).sum(-1).add_(1).tolist()  # 1: the argmax
+            out.prompt_logprobs[seq.seq_id] = (start, list(zip(picked, tops, ranks, strict=True)))
         for seq, row, first in checked:
             self._verify(seq, logits[row:row + 1 + len(seq.draft.tokens)],
                          hidden[first:] if hidden is not None else None, out)

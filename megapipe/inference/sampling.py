@@ -52,6 +52,7 @@ class SamplingParams:
     stop: Sequence[str] = field(default_factory=list)
     stop_token_ids: Sequence[int] = field(default_factory=list)
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False  # a stop string that ends the text stays in it
     logprobs: Optional[int] = None  # top alternatives per generated token (0: the sampled token's logprob only)
     prompt_logprobs: Optional[int] = None  # the same for the prompt tokens (echo); disables prefix-cache reuse
     skip_special_tokens: bool = True

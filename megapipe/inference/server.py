@@ -12,6 +12,7 @@ SIGTERM stops accepting connections, lets in-flight requests finish for up to ``
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextvars
 import hmac
 import json
@@ -147,6 +148,29 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+class _TextOffsets:
+    """Where each token's text starts in a completion, in characters of the tokens' bytes read as UTF-8: a token that
+    holds part of a character starts where that character does (its decoded text alone is U+FFFD)."""
+
+    def __init__(self, start: int = 0):
+        self.pos = start
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def take(self, raw: bytes) -> int:
+        at = self.pos
+        self.pos += len(self._utf8.decode(raw))
+        return at
+
+
+def _renamed(e: ParamError, names: dict) -> APIError:
+    """A 400 for ``e`` under the name the request used (max_completion_tokens for max_tokens, ...)."""
+    param = names.get(e.param, e.param)
+    message = str(e)
+    if param != e.param and message.startswith(e.param):
+        message = param + message[len(e.param):]
+    return APIError(400, message, param=param)
+
+
 class OpenAIServer:
     def __init__(self, engine: StreamingEngine, config: ServerConfig, on_ready=None):
         self.engine, self.config, self.on_ready = engine, config, on_ready
@@ -259,6 +283,16 @@ class OpenAIServer:
     def _token_text(self, token: int) -> str:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else f"token_id:{token}"
 
+    def _token_bytes(self, token: int) -> bytes:
+        """The token's own bytes (part of a UTF-8 character where its text shows U+FFFD)."""
+        raw = getattr(self.tokenizer, "token_bytes", None)
+        return raw(token) if raw is not None else self._token_text(token).encode("utf-8")
+
+    def _request_id(self, request: Request, body, prefix: str) -> str:
+        """vLLM's: the X-Request-Id header, else the body's request_id, else a fresh one, after ``prefix``."""
+        given = request.headers.get("x-request-id") or body.request_id
+        return f"{prefix}-{given or uuid.uuid4().hex}"
+
     async def _stream(self, prompt, params, images=None) -> AsyncIterator[RequestOutput]:
         """The request's outputs as the engine makes them; closing the stream aborts an unfinished request. A client
         that leaves closes it: a streamed response's (StreamingResponse cancels its body when the client
@@ -328,14 +362,15 @@ class OpenAIServer:
                 if not t.done():
                     t.cancel()
 
-    async def _validate_all(self, prompts, params) -> None:
-        """Check every prompt before any runs, so an error never leaves a half-served request behind."""
+    async def _validate_all(self, prompts, params, names: Optional[dict] = None) -> None:
+        """Check every prompt before any runs, so an error never leaves a half-served request behind; ``names``: the
+        request's own names of the parameters (max_completion_tokens for max_tokens, ...)."""
         for p in prompts:
             _, ids = self.engine.encode(p)
             try:
                 self.engine.check_request(ids, params)
             except ParamError as e:
-                raise APIError(400, str(e), param=e.param) from None
+                raise _renamed(e, names or {}) from None
 
     async def _structured(self, body, params, tools: Optional[ToolChoice] = None) -> None:
         """Set params.structured from the request (a forced tool choice's grammar included), compiled before the
@@ -354,22 +389,40 @@ class OpenAIServer:
             raise APIError(400, str(e), param=e.param) from None
         params.structured = constraint
 
-    def _logprobs_block(self, token_ids, lps, offset: int = 0, prompt_entries=None) -> dict:
-        tokens, token_lps, tops, offsets = [], [], [], []
-        pos = offset
+    def _logprobs_block(self, token_ids, lps, offsets: "_TextOffsets", k: int, prompt_entries=None) -> dict:
+        """The completions API's logprobs: each token, its logprob, its top ``k`` alternatives and itself (OpenAI's
+        and vLLM's: up to k + 1 entries), and where its text starts (``offsets`` carries on from the last block)."""
+        tokens, token_lps, tops, starts = [], [], [], []
         for tok, entry in list(zip(*prompt_entries, strict=True) if prompt_entries else []) + list(
                 zip(token_ids, lps or [], strict=False)):
             text = self._token_text(tok)
             tokens.append(text)
-            offsets.append(pos)
-            pos += len(text)
+            starts.append(offsets.take(self._token_bytes(tok)))
             if entry is None:
                 token_lps.append(None)
                 tops.append(None)
             else:
                 token_lps.append(entry[0])
-                tops.append({self._token_text(t): v for t, v in entry[1]})
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+                top = {self._token_text(t): v for t, v in entry[1][:k]}
+                tops.append({**top, text: entry[0]})
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": starts}
+
+    def _prompt_logprobs(self, entries) -> list:
+        """vLLM's ``prompt_logprobs``: None for the first prompt token, then {token id: {logprob, rank,
+        decoded_token}} for the token itself and its top alternatives."""
+        def item(lp, rank, token):
+            return {"logprob": lp, "rank": rank, "decoded_token": self._token_text(token)}
+
+        out = []
+        for token, entry in zip(*entries, strict=True):
+            if entry is None:
+                out.append(None)
+                continue
+            lp, alts, rank = entry
+            found = {str(t): item(v, r, t) for r, (t, v) in enumerate(alts, 1)}
+            found.setdefault(str(token), item(lp, rank, token))
+            out.append(found)
+        return out
 
     # ----------------------------------------------------------------------------------------------- routes
 
@@ -438,7 +491,8 @@ class OpenAIServer:
         if body.messages is not None and any(m.image_urls() for m in body.messages):
             raise APIError(400, "/tokenize takes messages of text only (image parts are not counted here)",
                            param="messages")
-        text = body.prompt if body.prompt is not None else self._render(body.messages, body.add_generation_prompt)
+        text = body.prompt if body.prompt is not None else self._render(
+            body.messages, body.add_generation_prompt, None, body.continue_final_message, body.chat_template_kwargs)
         ids = tok.encode(text)
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
 
@@ -489,12 +543,14 @@ class OpenAIServer:
         except ParamError as e:
             raise APIError(400, str(e), param=e.param) from None
 
-    def _render(self, messages, add_generation_prompt: bool = True, tools: Optional[list] = None) -> str:
+    def _render(self, messages, add_generation_prompt: bool = True, tools: Optional[list] = None,
+                continue_final_message: bool = False, variables: Optional[dict] = None) -> str:
         if self.chat_template is None:
             raise APIError(400, self.no_chat_template, param="messages")
         try:
             return self.chat_template.render([m.as_template_input(self.image_text) for m in messages], tools=tools or None,
-                                             add_generation_prompt=add_generation_prompt)
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message, variables=variables)
         except ChatTemplateError as e:
             raise APIError(400, str(e), param="messages") from None
         except ParamError as e:
@@ -536,23 +592,27 @@ class OpenAIServer:
             raise APIError(400, "suffix is not supported", param="suffix")
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(400, "best_of other than n is not supported", param="best_of")
+        if body.stream and body.prompt_logprobs is not None:
+            raise APIError(400, "prompt_logprobs are not available when stream is true", param="prompt_logprobs")
         prompts = self._completion_prompts(body)
         echo_only = body.echo and body.max_tokens == 0  # scoring a text (log-likelihood): nothing is generated
         lp = body.logprobs
+        # the prompt's logprobs: echo's with logprobs, prompt_logprobs' (vLLM's), the larger count serves both
+        wanted = [k for k in (lp if body.echo else None, body.prompt_logprobs) if k is not None]
         try:
-            params = body.sampling_params(1 if echo_only else body.max_tokens, lp, lp if body.echo and lp is not None
-                                          else None)
+            params = body.sampling_params(1 if echo_only else body.max_tokens, lp, max(wanted) if wanted else None)
         except ParamError as e:
             raise APIError(400, str(e), param=e.param) from None
         if echo_only:
             params.temperature = 0.0
         await self._structured(body, params)
         await self._validate_all(prompts, params)
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        rid, created = self._request_id(request, body, "cmpl"), int(time.time())
+        headers = {"X-Request-Id": rid.removeprefix("cmpl-")}
         if body.stream:
             outputs = await self._started(self._merged(prompts, params), params)
             return StreamingResponse(self._stream_completion(body, outputs, rid, created, echo_only),
-                                     media_type="text/event-stream")
+                                     media_type="text/event-stream", headers=headers)
         outs = await self._until_done(request, [self._final(p, params) for p in prompts])
         choices = []
         for i, out in enumerate(outs):
@@ -565,16 +625,24 @@ class OpenAIServer:
                 logprobs = None
                 if lp is not None:
                     prompt_entries = (out.prompt_token_ids, out.prompt_logprobs) if body.echo else None
-                    logprobs = self._logprobs_block(ids, lps, 0, prompt_entries)
-                choices.append({"index": i * body.n + c.index, "text": (prompt_text if body.echo else "") + text,
-                                "logprobs": logprobs, "finish_reason": "length" if echo_only else c.finish_reason,
-                                "stop_reason": c.stop_reason})
+                    logprobs = self._logprobs_block(ids, lps, _TextOffsets(), lp, prompt_entries)
+                choice = {"index": i * body.n + c.index, "text": (prompt_text if body.echo else "") + text,
+                          "logprobs": logprobs, "finish_reason": "length" if echo_only else c.finish_reason,
+                          "stop_reason": c.stop_reason}
+                if body.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self._prompt_logprobs(self._top(out, body.prompt_logprobs))
+                choices.append(choice)
         usage = self._usage(outs)
         if echo_only:
             usage["completion_tokens"] = 0
             usage["total_tokens"] = usage["prompt_tokens"]
-        return {"id": rid, "object": "text_completion", "created": created, "model": self._model_name(),
-                "choices": choices, "usage": usage}
+        return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": self._model_name(),
+                             "choices": choices, "usage": usage}, headers=headers)
+
+    @staticmethod
+    def _top(out: RequestOutput, k: int) -> tuple[list, list]:
+        """The prompt's tokens and logprob entries with (at most) k alternatives each."""
+        return out.prompt_token_ids, [e if e is None else (e[0], e[1][:k], *e[2:]) for e in out.prompt_logprobs]
 
     async def _merged(self, prompts, params):
         """(prompt index, output) from all prompts' streams as they come."""
@@ -613,41 +681,57 @@ class OpenAIServer:
                 t.cancel()
 
     async def _stream_completion(self, body, outputs, rid, created, echo_only):
-        name, n = self._model_name(), body.n
+        name, n, k = self._model_name(), body.n, body.logprobs
         sent_text: dict[int, int] = {}
         sent_ids: dict[int, int] = {}
+        offsets: dict[int, _TextOffsets] = {}
+        ended: set[int] = set()  # the choices whose finish_reason was sent: nothing follows it
         finals: dict[int, RequestOutput] = {}
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        options = body.stream_options
+        include_usage = options is not None and options.include_usage
+        running_usage = include_usage and options.continuous_usage_stats
 
-        def chunk(index, text, logprobs=None, finish=None):
-            return _sse({"id": rid, "object": "text_completion", "created": created, "model": name,
-                         "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]})
+        def chunk(index, text, out, c, logprobs=None, finish=None):
+            event = {"id": rid, "object": "text_completion", "created": created, "model": name,
+                     "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+            if running_usage:  # vLLM's continuous_usage_stats: this choice's counts so far
+                done = len(c.token_ids) if not echo_only else 0
+                event["usage"] = {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": done,
+                                  "total_tokens": len(out.prompt_token_ids) + done}
+            return _sse(event)
 
         try:
             async for i, out in outputs:
                 for c in out.outputs:
                     key = i * n + c.index
+                    if key in ended:
+                        continue
                     if key not in sent_text:
                         sent_text[key] = sent_ids[key] = 0
+                        offsets[key] = _TextOffsets()
                         if body.echo:
                             prompt_text = out.prompt if out.prompt is not None else self.tokenizer.decode(
                                 out.prompt_token_ids)
                             lps = None
-                            if body.logprobs is not None:
-                                lps = self._logprobs_block([], [], 0, (out.prompt_token_ids, out.prompt_logprobs))
-                            yield chunk(key, prompt_text, lps)
+                            if k is not None:
+                                lps = self._logprobs_block([], [], offsets[key], k,
+                                                           (out.prompt_token_ids, out.prompt_logprobs))
+                            yield chunk(key, prompt_text, out, c, lps)
                     if echo_only:
                         if c.finish_reason is not None:
-                            yield chunk(key, "", None, "length")
+                            ended.add(key)
+                            yield chunk(key, "", out, c, None, "length")
                         continue
                     delta = c.text[sent_text[key]:]
                     new_ids = c.token_ids[sent_ids[key]:]
                     finish = c.finish_reason if c.finish_reason != "abort" else None
                     if delta or new_ids or finish:
                         lps = None
-                        if body.logprobs is not None:
-                            lps = self._logprobs_block(new_ids, (c.logprobs or [])[sent_ids[key]:], sent_text[key])
-                        yield chunk(key, delta, lps, finish)
+                        if k is not None:
+                            lps = self._logprobs_block(new_ids, (c.logprobs or [])[sent_ids[key]:], offsets[key], k)
+                        yield chunk(key, delta, out, c, lps, finish)
+                    if finish:
+                        ended.add(key)
                     sent_text[key], sent_ids[key] = len(c.text), len(c.token_ids)
                 if out.finished:
                     finals[i] = out
@@ -675,7 +759,10 @@ class OpenAIServer:
                                 "--tool-call-parser (hermes, llama3_json or openai); or name a function or say "
                                 "required", param="tool_choice")
         self._need_tokenizer()
-        text = self._render(body.messages, body.add_generation_prompt, body.tools)
+        if body.stream and body.prompt_logprobs is not None:
+            raise APIError(400, "prompt_logprobs are not available when stream is true", param="prompt_logprobs")
+        text = self._render(body.messages, body.add_generation_prompt, body.tools, body.continue_final_message,
+                            body.chat_template_kwargs)
         urls = [url for m in body.messages for url in m.image_urls()]
         prompt, images = (await asyncio.to_thread(self._with_images, text, urls)) if urls else (text, None)
         top = body.top_logprobs
@@ -690,12 +777,16 @@ class OpenAIServer:
         # harmony: the channel markers split the reply; a tool-call parser that reads special tokens needs them
         if self.chat_template.has_channels or (tools.mode == "auto" and self.tool_parser.needs_special_tokens):
             params.skip_special_tokens = False
-        await self._validate_all([prompt], params)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        await self._validate_all([prompt], params, {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens"
+                                                    if body.max_completion_tokens is not None else "max_tokens"})
+        rid, created = self._request_id(request, body, "chatcmpl"), int(time.time())
+        headers = {"X-Request-Id": rid.removeprefix("chatcmpl-")}
+        last = body.messages[-1]  # echo (vLLM's): a reply to an assistant's message starts with that message
+        echo = last.as_template_input()["content"] if body.echo and last.role == "assistant" else ""
         if body.stream:
             outputs = await self._started(self._stream(prompt, params, images), params)
-            return StreamingResponse(self._stream_chat(body, outputs, rid, created, tools),
-                                     media_type="text/event-stream")
+            return StreamingResponse(self._stream_chat(body, outputs, rid, created, tools, echo),
+                                     media_type="text/event-stream", headers=headers)
         (out,) = await self._until_done(request, [self._final(prompt, params, images)])
         choices = []
         for c in out.outputs:
@@ -707,11 +798,16 @@ class OpenAIServer:
                 if calls:
                     message["tool_calls"] = [call.as_dict() for call in calls]
                     finish = "tool_calls" if finish == "stop" else finish
+            if echo:
+                message["content"] = echo + (message["content"] or "")
             choices.append({"index": c.index, "message": message,
                             "logprobs": self._chat_logprobs(c.token_ids, c.logprobs) if body.logprobs else None,
                             "finish_reason": finish, "stop_reason": c.stop_reason})
-        return {"id": rid, "object": "chat.completion", "created": created, "model": self._model_name(),
-                "choices": choices, "usage": self._usage([out])}
+        response = {"id": rid, "object": "chat.completion", "created": created, "model": self._model_name(),
+                    "choices": choices, "usage": self._usage([out])}
+        if body.prompt_logprobs is not None:
+            response["prompt_logprobs"] = self._prompt_logprobs(self._top(out, body.prompt_logprobs))
+        return JSONResponse(response, headers=headers)
 
     def _reply(self, text: str) -> dict:
         """A chat reply's content (harmony: its final channel, the analysis channel as reasoning_content)."""
@@ -730,8 +826,7 @@ class OpenAIServer:
 
     def _chat_logprobs(self, token_ids, lps) -> dict:
         def entry(t, v):
-            text = self._token_text(t)
-            return {"token": text, "logprob": v, "bytes": list(text.encode("utf-8"))}
+            return {"token": self._token_text(t), "logprob": v, "bytes": list(self._token_bytes(t))}
 
         content = []
         for t, (v, alts) in zip(token_ids, lps or [], strict=False):
@@ -740,29 +835,40 @@ class OpenAIServer:
             content.append(item)
         return {"content": content}
 
-    async def _stream_chat(self, body, outputs, rid, created, tools: ToolChoice):
+    async def _stream_chat(self, body, outputs, rid, created, tools: ToolChoice, echo: str = ""):
         name = self._model_name()
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        options = body.stream_options
+        include_usage = options is not None and options.include_usage
+        running_usage = include_usage and options.continuous_usage_stats
         sent_text: dict[int, dict] = {}  # per choice: how much of each reply field was sent
         sent_ids: dict[int, int] = {}
         calls: dict[int, ToolStream] = {}
+        ended: set[int] = set()  # the choices whose finish_reason was sent: nothing follows it
         last = None
 
         def chunk(index, delta, logprobs=None, finish=None):
-            return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
-                         "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                      "finish_reason": finish}]})
+            event = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
+                     "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+            if running_usage:  # vLLM's continuous_usage_stats: this choice's counts so far
+                done = len(last.outputs[index].token_ids) if index < len(last.outputs) else 0
+                prompt = len(last.prompt_token_ids)
+                event["usage"] = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+            return _sse(event)
 
         try:
             async for out in outputs:
                 last = out
                 for c in out.outputs:
+                    if c.index in ended:
+                        continue
                     if c.index not in sent_text:
                         sent_text[c.index], sent_ids[c.index] = {}, 0
                         parser = self._calls_parser(tools)
                         if parser is not None:
                             calls[c.index] = ToolStream(parser)
                         yield chunk(c.index, {"role": "assistant", "content": ""})
+                        if echo:
+                            yield chunk(c.index, {"content": echo})
                     sent, finish, reply = sent_text[c.index], c.finish_reason, {}
                     if c.index in calls:  # the parser splits text from calls
                         stream = calls[c.index]
@@ -782,6 +888,7 @@ class OpenAIServer:
                     if delta or lps:
                         yield chunk(c.index, delta or {"content": ""}, lps)
                     if finish is not None and finish != "abort":
+                        ended.add(c.index)
                         yield chunk(c.index, {}, None, finish)
                     sent.update((k, len(v)) for k, v in reply.items())
                     sent_ids[c.index] = len(c.token_ids)

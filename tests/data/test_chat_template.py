@@ -155,11 +155,12 @@ def test_smollm2_own_template_renders_alike_through_every_path(tmp_path, capsys)
     check_every_path(SMOLLM2, None, SMOLLM2, tmp_path, capsys)
 
 
-def test_text_content_parts_render_as_their_joined_text(bare_tok, tmp_path):
+def test_text_content_parts_render_as_their_lines(bare_tok, tmp_path):
+    """vLLM's rule for templates that read a string: a message's text parts joined by newlines, in SFT and serve."""
     served = sft_checkpoint_tokenizer(bare_tok, "chatml", tmp_path / "ckpt-tok")
     parts = [{"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "2 plus 3?"}]},
              {"role": "assistant", "content": "ANSWER: 5"}]
-    joined = [{"role": "user", "content": "What is 2 plus 3?"}, {"role": "assistant", "content": "ANSWER: 5"}]
+    joined = [{"role": "user", "content": "What is \n2 plus 3?"}, {"role": "assistant", "content": "ANSWER: 5"}]
     want = oracle(bare_tok, "chatml", joined, None, False)
     text, ids, _, _ = ChatEncoder(bare_tok, "chatml").encode_detailed(parse_record({"messages": parts}, "x:1"))
     assert (text, ids.tolist()) == want == server_render(server(served), parts, False)

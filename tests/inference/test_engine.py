@@ -97,8 +97,9 @@ def test_logprobs_and_prompt_logprobs_equal_a_full_forward(hf_llama, one_thread)
     ref = full_logprobs(hf, prompt + gen)
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
     for p in range(1, len(prompt)):
-        lp, top = out.prompt_logprobs[p]
+        lp, top, rank = out.prompt_logprobs[p]
         assert abs(lp - ref[p - 1, prompt[p]].item()) < 1e-4
+        assert rank == int((ref[p - 1] > ref[p - 1, prompt[p]]).sum()) + 1
         values, ids = ref[p - 1].topk(3)
         assert [t for t, _ in top] == ids.tolist()
         assert max(abs(v - w) for (_, v), w in zip(top, values.tolist(), strict=True)) < 1e-4
@@ -354,7 +355,7 @@ def test_moe_in_bf16_and_at_batch_32(arch, tmp_path_factory, one_thread):
     bf16_engine = LLMEngine.from_pretrained(path, device="cpu", dtype="bfloat16")
     texts = [p + o.outputs[0].token_ids for p, o in zip(prompts[:8], fp32, strict=True)]
     bf16 = bf16_engine.generate(texts, SamplingParams(max_tokens=1, prompt_logprobs=0, **GREEDY))
-    got = torch.tensor([lp for p, o in zip(prompts[:8], bf16, strict=True) for lp, _ in o.prompt_logprobs[len(p):]])
+    got = torch.tensor([lp for p, o in zip(prompts[:8], bf16, strict=True) for lp, *_ in o.prompt_logprobs[len(p):]])
     want = torch.tensor([lp for o in fp32 for lp, _ in o.outputs[0].logprobs])
     diff = (got - want).abs()
     assert diff.median() <= 0.05 and diff.mean() <= 0.1, diff

@@ -498,7 +498,7 @@ def test_bf16_engine_on_the_own_linears_scores_as_on_onednn(bf16_linear, hf_llam
     engines = [LLMEngine.from_pretrained(hf_llama[0], device="cpu", dtype="bfloat16", cpu_kernels=flag,
                                          bf16_linear="own") for flag in (None, False)]
     assert engines[0].runner.own_linears and not engines[1].runner.own_linears
-    scored = [[lp for out in engine.generate(PROMPTS, params) for lp, _ in out.prompt_logprobs[1:]]
+    scored = [[lp for out in engine.generate(PROMPTS, params) for lp, *_ in out.prompt_logprobs[1:]]
               for engine in engines]
     torch.testing.assert_close(torch.tensor(scored[0]), torch.tensor(scored[1]), atol=0.1, rtol=0)
 

@@ -113,7 +113,9 @@ def test_completions_match_the_engine(live, reference):
     ch = echo.choices[0]
     assert ch.text == prompts[0] + want[0]
     assert ch.logprobs.token_logprobs[0] is None and len(ch.logprobs.tokens) == len(ids) + 10
-    assert all(len(t) <= 2 for t in ch.logprobs.top_logprobs[1:])
+    lp = ch.logprobs  # the top 2 and the token itself (OpenAI's and vLLM's: up to logprobs + 1)
+    assert all(len(t) <= 3 and t[tok] == v for t, tok, v in zip(lp.top_logprobs[1:], lp.tokens[1:],
+                                                                  lp.token_logprobs[1:], strict=True))
     seeded = dict(model=NAME, prompt=prompts[0], max_tokens=12, temperature=1.0, n=3, seed=5)
     a, b = c.completions.create(**seeded), c.completions.create(**seeded)
     assert [x.text for x in a.choices] == [x.text for x in b.choices] and len({x.index for x in a.choices}) == 3
@@ -127,7 +129,7 @@ def test_echo_scoring_with_max_tokens_zero(live, reference):
     ch = r.choices[0]
     ref = reference.generate([text], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))[0]
     assert ch.text == text and r.usage.completion_tokens == 0
-    assert ch.logprobs.token_logprobs[1:] == pytest.approx([lp for lp, _ in ref.prompt_logprobs[1:]], abs=1e-5)
+    assert ch.logprobs.token_logprobs[1:] == pytest.approx([lp for lp, *_ in ref.prompt_logprobs[1:]], abs=1e-5)
 
 
 def test_streaming_completions_and_usage(live, reference):

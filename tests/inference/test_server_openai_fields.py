@@ -1,0 +1,193 @@
+"""OpenAI's and vLLM's request fields past the basics, through a live server: n > 1 streams, logprobs' shapes and
+offsets, continuous usage, stop strings kept, prompt logprobs, assistant prefill and echo, template variables, the
+request id, and errors named after the field the request used."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from megapipe.data.chat_template import ChatTemplate, ChatTemplateError
+from megapipe.inference import SamplingParams
+from tests.helpers.hf_tiny import CHAT_TEMPLATE
+from tests.inference.test_server import KEY, NAME
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def reference(hf_llama):
+    from megapipe.inference import LLMEngine
+
+    return LLMEngine.from_pretrained(hf_llama[0], device="cpu")
+
+
+def events(live, route: str, body: dict) -> list[dict]:
+    """The JSON events of a streamed response, [DONE] checked and dropped."""
+    import json
+
+    with httpx.stream("POST", live.url + route, json=body | {"stream": True}, headers=AUTH, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(x) for x in lines[:-1]]
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_each_streamed_choice_finishes_once_and_nothing_follows(live, route):
+    body = {"model": NAME, "n": 3, "max_tokens": 12, "temperature": 1.0, "seed": 1, "stop": [" t", "e"]}
+    body |= {"prompt": "The quick brown"} if route == "/v1/completions" else {
+        "messages": [{"role": "user", "content": "hi"}]}
+    seen: dict[int, list] = {}
+    for e in events(live, route, body):
+        for c in e["choices"]:
+            assert c["index"] not in seen or seen[c["index"]][-1] is None, ("after its finish", c)
+            seen.setdefault(c["index"], []).append(c["finish_reason"])
+    assert sorted(seen) == [0, 1, 2]
+    assert all(sum(f is not None for f in reasons) == 1 and reasons[-1] in ("stop", "length")
+               for reasons in seen.values()), seen
+
+
+def test_completion_top_logprobs_hold_the_token_itself(live):
+    for k in (0, 1, 3):
+        r = httpx.post(live.url + "/v1/completions", headers=AUTH, json={
+            "model": NAME, "prompt": "The quick brown", "max_tokens": 10, "temperature": 1.5, "seed": 3,
+            "logprobs": k, "echo": True}).json()
+        lp = r["choices"][0]["logprobs"]
+        assert lp["top_logprobs"][0] is None
+        for tops, token, value in zip(lp["top_logprobs"][1:], lp["tokens"][1:], lp["token_logprobs"][1:],
+                                      strict=True):
+            assert tops[token] == value and len(tops) <= k + 1
+            assert k > 0 or len(tops) == 1
+
+
+def test_text_offsets_stream_as_whole_and_point_into_the_text(live):
+    body = {"model": NAME, "prompt": "The quick brown", "max_tokens": 8, "temperature": 0, "logprobs": 1,
+            "ignore_eos": True}
+    for extra in ({"echo": True}, {"stop": ["zzzzzz"]}):
+        whole = httpx.post(live.url + "/v1/completions", json=body | extra, headers=AUTH).json()["choices"][0]
+        streamed = [o for e in events(live, "/v1/completions", body | extra) for c in e["choices"]
+                    if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+        assert streamed == whole["logprobs"]["text_offset"]
+    # tokens that hold part of a character start where the character does
+    text = "こんにちは héllo wörld"
+    scored = httpx.post(live.url + "/v1/completions", headers=AUTH, json={
+        "model": NAME, "prompt": text, "max_tokens": 0, "echo": True, "logprobs": 0}).json()["choices"][0]
+    lp = scored["logprobs"]
+    assert scored["text"] == text and any("\ufffd" in t for t in lp["tokens"])
+    for start, token in zip(lp["text_offset"], lp["tokens"], strict=True):
+        assert text[start:].startswith(token) if "\ufffd" not in token else ord(text[start]) > 127
+
+
+def test_continuous_usage_stats_count_every_chunk(live):
+    for route, body in (("/v1/completions", {"prompt": "The quick brown"}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        got = events(live, route, body | {
+            "model": NAME, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+        assert all("usage" in e for e in got)
+        done = [e["usage"]["completion_tokens"] for e in got]
+        assert done == sorted(done) and done[-1] == 6 and got[-1]["choices"] == []
+        assert {e["usage"]["prompt_tokens"] for e in got} == {got[-1]["usage"]["prompt_tokens"]}
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(live, reference):
+    want = reference.generate(["The quick brown"], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    text = want[0].outputs[0].text
+    stop = text[5:8]
+    body = {"model": NAME, "prompt": "The quick brown", "max_tokens": 16, "temperature": 0, "stop": [stop]}
+    cut = httpx.post(live.url + "/v1/completions", json=body, headers=AUTH).json()["choices"][0]["text"]
+    kept = httpx.post(live.url + "/v1/completions", json=body | {"include_stop_str_in_output": True},
+                      headers=AUTH).json()["choices"][0]
+    assert cut == text[:text.find(stop)] and kept["text"] == cut + stop and kept["finish_reason"] == "stop"
+    streamed = "".join(c["text"] for e in events(live, "/v1/completions", body | {"include_stop_str_in_output": True})
+                       for c in e["choices"])
+    assert streamed == kept["text"]
+
+
+def test_prompt_logprobs_in_vllms_shape(live, reference):
+    ids = reference.tokenizer.encode("The quick brown fox")
+    ref = reference.generate([ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2))[0]
+    r = httpx.post(live.url + "/v1/completions", headers=AUTH, json={
+        "model": NAME, "prompt": ids, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2}).json()
+    got = r["choices"][0]["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(ids)
+    for token, entry, (lp, alts, rank) in zip(ids[1:], got[1:], ref.prompt_logprobs[1:], strict=True):
+        assert entry[str(token)]["logprob"] == pytest.approx(lp, abs=1e-5) and entry[str(token)]["rank"] == rank
+        assert [entry[str(t)]["rank"] for t, _ in alts] == [1, 2]
+        assert entry[str(token)]["decoded_token"] == reference.tokenizer.decode([token])
+    chat = httpx.post(live.url + "/v1/chat/completions", headers=AUTH, json={
+        "model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
+    refused = httpx.post(live.url + "/v1/completions", headers=AUTH, json={
+        "model": NAME, "prompt": "hi", "stream": True, "prompt_logprobs": 1})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_assistant_prefill_continues_the_last_message_and_echo_repeats_it(live, reference):
+    messages = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "The color is"}]
+    body = {"model": NAME, "messages": messages, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "add_generation_prompt": False, "continue_final_message": True}
+    rendered = "user: Name a color.\nassistant: The color is"
+    tokens = httpx.post(live.url + "/tokenize", headers=AUTH, json={k: body[k] for k in (
+        "messages", "add_generation_prompt", "continue_final_message")}).json()["tokens"]
+    assert reference.tokenizer.decode(tokens) == rendered
+    want = reference.generate([rendered], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    r = httpx.post(live.url + "/v1/chat/completions", headers=AUTH, json=body).json()
+    assert r["choices"][0]["message"]["content"] == want.outputs[0].text
+    echoed = httpx.post(live.url + "/v1/chat/completions", headers=AUTH, json=body | {"echo": True}).json()
+    assert echoed["choices"][0]["message"]["content"] == "The color is" + want.outputs[0].text
+    streamed = "".join(c["delta"].get("content") or "" for e in events(
+        live, "/v1/chat/completions", body | {"echo": True}) for c in e["choices"])
+    assert streamed == "The color is" + want.outputs[0].text
+    both = httpx.post(live.url + "/v1/chat/completions", headers=AUTH, json=body | {"add_generation_prompt": True})
+    assert both.status_code == 400 and "exclude each other" in both.json()["error"]["message"]
+
+
+def test_text_parts_are_lines_and_template_variables_are_checked(live):
+    parts = [{"type": "text", "text": "Name a "}, {"type": "text", "text": "color."}]
+    tokens = httpx.post(live.url + "/tokenize", headers=AUTH, json={
+        "messages": [{"role": "user", "content": parts}]}).json()["tokens"]
+    assert live.engine.tokenizer.decode(tokens) == "user: Name a \ncolor.\nassistant:"
+    r = httpx.post(live.url + "/v1/chat/completions", headers=AUTH, json={
+        "model": NAME, "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"messages": []}})
+    assert r.status_code == 400 and "chat_template_kwargs may not set 'messages'" in r.json()["error"]["message"]
+
+
+def test_chat_template_kwargs_reach_the_template():
+    template = ChatTemplate("{% if flag %}FLAG {% endif %}" + CHAT_TEMPLATE, "test")
+    messages = [{"role": "user", "content": "hi"}]
+    assert template.render(messages, variables={"flag": True}) == "FLAG user: hi\n"
+    assert template.render(messages) == "user: hi\n"
+    with pytest.raises(ChatTemplateError, match="may not set 'add_generation_prompt'"):
+        template.render(messages, variables={"add_generation_prompt": True})
+
+
+def test_the_request_id_comes_from_the_header_or_the_body(live):
+    r = httpx.post(live.url + "/v1/completions", headers=AUTH | {"X-Request-Id": "my-req-1"},
+                   json={"model": NAME, "prompt": "hi", "max_tokens": 2})
+    assert r.json()["id"] == "cmpl-my-req-1" and r.headers["x-request-id"] == "my-req-1"
+    r = httpx.post(live.url + "/v1/chat/completions", headers=AUTH, json={
+        "model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "request_id": "abc"})
+    assert r.json()["id"] == "chatcmpl-abc" and r.headers["x-request-id"] == "abc"
+    streamed = events(live, "/v1/completions", {"model": NAME, "prompt": "hi", "max_tokens": 2, "request_id": "s1"})
+    assert {e["id"] for e in streamed} == {"cmpl-s1"}
+
+
+def test_errors_name_the_field_the_request_used(live):
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "hi"}]}
+    for extra, param in (({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+                         ({"max_completion_tokens": 0}, "max_completion_tokens"),
+                         ({"max_tokens": 0}, "max_tokens")):
+        err = httpx.post(live.url + "/v1/chat/completions", headers=AUTH, json=chat | extra).json()["error"]
+        assert err["param"] == param and err["message"].startswith(param), err
+
+
+def test_token_bytes_rebuild_text_split_inside_characters(hf_llama):
+    from megapipe.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(hf_llama[0])
+    text = "こんにちは héllo wörld"
+    ids = tok.encode(text)
+    assert any("\ufffd" in tok.decode([i]) for i in ids)  # some tokens hold part of a character
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode("utf-8")
