@@ -135,6 +135,7 @@ def join_parts(texts: list[str], images: bool) -> str:
 
 
 HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>")
+HARMONY_MARKERS = (*HARMONY_ENDS, "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>")
 BUILTIN_TEMPLATES = {"chatml": CHATML, "llama3": LLAMA3, "harmony": HARMONY}
 TEMPLATE_TOKENS = {
     "chatml": ("<|im_start|>", "<|im_end|>"),
@@ -199,18 +200,32 @@ class ChatTemplate:
         return texts[0]
 
 
-def split_harmony(text: str) -> tuple[str, Optional[str]]:
+def held(text: str, markers: tuple[str, ...]) -> int:
+    """Where a tail of ``text`` that could be the start of one of ``markers`` begins (len(text) when none could): what
+    a stream holds back until the next tokens tell (a marker may come in several tokens)."""
+    for k in range(min(max(map(len, markers)) - 1, len(text)), 0, -1):
+        if any(m.startswith(text[-k:]) for m in markers):
+            return len(text) - k
+    return len(text)
+
+
+def split_harmony(text: str, final: bool = True) -> tuple[str, Optional[str]]:
     """A harmony reply (what the model writes after the generation prompt ``<|start|>assistant``, special tokens
     kept) -> (its final channel's text, its analysis channel's text or None when it has none): the answer and the
     reasoning (an OpenAI-style server's content and reasoning_content). A message cut short counts up to where it
-    stops; commentary (tool calls) is left out. Grows only by appending as the reply grows (streaming deltas)."""
+    stops; commentary (tool calls) is left out. Grows only by appending as the reply grows (streaming deltas; while
+    not ``final`` a tail that may begin a marker is held back)."""
     content, reasoning = [], []
     for message in text.split("<|start|>"):
         header, found, body = message.partition("<|message|>")
         if not found:
             continue
+        ended = False
         for end in HARMONY_ENDS:
-            body = body.split(end, 1)[0]
+            body, cut, _ = body.partition(end)
+            ended = ended or bool(cut)
+        if not (final or ended):
+            body = body[:held(body, HARMONY_MARKERS)]
         channel = header.partition("<|channel|>")[2].split(" ", 1)[0]
         if channel == "final":
             content.append(body)

@@ -195,7 +195,8 @@ class Completion:
         self.detok = detok
         self.logprobs: list = []  # per generated token: (logprob, [(id, logprob), ...])
         self.prompt_logprobs: list = []  # None for the first prompt token, then one per prompt token
-        self.stop_reason: Union[int, str, None] = None  # the stop string or token id that ended it
+        self.stop_reason: Union[int, str, None] = None  # the stop string or stop_token_ids id that ended it (vLLM's)
+        self.by_token = False  # a token (EOS, a stop id, the grammar's end) ended it: not part of the output
         self.last_token_time: Optional[float] = None
 
 
@@ -637,7 +638,8 @@ class LLMEngine:
         reason, stop_reason = None, None
         if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids or (
                 seq.matcher is not None and seq.matcher.terminated):  # a grammar's end ends it, ignore_eos or not
-            reason, stop_reason = "stop", token
+            reason, stop_reason = "stop", token if token in p.stop_token_ids else None  # EOS: None, as vLLM
+            done.by_token = True
         elif done.detok is not None:
             new = done.detok.add(token)
             if n_out >= p.min_tokens:
@@ -660,7 +662,7 @@ class LLMEngine:
             ids = seq.output_ids
             generated += len(ids)
             lps = done.logprobs if seq.params.logprobs is not None else None
-            if seq.finish_reason == "stop" and isinstance(done.stop_reason, int):
+            if seq.finish_reason == "stop" and done.by_token:
                 ids = ids[:-1]  # the EOS / stop token ends the sequence but is not part of it
                 lps = lps[:len(ids)] if lps is not None else None
             finished = seq.status == FINISHED

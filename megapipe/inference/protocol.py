@@ -51,12 +51,13 @@ class _Sampling(_Body):
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
+    response_format: Optional[dict] = None  # OpenAI's (chat), and vLLM's on completions too
 
     def constraint(self) -> Optional[Constraint]:
         """The one structured-output constraint this request asks for (response_format, structured_outputs or a
         guided_* field), or None; JSON whitespace is single-line unless structured_outputs.any_whitespace is true."""
         found = []
-        fmt = getattr(self, "response_format", None)
+        fmt = self.response_format
         if fmt is not None:
             kind = fmt.get("type", "text")
             if kind == "json_object":
@@ -206,7 +207,6 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: Optional[int] = None
     tools: Optional[list] = None
     tool_choice: Optional[Any] = None
-    response_format: Optional[dict] = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the last (assistant) message left open: the reply continues it
     chat_template_kwargs: Optional[dict[str, Any]] = None  # more variables for the chat template

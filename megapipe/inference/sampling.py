@@ -248,12 +248,18 @@ def penalised(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
     copied = any(r.params.penalised or r.suppressed for r in rows)
     if copied:
         logits = apply_penalties(logits.clone(), rows)
+    unsuppressed = {}  # constrained rows' logits before min_tokens held their stop ids back
     for i, row in enumerate(rows):
         if row.suppressed:
+            if row.matcher is not None:
+                unsuppressed[i] = logits[i:i + 1].clone()
             logits[i, list(row.suppressed)] = float("-inf")
     matcher = next((r.matcher for r in rows if r.matcher is not None), None)
     if matcher is not None:  # structured.Matcher (imported by whoever made it: no import here, structured imports us)
         logits = matcher.apply_masks(logits, rows, copied)
+    for i, row_logits in unsuppressed.items():
+        if torch.isneginf(logits[i]).all():  # the grammar allows only what min_tokens holds back: its end wins
+            logits[i] = matcher.apply_masks(row_logits, [rows[i]], True)[0]
     return logits
 
 

@@ -794,7 +794,7 @@ class OpenAIServer:
             parser = self._calls_parser(tools)
             if parser is not None:
                 content, calls = parser.split(c.text, True)
-                message = {"role": "assistant", "content": content or None}
+                message = {**message, "content": content or None}
                 if calls:
                     message["tool_calls"] = [call.as_dict() for call in calls]
                     finish = "tool_calls" if finish == "stop" else finish
@@ -809,11 +809,12 @@ class OpenAIServer:
             response["prompt_logprobs"] = self._prompt_logprobs(self._top(out, body.prompt_logprobs))
         return JSONResponse(response, headers=headers)
 
-    def _reply(self, text: str) -> dict:
-        """A chat reply's content (harmony: its final channel, the analysis channel as reasoning_content)."""
+    def _reply(self, text: str, final: bool = True) -> dict:
+        """A chat reply's content (harmony: its final channel, the analysis channel as reasoning_content; while
+        streaming, not ``final``, a marker's first characters held back)."""
         if not self.chat_template.has_channels:
             return {"content": text}
-        content, reasoning = split_harmony(text)
+        content, reasoning = split_harmony(text, final)
         return {"content": content} if reasoning is None else {"content": content, "reasoning_content": reasoning}
 
     def _calls_parser(self, tools: ToolChoice) -> Optional[Parser]:
@@ -869,18 +870,20 @@ class OpenAIServer:
                         yield chunk(c.index, {"role": "assistant", "content": ""})
                         if echo:
                             yield chunk(c.index, {"content": echo})
-                    sent, finish, reply = sent_text[c.index], c.finish_reason, {}
-                    if c.index in calls:  # the parser splits text from calls
+                    sent, finish = sent_text[c.index], c.finish_reason
+                    reply = self._reply(c.text, finish is not None)
+                    if c.index in calls:  # the parser splits text from calls; harmony's reasoning stays beside
+                        reply.pop("content")
+                    delta = {k: v[sent.get(k, 0):] for k, v in reply.items() if v[sent.get(k, 0):]}
+                    if c.index in calls:
                         stream = calls[c.index]
                         content, deltas = stream.update(c.text, finish is not None)
-                        delta = {"content": content} if content else {}
+                        if content:
+                            delta["content"] = content
                         if deltas:
                             delta["tool_calls"] = deltas
                         if stream.called and finish == "stop":
                             finish = "tool_calls"
-                    else:
-                        reply = self._reply(c.text)
-                        delta = {k: v[sent.get(k, 0):] for k, v in reply.items() if v[sent.get(k, 0):]}
                     new_ids = c.token_ids[sent_ids[c.index]:]
                     lps = None
                     if body.logprobs and new_ids:

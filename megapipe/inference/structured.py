@@ -51,6 +51,9 @@ class Constraint:
                 raise ParamError(param, f"{param}: the JSON schema is not valid JSON ({e})") from None
         if not isinstance(schema, dict):
             raise ParamError(param, f"{param}: a JSON schema must be an object, not {type(schema).__name__}")
+        for where, keyword in unenforced(schema):
+            raise ParamError(param, f"{param}: the JSON schema's {keyword!r} (at {where}) is not enforced by the "
+                                    f"grammar (xgrammar): the output could break it; leave it out of the schema")
         return Constraint("json", json.dumps(schema, ensure_ascii=False), any_whitespace, param)
 
     @staticmethod
@@ -63,6 +66,39 @@ class Constraint:
         """choice as EBNF: one string literal per option (JSON escapes are EBNF's)."""
         options = json.loads(self.spec)
         return "root ::= " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options)
+
+
+# keywords xgrammar 0.2.9 compiles as if they were absent (tests/inference/test_structured.py checks each against the
+# installed xgrammar): a schema that needs one would be answered with output that may not match it
+UNENFORCED = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies", "contains")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMAS = ("items", "additionalProperties", "propertyNames", "unevaluatedItems", "unevaluatedProperties",
+            "additionalItems")
+
+
+def unenforced(schema: Any, where: str = "#"):
+    """(JSON pointer, keyword) of each keyword in ``schema`` and its subschemas that the grammar would not enforce:
+    UNENFORCED, ``uniqueItems: true`` and an ``allOf`` of several schemas."""
+    if not isinstance(schema, dict):
+        return
+    for keyword in UNENFORCED:
+        if keyword in schema:
+            yield where, keyword
+    if schema.get("uniqueItems") is True:
+        yield where, "uniqueItems"
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        yield where, "allOf"
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for name, sub in schema[key].items():
+                yield from unenforced(sub, f"{where}/{key}/{name}")
+    for key in _SCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            for i, sub in enumerate(schema[key]):
+                yield from unenforced(sub, f"{where}/{key}/{i}")
+    for key in _SCHEMAS:
+        yield from unenforced(schema.get(key), f"{where}/{key}")
 
 
 def xgrammar_message(e: Exception) -> str:

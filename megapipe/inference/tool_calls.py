@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from megapipe.data.chat_template import HARMONY_MARKERS, held
 from megapipe.inference.sampling import ParamError
 from megapipe.inference.structured import Constraint
 
@@ -84,10 +85,19 @@ class ToolChoice:
             tool = next(t for t in self.tools if t["function"]["name"] == self.name)
             return Constraint.json_schema(_schema_of(tool), "tools")
         if self.mode == "required":
-            calls = [{"type": "object", "properties": {"name": {"enum": [t["function"]["name"]]},
-                                                       "parameters": _schema_of(t)},
-                      "required": ["name", "parameters"]} for t in self.tools]
-            return Constraint.json_schema({"type": "array", "minItems": 1, "items": {"anyOf": calls}}, "tools")
+            calls, defs = [], {}
+            for t in self.tools:
+                schema = dict(_schema_of(t))
+                for key in ("$defs", "definitions"):  # their $refs point at the root: they move to the list's
+                    for name, sub in (schema.pop(key, None) or {}).items():
+                        if defs.setdefault(key, {}).setdefault(name, sub) != sub:
+                            raise ParamError("tools", f"tools define {key}/{name} differently: tool_choice required "
+                                                      f"needs one definition of each name")
+                calls.append({"type": "object", "properties": {"name": {"enum": [t["function"]["name"]]},
+                                                               "parameters": schema},
+                              "required": ["name", "parameters"]})
+            return Constraint.json_schema({"type": "array", "minItems": 1, "items": {"anyOf": calls}, **defs},
+                                          "tools")
         return None
 
 
@@ -98,16 +108,12 @@ class Parser:
         raise NotImplementedError
 
 
-def _held(text: str, marker: str) -> int:
-    """Where a tail of ``text`` that could start ``marker`` begins (len(text) when none could)."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-k:]):
-            return len(text) - k
-    return len(text)
-
-
-def _call_from(obj: Any, args_key: str) -> Optional[ToolCall]:
+def _call_from(obj: Any, args_key: str, need_args: bool = False) -> Optional[ToolCall]:
+    """The call an object of the model's output stands for; ``need_args``: only with its arguments (a bare JSON
+    object with a "name" may be an answer, not a call)."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    if need_args and not ({"arguments", "parameters"} & obj.keys()):
         return None
     args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
     return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
@@ -145,7 +151,7 @@ class HermesParser(Parser):
     def split(self, text, final):
         start = text.find(self.START)
         if start < 0:
-            return (text if final else text[:_held(text, self.START)]), []
+            return (text if final else text[:held(text, (self.START,))]), []
         calls = []
         bodies = [m.group(1) for m in self.BLOCK.finditer(text, start)]
         tail = text.rfind(self.START)
@@ -180,7 +186,7 @@ class Llama3JsonParser(Parser):
                 obj, end = decoder.raw_decode(body, at)
             except ValueError:
                 break
-            call = _call_from(obj, "parameters")
+            call = _call_from(obj, "parameters", need_args=True)
             if call is None:
                 break
             calls.append(call)
@@ -203,7 +209,7 @@ class HarmonyParser(Parser):
         if "<|message|>" not in text:
             if "<|channel|>" in text or "<|start|>" in text or (not final and text.lstrip().startswith("<|")):
                 return "", []
-            return text if final else text[:_held(text, "<|")], []
+            return text if final else text[:held(text, ("<|",))], []
         content, calls = [], []
         for part in text.split("<|start|>"):
             header, sep, rest = part.partition("<|message|>")
@@ -217,7 +223,7 @@ class HarmonyParser(Parser):
                 if done:
                     calls.append(ToolCall(recipient.group(1), body.strip()))
             elif re.search(r"<\|channel\|>\s*final", header):
-                content.append(body if done else body[:_held(body, "<|")])
+                content.append(body if done else body[:held(body, HARMONY_MARKERS)])
         return "".join(content), calls
 
 

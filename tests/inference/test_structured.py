@@ -367,3 +367,101 @@ def test_auto_tool_choice_parses_the_output(hermes_live):
         (0, "get_weather", tc.function.arguments)]  # same seed: the same call
     r = c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5, temperature=0, tools=[WEATHER])
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "length"
+
+
+def test_keywords_xgrammar_leaves_out_are_refused(live):
+    """Each keyword the refusal lists is one the installed xgrammar compiles as if it were absent (when a new
+    version enforces one, this fails and the list shrinks); a schema that uses one is a 400 naming it."""
+    import xgrammar as xgr
+
+    from megapipe.inference.structured import UNENFORCED
+
+    def grammar(schema):
+        return str(xgr.Grammar.from_json_schema(json.dumps(schema)))
+
+    person = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}, "required": ["a"]}
+    values = {"not": {"type": "string"}, "if": {"required": ["b"]}, "then": {"required": ["b"]},
+              "else": {"required": ["b"]}, "dependentRequired": {"a": ["b"]},
+              "dependentSchemas": {"a": {"required": ["b"]}}, "dependencies": {"a": ["b"]}}
+    for keyword in UNENFORCED:
+        base = {"type": "array", "items": {"type": "integer"}} if keyword == "contains" else person
+        value = {"const": 1} if keyword == "contains" else values[keyword]
+        assert grammar({**base, keyword: value}) == grammar(base), keyword
+    array = {"type": "array", "items": {"type": "integer"}}
+    assert grammar({**array, "uniqueItems": True}) == grammar(array)
+    nested = {"type": "object", "properties": {"not": {"type": "array", "items": {"type": "integer"},
+                                                       "uniqueItems": True}}}
+    with pytest.raises(ParamError, match=r"'uniqueItems' \(at #/properties/not\) is not enforced"):
+        Constraint.json_schema(nested)
+    Constraint.json_schema({"type": "object", "properties": {"not": {"type": "integer"}}})  # a property's name
+    with pytest.raises(openai.BadRequestError, match="'allOf' .at #. is not enforced"):
+        live.client().chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4,
+                                              extra_body={"guided_json": {"allOf": [person, person]}})
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {**person, "not": {"required": ["b"]}}}}
+    with pytest.raises(openai.BadRequestError, match="'not' .at #. is not enforced"):
+        live.client().chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, response_format=bad)
+
+
+def test_response_format_on_completions(live):
+    c = live.client()
+    r = c.completions.create(model="tiny", prompt="A person:", max_tokens=60, temperature=1.0, seed=3,
+                             extra_body={"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}})
+    check_person(r.choices[0].text)
+    with pytest.raises(openai.BadRequestError, match="response_format type 'nonsense'"):
+        c.completions.create(model="tiny", prompt="A", max_tokens=2, extra_body={"response_format": {"type": "nonsense"}})
+
+
+def test_required_tool_choice_with_definitions(live):
+    place = {"type": "function", "function": {"name": "visit", "parameters": {
+        "type": "object", "$defs": {"Loc": {"type": "object", "properties": {"city": {"enum": ["Oslo", "Rome"]}},
+                                            "required": ["city"]}},
+        "properties": {"loc": {"$ref": "#/$defs/Loc"}}, "required": ["loc"]}}}
+    c = live.client()
+    r = c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=100, temperature=1.0, seed=6,
+                                  tools=[WEATHER, place], tool_choice="required")
+    assert r.choices[0].finish_reason == "tool_calls"
+    for call in r.choices[0].message.tool_calls:
+        args = json.loads(call.function.arguments)
+        if call.function.name == "visit":
+            assert args["loc"]["city"] in ("Oslo", "Rome")
+        else:
+            check_weather(call.function.arguments)
+    other = json.loads(json.dumps(place))
+    other["function"]["name"] = "leave"
+    other["function"]["parameters"]["$defs"]["Loc"]["required"] = []
+    with pytest.raises(openai.BadRequestError, match=r"tools define \$defs/Loc differently"):
+        c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, tools=[place, other],
+                                  tool_choice="required")
+
+
+def test_a_bare_json_answer_is_not_a_llama3_call():
+    assert Llama3JsonParser().split('{"name": "Bob", "age": 3}', True) == ('{"name": "Bob", "age": 3}', [])
+    assert Llama3JsonParser().split('{"name": "f", "arguments": {}}', True)[1][0].name == "f"
+
+
+def test_harmony_streams_hold_markers_back_and_keep_reasoning_beside_calls():
+    from megapipe.data.chat_template import split_harmony
+
+    text = ("<|channel|>analysis<|message|>User wants weather.<|end|><|start|>assistant<|channel|>final"
+            "<|message|>Sunny<|return|>")
+    for parse in (lambda t, final: split_harmony(t, final), lambda t, final: (HarmonyParser().split(t, final)[0], "")):
+        sent = ["", ""]
+        for end in range(1, len(text) + 1):  # a character at a time: markers come in pieces
+            got = parse(text[:end], end == len(text))
+            for i, part in enumerate(got):
+                part = part or ""
+                assert part.startswith(sent[i]) and "<|" not in part, (text[:end], part)
+                sent[i] = part
+        assert sent[0] == "Sunny"
+
+
+def test_min_tokens_gives_way_to_the_grammars_end(live):
+    """min_tokens holds EOS back; where the grammar allows nothing else, its end wins: the output matches."""
+    c = live.client()
+    for temperature in (0.0, 1.0):
+        r = c.completions.create(model="tiny", prompt="Answer:", max_tokens=8, temperature=temperature, seed=1,
+                                 extra_body={"guided_choice": ["yes", "no"], "min_tokens": 5,
+                                             "skip_special_tokens": False})
+        ch = r.choices[0]
+        assert ch.text in ("yes", "no") and ch.finish_reason == "stop" and ch.stop_reason is None
+        assert r.usage.completion_tokens < 5  # ended before min_tokens: no filler after the choice
