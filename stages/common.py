@@ -18,10 +18,20 @@ SET_OPTION = typer.Option(None, "--set", help="Dotted config override, repeatabl
 # speculative decoding, as generate and serve take it (EngineConfig's fields)
 SPECULATIVE_TOKENS = typer.Option(0, "--speculative-tokens", "--num-speculative-tokens",
                                   help="Draft tokens per decode step (0 = off).")
-SPECULATIVE_METHOD = typer.Option("mtp", "--speculative-method",
-                                  help="mtp (the model's MTP modules) or ngram (prompt lookup, any model).")
+SPECULATIVE_METHOD = typer.Option(None, "--speculative-method",
+                                  help="mtp (the model's MTP modules; the default) or ngram (prompt lookup, any "
+                                       "model); needs --num-speculative-tokens.")
 PROMPT_LOOKUP_MAX = typer.Option(4, "--prompt-lookup-max", help="ngram: the longest suffix looked up.")
 PROMPT_LOOKUP_MIN = typer.Option(2, "--prompt-lookup-min", help="ngram: the shortest suffix looked up.")
+
+
+def speculative_method_of(method: Optional[str], tokens: int) -> str:
+    """--speculative-method as EngineConfig takes it; named without draft tokens it would do nothing: refused (vLLM
+    refuses a speculative config without num_speculative_tokens too)."""
+    if method is not None and not tokens:
+        raise ConfigError(f"--speculative-method {method} needs --num-speculative-tokens N (the drafts per decode "
+                            f"step, >= 1)")
+    return method or "mtp"
 
 
 def build_config(config: Optional[str], flags: dict, sets: Optional[list[str]]):

@@ -7,7 +7,13 @@ from typing import List, Optional
 import typer
 
 from megapipe.errors import MegapipeError
-from stages.common import PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN, SPECULATIVE_METHOD, SPECULATIVE_TOKENS
+from stages.common import (
+    PROMPT_LOOKUP_MAX,
+    PROMPT_LOOKUP_MIN,
+    SPECULATIVE_METHOD,
+    SPECULATIVE_TOKENS,
+    speculative_method_of,
+)
 
 
 def generate(
@@ -28,7 +34,7 @@ def generate(
                                               "else first."),
     json_output: bool = typer.Option(False, "--json", help="Print a JSON list of {prompt, completion}."),
     speculative_tokens: int = SPECULATIVE_TOKENS,
-    speculative_method: str = SPECULATIVE_METHOD,
+    speculative_method: Optional[str] = SPECULATIVE_METHOD,
     prompt_lookup_max: int = PROMPT_LOOKUP_MAX,
     prompt_lookup_min: int = PROMPT_LOOKUP_MIN,
 ) -> None:
@@ -48,7 +54,8 @@ def generate(
     from megapipe.inference.engine import EngineConfig
     from megapipe.models.capabilities import require
 
-    speculative = dict(speculative_method=speculative_method, prompt_lookup_max=prompt_lookup_max,
+    speculative = dict(speculative_method=speculative_method_of(speculative_method, speculative_tokens),
+                       prompt_lookup_max=prompt_lookup_max,
                        prompt_lookup_min=prompt_lookup_min)
     engine_config = EngineConfig(speculative_tokens=speculative_tokens, **speculative)
     engine_config.check()  # before the model loads

@@ -7,7 +7,13 @@ from typing import List, Optional
 import typer
 
 from megapipe.errors import MegapipeError
-from stages.common import PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN, SPECULATIVE_METHOD, SPECULATIVE_TOKENS
+from stages.common import (
+    PROMPT_LOOKUP_MAX,
+    PROMPT_LOOKUP_MIN,
+    SPECULATIVE_METHOD,
+    SPECULATIVE_TOKENS,
+    speculative_method_of,
+)
 
 
 def serve(
@@ -44,7 +50,7 @@ def serve(
                                                "1024 on a CPU, 2048 on a GPU; vLLM: its own default)."),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Do not reuse cached prompt blocks."),
     speculative_tokens: int = SPECULATIVE_TOKENS,
-    speculative_method: str = SPECULATIVE_METHOD,
+    speculative_method: Optional[str] = SPECULATIVE_METHOD,
     prompt_lookup_max: int = PROMPT_LOOKUP_MAX,
     prompt_lookup_min: int = PROMPT_LOOKUP_MIN,
     lora_modules: Optional[List[str]] = typer.Option(
@@ -100,7 +106,8 @@ def serve(
     if name in loras:
         raise MegapipeError(f"--lora-modules names {name!r}, the base model's name: give the adapter another")
     spec = dict(max_loras=len(loras) if max_loras is None else max_loras, max_lora_rank=max_lora_rank,
-                speculative_tokens=speculative_tokens, speculative_method=speculative_method,
+                speculative_tokens=speculative_tokens,
+                speculative_method=speculative_method_of(speculative_method, speculative_tokens),
                 prompt_lookup_max=prompt_lookup_max, prompt_lookup_min=prompt_lookup_min)
     memory = parse_size(kv_cache_memory, "--kv-cache-memory") if kv_cache_memory else None
     # one EngineConfig, checked by the engine's own rules before anything loads (vLLM's flags included)
@@ -195,14 +202,25 @@ def serve(
 
 
 def _lora_modules(items: List[str]) -> dict[str, str]:
-    """--lora-modules name=PATH ... -> {name: PATH}; each path must exist."""
+    """--lora-modules name=PATH or vLLM's JSON '{"name": ..., "path": ...}' ... -> {name: PATH}; each path must
+    exist."""
+    import json
     from pathlib import Path
 
     out = {}
     for item in items:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            raise MegapipeError(f"--lora-modules {item!r} is not name=PATH")
+        if item.lstrip().startswith("{"):
+            try:
+                spec = json.loads(item)
+            except ValueError as e:
+                raise MegapipeError(f"--lora-modules {item!r} is not JSON ({e})") from None
+            name, path = spec.get("name"), spec.get("path")
+            if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+                raise MegapipeError(f"--lora-modules {item!r} needs \"name\" and \"path\" strings")
+        else:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise MegapipeError(f"--lora-modules {item!r} is not name=PATH or {{\"name\": ..., \"path\": ...}}")
         if name in out:
             raise MegapipeError(f"--lora-modules names {name!r} twice")
         if not Path(path).expanduser().exists():

@@ -584,14 +584,18 @@ class LLMEngine:
         """Registered adapters: name -> the path it was read from."""
         return {n: a.path for n, a in self.adapters.registered.items()} if self.adapters is not None else {}
 
-    def add_lora(self, name: str, path, rank: int, scale: float, weights: dict) -> None:
+    def add_lora(self, name: str, path, rank: int, scale: float, weights: dict, replace: bool = False) -> None:
         """Register adapter ``name`` (``read_adapters(path, cfg)``'s rank, scale and weights); loaded into a slot
-        when a request for it is admitted."""
+        when a request for it is admitted. ``replace``: new weights for a registered ``name`` (vLLM's
+        load_inplace)."""
         if self.adapters is None:
             raise ConfigError("this engine serves no LoRA adapters: start it with --max-loras >= 1")
-        if name in self.adapters.registered:
+        if name in self.adapters.registered and not replace:
             raise ParamError("lora_name", f"a LoRA adapter named {name!r} is already loaded")
-        self.adapters.register(name, path, rank, scale, weights)
+        if name in self.adapters.registered:
+            self.adapters.replace(name, path, rank, scale, weights)
+        else:
+            self.adapters.register(name, path, rank, scale, weights)
 
     def load_lora(self, name: str, path) -> None:
         """Read the adapter at ``path`` (a peft directory or a megapipe LoRA run) and register it as ``name``."""
@@ -761,4 +765,13 @@ class LLMEngine:
                 "prefix_cache_hit_rate": self.blocks.hit_rate(), "num_blocks": self.blocks.num_blocks,
                 "preemptions": self.scheduler.num_preemptions, "prompt_tokens": self.num_prompt_tokens,
                 "generation_tokens": self.num_generation_tokens,
-                **(self.speculator.stats() if self.speculator is not None else {})}
+                **(self.speculator.stats() if self.speculator is not None else {}), **self._lora_stats()}
+
+    def _lora_stats(self) -> dict:
+        """vLLM's lora_requests_info: the adapters of the running and of the waiting requests."""
+        if self.adapters is None:
+            return {}
+        s = self.scheduler
+        return {"max_lora": self.adapters.max_loras,
+                "running_lora_adapters": sorted({q.request.lora for q in s.running if q.request.lora}),
+                "waiting_lora_adapters": sorted({q.request.lora for q in s.waiting if q.request.lora})}

@@ -196,6 +196,18 @@ class AdapterSlots:
             kept[weight] = (a.to(self.device, self.dtype), (b.float() * scale).to(self.device, self.dtype))
         self.registered[name] = Adapter(name, str(path), rank, kept, next(self._ids).to_bytes(8, "little"))
 
+    def replace(self, name: str, path: str, rank: int, scale: float, weights: dict) -> None:
+        """Register new weights under ``name`` (vLLM's load_inplace); a resident adapter's slot takes them at once,
+        so requests running with it go on with the new weights."""
+        slot = self.resident.get(name)
+        self.register(name, path, rank, scale, weights)
+        if slot is not None:
+            adapter = self.registered[name]
+            for weight in adapter.weights:
+                self._adapt(weight)
+            for layer in set(self.layers.values()):
+                layer.put(slot, adapter)
+
     def unregister(self, name: str) -> None:
         self.registered.pop(name)
         slot = self.resident.pop(name, None)

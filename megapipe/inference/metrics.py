@@ -44,6 +44,12 @@ class _EngineCollector:
             yield c
         if "spec_decode_num_drafts" in s:
             yield from self._speculative(s)
+        if "max_lora" in s:  # vLLM's: one series, the adapters in its labels, its value the time of the scrape
+            g = GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapters of the running and waiting requests.",
+                                  labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            g.add_metric([str(s["max_lora"]), ",".join(s["running_lora_adapters"]),
+                          ",".join(s["waiting_lora_adapters"])], now())
+            yield g
 
     def _speculative(self, s: dict):
         """Speculative decoding (megapipe.inference.speculative), vLLM's counters and its acceptance-rate gauge."""

@@ -232,6 +232,7 @@ class LoadLoRARequest(_Body):
 
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)
+    load_inplace: bool = False  # new weights for an adapter already loaded under lora_name
 
 
 class UnloadLoRARequest(_Body):

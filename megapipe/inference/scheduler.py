@@ -272,10 +272,23 @@ class Scheduler:
             budget -= n
         if self._preempted:
             return out  # the pool is short: admit nobody this step
+        skipped: list[Sequence] = []
+        try:
+            self._admit_waiting(out, budget, scheduled, skipped)
+        finally:
+            self.waiting.extendleft(reversed(skipped))  # they keep their places at the head of the queue
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, scheduled: set, skipped: list) -> None:
+        """Start waiting sequences in order while the budget, the seats and the pool allow. One whose LoRA adapter
+        can get no slot now (``admit``) is passed over, not waited for, as vLLM's scheduler does: the others go
+        ahead (into ``skipped``, which the caller puts back in front)."""
+        chunks = out.chunks
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if self.admit is not None and not self.admit(seq):
-                break
+                skipped.append(self.waiting.popleft())
+                continue
             first = seq.after
             if first is not None and first.status != FINISHED and first.num_computed < first.prompt_len:
                 break  # its sibling's prompt blocks will be cached in a moment: wait for them
@@ -299,7 +312,6 @@ class Scheduler:
             out.new.append(seq)
             scheduled.add(seq.seq_id)
             budget -= n
-        return out
 
     def _cached_prefix(self, seq: Sequence) -> None:
         """Take the longest cached prefix of ``seq``'s full blocks (under ``window_blocks``, one whose last window

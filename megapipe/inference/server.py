@@ -453,16 +453,19 @@ class OpenAIServer:
 
         body = await self._body(request, LoadLoRARequest)
         name = body.lora_name
-        if name == self.config.model_name or name in self.loras:
-            raise APIError(400, f"a model named `{name}` is already served", param="lora_name")
+        if name == self.config.model_name or (name in self.loras and not body.load_inplace):
+            raise APIError(400, f"a model named `{name}` is already served (load_inplace: true replaces an "
+                                f"adapter's weights)", param="lora_name")
         if not self.engine.config.max_loras:
             raise APIError(400, "this server serves no LoRA adapters: start it with --max-loras >= 1 or "
                                 "--lora-modules", param="lora_name")
         try:  # reading the files does not touch the engine: off the event loop, beside the engine
             read = await asyncio.to_thread(read_adapters, body.lora_path, self.engine.model_config)
-            await self.engine.utility("add_lora", name, body.lora_path, *read)
+            await self.engine.utility("add_lora", name, body.lora_path, *read, name in self.loras)
         except ParamError as e:
             raise APIError(400, str(e), param=e.param) from None
+        except EngineDead as e:
+            raise APIError(503, str(e), "server_error", code="engine_dead") from None
         except (MegapipeError, OSError, ValueError, KeyError) as e:  # KeyError: an adapter_config.json without "r"
             raise APIError(400, f"cannot load LoRA adapter `{name}` from {body.lora_path}: {e}",
                            param="lora_path") from None
@@ -479,6 +482,8 @@ class OpenAIServer:
             await self.engine.utility("remove_lora", name)
         except ParamError as e:
             raise APIError(400, str(e), param=e.param) from None
+        except EngineDead as e:
+            raise APIError(503, str(e), "server_error", code="engine_dead") from None
         del self.loras[name]
         return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
 

@@ -411,8 +411,10 @@ def test_serve_cli_refusals_are_one_sentence(hf_llama, tmp_path, capsys):
              f"--lora-modules b={tmp_path / 'no'}: {tmp_path / 'no'} does not exist"),
             (["serve", str(hf_llama[0]), "--port", "0", "--lora-modules", f"a={tmp_path}"],
              f"{tmp_path} is not a megapipe checkpoint"),
-            (["serve", str(hf_llama[0]), "--speculative-method", "eagle"],
+            (["serve", str(hf_llama[0]), "--speculative-method", "eagle", "--speculative-tokens", "2"],
              "--speculative-method = 'eagle' is not one of mtp, ngram"),
+            (["serve", str(hf_llama[0]), "--speculative-method", "ngram"],
+             "--speculative-method ngram needs --num-speculative-tokens N"),
             (["serve", str(hf_llama[0]), "--prompt-lookup-min", "5"], "--prompt-lookup-min = 5 exceeds "
              "--prompt-lookup-max = 4"),
             (["serve", str(hf_llama[0]), "--engine", "vllm", "--vllm-python", str(tmp_path / "py")],

@@ -28,6 +28,7 @@ from megapipe.models.lora import TARGETS, LoRASpec, adapter_names, is_adapter, p
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_WEIGHTS_BIN = "adapter_model.bin"  # older peft's (torch.save), still what many published adapters hold
 
 
 def write_peft_adapter(ckpt, out_dir, overwrite: bool = False, tokenizer_dir: Optional[Path] = None) -> dict:
@@ -128,15 +129,24 @@ def _read_peft(path: Path, cfg: ModelConfig) -> tuple[int, float, dict[str, tupl
     where = path / ADAPTER_CONFIG
     if config.get("peft_type", "LORA") != "LORA":
         raise MegapipeError(f"{where}: peft_type {config.get('peft_type')!r} is not LORA")
-    for key, plain in (("use_dora", False), ("use_rslora", False), ("fan_in_fan_out", False), ("bias", "none"),
+    for key, plain in (("use_dora", False), ("fan_in_fan_out", False), ("bias", "none"),
                        ("modules_to_save", None), ("rank_pattern", {}), ("alpha_pattern", {})):
         if config.get(key, plain) not in (plain, None, {}, False):
             raise MegapipeError(f"{where}: {key} = {config[key]!r} is not supported (only plain LoRA: {key} "
                                 f"{plain!r})")
     weights = path / ADAPTER_WEIGHTS
-    if not weights.is_file():
-        raise MegapipeError(f"{path} has {ADAPTER_CONFIG} but no {ADAPTER_WEIGHTS}")
-    tensors = load_file(str(weights))
+    if weights.is_file():
+        tensors = load_file(str(weights))
+    elif (path / ADAPTER_WEIGHTS_BIN).is_file():
+        weights = path / ADAPTER_WEIGHTS_BIN
+        try:  # tensors only: a pickle that holds code is refused, not run
+            tensors = torch.load(weights, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - torch raises many types for a bad file
+            raise MegapipeError(f"{weights} cannot be read as tensors ({type(e).__name__}: {e})") from None
+        if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+            raise MegapipeError(f"{weights} does not hold a dict of tensors")
+    else:
+        raise MegapipeError(f"{path} has {ADAPTER_CONFIG} but no {ADAPTER_WEIGHTS} or {ADAPTER_WEIGHTS_BIN}")
     rank = int(config["r"])
     adapter = adapter_for_arch(cfg.arch)
     pairs, used = {}, set()
@@ -152,7 +162,8 @@ def _read_peft(path: Path, cfg: ModelConfig) -> tuple[int, float, dict[str, tupl
     if unknown:
         raise MegapipeError(f"{weights}: tensor {unknown[0]} adapts no layer of this {cfg.arch} model that megapipe "
                             f"adapts ({len(unknown)} such tensors)")
-    return rank, float(config.get("lora_alpha", rank)) / rank, pairs
+    alpha = float(config.get("lora_alpha", rank))  # rsLoRA scales by alpha / sqrt(rank), plain LoRA by alpha / rank
+    return rank, alpha / (rank ** 0.5 if config.get("use_rslora") else rank), pairs
 
 
 def exact_modules(modules: set[str]) -> str:
