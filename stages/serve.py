@@ -63,6 +63,20 @@ def serve(
     tool_call_parser: Optional[str] = typer.Option(None, "--tool-call-parser",
                                                    help="How tool_choice auto finds calls in the output: hermes, "
                                                         "llama3_json or openai (GPT-OSS harmony)."),
+    enable_auto_tool_choice: bool = typer.Option(False, "--enable-auto-tool-choice",
+                                                 help="vLLM's flag for tool_choice auto: accepted, and needs "
+                                                      "--tool-call-parser (which alone turns auto on here)."),
+    chat_template: Optional[str] = typer.Option(None, "--chat-template",
+                                                help="The chat template: chatml, llama3, harmony, one of the "
+                                                     "tokenizer's named templates, a .jinja file or the template "
+                                                     "itself (default: the tokenizer's)."),
+    generation_config: str = typer.Option("auto", "--generation-config",
+                                          help="Sampling defaults for fields a request leaves out: auto (the "
+                                               "model's generation_config.json, as vLLM), vllm (none) or a "
+                                               "directory holding a generation_config.json."),
+    allowed_origins: Optional[List[str]] = typer.Option(None, "--allowed-origins",
+                                                        help="Origins browsers may call from (CORS), e.g. '*'; "
+                                                             "repeat or give a JSON list (default: none)."),
     max_body_size: str = typer.Option("8MiB", "--max-body-size", help="Largest request body; larger get 413."),
     max_image_size: str = typer.Option("20MiB", "--max-image-size",
                                        help="Largest image (encoded) in a chat request; larger get 400."),
@@ -90,6 +104,9 @@ def serve(
         raise MegapipeError(f"--engine {engine!r} is not one of megapipe, vllm")
     if max_image_pixels < 1:
         raise MegapipeError(f"--max-image-pixels = {max_image_pixels} must be >= 1")
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise MegapipeError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or openai)")
+    origins = _origins(allowed_origins or [])
     if tool_call_parser is not None:
         from megapipe.inference.tool_calls import PARSERS
 
@@ -135,11 +152,13 @@ def serve(
         env = dict(os.environ)
         if memory is not None:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(memory / 2**30))))
+        template = _chat_template(chat_template, hf_dir) if chat_template is not None else None
         cmd = vllm_command(python, hf_dir, host=host, port=port, api_key=api_key, served_model_name=name,
                            max_num_seqs=max_num_seqs, max_model_len=max_model_len, dtype=dtype,
                            max_num_batched_tokens=max_num_batched_tokens, prefix_caching=not no_prefix_caching,
                            tool_call_parser=tool_call_parser, gpu_memory_utilization=gpu_memory_utilization,
-                           block_size=block_size)
+                           block_size=block_size, chat_template=template and template.source,
+                           generation_config=generation_config, allowed_origins=origins)
         typer.echo(f"megapipe serve: starting vLLM ({python}) on {hf_dir}; --max-queue and --max-body-size do not "
                    f"apply to vLLM's server", err=True)
         code = run_vllm(cmd, env, shutdown_timeout)
@@ -162,6 +181,12 @@ def serve(
     if threads is not None and threads < 1:
         raise MegapipeError(f"--threads = {threads} must be >= 1")
     resolve_dtype(dtype)  # a bad --dtype fails here, not in the engine core
+    if chat_template is not None:
+        _chat_template(chat_template, model)
+    defaults = _sampling_defaults(generation_config, model)
+    if defaults:  # as vLLM says it: a request that leaves these out gets the model's values, not OpenAI's
+        print(f"megapipe serve: sampling defaults from the model's generation config: {defaults} "
+              f"(--generation-config vllm: none)", file=sys.stderr, flush=True)
     sock = bind(host, port)  # before loading: a busy port fails in a second, not after the model loads
     max_queue_or_none = max_queue or None
     try:
@@ -190,6 +215,7 @@ def serve(
     config = ServerConfig(model_name=name, model_path=str(model), api_key=api_key, max_queue=max_queue_or_none,
                           max_body_bytes=parse_size(max_body_size, "--max-body-size"),
                           shutdown_timeout=shutdown_timeout, tool_call_parser=tool_call_parser,
+                          chat_template=chat_template, sampling_defaults=defaults, allowed_origins=origins,
                           image_limits=ImageLimits(parse_size(max_image_size, "--max-image-size"), max_image_pixels,
                                                    ("--max-image-size", "--max-image-pixels")))
 
@@ -199,6 +225,51 @@ def serve(
               f"{engine_handle.max_model_len}, {kv_line}, {where})", file=sys.stderr, flush=True)
 
     run_server(engine_handle, config, sock, log_level=log_level, on_ready=ready)
+
+
+def _origins(items: List[str]) -> list[str]:
+    """--allowed-origins as given (repeated) or as vLLM takes it (one JSON list)."""
+    import json
+
+    out = []
+    for item in items:
+        if item.lstrip().startswith("["):
+            try:
+                listed = json.loads(item)
+            except ValueError as e:
+                raise MegapipeError(f"--allowed-origins {item!r} is not a JSON list ({e})") from None
+            if not isinstance(listed, list) or not all(isinstance(x, str) for x in listed):
+                raise MegapipeError(f"--allowed-origins {item!r} is not a JSON list of strings")
+            out += listed
+        else:
+            out.append(item)
+    return out
+
+
+def _chat_template(choice: str, model: str):
+    """The --chat-template chosen for ``model``'s tokenizer (a bad choice fails here, before anything loads)."""
+    from megapipe.checkpoint.load import read_tokenizer_dir
+    from megapipe.data.chat_template import load_chat_template
+
+    tokenizer = read_tokenizer_dir(model)
+    if tokenizer is None:
+        raise MegapipeError(f"--chat-template needs a tokenizer, and {model} holds none")
+    return load_chat_template(tokenizer, choice)
+
+
+def _sampling_defaults(choice: str, model: str) -> dict:
+    """--generation-config: the sampling defaults of the model's generation config (auto), of DIR's, or none."""
+    from pathlib import Path
+
+    from megapipe.checkpoint.load import read_generation_config
+    from megapipe.inference.protocol import generation_defaults
+
+    if choice == "vllm":
+        return {}
+    if choice != "auto" and not (Path(choice).expanduser() / "generation_config.json").is_file():
+        raise MegapipeError(f"--generation-config {choice!r} is not auto, vllm or a directory holding a "
+                            f"generation_config.json")
+    return generation_defaults(read_generation_config(model if choice == "auto" else choice))
 
 
 def _lora_modules(items: List[str]) -> dict[str, str]:

@@ -69,6 +69,25 @@ def read_model_config(path: Union[str, Path]) -> ModelConfig:
     return manifest_model_config(resolve_checkpoint(p))
 
 
+def read_generation_config(path: Union[str, Path]) -> dict:
+    """The generation config ``load_model(path)`` gives (its token ids and sampling defaults), read without any
+    weight; {} when there is none."""
+    p = Path(path).expanduser()
+    if _is_hf_dir(p):
+        file = p / "generation_config.json"
+        return read_json(file, "generation_config.json") if file.is_file() else {}
+    return (read_manifest(resolve_checkpoint(p)).get("hf") or {}).get("generation_config") or {}
+
+
+def read_tokenizer_dir(path: Union[str, Path]) -> Optional[Path]:
+    """The directory ``load_model(path).tokenizer`` loads from (None: the checkpoint holds no tokenizer)."""
+    p = Path(path).expanduser()
+    if _is_hf_dir(p):
+        return p
+    ckpt = resolve_checkpoint(p)
+    return checkpoint_tokenizer(ckpt, read_manifest(ckpt))
+
+
 def _is_hf_dir(p: Path) -> bool:
     return (p / "config.json").is_file() and not (p / MANIFEST_NAME).is_file()
 

@@ -253,6 +253,9 @@ def load_chat_template(tokenizer: str | Path, choice: Optional[str] = None) -> O
         return ChatTemplate(BUILTIN_TEMPLATES[choice], choice, tokens)
     if choice in own:
         return ChatTemplate(own[choice], f"{OWN}:{choice}", tokens)
+    if "{{" in choice or "{%" in choice:  # the template itself, as vLLM's --chat-template also takes it
+        _check_syntax(choice, "--chat-template")
+        return ChatTemplate(choice, "--chat-template", tokens)
     path = Path(choice).expanduser()
     if not path.is_file():
         names = f", or one of tokenizer {tokenizer}'s templates: {', '.join(sorted(own))}" if own else ""

@@ -109,24 +109,37 @@ class _Sampling(_Body):
         return Constraint(c.kind, c.spec, any_whitespace, c.param) if c.kind == "json" else c
 
     def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
-                        prompt_logprobs: Optional[int] = None) -> SamplingParams:
+                        prompt_logprobs: Optional[int] = None, defaults: Optional[dict] = None) -> SamplingParams:
+        """The engine's parameters; ``defaults`` (the model's generation config, as vLLM applies it: temperature,
+        top_p, top_k, min_p, repetition_penalty, max_tokens) where the request leaves a field out."""
         if self.logit_bias:
             raise ParamError("logit_bias", "logit_bias is not supported by this server")
         if self.stream_options is not None and not self.stream:
             raise ParamError("stream_options", "stream_options is only allowed when stream is true")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        given = {**{"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0},
+                 **(defaults or {})}
+        given.update((k, getattr(self, k)) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+                     if getattr(self, k) is not None)
         return SamplingParams(
-            n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            n=self.n, max_tokens=given.get("max_tokens") if max_tokens is None else max_tokens,
+            min_tokens=self.min_tokens, temperature=given["temperature"], top_p=given["top_p"],
+            top_k=given["top_k"], min_p=given["min_p"], repetition_penalty=given["repetition_penalty"],
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
         )
+
+
+def generation_defaults(config: dict) -> dict:
+    """A generation config's sampling defaults as the request fields they stand in for (vLLM's choice of fields:
+    temperature, top_p, top_k, min_p, repetition_penalty, and max_new_tokens as max_tokens)."""
+    fields = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+              "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+    return {field: config[key] for key, field in fields.items()
+            if isinstance(config.get(key), (int, float)) and not isinstance(config.get(key), bool)}
 
 
 class CompletionRequest(_Sampling):

@@ -70,6 +70,9 @@ class ServerConfig:
     disconnect_poll_s: float = 0.2
     image_limits: ImageLimits = field(default_factory=ImageLimits)
     tool_call_parser: Optional[str] = None  # how tool_choice auto finds calls in the output (tool_calls.PARSERS)
+    chat_template: Optional[str] = None  # --chat-template (None: the tokenizer's own)
+    sampling_defaults: dict = field(default_factory=dict)  # the model's generation config (protocol.generation_defaults)
+    allowed_origins: list = field(default_factory=list)  # CORS: origins browsers may call from (none: no CORS)
 
 
 class APIError(Exception):
@@ -201,6 +204,11 @@ class OpenAIServer:
         cfg = self.config
 
         app.add_middleware(Guard, config=cfg)
+        if cfg.allowed_origins:  # outside the key check: a browser's preflight carries no key
+            from fastapi.middleware.cors import CORSMiddleware
+
+            app.add_middleware(CORSMiddleware, allow_origins=cfg.allowed_origins, allow_methods=["*"],
+                               allow_headers=["*"])
 
         @app.exception_handler(APIError)
         async def api_error(_request, exc: APIError):
@@ -514,9 +522,12 @@ class OpenAIServer:
     def _load_chat_template(self):
         """(the tokenizer's chat template, None) or (None, why chat requests are refused)."""
         path = getattr(self.tokenizer, "path", None)
+        choice = self.config.chat_template
         try:
-            template = load_chat_template(path) if path is not None else None
+            template = load_chat_template(path, choice) if path is not None else None
         except DataError as e:  # several templates and no default, or an unreadable one: completions still work
+            if choice is not None:
+                raise  # a template the server was told to use (serve checks it before anything loads)
             return None, str(e)
         if template is None:
             return None, "this model's tokenizer has no chat template: use /v1/completions"
@@ -605,7 +616,8 @@ class OpenAIServer:
         # the prompt's logprobs: echo's with logprobs, prompt_logprobs' (vLLM's), the larger count serves both
         wanted = [k for k in (lp if body.echo else None, body.prompt_logprobs) if k is not None]
         try:
-            params = body.sampling_params(1 if echo_only else body.max_tokens, lp, max(wanted) if wanted else None)
+            params = body.sampling_params(1 if echo_only else body.max_tokens, lp, max(wanted) if wanted else None,
+                                          self.config.sampling_defaults)
         except ParamError as e:
             raise APIError(400, str(e), param=e.param) from None
         if echo_only:
@@ -775,7 +787,8 @@ class OpenAIServer:
             raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         try:
-            params = body.sampling_params(max_tokens, (top or 0) if body.logprobs else None)
+            params = body.sampling_params(max_tokens, (top or 0) if body.logprobs else None,
+                                          defaults=self.config.sampling_defaults)
         except ParamError as e:
             raise APIError(400, str(e), param=e.param) from None
         await self._structured(body, params, tools)

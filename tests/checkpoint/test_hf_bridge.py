@@ -131,6 +131,9 @@ def test_roundtrip_parity(case, tmp_path, tokenizer_dir):
 def test_tokenizer_and_generation_config(tmp_path, tokenizer_dir):
     hf_dir, ckpt, out = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "export"
     make_hf_model("qwen2", hf_dir, tokenizer_dir)
+    sampling = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
+    config_file = hf_dir / "generation_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **sampling}))
     assert cli("import", "hf", hf_dir, ckpt) == 0
     assert cli("export", "hf", ckpt, out) == 0  # default dtype: the source's (fp32 here)
     source = transformers.AutoTokenizer.from_pretrained(hf_dir)
@@ -143,6 +146,7 @@ def test_tokenizer_and_generation_config(tmp_path, tokenizer_dir):
     assert json.loads((out / "tokenizer_config.json").read_text())["chat_template"] == CHAT_TEMPLATE
     generation = json.loads((out / "generation_config.json").read_text())
     assert generation["eos_token_id"] == 0 and generation["pad_token_id"] == 1
+    assert {k: generation[k] for k in sampling} == sampling  # the sampling defaults come through too
     assert tensors_of(out)["model.embed_tokens.weight"].dtype == torch.float32
 
 

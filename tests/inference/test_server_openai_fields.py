@@ -191,3 +191,80 @@ def test_token_bytes_rebuild_text_split_inside_characters(hf_llama):
     ids = tok.encode(text)
     assert any("\ufffd" in tok.decode([i]) for i in ids)  # some tokens hold part of a character
     assert b"".join(tok.token_bytes(i) for i in ids) == text.encode("utf-8")
+
+
+@pytest.fixture(scope="module")
+def configured(hf_llama):
+    """A server given the model's sampling defaults, its own chat template and a CORS origin."""
+    from tests.inference.test_server import LiveServer
+
+    server = LiveServer(hf_llama[0], server_config={
+        "sampling_defaults": {"temperature": 0.0, "max_tokens": 5},
+        "chat_template": "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}",
+        "allowed_origins": ["http://ui.example"]})
+    yield server
+    server.stop()
+
+
+def test_generation_config_defaults_fill_what_a_request_leaves_out(configured, reference):
+    want = reference.generate(["<user>hi"], SamplingParams(max_tokens=5, temperature=0))[0].outputs[0]
+    r = httpx.post(configured.url + "/v1/chat/completions", headers=AUTH, json={
+        "model": NAME, "messages": [{"role": "user", "content": "hi"}]}).json()
+    assert r["choices"][0]["message"]["content"] == want.text and r["usage"]["completion_tokens"] <= 5
+    tokens = httpx.post(configured.url + "/tokenize", headers=AUTH, json={
+        "messages": [{"role": "user", "content": "hi"}]}).json()["tokens"]
+    assert reference.tokenizer.decode(tokens) == "<user>hi"  # --chat-template given as the template itself
+    sampled = {"model": NAME, "prompt": "The quick", "max_tokens": 12, "temperature": 1.0, "seed": 2, "n": 3}
+    texts = {c["text"] for c in httpx.post(configured.url + "/v1/completions", headers=AUTH,
+                                            json=sampled).json()["choices"]}
+    assert len(texts) > 1  # a request's own temperature wins over the default
+
+
+def test_cors_preflight_answers_the_allowed_origin_without_the_key(configured):
+    preflight = {"Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    r = httpx.options(configured.url + "/v1/chat/completions", headers=preflight)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://ui.example"
+    r = httpx.options(configured.url + "/v1/chat/completions", headers=preflight | {"Origin": "http://evil.example"})
+    assert "access-control-allow-origin" not in r.headers
+    r = httpx.post(configured.url + "/v1/completions", headers={"Origin": "http://ui.example"},
+                   json={"model": NAME, "prompt": "hi"})
+    assert r.status_code == 401  # the key still guards the routes
+
+
+def test_serve_reads_the_generation_config_and_refuses_bad_flags(hf_llama, tmp_path, capsys):
+    import json
+    import shutil
+
+    from megapipe.cli import main
+    from stages.serve import _sampling_defaults
+
+    model = tmp_path / "model"
+    shutil.copytree(hf_llama[0], model)
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": 0, "do_sample": True,
+                                                              "temperature": 0.6, "top_p": 0.9,
+                                                              "max_new_tokens": 64}))
+    assert _sampling_defaults("auto", str(model)) == {"temperature": 0.6, "top_p": 0.9, "max_tokens": 64}
+    assert _sampling_defaults("vllm", str(model)) == {}
+    assert _sampling_defaults(str(model), str(hf_llama[0]))["temperature"] == 0.6
+    for args, message in (
+            (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+            (["--generation-config", str(tmp_path / "none")], "is not auto, vllm or a directory holding a "
+                                                             "generation_config.json"),
+            (["--chat-template", "nonesuch"], "--chat-template 'nonesuch' is neither a known template nor a file"),
+            (["--chat-template", "{% for m in messages %}"], "--chat-template"),
+            (["--allowed-origins", "[1]"], "is not a JSON list of strings")):
+        assert main(["serve", str(model), "--port", "0", *args]) != 0, args
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (args, err)
+
+
+def test_vllm_gets_the_template_generation_config_and_origins(tmp_path):
+    from megapipe.inference.vllm_engine import vllm_command
+
+    cmd = vllm_command(tmp_path / "python", tmp_path, host="127.0.0.1", port=1, api_key=None, served_model_name="m",
+                       max_num_seqs=8, max_model_len=None, dtype="auto", chat_template="{{ x }}",
+                       generation_config="vllm", allowed_origins=["*"])
+    joined = " ".join(cmd)
+    assert "--chat-template {{ x }}" in joined and "--generation-config vllm" in joined
+    assert '--allowed-origins ["*"]' in joined

@@ -50,6 +50,8 @@ from megapipe.models.lora import LoRASpec, adapter_names, is_adapter, merge_stat
 
 Progress = Optional[Callable[[int, int], None]]  # (done, total) after each tensor group
 TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+# generation_config.json's sampling defaults, kept through import and export (serve applies them as vLLM does)
+SAMPLING_FIELDS = ("do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
 
 
 def _names(names, limit: int = 5) -> str:
@@ -230,8 +232,9 @@ def _check_names(needed: set[str], found: set[str], where: str, reference: str) 
 
 
 def _token_ids(config: Any) -> dict[str, Any]:
+    """The token ids and sampling defaults of a generation config (or of config.json, which may hold the ids)."""
     config = config if isinstance(config, dict) else {}
-    return {k: config[k] for k in TOKEN_FIELDS if config.get(k) is not None}
+    return {k: config[k] for k in TOKEN_FIELDS + SAMPLING_FIELDS if config.get(k) is not None}
 
 
 # --------------------------------------------------------------------------------------------------- export
