@@ -367,7 +367,9 @@ class OpenAIServer:
                 if not pending:
                     return [t.result() for t in tasks]
                 if await request.is_disconnected():
-                    raise asyncio.CancelledError
+                    # answered to nobody; an exception of its own would be logged as the server's failure
+                    raise APIError(499, "the client closed the connection before the response",
+                                   code="client_closed")
         finally:
             for t in tasks:
                 if not t.done():

@@ -75,3 +75,28 @@ def test_one_failing_prompt_fails_the_request_with_its_own_error():
     with pytest.raises(APIError, match="queue is full"):
         asyncio.run(OpenAIServer._until_done(server, None, [slow(), refused(), slow()]))
     assert cancelled == [True, True]
+
+
+def test_a_client_that_left_ends_its_request_quietly():
+    """A whole (not streamed) response whose client disconnected: its tasks are cancelled (requests aborted) and the
+    route ends in an APIError the handler answers to nobody, not in an exception uvicorn logs with a traceback."""
+    from types import SimpleNamespace
+
+    from megapipe.inference.server import APIError, OpenAIServer, ServerConfig
+
+    cancelled = []
+
+    async def slow():
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    async def gone():
+        return True
+
+    server = SimpleNamespace(config=ServerConfig(NAME, disconnect_poll_s=0.01))
+    with pytest.raises(APIError) as e:
+        asyncio.run(OpenAIServer._until_done(server, SimpleNamespace(is_disconnected=gone), [slow()]))
+    assert e.value.status == 499 and e.value.code == "client_closed" and cancelled == [True]
