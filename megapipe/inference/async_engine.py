@@ -88,8 +88,7 @@ class StreamingEngine:
             raise EngineDead(f"the engine stopped: {self.error}")
         text, ids = self.encode(prompt)
         params = self.check_request(ids, params)
-        if self.max_queue is not None and self.num_waiting() >= self.max_queue:
-            raise QueueFull(f"the server's queue is full ({self.max_queue} requests waiting); retry later")
+        self.check_admission()
         rid = request_id or f"req-{next(self._ids)}"
         stream: asyncio.Queue = asyncio.Queue()
         with self._lock:
@@ -111,6 +110,14 @@ class StreamingEngine:
                 self._streams.pop(rid, None)
             if not finished:
                 self.abort(rid)
+
+    def check_admission(self, count: int = 1) -> None:
+        """EngineDead when the engine stopped, QueueFull when ``count`` more requests would overflow the queue: what
+        a server checks before it starts a streamed response (whose status is sent before the first output)."""
+        if not self.alive:
+            raise EngineDead(f"the engine stopped: {self.error}")
+        if self.max_queue is not None and self.num_waiting() + count > self.max_queue:
+            raise QueueFull(f"the server's queue is full ({self.max_queue} requests waiting); retry later")
 
     def _submit(self, rid: str, text: Optional[str], ids: list[int], params: SamplingParams, arrival: float,
                 lora: Optional[str], images) -> None:

@@ -327,6 +327,16 @@ class OpenAIServer:
             last = out
         return last
 
+    def _admissible(self, count: int) -> None:
+        """A streamed response's status goes out before its first output: a full queue or a stopped engine is a 503
+        now, not an error event after a 200."""
+        try:
+            self.engine.check_admission(count)
+        except QueueFull as e:
+            raise APIError(503, str(e), "server_error", code="queue_full") from None
+        except EngineDead as e:
+            raise APIError(503, str(e), "server_error", code="engine_dead") from None
+
     @staticmethod
     async def _started(outputs: AsyncIterator, params) -> AsyncIterator:
         """A constrained stream's outputs, the first one (or the request's error) awaited before the response starts:
@@ -632,6 +642,7 @@ class OpenAIServer:
         rid, created = self._request_id(request, body, "cmpl"), int(time.time())
         headers = {"X-Request-Id": rid.removeprefix("cmpl-")}
         if body.stream:
+            self._admissible(len(prompts))
             outputs = await self._started(self._merged(prompts, params), params)
             return StreamingResponse(self._stream_completion(body, outputs, rid, created, echo_only),
                                      media_type="text/event-stream", headers=headers)
@@ -807,6 +818,7 @@ class OpenAIServer:
         last = body.messages[-1]  # echo (vLLM's): a reply to an assistant's message starts with that message
         echo = last.as_template_input()["content"] if body.echo and last.role == "assistant" else ""
         if body.stream:
+            self._admissible(1)
             outputs = await self._started(self._stream(prompt, params, images), params)
             return StreamingResponse(self._stream_chat(body, outputs, rid, created, tools, echo,
                                                        params.structured is None),
