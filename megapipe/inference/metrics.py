@@ -6,6 +6,7 @@ engine's outputs as requests progress.
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -48,7 +49,7 @@ class _EngineCollector:
             g = GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapters of the running and waiting requests.",
                                   labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
             g.add_metric([str(s["max_lora"]), ",".join(s["running_lora_adapters"]),
-                          ",".join(s["waiting_lora_adapters"])], now())
+                          ",".join(s["waiting_lora_adapters"])], time.time())  # wall-clock time, as vLLM's
             yield g
 
     def _speculative(self, s: dict):

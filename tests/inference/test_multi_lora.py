@@ -271,7 +271,11 @@ def test_server_routes(hf_llama, adapters, tmp_path, engine_process):
         r = post("/v1/completions", {"model": "other", "prompt": "x"})
         assert r.status_code == 404 and "`other` does not exist" in r.json()["error"]["message"]
         metrics = httpx.get(live.url + "/metrics", headers=auth).text
-        assert 'vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""}' in metrics
+        info = 'vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""} '
+        assert info in metrics
+        import time
+
+        assert abs(float(metrics.split(info)[1].split()[0]) - time.time()) < 60  # the wall-clock time, as vLLM's
         # vLLM's load_inplace: new weights under the same name
         r = post("/v1/load_lora_adapter", {"lora_name": "ad", "lora_path": str(paths["peft"])})
         assert r.status_code == 400 and "load_inplace" in r.json()["error"]["message"]
