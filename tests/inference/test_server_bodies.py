@@ -52,6 +52,18 @@ def test_more_prompts_than_the_queue_takes_is_400_naming_the_limit(live):
     assert not live.engine.has_unfinished()
 
 
+def _sleeper(cancelled: list):
+    """A coroutine function that sleeps 30 s and notes in ``cancelled`` that it was cancelled."""
+    async def slow():
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    return slow
+
+
 def test_one_failing_prompt_fails_the_request_with_its_own_error():
     """A multi-prompt completion whose one prompt is refused (a full queue, a dead engine) answers with that error and
     cancels the others (their requests aborted), not asyncio's InvalidStateError from a result still pending."""
@@ -60,13 +72,7 @@ def test_one_failing_prompt_fails_the_request_with_its_own_error():
     from megapipe.inference.server import APIError, OpenAIServer, ServerConfig
 
     cancelled = []
-
-    async def slow():
-        try:
-            await asyncio.sleep(30)
-        except asyncio.CancelledError:
-            cancelled.append(True)
-            raise
+    slow = _sleeper(cancelled)
 
     async def refused():
         raise APIError(503, "the server's queue is full", "server_error", code="queue_full")
@@ -85,13 +91,7 @@ def test_a_client_that_left_ends_its_request_quietly():
     from megapipe.inference.server import APIError, OpenAIServer, ServerConfig
 
     cancelled = []
-
-    async def slow():
-        try:
-            await asyncio.sleep(30)
-        except asyncio.CancelledError:
-            cancelled.append(True)
-            raise
+    slow = _sleeper(cancelled)
 
     async def gone():
         return True
