@@ -111,16 +111,12 @@ def serve(
     if enable_auto_tool_choice and tool_call_parser is None:
         raise MegapipeError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or openai)")
     origins = _origins(allowed_origins or [])
-    if reasoning_parser is not None:
-        from megapipe.inference.reasoning import PARSERS as REASONING
+    # lazy: the parsers' own lookups refuse an unknown name (ParamError, a MegapipeError), before anything loads
+    from megapipe.inference.reasoning import reasoning_parser_for
+    from megapipe.inference.tool_calls import parser_for
 
-        if reasoning_parser not in REASONING:
-            raise MegapipeError(f"--reasoning-parser {reasoning_parser!r} is not one of {', '.join(REASONING)}")
-    if tool_call_parser is not None:
-        from megapipe.inference.tool_calls import PARSERS
-
-        if tool_call_parser not in PARSERS:
-            raise MegapipeError(f"--tool-call-parser {tool_call_parser!r} is not one of {', '.join(PARSERS)}")
+    reasoning_parser_for(reasoning_parser)
+    parser_for(tool_call_parser)
     if max_queue < 0:
         raise MegapipeError(f"--max-queue = {max_queue} must be >= 0 (0: no limit)")
     if not 0 <= shutdown_timeout < float("inf"):

@@ -116,6 +116,8 @@ class _Sampling(_Body):
             raise ParamError("logit_bias", "logit_bias is not supported by this server")
         if self.stream_options is not None and not self.stream:
             raise ParamError("stream_options", "stream_options is only allowed when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ParamError("prompt_logprobs", "prompt_logprobs are not available when stream is true")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         given = {**{"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0},
                  **(defaults or {})}

@@ -153,12 +153,17 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+def _counts(prompt: int, completion: int) -> dict:
+    """OpenAI's usage counts."""
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
 class _TextOffsets:
     """Where each token's text starts in a completion, in characters of the tokens' bytes read as UTF-8: a token that
     holds part of a character starts where that character does (its decoded text alone is U+FFFD)."""
 
-    def __init__(self, start: int = 0):
-        self.pos = start
+    def __init__(self):
+        self.pos = 0
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
 
     def take(self, raw: bytes) -> int:
@@ -299,10 +304,11 @@ class OpenAIServer:
         raw = getattr(self.tokenizer, "token_bytes", None)
         return raw(token) if raw is not None else self._token_text(token).encode("utf-8")
 
-    def _request_id(self, request: Request, body, prefix: str) -> str:
-        """vLLM's: the X-Request-Id header, else the body's request_id, else a fresh one, after ``prefix``."""
-        given = request.headers.get("x-request-id") or body.request_id
-        return f"{prefix}-{given or uuid.uuid4().hex}"
+    @staticmethod
+    def _request_id(request: Request, body) -> str:
+        """vLLM's: the X-Request-Id header, else the body's request_id, else a fresh one (the response's id is it
+        after cmpl- or chatcmpl-; the X-Request-Id header that goes back is it alone)."""
+        return request.headers.get("x-request-id") or body.request_id or uuid.uuid4().hex
 
     async def _stream(self, prompt, params, images=None) -> AsyncIterator[RequestOutput]:
         """The request's outputs as the engine makes them; closing the stream aborts an unfinished request. A client
@@ -588,9 +594,7 @@ class OpenAIServer:
             raise APIError(400, str(e), param=e.param) from None
 
     def _usage(self, outs: list[RequestOutput]) -> dict:
-        prompt = sum(len(o.prompt_token_ids) for o in outs)
-        completion = sum(o.num_generated_tokens for o in outs)
-        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        usage = _counts(sum(len(o.prompt_token_ids) for o in outs), sum(o.num_generated_tokens for o in outs))
         cached = sum(o.num_cached_tokens for o in outs)
         if cached:
             usage["prompt_tokens_details"] = {"cached_tokens": cached}
@@ -623,8 +627,6 @@ class OpenAIServer:
             raise APIError(400, "suffix is not supported", param="suffix")
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(400, "best_of other than n is not supported", param="best_of")
-        if body.stream and body.prompt_logprobs is not None:
-            raise APIError(400, "prompt_logprobs are not available when stream is true", param="prompt_logprobs")
         prompts = self._completion_prompts(body)
         echo_only = body.echo and body.max_tokens == 0  # scoring a text (log-likelihood): nothing is generated
         lp = body.logprobs
@@ -639,8 +641,8 @@ class OpenAIServer:
             params.temperature = 0.0
         await self._structured(body, params)
         await self._validate_all(prompts, params)
-        rid, created = self._request_id(request, body, "cmpl"), int(time.time())
-        headers = {"X-Request-Id": rid.removeprefix("cmpl-")}
+        base, created = self._request_id(request, body), int(time.time())
+        rid, headers = f"cmpl-{base}", {"X-Request-Id": base}
         if body.stream:
             self._admissible(len(prompts))
             outputs = await self._started(self._merged(prompts, params), params)
@@ -728,9 +730,7 @@ class OpenAIServer:
             event = {"id": rid, "object": "text_completion", "created": created, "model": name,
                      "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
             if running_usage:  # vLLM's continuous_usage_stats: this choice's counts so far
-                done = len(c.token_ids) if not echo_only else 0
-                event["usage"] = {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": done,
-                                  "total_tokens": len(out.prompt_token_ids) + done}
+                event["usage"] = _counts(len(out.prompt_token_ids), len(c.token_ids) if not echo_only else 0)
             return _sse(event)
 
         try:
@@ -792,8 +792,6 @@ class OpenAIServer:
                                 "--tool-call-parser (hermes, llama3_json or openai); or name a function or say "
                                 "required", param="tool_choice")
         self._need_tokenizer()
-        if body.stream and body.prompt_logprobs is not None:
-            raise APIError(400, "prompt_logprobs are not available when stream is true", param="prompt_logprobs")
         text = self._render(body.messages, body.add_generation_prompt, body.tools, body.continue_final_message,
                             body.chat_template_kwargs)
         urls = [url for m in body.messages for url in m.image_urls()]
@@ -813,19 +811,18 @@ class OpenAIServer:
             params.skip_special_tokens = False
         await self._validate_all([prompt], params, {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens"
                                                     if body.max_completion_tokens is not None else "max_tokens"})
-        rid, created = self._request_id(request, body, "chatcmpl"), int(time.time())
-        headers = {"X-Request-Id": rid.removeprefix("chatcmpl-")}
+        base, created = self._request_id(request, body), int(time.time())
+        rid, headers = f"chatcmpl-{base}", {"X-Request-Id": base}
         last = body.messages[-1]  # echo (vLLM's): a reply to an assistant's message starts with that message
         echo = last.as_template_input()["content"] if body.echo and last.role == "assistant" else ""
+        thinks = params.structured is None  # a grammar's output has no reasoning in it
         if body.stream:
             self._admissible(1)
             outputs = await self._started(self._stream(prompt, params, images), params)
-            return StreamingResponse(self._stream_chat(body, outputs, rid, created, tools, echo,
-                                                       params.structured is None),
+            return StreamingResponse(self._stream_chat(body, outputs, rid, created, tools, echo, thinks),
                                      media_type="text/event-stream", headers=headers)
         (out,) = await self._until_done(request, [self._final(prompt, params, images)])
         choices = []
-        thinks = params.structured is None  # a grammar's output has no reasoning in it
         for c in out.outputs:
             reply = self._reply(c.text, True, thinks)
             message, finish = {"role": "assistant", **reply}, c.finish_reason
@@ -902,8 +899,7 @@ class OpenAIServer:
                      "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
             if running_usage:  # vLLM's continuous_usage_stats: this choice's counts so far
                 done = len(last.outputs[index].token_ids) if index < len(last.outputs) else 0
-                prompt = len(last.prompt_token_ids)
-                event["usage"] = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+                event["usage"] = _counts(len(last.prompt_token_ids), done)
             return _sse(event)
 
         try:
