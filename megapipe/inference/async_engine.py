@@ -36,6 +36,10 @@ class QueueFull(MegapipeError):
     """More requests wait than the bounded queue admits."""
 
 
+class ShuttingDown(MegapipeError):
+    """The server is stopping and its drain time ran out before the request finished."""
+
+
 class StreamingEngine:
     """What the server calls, whichever side of a process boundary the engine is on. A subclass sets the facts
     (tokenizer, max_model_len, vocab_size, model_config, config, loras) and implements ``_submit``, ``abort``,
@@ -48,6 +52,7 @@ class StreamingEngine:
         self._ids = itertools.count()
         self.pending = 0  # requests submitted that the engine has not taken yet
         self.error: Optional[BaseException] = None
+        self.closing: Optional[BaseException] = None  # set by end_all: what every request gets from then on
         self._snapshot: dict = {}  # the engine's stats after its latest step (published by the engine's side)
 
     # the facts every request is checked against
@@ -84,6 +89,8 @@ class StreamingEngine:
 
         Parameter errors (ParamError) are raised here, before anything is queued.
         """
+        if self.closing is not None:
+            raise self.closing
         if not self.alive:
             raise EngineDead(f"the engine stopped: {self.error}")
         text, ids = self.encode(prompt)
@@ -114,6 +121,8 @@ class StreamingEngine:
     def check_admission(self, count: int = 1) -> None:
         """EngineDead when the engine stopped, QueueFull when ``count`` more requests would overflow the queue: what
         a server checks before it starts a streamed response (whose status is sent before the first output)."""
+        if self.closing is not None:
+            raise self.closing
         if not self.alive:
             raise EngineDead(f"the engine stopped: {self.error}")
         if self.max_queue is not None and self.num_waiting() + count > self.max_queue:
@@ -145,11 +154,18 @@ class StreamingEngine:
             except RuntimeError:  # the loop is closed (server shutting down)
                 pass
 
-    def _fail_all(self, error: BaseException) -> None:
+    def end_all(self, error: BaseException) -> int:
+        """End every request in flight with ``error`` (each is aborted as its stream closes) and refuse new ones with
+        it: what a server does when its drain time runs out. The number of requests ended."""
+        self.closing = error
+        return self._fail_all(error)
+
+    def _fail_all(self, error: BaseException) -> int:
         with self._lock:
             rids = list(self._streams)
         for rid in rids:
             self._deliver(rid, error)
+        return len(rids)
 
 
 class AsyncEngine(StreamingEngine):

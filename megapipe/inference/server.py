@@ -6,7 +6,8 @@ own in /v1/models, chosen per request by ``model`` (megapipe.inference.lora).
 Safe by default: binds 127.0.0.1; an API key (when set) guards every route but /health; bodies, queue, ``n`` and
 ``max_tokens`` are bounded; every error has OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` and
 a user's mistake is never a 500. A client that goes away aborts its request (its KV blocks are freed at once);
-SIGTERM stops accepting connections, lets in-flight requests finish for up to ``shutdown_timeout`` seconds, exits 0.
+SIGTERM stops accepting connections, lets in-flight requests finish for up to ``shutdown_timeout`` seconds (those
+still running just before it are answered with a 503 ``shutting_down``), exits 0.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import signal
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Callable, Optional
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
@@ -40,7 +42,7 @@ from megapipe.data.images import (
     open_image,
 )
 from megapipe.errors import DataError, MegapipeError
-from megapipe.inference.async_engine import EngineDead, QueueFull, StreamingEngine
+from megapipe.inference.async_engine import EngineDead, QueueFull, ShuttingDown, StreamingEngine
 from megapipe.inference.engine import RequestOutput
 from megapipe.inference.metrics import ServerMetrics
 from megapipe.inference.protocol import (
@@ -170,6 +172,15 @@ class _TextOffsets:
         at = self.pos
         self.pos += len(self._utf8.decode(raw))
         return at
+
+
+_UNAVAILABLE = (QueueFull, ShuttingDown, EngineDead)
+
+
+def _unavailable(e: BaseException) -> APIError:
+    """The 503 for an engine that cannot take or finish a request, its code naming why."""
+    code = {QueueFull: "queue_full", ShuttingDown: "shutting_down"}.get(type(e), "engine_dead")
+    return APIError(503, str(e), "server_error", code=code)
 
 
 def _renamed(e: ParamError, names: dict) -> APIError:
@@ -320,10 +331,8 @@ class OpenAIServer:
                 yield out
         except ParamError as e:
             raise APIError(400, str(e), param=e.param) from None
-        except QueueFull as e:
-            raise APIError(503, str(e), "server_error", code="queue_full") from None
-        except EngineDead as e:
-            raise APIError(503, str(e), "server_error", code="engine_dead") from None
+        except _UNAVAILABLE as e:
+            raise _unavailable(e) from None
         finally:
             await outputs.aclose()  # an unfinished request is aborted, its blocks freed
 
@@ -338,10 +347,8 @@ class OpenAIServer:
         now, not an error event after a 200."""
         try:
             self.engine.check_admission(count)
-        except QueueFull as e:
-            raise APIError(503, str(e), "server_error", code="queue_full") from None
-        except EngineDead as e:
-            raise APIError(503, str(e), "server_error", code="engine_dead") from None
+        except _UNAVAILABLE as e:
+            raise _unavailable(e) from None
 
     @staticmethod
     async def _started(outputs: AsyncIterator, params) -> AsyncIterator:
@@ -494,7 +501,7 @@ class OpenAIServer:
         except ParamError as e:
             raise APIError(400, str(e), param=e.param) from None
         except EngineDead as e:
-            raise APIError(503, str(e), "server_error", code="engine_dead") from None
+            raise _unavailable(e) from None
         except (MegapipeError, OSError, ValueError, KeyError) as e:  # KeyError: an adapter_config.json without "r"
             raise APIError(400, f"cannot load LoRA adapter `{name}` from {body.lora_path}: {e}",
                            param="lora_path") from None
@@ -512,7 +519,7 @@ class OpenAIServer:
         except ParamError as e:
             raise APIError(400, str(e), param=e.param) from None
         except EngineDead as e:
-            raise APIError(503, str(e), "server_error", code="engine_dead") from None
+            raise _unavailable(e) from None
         del self.loras[name]
         return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
 
@@ -973,16 +980,46 @@ def bind(host: str, port: int):
 
 def run_server(engine: StreamingEngine, config: ServerConfig, sock, log_level: str = "warning", on_ready=None) -> None:
     """Serve on ``sock`` until SIGTERM / SIGINT, then drain (up to config.shutdown_timeout) and stop the engine."""
-    serve_app(make_app(engine, config, on_ready), config, sock, log_level, engine.shutdown)
+    serve_app(make_app(engine, config, on_ready), config, sock, log_level, engine.shutdown,
+              lambda: end_in_flight(engine, config))
 
 
-def serve_app(app: FastAPI, config: ServerConfig, sock, log_level: str, on_stop) -> None:
-    """Serve ``app`` on ``sock`` until SIGTERM / SIGINT, drain (up to config.shutdown_timeout), then ``on_stop()``."""
-    import uvicorn
+def end_in_flight(engine: StreamingEngine, config: ServerConfig) -> None:
+    """The drain time is running out: end the requests still in flight with a 503 ``shutting_down``."""
+    ended = engine.end_all(ShuttingDown(
+        f"the server shut down before this request finished (--shutdown-timeout {config.shutdown_timeout:g} s)"))
+    if ended:
+        log.warning("the drain time ran out: %d request(s) still in flight end with a 503", ended)
 
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose drain ends in answers: ``out_of_time()`` runs shortly before the graceful-shutdown
+    timeout, so the requests still in flight can be answered (a 503, or an error event and [DONE] on a stream)
+    rather than cancelled mid-response by uvicorn, each with a traceback and a cut-off or empty reply."""
+
+    def __init__(self, config: uvicorn.Config, out_of_time: Optional[Callable[[], None]] = None):
+        super().__init__(config)
+        self.out_of_time = out_of_time
+
+    async def shutdown(self, sockets=None) -> None:
+        timeout, timer = self.config.timeout_graceful_shutdown, None
+        if self.out_of_time is not None and timeout is not None:
+            answer_by = timeout - min(1.0, timeout / 4)  # time left to write the answers
+            timer = asyncio.get_running_loop().call_later(answer_by, self.out_of_time)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+
+def serve_app(app: FastAPI, config: ServerConfig, sock, log_level: str, on_stop,
+              out_of_time: Optional[Callable[[], None]] = None) -> None:
+    """Serve ``app`` on ``sock`` until SIGTERM / SIGINT, drain (up to config.shutdown_timeout; ``out_of_time()``
+    ends the requests still running just before it), then ``on_stop()``."""
     uv = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
                         timeout_graceful_shutdown=config.shutdown_timeout)
-    server = uvicorn.Server(uv)
+    server = DrainingServer(uv, out_of_time)
     # uvicorn re-raises the stop signal once it has drained; with these handlers restored that ends in exit 0
     previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGTERM, signal.SIGINT)}
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import re
 import signal
@@ -25,7 +26,7 @@ from megapipe.inference.async_engine import AsyncEngine
 from megapipe.inference.core_client import EngineCoreClient
 from megapipe.inference.engine import EngineConfig
 from megapipe.inference.engine_core import CoreSpec
-from megapipe.inference.server import ServerConfig, bind, make_app
+from megapipe.inference.server import DrainingServer, ServerConfig, bind, end_in_flight, make_app
 
 KEY = "sk-test-key"
 NAME = "tiny"
@@ -392,6 +393,72 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(hf_llama, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_requests_still_running_when_the_drain_time_runs_out_are_answered(hf_llama):
+    """A stop whose drain time runs out answers what is still running just before the deadline: a stream gets an
+    error event with code shutting_down and [DONE], a whole response a 503, their requests are aborted, and uvicorn
+    has nothing left to cancel (which would cut the stream off and give the whole request no answer)."""
+    import uvicorn
+
+    engine = LLMEngine.from_pretrained(hf_llama[0], device="cpu")
+    step = engine.step
+    engine.step = lambda: (time.sleep(0.05), step())[1]  # 100 tokens take 5 s: far past the drain time
+    async_engine = AsyncEngine(engine, 16)
+    config = ServerConfig(NAME, str(hf_llama[0]), api_key=KEY, shutdown_timeout=1.0)
+    sock = bind("127.0.0.1", 0)
+    url = "http://127.0.0.1:%d" % sock.getsockname()[1]
+    server = DrainingServer(uvicorn.Config(make_app(async_engine, config), log_level="warning", lifespan="on",
+                                           timeout_graceful_shutdown=config.shutdown_timeout),
+                            lambda: end_in_flight(async_engine, config))
+    cancelled = []
+    watch = logging.Handler()
+    watch.emit = lambda record: cancelled.append(record.getMessage()) if "Cancel" in record.getMessage() else None
+    logging.getLogger("uvicorn.error").addHandler(watch)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.02)
+        body = {"model": NAME, "prompt": "The", "max_tokens": 100, "ignore_eos": True}
+        errors = []
+
+        def whole():
+            try:
+                openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0).completions.create(
+                    **{k: v for k, v in body.items() if k != "ignore_eos"}, extra_body={"ignore_eos": True})
+            except openai.APIStatusError as e:
+                errors.append(e)
+
+        waiter = threading.Thread(target=whole)
+        waiter.start()
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True},
+                          headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as r:
+            assert r.status_code == 200, r.read()
+            lines = r.iter_lines()
+            events = [next(line for line in lines if line.startswith("data: "))]
+            while async_engine.stats()["running"] < 2:
+                time.sleep(0.02)
+            server.should_exit, stopped = True, time.time()
+            events += [line for line in lines if line.startswith("data: ")]
+        waiter.join(30)
+        thread.join(30)
+        assert not thread.is_alive() and time.time() - stopped < 3
+        assert events[-1] == "data: [DONE]"
+        error = json.loads(events[-2][6:])["error"]
+        assert error["code"] == "shutting_down" and "--shutdown-timeout 1 s" in error["message"], error
+        assert 2 < len(events) < 40  # tokens streamed until the deadline, then the error
+        assert [e.status_code for e in errors] == [503] and errors[0].body["code"] == "shutting_down"
+        assert cancelled == []
+        deadline = time.time() + 10  # both requests were aborted: their sequences and blocks are gone
+        while async_engine.stats()["running"] and time.time() < deadline:
+            time.sleep(0.02)
+        assert async_engine.stats()["running"] == 0 and not engine.has_unfinished()
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(watch)
+        server.should_exit = True
+        thread.join(10)
+        async_engine.shutdown()
 
 
 def test_serve_cli_refusals_are_one_sentence(hf_llama, tmp_path, capsys):
