@@ -147,6 +147,33 @@ def test_paged_attention_on_long_prefill_chunks_in_runs_of_rows(op, dtype, heads
     torch.testing.assert_close(got.double(), exact_attention(pool, rows, q, window), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,window", [(9, 3, None), (9, 3, 4), (4, 1, None), (16, 1, None)])
+def test_a_prompt_rows_attention_does_not_depend_on_where_its_chunk_starts(op, dtype, heads, kv_heads, window):
+    """A prompt's rows computed in one chunk from position 0, or in a chunk starting later over cached keys (a
+    prefix-cache hit, chunked prefill), give bit-identical outputs: a row's result does not depend on how its
+    chunk splits into runs of rows (5 rows of 3 heads, 4 of 4; 16 heads per kv head: one row at a time). In fp32
+    every bit of the sums shows; bf16 rounds most differences away, and a few flip a greedy token."""
+    dim, bs, length = 64, 16, 23
+    pool = KVPool(1, 8, bs, kv_heads, dim, dtype, "cpu")
+    g = torch.Generator().manual_seed(heads)
+    pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=g))
+    pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=g))
+    table = torch.tensor([[3, 0]], dtype=torch.int32)
+    q = torch.randn(length, heads, dim, generator=g).to(dtype)
+
+    def chunk(start: int) -> torch.Tensor:
+        rows = length - start
+        out = torch.empty(rows, heads * dim, dtype=dtype)
+        op(q[start:], pool.k[0], pool.v[0], table, torch.zeros(rows, dtype=torch.int32),
+           torch.arange(start + 1, length + 1, dtype=torch.int32), bs, window or 0, dim ** -0.5, out)
+        return out
+
+    whole = chunk(0)
+    for start in range(1, length - 1):  # chunks of 22 .. 2 rows: every remainder of the runs
+        assert torch.equal(chunk(start), whole[start:]), start
+
+
 def test_paged_attention_refuses_a_block_table_that_reads_outside_the_pool(op):
     pool = KVPool(1, 4, 16, 1, 16, torch.float32, "cpu")
     q, out = torch.zeros(1, 1, 16), torch.empty(1, 16)

@@ -355,7 +355,11 @@ void attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& 
     for (int64_t task; (task = queue.take()) >= 0;) {
       const int64_t item = items - 1 - task;
       const auto [b, rows] = runs[item / kv_heads];
-      if (rows == 1) {
+      // a chunk's last row left alone in its run sums as its run-mates do, so a prompt row's output is the same
+      // however its chunk splits into runs (which depends on where the chunk starts: a prefix-cache hit, a step's
+      // token budget); alone takes a decode's order, which differs from it in the last bit
+      const bool chunk_row = per_run > 1 && b > 0 && s.seq[b - 1] == s.seq[b] && s.lens[b] == s.lens[b - 1] + 1;
+      if (rows == 1 && !chunk_row) {
         attend_row<T, C>(s, b, item % kv_heads, qv, acc, scores, total, at);
       } else {
         attend_rows<T, C>(s, b, rows, item % kv_heads, qt, scores, at);
