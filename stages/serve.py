@@ -29,7 +29,7 @@ def serve(
                                                 help="Context limit, prompt + completion (default: the model's)."),
     max_queue: int = typer.Option(256, "--max-queue", help="Most waiting requests; more get 503 (0: no limit)."),
     shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout",
-                                           help="On SIGTERM, seconds in-flight requests get to finish."),
+                                           help="On SIGTERM, seconds in-flight requests get to finish (then a 503 shutting_down)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (as stored), float32, bfloat16 or float16."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu, cuda, cuda:1 ...; default: cuda if present."),
     engine: str = typer.Option("megapipe", "--engine", help="megapipe (own engine) or vllm."),
