@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -44,6 +45,9 @@ class _Sampling(_Body):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     prompt_logprobs: Optional[int] = None
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
+    return_token_ids: bool = False  # the prompt's and each choice's token ids in the response (vLLM's)
     request_id: Optional[str] = None  # the response's id (after the X-Request-Id header)
     # vLLM's structured outputs: its current object and its older names
     structured_outputs: Optional[dict[str, Any]] = None
@@ -112,8 +116,6 @@ class _Sampling(_Body):
                         prompt_logprobs: Optional[int] = None, defaults: Optional[dict] = None) -> SamplingParams:
         """The engine's parameters; ``defaults`` (the model's generation config, as vLLM applies it: temperature,
         top_p, top_k, min_p, repetition_penalty, max_tokens) where the request leaves a field out."""
-        if self.logit_bias:
-            raise ParamError("logit_bias", "logit_bias is not supported by this server")
         if self.stream_options is not None and not self.stream:
             raise ParamError("stream_options", "stream_options is only allowed when stream is true")
         if self.prompt_logprobs is not None and self.stream:
@@ -131,8 +133,22 @@ class _Sampling(_Body):
             seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
-            skip_special_tokens=self.skip_special_tokens,
+            skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias(),
+            allowed_token_ids=self.allowed_token_ids, bad_words=list(self.bad_words or []),
         )
+
+    def _logit_bias(self) -> Optional[dict[int, float]]:
+        """OpenAI's {"token id": bias} with int keys, each bias clamped to [-100, 100] as OpenAI and vLLM do."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise ParamError("logit_bias", f"logit_bias key {key!r} is not a token id") from None
+            out[token] = min(100.0, max(-100.0, bias)) if math.isfinite(bias) else bias
+        return out
 
 
 def generation_defaults(config: dict) -> dict:

@@ -220,10 +220,10 @@ class PackedLinear(nn.Module):
 
 
 def plain_greedy(seq) -> bool:
-    """``seq``'s next token is the argmax of its logits as they are: greedy, with no penalty, logprobs, grammar or
-    suppressed id (min_tokens) to apply first (the sampler's rules: ModelRunner.sample_row, sampling.sample)."""
+    """``seq``'s next token is the argmax of its logits as they are: greedy, with no penalty, restriction, logprobs,
+    grammar or suppressed id (min_tokens) to apply first (the sampler's rules: ModelRunner.sample_row, sampling.sample)."""
     p = seq.params
-    return (p.greedy and not p.penalised and p.logprobs is None and seq.matcher is None
+    return (p.greedy and not p.penalised and not p.restricted and p.logprobs is None and seq.matcher is None
             and (p.min_tokens == 0 or len(seq.output_ids) >= p.min_tokens))
 
 

@@ -57,6 +57,10 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None  # the same for the prompt tokens (echo); disables prefix-cache reuse
     skip_special_tokens: bool = True
     structured: Optional[object] = None  # a structured.Constraint the output must match
+    logit_bias: Optional[dict] = None  # token id -> a number added to its logit (OpenAI's field, within [-100, 100])
+    allowed_token_ids: Optional[Sequence[int]] = None  # only these ids may be sampled
+    bad_words: Sequence[str] = ()  # words the output may not contain (as vLLM bans them: bad_words_ids)
+    bad_words_ids: Sequence[Sequence[int]] = ()  # their token sequences, set by the engine's check_request
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -73,6 +77,11 @@ class SamplingParams:
     @property
     def penalised(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def restricted(self) -> bool:
+        """Some logits change before penalties: allowed ids, bad words, a logit bias."""
+        return bool(self.logit_bias or self.allowed_token_ids is not None or self.bad_words_ids)
 
     def validate(self, vocab_size: int, max_n: int = 128) -> "SamplingParams":
         def bad(param: str, why: str) -> ParamError:
@@ -112,9 +121,19 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
                 raise bad(name, f"must be an integer within [0, {MAX_LOGPROBS}]")
-        for t in self.stop_token_ids:
-            if not isinstance(t, int) or not 0 <= t < vocab_size:
-                raise ParamError("stop_token_ids", f"stop_token_ids holds {t!r}, not a token id in [0, {vocab_size})")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            for t in getattr(self, name) or ():
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+                    raise ParamError(name, f"{name} holds {t!r}, not a token id in [0, {vocab_size})")
+        if self.allowed_token_ids is not None and not len(self.allowed_token_ids):
+            raise ParamError("allowed_token_ids", "allowed_token_ids is empty: no token could be sampled")
+        for t, bias in (self.logit_bias or {}).items():
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+                raise ParamError("logit_bias", f"logit_bias holds token {t!r}, not a token id in [0, {vocab_size})")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+                raise ParamError("logit_bias", f"logit_bias[{t}] = {bias!r} must be a finite number")
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise ParamError("bad_words", "bad_words must be a list of non-empty strings")
         return self
 
 
@@ -242,12 +261,32 @@ def _wider(counts: list[int], count: int, held: float, last: float, top_p: float
     return next(c for c in counts if c > count and (c == counts[-1] or held + (c - count) * last >= top_p))
 
 
+def apply_restrictions(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """In vLLM's order, before penalties: ids outside a row's allowed_token_ids, then the last token of each bad word
+    whose other tokens end the output, at -inf; then the logit bias added."""
+    for i, row in enumerate(rows):
+        p = row.params
+        if p.allowed_token_ids is not None:
+            allowed = torch.tensor(list(p.allowed_token_ids), dtype=torch.long, device=logits.device)
+            kept = logits[i, allowed]
+            logits[i] = float("-inf")
+            logits[i, allowed] = kept
+        if p.bad_words_ids:
+            out = list(row.output_ids)
+            banned = [w[-1] for w in p.bad_words_ids if len(w) - 1 <= len(out) and out[len(out) - len(w) + 1:] == w[:-1]]
+            logits[i, banned] = float("-inf")
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
+            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+    return logits
+
+
 def penalised(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
-    """fp32 logits [R, V] with penalties applied, suppressed ids and those a row's grammar forbids at -inf (a copy
-    where anything changes)."""
-    copied = any(r.params.penalised or r.suppressed for r in rows)
+    """fp32 logits [R, V] restricted (allowed ids, bad words, logit bias) and penalised, suppressed ids and those a
+    row's grammar forbids at -inf (a copy where anything changes)."""
+    copied = any(r.params.penalised or r.params.restricted or r.suppressed for r in rows)
     if copied:
-        logits = apply_penalties(logits.clone(), rows)
+        logits = apply_penalties(apply_restrictions(logits.clone(), rows), rows)
     unsuppressed = {}  # constrained rows' logits before min_tokens held their stop ids back
     for i, row in enumerate(rows):
         if row.suppressed:

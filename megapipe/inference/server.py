@@ -671,6 +671,8 @@ class OpenAIServer:
                 choice = {"index": i * body.n + c.index, "text": (prompt_text if body.echo else "") + text,
                           "logprobs": logprobs, "finish_reason": "length" if echo_only else c.finish_reason,
                           "stop_reason": c.stop_reason}
+                if body.return_token_ids:
+                    choice |= {"prompt_token_ids": list(out.prompt_token_ids), "token_ids": list(ids)}
                 if body.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = self._prompt_logprobs(self._top(out, body.prompt_logprobs))
                 choices.append(choice)
@@ -732,10 +734,16 @@ class OpenAIServer:
         options = body.stream_options
         include_usage = options is not None and options.include_usage
         running_usage = include_usage and options.continuous_usage_stats
+        with_ids: set[int] = set()  # return_token_ids: the choices whose prompt ids were sent
 
-        def chunk(index, text, out, c, logprobs=None, finish=None):
-            event = {"id": rid, "object": "text_completion", "created": created, "model": name,
-                     "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+        def chunk(index, text, out, c, logprobs=None, finish=None, ids=()):
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            if body.return_token_ids:  # vLLM's: each chunk's new ids, the prompt's with a choice's first chunk
+                choice["token_ids"] = list(ids)
+                if index not in with_ids:
+                    with_ids.add(index)
+                    choice["prompt_token_ids"] = list(out.prompt_token_ids)
+            event = {"id": rid, "object": "text_completion", "created": created, "model": name, "choices": [choice]}
             if running_usage:  # vLLM's continuous_usage_stats: this choice's counts so far
                 event["usage"] = _counts(len(out.prompt_token_ids), len(c.token_ids) if not echo_only else 0)
             return _sse(event)
@@ -769,7 +777,7 @@ class OpenAIServer:
                         lps = None
                         if k is not None:
                             lps = self._logprobs_block(new_ids, (c.logprobs or [])[sent_ids[key]:], offsets[key], k)
-                        yield chunk(key, delta, out, c, lps, finish)
+                        yield chunk(key, delta, out, c, lps, finish, new_ids)
                     if finish:
                         ended.add(key)
                     sent_text[key], sent_ids[key] = len(c.text), len(c.token_ids)
@@ -847,8 +855,12 @@ class OpenAIServer:
             choices.append({"index": c.index, "message": message,
                             "logprobs": self._chat_logprobs(c.token_ids, c.logprobs) if body.logprobs else None,
                             "finish_reason": finish, "stop_reason": c.stop_reason})
+            if body.return_token_ids:
+                choices[-1]["token_ids"] = list(c.token_ids)
         response = {"id": rid, "object": "chat.completion", "created": created, "model": self._model_name(),
                     "choices": choices, "usage": self._usage([out])}
+        if body.return_token_ids:
+            response["prompt_token_ids"] = list(out.prompt_token_ids)
         if body.prompt_logprobs is not None:
             response["prompt_logprobs"] = self._prompt_logprobs(self._top(out, body.prompt_logprobs))
         return JSONResponse(response, headers=headers)
@@ -901,9 +913,15 @@ class OpenAIServer:
         ended: set[int] = set()  # the choices whose finish_reason was sent: nothing follows it
         last = None
 
-        def chunk(index, delta, logprobs=None, finish=None):
+        def chunk(index, delta, logprobs=None, finish=None, ids=None):
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             event = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
-                     "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+                     "choices": [choice]}
+            if body.return_token_ids:  # vLLM's: the prompt's ids with the first chunk, each chunk's new ids
+                if not sent_ids:
+                    event["prompt_token_ids"] = list(last.prompt_token_ids)
+                if ids is not None:
+                    choice["token_ids"] = list(ids)
             if running_usage:  # vLLM's continuous_usage_stats: this choice's counts so far
                 done = len(last.outputs[index].token_ids) if index < len(last.outputs) else 0
                 event["usage"] = _counts(len(last.prompt_token_ids), done)
@@ -916,11 +934,12 @@ class OpenAIServer:
                     if c.index in ended:
                         continue
                     if c.index not in sent_text:
+                        first = chunk(c.index, {"role": "assistant", "content": ""})
                         sent_text[c.index], sent_ids[c.index] = {}, 0
                         parser = self._calls_parser(tools)
                         if parser is not None:
                             calls[c.index] = ToolStream(parser)
-                        yield chunk(c.index, {"role": "assistant", "content": ""})
+                        yield first
                         if echo:
                             yield chunk(c.index, {"content": echo})
                     sent, finish = sent_text[c.index], c.finish_reason
@@ -942,8 +961,8 @@ class OpenAIServer:
                     lps = None
                     if body.logprobs and new_ids:
                         lps = self._chat_logprobs(new_ids, (c.logprobs or [])[sent_ids[c.index]:])
-                    if delta or lps:
-                        yield chunk(c.index, delta or {"content": ""}, lps)
+                    if delta or lps or (new_ids and body.return_token_ids):
+                        yield chunk(c.index, delta or {"content": ""}, lps, None, new_ids)
                     if finish is not None and finish != "abort":
                         ended.add(c.index)
                         yield chunk(c.index, {}, None, finish)

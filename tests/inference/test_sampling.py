@@ -10,7 +10,16 @@ import pytest
 import torch
 
 from megapipe.inference import SamplingParams
-from megapipe.inference.sampling import SampleRow, apply_penalties, filter_logits, greedy_ids, sample
+from megapipe.errors import MegapipeError
+from megapipe.inference.sampling import (
+    ParamError,
+    SampleRow,
+    apply_penalties,
+    filter_logits,
+    greedy_ids,
+    penalised,
+    sample,
+)
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.5])
 DRAWS = 40_000
@@ -187,6 +196,70 @@ def test_greedy_and_suppressed_tokens():
             SampleRow(SamplingParams(temperature=1.0), torch.Generator().manual_seed(0), [], [], suppressed=[0, 1])]
     logits = torch.tensor([[5.0, 4.0, -30.0]] * 3)
     assert sample(logits, rows).tolist() == [0, 1, 2]
+
+
+def test_allowed_ids_bad_words_and_logit_bias_by_hand():
+    """vLLM's order, before penalties: outside allowed_token_ids and each bad word's last token (its other tokens
+    ending the output) at -inf, then the bias added; then the repetition penalty acts on the biased logit."""
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]])
+    inf = float("-inf")
+
+    def processed(output_ids=(), **params):
+        return penalised(logits, [SampleRow(SamplingParams(**params), None, [0], list(output_ids))])[0].tolist()
+
+    assert processed(allowed_token_ids=[1, 3]) == [inf, -1.0, inf, 3.0, inf, inf]
+    words = [[3], [2, 5], [1, 2, 4]]
+    assert processed([0, 2], bad_words_ids=words) == [2.0, -1.0, 0.5, inf, -2.0, inf]  # [2] ends the output: 5 out
+    assert processed([2, 1], bad_words_ids=words) == [2.0, -1.0, 0.5, inf, -2.0, 1.0]  # [1, 2] does not end it
+    assert processed([1, 2], bad_words_ids=words) == [2.0, -1.0, 0.5, inf, inf, inf]
+    assert processed(logit_bias={0: -4.0, 4: 2.5}) == [-2.0, -1.0, 0.5, 3.0, 0.5, 1.0]
+    assert processed(logit_bias={0: -4.0}, repetition_penalty=2.0) == [-4.0, -1.0, 0.5, 3.0, -2.0, 1.0]
+    assert logits.tolist() == [[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]]  # a copy was changed
+    rows = [SampleRow(SamplingParams(temperature=0, allowed_token_ids=[4]), None, [], []),
+            SampleRow(SamplingParams(temperature=1.0, logit_bias={2: 100.0}), torch.Generator().manual_seed(0),
+                      [], [])]
+    assert sample(logits.repeat(2, 1), rows).tolist() == [4, 2]
+
+
+@pytest.mark.parametrize("params,message", [
+    (dict(allowed_token_ids=[]), "allowed_token_ids is empty"),
+    (dict(allowed_token_ids=[1, 99]), "allowed_token_ids holds 99, not a token id in [0, 6)"),
+    (dict(logit_bias={7: 1.0}), "logit_bias holds token 7, not a token id in [0, 6)"),
+    (dict(logit_bias={1: float("nan")}), "logit_bias[1] = nan must be a finite number"),
+    (dict(bad_words=["ok", " "]), "bad_words must be a list of non-empty strings"),
+])
+def test_restrictions_out_of_range_are_refused(params, message):
+    with pytest.raises(ParamError) as e:
+        SamplingParams(**params).validate(vocab_size=6)
+    assert message in str(e.value) and e.value.param == next(iter(params))
+    assert isinstance(e.value, MegapipeError)
+
+
+def test_engine_restrictions_hold_with_and_without_speculation(tiny_engine_factory):
+    """Through the engine, greedy: every token in allowed_token_ids; a bias of 100 on one token makes it every
+    token; a bad word the unrestricted output holds is gone from it, and n-gram speculation (drafts verified with
+    the bad words applied after each draft) gives the same output."""
+    engine = tiny_engine_factory()
+    tok = engine.tokenizer
+    prompt = "The quick brown fox"
+    greedy = dict(max_tokens=24, temperature=0, ignore_eos=True)
+    free = engine.generate([prompt], SamplingParams(**greedy))[0].outputs[0]
+    allowed = sorted(set(free.token_ids[3:9]))
+    got = engine.generate([prompt], SamplingParams(**greedy, allowed_token_ids=allowed))[0].outputs[0]
+    assert set(got.token_ids) <= set(allowed) and got.token_ids != free.token_ids
+    biased = engine.generate([prompt], SamplingParams(**greedy, logit_bias={allowed[0]: 100.0}))[0].outputs[0]
+    assert biased.token_ids == [allowed[0]] * 24
+    pairs = [free.token_ids[i:i + 2] for i in range(2, 20)]  # two output tokens whose text encodes back to them
+    word_ids = next(ids for ids in pairs if tok.encode(tok.decode(ids).lstrip()) == ids)
+    params = SamplingParams(**greedy, bad_words=[tok.decode(word_ids)])
+    banned = engine.generate([prompt], params)[0].outputs[0]
+    checked = engine.check_request(tok.encode(prompt), params)
+    assert word_ids in checked.bad_words_ids and banned.token_ids != free.token_ids
+    for ids in checked.bad_words_ids:
+        assert not any(banned.token_ids[i:i + len(ids)] == list(ids) for i in range(len(banned.token_ids)))
+    speculating = tiny_engine_factory(speculative_method="ngram", speculative_tokens=3, prompt_lookup_min=1)
+    assert speculating.generate([prompt], params)[0].outputs[0].token_ids == banned.token_ids
+    assert speculating.stats()["spec_decode_num_draft_tokens"] > 0
 
 
 def test_engine_first_token_frequencies_follow_the_tempered_model(tiny_engine_factory):

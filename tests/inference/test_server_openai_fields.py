@@ -183,6 +183,66 @@ def test_errors_name_the_field_the_request_used(live):
         assert err["param"] == param and err["message"].startswith(param), err
 
 
+def test_logit_bias_allowed_ids_and_bad_words_reach_the_sampler(live, reference):
+    """OpenAI's logit_bias (string keys, clamped to [-100, 100]) and vLLM's allowed_token_ids and bad_words give the
+    engine's outputs for the same parameters; their mistakes are 400s naming the field."""
+    greedy = dict(max_tokens=12, temperature=0, ignore_eos=True)
+    free = reference.generate(["The quick brown"], SamplingParams(**greedy))[0].outputs[0].token_ids
+    tok = reference.tokenizer
+    word = next(tok.decode([t]) for t in free if tok.encode(tok.decode([t]).lstrip()) == [t])  # one of its tokens
+    for fields, params in (
+            ({"logit_bias": {str(free[2]): 1000}}, {"logit_bias": {free[2]: 100.0}}),
+            ({"logit_bias": {str(free[0]): -100, str(free[1]): 7.5}}, {"logit_bias": {free[0]: -100.0, free[1]: 7.5}}),
+            ({"allowed_token_ids": free[3:7]}, {"allowed_token_ids": free[3:7]}),
+            ({"bad_words": ["ab", word]}, {"bad_words": ["ab", word]})):
+        want = reference.generate(["The quick brown"], SamplingParams(**greedy, **params))[0].outputs[0].token_ids
+        assert want != free, fields
+        r = httpx.post(live.url + "/v1/completions", headers=AUTH, json={
+            "model": NAME, "prompt": "The quick brown", "return_token_ids": True, **greedy, **fields})
+        assert r.json()["choices"][0]["token_ids"] == want, fields
+    for fields, param, message in (
+            ({"logit_bias": {"x1": 1}}, "logit_bias", "logit_bias key 'x1' is not a token id"),
+            ({"logit_bias": {"999999": 1}}, "logit_bias", "logit_bias holds token 999999"),
+            ({"allowed_token_ids": []}, "allowed_token_ids", "allowed_token_ids is empty"),
+            ({"bad_words": [""]}, "bad_words", "bad_words must be a list of non-empty strings")):
+        r = httpx.post(live.url + "/v1/chat/completions", headers=AUTH, json={
+            "model": NAME, "messages": [{"role": "user", "content": "hi"}], **fields})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == param and message in err["message"], err
+
+
+def test_return_token_ids_gives_the_prompts_and_each_choices_ids(live, reference):
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=5, n=2, ignore_eos=True)
+    prompt_ids = reference.tokenizer.encode("The quick brown")
+    want = [c.token_ids for c in reference.generate([prompt_ids], params)[0].outputs]
+    body = {"model": NAME, "max_tokens": 10, "temperature": 1.0, "seed": 5, "n": 2, "ignore_eos": True,
+            "return_token_ids": True}
+    whole = httpx.post(live.url + "/v1/completions", headers=AUTH, json=body | {"prompt": "The quick brown"}).json()
+    assert [(c["prompt_token_ids"], c["token_ids"]) for c in whole["choices"]] == [(prompt_ids, w) for w in want]
+    got: dict[int, list] = {}
+    for e in events(live, "/v1/completions", body | {"prompt": "The quick brown"}):
+        for c in e["choices"]:
+            if c["index"] not in got:
+                assert c["prompt_token_ids"] == prompt_ids
+            got.setdefault(c["index"], []).extend(c["token_ids"])
+    assert [got[0], got[1]] == want
+    chat = body | {"messages": [{"role": "user", "content": "hi"}]}
+    chat_ids = httpx.post(live.url + "/tokenize", headers=AUTH, json={
+        "model": NAME, "messages": chat["messages"]}).json()["tokens"]
+    whole = httpx.post(live.url + "/v1/chat/completions", headers=AUTH, json=chat).json()
+    want = [c.token_ids for c in reference.generate([chat_ids], params)[0].outputs]
+    assert whole["prompt_token_ids"] == chat_ids and [c["token_ids"] for c in whole["choices"]] == want
+    streamed = events(live, "/v1/chat/completions", chat)
+    assert streamed[0]["prompt_token_ids"] == chat_ids and all("prompt_token_ids" not in e for e in streamed[1:])
+    got = {0: [], 1: []}
+    for e in streamed:
+        for c in e["choices"]:
+            got[c["index"]].extend(c.get("token_ids", []))
+    assert [got[0], got[1]] == want
+    plain = httpx.post(live.url + "/v1/completions", headers=AUTH, json=body | {"prompt": "a", "return_token_ids": False})
+    assert "token_ids" not in plain.json()["choices"][0]
+
+
 def test_token_bytes_rebuild_text_split_inside_characters(hf_llama):
     from megapipe.data.tokenizer import load_tokenizer
 
