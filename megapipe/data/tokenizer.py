@@ -99,8 +99,29 @@ class Tokenizer:
             self._fingerprint = "xxh3_128:" + xxhash.xxh3_128(text.encode("utf-8")).hexdigest()
         return self._fingerprint
 
-    def encode(self, text: str) -> list[int]:
-        return self.encode_batch([text])[0]
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """The text's ids; ``add_special_tokens``: with the tokens the tokenizer puts around a text (HF's default,
+        and vLLM's for a completion's prompt: a BOS for Llama, Gemma, Mistral; none for GPT-2-style BPE)."""
+        ids = self.encode_batch([text])[0]
+        if add_special_tokens:
+            before, after = self.added_tokens
+            ids = before + ids + after
+        return ids
+
+    @property
+    def added_tokens(self) -> tuple[list[int], list[int]]:
+        """The ids tokenizer.json's post-processor puts before and after a text when special tokens are added, as
+        transformers' tokenizer (5.x) puts them; its tokenizer_config.json's add_bos_token / add_eos_token do not
+        decide there, and do not here."""
+        if getattr(self, "_added", None) is None:
+            plain = self._hf.encode(PARITY_PROBE, add_special_tokens=False).ids
+            full = self._hf.encode(PARITY_PROBE, add_special_tokens=True).ids
+            at = next((i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain), None)
+            if at is None:
+                raise DataError(f"the tokenizer {self.path} changes a text's own tokens when it adds special "
+                                f"tokens (its post-processor); megapipe cannot add them to a prompt")
+            self._added = (full[:at], full[at + len(plain):])
+        return self._added
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each text (no template tokens added)."""

@@ -165,6 +165,14 @@ class EngineConfig:
 
 
 @dataclass
+class TextPrompt:
+    """A prompt's text with its ids, tokenized by the caller (a server that adds the tokenizer's BOS): the text is
+    the output's ``prompt`` (what echo repeats), the ids are what runs."""
+    text: str
+    ids: list[int]
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
@@ -397,7 +405,11 @@ class LLMEngine:
 
     # ----------------------------------------------------------------------------------------------- requests
 
-    def encode(self, prompt: Union[str, Sequence[int]]) -> tuple[Optional[str], list[int]]:
+    def encode(self, prompt: Union[str, Sequence[int], TextPrompt]) -> tuple[Optional[str], list[int]]:
+        """A prompt's (text or None, ids): a text is tokenized without special tokens (a chat template writes its
+        own); ids run as they are."""
+        if isinstance(prompt, TextPrompt):
+            return prompt.text, list(prompt.ids)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ParamError("prompt", "this engine has no tokenizer: give prompts as token ids")

@@ -167,6 +167,7 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     best_of: Optional[int] = None
     suffix: Optional[str] = None
+    add_special_tokens: bool = True  # the tokenizer's own special tokens around a text prompt (a BOS), as vLLM's
 
 
 class ChatMessage(_Body):
@@ -242,6 +243,7 @@ class ChatCompletionRequest(_Sampling):
     continue_final_message: bool = False  # the last (assistant) message left open: the reply continues it
     chat_template_kwargs: Optional[dict[str, Any]] = None  # more variables for the chat template
     echo: bool = False  # the reply starts with the last message's content when that message is the assistant's
+    add_special_tokens: bool = False  # the tokenizer's special tokens on top of the chat template's (vLLM's)
 
 
 class TokenizeRequest(_Body):
@@ -251,6 +253,7 @@ class TokenizeRequest(_Body):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    add_special_tokens: Optional[bool] = None  # default: yes for a prompt, no for messages (as vLLM's)
 
 
 class DetokenizeRequest(_Body):

@@ -43,7 +43,7 @@ from megapipe.data.images import (
 )
 from megapipe.errors import DataError, MegapipeError
 from megapipe.inference.async_engine import EngineDead, QueueFull, ShuttingDown, StreamingEngine
-from megapipe.inference.engine import RequestOutput
+from megapipe.inference.engine import RequestOutput, TextPrompt
 from megapipe.inference.metrics import ServerMetrics
 from megapipe.inference.protocol import (
     ChatCompletionRequest,
@@ -534,7 +534,8 @@ class OpenAIServer:
                            param="messages")
         text = body.prompt if body.prompt is not None else self._render(
             body.messages, body.add_generation_prompt, None, body.continue_final_message, body.chat_template_kwargs)
-        ids = tok.encode(text)
+        specials = body.add_special_tokens if body.add_special_tokens is not None else body.prompt is not None
+        ids = tok.encode(text, specials)
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
 
     async def detokenize(self, request: Request):
@@ -566,7 +567,14 @@ class OpenAIServer:
         text = image_markers(self.engine.model_config, self.tokenizer)
         return (text, ImageProcessor.from_dir(self.tokenizer.path)) if text is not None else (None, None)
 
-    def _with_images(self, text: str, urls: list[str]) -> tuple[list[int], object]:
+    def _with_specials(self, text: str, add_special_tokens: bool):
+        """The prompt to run: the text, or where the tokenizer puts special tokens around it (a BOS) and the
+        request wants them, the text with its ids."""
+        if add_special_tokens and any(self.tokenizer.added_tokens):
+            return TextPrompt(text, self.tokenizer.encode(text, True))
+        return text
+
+    def _with_images(self, text: str, urls: list[str], add_special_tokens: bool) -> tuple[list[int], object]:
         """The rendered prompt's tokens, each image's placeholder repeated for its patches, and its images."""
         pil = []
         for i, url in enumerate(urls):
@@ -580,7 +588,8 @@ class OpenAIServer:
             raise APIError(400, str(e), param="messages") from None
         counts = [self.image_processor.token_count(g) for g in grids]
         try:
-            ids = expand_image_tokens(self.tokenizer.encode(text), self.engine.model_config.image_token_id, counts)
+            ids = expand_image_tokens(self.tokenizer.encode(text, add_special_tokens),
+                                      self.engine.model_config.image_token_id, counts)
             return ids, self.engine.prompt_images(ids, pixels, grids)
         except ImageError as e:
             raise APIError(400, str(e), param="messages") from None
@@ -625,7 +634,7 @@ class OpenAIServer:
                                 f"requests (--max-queue): send fewer prompts per request", param="prompt")
         if any(isinstance(x, str) for x in prompts):
             self._need_tokenizer()
-        return prompts
+        return [self._with_specials(x, body.add_special_tokens) if isinstance(x, str) else x for x in prompts]
 
     async def completions(self, request: Request):
         body = await self._body(request, CompletionRequest)
@@ -810,7 +819,9 @@ class OpenAIServer:
         text = self._render(body.messages, body.add_generation_prompt, body.tools, body.continue_final_message,
                             body.chat_template_kwargs)
         urls = [url for m in body.messages for url in m.image_urls()]
-        prompt, images = (await asyncio.to_thread(self._with_images, text, urls)) if urls else (text, None)
+        specials = body.add_special_tokens
+        prompt, images = (await asyncio.to_thread(self._with_images, text, urls, specials)) if urls else (
+            self._with_specials(text, specials), None)
         top = body.top_logprobs
         if top is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")

@@ -98,6 +98,47 @@ def test_save_writes_files_autotokenizer_loads(tmp_path, tiny_tokenizer_dir):
     assert hf("Et tu, Brute?", add_special_tokens=False).input_ids == src.encode("Et tu, Brute?")
 
 
+def with_specials(src, out, post_processor=None, **config):
+    """A copy of the tokenizer directory ``src`` whose tokenizer.json has ``post_processor`` and whose
+    tokenizer_config.json has ``config`` added."""
+    import shutil
+
+    shutil.copytree(src, out)
+    if post_processor is not None:
+        data = json.loads((out / "tokenizer.json").read_text())
+        data["post_processor"] = post_processor
+        (out / "tokenizer.json").write_text(json.dumps(data))
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg | config))
+    return out
+
+
+def test_special_tokens_are_added_as_transformers_adds_them(tmp_path, tiny_tokenizer_dir):
+    """add_special_tokens=True gives AutoTokenizer's ids: none for a byte-level BPE, the post-processor's BOS where
+    tokenizer.json has one (Llama 3's, and the processors transformers saved for Llama 2, Gemma, Mistral);
+    tokenizer_config.json's add_bos_token / add_eos_token change nothing in transformers 5, nor here."""
+    from transformers import AutoTokenizer
+
+    bos_template = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<|pad|>", "type_id": 0}},
+                                                             {"Sequence": {"id": "A", "type_id": 0}}],
+                    "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                    "special_tokens": {"<|pad|>": {"id": "<|pad|>", "ids": [1], "tokens": ["<|pad|>"]}}}
+    cases = {
+        "plain": (with_specials(tiny_tokenizer_dir, tmp_path / "plain"), ([], [])),
+        "post_processor": (with_specials(tiny_tokenizer_dir, tmp_path / "post", bos_template), ([1], [])),
+        "config": (with_specials(tiny_tokenizer_dir, tmp_path / "config", bos_template, add_bos_token=False,
+                                 add_eos_token=True, eos_token="<|endoftext|>"), ([1], [])),
+        "config_bos": (with_specials(tiny_tokenizer_dir, tmp_path / "config_bos", None, add_bos_token=True,
+                                     bos_token="<|pad|>"), ([], [])),
+    }
+    for name, (path, added) in cases.items():
+        tok, hf = load_tokenizer(path), AutoTokenizer.from_pretrained(path)
+        assert tok.added_tokens == added, name
+        for text in ("Et tu, Brute?", "", " a"):
+            assert tok.encode(text, add_special_tokens=True) == hf(text).input_ids, (name, text)
+            assert tok.encode(text) == hf(text, add_special_tokens=False).input_ids, (name, text)
+
+
 def test_bad_tokenizer_paths_are_one_clear_error(tmp_path):
     with pytest.raises(DataError, match=r"tokenizer .*nope does not exist"):
         load_tokenizer(tmp_path / "nope")

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from megapipe.inference import SamplingParams
 from megapipe.errors import MegapipeError
+from megapipe.inference import SamplingParams
 from megapipe.inference.sampling import (
     ParamError,
     SampleRow,

@@ -243,6 +243,50 @@ def test_return_token_ids_gives_the_prompts_and_each_choices_ids(live, reference
     assert "token_ids" not in plain.json()["choices"][0]
 
 
+def test_a_completion_prompt_gets_the_tokenizers_bos_as_in_vllm(hf_llama, reference, tmp_path):
+    """A tokenizer whose post-processor puts a BOS before a text (Llama, Gemma, Mistral): a completion's text prompt
+    runs with it (add_special_tokens, true by default), echo shows the text alone; a chat prompt gets none on top of
+    the template's unless asked; /tokenize adds it to a prompt, not to messages."""
+    import json
+    import shutil
+
+    from tests.inference.test_server import LiveServer
+
+    model = tmp_path / "bos"
+    shutil.copytree(hf_llama[0], model)
+    data = json.loads((model / "tokenizer.json").read_text())
+    data["post_processor"] = {"type": "TemplateProcessing",
+                              "single": [{"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}},
+                                         {"Sequence": {"id": "A", "type_id": 0}}],
+                              "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                              "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [0],
+                                                                   "tokens": ["<|endoftext|>"]}}}
+    (model / "tokenizer.json").write_text(json.dumps(data))
+    server = LiveServer(model)
+    try:
+        ids = reference.tokenizer.encode("The quick brown")
+        greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        body = {"model": NAME, "prompt": "The quick brown", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True, "echo": True}
+        for extra, prompt_ids in (({}, [0] + ids), ({"add_special_tokens": False}, ids)):
+            r = httpx.post(server.url + "/v1/completions", headers=AUTH, json=body | extra).json()
+            want = reference.generate([prompt_ids], greedy)[0].outputs[0]
+            choice = r["choices"][0]
+            assert (choice["prompt_token_ids"], choice["token_ids"]) == (prompt_ids, want.token_ids), extra
+            assert choice["text"] == "The quick brown" + want.text and r["usage"]["prompt_tokens"] == len(prompt_ids)
+        messages = [{"role": "user", "content": "hi"}]
+        chat_ids = httpx.post(server.url + "/tokenize", headers=AUTH, json={"messages": messages}).json()["tokens"]
+        assert chat_ids[0] != 0
+        for extra, prompt_ids in (({}, chat_ids), ({"add_special_tokens": True}, [0] + chat_ids)):
+            r = httpx.post(server.url + "/v1/chat/completions", headers=AUTH, json={
+                "model": NAME, "messages": messages, "max_tokens": 2, "return_token_ids": True, **extra}).json()
+            assert r["prompt_token_ids"] == prompt_ids, extra
+        tokenized = httpx.post(server.url + "/tokenize", headers=AUTH, json={"prompt": "The quick brown"}).json()
+        assert tokenized["tokens"] == [0] + ids
+    finally:
+        server.stop()
+
+
 def test_token_bytes_rebuild_text_split_inside_characters(hf_llama):
     from megapipe.data.tokenizer import load_tokenizer
 
