@@ -164,6 +164,23 @@ class EngineConfig:
                               f"{', '.join(kernels.BF16_LINEAR_CHOICES)}")
 
 
+def bad_words_ids(tokenizer, words: Sequence[str]) -> list[list[int]]:
+    """Each bad word's token sequences as vLLM bans them: the word as it is (less leading spaces), and after a space
+    where that begins with another token and is as long (a word inside the text)."""
+    if tokenizer is None:
+        raise ParamError("bad_words", "this model has no tokenizer: bad_words cannot be tokenized")
+    found = []
+    for word in words:
+        bare = list(tokenizer.encode(word.lstrip()))
+        spaced = list(tokenizer.encode(" " + word.lstrip()))
+        if not bare:
+            raise ParamError("bad_words", f"bad word {word!r} holds no token")
+        found.append(bare)
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            found.append(spaced)
+    return found
+
+
 @dataclass
 class TextPrompt:
     """A prompt's text with its ids, tokenized by the caller (a server that adds the tokenizer's BOS): the text is
@@ -420,7 +437,7 @@ class LLMEngine:
         """Validate a request before it is queued; returns params with max_tokens resolved."""
         params.validate(self.vocab_size, self.config.max_n)
         if params.bad_words and not params.bad_words_ids:
-            params = replace(params, bad_words_ids=self._bad_words_ids(params.bad_words))
+            params = replace(params, bad_words_ids=bad_words_ids(self.tokenizer, params.bad_words))
         if params.structured is not None:
             self.grammars.compile(params.structured)  # a cache hit when the server compiled it beforehand
         if not prompt_ids:
@@ -438,22 +455,6 @@ class LLMEngine:
         if params.max_tokens is None:
             params = replace(params, max_tokens=limit - n)
         return params
-
-    def _bad_words_ids(self, words: Sequence[str]) -> list[list[int]]:
-        """Each bad word's token sequences as vLLM bans them: the word as it is (less leading spaces), and after a
-        space where that begins with another token and is as long (a word inside the text)."""
-        if self.tokenizer is None:
-            raise ParamError("bad_words", "this model has no tokenizer: bad_words cannot be tokenized")
-        found = []
-        for word in words:
-            bare = list(self.tokenizer.encode(word.lstrip()))
-            spaced = list(self.tokenizer.encode(" " + word.lstrip()))
-            if not bare:
-                raise ParamError("bad_words", f"bad word {word!r} holds no token")
-            found.append(bare)
-            if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
-                found.append(spaced)
-        return found
 
     def add_request(self, request_id: str, prompt: Union[str, Sequence[int]], params: SamplingParams,
                     arrival: Optional[float] = None, images: Union[dict, PromptImages, None] = None,

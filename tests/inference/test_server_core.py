@@ -64,13 +64,15 @@ def reference(hf_llama):
 
 
 CASES = [  # stop strings (one inside a multi-token character), n > 1 with a stop in one sample, min_tokens,
-    # logprobs and prompt logprobs, special tokens kept, token-id prompts
+    # logprobs and prompt logprobs, special tokens kept, token-id prompts, bad words, a logit bias, allowed ids
     ("The quick brown", SamplingParams(max_tokens=30, temperature=0)),
     ("The quick brown", SamplingParams(max_tokens=30, temperature=0, stop=["o", "xyz"], logprobs=2)),
     ("Hello", SamplingParams(max_tokens=20, temperature=1.0, seed=3, n=3, stop=[" t"], prompt_logprobs=1)),
     ("Hello", SamplingParams(max_tokens=20, temperature=1.0, seed=5, n=2, min_tokens=5, stop=["a"])),
     ([5, 6, 7], SamplingParams(max_tokens=20, temperature=0.8, seed=1, logprobs=0, stop=["e"])),
     ("A stitch in", SamplingParams(max_tokens=25, temperature=1.0, seed=7, skip_special_tokens=False)),
+    ("The quick brown", SamplingParams(max_tokens=12, temperature=0, bad_words=["ab", "e"], logit_bias={5: 3.0})),
+    ("The quick brown", SamplingParams(max_tokens=12, temperature=0.7, seed=2, allowed_token_ids=[5, 9, 40, 77])),
 ]
 
 
