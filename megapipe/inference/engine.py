@@ -434,7 +434,8 @@ class LLMEngine:
         return None, [int(t) for t in prompt]
 
     def check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> SamplingParams:
-        """Validate a request before it is queued; returns params with max_tokens resolved."""
+        """Validate a request before it is queued; returns params with max_tokens resolved (none, or more than the
+        context has room for after the prompt: that room)."""
         params.validate(self.vocab_size, self.config.max_n)
         if params.bad_words and not params.bad_words_ids:
             params = replace(params, bad_words_ids=bad_words_ids(self.tokenizer, params.bad_words))
@@ -446,14 +447,13 @@ class LLMEngine:
         if bad is not None:
             raise ParamError("prompt", f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         limit, n = self.max_model_len, len(prompt_ids)
-        if n >= limit or (params.max_tokens is not None and n + params.max_tokens > limit):
-            asked = n + (params.max_tokens or 1)
-            raise ParamError("max_tokens" if n < limit else "prompt",
-                             f"This model's maximum context length is {limit} tokens. However, you requested {asked}"
-                             f" tokens ({n} in the prompt, {asked - n} in the completion). Please reduce the length "
-                             f"of the prompt or completion.")
-        if params.max_tokens is None:
-            params = replace(params, max_tokens=limit - n)
+        if n >= limit:
+            raise ParamError("prompt", f"This model's maximum context length is {limit} tokens. However, your "
+                                       f"request has {n} input tokens, which leaves none to generate. Please reduce "
+                                       f"the length of the prompt.")
+        room = limit - n  # as vLLM's server: max_tokens (or its default) is cut to what the context has room for
+        if params.max_tokens is None or params.max_tokens > room:
+            params = replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
         return params
 
     def add_request(self, request_id: str, prompt: Union[str, Sequence[int]], params: SamplingParams,

@@ -191,9 +191,11 @@ def test_pool_accounting_abort_and_errors(tiny_engine_factory):
     engine.abort("b")
     assert engine.blocks.usage() == 0 and not engine.has_unfinished()
     limit = engine.max_model_len
+    cut = engine.check_request(PROMPTS[3], SamplingParams(max_tokens=limit, min_tokens=limit))
+    assert cut.max_tokens == cut.min_tokens == limit - len(PROMPTS[3])  # the context's room after the prompt
     with pytest.raises(ParamError, match=f"maximum context length is {limit} tokens") as e:
-        engine.add_request("c", PROMPTS[3], SamplingParams(max_tokens=limit))
-    assert e.value.param == "max_tokens"
+        engine.add_request("c", [1] * limit, SamplingParams(max_tokens=1))
+    assert e.value.param == "prompt"
     bad = {"temperature": -1.0, "top_p": 0.0, "top_k": -3, "min_p": 1.5, "n": 0, "max_tokens": 0,
            "repetition_penalty": 0.0, "presence_penalty": 3.0, "logprobs": 21, "seed": -1, "stop_token_ids": [10**6]}
     for name, value in bad.items():

@@ -182,9 +182,12 @@ def test_error_statuses_have_openai_shape(live):
     with pytest.raises(openai.BadRequestError) as e:
         c.completions.create(model=NAME, prompt="x", max_tokens=5, n="two")
     assert e.value.body["param"] == "n"
-    with pytest.raises(openai.BadRequestError, match="maximum context length is 128 tokens") as e:
-        c.completions.create(model=NAME, prompt="The quick brown fox", max_tokens=200)
-    assert e.value.body["param"] == "max_tokens"
+    long = c.completions.create(model=NAME, prompt=[5] * 100, max_tokens=200, extra_body={"ignore_eos": True})
+    assert long.usage.completion_tokens == 28 and long.choices[0].finish_reason == "length"  # cut to the context's room
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 128 tokens. However, your request "
+                                                     "has 128 input tokens") as e:
+        c.completions.create(model=NAME, prompt=[5] * 128, max_tokens=1)
+    assert e.value.body["param"] == "prompt"
     with pytest.raises(openai.NotFoundError) as e:
         c.completions.create(model="gpt-4", prompt="x")
     assert e.value.body["code"] == "model_not_found"
