@@ -23,7 +23,7 @@ class StreamOptions(_Body):
 
 
 class _Sampling(_Body):
-    model: str
+    model: Optional[str] = None  # left out: the served base model (as vLLM's)
     n: int = 1
     temperature: Optional[float] = None
     top_p: Optional[float] = None

@@ -174,6 +174,13 @@ def test_the_request_id_comes_from_the_header_or_the_body(live):
     assert {e["id"] for e in streamed} == {"cmpl-s1"}
 
 
+def test_a_request_without_a_model_runs_on_the_base_model(live):
+    for route, body in (("/v1/completions", {"prompt": "hi"}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        r = httpx.post(live.url + route, headers=AUTH, json=body | {"max_tokens": 2})
+        assert r.status_code == 200 and r.json()["model"] == NAME, r.text
+
+
 def test_errors_name_the_field_the_request_used(live):
     chat = {"model": NAME, "messages": [{"role": "user", "content": "hi"}]}
     for extra, param in (({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
