@@ -58,7 +58,8 @@ class _Sample:
 
     def update(self, s: SampleOutput, params: SamplingParams) -> bool:
         """Take the core's new tokens one at a time, as LLMEngine._append would with a tokenizer: text, then stop
-        strings (from min_tokens on); a token that ends the sample in the core (EOS, a stop token id) has no text.
+        strings (from min_tokens on); a token that ends the sample in the core (EOS, a stop token id) has no text
+        unless include_stop_str_in_output kept it.
         True when a stop string ended it here and the core has not."""
         if self.finish_reason is not None:
             return False  # a stop string ended it here; the core's later tokens are not part of it
@@ -76,8 +77,8 @@ class _Sample:
                     self.detok.stop_at(hit, params.include_stop_str_in_output)
                     self.finish_reason, self.stop_reason = "stop", hit[1]
                     return s.finish_reason is None
-        if s.finish_reason == "stop":
-            self.generated += 1  # the stop token: counted, not shown
+        if s.finish_reason == "stop" and not params.include_stop_str_in_output:
+            self.generated += 1  # the stop token: counted, not shown (kept, it came with the others)
         elif s.finish_reason == "length" and self.detok is not None:
             self.detok.flush()
         if s.finish_reason is not None:

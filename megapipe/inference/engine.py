@@ -221,7 +221,8 @@ class Completion:
         self.logprobs: list = []  # per generated token: (logprob, [(id, logprob), ...])
         self.prompt_logprobs: list = []  # None for the first prompt token, then one per prompt token
         self.stop_reason: Union[int, str, None] = None  # the stop string or stop_token_ids id that ended it (vLLM's)
-        self.by_token = False  # a token (EOS, a stop id, the grammar's end) ended it: not part of the output
+        self.by_token = False  # a token (EOS, a stop id, the grammar's end) ended it: not part of the output (unless
+        # include_stop_str_in_output)
         self.last_token_time: Optional[float] = None
 
 
@@ -671,8 +672,12 @@ class LLMEngine:
         reason, stop_reason = None, None
         if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids or (
                 seq.matcher is not None and seq.matcher.terminated):  # a grammar's end ends it, ignore_eos or not
-            reason, stop_reason = "stop", token if token in p.stop_token_ids else None  # EOS: None, as vLLM
-            done.by_token = True
+            eos = not p.ignore_eos and token in self.eos_token_ids
+            reason, stop_reason = "stop", token if token in p.stop_token_ids and not eos else None  # EOS: None
+            # include_stop_str_in_output keeps the ending token in the output, its text too (vLLM's rule)
+            done.by_token = not p.include_stop_str_in_output
+            if not done.by_token and done.detok is not None:
+                done.detok.add(token)
         elif done.detok is not None:
             new = done.detok.add(token)
             if n_out >= p.min_tokens:

@@ -746,7 +746,8 @@ class OpenAIServer:
         with_ids: set[int] = set()  # return_token_ids: the choices whose prompt ids were sent
 
         def chunk(index, text, out, c, logprobs=None, finish=None, ids=()):
-            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
+                      "stop_reason": c.stop_reason if finish == "stop" else None}
             if body.return_token_ids:  # vLLM's: each chunk's new ids, the prompt's with a choice's first chunk
                 choice["token_ids"] = list(ids)
                 if index not in with_ids:
@@ -851,7 +852,7 @@ class OpenAIServer:
         choices = []
         for c in out.outputs:
             reply = self._reply(c.text, True, thinks)
-            message, finish = {"role": "assistant", **reply}, c.finish_reason
+            message, finish = {"role": self._reply_role(body), **reply}, c.finish_reason
             if "reasoning_content" in reply and not reply["content"]:
                 message["content"] = None  # all thinking (vLLM's too)
             parser = self._calls_parser(tools)
@@ -860,7 +861,7 @@ class OpenAIServer:
                 message = {**message, "content": content or None}
                 if calls:
                     message["tool_calls"] = [call.as_dict() for call in calls]
-                    finish = "tool_calls" if finish == "stop" else finish
+                    finish = "tool_calls" if finish == "stop" and tools.mode != "named" else finish
             if echo:
                 message["content"] = echo + (message["content"] or "")
             choices.append({"index": c.index, "message": message,
@@ -875,6 +876,11 @@ class OpenAIServer:
         if body.prompt_logprobs is not None:
             response["prompt_logprobs"] = self._prompt_logprobs(self._top(out, body.prompt_logprobs))
         return JSONResponse(response, headers=headers)
+
+    @staticmethod
+    def _reply_role(body) -> str:
+        """vLLM's: the assistant's, or without a generation prompt the last message's (the output continues it)."""
+        return "assistant" if body.add_generation_prompt else body.messages[-1].role
 
     def _reply(self, text: str, final: bool = True, thinks: bool = True) -> dict:
         """A chat reply's content and its reasoning_content where it has some: harmony's final and analysis
@@ -922,10 +928,11 @@ class OpenAIServer:
         sent_ids: dict[int, int] = {}
         calls: dict[int, ToolStream] = {}
         ended: set[int] = set()  # the choices whose finish_reason was sent: nothing follows it
-        last = None
+        last, role = None, self._reply_role(body)
 
-        def chunk(index, delta, logprobs=None, finish=None, ids=None):
-            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        def chunk(index, delta, logprobs=None, finish=None, ids=None, stop_reason=None):
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
+                      "stop_reason": stop_reason}
             event = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
                      "choices": [choice]}
             if body.return_token_ids:  # vLLM's: the prompt's ids with the first chunk, each chunk's new ids
@@ -933,8 +940,8 @@ class OpenAIServer:
                     event["prompt_token_ids"] = list(last.prompt_token_ids)
                 if ids is not None:
                     choice["token_ids"] = list(ids)
-            if running_usage:  # vLLM's continuous_usage_stats: this choice's counts so far
-                done = len(last.outputs[index].token_ids) if index < len(last.outputs) else 0
+            if running_usage:  # vLLM's continuous_usage_stats: this choice's counts so far (none in its role chunk)
+                done = len(last.outputs[index].token_ids) if index < len(last.outputs) and "role" not in delta else 0
                 event["usage"] = _counts(len(last.prompt_token_ids), done)
             return _sse(event)
 
@@ -945,7 +952,7 @@ class OpenAIServer:
                     if c.index in ended:
                         continue
                     if c.index not in sent_text:
-                        first = chunk(c.index, {"role": "assistant", "content": ""})
+                        first = chunk(c.index, {"role": role, "content": ""})
                         sent_text[c.index], sent_ids[c.index] = {}, 0
                         parser = self._calls_parser(tools)
                         if parser is not None:
@@ -966,8 +973,8 @@ class OpenAIServer:
                             delta["content"] = content
                         if deltas:
                             delta["tool_calls"] = deltas
-                        if stream.called and finish == "stop":
-                            finish = "tool_calls"
+                        if stream.called and finish == "stop" and tools.mode != "named":
+                            finish = "tool_calls"  # a named function's call ends with stop (OpenAI's, vLLM's)
                     new_ids = c.token_ids[sent_ids[c.index]:]
                     lps = None
                     if body.logprobs and new_ids:
@@ -976,7 +983,7 @@ class OpenAIServer:
                         yield chunk(c.index, delta or {"content": ""}, lps, None, new_ids)
                     if finish is not None and finish != "abort":
                         ended.add(c.index)
-                        yield chunk(c.index, {}, None, finish)
+                        yield chunk(c.index, {}, None, finish, None, c.stop_reason if finish == "stop" else None)
                     sent.update((k, len(v)) for k, v in reply.items())
                     sent_ids[c.index] = len(c.token_ids)
             if include_usage and last is not None:

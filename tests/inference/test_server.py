@@ -146,10 +146,20 @@ def test_streaming_completions_and_usage(live, reference):
     # a stop string: streamed text never shows a part of it, and ends where the non-streamed one does
     stop = want.outputs[0].text[5:8]
     plain = c.completions.create(model=NAME, prompt="The quick brown", max_tokens=16, temperature=0, stop=[stop])
-    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
-        model=NAME, prompt="The quick brown", max_tokens=16, temperature=0, stop=[stop], stream=True))
+    events = list(c.completions.create(model=NAME, prompt="The quick brown", max_tokens=16, temperature=0,
+                                       stop=[stop], stream=True))
+    streamed = "".join(ch.choices[0].text for ch in events)
     assert streamed == plain.choices[0].text == want.outputs[0].text[:want.outputs[0].text.find(stop)]
-    assert plain.choices[0].finish_reason == "stop"
+    assert plain.choices[0].finish_reason == "stop" and plain.choices[0].stop_reason == stop
+    # vLLM's stop_reason on every chunk: the stop string on the last, null before
+    assert [ch.choices[0].stop_reason for ch in events] == [None] * (len(events) - 1) + [stop]
+    chat = dict(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=16, temperature=0,
+                extra_body={"ignore_eos": True})
+    stop = c.chat.completions.create(**chat).choices[0].message.content[4:7]
+    events = list(c.chat.completions.create(**chat, stop=[stop], stream=True))
+    assert [(ch.choices[0].finish_reason, ch.choices[0].model_extra["stop_reason"]) for ch in events][-1] == (
+        "stop", stop)
+    assert all(ch.choices[0].model_extra["stop_reason"] is None for ch in events[:-1])
 
 
 def test_chat_multi_turn_and_streaming(live, reference):

@@ -90,7 +90,9 @@ def test_outputs_equal_the_in_process_engine(live, reference):
     reasons = set()
     ended = reference.generate(["To be"], SamplingParams(max_tokens=8, temperature=0))[0].outputs[0].token_ids
     stop_token = ("To be", SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[ended[5]], logprobs=1))
-    for prompt, params in CASES + [stop_token]:
+    kept = ("To be", SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[ended[5]], logprobs=1,
+                                    include_stop_str_in_output=True))
+    for prompt, params in CASES + [stop_token, kept]:
         outs = asyncio.run(stream(prompt, replace(params)))
         (want,) = reference.generate([prompt], replace(params))
         assert same(outs[-1], want), (prompt, params, outs[-1], want)

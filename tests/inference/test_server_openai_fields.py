@@ -88,6 +88,8 @@ def test_continuous_usage_stats_count_every_chunk(live):
         assert all("usage" in e for e in got)
         done = [e["usage"]["completion_tokens"] for e in got]
         assert done == sorted(done) and done[-1] == 6 and got[-1]["choices"] == []
+        if route == "/v1/chat/completions":
+            assert got[0]["choices"][0]["delta"]["role"] == "assistant" and done[0] == 0  # the role chunk: none yet
         assert {e["usage"]["prompt_tokens"] for e in got} == {got[-1]["usage"]["prompt_tokens"]}
 
 
@@ -103,6 +105,19 @@ def test_include_stop_str_in_output_keeps_the_stop_string(live, reference):
     streamed = "".join(c["text"] for e in events(live, "/v1/completions", body | {"include_stop_str_in_output": True})
                        for c in e["choices"])
     assert streamed == kept["text"]
+    # a stop token id: kept in the output with its text (vLLM's), its id the stop_reason
+    ids = want[0].outputs[0].token_ids
+    body = {"model": NAME, "prompt": "The quick brown", "max_tokens": 16, "temperature": 0, "stop_token_ids": [ids[4]],
+            "return_token_ids": True}
+    plain = httpx.post(live.url + "/v1/completions", json=body, headers=AUTH).json()
+    kept = httpx.post(live.url + "/v1/completions", json=body | {"include_stop_str_in_output": True},
+                      headers=AUTH).json()
+    assert plain["choices"][0]["token_ids"] == ids[:4] and kept["choices"][0]["token_ids"] == ids[:5]
+    assert kept["choices"][0]["text"] == reference.tokenizer.decode(ids[:5])
+    assert plain["choices"][0]["stop_reason"] == kept["choices"][0]["stop_reason"] == ids[4]
+    assert plain["usage"]["completion_tokens"] == kept["usage"]["completion_tokens"] == 5
+    streamed = events(live, "/v1/completions", body | {"include_stop_str_in_output": True})
+    assert "".join(c["text"] for e in streamed for c in e["choices"]) == kept["choices"][0]["text"]
 
 
 def test_prompt_logprobs_in_vllms_shape(live, reference):
@@ -179,6 +194,14 @@ def test_a_request_without_a_model_runs_on_the_base_model(live):
                         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
         r = httpx.post(live.url + route, headers=AUTH, json=body | {"max_tokens": 2})
         assert r.status_code == 200 and r.json()["model"] == NAME, r.text
+
+
+def test_without_a_generation_prompt_the_reply_has_the_last_messages_role(live):
+    body = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "add_generation_prompt": False}
+    r = httpx.post(live.url + "/v1/chat/completions", headers=AUTH, json=body).json()
+    assert r["choices"][0]["message"]["role"] == "user"
+    assert events(live, "/v1/chat/completions", body)[0]["choices"][0]["delta"]["role"] == "user"
 
 
 def test_errors_name_the_field_the_request_used(live):
