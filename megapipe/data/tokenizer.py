@@ -154,6 +154,10 @@ class Tokenizer:
     def decode(self, ids) -> str:
         return self._hf.decode([int(i) for i in ids], skip_special_tokens=False)
 
+    def id_to_token(self, token_id: int) -> str | None:
+        """The token's own string in the vocabulary (byte-level BPE's "Ġthe"), not its decoded text."""
+        return self._hf.id_to_token(int(token_id))
+
     def token_to_id(self, token: str) -> int | None:
         return self._hf.token_to_id(token)
 

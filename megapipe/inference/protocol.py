@@ -48,6 +48,8 @@ class _Sampling(_Body):
     allowed_token_ids: Optional[list[int]] = None
     bad_words: Optional[list[str]] = None
     return_token_ids: bool = False  # the prompt's and each choice's token ids in the response (vLLM's)
+    truncate_prompt_tokens: Optional[int] = None  # keep the prompt's last k tokens (-1: --max-model-len), vLLM's
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" (vLLM's)
     request_id: Optional[str] = None  # the response's id (after the X-Request-Id header)
     # vLLM's structured outputs: its current object and its older names
     structured_outputs: Optional[dict[str, Any]] = None
@@ -254,6 +256,7 @@ class TokenizeRequest(_Body):
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
     add_special_tokens: Optional[bool] = None  # default: yes for a prompt, no for messages (as vLLM's)
+    return_token_strs: bool = False  # the tokens' vocabulary strings beside their ids (vLLM's)
 
 
 class DetokenizeRequest(_Body):

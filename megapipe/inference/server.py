@@ -60,6 +60,8 @@ from megapipe.inference.tool_calls import NamedCall, Parser, RequiredCalls, Tool
 log = logging.getLogger("megapipe.serve")
 MiB = 1 << 20
 _LORA: contextvars.ContextVar = contextvars.ContextVar("lora", default=None)  # the adapter a request asked for
+# vLLM's return_tokens_as_token_ids: the request's logprob tokens as "token_id:N" (ids that do not decode alone)
+_AS_IDS: contextvars.ContextVar = contextvars.ContextVar("as_ids", default=False)
 
 
 @dataclass
@@ -307,6 +309,10 @@ class OpenAIServer:
             raise APIError(400, "this model has no tokenizer: send token ids", param="prompt")
         return self.tokenizer
 
+    def _logprob_token(self, token: int) -> str:
+        """A token as logprobs name it: its text, or "token_id:N" where the request asked for ids."""
+        return f"token_id:{token}" if _AS_IDS.get() else self._token_text(token)
+
     def _token_text(self, token: int) -> str:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else f"token_id:{token}"
 
@@ -431,7 +437,7 @@ class OpenAIServer:
         tokens, token_lps, tops, starts = [], [], [], []
         for tok, entry in list(zip(*prompt_entries, strict=True) if prompt_entries else []) + list(
                 zip(token_ids, lps or [], strict=False)):
-            text = self._token_text(tok)
+            text = self._logprob_token(tok)
             tokens.append(text)
             starts.append(offsets.take(self._token_bytes(tok)))
             if entry is None:
@@ -439,7 +445,7 @@ class OpenAIServer:
                 tops.append(None)
             else:
                 token_lps.append(entry[0])
-                top = {self._token_text(t): v for t, v in entry[1][:k]}
+                top = {self._logprob_token(t): v for t, v in entry[1][:k]}
                 tops.append({**top, text: entry[0]})
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": starts}
 
@@ -536,7 +542,10 @@ class OpenAIServer:
             body.messages, body.add_generation_prompt, None, body.continue_final_message, body.chat_template_kwargs)
         specials = body.add_special_tokens if body.add_special_tokens is not None else body.prompt is not None
         ids = tok.encode(text, specials)
-        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+        out = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = [tok.id_to_token(i) for i in ids]
+        return out
 
     async def detokenize(self, request: Request):
         body = await self._body(request, DetokenizeRequest)
@@ -567,12 +576,29 @@ class OpenAIServer:
         text = image_markers(self.engine.model_config, self.tokenizer)
         return (text, ImageProcessor.from_dir(self.tokenizer.path)) if text is not None else (None, None)
 
-    def _with_specials(self, text: str, add_special_tokens: bool):
-        """The prompt to run: the text, or where the tokenizer puts special tokens around it (a BOS) and the
-        request wants them, the text with its ids."""
-        if add_special_tokens and any(self.tokenizer.added_tokens):
-            return TextPrompt(text, self.tokenizer.encode(text, True))
-        return text
+    def _keep(self, body) -> Optional[int]:
+        """vLLM's truncate_prompt_tokens checked: how many of a prompt's last tokens to keep (-1: --max-model-len)."""
+        keep, limit = body.truncate_prompt_tokens, self.max_model_len
+        if keep is None:
+            return None
+        if isinstance(keep, bool) or not (keep == -1 or 1 <= keep <= limit):
+            raise APIError(400, f"truncate_prompt_tokens = {keep!r} must be -1 (--max-model-len) or within [1, "
+                                f"{limit}]", param="truncate_prompt_tokens")
+        return limit if keep == -1 else keep
+
+    def _text_prompt(self, text: str, add_special_tokens: bool, keep: Optional[int] = None):
+        """The prompt to run for a text: the text itself, or its ids with the tokenizer's special tokens around them
+        (a BOS) where the request wants them, cut to its last ``keep`` tokens, specials included, as a Hugging Face
+        tokenizer truncating from the left cuts (the text then decoded from what is left)."""
+        before, after = self.tokenizer.added_tokens if add_special_tokens else ([], [])
+        if keep is None and not (before or after):
+            return text
+        ids = self.tokenizer.encode(text)
+        if keep is not None and len(ids) + len(before) + len(after) > keep:
+            room = max(keep - len(before) - len(after), 0)
+            ids = ids[len(ids) - room:] if room else []
+            text = self.tokenizer.decode(ids)
+        return TextPrompt(text, before + ids + after)
 
     def _with_images(self, text: str, urls: list[str], add_special_tokens: bool) -> tuple[list[int], object]:
         """The rendered prompt's tokens, each image's placeholder repeated for its patches, and its images."""
@@ -634,11 +660,14 @@ class OpenAIServer:
                                 f"requests (--max-queue): send fewer prompts per request", param="prompt")
         if any(isinstance(x, str) for x in prompts):
             self._need_tokenizer()
-        return [self._with_specials(x, body.add_special_tokens) if isinstance(x, str) else x for x in prompts]
+        keep = self._keep(body)
+        return [self._text_prompt(x, body.add_special_tokens, keep) if isinstance(x, str) else
+                (x if keep is None else x[-keep:]) for x in prompts]
 
     async def completions(self, request: Request):
         body = await self._body(request, CompletionRequest)
         self._check_model(body.model)
+        _AS_IDS.set(body.return_tokens_as_token_ids)
         if body.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         if body.best_of is not None and body.best_of != body.n:
@@ -808,6 +837,7 @@ class OpenAIServer:
     async def chat_completions(self, request: Request):
         body = await self._body(request, ChatCompletionRequest)
         self._check_model(body.model)
+        _AS_IDS.set(body.return_tokens_as_token_ids)
         try:
             tools = ToolChoice.parse(body.tools, body.tool_choice)
         except ParamError as e:
@@ -821,8 +851,11 @@ class OpenAIServer:
                             body.chat_template_kwargs)
         urls = [url for m in body.messages for url in m.image_urls()]
         specials = body.add_special_tokens
+        if urls and body.truncate_prompt_tokens is not None:
+            raise APIError(400, "truncate_prompt_tokens cannot cut a prompt with images (their tokens would be cut)",
+                           param="truncate_prompt_tokens")
         prompt, images = (await asyncio.to_thread(self._with_images, text, urls, specials)) if urls else (
-            self._with_specials(text, specials), None)
+            self._text_prompt(text, specials, self._keep(body)), None)
         top = body.top_logprobs
         if top is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
@@ -909,7 +942,7 @@ class OpenAIServer:
 
     def _chat_logprobs(self, token_ids, lps) -> dict:
         def entry(t, v):
-            return {"token": self._token_text(t), "logprob": v, "bytes": list(self._token_bytes(t))}
+            return {"token": self._logprob_token(t), "logprob": v, "bytes": list(self._token_bytes(t))}
 
         content = []
         for t, (v, alts) in zip(token_ids, lps or [], strict=False):

@@ -204,6 +204,52 @@ def test_without_a_generation_prompt_the_reply_has_the_last_messages_role(live):
     assert events(live, "/v1/chat/completions", body)[0]["choices"][0]["delta"]["role"] == "user"
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(live, reference):
+    ids = reference.tokenizer.encode("The quick brown fox jumps over")
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = reference.generate([ids[-3:]], greedy)[0].outputs[0].token_ids
+    body = {"model": NAME, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+            "truncate_prompt_tokens": 3}
+    for prompt in ("The quick brown fox jumps over", ids):
+        r = httpx.post(live.url + "/v1/completions", headers=AUTH, json=body | {"prompt": prompt}).json()
+        assert (r["choices"][0]["prompt_token_ids"], r["choices"][0]["token_ids"]) == (ids[-3:], want)
+        assert r["usage"]["prompt_tokens"] == 3
+    whole = httpx.post(live.url + "/v1/completions", headers=AUTH, json=body | {"prompt": ids,
+                                                                                "truncate_prompt_tokens": -1}).json()
+    assert whole["choices"][0]["prompt_token_ids"] == ids
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 2,
+            "return_token_ids": True}
+    full = httpx.post(live.url + "/v1/chat/completions", headers=AUTH, json=chat).json()["prompt_token_ids"]
+    cut = httpx.post(live.url + "/v1/chat/completions", headers=AUTH, json=chat | {"truncate_prompt_tokens": 4}).json()
+    assert cut["prompt_token_ids"] == full[-4:]
+    for bad in (0, -2, 129):
+        r = httpx.post(live.url + "/v1/completions", headers=AUTH, json=body | {"prompt": ids,
+                                                                                "truncate_prompt_tokens": bad})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "truncate_prompt_tokens" and "within [1, 128]" in err["message"]
+
+
+def test_tokens_as_ids_in_logprobs_and_token_strings_from_tokenize(live, reference):
+    body = {"model": NAME, "prompt": "The quick brown", "max_tokens": 5, "temperature": 0, "logprobs": 2,
+            "return_token_ids": True, "return_tokens_as_token_ids": True}
+    choice = httpx.post(live.url + "/v1/completions", headers=AUTH, json=body).json()["choices"][0]
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+    assert all(all(k.startswith("token_id:") for k in top) for top in lp["top_logprobs"])
+    streamed = [t for e in events(live, "/v1/completions", body) for c in e["choices"] for t in c["logprobs"]["tokens"]]
+    assert streamed == lp["tokens"]
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "logprobs": True,
+            "top_logprobs": 1, "return_tokens_as_token_ids": True, "return_token_ids": True}
+    choice = httpx.post(live.url + "/v1/chat/completions", headers=AUTH, json=chat).json()["choices"][0]
+    assert [e["token"] for e in choice["logprobs"]["content"]] == [f"token_id:{t}" for t in choice["token_ids"]]
+    plain = httpx.post(live.url + "/v1/completions", headers=AUTH, json=body | {"return_tokens_as_token_ids": False})
+    assert plain.json()["choices"][0]["logprobs"]["tokens"][0] == reference.tokenizer.decode(
+        [plain.json()["choices"][0]["token_ids"][0]])
+    r = httpx.post(live.url + "/tokenize", headers=AUTH, json={"prompt": "The quick", "return_token_strs": True}).json()
+    assert r["token_strs"] == [reference.tokenizer.id_to_token(t) for t in r["tokens"]]
+    assert "".join(r["token_strs"]).replace("\u0120", " ") == "The quick"
+
+
 def test_errors_name_the_field_the_request_used(live):
     chat = {"model": NAME, "messages": [{"role": "user", "content": "hi"}]}
     for extra, param in (({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
@@ -313,6 +359,9 @@ def test_a_completion_prompt_gets_the_tokenizers_bos_as_in_vllm(hf_llama, refere
             assert r["prompt_token_ids"] == prompt_ids, extra
         tokenized = httpx.post(server.url + "/tokenize", headers=AUTH, json={"prompt": "The quick brown"}).json()
         assert tokenized["tokens"] == [0] + ids
+        # truncate_prompt_tokens counts the BOS and keeps it, as a Hugging Face tokenizer truncating left does
+        r = httpx.post(server.url + "/v1/completions", headers=AUTH, json=body | {"truncate_prompt_tokens": 3}).json()
+        assert r["choices"][0]["prompt_token_ids"] == [0] + ids[-2:]
     finally:
         server.stop()
 
