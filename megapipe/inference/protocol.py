@@ -241,6 +241,7 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: Optional[int] = None
     tools: Optional[list] = None
     tool_choice: Optional[Any] = None
+    parallel_tool_calls: Optional[bool] = None  # false: one tool call at most (OpenAI's)
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the last (assistant) message left open: the reply continues it
     chat_template_kwargs: Optional[dict[str, Any]] = None  # more variables for the chat template

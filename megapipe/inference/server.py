@@ -55,7 +55,15 @@ from megapipe.inference.protocol import (
 )
 from megapipe.inference.reasoning import reasoning_parser_for
 from megapipe.inference.sampling import ParamError
-from megapipe.inference.tool_calls import NamedCall, Parser, RequiredCalls, ToolChoice, ToolStream, parser_for
+from megapipe.inference.tool_calls import (
+    FirstCall,
+    NamedCall,
+    Parser,
+    RequiredCalls,
+    ToolChoice,
+    ToolStream,
+    parser_for,
+)
 
 log = logging.getLogger("megapipe.serve")
 MiB = 1 << 20
@@ -839,7 +847,7 @@ class OpenAIServer:
         self._check_model(body.model)
         _AS_IDS.set(body.return_tokens_as_token_ids)
         try:
-            tools = ToolChoice.parse(body.tools, body.tool_choice)
+            tools = ToolChoice.parse(body.tools, body.tool_choice, body.parallel_tool_calls)
         except ParamError as e:
             raise APIError(400, str(e), param=e.param) from None
         if tools.mode == "auto" and self.tool_parser is None:
@@ -938,7 +946,9 @@ class OpenAIServer:
             return NamedCall(tools.name)
         if tools.mode == "required":
             return RequiredCalls()
-        return self.tool_parser if tools.mode == "auto" else None
+        if tools.mode != "auto":
+            return None
+        return self.tool_parser if tools.parallel else FirstCall(self.tool_parser)
 
     def _chat_logprobs(self, token_ids, lps) -> dict:
         def entry(t, v):

@@ -50,9 +50,16 @@ class ToolChoice:
     tools: list
     mode: str = "none"
     name: Optional[str] = None
+    parallel: bool = True  # OpenAI's parallel_tool_calls: false allows one call at most
 
     @staticmethod
-    def parse(tools: Optional[list], choice: Any) -> "ToolChoice":
+    def parse(tools: Optional[list], choice: Any, parallel_tool_calls: Optional[bool] = None) -> "ToolChoice":
+        parsed = ToolChoice._parse(tools, choice)
+        parsed.parallel = parallel_tool_calls is not False
+        return parsed
+
+    @staticmethod
+    def _parse(tools: Optional[list], choice: Any) -> "ToolChoice":
         tools = tools or []
         for i, tool in enumerate(tools):
             fn = tool.get("function") if isinstance(tool, dict) else None
@@ -96,7 +103,8 @@ class ToolChoice:
                 calls.append({"type": "object", "properties": {"name": {"enum": [t["function"]["name"]]},
                                                                "parameters": schema},
                               "required": ["name", "parameters"]})
-            return Constraint.json_schema({"type": "array", "minItems": 1, "items": {"anyOf": calls}, **defs},
+            one = {} if self.parallel else {"maxItems": 1}
+            return Constraint.json_schema({"type": "array", "minItems": 1, **one, "items": {"anyOf": calls}, **defs},
                                           "tools")
         return None
 
@@ -142,6 +150,17 @@ class RequiredCalls(Parser):
             return text, []
         calls = [_call_from(x, "parameters") for x in items] if isinstance(items, list) else []
         return ("", calls) if calls and all(calls) else (text, [])
+
+
+class FirstCall(Parser):
+    """Another parser's content and its first call only (parallel_tool_calls false with tool_choice auto)."""
+
+    def __init__(self, parser: Parser):
+        self.parser, self.needs_special_tokens = parser, parser.needs_special_tokens
+
+    def split(self, text, final):
+        content, calls = self.parser.split(text, final)
+        return content, calls[:1]
 
 
 class HermesParser(Parser):

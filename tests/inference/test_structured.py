@@ -369,6 +369,37 @@ def test_auto_tool_choice_parses_the_output(hermes_live):
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "length"
 
 
+def test_parallel_tool_calls_false_allows_one_call(hermes_live):
+    """OpenAI's parallel_tool_calls false: with auto the parser's first call only (the output holds two here), with
+    required a grammar of one call (a list of at most one item)."""
+    call = r'<tool_call>\{"name":"get_(weather|time)"\}</tool_call>'  # short: two fit the tiny model's context
+    kwargs = dict(model="tiny", messages=MESSAGES, temperature=1.0, seed=9, tools=[WEATHER],
+                  extra_body={"guided_regex": call + call})
+    c = hermes_live.client()
+    both = c.chat.completions.create(**kwargs).choices[0].message.tool_calls
+    one = c.chat.completions.create(**kwargs, parallel_tool_calls=False).choices[0].message.tool_calls
+    assert len(both) == 2 and [x.function.name for x in one] == [both[0].function.name]
+    streamed = [d for chunk in c.chat.completions.create(**kwargs, parallel_tool_calls=False, stream=True)
+                for ch in chunk.choices for d in ch.delta.tool_calls or []]
+    assert {d.index for d in streamed} == {0}
+    required = dict(model="tiny", messages=MESSAGES, max_tokens=100, temperature=1.0, tools=[WEATHER],
+                    tool_choice="required", parallel_tool_calls=False)
+    for seed in range(4):
+        calls = c.chat.completions.create(**required, seed=seed).choices[0].message.tool_calls
+        assert calls is None or len(calls) == 1  # (None: a sample cut by max_tokens)
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from megapipe.inference.structured import json_grammar
+    from megapipe.inference.tool_calls import ToolChoice
+
+    item = json.dumps({"name": "get_weather", "parameters": {"city": "Oslo", "unit": "c"}})
+    for parallel, accepted in ((None, [True, True]), (False, [True, False])):
+        spec = ToolChoice.parse([WEATHER], "required", parallel).constraint().spec
+        grammar = xgr.Grammar.from_ebnf(json_grammar(spec, False))
+        assert [_is_grammar_accept_string(grammar, json.dumps([json.loads(item)] * k)) for k in (1, 2)] == accepted
+
+
 def test_keywords_xgrammar_leaves_out_are_refused(live):
     """Each keyword the refusal lists is one the installed xgrammar compiles as if it were absent (when a new
     version enforces one, this fails and the list shrinks); a schema that uses one is a 400 naming it."""
