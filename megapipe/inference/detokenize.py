@@ -26,7 +26,7 @@ def special_ids(tokenizer) -> frozenset[int]:
 
 class Detokenizer:
     def __init__(self, tokenizer, prompt_ids: Sequence[int], skip: frozenset[int] = frozenset(),
-                 stop: Sequence[str] = ()):
+                 stop: Sequence[str] = (), keep_stop: bool = False):
         self.tokenizer, self.skip = tokenizer, skip
         context = [t for t in prompt_ids[-PROMPT_CONTEXT:] if t not in skip]
         self.ids: list[int] = context
@@ -34,7 +34,10 @@ class Detokenizer:
         self.read = len(context)
         self.text = ""
         self.stop = list(stop)
-        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.hold = max((len(s) for s in self.stop), default=1) - 1  # how far back a stop string may start
+        # the text held back from a stream: a stop string's start may be cut; kept (include_stop_str_in_output) the
+        # text up to its end stays, so nothing need wait (vLLM's too)
+        self.lag = 0 if keep_stop else self.hold
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if ids else ""
@@ -79,6 +82,6 @@ class Detokenizer:
         self.text = self.text[:hit[0] + (len(hit[1]) if keep else 0)]
 
     def stable_text(self, finished: bool) -> str:
-        if finished or self.hold == 0:
+        if finished or self.lag == 0:
             return self.text
-        return self.text[: max(0, len(self.text) - self.hold)]
+        return self.text[: max(0, len(self.text) - self.lag)]

@@ -491,7 +491,7 @@ class LLMEngine:
             detok = None
             if self.tokenizer is not None and self.detokenize:
                 detok = Detokenizer(self.tokenizer, ids, self.special if params.skip_special_tokens else frozenset(),
-                                    params.stop)
+                                    params.stop, params.include_stop_str_in_output)
             req.completions.append(Completion(detok))
             if params.structured is not None:
                 seq.matcher = self.grammars.matcher(params.structured)
