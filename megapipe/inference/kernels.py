@@ -128,6 +128,22 @@ def build_notice(building: bool, every_s: float = 20.0):
         print(f"megapipe: CPU kernels {outcome} in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
 
 
+@contextlib.contextmanager
+def build_lock(build: Path):
+    """One megapipe process at a time builds or loads the kernels in ``build``, under an flock the system releases
+    when its holder dies. torch's own ``lock`` file is left behind by a build that was killed, and torch then waits
+    for it forever (silently); held here, that file can only be such a leftover, so it is removed."""
+    import fcntl
+
+    with open(build / "megapipe.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        stale = build / "lock"
+        if stale.exists():
+            log.warning("removing %s, left by a kernel build that was stopped", stale)
+            stale.unlink(missing_ok=True)
+        yield
+
+
 @functools.lru_cache(maxsize=None)
 def ops():
     """``torch.ops.megapipe`` once the kernels are built and loaded, else None (the reason is logged)."""
@@ -138,8 +154,8 @@ def ops():
         from torch.utils import cpp_extension
 
         build = build_directory(name)
-        with build_notice(needs_build(name)):
-            build.mkdir(parents=True, exist_ok=True)
+        build.mkdir(parents=True, exist_ok=True)
+        with build_lock(build), build_notice(needs_build(name)):
             cpp_extension.load(name=name, sources=[str(s) for s in sources], extra_cflags=flags,
                                build_directory=str(build), is_python_module=False, verbose=False)
         return torch.ops.megapipe

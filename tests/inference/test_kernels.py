@@ -174,6 +174,21 @@ def test_a_prompt_rows_attention_does_not_depend_on_where_its_chunk_starts(op, d
         assert torch.equal(chunk(start), whole[start:]), start
 
 
+def test_a_killed_builds_lock_file_does_not_hang_the_next_engine(ops):
+    """torch waits forever on the ``lock`` file a killed build leaves; megapipe's flock says it is stale."""
+    import subprocess
+    import sys
+
+    lock = kernels.build_directory(kernels._build_spec()[0]) / "lock"
+    lock.touch()
+    try:
+        out = subprocess.run([sys.executable, "-c", "from megapipe.inference import kernels; print(kernels.ops())"],
+                             capture_output=True, text=True, timeout=120)
+    finally:
+        lock.unlink(missing_ok=True)
+    assert "torch.ops.megapipe" in out.stdout and "left by a kernel build that was stopped" in out.stderr
+
+
 def test_paged_attention_refuses_a_block_table_that_reads_outside_the_pool(op):
     pool = KVPool(1, 4, 16, 1, 16, torch.float32, "cpu")
     q, out = torch.zeros(1, 1, 16), torch.empty(1, 16)
