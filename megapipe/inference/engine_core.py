@@ -175,7 +175,10 @@ class CoreSpec:
         loaded = load_model(self.model, resolve_device(self.device), resolve_dtype(self.dtype))
         engine = LLMEngine(loaded.model, loaded.tokenizer, self.config, loaded.eos_ids)
         for name, path in self.loras.items():
-            engine.load_lora(name, path)
+            try:
+                engine.load_lora(name, path)
+            except MegapipeError as e:
+                raise MegapipeError(f"--lora-modules {name}={path}: {e}") from None
         return engine
 
 

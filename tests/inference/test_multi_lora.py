@@ -242,6 +242,53 @@ def test_refusals(hf_llama, adapters, tmp_path):
         lora_engine(hf_llama[0], {}, max_loras=-1)
 
 
+def test_broken_adapters_are_one_sentence_naming_the_file(hf_llama, adapters, tmp_path):
+    """A damaged peft directory (config not JSON, no rank, truncated weights) or a path that is no adapter: a
+    MegapipeError naming the file and what is wrong, from read_adapters, from the server's load route (a 400, not
+    a 500), and from serve --lora-modules (naming the flag)."""
+    import json
+    import shutil
+
+    from megapipe.inference.engine_core import CoreSpec
+    from tests.inference.test_server import KEY, LiveServer
+
+    peft_dir = adapters[0]["peft"]
+    bad = {}
+    for name in ("badcfg", "norank", "trunc"):
+        shutil.copytree(peft_dir, tmp_path / name)
+        bad[name] = tmp_path / name
+    (bad["badcfg"] / "adapter_config.json").write_text("{r: 4")
+    cfg = json.loads((peft_dir / "adapter_config.json").read_text())
+    (bad["norank"] / "adapter_config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "r"}))
+    weights = bad["trunc"] / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:200])
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "empty").mkdir()
+    bad |= {"file": tmp_path / "file", "empty": tmp_path / "empty", "base": hf_llama[0]}
+    messages = {"badcfg": "adapter_config.json cannot be read as JSON",
+                "norank": "adapter_config.json: r = None must be the adapter's rank",
+                "trunc": "adapter_model.safetensors cannot be read as safetensors",
+                "file": "is not a LoRA adapter: neither a peft adapter directory",
+                "empty": "is not a LoRA adapter: neither a peft adapter directory",
+                "base": "is not a LoRA adapter: neither a peft adapter directory"}
+    model_cfg = load_model(hf_llama[0], torch.device("cpu"), torch.float32).model.cfg
+    for name, path in bad.items():
+        with pytest.raises(MegapipeError) as e:
+            read_adapters(path, model_cfg)
+        assert messages[name] in str(e.value) and "\n" not in str(e.value), (name, str(e.value))
+    server = LiveServer(hf_llama[0], max_loras=1, max_lora_rank=8)
+    try:
+        for name, path in bad.items():
+            r = httpx.post(server.url + "/v1/load_lora_adapter", headers={"Authorization": f"Bearer {KEY}"},
+                           json={"lora_name": name, "lora_path": str(path)})
+            assert r.status_code == 400 and messages[name] in r.json()["error"]["message"], (name, r.text)
+        assert httpx.get(server.url + "/health").status_code == 200
+    finally:
+        server.stop()
+    with pytest.raises(MegapipeError, match=r"^--lora-modules t=\S+trunc: \S+ cannot be read as safetensors"):
+        CoreSpec(str(hf_llama[0]), EngineConfig(max_loras=1, max_lora_rank=8), loras={"t": str(bad["trunc"])}).build()
+
+
 @pytest.mark.parametrize("engine_process", [False, True], ids=["engine_thread", "engine_process"])
 def test_server_routes(hf_llama, adapters, tmp_path, engine_process):
     from tests.inference.test_server import KEY, NAME, LiveServer

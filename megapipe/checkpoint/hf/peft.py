@@ -22,7 +22,7 @@ from megapipe.checkpoint.manifest import make_tmp_dir, read_manifest, resolve_ch
 from megapipe.checkpoint.safe_dcp import read_metadata
 from megapipe.config import ModelConfig, from_dict
 from megapipe.data.tokenizer import load_tokenizer
-from megapipe.errors import MegapipeError
+from megapipe.errors import CheckpointError, MegapipeError
 from megapipe.fileio import refuse_overlap
 from megapipe.models.lora import TARGETS, LoRASpec, adapter_names, is_adapter, present_targets
 
@@ -111,7 +111,11 @@ def read_adapters(path, cfg: ModelConfig) -> tuple[int, float, dict[str, tuple[t
         return _read_peft(path, cfg)
     if not path.exists():
         raise MegapipeError(f"LoRA adapter {path} does not exist (give a peft adapter directory or a LoRA run)")
-    ckpt = resolve_checkpoint(path)
+    try:
+        ckpt = resolve_checkpoint(path)
+    except CheckpointError:
+        raise MegapipeError(f"{path} is not a LoRA adapter: neither a peft adapter directory (it has no "
+                            f"{ADAPTER_CONFIG}) nor a megapipe LoRA run or checkpoint") from None
     _, spec, _, stored = _adapter_checkpoint(ckpt, "give a checkpoint of a --lora-rank run or a peft directory")
     state = _load_adapters(ckpt, stored, list(stored))
     pairs = {}
@@ -125,8 +129,16 @@ def read_adapters(path, cfg: ModelConfig) -> tuple[int, float, dict[str, tuple[t
 def _read_peft(path: Path, cfg: ModelConfig) -> tuple[int, float, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     from safetensors.torch import load_file
 
-    config = json.loads((path / ADAPTER_CONFIG).read_text())
     where = path / ADAPTER_CONFIG
+    try:
+        config = json.loads(where.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise MegapipeError(f"{where} cannot be read as JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise MegapipeError(f"{where} must hold a JSON object, not {type(config).__name__}")
+    rank = config.get("r")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise MegapipeError(f"{where}: r = {rank!r} must be the adapter's rank, an integer >= 1")
     if config.get("peft_type", "LORA") != "LORA":
         raise MegapipeError(f"{where}: peft_type {config.get('peft_type')!r} is not LORA")
     for key, plain in (("use_dora", False), ("fan_in_fan_out", False), ("bias", "none"),
@@ -136,7 +148,10 @@ def _read_peft(path: Path, cfg: ModelConfig) -> tuple[int, float, dict[str, tupl
                                 f"{plain!r})")
     weights = path / ADAPTER_WEIGHTS
     if weights.is_file():
-        tensors = load_file(str(weights))
+        try:
+            tensors = load_file(str(weights))
+        except Exception as e:  # noqa: BLE001 - safetensors' SafetensorError for a truncated or corrupt file
+            raise MegapipeError(f"{weights} cannot be read as safetensors ({e})") from None
     elif (path / ADAPTER_WEIGHTS_BIN).is_file():
         weights = path / ADAPTER_WEIGHTS_BIN
         try:  # tensors only: a pickle that holds code is refused, not run
@@ -147,7 +162,6 @@ def _read_peft(path: Path, cfg: ModelConfig) -> tuple[int, float, dict[str, tupl
             raise MegapipeError(f"{weights} does not hold a dict of tensors")
     else:
         raise MegapipeError(f"{path} has {ADAPTER_CONFIG} but no {ADAPTER_WEIGHTS} or {ADAPTER_WEIGHTS_BIN}")
-    rank = int(config["r"])
     adapter = adapter_for_arch(cfg.arch)
     pairs, used = {}, set()
     for conv in adapter.conversions(cfg):
