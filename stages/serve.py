@@ -15,6 +15,8 @@ from stages.common import (
     speculative_method_of,
 )
 
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
+
 
 def serve(
     model: str = typer.Argument(..., help="Checkpoint directory, run directory (its latest) or Hugging Face model dir."),
@@ -117,6 +119,8 @@ def serve(
 
     reasoning_parser_for(reasoning_parser)
     parser_for(tool_call_parser)
+    if log_level.lower() not in LOG_LEVELS:
+        raise MegapipeError(f"--log-level {log_level!r} is not one of {', '.join(LOG_LEVELS)}")
     if max_queue < 0:
         raise MegapipeError(f"--max-queue = {max_queue} must be >= 0 (0: no limit)")
     if not 0 <= shutdown_timeout < float("inf"):

@@ -150,6 +150,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigError(f"--{name.replace('_', '-')} = {value!r} must be an integer >= 1")
+        if self.num_blocks is not None and self.kv_cache_memory is not None:
+            raise ConfigError(f"--num-blocks = {self.num_blocks} and --kv-cache-memory = {self.kv_cache_memory} bytes "
+                              f"both size the KV cache: give one")
         u = self.gpu_memory_utilization
         if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
             raise ConfigError(f"--gpu-memory-utilization = {u!r} must be a number in (0, 1]")
@@ -329,10 +332,16 @@ class LLMEngine:
                 f"the KV cache holds {num_blocks} blocks of {bs} tokens ({num_blocks * bs} tokens) but one sequence of"
                 f" --max-model-len {self.max_model_len} needs {-(-self.max_model_len // bs)}: give more "
                 f"--kv-cache-memory / --num-blocks or a smaller --max-model-len")
-        entries = compressed_cache.EntryPool(model, entry_blocks, bs, p.dtype, p.device) if entry_bytes else None
-        self.pool = KVPool(kv_layers, num_blocks, bs, dtype=p.dtype, device=p.device, **kv_layout(cfg),
-                           windowed_layers=windowed, windowed_blocks=windowed_blocks if windowed else 0,
-                           entries=entries)
+        try:
+            entries = compressed_cache.EntryPool(model, entry_blocks, bs, p.dtype, p.device) if entry_bytes else None
+            self.pool = KVPool(kv_layers, num_blocks, bs, dtype=p.dtype, device=p.device, **kv_layout(cfg),
+                               windowed_layers=windowed, windowed_blocks=windowed_blocks if windowed else 0,
+                               entries=entries)
+        except (RuntimeError, MemoryError) as e:  # torch's CPU allocator and CUDA's out-of-memory are RuntimeErrors
+            if "alloc" not in str(e).lower() and "out of memory" not in str(e).lower():
+                raise
+            raise ConfigError(f"cannot allocate the KV cache of {num_blocks} blocks ({num_blocks * per_block / GiB:.1f}"
+                              f" GiB) on {p.device}: give a smaller --kv-cache-memory / --num-blocks") from None
         # off where the capability table says so (a recurrent state is not cut at block boundaries: state_cache)
         self.prefix_caching = config.prefix_caching and "prefix_caching" in capabilities(cfg).engine
         self.blocks = BlockManager(num_blocks, bs, self.prefix_caching)

@@ -212,6 +212,9 @@ def test_pool_accounting_abort_and_errors(tiny_engine_factory):
         tiny_engine_factory(block_size=16, num_blocks=2)
     with pytest.raises(ConfigError, match="--max-num-seqs = 0"):
         tiny_engine_factory(max_num_seqs=0)
+    with pytest.raises(ConfigError, match=r"cannot allocate the KV cache of 100000000000 blocks \(\d+\.\d GiB\) on "
+                                          r"cpu: give a smaller --kv-cache-memory / --num-blocks"):
+        tiny_engine_factory(num_blocks=10**11)
     assert not engine.has_unfinished()
 
 

@@ -27,7 +27,10 @@ def parse_size(text: str, option: str = "--max-shard-size") -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", str(text).upper())
     if not m or float(m.group(1)) <= 0:
         raise MegapipeError(f"{option} {text!r} is not a size like 5GB, 500MB or 2GiB")
-    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+    size = int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+    if size < 1:
+        raise MegapipeError(f"{option} {text!r} is less than one byte")
+    return size
 
 
 def read_json(path: Path, what: str) -> Any:
