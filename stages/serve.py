@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+import sys
 from typing import List, Optional
 
 import typer
@@ -95,7 +97,6 @@ def serve(
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level."),
 ) -> None:
     """Serve a model over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, /metrics."""
-    import sys
     from pathlib import Path
 
     from megapipe.omp import prefer_bounded_spin
@@ -217,6 +218,9 @@ def serve(
               f"(--generation-config vllm: none)", file=sys.stderr, flush=True)
     sock = bind(host, port)  # before loading: a busy port fails in a second, not after the model loads
     max_queue_or_none = max_queue or None
+    # SIGTERM while the model loads: stop at once and take the engine core along (the server's own handlers take
+    # over once it is ready, and drain)
+    signal.signal(signal.SIGTERM, _stopped_while_starting)
     try:
         model_cfg = read_model_config(model)
         if model_cfg.num_labels:  # a reward model: scores on /pooling, no engine
@@ -301,6 +305,11 @@ def _sampling_defaults(choice: str, model: str) -> dict:
     return generation_defaults(read_generation_config(model if choice == "auto" else choice))
 
 
+def _stopped_while_starting(_signum, _frame):
+    print("megapipe serve: stopped by SIGTERM while starting", file=sys.stderr, flush=True)
+    raise SystemExit(0)
+
+
 def _lora_modules(items: List[str]) -> dict[str, str]:
     """--lora-modules name=PATH or vLLM's JSON '{"name": ..., "path": ...}' ... -> {name: PATH}; each path must
     exist."""
@@ -331,8 +340,6 @@ def _lora_modules(items: List[str]) -> dict[str, str]:
 
 def _serve_reward_model(loaded, model: str, name: str, api_key, max_body_size: str, shutdown_timeout: float, sock,
                         log_level: str) -> None:
-    import sys
-
     # lazy: imports fastapi and torch; megapipe --help stays fast
     from megapipe.checkpoint.hf.files import parse_size
     from megapipe.inference.pooling import run_pooling_server

@@ -142,6 +142,10 @@ class EngineCoreClient(StreamingEngine):
         except (EOFError, OSError):
             raise MegapipeError(f"the engine core process exited while loading {spec.model} "
                                 f"({self._exit_status()})") from None
+        except BaseException:  # stopped while the core loads (a signal, Ctrl-C): the core goes too
+            self.process.kill()
+            self.process.join(10)
+            raise
         if isinstance(ready, Failure):
             self.process.join(10)
             raise ready.exception()

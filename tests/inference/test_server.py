@@ -474,6 +474,44 @@ def test_requests_still_running_when_the_drain_time_runs_out_are_answered(hf_lla
         async_engine.shutdown()
 
 
+def test_sigterm_while_loading_stops_the_engine_core_too(hf_llama):
+    """SIGTERM before the server is ready: it exits 0 at once, and the engine core (still loading) does not outlive
+    it to print a broken-pipe traceback later."""
+    env = dict(os.environ, MEGAPIPE_API_KEY=KEY, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "megapipe.cli", "serve", str(hf_llama[0]), "--port", "0"],
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+    def children() -> list[int]:
+        found = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == proc.pid:
+                found.append(int(stat.parent.name))
+        return found
+
+    try:
+        deadline = time.time() + 120
+        while not children() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        cores = children()
+        assert cores, "no engine core process started"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        err = proc.stderr.read()
+        assert "stopped by SIGTERM while starting" in err and "Traceback" not in err, err
+        deadline = time.time() + 10  # (multiprocessing's resource tracker, a child too, leaves on its own)
+        while any(Path(f"/proc/{pid}").exists() for pid in cores) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in cores if Path(f"/proc/{pid}").exists()]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_serve_cli_refusals_are_one_sentence(hf_llama, tmp_path, capsys):
     from megapipe.cli import main
 
