@@ -294,15 +294,25 @@ def _sampling_defaults(choice: str, model: str) -> dict:
     """--generation-config: the sampling defaults of the model's generation config (auto), of DIR's, or none."""
     from pathlib import Path
 
+    from megapipe.checkpoint.hf.files import read_json
     from megapipe.checkpoint.load import read_generation_config
-    from megapipe.inference.protocol import generation_defaults
+    from megapipe.inference.protocol import GENERATION_FIELDS, generation_defaults
 
     if choice == "vllm":
         return {}
-    if choice != "auto" and not (Path(choice).expanduser() / "generation_config.json").is_file():
+    file = Path(choice).expanduser() / "generation_config.json"
+    if choice != "auto" and not file.is_file():
         raise MegapipeError(f"--generation-config {choice!r} is not auto, vllm or a directory holding a "
                             f"generation_config.json")
-    return generation_defaults(read_generation_config(model if choice == "auto" else choice))
+    config = read_generation_config(model) if choice == "auto" else read_json(file, "generation_config.json")
+    where = "the model's generation config" if choice == "auto" else str(file)
+    if not isinstance(config, dict):
+        raise MegapipeError(f"{where} must hold a JSON object, not {type(config).__name__}")
+    for key in GENERATION_FIELDS:
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise MegapipeError(f"{where}: {key} = {value!r} is not a number")
+    return generation_defaults(config)
 
 
 def _stopped_while_starting(_signum, _frame):

@@ -315,9 +315,12 @@ def _check_builtin_tokens(choice: str, file: Path, tokenizer) -> None:
 
 
 def _check_syntax(text: str, where: str) -> None:
+    """Compiled as transformers' renderer compiles it: a syntax error or an unknown filter or test (an assertion
+    error of Jinja's compiler) fails here, not in every request."""
     import jinja2
+    from transformers.utils.chat_template_utils import _compile_jinja_template
 
     try:
-        jinja2.Environment().parse(text)
-    except jinja2.TemplateSyntaxError as e:
+        _compile_jinja_template(text)
+    except jinja2.TemplateSyntaxError as e:  # TemplateAssertionError (an unknown filter) is one
         raise DataError(f"{where}:{e.lineno}: the chat template is not valid Jinja ({e.message})") from None

@@ -153,12 +153,14 @@ class _Sampling(_Body):
         return out
 
 
+GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                     "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
 def generation_defaults(config: dict) -> dict:
     """A generation config's sampling defaults as the request fields they stand in for (vLLM's choice of fields:
     temperature, top_p, top_k, min_p, repetition_penalty, and max_new_tokens as max_tokens)."""
-    fields = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-              "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
-    return {field: config[key] for key, field in fields.items()
+    return {field: config[key] for key, field in GENERATION_FIELDS.items()
             if isinstance(config.get(key), (int, float)) and not isinstance(config.get(key), bool)}
 
 

@@ -438,12 +438,21 @@ def test_serve_reads_the_generation_config_and_refuses_bad_flags(hf_llama, tmp_p
     assert _sampling_defaults("auto", str(model)) == {"temperature": 0.6, "top_p": 0.9, "max_tokens": 64}
     assert _sampling_defaults("vllm", str(model)) == {}
     assert _sampling_defaults(str(model), str(hf_llama[0]))["temperature"] == 0.6
+    bad_json, hot = tmp_path / "bad_json", tmp_path / "hot"
+    for where, text in ((bad_json, "{temperature: 1"), (hot, json.dumps({"temperature": "hot"}))):
+        where.mkdir()
+        (where / "generation_config.json").write_text(text)
     for args, message in (
             (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
             (["--generation-config", str(tmp_path / "none")], "is not auto, vllm or a directory holding a "
                                                              "generation_config.json"),
             (["--chat-template", "nonesuch"], "--chat-template 'nonesuch' is neither a known template nor a file"),
             (["--chat-template", "{% for m in messages %}"], "--chat-template"),
+            (["--chat-template", "{{ messages | nosuchfilter }}"],
+             "--chat-template:1: the chat template is not valid Jinja (No filter named 'nosuchfilter'.)"),
+            (["--generation-config", str(bad_json)], f"{bad_json / 'generation_config.json'} is not valid JSON"),
+            (["--generation-config", str(hot)], f"{hot / 'generation_config.json'}: temperature = 'hot' is not a "
+                                                f"number"),
             (["--allowed-origins", "[1]"], "is not a JSON list of strings"),
             (["--reasoning-parser", "x"], "--reasoning-parser 'x' is not one of deepseek_r1, qwen3")):
         assert main(["serve", str(model), "--port", "0", *args]) != 0, args
