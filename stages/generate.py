@@ -59,6 +59,8 @@ def generate(
                        prompt_lookup_min=prompt_lookup_min)
     engine_config = EngineConfig(speculative_tokens=speculative_tokens, **speculative)
     engine_config.check()  # before the model loads
+    if bf16 and dtype not in ("auto", "bfloat16", "bf16"):
+        raise MegapipeError(f"--bf16 and --dtype {dtype} ask for two dtypes: give one")
     device = resolve_device(device)
     loaded = load_model(ckpt, device=device, dtype=torch.bfloat16 if bf16 else resolve_dtype(dtype))
     drafter = engine_config.drafter_feature

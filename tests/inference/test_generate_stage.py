@@ -58,6 +58,8 @@ def test_generate_stage_on_a_hugging_face_directory(hf_llama, capsys):
     assert json.loads(capsys.readouterr().out) == [{"prompt": "The quick", "completion": want}]
     assert main(["generate", str(path), "--prompt", "x", "--dtype", "int3"]) != 0
     assert "--dtype 'int3' is not one of" in capsys.readouterr().err
+    assert main(["generate", str(path), "--prompt", "x", "--bf16", "--dtype", "float16"]) != 0
+    assert "--bf16 and --dtype float16 ask for two dtypes: give one" in capsys.readouterr().err
 
 
 def test_generate_stage_speculative_tokens(run_dir, tmp_path, capsys):
