@@ -50,15 +50,26 @@ def serve_smoke(model: str, output: str, prompt: str, chat: Optional[str], max_t
             raise MegapipeError(f"--output {out} exists: pass --overwrite to replace it")
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    made = [p for p in tmp.parents if not p.exists()]  # the folders made for it, deepest first
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as e:
+        raise MegapipeError(f"--output {out}: cannot create it there ({e.strerror or e})") from None
+    done = False
     try:
         record = _run(openai, model, tmp, prompt, chat, max_tokens, list(stop or []), list(serve_args or []),
                       ready_timeout, request_timeout, echo)
         if out.exists():
             shutil.rmtree(out) if out.is_dir() else out.unlink()
         os.replace(tmp, out)
+        done = True
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        for folder in made if not done else ():  # a failed run leaves nothing behind
+            try:
+                folder.rmdir()
+            except OSError:
+                break
     return record
 
 

@@ -31,10 +31,14 @@ def test_a_server_that_cannot_start_is_named(tmp_path, capsys):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
-    assert main(["serve-smoke", str(model), "--output", str(tmp_path / "out"), "--ready-timeout", "120"]) != 0
+    out = tmp_path / "new" / "folders" / "out"
+    assert main(["serve-smoke", str(model), "--output", str(out), "--ready-timeout", "120"]) != 0
     err = " ".join(capsys.readouterr().err.split())
     assert "megapipe serve exited with status" in err and "before it was ready" in err
-    assert not (tmp_path / "out").exists() and not list(tmp_path.glob("out.tmp-*"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # the folders made for the output went too
+    assert main(["serve-smoke", str(model), "--output", "/proc/megapipe-smoke"]) != 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--output /proc/megapipe-smoke: cannot create it there" in err and "Traceback" not in err
 
 
 def test_an_empty_greedy_answer_passes_when_it_is_the_engines_own(tmp_path, tiny_tokenizer_dir):
