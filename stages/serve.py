@@ -126,6 +126,8 @@ def serve(
         raise MegapipeError(f"--max-queue = {max_queue} must be >= 0 (0: no limit)")
     if not 0 <= shutdown_timeout < float("inf"):
         raise MegapipeError(f"--shutdown-timeout = {shutdown_timeout} must be a number of seconds >= 0")
+    if not host.strip():
+        raise MegapipeError("--host is empty, which would listen on every interface: say --host 0.0.0.0 to mean that")
     if not 0 <= port <= 65535:
         raise MegapipeError(f"--port = {port} is not a port number (0-65535)")
     name = served_model_name or Path(model).expanduser().resolve().name

@@ -262,6 +262,12 @@ def resolve_checkpoint(path: str | Path) -> Path:
             raise CheckpointError(
                 f"{path} holds no complete checkpoint (the newest, {ckpt.name}, is unusable: {incomplete_reason(ckpt)})"
             )
+        if path.is_file():
+            raise CheckpointError(f"{path} is a file: give a megapipe checkpoint or run directory, or a Hugging Face "
+                                  f"model directory")
+        if any((path / name).exists() for name in ("tokenizer.json", "model.safetensors", "model.safetensors.index.json",
+                                                  "generation_config.json")):
+            raise CheckpointError(f"{path} looks like a Hugging Face model directory but has no config.json")
         raise CheckpointError(f"{path} is not a megapipe checkpoint: it has no {MANIFEST_NAME} and no step_* checkpoints")
     skipped = [c for step, c in list_checkpoints(path) if step > (_step_of(latest) or 0)]
     if skipped:  # an interrupted save; say so rather than silently use older weights

@@ -515,6 +515,9 @@ def test_sigterm_while_loading_stops_the_engine_core_too(hf_llama):
 def test_serve_cli_refusals_are_one_sentence(hf_llama, tmp_path, capsys):
     from megapipe.cli import main
 
+    no_config = tmp_path / "no_config"
+    no_config.mkdir()
+    (no_config / "tokenizer.json").write_bytes((hf_llama[0] / "tokenizer.json").read_bytes())
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
     busy.listen(1)
@@ -536,6 +539,10 @@ def test_serve_cli_refusals_are_one_sentence(hf_llama, tmp_path, capsys):
             (["serve", str(hf_llama[0]), "--port", "0", "--lora-modules", f"a={tmp_path}"],
              f"--lora-modules a={tmp_path}: {tmp_path} is not a LoRA adapter"),
             (["serve", str(hf_llama[0]), "--log-level", "loud"], "--log-level 'loud' is not one of critical"),
+            (["serve", str(hf_llama[0] / "config.json")], "config.json is a file: give a megapipe checkpoint"),
+            (["serve", str(no_config)], f"{no_config} looks like a Hugging Face model directory but has no "
+                                        f"config.json"),
+            (["serve", str(hf_llama[0]), "--host", ""], "--host is empty, which would listen on every interface"),
             (["serve", str(hf_llama[0]), "--kv-cache-memory", "0.5"], "--kv-cache-memory '0.5' is less than one byte"),
             (["serve", str(hf_llama[0]), "--max-body-size", "0.5"], "--max-body-size '0.5' is less than one byte"),
             (["serve", str(hf_llama[0]), "--num-blocks", "10", "--kv-cache-memory", "1GiB"],
