@@ -50,16 +50,28 @@ def _huge_bytes_in(t: torch.Tensor) -> int:
 
 
 COLLAPSE = """
+import sys
 import torch
 from megapipe.inference import host_memory
-from tests.inference.test_host_memory import _huge_bytes_in
+from tests.inference.test_host_memory import _huge_bytes_in, _collapse_failures
 t = torch.ones(48 << 20, dtype=torch.uint8)  # resident: every page written
-before = _huge_bytes_in(t)
+before, failed = _huge_bytes_in(t), _collapse_failures()
 assert host_memory.collapse_resident_memory() >= 32 << 20
 after = _huge_bytes_in(t)
+if after < before + (32 << 20) and _collapse_failures() > failed:
+    sys.exit(3)  # the kernel found no free 2 MiB pages for some ranges (fragmented memory): nothing to judge
 assert after >= before + (32 << 20), (before, after)
 assert float(t.float().mean()) == 1.0  # the contents survive
 """
+
+
+def _collapse_failures() -> int:
+    """The kernel's count of huge pages a collapse could not allocate (khugepaged's and MADV_COLLAPSE's)."""
+    for line in Path("/proc/vmstat").read_text().splitlines():
+        name, value = line.split()
+        if name == "thp_collapse_alloc_failed":
+            return int(value)
+    return 0
 
 
 @pytest.mark.skipif(not _collapse_supported(), reason="needs Linux >= 6.1 with transparent huge pages on")
@@ -69,6 +81,8 @@ def test_resident_memory_is_collapsed_into_huge_pages():
     root = Path(__file__).parents[2]
     out = subprocess.run([sys.executable, "-c", COLLAPSE], cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
                          capture_output=True, text=True, timeout=300)
+    if out.returncode == 3:
+        pytest.skip("the kernel had no free huge pages for the collapse (memory fragmented by the rest of the run)")
     assert out.returncode == 0, out.stderr[-3000:]
 
 
