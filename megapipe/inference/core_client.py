@@ -135,16 +135,18 @@ class EngineCoreClient(StreamingEngine):
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self.process = ctx.Process(target=run_core, args=(child, spec), name="megapipe-engine-core", daemon=True)
-        self.process.start()
-        child.close()  # only the core holds its end: its death is end-of-file here
         try:
-            ready = recv(self._conn)
-        except (EOFError, OSError):
-            raise MegapipeError(f"the engine core process exited while loading {spec.model} "
-                                f"({self._exit_status()})") from None
-        except BaseException:  # stopped while the core loads (a signal, Ctrl-C): the core goes too
-            self.process.kill()
-            self.process.join(10)
+            self.process.start()
+            child.close()  # only the core holds its end: its death is end-of-file here
+            try:
+                ready = recv(self._conn)
+            except (EOFError, OSError):
+                raise MegapipeError(f"the engine core process exited while loading {spec.model} "
+                                    f"({self._exit_status()})") from None
+        except BaseException:  # stopped while the core starts or loads (a signal, Ctrl-C): the core goes too
+            if self.process.pid is not None and self.process.is_alive():
+                self.process.kill()
+                self.process.join(10)
             raise
         if isinstance(ready, Failure):
             self.process.join(10)

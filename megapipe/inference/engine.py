@@ -445,7 +445,8 @@ class LLMEngine:
 
     def check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> SamplingParams:
         """Validate a request before it is queued; returns params with max_tokens resolved (none, or more than the
-        context has room for after the prompt: that room)."""
+        context has room for after the prompt: that room, as vLLM's server cuts it; more than the whole context is
+        refused, as there)."""
         params.validate(self.vocab_size, self.config.max_n)
         if params.bad_words and not params.bad_words_ids:
             params = replace(params, bad_words_ids=bad_words_ids(self.tokenizer, params.bad_words))
@@ -457,6 +458,9 @@ class LLMEngine:
         if bad is not None:
             raise ParamError("prompt", f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         limit, n = self.max_model_len, len(prompt_ids)
+        if params.max_tokens is not None and params.max_tokens > limit:  # vLLM's: more than the context can ever hold
+            raise ParamError("max_tokens", f"max_tokens = {params.max_tokens} cannot be greater than this model's "
+                                           f"maximum context length, {limit} tokens")
         if n >= limit:
             raise ParamError("prompt", f"This model's maximum context length is {limit} tokens. However, your "
                                        f"request has {n} input tokens, which leaves none to generate. Please reduce "

@@ -192,8 +192,12 @@ def test_error_statuses_have_openai_shape(live):
     with pytest.raises(openai.BadRequestError) as e:
         c.completions.create(model=NAME, prompt="x", max_tokens=5, n="two")
     assert e.value.body["param"] == "n"
-    long = c.completions.create(model=NAME, prompt=[5] * 100, max_tokens=200, extra_body={"ignore_eos": True})
+    long = c.completions.create(model=NAME, prompt=[5] * 100, max_tokens=128, extra_body={"ignore_eos": True})
     assert long.usage.completion_tokens == 28 and long.choices[0].finish_reason == "length"  # cut to the context's room
+    with pytest.raises(openai.BadRequestError, match="max_tokens = 129 cannot be greater than this model's maximum "
+                                                     "context length, 128 tokens") as e:
+        c.completions.create(model=NAME, prompt="x", max_tokens=129)
+    assert e.value.body["param"] == "max_tokens"
     with pytest.raises(openai.BadRequestError, match="maximum context length is 128 tokens. However, your request "
                                                      "has 128 input tokens") as e:
         c.completions.create(model=NAME, prompt=[5] * 128, max_tokens=1)
