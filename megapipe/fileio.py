@@ -51,6 +51,21 @@ def write_text_atomic(path: Path, text: str) -> None:
     write_bytes_atomic(path, text.encode("utf-8"))
 
 
+def missing_parents(path: Path) -> list[Path]:
+    """The folders above ``path`` that do not exist yet, innermost first: the ones making ``path`` creates."""
+    return [d for d in path.parents if not d.exists()]
+
+
+def remove_empty(folders: list[Path]) -> None:
+    """Remove ``folders`` (``missing_parents``' list) innermost first, stopping at one that is not empty (something
+    else was written there meanwhile) or gone: what an output that failed leaves of the folders it made."""
+    for d in folders:
+        try:
+            d.rmdir()
+        except OSError:
+            break
+
+
 # --------------------------------------------------------------------------------------------------- outputs vs inputs
 
 

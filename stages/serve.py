@@ -18,6 +18,8 @@ from stages.common import (
 )
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
+# the defaults of the server's own limits, which vLLM's server has no flags for (named when given with --engine vllm)
+MAX_QUEUE, MAX_BODY_SIZE, MAX_IMAGE_SIZE, MAX_IMAGE_PIXELS = 256, "8MiB", "20MiB", 4096 * 4096
 
 
 def serve(
@@ -31,7 +33,7 @@ def serve(
     max_num_seqs: int = typer.Option(256, "--max-num-seqs", help="Most sequences in one batch."),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len",
                                                 help="Context limit, prompt + completion (default: the model's)."),
-    max_queue: int = typer.Option(256, "--max-queue", help="Most waiting requests; more get 503 (0: no limit)."),
+    max_queue: int = typer.Option(MAX_QUEUE, "--max-queue", help="Most waiting requests; more get 503 (0: no limit)."),
     shutdown_timeout: float = typer.Option(30.0, "--shutdown-timeout",
                                            help="On SIGTERM, seconds in-flight requests get to finish (then a 503 shutting_down)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (as stored), float32, bfloat16 or float16."),
@@ -85,10 +87,10 @@ def serve(
     allowed_origins: Optional[List[str]] = typer.Option(None, "--allowed-origins",
                                                         help="Origins browsers may call from (CORS), e.g. '*'; "
                                                              "repeat or give a JSON list (default: none)."),
-    max_body_size: str = typer.Option("8MiB", "--max-body-size", help="Largest request body; larger get 413."),
-    max_image_size: str = typer.Option("20MiB", "--max-image-size",
+    max_body_size: str = typer.Option(MAX_BODY_SIZE, "--max-body-size", help="Largest request body; larger get 413."),
+    max_image_size: str = typer.Option(MAX_IMAGE_SIZE, "--max-image-size",
                                        help="Largest image (encoded) in a chat request; larger get 400."),
-    max_image_pixels: int = typer.Option(4096 * 4096, "--max-image-pixels",
+    max_image_pixels: int = typer.Option(MAX_IMAGE_PIXELS, "--max-image-pixels",
                                          help="Most pixels (width x height) of an image in a chat request."),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: torch's choice)."),
     no_engine_process: bool = typer.Option(False, "--no-engine-process",
@@ -176,9 +178,10 @@ def serve(
                 speculative |= {"prompt_lookup_max": prompt_lookup_max, "prompt_lookup_min": prompt_lookup_min}
         if threads is not None:  # vLLM's CPU backend binds its OpenMP threads to these cores
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0" if threads == 1 else f"0-{threads - 1}")
-        unused = [flag for flag, given in (("--max-queue", max_queue != 256), ("--max-body-size", max_body_size != "8MiB"),
-                                           ("--max-image-size", max_image_size != "20MiB"),
-                                           ("--max-image-pixels", max_image_pixels != 4096 * 4096),
+        unused = [flag for flag, given in (("--max-queue", max_queue != MAX_QUEUE),
+                                           ("--max-body-size", max_body_size != MAX_BODY_SIZE),
+                                           ("--max-image-size", max_image_size != MAX_IMAGE_SIZE),
+                                           ("--max-image-pixels", max_image_pixels != MAX_IMAGE_PIXELS),
                                            ("--no-engine-process", no_engine_process), ("--device", device is not None))
                   if given]
         cmd = vllm_command(python, hf_dir, host=host, port=port, api_key=api_key, served_model_name=name,

@@ -16,6 +16,7 @@ import numpy as np
 from megapipe.data.paths import bin_path, idx_path
 from megapipe.data.sidecar import remove_sidecar, write_sidecar
 from megapipe.errors import DataError
+from megapipe.fileio import missing_parents, remove_empty
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -176,7 +177,7 @@ class IndexedDatasetWriter:
         if clash:
             raise DataError(f"cannot write the dataset {self.prefix}.bin/.idx: {clash}")
         # the directories made for the output, removed again (when empty) by abort()
-        self._made = [d for d in [parent, *parent.parents] if not d.exists()]
+        self._made = missing_parents(self._tmp_bin)
         try:
             parent.mkdir(parents=True, exist_ok=True)
             self._bin = open(self._tmp_bin, "wb")
@@ -285,11 +286,7 @@ class IndexedDatasetWriter:
             self._bin.close()
         for p in (self._tmp_bin, self._tmp_idx):
             p.unlink(missing_ok=True)
-        for d in self._made:  # innermost first
-            try:
-                d.rmdir()
-            except OSError:  # not empty (something else was written there meanwhile), or gone
-                break
+        remove_empty(self._made)
         self._done = True
 
     def __enter__(self) -> IndexedDatasetWriter:

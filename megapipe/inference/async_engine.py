@@ -89,10 +89,7 @@ class StreamingEngine:
 
         Parameter errors (ParamError) are raised here, before anything is queued.
         """
-        if self.closing is not None:
-            raise self.closing
-        if not self.alive:
-            raise EngineDead(f"the engine stopped: {self.error}")
+        self._check_running()
         text, ids = self.encode(prompt)
         params = self.check_request(ids, params)
         self.check_admission()
@@ -121,12 +118,16 @@ class StreamingEngine:
     def check_admission(self, count: int = 1) -> None:
         """EngineDead when the engine stopped, QueueFull when ``count`` more requests would overflow the queue: what
         a server checks before it starts a streamed response (whose status is sent before the first output)."""
+        self._check_running()
+        if self.max_queue is not None and self.num_waiting() + count > self.max_queue:
+            raise QueueFull(f"the server's queue is full ({self.max_queue} requests waiting); retry later")
+
+    def _check_running(self) -> None:
+        """The error every request gets now: the server's ending (end_all), or EngineDead when the engine stopped."""
         if self.closing is not None:
             raise self.closing
         if not self.alive:
             raise EngineDead(f"the engine stopped: {self.error}")
-        if self.max_queue is not None and self.num_waiting() + count > self.max_queue:
-            raise QueueFull(f"the server's queue is full ({self.max_queue} requests waiting); retry later")
 
     def _submit(self, rid: str, text: Optional[str], ids: list[int], params: SamplingParams, arrival: float,
                 lora: Optional[str], images) -> None:

@@ -94,9 +94,9 @@ class RequestState:
                  arrival: float, tokenizer=None, special: frozenset = frozenset()):
         self.request_id, self.prompt, self.prompt_ids, self.params = request_id, prompt, prompt_ids, params
         skip = special if params.skip_special_tokens else frozenset()
-        detok = (lambda: Detokenizer(tokenizer, prompt_ids, skip, params.stop, params.include_stop_str_in_output)
-                 ) if tokenizer is not None else (lambda: None)
-        self.samples = [_Sample(i, detok()) for i in range(params.n)]
+        keep = params.include_stop_str_in_output
+        self.samples = [_Sample(i, Detokenizer(tokenizer, prompt_ids, skip, params.stop, keep)
+                                if tokenizer is not None else None) for i in range(params.n)]
         self.prompt_logprobs: list = []
         self.num_cached = 0
         self.metrics = {"arrival_time": arrival, "first_token_time": None, "last_token_time": None}

@@ -683,9 +683,9 @@ class LLMEngine:
         done.last_token_time = t
         n_out = len(seq.tokens) - seq.prompt_len
         reason, stop_reason = None, None
-        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids or (
+        eos = not p.ignore_eos and token in self.eos_token_ids
+        if eos or token in p.stop_token_ids or (
                 seq.matcher is not None and seq.matcher.terminated):  # a grammar's end ends it, ignore_eos or not
-            eos = not p.ignore_eos and token in self.eos_token_ids
             reason, stop_reason = "stop", token if token in p.stop_token_ids and not eos else None  # EOS: None
             # include_stop_str_in_output keeps the ending token in the output, its text too (vLLM's rule)
             done.by_token = not p.include_stop_str_in_output

@@ -121,14 +121,17 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
                 raise bad(name, f"must be an integer within [0, {MAX_LOGPROBS}]")
+        def token_id(t) -> bool:
+            return not isinstance(t, bool) and isinstance(t, int) and 0 <= t < vocab_size
+
         for name in ("stop_token_ids", "allowed_token_ids"):
             for t in getattr(self, name) or ():
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+                if not token_id(t):
                     raise ParamError(name, f"{name} holds {t!r}, not a token id in [0, {vocab_size})")
         if self.allowed_token_ids is not None and not len(self.allowed_token_ids):
             raise ParamError("allowed_token_ids", "allowed_token_ids is empty: no token could be sampled")
         for t, bias in (self.logit_bias or {}).items():
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            if not token_id(t):
                 raise ParamError("logit_bias", f"logit_bias holds token {t!r}, not a token id in [0, {vocab_size})")
             if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
                 raise ParamError("logit_bias", f"logit_bias[{t}] = {bias!r} must be a finite number")

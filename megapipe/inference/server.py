@@ -589,7 +589,7 @@ class OpenAIServer:
         keep, limit = body.truncate_prompt_tokens, self.max_model_len
         if keep is None:
             return None
-        if isinstance(keep, bool) or not (keep == -1 or 1 <= keep <= limit):
+        if not (keep == -1 or 1 <= keep <= limit):
             raise APIError(400, f"truncate_prompt_tokens = {keep!r} must be -1 (--max-model-len) or within [1, "
                                 f"{limit}]", param="truncate_prompt_tokens")
         return limit if keep == -1 else keep
@@ -902,7 +902,7 @@ class OpenAIServer:
                 message = {**message, "content": content or None}
                 if calls:
                     message["tool_calls"] = [call.as_dict() for call in calls]
-                    finish = "tool_calls" if finish == "stop" and tools.mode != "named" else finish
+                finish = tools.finish_reason(finish, bool(calls))
             if echo:
                 message["content"] = echo + (message["content"] or "")
             choices.append({"index": c.index, "message": message,
@@ -979,7 +979,7 @@ class OpenAIServer:
             event = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
                      "choices": [choice]}
             if body.return_token_ids:  # vLLM's: the prompt's ids with the first chunk, each chunk's new ids
-                if not sent_ids:
+                if not sent_ids:  # the first chunk of all (a choice's role chunk is made before sent_ids has it)
                     event["prompt_token_ids"] = list(last.prompt_token_ids)
                 if ids is not None:
                     choice["token_ids"] = list(ids)
@@ -995,7 +995,7 @@ class OpenAIServer:
                     if c.index in ended:
                         continue
                     if c.index not in sent_text:
-                        first = chunk(c.index, {"role": role, "content": ""})
+                        first = chunk(c.index, {"role": role, "content": ""})  # before sent_ids has it: see chunk
                         sent_text[c.index], sent_ids[c.index] = {}, 0
                         parser = self._calls_parser(tools)
                         if parser is not None:
@@ -1016,8 +1016,7 @@ class OpenAIServer:
                             delta["content"] = content
                         if deltas:
                             delta["tool_calls"] = deltas
-                        if stream.called and finish == "stop" and tools.mode != "named":
-                            finish = "tool_calls"  # a named function's call ends with stop (OpenAI's, vLLM's)
+                        finish = tools.finish_reason(finish, stream.called)
                     new_ids = c.token_ids[sent_ids[c.index]:]
                     lps = None
                     if body.logprobs and new_ids:

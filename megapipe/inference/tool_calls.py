@@ -58,6 +58,11 @@ class ToolChoice:
         parsed.parallel = parallel_tool_calls is not False
         return parsed
 
+    def finish_reason(self, finish: Optional[str], called: bool) -> Optional[str]:
+        """An output's finish_reason once its tool calls are read: tool_calls where calls ended it, except a named
+        function's, which ends with stop (OpenAI's and vLLM's)."""
+        return "tool_calls" if called and finish == "stop" and self.mode != "named" else finish
+
     @staticmethod
     def _parse(tools: Optional[list], choice: Any) -> "ToolChoice":
         tools = tools or []

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Optional
 
 from megapipe.errors import MegapipeError
+from megapipe.fileio import missing_parents, remove_empty
 
 READY = re.compile(r"ready on (http://\S+?:\d+)")
 RESPONSES = "responses.json"
@@ -50,7 +51,7 @@ def serve_smoke(model: str, output: str, prompt: str, chat: Optional[str], max_t
             raise MegapipeError(f"--output {out} exists: pass --overwrite to replace it")
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    made = [p for p in tmp.parents if not p.exists()]  # the folders made for it, deepest first
+    made = missing_parents(tmp)
     try:
         tmp.mkdir(parents=True)
     except OSError as e:
@@ -65,11 +66,8 @@ def serve_smoke(model: str, output: str, prompt: str, chat: Optional[str], max_t
         done = True
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        for folder in made if not done else ():  # a failed run leaves nothing behind
-            try:
-                folder.rmdir()
-            except OSError:
-                break
+        if not done:  # a failed run leaves nothing behind
+            remove_empty(made)
     return record
 
 
