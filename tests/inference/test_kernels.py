@@ -343,7 +343,8 @@ def test_extra_inputs_over_each_rows_band_give_the_full_products_bit_for_bit(ops
     band): the same outputs as over all of x2, whose other values are zeros, for rows sharing a band, rows of mixed
     bands and rows with none, on the loop and (here the same loop where the CPU has no AMX) the tile path, the fused
     SwiGLU too; with out_start the masked low-rank sums multiply only the output tiles that meet each row's band,
-    the same outputs as the full masked product. bf16: on both of the loop's ways to multiply."""
+    the same outputs as the full masked product. bf16: on both of the loop's ways to multiply. On AMX tiles a block
+    is 32 rows: the second (13 rows, one band and none) skips x2's steps and output tiles outside that band."""
     if not (kernels.bf16_linear_built() if dtype == torch.bfloat16 else kernels.f32_linear_built()):
         pytest.skip("megapipe's kernel for this dtype is not built on this CPU")
     if dtype == torch.float32:
