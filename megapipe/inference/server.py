@@ -152,6 +152,21 @@ class Guard:
         return None
 
 
+MAX_BODY_DEPTH = 512  # levels of [ and { a request body may nest (a JSON schema needs a few dozen at most)
+
+
+def _nesting(data) -> int:
+    """How many levels of lists and objects ``data`` nests, counted without recursion. Left to the recursion limit,
+    where a deep body fails depended on how deep the server's own stack was (990 levels passed on one machine)."""
+    deepest, stack = 0, [(data, 1)] if isinstance(data, (list, dict)) else []
+    while stack:
+        value, depth = stack.pop()
+        deepest = max(deepest, depth)
+        children = value.values() if isinstance(value, dict) else value
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (list, dict)))
+    return deepest
+
+
 def _check_text(data) -> None:
     """Refuse a string that is not Unicode text: a lone UTF-16 surrogate such as "\\ud800" is legal JSON."""
     try:
@@ -294,6 +309,9 @@ class OpenAIServer:
             raise APIError(400, f"the request body is not valid JSON ({e})", code="invalid_json") from None
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+        if _nesting(data) > MAX_BODY_DEPTH:
+            raise APIError(400, f"the request body is nested too deeply (more than {MAX_BODY_DEPTH} levels of [ and {{)",
+                           code="invalid_json")
         _check_text(data)
         try:
             return model_cls.model_validate(data)
