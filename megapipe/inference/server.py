@@ -167,6 +167,11 @@ def _nesting(data) -> int:
     return deepest
 
 
+def _too_deep() -> APIError:
+    return APIError(400, f"the request body is nested too deeply (more than {MAX_BODY_DEPTH} levels of [ and {{)",
+                    code="invalid_json")
+
+
 def _check_text(data) -> None:
     """Refuse a string that is not Unicode text: a lone UTF-16 surrogate such as "\\ud800" is legal JSON."""
     try:
@@ -296,10 +301,10 @@ class OpenAIServer:
             if size > limit:
                 raise APIError(413, f"the request body exceeds the limit of {limit} bytes", code="request_too_large")
             chunks.append(chunk)
-        try:  # deep nesting exhausts the recursion of the parser, of the text check or of pydantic
+        try:  # json.loads recurses: a body thousands of levels deep fails there, before _parse counts its levels
             return self._parse(b"".join(chunks), model_cls)
         except RecursionError:
-            raise APIError(400, "the request body is nested too deeply", code="invalid_json") from None
+            raise _too_deep() from None
 
     @staticmethod
     def _parse(raw: bytes, model_cls):
@@ -310,8 +315,7 @@ class OpenAIServer:
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object", code="invalid_json")
         if _nesting(data) > MAX_BODY_DEPTH:
-            raise APIError(400, f"the request body is nested too deeply (more than {MAX_BODY_DEPTH} levels of [ and {{)",
-                           code="invalid_json")
+            raise _too_deep()
         _check_text(data)
         try:
             return model_cls.model_validate(data)
