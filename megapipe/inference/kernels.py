@@ -1,7 +1,8 @@
 """CPU kernels of the engine that torch has no operator for, compiled at first use for the CPU they run on.
 
 - ``paged_attention`` (csrc/paged_attention.cpp): every row of a step (decodes and prefill chunks) attending to
-  its keys and values in place in the paged pool, through the block tables;
+  its keys and values in place in the paged pool, through the block tables; a bf16 prefill's scores and weighted
+  values on AMX tiles where the CPU has them (``amx=False`` takes the fp32 loop);
 - ``rms_norm``, ``add_rms_norm`` and ``rope_and_cache`` (csrc/layer_ops.cpp): a dense layer's elementwise work in
   one pass each (the residual add fused into the next norm; the rotary embedding fused with storing k and v);
 - ``mamba_step`` (csrc/mamba_step.cpp): a Mamba-2 layer's decode token for a batch in one pass over its states;
@@ -43,7 +44,7 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp", CSRC / "mamba_step.cpp"]
 BF16_SOURCES = [CSRC / "linear_bf16.cpp"]  # vdpbf16ps: built where the CPU has AVX512-BF16
 F32_SOURCES = [CSRC / "linear_f32.cpp"]  # AVX-512 only
-HEADERS = [CSRC / "linear_tiles.h", CSRC / "bf16_epilogue.h", CSRC / "parallel_tasks.h"]
+HEADERS = [CSRC / "linear_tiles.h", CSRC / "bf16_epilogue.h", CSRC / "parallel_tasks.h", CSRC / "amx_tiles.h"]
 # ATen's own flags for its vectorized kernels at each capability (what at::vec::Vectorized selects on)
 ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
@@ -78,7 +79,7 @@ def _build_spec() -> tuple[str, list[Path], list[str]]:
         sources += F32_SOURCES
     if has_avx512_bf16():
         flags.append("-mavx512bf16")
-        if has_amx():  # linear_bf16 on AMX tiles (built in, used where the kernel asks Linux for them and may)
+        if has_amx():  # linear_bf16 and the prefill's attention on AMX tiles (built in, used where Linux lets them)
             flags += ["-mamx-tile", "-mamx-bf16"]
         sources += BF16_SOURCES
     digest = hashlib.sha1(" ".join(flags).encode())

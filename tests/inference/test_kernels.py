@@ -147,6 +147,56 @@ def test_paged_attention_on_long_prefill_chunks_in_runs_of_rows(op, dtype, heads
     torch.testing.assert_close(got.double(), exact_attention(pool, rows, q, window), atol=tol, rtol=tol)
 
 
+@pytest.mark.skipif(not kernels.has_amx(), reason="the CPU has no AMX tiles")
+@pytest.mark.parametrize("dim,heads,kv_heads,window,sinks", [(64, 9, 3, None, False), (64, 9, 3, 11, False),
+                                                             (128, 4, 4, None, True), (32, 2, 1, 70, False),
+                                                             (64, 8, 1, None, True)])
+def test_prefill_attention_on_amx_tiles_is_the_fp32_loops_within_a_rounding(op, dim, heads, kv_heads, window, sinks):
+    """Where the CPU has AMX a bf16 prefill chunk's rows go in runs of up to 64 (a 100-row chunk over 20 cached
+    keys: 64 + 36, whose last 16-row block has 4), their scores and weighted values on tiles, the probabilities
+    in two bf16 parts: within a bf16 rounding of exact attention as the fp32 loop (amx=False) is, at most one bf16
+    step from the loop's outputs and nearly all equal to them; sliding windows, attention sinks, head dims of one
+    to four 32-dim steps, and a one-row chunk and a decode beside them in the step."""
+    bs = 16
+    pool = KVPool(1, 24, bs, kv_heads, dim, torch.bfloat16, "cpu")
+    g = torch.Generator().manual_seed(dim + heads)
+    pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=g))
+    pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=g))
+    seqs = scattered_decodes(pool, [120, 9, 30], seed=dim)
+    decodes = seqs[2:]
+    chunks = [(seqs[0][0], 20, 100), (seqs[1][0], 8, 1)]
+    rows = decodes + [(blocks, start + i) for blocks, start, n in chunks for i in range(n)]
+    q = torch.randn(len(rows), heads, dim, generator=g).bfloat16()
+    k, v = (torch.randn(len(rows), kv_heads, dim, generator=g).bfloat16() for _ in range(2))
+    sink = torch.randn(heads, generator=g) if sinks else None
+    outs = []
+    for amx in (True, False):
+        batch = PagedBatch(pool, window, lambda *args, amx=amx: op(*args[:-1], sink, amx=amx))
+        batch.plan(decodes, chunks)
+        outs.append(batch.attend_flat(0, q, k, v).double())
+    tiles, loop = outs
+    want = exact_attention(pool, rows, q, window)
+    if sinks:  # the sink's logit joins each row's softmax denominator
+        want = want.view(len(rows), heads, dim)
+        for r, (blocks, pos) in enumerate(rows):
+            first = 0 if window is None else max(0, pos + 1 - window)
+            slots = torch.tensor([blocks[t // bs] * bs + t % bs for t in range(first, pos + 1)])
+            scores = torch.einsum("hd,htd->ht", q[r].double().view(heads, dim),
+                                  pool.k[0][:, slots].double().repeat_interleave(heads // kv_heads, 0)) * dim ** -0.5
+            top = torch.maximum(scores.max(-1).values, sink.double())
+            kept = torch.exp(scores - top[:, None]).sum(-1)
+            want[r] *= (kept / (kept + torch.exp(sink.double() - top)))[:, None]
+        want = want.reshape(len(rows), -1)
+    torch.testing.assert_close(tiles, want, atol=2 ** -8, rtol=2 ** -8)
+    torch.testing.assert_close(loop, want, atol=2 ** -8, rtol=2 ** -8)
+    # one bf16 step of the larger, or near zero (where a row's weighted values cancel) 2^-17: the weights' ~16 bits
+    # times values of size ~1
+    step = 2.0 ** (torch.floor(torch.log2(torch.maximum(tiles.abs(), loop.abs()).clamp_min(2 ** -126))) - 7)
+    assert ((tiles - loop).abs() <= step.clamp_min(2 ** -17)).all()
+    assert (tiles != loop).double().mean() < 0.02
+    assert not torch.equal(tiles, loop)  # the tiles did run: their sums are not the loop's to the last bit
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,window", [(9, 3, None), (9, 3, 4), (4, 1, None), (16, 1, None)])
 def test_a_prompt_rows_attention_does_not_depend_on_where_its_chunk_starts(op, dtype, heads, kv_heads, window):

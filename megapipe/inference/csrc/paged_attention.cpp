@@ -14,8 +14,9 @@
 // into its running max as well. A decode row prefetches its key and value rows about 4 KB ahead of use (a
 // sequence's blocks lie anywhere in the pool, where the hardware's stream prefetcher stops): 1.5x at 32 decodes of
 // 164 positions whose keys are not in cache; a prefill chunk's runs reread their keys from cache, and prefetching
-// there cost 20% (both measured on this kernel alone). Built at first use by
-// megapipe/inference/kernels.py for the CPU it runs on.
+// there cost 20% (both measured on this kernel alone). Where the CPU has AMX, a bf16 prefill chunk's rows take
+// attend_rows_amx instead (amx=false: the loop). Built at first use by megapipe/inference/kernels.py for the CPU
+// it runs on.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -27,12 +28,15 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "parallel_tasks.h"
 
 namespace {
@@ -326,10 +330,252 @@ void attend_rows(const Step<T>& s, int64_t b0, int64_t rows, int64_t g, std::vec
   }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// A bf16 prefill on AMX tiles. Runs of up to kAmxRows consecutive rows of one sequence share one contiguous copy of
+// their keys and one of their values paired by key ([key pairs][head_dim][2]: tdpbf16ps's second operand). Per query
+// head and 16 rows, the scores come out transposed, keys x rows (the keys' tiles times the 16 queries' pairs as the
+// second operand; bf16 x bf16 is exact in fp32, summed in fp32), so the softmax runs down the keys with a row in each
+// lane, as attend_rows's does, with no sums across lanes. The weighted sum of the values is two tile products per 32
+// keys: of the probabilities rounded to bf16 and of what that rounding lost, also in bf16, so the weights carry ~16
+// bits (outputs within a few units of fp32's last place of the fp32 loop's, under the bf16 rounding of the output).
+// A row's keys start at a multiple of kAmxKeyAlign positions whatever run it falls in, and keys past its own length
+// weigh exact zeros, so its sums do not depend on how its chunk splits into runs.
+// A 2048-row prefill (32 x 64-token prompts, 9 heads on 3 kv heads of 64) on the AMX Xeon, 2 threads: the loop's
+// 1.10-1.15 ms a layer -> 0.57-0.61 ms.
+constexpr int64_t kAmxRows = 64, kAmxKeyAlign = 64, kAmxMaxDim = 256;
+
+// 64-byte aligned room for n values in v
+template <typename U>
+U* aligned_room(std::vector<U>& v, int64_t n) {
+  v.resize(n + 64 / sizeof(U));
+  return reinterpret_cast<U*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t(63));
+}
+
+// Makes the compiler finish the stores before a tile load and read the memory after a tile store: GCC's tile
+// intrinsics name only their pointers, not the memory behind them
+inline void memory_barrier() {
+  asm volatile("" ::: "memory");
+}
+
+// A thread's scratch over the items it takes and its tiles, configured once (every tile 16 rows of 64 bytes) and
+// released at its end
+struct AmxScratch {
+  std::vector<uint16_t> keys;
+  std::vector<uint32_t> values, queries, high, low;
+  std::vector<float> scores, sums;
+  bool configured = false;
+  ~AmxScratch() {
+    if (configured) _tile_release();
+  }
+  void configure() {
+    if (configured) return;
+    megapipe_amx::TileConfig cfg;
+    for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    cfg.load();
+    configured = true;
+  }
+};
+
+// The scores of NT tiles of 16 keys (`tile` apart, rows `key_row` bytes apart; tiles 4, 5) against 16 queries
+// (their pairs: [dim / 2][16], 32 dims a step in tile 6), keys x queries in tiles 0 .. NT - 1, stored to out
+template <int NT>
+inline void score_tiles(const uint16_t* keys, int64_t tile, int64_t key_row, const uint32_t* queries, int64_t steps,
+                        float* out) {
+  _tile_zero(0);
+  if constexpr (NT > 1) _tile_zero(1);
+  if constexpr (NT > 2) _tile_zero(2);
+  if constexpr (NT > 3) _tile_zero(3);
+  for (int64_t s = 0; s < steps; ++s) {
+    const uint16_t* k = keys + s * 32;
+    _tile_loadd(6, queries + s * 256, 64);
+    _tile_loadd(4, k, key_row);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NT > 1) {
+      _tile_loadd(5, k + tile, key_row);
+      _tile_dpbf16ps(1, 5, 6);
+    }
+    if constexpr (NT > 2) {
+      _tile_loadd(4, k + 2 * tile, key_row);
+      _tile_dpbf16ps(2, 4, 6);
+    }
+    if constexpr (NT > 3) {
+      _tile_loadd(5, k + 3 * tile, key_row);
+      _tile_dpbf16ps(3, 5, 6);
+    }
+  }
+  _tile_stored(0, out, 64);
+  if constexpr (NT > 1) _tile_stored(1, out + 256, 64);
+  if constexpr (NT > 2) _tile_stored(2, out + 512, 64);
+  if constexpr (NT > 3) _tile_stored(3, out + 768, 64);
+}
+
+// The weighted sums of two tiles of 16 dims for 16 rows: tiles 0, 1 = the probabilities' high parts (tile 4, 32 keys
+// a step) x the values (a step's lines `line` apart), tiles 2, 3 = their low parts' (tile 5) x the same values, each
+// pair added once stored to out ([16][64]). Kept apart, no product waits for the one before it to finish.
+inline void value_tiles(const uint32_t* high, const uint32_t* low, int64_t p_stride, const uint32_t* values,
+                        int64_t line, int64_t steps, float* out) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t s = 0; s < steps; ++s) {
+    const uint32_t* v = values + s * 16 * line;
+    _tile_loadd(4, high + s * 16, p_stride);
+    _tile_loadd(5, low + s * 16, p_stride);
+    _tile_loadd(6, v, line * 4);
+    _tile_loadd(7, v + 16, line * 4);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, out, 256);
+  _tile_stored(1, out + 16, 256);
+  _tile_stored(2, out + 32, 256);
+  _tile_stored(3, out + 48, 256);
+}
+
+// f(std::integral_constant<int, N>) for N = min(4, left) (1 .. 4)
+template <typename F>
+inline void up_to_four(int64_t left, const F& f) {
+  switch (std::min<int64_t>(left, 4)) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    default: return f(std::integral_constant<int, 4>{});
+  }
+}
+
+inline bool amx_prefill(int64_t dim) {
+  return dim % 32 == 0 && dim <= kAmxMaxDim && megapipe_amx::permitted();
+}
+
+// two vectors' fp32 values rounded to bf16 and paired: lane l = (even[l], odd[l])
+inline __m512i bf16_pairs(__m512 even, __m512 odd) {
+  const __m512i e = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(even));
+  const __m512i o = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(odd));
+  return _mm512_or_si512(e, _mm512_slli_epi32(o, 16));
+}
+
+// what rounding v to bf16 lost
+inline __m512 bf16_rest(__m512 v) {
+  const __m512i h = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
+  return _mm512_sub_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));
+}
+
+inline const float* as_floats(const void* p) {
+  return static_cast<const float*>(p);
+}
+inline float* as_floats(void* p) {
+  return static_cast<float*>(p);
+}
+
+// Rows b0 .. b0 + rows - 1 of one sequence at consecutive positions and kv head g, on AMX tiles
+template <int C>
+void attend_rows_amx(const Step<c10::BFloat16>& s, int64_t b0, int64_t rows, int64_t g, AmxScratch& x,
+                     std::vector<int64_t>& at) {
+  static_assert(C % 2 == 0 && C * 16 <= kAmxMaxDim, "AMX attention takes head dims of whole 32-dim steps");
+  constexpr int64_t W = Vec::size(), dim = C * W, pairs = dim / 2, steps = dim / 32;
+  alignas(64) static const uint16_t zeros[kAmxMaxDim] = {};
+  const auto* k_pool = reinterpret_cast<const uint16_t*>(s.k);
+  const auto* v_pool = reinterpret_cast<const uint16_t*>(s.v);
+  const int64_t start = s.first_key(b0) / kAmxKeyAlign * kAmxKeyAlign;
+  const int64_t n = s.lens[b0 + rows - 1] - start, padded = (n + kAmxKeyAlign - 1) / kAmxKeyAlign * kAmxKeyAlign;
+  s.key_offsets(b0, g, start, n, dim, at);
+  uint16_t* keys = aligned_room(x.keys, padded * dim);
+  for (int64_t t = 0; t < padded; ++t) std::memcpy(keys + t * dim, t < n ? k_pool + at[t] : zeros, dim * 2);
+  // values by key pair: line t / 2 holds (v[t][d], v[t + 1][d]) for each d
+  uint32_t* values = aligned_room(x.values, padded / 2 * dim);
+  for (int64_t t = 0; t < padded; t += 2) {
+    const uint16_t* even = t < n ? v_pool + at[t] : zeros;
+    const uint16_t* odd = t + 1 < n ? v_pool + at[t + 1] : zeros;
+    for (int64_t d = 0; d < dim; d += 16) {
+      const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(even + d)));
+      const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(odd + d)));
+      _mm512_store_si512(values + t / 2 * dim + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+  }
+  uint32_t* queries = aligned_room(x.queries, pairs * 16);
+  float* scores = aligned_room(x.scores, padded * 16);  // [keys][16 rows]
+  uint32_t* high = aligned_room(x.high, 16 * padded / 2);  // [16 rows][key pairs]
+  uint32_t* low = aligned_room(x.low, 16 * padded / 2);
+  float* sums = aligned_room(x.sums, 16 * 64);
+  alignas(64) uint32_t lines[2][16][16];
+  x.configure();
+  const Vec minus_inf(-std::numeric_limits<float>::infinity()), vscale(s.scale);
+  for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+    const int r = int(std::min<int64_t>(16, rows - r0));
+    const int64_t b = b0 + r0;
+    // the keys this block's rows reach, in whole steps of 32 (a tile step of the weighted sum)
+    const int64_t reach = (s.lens[b + r - 1] - start + 31) / 32 * 32;
+    // each lane's row (lanes past r: the last row's, computed and dropped)
+    alignas(64) float len_lane[16], first_lane[16];
+    for (int l = 0; l < 16; ++l) {
+      const int64_t row = b + std::min(l, r - 1);
+      len_lane[l] = float(s.lens[row]);
+      first_lane[l] = float(s.first_key(row));
+    }
+    const Vec lens_v = Vec::loadu(len_lane), firsts_v = Vec::loadu(first_lane);
+    for (int64_t j = 0; j < s.group; ++j) {
+      const int64_t head = g * s.group + j;
+      // the queries' pairs, [dim / 2][16 rows] (rows past r: zeros)
+      if (r < 16) std::memset(queries, 0, pairs * 16 * 4);
+      at::vec::transpose_mxn<float>(as_floats(s.q + b * s.q_row + head * s.q_head), s.q_row / 2, as_floats(queries),
+                                    16, r, pairs);
+      memory_barrier();
+      for (int64_t t = 0; t < reach / 16; t += 4)
+        up_to_four(reach / 16 - t, [&](auto nt) {
+          score_tiles<nt.value>(keys + t * 16 * dim, 16 * dim, dim * 2, queries, steps, scores + t * 256);
+        });
+      memory_barrier();
+      const float sink = s.sinks ? s.sinks[head] : -std::numeric_limits<float>::infinity();
+      Vec top(sink), total(0.f);  // no sinks: exp(-inf) = 0 below
+      for (int64_t t = 0; t < reach; ++t) {
+        const Vec pos(float(start + t));
+        const Vec v = Vec::blendv(minus_inf, Vec::loadu(scores + t * 16) * vscale,
+                                  (pos < lens_v) & (pos >= firsts_v));
+        v.store(scores + t * 16);
+        top = at::vec::maximum(top, v);
+      }
+      // the probabilities by key pair, high and low parts ([key pairs][16 rows]), turned to [16 rows][key pairs]
+      // 16 pairs (a tile step) at a time
+      for (int64_t t0 = 0; t0 < reach; t0 += 32) {
+        for (int64_t i = 0; i < 16; ++i) {
+          const int64_t t = t0 + 2 * i;
+          const __m512 even = (Vec::loadu(scores + t * 16) - top).exp_u20();
+          const __m512 odd = (Vec::loadu(scores + (t + 1) * 16) - top).exp_u20();
+          total = total + Vec(even) + Vec(odd);
+          _mm512_store_si512(lines[0][i], bf16_pairs(even, odd));
+          _mm512_store_si512(lines[1][i], bf16_pairs(bf16_rest(even), bf16_rest(odd)));
+        }
+        at::vec::transpose_mxn<float>(as_floats(lines[0]), 16, as_floats(high + t0 / 2), padded / 2, 16, 16);
+        at::vec::transpose_mxn<float>(as_floats(lines[1]), 16, as_floats(low + t0 / 2), padded / 2, 16, 16);
+      }
+      if (s.sinks) total = total + (Vec(sink) - top).exp_u20();
+      alignas(64) float inv[16];
+      (Vec(1.f) / total).store(inv);
+      memory_barrier();
+      for (int64_t c = 0; c < C; c += 2) {
+        value_tiles(high, low, padded * 2, values + c * W, dim, reach / 32, sums);
+        memory_barrier();
+        for (int i = 0; i < r; ++i) {
+          c10::BFloat16* dst = s.out + (b + i) * s.out_row + head * dim + c * W;
+          for (int d = 0; d < 2; ++d) {
+            const float* sum = sums + i * 64 + d * W;
+            store_row(dst + d * W, (Vec::loadu(sum) + Vec::loadu(sum + 2 * W)) * Vec(inv[i]));
+          }
+        }
+      }
+    }
+  }
+}
+#endif
+
 template <typename T, int C>
 void attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                const at::Tensor& block_table, const at::Tensor& seq_of_row, const at::Tensor& context_lens,
-               int64_t block_size, int64_t window, double scale, at::Tensor& out, const float* sinks) {
+               int64_t block_size, int64_t window, double scale, at::Tensor& out, const float* sinks,
+               bool amx_asked) {
   constexpr int64_t W = Vec::size(), dim = C * W;
   const int64_t batch = q.size(0), heads = q.size(1), kv_heads = k_pool.size(0), group = heads / kv_heads;
   const Step<T> s{q.const_data_ptr<T>(), k_pool.const_data_ptr<T>(), v_pool.const_data_ptr<T>(),
@@ -337,8 +583,15 @@ void attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& 
                   seq_of_row.const_data_ptr<int32_t>(), out.mutable_data_ptr<T>(), sinks, q.stride(0), q.stride(1),
                   out.stride(0), block_table.stride(0), k_pool.size(1), block_size, window, group,
                   static_cast<float>(scale)};
-  // runs of a prefill chunk's consecutive rows, as many as fill the lanes with their query heads; decodes alone
+  // runs of a prefill chunk's consecutive rows, as many as fill the lanes with their query heads (on AMX tiles,
+  // up to kAmxRows); decodes alone
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  constexpr bool amx_dim = std::is_same_v<T, c10::BFloat16> && C % 2 == 0 && dim <= kAmxMaxDim;
+  const bool amx = amx_dim && amx_asked && amx_prefill(dim);
+  const int64_t per_run = amx ? kAmxRows : std::max<int64_t>(1, W / group);
+#else
   const int64_t per_run = std::max<int64_t>(1, W / group);
+#endif
   std::vector<std::pair<int64_t, int64_t>> runs;
   for (int64_t b = 0; b < batch;) {
     int64_t n = 1;
@@ -352,6 +605,9 @@ void attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& 
     std::vector<Vec> qv(group * C), acc(group * C);
     std::vector<float> scores, total(group), qt(2 * dim * W);
     std::vector<int64_t> at;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    AmxScratch tiles;
+#endif
     for (int64_t task; (task = queue.take()) >= 0;) {
       const int64_t item = items - 1 - task;
       const auto [b, rows] = runs[item / kv_heads];
@@ -361,6 +617,10 @@ void attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& 
       const bool chunk_row = per_run > 1 && b > 0 && s.seq[b - 1] == s.seq[b] && s.lens[b] == s.lens[b - 1] + 1;
       if (rows == 1 && !chunk_row) {
         attend_row<T, C>(s, b, item % kv_heads, qv, acc, scores, total, at);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+      } else if (amx) {
+        if constexpr (amx_dim) attend_rows_amx<C>(s, b, rows, item % kv_heads, tiles, at);
+#endif
       } else {
         attend_rows<T, C>(s, b, rows, item % kv_heads, qt, scores, at);
       }
@@ -371,11 +631,12 @@ void attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& 
 template <typename T>
 void dispatch_dim(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                   const at::Tensor& block_table, const at::Tensor& seq_of_row, const at::Tensor& context_lens,
-                  int64_t block_size, int64_t window, double scale, at::Tensor& out, const float* sinks) {
+                  int64_t block_size, int64_t window, double scale, at::Tensor& out, const float* sinks,
+                  bool amx) {
 #define MEGAPIPE_DIM_CASE(c)                                                                                   \
   case c:                                                                                                      \
     return attention<T, c>(q, k_pool, v_pool, block_table, seq_of_row, context_lens, block_size, window, scale, \
-                           out, sinks);
+                           out, sinks, amx);
   switch (q.size(2) / Vec::size()) {
     MEGAPIPE_DIM_CASE(1) MEGAPIPE_DIM_CASE(2) MEGAPIPE_DIM_CASE(3) MEGAPIPE_DIM_CASE(4) MEGAPIPE_DIM_CASE(5)
     MEGAPIPE_DIM_CASE(6) MEGAPIPE_DIM_CASE(8) MEGAPIPE_DIM_CASE(10) MEGAPIPE_DIM_CASE(12)
@@ -389,7 +650,7 @@ void dispatch_dim(const at::Tensor& q, const at::Tensor& k_pool, const at::Tenso
 void paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                      const at::Tensor& block_table, const at::Tensor& seq_of_row, const at::Tensor& context_lens,
                      int64_t block_size, int64_t window, double scale, at::Tensor out,
-                     const std::optional<at::Tensor>& sinks) {
+                     const std::optional<at::Tensor>& sinks, bool amx) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [rows, heads, dim] with contiguous rows");
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.sizes() == v_pool.sizes(),
               "k_pool and v_pool must be contiguous [kv_heads, slots, dim]");
@@ -425,13 +686,13 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Te
   switch (q.scalar_type()) {
     case at::kFloat:
       return dispatch_dim<float>(q, k_pool, v_pool, block_table, seq_of_row, context_lens, block_size, window,
-                                 scale, out, sink_ptr);
+                                 scale, out, sink_ptr, amx);
     case at::kBFloat16:
       return dispatch_dim<c10::BFloat16>(q, k_pool, v_pool, block_table, seq_of_row, context_lens, block_size,
-                                         window, scale, out, sink_ptr);
+                                         window, scale, out, sink_ptr, amx);
     case at::kHalf:
       return dispatch_dim<c10::Half>(q, k_pool, v_pool, block_table, seq_of_row, context_lens, block_size, window,
-                                     scale, out, sink_ptr);
+                                     scale, out, sink_ptr, amx);
     default:
       TORCH_CHECK(false, "paged_attention: unsupported dtype ", q.scalar_type());
   }
@@ -442,7 +703,8 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Te
 TORCH_LIBRARY(megapipe, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_table, Tensor seq_of_row, "
-      "Tensor context_lens, int block_size, int window, float scale, Tensor(a!) out, Tensor? sinks=None) -> ()");
+      "Tensor context_lens, int block_size, int window, float scale, Tensor(a!) out, Tensor? sinks=None, "
+      "bool amx=True) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(megapipe, CPU, m) {
