@@ -4,7 +4,9 @@
 //
 // Every rounding is the one the torch operations make, in the same order (each product or sum taken in fp32 and
 // rounded to the tensor's dtype), so rope_and_cache is bit-exact with them; the RMSNorm sums its squares in its
-// own order, which can move the fp32 variance by an ulp.
+// own order, which can move the fp32 variance by an ulp. bf16 on AVX-512 goes 16 elements at a time (rms_norm at
+// 1024 x 576 on the AMX Xeon, 2 threads: 101 -> 69 us), rounded by vcvtneps2bf16 where the CPU has AVX512-BF16:
+// the same bits but for results under bf16's normal range (flushed to zero) and a NaN's payload.
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -17,6 +19,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 namespace {
 
@@ -30,6 +33,75 @@ inline int64_t grain(int64_t width) {
   return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, width));
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// 16 bf16 values widened to fp32, and fp32 rounded to bf16 as c10::BFloat16 rounds (to nearest even, a NaN to
+// 0x7fc0): GCC leaves c10's per-element conversions scalar. With AVX512-BF16, vcvtneps2bf16 rounds in one
+// instruction, the same bits but for denormals (flushed to zero) and a NaN's payload (kept).
+inline __m512 bf16_load(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline __m256i bf16_round(__m512 v) {
+#if defined(__AVX512BF16__)
+  return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(u, 16),
+                                                                                    _mm512_set1_epi32(1)));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0)));
+#endif
+}
+inline void bf16_store(c10::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_round(v));
+}
+// bf16 to bf16 as the scalar code rounds: x rounded once more after each fp32 operation
+inline __m512 bf16_again(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_round(v)), 16));
+}
+
+// rms_norm_rows's row for bf16, 16 elements at a time with the same roundings and the same order of sums
+inline void rms_norm_row_bf16(const c10::BFloat16* src, const c10::BFloat16* w, c10::BFloat16* dst, int64_t n,
+                              float eps, c10::BFloat16* h, const c10::BFloat16* d) {
+  int64_t i = 0;
+  if (d) {
+    for (; i + 16 <= n; i += 16) bf16_store(h + i, _mm512_add_ps(bf16_load(h + i), bf16_load(d + i)));
+    for (; i < n; ++i) h[i] = c10::BFloat16(float(h[i]) + float(d[i]));
+  }
+  __m512 lanes = _mm512_setzero_ps();
+  for (i = 0; i + 16 <= n; i += 16) {
+    const __m512 x = bf16_load(src + i);
+    lanes = _mm512_add_ps(lanes, _mm512_mul_ps(x, x));
+  }
+  float ss = 0.f;
+  for (int64_t j = i; j < n; ++j) ss += float(src[j]) * float(src[j]);
+  alignas(64) float lane[16];
+  _mm512_store_ps(lane, lanes);
+  for (int l = 0; l < 16; ++l) ss += lane[l];
+  const float inv = 1.f / std::sqrt(ss / float(n) + eps);
+  const __m512 vinv = _mm512_set1_ps(inv);
+  for (i = 0; i + 16 <= n; i += 16)
+    bf16_store(dst + i, _mm512_mul_ps(bf16_load(w + i), bf16_again(_mm512_mul_ps(bf16_load(src + i), vinv))));
+  for (; i < n; ++i) dst[i] = c10::BFloat16(float(w[i]) * float(c10::BFloat16(float(src[i]) * inv)));
+}
+
+// rope_and_cache's rotation of one bf16 head (half a multiple of 16), 16 elements of each half at a time with the
+// same roundings
+inline void rope_head_bf16(c10::BFloat16* head, const c10::BFloat16* c, const c10::BFloat16* s, int64_t half) {
+  for (int64_t i = 0; i < half; i += 16) {
+    const __m512 a = bf16_load(head + i), b = bf16_load(head + half + i);
+    const __m512 first = _mm512_add_ps(bf16_again(_mm512_mul_ps(a, bf16_load(c + i))),
+                                       bf16_again(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), b),
+                                                                bf16_load(s + i))));
+    const __m512 second = _mm512_add_ps(bf16_again(_mm512_mul_ps(b, bf16_load(c + half + i))),
+                                        bf16_again(_mm512_mul_ps(a, bf16_load(s + half + i))));
+    bf16_store(head + i, first);
+    bf16_store(head + half + i, second);
+  }
+}
+#endif
+
 // out = rms_norm(x) row by row; with `delta`, x += delta first (x is then the writable `add_into`)
 template <typename T>
 void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t n, int64_t x_row, int64_t out_row,
@@ -37,6 +109,13 @@ void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t n, int6
   at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* src = x + r * x_row;
+#if defined(CPU_CAPABILITY_AVX512)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        rms_norm_row_bf16(src, w, out + r * out_row, n, eps, delta ? add_into + r * x_row : nullptr,
+                          delta ? delta + r * d_row : nullptr);
+        continue;
+      }
+#endif
       if (delta) {  // h += delta, rounded as add_ rounds, then normalise the new h
         T* h = add_into + r * x_row;
         const T* d = delta + r * d_row;
@@ -126,6 +205,15 @@ void rope_and_cache(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin
         const T* s = snp + t * dim;
         for (int64_t h = 0; h < rotated; ++h) {
           T* head = base + t * row + h * dim;
+#if defined(CPU_CAPABILITY_AVX512)
+          if constexpr (std::is_same_v<T, c10::BFloat16>) {
+            if (half % 16 == 0) {
+              rope_head_bf16(reinterpret_cast<c10::BFloat16*>(head), reinterpret_cast<const c10::BFloat16*>(c),
+                             reinterpret_cast<const c10::BFloat16*>(s), half);
+              continue;
+            }
+          }
+#endif
           for (int64_t i = 0; i < dim; ++i) x[i] = float(head[i]);
           for (int64_t i = 0; i < dim; ++i) {
             const float turned = i < half ? -x[i + half] : x[i - half];
