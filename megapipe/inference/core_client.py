@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import itertools
 import logging
 import multiprocessing
@@ -123,6 +124,29 @@ class RequestState:
                              self.num_cached, sum(s.generated for s in self.samples), dict(self.metrics))
 
 
+@contextlib.contextmanager
+def signals_held(*signums: int):
+    """SIGTERM / SIGINT arriving inside the block have their handlers run as it ends, not in the middle of it (the
+    main thread only, where Python runs handlers). A core process being started reads its start-up message from a
+    pipe the parent is still writing: a handler raising there closed the pipe under it, and the core printed an
+    EOFError traceback before the parent could kill it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = {n: signal.signal(n, lambda signum, frame: caught.append((signum, frame))) for n in signums}
+    try:
+        yield
+    finally:
+        for n, handler in previous.items():
+            signal.signal(n, handler)
+        for n, frame in caught:
+            if callable(previous[n]):
+                previous[n](n, frame)
+            elif previous[n] == signal.SIG_DFL:
+                signal.raise_signal(n)
+
+
 class EngineCoreClient(StreamingEngine):
     """Start an engine core process for ``spec`` and wait until it is ready (its loading errors raised here)."""
 
@@ -136,7 +160,8 @@ class EngineCoreClient(StreamingEngine):
         self._conn, child = ctx.Pipe()
         self.process = ctx.Process(target=run_core, args=(child, spec), name="megapipe-engine-core", daemon=True)
         try:
-            self.process.start()
+            with signals_held(signal.SIGTERM, signal.SIGINT):
+                self.process.start()
             child.close()  # only the core holds its end: its death is end-of-file here
             try:
                 ready = recv(self._conn)

@@ -168,3 +168,27 @@ def test_sigkill_of_the_core_fails_streams_and_health(live):
     with pytest.raises(openai.APIStatusError) as e:
         c.completions.create(model=NAME, prompt="The", max_tokens=5)
     assert e.value.status_code == 503 and "killed by SIGKILL" in e.value.body["message"]
+
+
+def test_signals_held_run_their_handlers_once_the_block_ends():
+    """A SIGTERM inside the block (a core process being started) runs its handler after it, once; a raising
+    handler raises there; the handlers in place before are back."""
+    from megapipe.inference.core_client import signals_held
+
+    seen = []
+
+    def handler(signum, frame):
+        seen.append(signum)
+        raise SystemExit(0)
+
+    before, interrupt = signal.signal(signal.SIGTERM, handler), signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(SystemExit):
+            with signals_held(signal.SIGTERM, signal.SIGINT):
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.05)  # a handler would have run by now
+                assert seen == []
+        assert seen == [signal.SIGTERM]
+        assert signal.getsignal(signal.SIGTERM) is handler and signal.getsignal(signal.SIGINT) is interrupt
+    finally:
+        signal.signal(signal.SIGTERM, before)
