@@ -127,12 +127,15 @@ struct Ahead {
 
 // block(std::integral_constant<int, NT>, first tile, first row, rows (<= Rows), Ahead[, state]) for every block of
 // the matmul: NT = Tiles, or 1 for each tile of a last, partial group. With a TaskState, each thread makes one and
-// passes it to every block of the tasks it takes (AMX's tile configuration, set once and released at its end).
+// passes it to every block of the tasks it takes (AMX's tile configuration, set once and released at its end). A
+// task is TaskGroups groups of tiles over RowChunk rows, one group after the other: with groups of one 16-output
+// tile, two make a task whose bf16 outputs are whole 64-byte lines, which one core then writes alone.
 template <int Rows = kRows, int Tiles = kTiles, typename TaskState = NoTaskState, int64_t RowChunk = kRowChunk,
-          typename Block>
+          int TaskGroups = 1, typename Block>
 void for_each_block(int64_t m, int64_t tiles, const Block& block) {
   const int64_t groups = (tiles + Tiles - 1) / Tiles, chunks = (m + RowChunk - 1) / RowChunk;
-  megapipe_parallel::parallel_tasks(groups * chunks, [&](megapipe_parallel::TaskQueue& queue) {
+  const int64_t task_groups = (groups + TaskGroups - 1) / TaskGroups;
+  megapipe_parallel::parallel_tasks(task_groups * chunks, [&](megapipe_parallel::TaskQueue& queue) {
     TaskState state;
     auto run = [&](auto nt, int64_t t0, int64_t m0, int mb, const Ahead& ahead) {
       if constexpr (std::is_same_v<TaskState, NoTaskState>) {
@@ -144,28 +147,32 @@ void for_each_block(int64_t m, int64_t tiles, const Block& block) {
     // each task takes the thread's next one as it starts, so that its blocks can fetch that one's tiles ahead
     for (int64_t item = queue.take(), following; item >= 0; item = following) {
       following = queue.take();
-      const int64_t g = item % groups, chunk = item / groups;
-      const int64_t t0 = g * Tiles, nt = std::min<int64_t>(Tiles, tiles - t0);
-      const int64_t first = chunk * RowChunk, last = std::min(m, (chunk + 1) * RowChunk);
-      const int blocks = int((last - first + Rows - 1) / Rows);
-      Ahead next;
-      if (following >= 0) {
-        next.t0 = (following % groups) * Tiles;
-        next.tiles = std::min<int64_t>(Tiles, tiles - next.t0);
-      }
-      // the first block reads its own tiles from memory: the next task's are fetched over the others
-      next.parts = std::max(blocks - 1, 1);
-      for (int64_t m0 = first; m0 < last; m0 += Rows) {
-        const int b = int((m0 - first) / Rows), mb = int(std::min<int64_t>(Rows, m - m0));
-        Ahead ahead = next;
-        if (blocks > 1 && b == 0) ahead.tiles = 0;
-        ahead.part = std::max(b - 1, 0);
-        if (nt == Tiles) {
-          run(std::integral_constant<int, Tiles>{}, t0, m0, mb, ahead);
-        } else {
-          for (int64_t t = t0; t < t0 + nt; ++t) {
-            run(std::integral_constant<int, 1>{}, t, m0, mb, ahead);
-            ahead.tiles = 0;
+      const int64_t chunk = item / task_groups, g_end = std::min(groups, (item % task_groups + 1) * TaskGroups);
+      for (int64_t g = item % task_groups * TaskGroups; g < g_end; ++g) {
+        const int64_t t0 = g * Tiles, nt = std::min<int64_t>(Tiles, tiles - t0);
+        const int64_t first = chunk * RowChunk, last = std::min(m, (chunk + 1) * RowChunk);
+        const int blocks = int((last - first + Rows - 1) / Rows);
+        // the group after this one: the task's next, or the next task's first
+        const int64_t next_group = g + 1 < g_end ? g + 1 : following >= 0 ? following % task_groups * TaskGroups : -1;
+        Ahead next;
+        if (next_group >= 0) {
+          next.t0 = next_group * Tiles;
+          next.tiles = std::min<int64_t>(Tiles, tiles - next.t0);
+        }
+        // the first block reads its own tiles from memory: the next task's are fetched over the others
+        next.parts = std::max(blocks - 1, 1);
+        for (int64_t m0 = first; m0 < last; m0 += Rows) {
+          const int b = int((m0 - first) / Rows), mb = int(std::min<int64_t>(Rows, m - m0));
+          Ahead ahead = next;
+          if (blocks > 1 && b == 0) ahead.tiles = 0;
+          ahead.part = std::max(b - 1, 0);
+          if (nt == Tiles) {
+            run(std::integral_constant<int, Tiles>{}, t0, m0, mb, ahead);
+          } else {
+            for (int64_t t = t0; t < t0 + nt; ++t) {
+              run(std::integral_constant<int, 1>{}, t, m0, mb, ahead);
+              ahead.tiles = 0;
+            }
           }
         }
       }
