@@ -123,23 +123,29 @@ def test_paged_attention_serves_a_mixed_step_of_decodes_and_prefill_chunks(op, d
     torch.testing.assert_close(outs[0].double(), outs[1].double(), atol=4 * tol, rtol=4 * tol)
 
 
+def chunked_step(dtype, dim, heads, kv_heads, pool_blocks, chunk_rows, seed, scatter_seed):
+    """One step over a pool of scattered blocks of 16: a chunk of ``chunk_rows`` rows over 20 cached keys, a
+    one-row chunk at position 8 and a decode at 30; (pool, decodes, chunks, rows, q, k, v, the generator)."""
+    pool = KVPool(1, pool_blocks, 16, kv_heads, dim, dtype, "cpu")
+    g = torch.Generator().manual_seed(seed)
+    pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=g))
+    pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=g))
+    seqs = scattered_decodes(pool, [20 + chunk_rows, 9, 30], seed=scatter_seed)
+    decodes = seqs[2:]
+    chunks = [(seqs[0][0], 20, chunk_rows), (seqs[1][0], 8, 1)]
+    rows = decodes + [(blocks, start + i) for blocks, start, n in chunks for i in range(n)]
+    q = torch.randn(len(rows), heads, dim, generator=g).to(dtype)
+    k, v = (torch.randn(len(rows), kv_heads, dim, generator=g).to(dtype) for _ in range(2))
+    return pool, decodes, chunks, rows, q, k, v, g
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads,kv_heads,window", [(9, 3, None), (9, 3, 11), (16, 1, None), (4, 4, 5)])
 def test_paged_attention_on_long_prefill_chunks_in_runs_of_rows(op, dtype, heads, kv_heads, window):
     """A prefill chunk's rows go through the kernel in runs that fill its vector lanes with (row, head) pairs
     (5 rows of 3 heads, 16 rows of one; with 16 heads per kv head one row at a time): a 45-row chunk over 20 cached
     keys, a one-row chunk and a decode in one step, with and without a sliding window. Exact within a rounding."""
-    dim, bs = 64, 16
-    pool = KVPool(1, 16, bs, kv_heads, dim, dtype, "cpu")
-    g = torch.Generator().manual_seed(heads + kv_heads)
-    pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=g))
-    pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=g))
-    seqs = scattered_decodes(pool, [65, 9, 30], seed=heads)
-    decodes = seqs[2:]
-    chunks = [(seqs[0][0], 20, 45), (seqs[1][0], 8, 1)]
-    rows = decodes + [(blocks, start + i) for blocks, start, n in chunks for i in range(n)]
-    q = torch.randn(len(rows), heads, dim, generator=g).to(dtype)
-    k, v = (torch.randn(len(rows), kv_heads, dim, generator=g).to(dtype) for _ in range(2))
+    pool, decodes, chunks, rows, q, k, v, _ = chunked_step(dtype, 64, heads, kv_heads, 16, 45, heads + kv_heads, heads)
     batch = PagedBatch(pool, window, op)
     batch.plan(decodes, chunks)
     got = batch.attend_flat(0, q, k, v)
@@ -158,16 +164,8 @@ def test_prefill_attention_on_amx_tiles_is_the_fp32_loops_within_a_rounding(op, 
     step from the loop's outputs and nearly all equal to them; sliding windows, attention sinks, head dims of one
     to four 32-dim steps, and a one-row chunk and a decode beside them in the step."""
     bs = 16
-    pool = KVPool(1, 24, bs, kv_heads, dim, torch.bfloat16, "cpu")
-    g = torch.Generator().manual_seed(dim + heads)
-    pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=g))
-    pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=g))
-    seqs = scattered_decodes(pool, [120, 9, 30], seed=dim)
-    decodes = seqs[2:]
-    chunks = [(seqs[0][0], 20, 100), (seqs[1][0], 8, 1)]
-    rows = decodes + [(blocks, start + i) for blocks, start, n in chunks for i in range(n)]
-    q = torch.randn(len(rows), heads, dim, generator=g).bfloat16()
-    k, v = (torch.randn(len(rows), kv_heads, dim, generator=g).bfloat16() for _ in range(2))
+    pool, decodes, chunks, rows, q, k, v, g = chunked_step(torch.bfloat16, dim, heads, kv_heads, 24, 100, dim + heads,
+                                                           dim)
     sink = torch.randn(heads, generator=g) if sinks else None
     outs = []
     for amx in (True, False):
