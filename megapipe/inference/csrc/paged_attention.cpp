@@ -335,9 +335,11 @@ void attend_rows(const Step<T>& s, int64_t b0, int64_t rows, int64_t g, std::vec
 // their keys and one of their values paired by key ([key pairs][head_dim][2]: tdpbf16ps's second operand). Per query
 // head and 16 rows, the scores come out transposed, keys x rows (the keys' tiles times the 16 queries' pairs as the
 // second operand; bf16 x bf16 is exact in fp32, summed in fp32), so the softmax runs down the keys with a row in each
-// lane, as attend_rows's does, with no sums across lanes. The weighted sum of the values is two tile products per 32
-// keys: of the probabilities rounded to bf16 and of what that rounding lost, also in bf16, so the weights carry ~16
-// bits (outputs within a few units of fp32's last place of the fp32 loop's, under the bf16 rounding of the output).
+// lane, as attend_rows's does, with no sums across lanes; its exp is ATen's inline exp_u20, within a few units of
+// fp32's last place (the loop's call into Sleef cost ~20% of this kernel). The weighted sum of the values is two
+// tile products per 32 keys: of the probabilities rounded to bf16 and of what that rounding lost, also in bf16, so
+// the weights carry ~16 bits (outputs within a few units of fp32's last place of the fp32 loop's, under the bf16
+// rounding of the output).
 // A row's keys start at a multiple of kAmxKeyAlign positions whatever run it falls in, and keys past its own length
 // weigh exact zeros, so its sums do not depend on how its chunk splits into runs.
 // A 2048-row prefill (32 x 64-token prompts, 9 heads on 3 kv heads of 64) on the AMX Xeon, 2 threads: the loop's
