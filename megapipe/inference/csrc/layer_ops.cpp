@@ -61,31 +61,6 @@ inline __m512 bf16_again(__m512 v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_round(v)), 16));
 }
 
-// rms_norm_rows's row for bf16, 16 elements at a time with the same roundings and the same order of sums
-inline void rms_norm_row_bf16(const c10::BFloat16* src, const c10::BFloat16* w, c10::BFloat16* dst, int64_t n,
-                              float eps, c10::BFloat16* h, const c10::BFloat16* d) {
-  int64_t i = 0;
-  if (d) {
-    for (; i + 16 <= n; i += 16) bf16_store(h + i, _mm512_add_ps(bf16_load(h + i), bf16_load(d + i)));
-    for (; i < n; ++i) h[i] = c10::BFloat16(float(h[i]) + float(d[i]));
-  }
-  __m512 lanes = _mm512_setzero_ps();
-  for (i = 0; i + 16 <= n; i += 16) {
-    const __m512 x = bf16_load(src + i);
-    lanes = _mm512_add_ps(lanes, _mm512_mul_ps(x, x));
-  }
-  float ss = 0.f;
-  for (int64_t j = i; j < n; ++j) ss += float(src[j]) * float(src[j]);
-  alignas(64) float lane[16];
-  _mm512_store_ps(lane, lanes);
-  for (int l = 0; l < 16; ++l) ss += lane[l];
-  const float inv = 1.f / std::sqrt(ss / float(n) + eps);
-  const __m512 vinv = _mm512_set1_ps(inv);
-  for (i = 0; i + 16 <= n; i += 16)
-    bf16_store(dst + i, _mm512_mul_ps(bf16_load(w + i), bf16_again(_mm512_mul_ps(bf16_load(src + i), vinv))));
-  for (; i < n; ++i) dst[i] = c10::BFloat16(float(w[i]) * float(c10::BFloat16(float(src[i]) * inv)));
-}
-
 // rope_and_cache's rotation of one bf16 head (half a multiple of 16), 16 elements of each half at a time with the
 // same roundings
 inline void rope_head_bf16(c10::BFloat16* head, const c10::BFloat16* c, const c10::BFloat16* s, int64_t half) {
@@ -102,6 +77,47 @@ inline void rope_head_bf16(c10::BFloat16* head, const c10::BFloat16* c, const c1
 }
 #endif
 
+// The leading elements of each of rms_norm_rows's passes over a row that a bf16 row on AVX-512 takes 16 at a time,
+// with the same roundings and the same lanes of the squares' sums; each returns where the row's scalar loop goes on
+// (0: it does them all)
+template <typename T>
+int64_t add_leading(T* h, const T* d, int64_t n) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) bf16_store(h + i, _mm512_add_ps(bf16_load(h + i), bf16_load(d + i)));
+    return i;
+  }
+#endif
+  return 0;
+}
+template <typename T>
+int64_t square_leading(const T* src, int64_t n, float (&lanes)[16]) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    __m512 sums = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) sums = _mm512_add_ps(sums, _mm512_mul_ps(bf16_load(src + i), bf16_load(src + i)));
+    _mm512_storeu_ps(lanes, sums);
+    return i;
+  }
+#endif
+  return 0;
+}
+template <typename T>
+int64_t scale_leading(const T* src, const T* w, T* dst, int64_t n, float inv) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+      bf16_store(dst + i, _mm512_mul_ps(bf16_load(w + i), bf16_again(_mm512_mul_ps(bf16_load(src + i),
+                                                                                    _mm512_set1_ps(inv)))));
+    return i;
+  }
+#endif
+  return 0;
+}
+
 // out = rms_norm(x) row by row; with `delta`, x += delta first (x is then the writable `add_into`)
 template <typename T>
 void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t n, int64_t x_row, int64_t out_row,
@@ -109,20 +125,13 @@ void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t n, int6
   at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* src = x + r * x_row;
-#if defined(CPU_CAPABILITY_AVX512)
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        rms_norm_row_bf16(src, w, out + r * out_row, n, eps, delta ? add_into + r * x_row : nullptr,
-                          delta ? delta + r * d_row : nullptr);
-        continue;
-      }
-#endif
       if (delta) {  // h += delta, rounded as add_ rounds, then normalise the new h
         T* h = add_into + r * x_row;
         const T* d = delta + r * d_row;
-        for (int64_t i = 0; i < n; ++i) h[i] = round_to<T>(float(h[i]) + float(d[i]));
+        for (int64_t i = add_leading(h, d, n); i < n; ++i) h[i] = round_to<T>(float(h[i]) + float(d[i]));
       }
       float lanes[16] = {0.f};
-      int64_t i = 0;
+      int64_t i = square_leading(src, n, lanes);
       for (; i + 16 <= n; i += 16)
         for (int l = 0; l < 16; ++l) lanes[l] += float(src[i + l]) * float(src[i + l]);
       float ss = 0.f;
@@ -130,7 +139,8 @@ void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t n, int6
       for (int l = 0; l < 16; ++l) ss += lanes[l];
       const float inv = 1.f / std::sqrt(ss / float(n) + eps);
       T* dst = out + r * out_row;
-      for (int64_t j = 0; j < n; ++j) dst[j] = round_to<T>(float(w[j]) * float(round_to<T>(float(src[j]) * inv)));
+      for (int64_t j = scale_leading(src, w, dst, n, inv); j < n; ++j)
+        dst[j] = round_to<T>(float(w[j]) * float(round_to<T>(float(src[j]) * inv)));
     }
   });
 }

@@ -448,15 +448,14 @@ inline void up_to_four(int64_t left, const F& f) {
   }
 }
 
-inline bool amx_prefill(int64_t dim) {
-  return dim % 32 == 0 && dim <= kAmxMaxDim && megapipe_amx::permitted();
+// 16 bf16 values of each of two rows paired: lane l = (even[l], odd[l]), tdpbf16ps's pair of inputs
+inline __m512i paired(__m256i even, __m256i odd) {
+  return _mm512_or_si512(_mm512_cvtepu16_epi32(even), _mm512_slli_epi32(_mm512_cvtepu16_epi32(odd), 16));
 }
 
-// two vectors' fp32 values rounded to bf16 and paired: lane l = (even[l], odd[l])
+// two vectors' fp32 values rounded to bf16 and paired
 inline __m512i bf16_pairs(__m512 even, __m512 odd) {
-  const __m512i e = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(even));
-  const __m512i o = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(odd));
-  return _mm512_or_si512(e, _mm512_slli_epi32(o, 16));
+  return paired((__m256i)_mm512_cvtneps_pbh(even), (__m256i)_mm512_cvtneps_pbh(odd));
 }
 
 // what rounding v to bf16 lost
@@ -491,11 +490,10 @@ void attend_rows_amx(const Step<c10::BFloat16>& s, int64_t b0, int64_t rows, int
   for (int64_t t = 0; t < padded; t += 2) {
     const uint16_t* even = t < n ? v_pool + at[t] : zeros;
     const uint16_t* odd = t + 1 < n ? v_pool + at[t + 1] : zeros;
-    for (int64_t d = 0; d < dim; d += 16) {
-      const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(even + d)));
-      const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(odd + d)));
-      _mm512_store_si512(values + t / 2 * dim + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-    }
+    for (int64_t d = 0; d < dim; d += 16)
+      _mm512_store_si512(values + t / 2 * dim + d,
+                         paired(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(even + d)),
+                                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(odd + d))));
   }
   uint32_t* queries = aligned_room(x.queries, pairs * 16);
   float* scores = aligned_room(x.scores, padded * 16);  // [keys][16 rows]
@@ -589,7 +587,7 @@ void attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& 
   // up to kAmxRows); decodes alone
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   constexpr bool amx_dim = std::is_same_v<T, c10::BFloat16> && C % 2 == 0 && dim <= kAmxMaxDim;
-  const bool amx = amx_dim && amx_asked && amx_prefill(dim);
+  const bool amx = amx_dim && amx_asked && megapipe_amx::permitted();
   const int64_t per_run = amx ? kAmxRows : std::max<int64_t>(1, W / group);
 #else
   const int64_t per_run = std::max<int64_t>(1, W / group);
