@@ -153,7 +153,8 @@ def test_paged_attention_on_long_prefill_chunks_in_runs_of_rows(op, dtype, heads
     torch.testing.assert_close(got.double(), exact_attention(pool, rows, q, window), atol=tol, rtol=tol)
 
 
-@pytest.mark.skipif(not kernels.has_amx(), reason="the CPU has no AMX tiles")
+@pytest.mark.skipif(not (kernels.has_amx() and kernels.has_avx512_bf16()),
+                    reason="the kernels are built without AMX tiles (they need AMX and AVX512-BF16 at torch's capability)")
 @pytest.mark.parametrize("dim,heads,kv_heads,window,sinks", [(64, 9, 3, None, False), (64, 9, 3, 11, False),
                                                              (128, 4, 4, None, True), (32, 2, 1, 70, False),
                                                              (64, 8, 1, None, True)])

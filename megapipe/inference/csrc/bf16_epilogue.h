@@ -9,13 +9,12 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "bf16_widen.h"
 #include "linear_tiles.h"
 
 namespace megapipe_linear {
 
-inline __m512 bf16_to_fp32(__m256i v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
+using megapipe_bf16::widen;
 
 // x * sigmoid(x), the reciprocal of 1 + exp(-x) from vrcp14ps and one Newton step (relative error ~2^-27, far
 // under the bf16 rounding that follows; a division costs several times as much and showed in a long prefill's
@@ -34,7 +33,7 @@ inline void store_row(__m512 v, __mmask16 mask, c10::BFloat16* dst) {
 
 // The same bf16 values widened to fp32 (a head's logits: the sampler's fp32 input without a widening pass of its own)
 inline void store_row(__m512 v, __mmask16 mask, float* dst) {
-  _mm512_mask_storeu_ps(dst, mask, bf16_to_fp32((__m256i)_mm512_cvtneps_pbh(v)));
+  _mm512_mask_storeu_ps(dst, mask, widen((__m256i)_mm512_cvtneps_pbh(v)));
 }
 
 // The outputs col .. col + 15 (those under n) of the tile that starts at col: their lane mask and bias
@@ -43,7 +42,7 @@ struct TileColumns {
   __mmask16 mask;
   __m512 bias;
   TileColumns(int64_t col_, int64_t n, const Epilogue<c10::BFloat16>& ep) : col(col_), mask(column_mask(col_, n)) {
-    bias = ep.bias ? bf16_to_fp32(_mm256_maskz_loadu_epi16(mask, ep.bias + col)) : _mm512_setzero_ps();
+    bias = ep.bias ? widen(_mm256_maskz_loadu_epi16(mask, ep.bias + col)) : _mm512_setzero_ps();
   }
 };
 
@@ -55,7 +54,7 @@ inline void finish_row(__m512 v, const TileColumns& c, int64_t row, const Epilog
   if (ep.swish) v = silu(v);
   if (ep.other) {
     const __m256i other = _mm256_maskz_loadu_epi16(c.mask, ep.other + row * ep.other_row + c.col);
-    v = _mm512_mul_ps(v, bf16_to_fp32(other));
+    v = _mm512_mul_ps(v, widen(other));
   }
   store_row(v, c.mask, out + row * out_row + c.col);
 }

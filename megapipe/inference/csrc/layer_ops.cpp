@@ -21,6 +21,8 @@
 #include <limits>
 #include <type_traits>
 
+#include "bf16_widen.h"
+
 namespace {
 
 template <typename T>
@@ -38,8 +40,7 @@ inline int64_t grain(int64_t width) {
 // 0x7fc0): GCC leaves c10's per-element conversions scalar. With AVX512-BF16, vcvtneps2bf16 rounds in one
 // instruction, the same bits but for denormals (flushed to zero) and a NaN's payload (kept).
 inline __m512 bf16_load(const c10::BFloat16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  return megapipe_bf16::widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 inline __m256i bf16_round(__m512 v) {
 #if defined(__AVX512BF16__)
@@ -58,7 +59,7 @@ inline void bf16_store(c10::BFloat16* p, __m512 v) {
 }
 // bf16 to bf16 as the scalar code rounds: x rounded once more after each fp32 operation
 inline __m512 bf16_again(__m512 v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_round(v)), 16));
+  return megapipe_bf16::widen(bf16_round(v));
 }
 
 // rope_and_cache's rotation of one bf16 head (half a multiple of 16), 16 elements of each half at a time with the

@@ -144,7 +144,7 @@ inline void accumulate_fma(__m512 (&sums)[MB][NT], const uint16_t* x, int64_t x_
     for (int m = 0; m < MB; ++m)
       for (int64_t i = 0; i < 2 * kn; i += kTile) {
         const __mmask16 mask = column_mask(i, 2 * kn);
-        _mm512_store_ps(xf[m] + i, bf16_to_fp32(_mm256_maskz_loadu_epi16(mask, x + m * x_row + 2 * k0 + i)));
+        _mm512_store_ps(xf[m] + i, widen(_mm256_maskz_loadu_epi16(mask, x + m * x_row + 2 * k0 + i)));
       }
     for (int64_t kk = 0; kk < kn;)
       for (const int64_t stop = std::min(kn, ahead.fetch(k0 + kk, pairs) - k0); kk < stop; ++kk) {
@@ -354,7 +354,7 @@ struct ArgmaxFinish {
       __mmask16 nan = 0;
       for (int t = 0; t < NT; ++t) {
         const TileColumns cols(n0 + t * kTile, n, ep);
-        const __m512 rounded = bf16_to_fp32((__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(sum(r, t), cols.bias)));
+        const __m512 rounded = widen((__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(sum(r, t), cols.bias)));
         v[t] = _mm512_mask_blend_ps(cols.mask, top, rounded);
         nan |= _mm512_cmp_ps_mask(v[t], v[t], _CMP_UNORD_Q);
       }

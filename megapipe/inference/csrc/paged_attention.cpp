@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "amx_tiles.h"
+#include "bf16_widen.h"
 #include "parallel_tasks.h"
 
 namespace {
@@ -460,8 +461,7 @@ inline __m512i bf16_pairs(__m512 even, __m512 odd) {
 
 // what rounding v to bf16 lost
 inline __m512 bf16_rest(__m512 v) {
-  const __m512i h = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
-  return _mm512_sub_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)));
+  return _mm512_sub_ps(v, megapipe_bf16::widen((__m256i)_mm512_cvtneps_pbh(v)));
 }
 
 inline const float* as_floats(const void* p) {
