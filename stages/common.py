@@ -21,17 +21,27 @@ SPECULATIVE_TOKENS = typer.Option(0, "--speculative-tokens", "--num-speculative-
 SPECULATIVE_METHOD = typer.Option(None, "--speculative-method",
                                   help="mtp (the model's MTP modules; the default) or ngram (prompt lookup, any "
                                        "model); needs --num-speculative-tokens.")
-PROMPT_LOOKUP_MAX = typer.Option(4, "--prompt-lookup-max", help="ngram: the longest suffix looked up.")
-PROMPT_LOOKUP_MIN = typer.Option(2, "--prompt-lookup-min", help="ngram: the shortest suffix looked up.")
+PROMPT_LOOKUP_MAX = typer.Option(None, "--prompt-lookup-max", help="ngram: the longest suffix looked up [default: 4].")
+PROMPT_LOOKUP_MIN = typer.Option(None, "--prompt-lookup-min", help="ngram: the shortest suffix looked up [default: 2].")
 
 
-def speculative_method_of(method: Optional[str], tokens: int) -> str:
-    """--speculative-method as EngineConfig takes it; named without draft tokens it would do nothing: refused (vLLM
-    refuses a speculative config without num_speculative_tokens too)."""
+def speculative_fields(method: Optional[str], tokens: int, lookup_max: Optional[int],
+                       lookup_min: Optional[int]) -> dict:
+    """The speculative flags as EngineConfig's fields. A flag that would do nothing is refused: a method without
+    draft tokens (vLLM refuses a speculative config without num_speculative_tokens too), a prompt-lookup bound
+    without the ngram method."""
     if method is not None and not tokens:
         raise ConfigError(f"--speculative-method {method} needs --num-speculative-tokens N (the drafts per decode "
-                            f"step, >= 1)")
-    return method or "mtp"
+                          f"step, >= 1)")
+    fields = {"speculative_method": method or "mtp"}
+    for flag, value in (("--prompt-lookup-max", lookup_max), ("--prompt-lookup-min", lookup_min)):
+        if value is None:
+            continue
+        if fields["speculative_method"] != "ngram" or not tokens:
+            raise ConfigError(f"{flag} {value} applies to --speculative-method ngram only (here: "
+                              f"{'no speculation' if not tokens else fields['speculative_method']})")
+        fields[flag[2:].replace("-", "_")] = value
+    return fields
 
 
 def build_config(config: Optional[str], flags: dict, sets: Optional[list[str]]):

@@ -12,7 +12,7 @@ from stages.common import (
     PROMPT_LOOKUP_MIN,
     SPECULATIVE_METHOD,
     SPECULATIVE_TOKENS,
-    speculative_method_of,
+    speculative_fields,
 )
 
 
@@ -35,8 +35,8 @@ def generate(
     json_output: bool = typer.Option(False, "--json", help="Print a JSON list of {prompt, completion}."),
     speculative_tokens: int = SPECULATIVE_TOKENS,
     speculative_method: Optional[str] = SPECULATIVE_METHOD,
-    prompt_lookup_max: int = PROMPT_LOOKUP_MAX,
-    prompt_lookup_min: int = PROMPT_LOOKUP_MIN,
+    prompt_lookup_max: Optional[int] = PROMPT_LOOKUP_MAX,
+    prompt_lookup_min: Optional[int] = PROMPT_LOOKUP_MIN,
 ) -> None:
     """Complete each --prompt with the model of CKPT and print the completions."""
     import json
@@ -54,9 +54,7 @@ def generate(
     from megapipe.inference.engine import EngineConfig
     from megapipe.models.capabilities import require
 
-    speculative = dict(speculative_method=speculative_method_of(speculative_method, speculative_tokens),
-                       prompt_lookup_max=prompt_lookup_max,
-                       prompt_lookup_min=prompt_lookup_min)
+    speculative = speculative_fields(speculative_method, speculative_tokens, prompt_lookup_max, prompt_lookup_min)
     engine_config = EngineConfig(speculative_tokens=speculative_tokens, **speculative)
     engine_config.check()  # before the model loads
     if bf16 and dtype not in ("auto", "bfloat16", "bf16"):

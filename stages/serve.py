@@ -14,7 +14,7 @@ from stages.common import (
     PROMPT_LOOKUP_MIN,
     SPECULATIVE_METHOD,
     SPECULATIVE_TOKENS,
-    speculative_method_of,
+    speculative_fields,
 )
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
@@ -57,8 +57,8 @@ def serve(
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Do not reuse cached prompt blocks."),
     speculative_tokens: int = SPECULATIVE_TOKENS,
     speculative_method: Optional[str] = SPECULATIVE_METHOD,
-    prompt_lookup_max: int = PROMPT_LOOKUP_MAX,
-    prompt_lookup_min: int = PROMPT_LOOKUP_MIN,
+    prompt_lookup_max: Optional[int] = PROMPT_LOOKUP_MAX,
+    prompt_lookup_min: Optional[int] = PROMPT_LOOKUP_MIN,
     lora_modules: Optional[List[str]] = typer.Option(
         None, "--lora-modules", help="LoRA adapters served beside the base model, name=PATH each (a peft directory or a "
                                      "megapipe LoRA run); clients choose one by its name as the model."),
@@ -138,8 +138,7 @@ def serve(
         raise MegapipeError(f"--lora-modules names {name!r}, the base model's name: give the adapter another")
     spec = dict(max_loras=len(loras) if max_loras is None else max_loras, max_lora_rank=max_lora_rank,
                 speculative_tokens=speculative_tokens,
-                speculative_method=speculative_method_of(speculative_method, speculative_tokens),
-                prompt_lookup_max=prompt_lookup_max, prompt_lookup_min=prompt_lookup_min)
+                **speculative_fields(speculative_method, speculative_tokens, prompt_lookup_max, prompt_lookup_min))
     memory = parse_size(kv_cache_memory, "--kv-cache-memory") if kv_cache_memory else None
     # one EngineConfig, checked by the engine's own rules before anything loads (vLLM's flags included)
     from megapipe.inference.engine import EngineConfig
@@ -175,7 +174,8 @@ def serve(
         if speculative_tokens:
             speculative = {"method": engine_config.speculative_method, "num_speculative_tokens": speculative_tokens}
             if engine_config.speculative_method == "ngram":
-                speculative |= {"prompt_lookup_max": prompt_lookup_max, "prompt_lookup_min": prompt_lookup_min}
+                speculative |= {"prompt_lookup_max": engine_config.prompt_lookup_max,
+                                "prompt_lookup_min": engine_config.prompt_lookup_min}
         if threads is not None:  # vLLM's CPU backend binds its OpenMP threads to these cores
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0" if threads == 1 else f"0-{threads - 1}")
         unused = [flag for flag, given in (("--max-queue", max_queue != MAX_QUEUE),
@@ -221,6 +221,10 @@ def serve(
     if defaults:  # as vLLM says it: a request that leaves these out gets the model's values, not OpenAI's
         print(f"megapipe serve: sampling defaults from the model's generation config: {defaults} "
               f"(--generation-config vllm: none)", file=sys.stderr, flush=True)
+    if gpu_memory_utilization is not None and resolve_device(device).type == "cpu":  # vLLM's CPU backend too
+        print("megapipe serve: --gpu-memory-utilization does not apply on a CPU: the KV cache there takes "
+              "--kv-cache-memory or --num-blocks (default: what the batch needs, at most 1 GiB)", file=sys.stderr,
+              flush=True)
     sock = bind(host, port)  # before loading: a busy port fails in a second, not after the model loads
     max_queue_or_none = max_queue or None
     # SIGTERM while the model loads: stop at once and take the engine core along (the server's own handlers take

@@ -65,7 +65,7 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = [s for s in (self.stop or []) if s]
+        self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
@@ -135,6 +135,9 @@ class SamplingParams:
                 raise ParamError("logit_bias", f"logit_bias holds token {t!r}, not a token id in [0, {vocab_size})")
             if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
                 raise ParamError("logit_bias", f"logit_bias[{t}] = {bias!r} must be a finite number")
+        if any(not isinstance(s, str) or not s for s in self.stop):  # as vLLM refuses it
+            raise ParamError("stop", f"stop = {self.stop!r} holds an empty string or a non-string: each stop must be "
+                                     f"non-empty text")
         if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
             raise ParamError("bad_words", "bad_words must be a list of non-empty strings")
         return self

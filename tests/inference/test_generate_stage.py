@@ -45,6 +45,8 @@ def test_generate_stage_bad_input_is_one_error_line(run_dir, tmp_path, capsys):
     assert main(["generate", str(run), "--prompt", "x", "--top-p", "1.5"]) != 0
     err = capsys.readouterr().err
     assert "--top-p = 1.5 must be within (0, 1]" in err and "Traceback" not in err
+    assert main(["generate", str(run), "--prompt", "x", "--stop", "."] + ["--stop", ""]) != 0
+    assert "--stop = ['.', ''] holds an empty string" in capsys.readouterr().err
 
 
 def test_generate_stage_on_a_hugging_face_directory(hf_llama, capsys):
@@ -84,7 +86,7 @@ def test_generate_stage_speculative_tokens(run_dir, tmp_path, capsys):
 
 def test_generate_stage_ngram_speculation(run_dir, capsys):
     """--speculative-method ngram drafts from the prompt for a model without MTP modules: the same greedy text; a bad
-    method or lookup range is refused before the model loads."""
+    method or lookup range, or a lookup bound without ngram, is refused before the model loads."""
     run, _, _ = run_dir
     prompt = ["--prompt", "the cat sat on the mat. the cat sat on the", "--max-new-tokens", "16", "--json"]
     texts = []
@@ -97,3 +99,16 @@ def test_generate_stage_ngram_speculation(run_dir, capsys):
     assert main(["generate", str(run), "--prompt", "x", "--speculative-method", "ngram", "--speculative-tokens", "2",
                  "--prompt-lookup-min", "5", "--prompt-lookup-max", "3"]) != 0
     assert "--prompt-lookup-min = 5 exceeds --prompt-lookup-max = 3" in capsys.readouterr().err
+    # a lookup bound that would do nothing: without speculation, or with the MTP drafter
+    for extra, here in (([], "no speculation"), (["--speculative-tokens", "2"], "mtp")):
+        assert main(["generate", str(run), "--prompt", "x", "--prompt-lookup-max", "6", *extra]) != 0
+        assert f"--prompt-lookup-max 6 applies to --speculative-method ngram only (here: {here})" in \
+            capsys.readouterr().err
+
+
+def test_prompt_lookup_help_says_the_engines_defaults():
+    from megapipe.inference.engine import EngineConfig
+    from stages.common import PROMPT_LOOKUP_MAX, PROMPT_LOOKUP_MIN
+
+    assert PROMPT_LOOKUP_MAX.help.endswith(f"[default: {EngineConfig().prompt_lookup_max}].")
+    assert PROMPT_LOOKUP_MIN.help.endswith(f"[default: {EngineConfig().prompt_lookup_min}].")

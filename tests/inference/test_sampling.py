@@ -227,6 +227,8 @@ def test_allowed_ids_bad_words_and_logit_bias_by_hand():
     (dict(logit_bias={7: 1.0}), "logit_bias holds token 7, not a token id in [0, 6)"),
     (dict(logit_bias={1: float("nan")}), "logit_bias[1] = nan must be a finite number"),
     (dict(bad_words=["ok", " "]), "bad_words must be a list of non-empty strings"),
+    (dict(stop=["end", ""]), "stop = ['end', ''] holds an empty string"),
+    (dict(stop=""), "stop = [''] holds an empty string"),
 ])
 def test_restrictions_out_of_range_are_refused(params, message):
     with pytest.raises(ParamError) as e:

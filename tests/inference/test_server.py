@@ -383,14 +383,18 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(hf_llama, tmp_path):
     port = free_port()
     env = dict(os.environ, MEGAPIPE_API_KEY=KEY, OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "megapipe.cli", "serve", str(hf_llama[0]), "--port", str(port),
-                             "--served-model-name", NAME, "--shutdown-timeout", "20"],
+                             "--served-model-name", NAME, "--shutdown-timeout", "20",
+                             "--device", "cpu", "--gpu-memory-utilization", "0.8"],
                             stderr=subprocess.PIPE, text=True, env=env)
     try:
-        line = ""
+        line, lines = "", []
         deadline = time.time() + 300  # a loaded CI machine can take long to import torch and load
         while "ready on" not in line and time.time() < deadline and proc.poll() is None:
             line = proc.stderr.readline()
+            lines.append(line)
         assert "ready on http://127.0.0.1:%d" % port in line
+        # a vLLM GPU flag on this CPU: said, not refused (vLLM's CPU backend ignores it too)
+        assert any("--gpu-memory-utilization does not apply on a CPU" in x for x in lines), lines
         core = int(re.search(r"engine core pid (\d+)", line).group(1))  # serve's default: the engine in a process
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
         stream = c.completions.create(model=NAME, prompt="The", max_tokens=120, temperature=1.0, stream=True,

@@ -288,7 +288,8 @@ def test_logit_bias_allowed_ids_and_bad_words_reach_the_sampler(live, reference)
             ({"logit_bias": {"x1": 1}}, "logit_bias", "logit_bias key 'x1' is not a token id"),
             ({"logit_bias": {"999999": 1}}, "logit_bias", "logit_bias holds token 999999"),
             ({"allowed_token_ids": []}, "allowed_token_ids", "allowed_token_ids is empty"),
-            ({"bad_words": [""]}, "bad_words", "bad_words must be a list of non-empty strings")):
+            ({"bad_words": [""]}, "bad_words", "bad_words must be a list of non-empty strings"),
+            ({"stop": ""}, "stop", "stop = [''] holds an empty string")):
         r = httpx.post(live.url + "/v1/chat/completions", headers=AUTH, json={
             "model": NAME, "messages": [{"role": "user", "content": "hi"}], **fields})
         err = r.json()["error"]
@@ -454,7 +455,9 @@ def test_serve_reads_the_generation_config_and_refuses_bad_flags(hf_llama, tmp_p
             (["--generation-config", str(hot)], f"{hot / 'generation_config.json'}: temperature = 'hot' is not a "
                                                 f"number"),
             (["--allowed-origins", "[1]"], "is not a JSON list of strings"),
-            (["--reasoning-parser", "x"], "--reasoning-parser 'x' is not one of deepseek_r1, qwen3")):
+            (["--reasoning-parser", "x"], "--reasoning-parser 'x' is not one of deepseek_r1, qwen3"),
+            (["--prompt-lookup-min", "1"], "--prompt-lookup-min 1 applies to --speculative-method ngram only (here: "
+                                           "no speculation)")):
         assert main(["serve", str(model), "--port", "0", *args]) != 0, args
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, (args, err)
