@@ -187,6 +187,10 @@ class ChatTemplate:
         if taken:
             raise ChatTemplateError(f"chat_template_kwargs may not set {taken[0]!r}: the server sets it")
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        # OpenAI's developer role is the system role to a template that does not name it (as vLLM's chat
+        # renderer does): otherwise the template writes a role the model never saw and adds its default system prompt
+        if "'developer'" not in self.source and '"developer"' not in self.source:
+            messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
         try:
             texts, _ = render_jinja_template([messages], tools=tools, chat_template=self.source,
                                              add_generation_prompt=add_generation_prompt,

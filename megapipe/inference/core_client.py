@@ -100,14 +100,16 @@ class RequestState:
                                 if tokenizer is not None else None) for i in range(params.n)]
         self.prompt_logprobs: list = []
         self.num_cached = 0
-        self.metrics = {"arrival_time": arrival, "first_token_time": None, "last_token_time": None}
+        self.metrics = {"arrival_time": arrival, "first_scheduled_time": None, "first_token_time": None,
+                        "last_token_time": None}
 
     def update(self, o: EngineCoreOutput) -> list[int]:
         """Take the core's delta; returns the samples a stop string ended here that the core still decodes."""
         cut = [s.index for s in o.samples if self.samples[s.index].update(s, self.params)]
         self.prompt_logprobs += o.new_prompt_logprobs or []
         self.num_cached = o.num_cached_tokens
-        self.metrics.update((k, o.metrics.get(k)) for k in ("first_token_time", "last_token_time"))
+        self.metrics.update((k, o.metrics.get(k)) for k in ("first_scheduled_time", "first_token_time",
+                                                             "last_token_time"))
         return cut
 
     @property
@@ -178,7 +180,7 @@ class EngineCoreClient(StreamingEngine):
             raise ready.exception()
         self.tokenizer, self.model_config, self.eos_token_ids = ready.tokenizer, ready.model_config, ready.eos_token_ids
         self.max_model_len, self.vocab_size, self.loras = ready.max_model_len, ready.vocab_size, ready.loras
-        self.kv_cache_line, self.config = ready.kv_cache_line, spec.config
+        self.kv_cache_line, self.config, self._snapshot = ready.kv_cache_line, spec.config, ready.stats
         self.special = special_ids(self.tokenizer) if self.tokenizer is not None else frozenset()
         self._grammars = None
         self._states: dict[str, RequestState] = {}  # requests in the core; updated by the reader thread only

@@ -237,6 +237,7 @@ class Request:
         self.seqs: list[Seq] = []
         self.completions: list[Completion] = []  # the output side of each of seqs
         self.first_token_time: Optional[float] = None
+        self.first_scheduled_time: Optional[float] = None  # when a step first took it (its queue time ends)
         self.images: Optional[PromptImages] = None  # a vision-language model's images of the prompt
         self.hash_seed: Optional[bytes] = None  # what the prompt's chain of block hashes starts from (its images)
         self.lora: Optional[str] = None  # the LoRA adapter it runs with (megapipe.inference.lora)
@@ -555,6 +556,10 @@ class LLMEngine:
                 raise self._stalled()
             return []
         self.num_steps += 1
+        t = now()
+        for seq in plan.new:
+            if seq.request.first_scheduled_time is None:
+                seq.request.first_scheduled_time = t
         with self.governor.step() if self.governor is not None else contextlib.nullcontext():
             result = self.runner.execute(plan)
         return self.update_from_output(plan, result)
@@ -720,7 +725,8 @@ class LLMEngine:
             text = done.detok.stable_text(finished) if done.detok is not None else ""
             outs.append(CompletionOutput(seq.index, text, ids, lps, seq.finish_reason, done.stop_reason))
         first = req.completions[0]
-        metrics = {"arrival_time": req.arrival, "first_token_time": req.first_token_time,
+        metrics = {"arrival_time": req.arrival, "first_scheduled_time": req.first_scheduled_time,
+                   "first_token_time": req.first_token_time,
                    "last_token_time": max((c.last_token_time or 0.0) for c in req.completions) or None}
         return RequestOutput(req.request_id, req.prompt, req.prompt_ids,
                              (first.prompt_logprobs or [None]) if req.params.prompt_logprobs is not None else None,

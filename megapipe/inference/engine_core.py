@@ -101,6 +101,7 @@ class Ready:
     vocab_size: int
     loras: dict[str, str]
     kv_cache_line: str
+    stats: dict  # the engine's stats before its first step: /metrics has every series from the start
 
 
 @dataclass
@@ -118,7 +119,7 @@ class EngineCoreOutput:
     samples: list[SampleOutput] = field(default_factory=list)  # those with new tokens or a finish
     new_prompt_logprobs: Optional[list] = None
     num_cached_tokens: int = 0
-    metrics: dict = field(default_factory=dict)  # first_token_time, last_token_time (time.monotonic)
+    metrics: dict = field(default_factory=dict)  # first_scheduled_time, first_token_time, last_token_time
     finished: bool = False
     error: Optional[Failure] = None  # the request was refused (LLMEngine.add_request raised)
 
@@ -198,7 +199,7 @@ def run_core(conn, spec: CoreSpec) -> None:
         send(conn, Failure.of(e))
         sys.exit(1)
     send(conn, Ready(engine.tokenizer, engine.model_config, engine.eos_token_ids, engine.max_model_len,
-                     engine.vocab_size, engine.lora_adapters(), engine.kv_cache_line()))
+                     engine.vocab_size, engine.lora_adapters(), engine.kv_cache_line(), engine.stats()))
     EngineCore(engine, conn).run()
     sys.stdout.flush()
     sys.stderr.flush()

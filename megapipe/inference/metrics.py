@@ -18,6 +18,7 @@ from megapipe.inference.scheduler import now
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                    40.0, 80.0, 160.0, 640.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+N_BUCKETS = (1, 2, 5, 10, 20)
 
 
 class _EngineCollector:
@@ -26,6 +27,7 @@ class _EngineCollector:
 
     def collect(self):
         s = self.stats()
+        s = {**s, "all_prompt_tokens": s["prompt_tokens"] + s["prefix_cache_hits"]}
         labels = ["model_name"]
         for name, doc, key in (("vllm:num_requests_running", "Requests in the running batch.", "running"),
                                ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", "waiting"),
@@ -37,7 +39,9 @@ class _EngineCollector:
         for name, doc, key in (
                 ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
                 ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
-                ("vllm:prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).", "prompt_tokens"),
+                ("vllm:prompt_tokens", "Prompt tokens of the requests, prefix-cache hits included (as vLLM counts "
+                 "them).", "all_prompt_tokens"),
+                ("vllm:prompt_tokens_cached", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
                 ("vllm:generation_tokens", "Tokens generated.", "generation_tokens"),
                 ("vllm:num_preemptions", "Sequences preempted (KV cache full) and recomputed later.", "preemptions")):
             c = CounterMetricFamily(name, doc, labels=labels)
@@ -91,8 +95,25 @@ class ServerMetrics:
                                     buckets=TOKEN_BUCKETS, **kw)
         self.gen_len = Histogram("vllm:request_generation_tokens", "Generated tokens per request.",
                                  buckets=TOKEN_BUCKETS, **kw)
+        # a finished request's phases, as vLLM splits them: queued (arrival to its first step), prefill (to its first
+        # token), decode (first to last token), inference (first step to last token), and the mean time per output
+        # token after the first
+        self.phases = {name: Histogram(f"vllm:request_{name}_time_seconds", doc, buckets=LATENCY_BUCKETS, **kw)
+                       for name, doc in (("queue", "Time a request waited for its first step."),
+                                         ("prefill", "Time from a request's first step to its first token."),
+                                         ("decode", "Time from a request's first token to its last."),
+                                         ("inference", "Time from a request's first step to its last token."))}
+        self.tpot = Histogram("vllm:request_time_per_output_token_seconds",
+                              "A request's decode time per output token after the first.", buckets=LATENCY_BUCKETS,
+                              **kw)
+        self.n = Histogram("vllm:request_params_n", "The n request parameter.", buckets=N_BUCKETS, **kw)
+        self.max_tokens = Histogram("vllm:request_params_max_tokens", "The max_tokens request parameter (where set).",
+                                    buckets=TOKEN_BUCKETS, **kw)
         self.success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                labelnames=["model_name", "finished_reason"], registry=self.registry)
+        for histogram in (self.ttft, self.itl, self.e2e, self.prompt_len, self.gen_len, *self.phases.values(),
+                          self.tpot, self.n, self.max_tokens):
+            histogram.labels(model_name)  # each series there from the start, at zero (as vLLM's)
         self._last: dict[str, tuple[int, float]] = {}  # request id -> (tokens seen, time of the last)
 
     def observe(self, out: RequestOutput) -> None:
@@ -114,6 +135,30 @@ class ServerMetrics:
             self.gen_len.labels(label).observe(tokens)
             reasons = {o.finish_reason for o in out.outputs}
             self.success.labels(label, _reason(reasons)).inc()
+            self._phases(out, tokens)
+
+    def _phases(self, out: RequestOutput, tokens: int) -> None:
+        m, label = out.metrics, self.model_name
+        arrival, scheduled, first, last = (m.get(k) for k in ("arrival_time", "first_scheduled_time",
+                                                               "first_token_time", "last_token_time"))
+        if scheduled is None:  # aborted while waiting
+            return
+        self.phases["queue"].labels(label).observe(max(0.0, scheduled - arrival))
+        if first is None or last is None:  # aborted before its first token
+            return
+        for name, seconds in (("prefill", first - scheduled), ("decode", last - first),
+                              ("inference", last - scheduled)):
+            self.phases[name].labels(label).observe(max(0.0, seconds))
+        # vLLM's per-sequence count: the tokens of one of the n, as an n = 1 request gives them
+        per_seq = tokens // max(1, len(out.outputs))
+        if per_seq > 1:
+            self.tpot.labels(label).observe(max(0.0, last - first) / (per_seq - 1))
+
+    def observe_params(self, n: int, max_tokens: Optional[int]) -> None:
+        """A request's n and max_tokens as it is submitted."""
+        self.n.labels(self.model_name).observe(n)
+        if max_tokens is not None:
+            self.max_tokens.labels(self.model_name).observe(max_tokens)
 
 
 def _reason(reasons: set) -> Optional[str]:

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from typing import Any, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from megapipe.data.chat_template import join_parts
 from megapipe.inference.sampling import ParamError, SamplingParams
 from megapipe.inference.structured import Constraint
+
+log = logging.getLogger("megapipe.serve")
 
 
 class _Body(BaseModel):
@@ -173,6 +176,13 @@ class CompletionRequest(_Sampling):
     suffix: Optional[str] = None
     add_special_tokens: bool = True  # the tokenizer's own special tokens around a text prompt (a BOS), as vLLM's
 
+    @field_validator("max_tokens", mode="before")
+    @classmethod
+    def _null_max_tokens(cls, value):
+        """max_tokens null is OpenAI's default (16) as when left out: the openai client sends max_tokens=None as
+        null, which would otherwise run to the end of the context (vLLM's rule too)."""
+        return cls.model_fields["max_tokens"].default if value is None else value
+
 
 class ChatMessage(_Body):
     role: str
@@ -224,14 +234,21 @@ class ChatMessage(_Body):
 
 
 def _call_for_template(call: dict) -> dict:
-    """An assistant's tool call as chat templates read it: arguments as an object (templates write it as JSON)."""
+    """An assistant's tool call as chat templates read it: arguments as an object (templates write it as JSON).
+    Arguments that are no JSON object (a weak model's cut-off call, replayed in the history) become {} with a
+    warning, as vLLM does: refused, they would fail every later turn of the conversation."""
     fn = dict(call.get("function") or {})
     args = fn.get("arguments")
-    if isinstance(args, str):
+    if isinstance(args, str) or args is None:
         try:
-            fn["arguments"] = json.loads(args)
+            parsed = json.loads(args) if args else {}
         except ValueError:
-            raise ParamError("messages", f"a tool call's arguments are not JSON: {args[:80]!r}") from None
+            parsed = None
+        if not isinstance(parsed, dict):
+            log.warning("tool call %r: arguments %r are not a JSON object; the chat template gets {}",
+                        fn.get("name"), (args or "")[:80])
+            parsed = {}
+        fn["arguments"] = parsed
     return {**call, "function": fn}
 
 

@@ -1,11 +1,11 @@
 """``megapipe serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the async engine.
 
-Routes: /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize, /health, /version, /metrics,
-and vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter: each LoRA adapter the engine holds is a model of its
-own in /v1/models, chosen per request by ``model`` (megapipe.inference.lora).
-Safe by default: binds 127.0.0.1; an API key (when set) guards every route but /health; bodies, queue, ``n`` and
-``max_tokens`` are bounded; every error has OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` and
-a user's mistake is never a 500. A client that goes away aborts its request (its KV blocks are freed at once);
+Routes: /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize, /health (and /ping), /version,
+/metrics, and vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter: each LoRA adapter the engine holds is a
+model of its own in /v1/models, chosen per request by ``model`` (megapipe.inference.lora).
+Safe by default: binds 127.0.0.1; an API key (when set) guards every route but /health and /ping; bodies, queue,
+``n`` and ``max_tokens`` are bounded; every error has OpenAI's shape ``{"error": {"message", "type", "param",
+"code"}}`` and a user's mistake is never a 500. A client that goes away aborts its request (its KV blocks are freed at once);
 SIGTERM stops accepting connections, lets in-flight requests finish for up to ``shutdown_timeout`` seconds (those
 still running just before it are answered with a 503 ``shutting_down``), exits 0.
 """
@@ -140,7 +140,7 @@ class Guard:
 
     def refusal(self, path: str, headers: Headers) -> Optional[APIError]:
         cfg = self.config
-        if cfg.api_key is not None and path != "/health":
+        if cfg.api_key is not None and path not in ("/health", "/ping"):
             why = _refusal(headers.get("authorization", ""), cfg.api_key)
             if why is not None:
                 return APIError(401, f"Unauthorized: {why} (send 'Authorization: Bearer KEY')",
@@ -283,6 +283,7 @@ class OpenAIServer:
 
     def _routes(self, app: FastAPI) -> None:
         app.get("/health")(self.health)
+        app.api_route("/ping", methods=["GET", "POST"])(self.health)  # vLLM's (SageMaker's) name for it
         app.get("/version")(self.version)
         app.get("/metrics")(self.prometheus)
         app.get("/v1/models")(self.models)
@@ -362,6 +363,7 @@ class OpenAIServer:
         that leaves closes it: a streamed response's (StreamingResponse cancels its body when the client
         disconnects, or its next write fails), a whole one's through _until_done's poll."""
         outputs = self.engine.generate(prompt, params, lora=_LORA.get(), images=images)
+        self.metrics.observe_params(params.n, params.max_tokens)
         try:
             async for out in outputs:
                 yield out

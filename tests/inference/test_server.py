@@ -86,6 +86,7 @@ def test_models_health_version_tokenize(live):
     assert [m.id for m in models] == [NAME] and models[0].max_model_len == 128
     auth = {"Authorization": f"Bearer {KEY}"}
     assert httpx.get(live.url + "/health").status_code == 200  # no key needed
+    assert httpx.get(live.url + "/ping").status_code == 200 and httpx.post(live.url + "/ping").status_code == 200
     assert httpx.get(live.url + "/version", headers=auth).json()["version"]
     toks = httpx.post(live.url + "/tokenize", json={"prompt": "The quick brown fox"}, headers=auth).json()
     assert toks["tokens"] == live.engine.tokenizer.encode("The quick brown fox") and toks["count"] == len(toks["tokens"])
@@ -235,17 +236,49 @@ def test_api_key_guards_every_route_but_health(live):
     assert r.status_code == 401 and "scheme is 'Basic', not Bearer" in r.json()["error"]["message"]
 
 
-def test_metrics_use_vllm_names_and_count(live):
-    before = live.metric('vllm:generation_tokens_total')
-    live.client().completions.create(model=NAME, prompt="The quick", max_tokens=7, temperature=0,
+def test_completions_max_tokens_null_is_the_default_16(live):
+    """OpenAI's completions default, also when the field is sent as null (the openai client's max_tokens=None),
+    not the rest of the context; chat's null stays unlimited, as in OpenAI and vLLM."""
+    for body in ({"max_tokens": None}, {}):
+        r = httpx.post(live.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                       json={"model": NAME, "prompt": "The", "temperature": 0, "ignore_eos": True, **body})
+        assert r.json()["usage"]["completion_tokens"] == 16, body
+
+
+def test_metrics_use_vllm_names_and_count(live, reference):
+    counted = ("vllm:generation_tokens_total", "vllm:prompt_tokens_total", "vllm:request_params_n_sum",
+               "vllm:request_params_max_tokens_sum", "vllm:request_time_per_output_token_seconds_count",
+               *(f"vllm:request_{phase}_time_seconds_count" for phase in ("queue", "prefill", "decode", "inference")))
+    before = {name: live.metric(name) for name in counted}
+    live.client().completions.create(model=NAME, prompt="The quick", max_tokens=7, temperature=0, n=2,
                                      extra_body={"ignore_eos": True})
-    assert live.metric('vllm:generation_tokens_total') == before + 7
+    prompt = len(reference.tokenizer.encode("The quick"))
+    added = {name: live.metric(name) - before[name] for name in counted}
+    # n = 2 computes the prompt for each sequence (a prompt under a block shares no cached block), as vLLM's two
+    # child requests count it twice
+    assert added == {"vllm:generation_tokens_total": 14, "vllm:prompt_tokens_total": 2 * prompt,
+                     "vllm:request_params_n_sum": 2, "vllm:request_params_max_tokens_sum": 7,
+                     "vllm:request_time_per_output_token_seconds_count": 1,
+                     **{f"vllm:request_{phase}_time_seconds_count": 1
+                        for phase in ("queue", "prefill", "decode", "inference")}}, added
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total",
                  "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
                  "vllm:e2e_request_latency_seconds_count"):
         assert live.metric(name) == live.metric(name), name  # present (not NaN)
     assert live.metric("vllm:time_to_first_token_seconds_count") >= 1
+
+
+def test_prompt_token_counters_count_prefix_cache_hits_as_vllm_does():
+    """vllm:prompt_tokens counts every prompt token, those found in the prefix cache too, which
+    vllm:prompt_tokens_cached counts alone (the engine's own prompt_tokens are the computed ones)."""
+    from megapipe.inference.metrics import ServerMetrics
+
+    stats = {"running": 0, "waiting": 0, "kv_cache_usage": 0.0, "prefix_cache_queries": 1202,
+             "prefix_cache_hits": 512, "prompt_tokens": 690, "generation_tokens": 3, "preemptions": 0}
+    registry = ServerMetrics(lambda: stats, "m").registry
+    assert registry.get_sample_value("vllm:prompt_tokens_total", {"model_name": "m"}) == 1202
+    assert registry.get_sample_value("vllm:prompt_tokens_cached_total", {"model_name": "m"}) == 512
 
 
 def test_dropped_streams_abort_and_free_their_blocks(live, tmp_path):
@@ -561,8 +594,8 @@ def test_serve_cli_refusals_are_one_sentence(hf_llama, tmp_path, capsys):
              "--speculative-method = 'eagle' is not one of mtp, ngram"),
             (["serve", str(hf_llama[0]), "--speculative-method", "ngram"],
              "--speculative-method ngram needs --num-speculative-tokens N"),
-            (["serve", str(hf_llama[0]), "--prompt-lookup-min", "5"], "--prompt-lookup-min = 5 exceeds "
-             "--prompt-lookup-max = 4"),
+            (["serve", str(hf_llama[0]), "--speculative-method", "ngram", "--speculative-tokens", "2",
+              "--prompt-lookup-min", "5"], "--prompt-lookup-min = 5 exceeds --prompt-lookup-max = 4"),
             (["serve", str(hf_llama[0]), "--engine", "vllm", "--vllm-python", str(tmp_path / "py")],
              "no executable Python there"),
             # the engine's own checks, before anything loads, for either engine

@@ -149,6 +149,18 @@ def test_utility_calls_and_stats_go_through_messages(live):
     assert stats["generation_tokens"] > 0 and stats["num_blocks"] > 0
 
 
+def test_metrics_before_the_first_step(hf_llama):
+    """A scrape before any request (Prometheus's first, just after startup) has every series: the core's Ready
+    carries its stats (a 500 before)."""
+    server = LiveServer(hf_llama[0], engine_process=True)
+    try:
+        for name in ("vllm:num_requests_running", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+                     "vllm:request_queue_time_seconds_count"):
+            assert server.metric(name) == 0, name
+    finally:
+        server.stop()
+
+
 def test_sigkill_of_the_core_fails_streams_and_health(live):
     """Last in this module (it kills the module's core): a stream in flight ends in an error event, /health goes
     503 and new requests are refused with the reason, within a few seconds."""

@@ -226,6 +226,33 @@ def test_tool_messages_through_template(live):
     assert r.choices[0].message.tool_calls is None
 
 
+def test_a_past_call_whose_arguments_are_no_json_object_reaches_the_template_as_empty(live, caplog):
+    """A replayed tool call cut off mid-arguments (or arguments that are JSON but no object) is {} for the template
+    with a warning, as vLLM takes it, so the conversation can go on; good arguments stay as they are."""
+    def call(arguments):
+        return {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+
+    for arguments, want in (('{"city": "Par', {}), ("[1, 2]", {}), ("", {}), ('{"city": "Paris"}', {"city": "Paris"})):
+        message = ChatMessage(role="assistant", content="", tool_calls=[call(arguments)])
+        assert message.as_template_input()["tool_calls"][0]["function"]["arguments"] == want, arguments
+    assert "arguments '{\"city\": \"Par' are not a JSON object" in caplog.text
+    r = live.client().chat.completions.create(model="tiny", max_tokens=3, temperature=0, messages=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [call('{"city": "Par')]},
+        {"role": "tool", "content": "21", "tool_call_id": "c1"}])
+    assert r.choices[0].finish_reason in ("length", "stop")
+
+
+def test_developer_messages_are_system_messages_to_a_template_without_that_role():
+    chatml = ChatTemplate(CHATML, "chatml")
+    as_system = chatml.render([{"role": "system", "content": "Be terse"}, {"role": "user", "content": "hi"}])
+    assert chatml.render([{"role": "developer", "content": "Be terse"}, {"role": "user", "content": "hi"}]) == \
+        as_system
+    named = ChatTemplate("{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}"
+                         "{# the 'developer' role is this template's own #}", "own")
+    assert named.render([{"role": "developer", "content": "x"}]) == "developer:x;"
+
+
 def test_mixed_batch_one_step(tiny_engine_factory):
     """A constrained and a free greedy row in the same engine steps: each equals its own run alone, and the
     constrained row's every token was allowed by its grammar."""
