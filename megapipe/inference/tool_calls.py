@@ -169,28 +169,50 @@ class FirstCall(Parser):
 
 
 class HermesParser(Parser):
+    """Hermes / Qwen: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks after the content. A call's
+    arguments are the model's own JSON text. While a block is open its name and its arguments so far are a call
+    already, streamed as they grow (as vLLM streams them), the closing braces and blanks at the end held back until
+    the text shows whether they close the arguments or the object around them; a block cut off at the end of the
+    output stays the call it was (OpenAI's truncated arguments, finish_reason length)."""
+
     START, END = "<tool_call>", "</tool_call>"
-    BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+    HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\{)')
 
     def split(self, text, final):
         start = text.find(self.START)
         if start < 0:
             return (text if final else text[:held(text, (self.START,))]), []
-        calls = []
-        bodies = [m.group(1) for m in self.BLOCK.finditer(text, start)]
-        tail = text.rfind(self.START)
-        if final and text.find(self.END, tail) < 0:  # the model stopped before closing its last call
-            bodies.append(text[tail + len(self.START):])
-        for body in bodies:
-            try:
-                call = _call_from(json.loads(body), "arguments")
-            except ValueError:
-                call = None
+        calls, at = [], start
+        while at >= 0:
+            end = text.find(self.END, at)
+            body = text[at + len(self.START):end] if end >= 0 else text[at + len(self.START):]
+            if end < 0:
+                body = body[:held(body, (self.END,))]  # the closing tag may be on its way
+            call = self._call(body, end >= 0)
             if call is not None:
                 calls.append(call)
+            at = -1 if end < 0 else text.find(self.START, end)
         if final and not calls:
             return text, []
         return text[:start], calls
+
+    def _call(self, body: str, closed: bool) -> Optional[ToolCall]:
+        head = self.HEAD.match(body)
+        try:
+            call = _call_from(json.loads(body), "arguments")
+        except ValueError:  # not whole yet, or never: the name and the arguments so far, where they show
+            if closed or head is None:
+                return None
+            try:
+                name = json.loads(f'"{head.group(1)}"')
+            except ValueError:  # a control character in the name: no call
+                return None
+            return ToolCall(name, body[head.end():].rstrip(" \t\r\n}"))
+        if call is not None and head is not None:  # the arguments as the model wrote them, as they were streamed
+            _, end = json.JSONDecoder().raw_decode(body, head.end())
+            if re.fullmatch(r"\s*\}\s*", body[end:]):
+                call.arguments = body[head.end():end]
+        return call
 
 
 class Llama3JsonParser(Parser):

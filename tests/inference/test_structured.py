@@ -284,6 +284,10 @@ def test_hermes_parser():
     assert HermesParser().split("No tools here.", True) == ("No tools here.", [])
     assert HermesParser().split("partial <tool", False) == ("partial ", [])  # may be a tag: held back
     assert HermesParser().split("<tool_call>{not json</tool_call>", True)[1] == []
+    assert HermesParser().split('<tool_call>{"name": "f", "arguments": {"a":1} }</tool_call>', True)[1][0].arguments == \
+        '{"a":1}'  # the model's own text
+    assert HermesParser().split('<tool_call>{"name": "f", "arguments": "{}"}</tool_call>', True)[1][0].arguments == \
+        "{}"  # arguments given as a string: that string
 
 
 def test_llama3_json_parser():
@@ -307,17 +311,30 @@ def test_harmony_parser():
 
 
 def test_tool_stream_deltas():
-    """Streaming a Hermes output a few characters at a time: content first, then each call once it is complete."""
-    text = 'Sure.<tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call><tool_call>{"name": "b", "arguments": {}}'
-    stream, content, calls = ToolStream(HermesParser()), "", []
-    for end in range(1, len(text) + 1, 3):
-        delta, deltas = stream.update(text[:end], False)
-        content, calls = content + delta, calls + deltas
-    delta, deltas = stream.update(text, True)
-    content, calls = content + delta, calls + deltas
-    assert content == "Sure."
-    assert [(d["index"], d["function"]["name"], json.loads(d["function"]["arguments"])) for d in calls] == [
-        (0, "a", {"x": 1}), (1, "b", {})]
+    """Streaming a Hermes output a few characters at a time: content first, then each call as vLLM streams it, its
+    id, type and name once, then its arguments as they grow (the model's own JSON text, closing braces held back
+    until they show whose they are); the pieces joined are the whole output's calls, a call cut off at the end keeps
+    what it had."""
+    text = ('Sure.<tool_call>\n{"name": "a", "arguments": {"x": {"y": [1, "}"]}}}\n</tool_call>\n'
+            '<tool_call>{"name": "b", "arguments": {"z":2}}</tool_call><tool_call>{"name": "c", "arguments": {"w": 1')
+    _, whole = HermesParser().split(text, True)
+    assert [(c.name, c.arguments) for c in whole] == [("a", '{"x": {"y": [1, "}"]}}'), ("b", '{"z":2}'),
+                                                      ("c", '{"w": 1')]
+    for step in (1, 3, 7):
+        stream, content, calls = ToolStream(HermesParser()), "", {}
+        for end in [*range(1, len(text) + 1, step), len(text)]:
+            delta, deltas = stream.update(text[:end], end == len(text))
+            content += delta
+            for d in deltas:
+                if "id" in d:
+                    assert d["index"] not in calls and d["type"] == "function"
+                    calls[d["index"]] = [d["function"]["name"], ""]
+                calls[d["index"]][1] += d["function"]["arguments"]
+        assert content == "Sure."
+        assert [tuple(c) for _, c in sorted(calls.items())] == [(c.name, c.arguments) for c in whole], step
+    growing = [stream.update(text[:end], False)[1] for stream in [ToolStream(HermesParser())]
+               for end in range(1, 60)]
+    assert sum(len(d) for d in growing) > 2  # the first call's arguments came in pieces before its block closed
 
 
 def test_sampler_masks_per_row(live):
@@ -372,7 +389,7 @@ def hermes_live(hf_llama):
 
 def test_auto_tool_choice_parses_the_output(hermes_live):
     """tool_choice auto with --tool-call-parser hermes: an output in Hermes' format (forced here by a regex, as a
-    random model would not write it) comes back as tool_calls, whole and streamed."""
+    random model would not write it) comes back as tool_calls, whole and streamed (the arguments in pieces)."""
     call = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "P[a-z]{2}", "unit": "c"\}\}</tool_call>'
     kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=100, temperature=1.0, seed=9, tools=[WEATHER],
                   extra_body={"guided_regex": "Sure[.]" + call})
@@ -390,8 +407,10 @@ def test_auto_tool_choice_parses_the_output(hermes_live):
             calls += ch.delta.tool_calls or []
             finish = ch.finish_reason or finish
     assert content == "Sure." and finish == "tool_calls"
-    assert [(d.index, d.function.name, d.function.arguments) for d in calls] == [
-        (0, "get_weather", tc.function.arguments)]  # same seed: the same call
+    # as vLLM streams a call: its id, type and name first, then its arguments in pieces as they are written
+    assert calls[0].id and calls[0].type == "function" and calls[0].function.name == "get_weather"
+    assert len(calls) > 2 and {d.index for d in calls} == {0} and all(d.function.name is None for d in calls[1:])
+    assert "".join(d.function.arguments for d in calls) == tc.function.arguments  # same seed: the same call
     r = c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5, temperature=0, tools=[WEATHER])
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "length"
 
