@@ -27,7 +27,6 @@ class _EngineCollector:
 
     def collect(self):
         s = self.stats()
-        s = {**s, "all_prompt_tokens": s["prompt_tokens"] + s["prefix_cache_hits"]}
         labels = ["model_name"]
         for name, doc, key in (("vllm:num_requests_running", "Requests in the running batch.", "running"),
                                ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", "waiting"),
@@ -39,8 +38,8 @@ class _EngineCollector:
         for name, doc, key in (
                 ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
                 ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
-                ("vllm:prompt_tokens", "Prompt tokens of the requests, prefix-cache hits included (as vLLM counts "
-                 "them).", "all_prompt_tokens"),
+                ("vllm:prompt_tokens", "Prompt tokens of the requests, each once (prefix-cache hits included, "
+                 "recomputation after a preemption not: as vLLM counts them).", "prefix_cache_queries"),
                 ("vllm:prompt_tokens_cached", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
                 ("vllm:generation_tokens", "Tokens generated.", "generation_tokens"),
                 ("vllm:num_preemptions", "Sequences preempted (KV cache full) and recomputed later.", "preemptions")):
@@ -149,13 +148,12 @@ class ServerMetrics:
         for name, seconds in (("prefill", first - scheduled), ("decode", last - first),
                               ("inference", last - scheduled)):
             self.phases[name].labels(label).observe(max(0.0, seconds))
-        # vLLM's per-sequence count: the tokens of one of the n, as an n = 1 request gives them
+        # per token after the first of one of the n sequences (0 for one token, as vLLM observes it)
         per_seq = tokens // max(1, len(out.outputs))
-        if per_seq > 1:
-            self.tpot.labels(label).observe(max(0.0, last - first) / (per_seq - 1))
+        self.tpot.labels(label).observe(max(0.0, last - first) / (per_seq - 1) if per_seq > 1 else 0.0)
 
     def observe_params(self, n: int, max_tokens: Optional[int]) -> None:
-        """A request's n and max_tokens as it is submitted."""
+        """A finished request's n and max_tokens (where it set one)."""
         self.n.labels(self.model_name).observe(n)
         if max_tokens is not None:
             self.max_tokens.labels(self.model_name).observe(max_tokens)

@@ -363,9 +363,10 @@ class OpenAIServer:
         that leaves closes it: a streamed response's (StreamingResponse cancels its body when the client
         disconnects, or its next write fails), a whole one's through _until_done's poll."""
         outputs = self.engine.generate(prompt, params, lora=_LORA.get(), images=images)
-        self.metrics.observe_params(params.n, params.max_tokens)
         try:
             async for out in outputs:
+                if out.finished:
+                    self.metrics.observe_params(params.n, params.max_tokens)
                 yield out
         except ParamError as e:
             raise APIError(400, str(e), param=e.param) from None

@@ -169,11 +169,14 @@ class FirstCall(Parser):
 
 
 class HermesParser(Parser):
-    """Hermes / Qwen: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks after the content. A call's
-    arguments are the model's own JSON text. While a block is open its name and its arguments so far are a call
-    already, streamed as they grow (as vLLM streams them), the closing braces and blanks at the end held back until
-    the text shows whether they close the arguments or the object around them; a block cut off at the end of the
-    output stays the call it was (OpenAI's truncated arguments, finish_reason length)."""
+    """Hermes / Qwen: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks after the content.
+
+    A block that starts ``{"name": "...", "arguments": {`` is a call from then on, streamed as vLLM streams one: its
+    name, then its arguments as the model writes them (its own JSON text), up to the end of the arguments' object
+    once that is whole, before that less the closing braces and blanks at the end (they may close the object around
+    them). Whatever comes after the arguments (a missing or extra brace, more keys) is ignored, so a call once seen
+    only grows and never goes away: a block cut off at the end keeps the arguments it had (OpenAI's truncated call).
+    Other blocks are read once they close, as whole JSON."""
 
     START, END = "<tool_call>", "</tool_call>"
     HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\{)')
@@ -188,7 +191,7 @@ class HermesParser(Parser):
             body = text[at + len(self.START):end] if end >= 0 else text[at + len(self.START):]
             if end < 0:
                 body = body[:held(body, (self.END,))]  # the closing tag may be on its way
-            call = self._call(body, end >= 0)
+            call = self._call(body, end >= 0 or final)
             if call is not None:
                 calls.append(call)
             at = -1 if end < 0 else text.find(self.START, end)
@@ -196,23 +199,24 @@ class HermesParser(Parser):
             return text, []
         return text[:start], calls
 
-    def _call(self, body: str, closed: bool) -> Optional[ToolCall]:
+    def _call(self, body: str, whole: bool) -> Optional[ToolCall]:
         head = self.HEAD.match(body)
-        try:
-            call = _call_from(json.loads(body), "arguments")
-        except ValueError:  # not whole yet, or never: the name and the arguments so far, where they show
-            if closed or head is None:
-                return None
+        if head is not None:
             try:
                 name = json.loads(f'"{head.group(1)}"')
-            except ValueError:  # a control character in the name: no call
+            except ValueError:  # a control character in the name
                 return None
-            return ToolCall(name, body[head.end():].rstrip(" \t\r\n}"))
-        if call is not None and head is not None:  # the arguments as the model wrote them, as they were streamed
-            _, end = json.JSONDecoder().raw_decode(body, head.end())
-            if re.fullmatch(r"\s*\}\s*", body[end:]):
-                call.arguments = body[head.end():end]
-        return call
+            try:
+                _, end = json.JSONDecoder().raw_decode(body, head.end())
+                return ToolCall(name, body[head.end():end])
+            except ValueError:  # the arguments are not whole (yet)
+                return ToolCall(name, body[head.end():].rstrip(" \t\r\n}"))
+        if not whole:
+            return None
+        try:
+            return _call_from(json.loads(body), "arguments")
+        except ValueError:
+            return None
 
 
 class Llama3JsonParser(Parser):

@@ -269,16 +269,27 @@ def test_metrics_use_vllm_names_and_count(live, reference):
     assert live.metric("vllm:time_to_first_token_seconds_count") >= 1
 
 
-def test_prompt_token_counters_count_prefix_cache_hits_as_vllm_does():
-    """vllm:prompt_tokens counts every prompt token, those found in the prefix cache too, which
-    vllm:prompt_tokens_cached counts alone (the engine's own prompt_tokens are the computed ones)."""
+def test_prompt_token_counters_count_each_prompt_once_as_vllm_does(tiny_engine_factory):
+    """vllm:prompt_tokens counts each prompt once, its prefix-cache hits included (vllm:prompt_tokens_cached counts
+    those alone) and its recomputation after a preemption not; the engine's own prompt_tokens are what it computed."""
     from megapipe.inference.metrics import ServerMetrics
 
-    stats = {"running": 0, "waiting": 0, "kv_cache_usage": 0.0, "prefix_cache_queries": 1202,
-             "prefix_cache_hits": 512, "prompt_tokens": 690, "generation_tokens": 3, "preemptions": 0}
-    registry = ServerMetrics(lambda: stats, "m").registry
-    assert registry.get_sample_value("vllm:prompt_tokens_total", {"model_name": "m"}) == 1202
-    assert registry.get_sample_value("vllm:prompt_tokens_cached_total", {"model_name": "m"}) == 512
+    engine = tiny_engine_factory(block_size=16, num_blocks=7, max_num_seqs=2, max_model_len=96)
+    registry = ServerMetrics(engine.stats, "m").registry
+
+    def value(name):
+        return registry.get_sample_value(name, {"model_name": "m"})
+
+    prompt = list(range(5, 45))  # 40 tokens: two full blocks and a part
+    engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))  # 32 of them cached
+    assert (value("vllm:prompt_tokens_total"), value("vllm:prompt_tokens_cached_total")) == (80, 32)
+    assert engine.stats()["prompt_tokens"] == 48
+    # two at once outgrow the 7 blocks: one is preempted and its prompt computed again, counted once
+    engine.generate([list(range(100, 140)), list(range(200, 240))],
+                    SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    assert engine.stats()["preemptions"] > 0 and engine.stats()["prompt_tokens"] > 48 + 80
+    assert value("vllm:prompt_tokens_total") == 160
 
 
 def test_dropped_streams_abort_and_free_their_blocks(live, tmp_path):
