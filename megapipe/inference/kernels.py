@@ -44,13 +44,8 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp", CSRC / "mamba_step.cpp"]
 BF16_SOURCES = [CSRC / "linear_bf16.cpp"]  # vdpbf16ps: built where the CPU has AVX512-BF16
 F32_SOURCES = [CSRC / "linear_f32.cpp"]  # AVX-512 only
-HEADERS = [
-    CSRC / "linear_tiles.h",
-    CSRC / "bf16_epilogue.h",
-    CSRC / "parallel_tasks.h",
-    CSRC / "amx_tiles.h",
-    CSRC / "bf16_widen.h",
-]
+HEADERS = [CSRC / "linear_tiles.h", CSRC / "bf16_epilogue.h", CSRC / "parallel_tasks.h", CSRC / "amx_tiles.h",
+           CSRC / "bf16_widen.h"]
 # ATen's own flags for its vectorized kernels at each capability (what at::vec::Vectorized selects on)
 ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
@@ -118,17 +113,11 @@ def build_notice(building: bool, every_s: float = 20.0):
 
     def heartbeat():
         while not done.wait(every_s):
-            print(
-                f"megapipe: still building CPU kernels ({time.monotonic() - start:.0f} s) ...",
-                file=sys.stderr,
-                flush=True,
-            )
+            print(f"megapipe: still building CPU kernels ({time.monotonic() - start:.0f} s) ...", file=sys.stderr,
+                  flush=True)
 
-    print(
-        "megapipe: building CPU kernels (once for this CPU and version; a minute or two) ...",
-        file=sys.stderr,
-        flush=True,
-    )
+    print("megapipe: building CPU kernels (once for this CPU and version; a minute or two) ...", file=sys.stderr,
+          flush=True)
     thread = threading.Thread(target=heartbeat, daemon=True)
     thread.start()
     outcome = "failed (the torch path serves instead)"
@@ -169,23 +158,14 @@ def ops():
         build = build_directory(name)
         build.mkdir(parents=True, exist_ok=True)
         with build_lock(build), build_notice(needs_build(name)):
-            cpp_extension.load(
-                name=name,
-                sources=[str(s) for s in sources],
-                extra_cflags=flags,
-                build_directory=str(build),
-                is_python_module=False,
-                verbose=False,
-            )
+            cpp_extension.load(name=name, sources=[str(s) for s in sources], extra_cflags=flags,
+                               build_directory=str(build), is_python_module=False, verbose=False)
         return torch.ops.megapipe
     except Exception as exc:  # no compiler, no headers, a failed build: the torch path serves instead
         lines = str(exc).strip().splitlines()
         errors = [line.strip() for line in lines if "error" in line.lower()]
-        log.warning(
-            "megapipe's CPU kernels could not be built (%s: %s); using the torch path",
-            type(exc).__name__,
-            (errors or lines or [""])[0],
-        )
+        log.warning("megapipe's CPU kernels could not be built (%s: %s); using the torch path",
+                    type(exc).__name__, (errors or lines or [""])[0])
         return None
 
 
@@ -200,16 +180,14 @@ def onednn_cap() -> str:
 
 
 def has_avx512_bf16() -> bool:
-    return (
-        capability() == "AVX512"
-        and bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
-        and onednn_cap() not in ONEDNN_BELOW_BF16
-    )
+    return (capability() == "AVX512" and bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
+            and onednn_cap() not in ONEDNN_BELOW_BF16)
 
 
 def has_amx() -> bool:
     """The CPU has AMX tiles (oneDNN then runs bf16 matmuls on them) and ONEDNN_MAX_CPU_ISA does not exclude them."""
-    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()) and onednn_cap() not in ONEDNN_BELOW_AMX
+    return (bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+            and onednn_cap() not in ONEDNN_BELOW_AMX)
 
 
 def isa_summary() -> str:
@@ -247,10 +225,8 @@ def measure_bf16_linear(n: int, k: int, reps: int = 15) -> dict[int, dict[str, f
 
     def runs_at(m: int) -> dict:
         x, out = torch.randn(m, k).bfloat16(), torch.empty(m, n, dtype=torch.bfloat16)
-        return {
-            "own": functools.partial(ops().linear_bf16, x, own_w, n, None, False, None, out),
-            "onednn": functools.partial(torch_compat.linear_pointwise, x, onednn_w, None, "none"),
-        }
+        return {"own": functools.partial(ops().linear_bf16, x, own_w, n, None, False, None, out),
+                "onednn": functools.partial(torch_compat.linear_pointwise, x, onednn_w, None, "none")}
 
     return _fastest_at_rows(CHOICE_ROWS, runs_at, reps)
 
@@ -282,9 +258,8 @@ def own_row_limit(times: dict[int, dict[str, float]]) -> int:
     rows = sorted(times)
 
     def cost(limit: int) -> float:
-        return sum(
-            (times[m]["own"] / OWN_EDGE if m <= limit else times[m]["onednn"]) / min(times[m].values()) for m in rows
-        )
+        return sum((times[m]["own"] / OWN_EDGE if m <= limit else times[m]["onednn"]) / min(times[m].values())
+                   for m in rows)
 
     return min([0] + rows[:-1] + [OWN_ALWAYS], key=cost)  # min keeps the first (smallest) of equal costs
 
@@ -322,10 +297,8 @@ def _measured_choice(n: int, k: int) -> tuple[int, str]:
     limit = own_row_limit(times)
     measured = ", ".join(f"{m}: {t['own'] * 1e6:.0f}/{t['onednn'] * 1e6:.0f}" for m, t in times.items())
     loop = "" if has_amx() else "; megapipe's loop on {} ({})".format(*bf16_loop())
-    return limit, (
-        f"bf16 matmuls on {describe_row_limit(limit)} ({isa_summary()}; measured on a {n}x{k} weight, "
-        f"rows: megapipe/oneDNN us: {measured}{loop})"
-    )
+    return limit, (f"bf16 matmuls on {describe_row_limit(limit)} ({isa_summary()}; measured on a {n}x{k} weight, "
+                   f"rows: megapipe/oneDNN us: {measured}{loop})")
 
 
 def bf16_loop() -> tuple[str, str]:
@@ -375,18 +348,14 @@ def glu_choice(n: int, k: int) -> tuple[bool, str]:
     def runs_at(m: int) -> dict:
         x = torch.randn(m, k).bfloat16()
         gate, out = (torch.empty(m, n, dtype=torch.bfloat16) for _ in range(2))
-        return {
-            "glu": functools.partial(ops().glu_bf16, x, weight[0], weight[1], n, out),
-            "two": functools.partial(_two_calls, x, weight, n, gate, out),
-        }
+        return {"glu": functools.partial(ops().glu_bf16, x, weight[0], weight[1], n, out),
+                "two": functools.partial(_two_calls, x, weight, n, gate, out)}
 
     times = _fastest_at_rows(GLU_ROWS, runs_at, 15)
     fused = all(t["glu"] < t["two"] for t in times.values())
     measured = ", ".join(f"{m}: {t['glu'] * 1e6:.0f}/{t['two'] * 1e6:.0f}" for m, t in times.items())
-    return fused, (
-        f"SwiGLU gate and up {'in one call' if fused else 'as two calls'} (measured on {n}x{k} weights, "
-        f"rows: one call/two calls us: {measured})"
-    )
+    return fused, (f"SwiGLU gate and up {'in one call' if fused else 'as two calls'} (measured on {n}x{k} weights, "
+                   f"rows: one call/two calls us: {measured})")
 
 
 def f32_linear_built() -> bool:

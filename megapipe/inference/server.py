@@ -5,7 +5,8 @@ Routes: /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokeniz
 model of its own in /v1/models, chosen per request by ``model`` (megapipe.inference.lora).
 Safe by default: binds 127.0.0.1; an API key (when set) guards every route but /health and /ping; bodies, queue,
 ``n`` and ``max_tokens`` are bounded; every error has OpenAI's shape ``{"error": {"message", "type", "param",
-"code"}}`` and a user's mistake is never a 500. A client that goes away aborts its request (its KV blocks are freed at once);
+"code"}}`` and a user's mistake is never a 500. A client that goes away aborts its request (its KV blocks are freed
+at once);
 SIGTERM stops accepting connections, lets in-flight requests finish for up to ``shutdown_timeout`` seconds (those
 still running just before it are answered with a 503 ``shutting_down``), exits 0.
 """
