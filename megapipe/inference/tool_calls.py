@@ -132,6 +132,27 @@ def _call_from(obj: Any, args_key: str, need_args: bool = False) -> Optional[Too
     return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
 
 
+def _json_string(inner: str) -> Optional[str]:
+    """A JSON string's value from the text between its quotes (None where it is no JSON string: a control
+    character)."""
+    try:
+        return json.loads(f'"{inner}"')
+    except ValueError:
+        return None
+
+
+def _arguments(text: str, at: int) -> tuple[str, Optional[int]]:
+    """A streamed call's arguments, their object opening at ``at``: the model's own JSON text up to the object's end
+    and that end, or while the object is not whole, the text so far less the closing braces and blanks at its end
+    (they may close an object around it) and None. What follows the object is not looked at, so the arguments of a
+    call once seen only grow."""
+    try:
+        _, end = json.JSONDecoder().raw_decode(text, at)
+        return text[at:end], end
+    except ValueError:
+        return text[at:].rstrip(" \t\r\n}"), None
+
+
 class NamedCall(Parser):
     """tool_choice naming a function: the whole output is its arguments (streamed as they grow)."""
 
@@ -202,15 +223,8 @@ class HermesParser(Parser):
     def _call(self, body: str, whole: bool) -> Optional[ToolCall]:
         head = self.HEAD.match(body)
         if head is not None:
-            try:
-                name = json.loads(f'"{head.group(1)}"')
-            except ValueError:  # a control character in the name
-                return None
-            try:
-                _, end = json.JSONDecoder().raw_decode(body, head.end())
-                return ToolCall(name, body[head.end():end])
-            except ValueError:  # the arguments are not whole (yet)
-                return ToolCall(name, body[head.end():].rstrip(" \t\r\n}"))
+            name = _json_string(head.group(1))
+            return None if name is None else ToolCall(name, _arguments(body, head.end())[0])
         if not whole:
             return None
         try:
@@ -220,7 +234,13 @@ class HermesParser(Parser):
 
 
 class Llama3JsonParser(Parser):
+    """Llama 3: JSON objects ``{"name": ..., "parameters": {...}}`` (or ``"arguments"``), after ``<|python_tag|>``
+    or not, joined by ``;``. An object that starts with its name and then its arguments is a call from then on,
+    streamed as HermesParser streams one; others are read once whole."""
+
     TAG = "<|python_tag|>"
+    HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:parameters|arguments)"\s*:\s*(?=\{)')
+    BETWEEN = re.compile(r"[\s;}]*")  # between calls: the separator, and a brace too many
 
     def split(self, text, final):
         body = text.lstrip()
@@ -232,17 +252,29 @@ class Llama3JsonParser(Parser):
             return (text if final or body else ""), []
         calls, decoder, at = [], json.JSONDecoder(), 0
         while at < len(body):
-            try:
-                obj, end = decoder.raw_decode(body, at)
-            except ValueError:
-                break
-            call = _call_from(obj, "parameters", need_args=True)
-            if call is None:
-                break
-            calls.append(call)
-            at = end
-            while at < len(body) and body[at] in " \t\r\n;":
-                at += 1
+            head = self.HEAD.match(body, at)
+            if head is not None:
+                name = _json_string(head.group(1))
+                if name is None:
+                    break
+                arguments, end = _arguments(body, head.end())
+                calls.append(ToolCall(name, arguments))
+                if end is None:
+                    break
+                try:  # the rest of the object: more keys are ignored, a missing brace before a ';' forgiven
+                    _, at = decoder.raw_decode(body, at)
+                except ValueError:
+                    at = end if body[end:].lstrip().startswith(";") else len(body)
+            else:
+                try:
+                    obj, at = decoder.raw_decode(body, at)
+                except ValueError:
+                    break
+                call = _call_from(obj, "parameters", need_args=True)
+                if call is None:
+                    break
+                calls.append(call)
+            at = self.BETWEEN.match(body, at).end()
         if final and not calls:
             return text, []
         return "", calls
@@ -269,9 +301,9 @@ class HarmonyParser(Parser):
             body = rest[:end.start()] if end else rest
             done = end is not None or final
             recipient = re.search(r"to=functions\.([^\s<]+)", header)
-            if recipient:
-                if done:
-                    calls.append(ToolCall(recipient.group(1), body.strip()))
+            if recipient:  # a call from its header on, its arguments streamed as they come
+                arguments = body if done else body[:held(body, HARMONY_MARKERS)]
+                calls.append(ToolCall(recipient.group(1), arguments.strip()))
             elif re.search(r"<\|channel\|>\s*final", header):
                 content.append(body if done else body[:held(body, HARMONY_MARKERS)])
         return "".join(content), calls

@@ -326,16 +326,35 @@ HERMES_OUTPUTS = [  # (output, its calls): a model's slips included
 ]
 
 
-@pytest.mark.parametrize("text,want", HERMES_OUTPUTS)
-def test_tool_stream_deltas(text, want):
-    """Streaming a Hermes output a few characters at a time: content first, then each call as vLLM streams it, its
+LLAMA3_OUTPUTS = [
+    ('<|python_tag|>{"name": "a", "parameters": {"x": {"y": [1, "}"]}}}; {"name": "b", "arguments": {"z":2}};'
+     '{"name": "c", "parameters": {"w": 1', [("a", '{"x": {"y": [1, "}"]}}'), ("b", '{"z":2}'), ("c", '{"w": 1')]),
+    ('{"name": "f", "parameters": {"a": 1}; {"name": "g", "parameters": {}}', [("f", '{"a": 1}'), ("g", "{}")]),
+    ('{"name": "f", "parameters": {"a": 1}}}; {"name": "g", "parameters": {"b": 2}}', [("f", '{"a": 1}'),
+                                                                                       ("g", '{"b": 2}')]),
+    ('{"name": "f", "parameters": {"a": 1}, "id": "x"}', [("f", '{"a": 1}')]),
+    ('{"parameters": {"z": 1}, "name": "h"}', [("h", '{"z": 1}')]),  # name after the arguments: read once whole
+]
+HARMONY_OUTPUTS = [
+    ("<|channel|>analysis<|message|>Need it.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather "
+     '<|constrain|>json<|message|>{"city": "Paris", "unit": "C"}', [("get_weather", '{"city": "Paris", "unit": "C"}')]),
+    ("<|channel|>commentary to=functions.f <|constrain|>json<|message|> {\"a\": \"<|x\"} <|call|>",
+     [("f", '{"a": "<|x"}')]),
+]
+
+
+@pytest.mark.parametrize("parser,text,want", [(HermesParser, t, w) for t, w in HERMES_OUTPUTS]
+                         + [(Llama3JsonParser, t, w) for t, w in LLAMA3_OUTPUTS]
+                         + [(HarmonyParser, t, w) for t, w in HARMONY_OUTPUTS])
+def test_tool_stream_deltas(parser, text, want):
+    """Streaming a model's output a few characters at a time: content first, then each call as vLLM streams it, its
     id, type and name once, then its arguments as they grow (the model's own JSON text, closing braces held back
     until they show whose they are); a call once sent never goes away, so the pieces joined are the whole output's
     calls whatever the model's slips (a brace missing or too many, more keys, a call cut off)."""
-    _, whole = HermesParser().split(text, True)
+    content_whole, whole = parser().split(text, True)
     assert [(c.name, c.arguments) for c in whole] == want
     for step in (1, 3, 7):
-        stream, content, calls = ToolStream(HermesParser()), "", {}
+        stream, content, calls = ToolStream(parser()), "", {}
         for end in [*range(1, len(text) + 1, step), len(text)]:
             delta, deltas = stream.update(text[:end], end == len(text))
             content += delta
@@ -344,12 +363,12 @@ def test_tool_stream_deltas(text, want):
                     assert d["index"] == len(calls) and d["type"] == "function"
                     calls[d["index"]] = [d["function"]["name"], ""]
                 calls[d["index"]][1] += d["function"]["arguments"]
-        assert content == text[:text.find("<tool_call>")]
+        assert content == content_whole == (text[:text.find("<tool_call>")] if parser is HermesParser else "")
         assert [tuple(c) for _, c in sorted(calls.items())] == want, step
-    stream = ToolStream(HermesParser())
+    stream = ToolStream(parser())
     pieces = sum(len(stream.update(text[:end], False)[1]) for end in range(1, len(text)))
-    if '"arguments": {' in text:  # arguments as an object came in pieces before their blocks closed
-        assert pieces > len(want)
+    if parser is HarmonyParser or re.search(r'\{"name": "\w+", "(arguments|parameters)": \{', text):
+        assert pieces > len(want)  # arguments came in pieces before their call was whole
 
 
 def test_sampler_masks_per_row(live):
