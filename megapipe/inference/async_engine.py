@@ -58,6 +58,7 @@ class StreamingEngine:
     # the facts every request is checked against
     tokenizer = max_model_len = vocab_size = model_config = config = None
     loras: dict[str, str] = {}  # the LoRA adapters registered when the engine started: name -> path
+    cache_info: dict[str, str] = {}  # vLLM's cache_config_info labels (LLMEngine.cache_info)
 
     @property
     def alive(self) -> bool:
@@ -178,7 +179,7 @@ class AsyncEngine(StreamingEngine):
         self.engine = engine
         self.tokenizer, self.max_model_len, self.vocab_size = engine.tokenizer, engine.max_model_len, engine.vocab_size
         self.model_config, self.config, self.loras = engine.model_config, engine.config, engine.lora_adapters()
-        self._snapshot = engine.stats()
+        self._snapshot, self.cache_info = engine.stats(), engine.cache_info()
         self._inbox: queue.Queue = queue.Queue()
         self._wake = threading.Event()
         self._stop = threading.Event()

@@ -101,7 +101,7 @@ class RequestState:
         self.prompt_logprobs: list = []
         self.num_cached = 0
         self.metrics = {"arrival_time": arrival, "first_scheduled_time": None, "first_token_time": None,
-                        "last_token_time": None}
+                        "last_token_time": None, "num_preemptions": 0}
 
     def update(self, o: EngineCoreOutput) -> list[int]:
         """Take the core's delta; returns the samples a stop string ended here that the core still decodes."""
@@ -109,7 +109,7 @@ class RequestState:
         self.prompt_logprobs += o.new_prompt_logprobs or []
         self.num_cached = o.num_cached_tokens
         self.metrics.update((k, o.metrics.get(k)) for k in ("first_scheduled_time", "first_token_time",
-                                                             "last_token_time"))
+                                                             "last_token_time", "num_preemptions"))
         return cut
 
     @property
@@ -181,6 +181,7 @@ class EngineCoreClient(StreamingEngine):
         self.tokenizer, self.model_config, self.eos_token_ids = ready.tokenizer, ready.model_config, ready.eos_token_ids
         self.max_model_len, self.vocab_size, self.loras = ready.max_model_len, ready.vocab_size, ready.loras
         self.kv_cache_line, self.config, self._snapshot = ready.kv_cache_line, spec.config, ready.stats
+        self.cache_info = ready.cache_info
         self.special = special_ids(self.tokenizer) if self.tokenizer is not None else frozenset()
         self._grammars = None
         self._states: dict[str, RequestState] = {}  # requests in the core; updated by the reader thread only

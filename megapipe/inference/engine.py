@@ -16,6 +16,7 @@ running sequence for its Mamba layers (megapipe.inference.state_cache); prefix c
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import itertools
 from dataclasses import dataclass, field, replace
@@ -58,6 +59,8 @@ class EngineStalled(RuntimeError):
 
 CPU_TOKEN_BUDGET = 1024  # EngineConfig.token_budget's default on a CPU
 CPU_BLOCK_SIZE = 128  # EngineConfig.kv_block_size's default on a CPU (vLLM's CPU backend's too)
+# vllm:iteration_tokens_total's buckets (vLLM's): tokens a step computes, prompt and generated
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 def _kv_modules(model) -> list:
@@ -370,6 +373,8 @@ class LLMEngine:
         self.num_prompt_tokens = 0  # computed prompt tokens (prefix-cache hits excluded)
         self.num_generation_tokens = 0
         self.num_steps = 0
+        self.iteration_tokens = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)  # steps per bucket of tokens (+Inf last)
+        self.iteration_tokens_sum = 0
         self._grammars = None
         self.detokenize = True  # False: outputs carry token ids only, no text or stop strings (its front end's job)
 
@@ -562,7 +567,12 @@ class LLMEngine:
                 seq.request.first_scheduled_time = t
         with self.governor.step() if self.governor is not None else contextlib.nullcontext():
             result = self.runner.execute(plan)
-        return self.update_from_output(plan, result)
+        before = self.num_prompt_tokens + self.num_generation_tokens
+        outputs = self.update_from_output(plan, result)
+        tokens = self.num_prompt_tokens + self.num_generation_tokens - before
+        self.iteration_tokens[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, tokens)] += 1
+        self.iteration_tokens_sum += tokens
+        return outputs
 
     def update_from_output(self, plan: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
         """Apply a step: the sequences' computed counts advance (their new full blocks offered to the prefix cache,
@@ -727,7 +737,8 @@ class LLMEngine:
         first = req.completions[0]
         metrics = {"arrival_time": req.arrival, "first_scheduled_time": req.first_scheduled_time,
                    "first_token_time": req.first_token_time,
-                   "last_token_time": max((c.last_token_time or 0.0) for c in req.completions) or None}
+                   "last_token_time": max((c.last_token_time or 0.0) for c in req.completions) or None,
+                   "num_preemptions": sum(seq.preemptions for seq in req.seqs)}
         return RequestOutput(req.request_id, req.prompt, req.prompt_ids,
                              (first.prompt_logprobs or [None]) if req.params.prompt_logprobs is not None else None,
                              outs, req.finished, req.seqs[0].num_cached, generated, metrics)
@@ -817,8 +828,17 @@ class LLMEngine:
                 "prefix_cache_queries": self.blocks.query_tokens, "prefix_cache_hits": self.blocks.hit_tokens,
                 "prefix_cache_hit_rate": self.blocks.hit_rate(), "num_blocks": self.blocks.num_blocks,
                 "preemptions": self.scheduler.num_preemptions, "prompt_tokens": self.num_prompt_tokens,
-                "generation_tokens": self.num_generation_tokens,
+                "generation_tokens": self.num_generation_tokens, "waiting_deferred": self.scheduler.num_deferred,
+                "iteration_tokens": list(self.iteration_tokens), "iteration_tokens_sum": self.iteration_tokens_sum,
                 **(self.speculator.stats() if self.speculator is not None else {}), **self._lora_stats()}
+
+    def cache_info(self) -> dict[str, str]:
+        """vLLM's cache_config_info labels, those that hold here (the KV cache is in the model's dtype: auto)."""
+        cfg = self.config
+        return {"block_size": str(self.pool.block_size), "cache_dtype": "auto",
+                "enable_prefix_caching": str(cfg.prefix_caching),
+                "gpu_memory_utilization": str(cfg.gpu_memory_utilization), "num_gpu_blocks": str(self.pool.num_blocks),
+                "num_gpu_blocks_override": str(cfg.num_blocks), "num_cpu_blocks": "None"}
 
     def _lora_stats(self) -> dict:
         """vLLM's lora_requests_info: the adapters of the running and of the waiting requests."""

@@ -101,6 +101,7 @@ class Ready:
     vocab_size: int
     loras: dict[str, str]
     kv_cache_line: str
+    cache_info: dict  # vLLM's cache_config_info labels
     stats: dict  # the engine's stats before its first step: /metrics has every series from the start
 
 
@@ -199,7 +200,8 @@ def run_core(conn, spec: CoreSpec) -> None:
         send(conn, Failure.of(e))
         sys.exit(1)
     send(conn, Ready(engine.tokenizer, engine.model_config, engine.eos_token_ids, engine.max_model_len,
-                     engine.vocab_size, engine.lora_adapters(), engine.kv_cache_line(), engine.stats()))
+                     engine.vocab_size, engine.lora_adapters(), engine.kv_cache_line(), engine.cache_info(),
+                     engine.stats()))
     EngineCore(engine, conn).run()
     sys.stdout.flush()
     sys.stderr.flush()

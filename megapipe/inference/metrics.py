@@ -10,20 +10,36 @@ import time
 from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from megapipe.inference.engine import RequestOutput
+from megapipe.inference.engine import ITERATION_TOKENS_BUCKETS, RequestOutput
 from megapipe.inference.scheduler import now
 
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                   40.0, 80.0, 160.0, 640.0)
-TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+# vLLM's buckets, so that the same dashboards' heatmaps line up
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0, 160.0, 640.0, 2560.0)
+TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                         40.0, 80.0)  # between two tokens, and per output token
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0)  # a request's end to end and its phases
 N_BUCKETS = (1, 2, 5, 10, 20)
+PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
+
+
+def token_buckets(max_model_len: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to the context length (vLLM's buckets for a request's token counts)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return out
+            out.append(m * scale)
+        scale *= 10
 
 
 class _EngineCollector:
-    def __init__(self, stats, model_name: str):
-        self.stats, self.model_name = stats, model_name
+    def __init__(self, stats, model_name: str, cache_info: dict):
+        self.stats, self.model_name, self.cache_info = stats, model_name, cache_info
 
     def collect(self):
         s = self.stats()
@@ -34,6 +50,26 @@ class _EngineCollector:
                                 "kv_cache_usage")):
             g = GaugeMetricFamily(name, doc, labels=labels)
             g.add_metric([self.model_name], float(s[key]))
+            yield g
+        g = GaugeMetricFamily("vllm:num_requests_waiting_by_reason", "Waiting requests by reason: capacity (for room "
+                              "in the batch or the KV cache), deferred (for a LoRA adapter slot); they sum to "
+                              "vllm:num_requests_waiting.", labels=["model_name", "reason"])
+        g.add_metric([self.model_name, "capacity"], float(s["waiting"] - s["waiting_deferred"]))
+        g.add_metric([self.model_name, "deferred"], float(s["waiting_deferred"]))
+        yield g
+        h = HistogramMetricFamily("vllm:iteration_tokens_total", "Tokens per engine step (prompt tokens computed and "
+                                  "tokens generated).", labels=labels)
+        counts, total = s["iteration_tokens"], 0
+        buckets = []
+        for bound, n in zip([*map(str, ITERATION_TOKENS_BUCKETS), "+Inf"], counts, strict=True):
+            total += n
+            buckets.append((bound, total))
+        h.add_metric([self.model_name], buckets, float(s["iteration_tokens_sum"]))
+        yield h
+        if self.cache_info:  # an info metric: one series at 1, the engine's cache configuration in its labels
+            g = GaugeMetricFamily("vllm:cache_config_info", "The engine's KV-cache configuration.",
+                                  labels=[*self.cache_info, "engine"])
+            g.add_metric([*self.cache_info.values(), "0"], 1.0)
             yield g
         for name, doc, key in (
                 ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
@@ -80,38 +116,45 @@ class _EngineCollector:
 
 
 class ServerMetrics:
-    def __init__(self, stats, model_name: str):
+    """``stats``: the engine's stats (LLMEngine.stats); ``cache_info``: its cache_config_info labels."""
+
+    def __init__(self, stats, model_name: str, max_model_len: int, cache_info: Optional[dict] = None):
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        self.registry.register(_EngineCollector(stats, model_name))
+        self.registry.register(_EngineCollector(stats, model_name, cache_info or {}))
         kw = dict(labelnames=["model_name"], registry=self.registry)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", buckets=LATENCY_BUCKETS, **kw)
+        tokens = token_buckets(max_model_len)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", buckets=TTFT_BUCKETS, **kw)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between two tokens of a request.",
-                             buckets=LATENCY_BUCKETS, **kw)
+                             buckets=TOKEN_LATENCY_BUCKETS, **kw)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to finish.",
-                             buckets=LATENCY_BUCKETS, **kw)
-        self.prompt_len = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request.",
-                                    buckets=TOKEN_BUCKETS, **kw)
-        self.gen_len = Histogram("vllm:request_generation_tokens", "Generated tokens per request.",
-                                 buckets=TOKEN_BUCKETS, **kw)
+                             buckets=REQUEST_LATENCY_BUCKETS, **kw)
+        self.prompt_len = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request.", buckets=tokens, **kw)
+        self.gen_len = Histogram("vllm:request_generation_tokens", "Generated tokens per request.", buckets=tokens,
+                                 **kw)
+        self.prefill_computed = Histogram("vllm:request_prefill_kv_computed_tokens", "Prompt tokens a request "
+                                          "computed (its prefix-cache hits not).", buckets=tokens, **kw)
+        self.preemptions = Histogram("vllm:request_num_preemptions", "Times a request was preempted.",
+                                     buckets=PREEMPTION_BUCKETS, **kw)
         # a finished request's phases, as vLLM splits them: queued (arrival to its first step), prefill (to its first
         # token), decode (first to last token), inference (first step to last token), and the mean time per output
         # token after the first
-        self.phases = {name: Histogram(f"vllm:request_{name}_time_seconds", doc, buckets=LATENCY_BUCKETS, **kw)
+        self.phases = {name: Histogram(f"vllm:request_{name}_time_seconds", doc, buckets=REQUEST_LATENCY_BUCKETS,
+                                       **kw)
                        for name, doc in (("queue", "Time a request waited for its first step."),
                                          ("prefill", "Time from a request's first step to its first token."),
                                          ("decode", "Time from a request's first token to its last."),
                                          ("inference", "Time from a request's first step to its last token."))}
         self.tpot = Histogram("vllm:request_time_per_output_token_seconds",
-                              "A request's decode time per output token after the first.", buckets=LATENCY_BUCKETS,
-                              **kw)
+                              "A request's decode time per output token after the first.",
+                              buckets=TOKEN_LATENCY_BUCKETS, **kw)
         self.n = Histogram("vllm:request_params_n", "The n request parameter.", buckets=N_BUCKETS, **kw)
-        self.max_tokens = Histogram("vllm:request_params_max_tokens", "The max_tokens request parameter (where set).",
-                                    buckets=TOKEN_BUCKETS, **kw)
+        self.max_tokens = Histogram("vllm:request_params_max_tokens", "The max_tokens in force for a request (where "
+                                    "unset, what the context has room for).", buckets=tokens, **kw)
         self.success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                labelnames=["model_name", "finished_reason"], registry=self.registry)
-        for histogram in (self.ttft, self.itl, self.e2e, self.prompt_len, self.gen_len, *self.phases.values(),
-                          self.tpot, self.n, self.max_tokens):
+        for histogram in (self.ttft, self.itl, self.e2e, self.prompt_len, self.gen_len, self.prefill_computed,
+                          self.preemptions, *self.phases.values(), self.tpot, self.n, self.max_tokens):
             histogram.labels(model_name)  # each series there from the start, at zero (as vLLM's)
         self._last: dict[str, tuple[int, float]] = {}  # request id -> (tokens seen, time of the last)
 
@@ -132,6 +175,8 @@ class ServerMetrics:
             self.e2e.labels(label).observe(now() - out.metrics["arrival_time"])
             self.prompt_len.labels(label).observe(len(out.prompt_token_ids))
             self.gen_len.labels(label).observe(tokens)
+            self.prefill_computed.labels(label).observe(len(out.prompt_token_ids) - out.num_cached_tokens)
+            self.preemptions.labels(label).observe(out.metrics.get("num_preemptions", 0))
             reasons = {o.finish_reason for o in out.outputs}
             self.success.labels(label, _reason(reasons)).inc()
             self._phases(out, tokens)
@@ -152,11 +197,10 @@ class ServerMetrics:
         per_seq = tokens // max(1, len(out.outputs))
         self.tpot.labels(label).observe(max(0.0, last - first) / (per_seq - 1) if per_seq > 1 else 0.0)
 
-    def observe_params(self, n: int, max_tokens: Optional[int]) -> None:
-        """A finished request's n and max_tokens (where it set one)."""
+    def observe_params(self, n: int, max_tokens: int) -> None:
+        """A finished request's n and the max_tokens in force for it."""
         self.n.labels(self.model_name).observe(n)
-        if max_tokens is not None:
-            self.max_tokens.labels(self.model_name).observe(max_tokens)
+        self.max_tokens.labels(self.model_name).observe(max_tokens)
 
 
 def _reason(reasons: set) -> Optional[str]:

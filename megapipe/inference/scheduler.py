@@ -132,6 +132,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_deferred = 0  # waiting sequences passed over for want of an adapter slot when last admitting
         self._preempted: list[Sequence] = []  # this step's, for its SchedulerOutput
 
     def add(self, seq: Sequence) -> None:
@@ -277,6 +278,7 @@ class Scheduler:
             self._admit_waiting(out, budget, scheduled, skipped)
         finally:
             self.waiting.extendleft(reversed(skipped))  # they keep their places at the head of the queue
+            self.num_deferred = len(skipped)
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, scheduled: set, skipped: list) -> None:

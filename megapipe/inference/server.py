@@ -233,7 +233,7 @@ class OpenAIServer:
         self.image_text, self.image_processor = self._image_inputs()
         self.tool_parser = parser_for(config.tool_call_parser)
         self.reasoning = reasoning_parser_for(config.reasoning_parser)
-        self.metrics = ServerMetrics(engine.stats, config.model_name)
+        self.metrics = ServerMetrics(engine.stats, config.model_name, engine.max_model_len, engine.cache_info)
         engine.on_output = self.metrics.observe
         self.created = int(time.time())
         self.app = self._build()
@@ -366,8 +366,9 @@ class OpenAIServer:
         outputs = self.engine.generate(prompt, params, lora=_LORA.get(), images=images)
         try:
             async for out in outputs:
-                if out.finished:
-                    self.metrics.observe_params(params.n, params.max_tokens)
+                if out.finished:  # max_tokens as in force: cut to the context's room, that room where unset
+                    room = self.max_model_len - len(out.prompt_token_ids)
+                    self.metrics.observe_params(params.n, min(params.max_tokens or room, room))
                 yield out
         except ParamError as e:
             raise APIError(400, str(e), param=e.param) from None

@@ -366,6 +366,7 @@ def test_a_request_whose_adapter_has_no_slot_does_not_hold_back_the_others(hf_ll
     assert running == {"holds", "base", "same"} and [s.request.request_id for s in engine.scheduler.waiting] == [
         "blocked"]
     assert engine.stats()["waiting_lora_adapters"] == ["run"]
+    assert (engine.stats()["waiting"], engine.stats()["waiting_deferred"]) == (1, 1)  # vLLM's reason "deferred"
     done = {}
     while engine.has_unfinished():
         for out in engine.step():

@@ -94,7 +94,7 @@ def test_acceptance_rate_reaches_the_metrics(copier):
     e.generate([PERIOD * 2], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
     s = e.stats()
     assert s["spec_decode_num_accepted_tokens"] > 0
-    text = generate_latest(ServerMetrics(e.stats, "m").registry).decode()
+    text = generate_latest(ServerMetrics(e.stats, "m", e.max_model_len).registry).decode()
     assert (f'vllm:spec_decode_num_accepted_tokens_total{{model_name="m"}} '
             f'{float(s["spec_decode_num_accepted_tokens"])}') in text
     assert 'vllm:spec_decode_draft_acceptance_rate{model_name="m",position="all"} ' in text

@@ -248,6 +248,8 @@ def test_completions_max_tokens_null_is_the_default_16(live):
 def test_metrics_use_vllm_names_and_count(live, reference):
     counted = ("vllm:generation_tokens_total", "vllm:prompt_tokens_total", "vllm:request_params_n_sum",
                "vllm:request_params_max_tokens_sum", "vllm:request_time_per_output_token_seconds_count",
+               "vllm:iteration_tokens_total_sum", "vllm:request_prefill_kv_computed_tokens_sum",
+               "vllm:request_num_preemptions_count", "vllm:request_num_preemptions_sum",
                *(f"vllm:request_{phase}_time_seconds_count" for phase in ("queue", "prefill", "decode", "inference")))
     before = {name: live.metric(name) for name in counted}
     live.client().completions.create(model=NAME, prompt="The quick", max_tokens=7, temperature=0, n=2,
@@ -259,6 +261,9 @@ def test_metrics_use_vllm_names_and_count(live, reference):
     assert added == {"vllm:generation_tokens_total": 14, "vllm:prompt_tokens_total": 2 * prompt,
                      "vllm:request_params_n_sum": 2, "vllm:request_params_max_tokens_sum": 7,
                      "vllm:request_time_per_output_token_seconds_count": 1,
+                     "vllm:iteration_tokens_total_sum": 2 * prompt + 14,  # every token computed, in its step
+                     "vllm:request_prefill_kv_computed_tokens_sum": prompt, "vllm:request_num_preemptions_count": 1,
+                     "vllm:request_num_preemptions_sum": 0,
                      **{f"vllm:request_{phase}_time_seconds_count": 1
                         for phase in ("queue", "prefill", "decode", "inference")}}, added
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
@@ -267,6 +272,24 @@ def test_metrics_use_vllm_names_and_count(live, reference):
                  "vllm:e2e_request_latency_seconds_count"):
         assert live.metric(name) == live.metric(name), name  # present (not NaN)
     assert live.metric("vllm:time_to_first_token_seconds_count") >= 1
+    text = httpx.get(live.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    for reason in ("capacity", "deferred"):
+        assert f'vllm:num_requests_waiting_by_reason{{model_name="{NAME}",reason="{reason}"}} 0.0' in text
+    info = dict(re.findall(r'(\w+)="([^"]*)"', re.search(r"^vllm:cache_config_info\{(.*)\} 1\.0$", text, re.M)[1]))
+    assert set(info) == {"block_size", "cache_dtype", "enable_prefix_caching", "gpu_memory_utilization",
+                         "num_gpu_blocks", "num_gpu_blocks_override", "num_cpu_blocks", "engine"}
+    assert (info["cache_dtype"], info["enable_prefix_caching"]) == ("auto", "True")
+    assert int(info["block_size"]) * int(info["num_gpu_blocks"]) >= live.client().models.list().data[0].max_model_len
+
+
+def test_max_tokens_metric_is_what_is_in_force(live):
+    """vllm:request_params_max_tokens observes the max_tokens a request ran under, as vLLM's: a chat without one
+    the context's room after its prompt."""
+    before = live.metric("vllm:request_params_max_tokens_sum")
+    r = live.client().chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}],
+                                              temperature=0)
+    room = live.client().models.list().data[0].max_model_len - r.usage.prompt_tokens
+    assert live.metric("vllm:request_params_max_tokens_sum") - before == room
 
 
 def test_prompt_token_counters_count_each_prompt_once_as_vllm_does(tiny_engine_factory):
@@ -275,7 +298,7 @@ def test_prompt_token_counters_count_each_prompt_once_as_vllm_does(tiny_engine_f
     from megapipe.inference.metrics import ServerMetrics
 
     engine = tiny_engine_factory(block_size=16, num_blocks=7, max_num_seqs=2, max_model_len=96)
-    registry = ServerMetrics(engine.stats, "m").registry
+    registry = ServerMetrics(engine.stats, "m", engine.max_model_len).registry
 
     def value(name):
         return registry.get_sample_value(name, {"model_name": "m"})
@@ -286,9 +309,11 @@ def test_prompt_token_counters_count_each_prompt_once_as_vllm_does(tiny_engine_f
     assert (value("vllm:prompt_tokens_total"), value("vllm:prompt_tokens_cached_total")) == (80, 32)
     assert engine.stats()["prompt_tokens"] == 48
     # two at once outgrow the 7 blocks: one is preempted and its prompt computed again, counted once
-    engine.generate([list(range(100, 140)), list(range(200, 240))],
-                    SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    outs = engine.generate([list(range(100, 140)), list(range(200, 240))],
+                           SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
     assert engine.stats()["preemptions"] > 0 and engine.stats()["prompt_tokens"] > 48 + 80
+    # each request's own count (vllm:request_num_preemptions)
+    assert sum(o.metrics["num_preemptions"] for o in outs) == engine.stats()["preemptions"]
     assert value("vllm:prompt_tokens_total") == 160
 
 

@@ -230,11 +230,11 @@ def test_acceptance_counts_reach_the_metrics(trained_model):
     assert s["spec_decode_num_accepted_tokens"] == sum(s["spec_decode_num_accepted_tokens_per_pos"]) > 0
     assert s["spec_decode_num_draft_tokens"] == sum(s["spec_decode_num_draft_tokens_per_pos"])
     assert s["spec_decode_acceptance_rate"] == s["spec_decode_num_accepted_tokens"] / s["spec_decode_num_draft_tokens"]
-    text = generate_latest(ServerMetrics(e.stats, "m").registry).decode()
+    text = generate_latest(ServerMetrics(e.stats, "m", e.max_model_len).registry).decode()
     assert f'vllm:spec_decode_num_accepted_tokens_total{{model_name="m"}} {float(s["spec_decode_num_accepted_tokens"])}' in text
     assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="3"}' in text
     assert 'vllm:spec_decode_draft_acceptance_rate{model_name="m",position="all"}' in text
-    assert "spec_decode" not in generate_latest(ServerMetrics(engine(trained_model).stats, "m").registry).decode()
+    assert "spec_decode" not in generate_latest(ServerMetrics(engine(trained_model).stats, "m", 64).registry).decode()
 
 
 def test_structured_output_is_not_drafted(trained_model):
