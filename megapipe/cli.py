@@ -43,14 +43,14 @@ from stages import (
     tokenizer,
 )
 from stages import eval as evaluate
-from stages.common import multi_value_command
+from stages.common import MegapipeCommand, multi_value_command
 from stages.pretrain import training_command_class
 
 
 @dataclass(frozen=True)
 class Entry:
     """A row of the command table: the command's function, what it produces as a pipeline step (None: it cannot be
-    a step) and its click command class (None: typer's)."""
+    a step) and its click command class (None: stages.common.MegapipeCommand)."""
 
     function: Callable
     output: Optional[Output] = DEFAULT_OUTPUT
@@ -149,7 +149,7 @@ def add_command(parent: typer.Typer, path: str, fn, cls=None) -> None:
     target = parent
     for g in groups:
         target = group(target, g)
-    target.command(name, cls=cls)(fn)
+    target.command(name, cls=cls or MegapipeCommand)(fn)
 
 
 for _path, _entry in COMMANDS.items():

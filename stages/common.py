@@ -153,10 +153,24 @@ def spread_multi_values(args: list[str], names: set[str]) -> list[str]:
     return out
 
 
+class MegapipeCommand(TyperCommand):
+    """Every megapipe command's class: a value typer cannot convert is named in the refusal (typer's own message says
+    only what the value should be)."""
+
+    def parse_args(self, ctx, args):
+        try:
+            return super().parse_args(ctx, args)
+        except typer.BadParameter as e:
+            errors = e.__cause__.errors() if hasattr(e.__cause__, "errors") else []  # pydantic's, where it converted
+            if errors and "input" in errors[0] and not e.message.startswith(repr(errors[0]["input"])):
+                e.message = f"{errors[0]['input']!r}: {e.message[:1].lower()}{e.message[1:]}"
+            raise
+
+
 def multi_value_command(*names: str) -> type[TyperCommand]:
     """A command class whose options ``names`` take several values after one flag, Megatron style."""
 
-    class MultiValueCommand(TyperCommand):
+    class MultiValueCommand(MegapipeCommand):
         def parse_args(self, ctx, args):
             return super().parse_args(ctx, spread_multi_values(list(args), set(names)))
 

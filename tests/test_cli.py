@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 
@@ -80,3 +81,14 @@ def test_arguments_that_are_not_utf8_are_one_sentence(tmp_path):
         err = out.stderr.decode()
         assert out.returncode == 2 and "Traceback" not in err, err
         assert message in err, err
+
+
+def test_a_value_typer_cannot_convert_is_named():
+    """typer says only what the value should be; every megapipe command also names the value given."""
+    for argv, flag, value in ((["serve", "/nowhere", "--max-num-seqs", "abc"], "--max-num-seqs", "'abc'"),
+                              (["generate", "/nowhere", "--temperature", "hot"], "--temperature", "'hot'"),
+                              (["pretrain", "--train-iters", "1.5"], "--train-iters", "'1.5'")):
+        out = subprocess.run([sys.executable, "-m", "megapipe.cli", *argv], capture_output=True, text=True,
+                             env={**os.environ, "COLUMNS": "200"}, timeout=120)
+        assert out.returncode == 2, argv
+        assert f"Invalid value for '{flag}': {value}: input should be a valid" in out.stderr, out.stderr

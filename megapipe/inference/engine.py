@@ -59,7 +59,7 @@ class EngineStalled(RuntimeError):
 
 CPU_TOKEN_BUDGET = 1024  # EngineConfig.token_budget's default on a CPU
 CPU_BLOCK_SIZE = 128  # EngineConfig.kv_block_size's default on a CPU (vLLM's CPU backend's too)
-# vllm:iteration_tokens_total's buckets (vLLM's): tokens a step computes, prompt and generated
+# vllm:iteration_tokens_total's buckets (vLLM's): the tokens a step computes (its token budget's share used)
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -567,9 +567,8 @@ class LLMEngine:
                 seq.request.first_scheduled_time = t
         with self.governor.step() if self.governor is not None else contextlib.nullcontext():
             result = self.runner.execute(plan)
-        before = self.num_prompt_tokens + self.num_generation_tokens
         outputs = self.update_from_output(plan, result)
-        tokens = self.num_prompt_tokens + self.num_generation_tokens - before
+        tokens = sum(plan.num_scheduled_tokens.values())
         self.iteration_tokens[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, tokens)] += 1
         self.iteration_tokens_sum += tokens
         return outputs
@@ -828,7 +827,7 @@ class LLMEngine:
                 "prefix_cache_queries": self.blocks.query_tokens, "prefix_cache_hits": self.blocks.hit_tokens,
                 "prefix_cache_hit_rate": self.blocks.hit_rate(), "num_blocks": self.blocks.num_blocks,
                 "preemptions": self.scheduler.num_preemptions, "prompt_tokens": self.num_prompt_tokens,
-                "generation_tokens": self.num_generation_tokens, "waiting_deferred": self.scheduler.num_deferred,
+                "generation_tokens": self.num_generation_tokens, "waiting_deferred": self.scheduler.num_deferred(),
                 "iteration_tokens": list(self.iteration_tokens), "iteration_tokens_sum": self.iteration_tokens_sum,
                 **(self.speculator.stats() if self.speculator is not None else {}), **self._lora_stats()}
 
@@ -836,7 +835,7 @@ class LLMEngine:
         """vLLM's cache_config_info labels, those that hold here (the KV cache is in the model's dtype: auto)."""
         cfg = self.config
         return {"block_size": str(self.pool.block_size), "cache_dtype": "auto",
-                "enable_prefix_caching": str(cfg.prefix_caching),
+                "enable_prefix_caching": str(self.prefix_caching),
                 "gpu_memory_utilization": str(cfg.gpu_memory_utilization), "num_gpu_blocks": str(self.pool.num_blocks),
                 "num_gpu_blocks_override": str(cfg.num_blocks), "num_cpu_blocks": "None"}
 

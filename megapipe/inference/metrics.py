@@ -57,11 +57,11 @@ class _EngineCollector:
         g.add_metric([self.model_name, "capacity"], float(s["waiting"] - s["waiting_deferred"]))
         g.add_metric([self.model_name, "deferred"], float(s["waiting_deferred"]))
         yield g
-        h = HistogramMetricFamily("vllm:iteration_tokens_total", "Tokens per engine step (prompt tokens computed and "
-                                  "tokens generated).", labels=labels)
+        h = HistogramMetricFamily("vllm:iteration_tokens_total", "Tokens per engine step (prompt chunks, decodes "
+                                  "and their drafts: what the step's token budget went to).", labels=labels)
         counts, total = s["iteration_tokens"], 0
         buckets = []
-        for bound, n in zip([*map(str, ITERATION_TOKENS_BUCKETS), "+Inf"], counts, strict=True):
+        for bound, n in zip([*(str(float(b)) for b in ITERATION_TOKENS_BUCKETS), "+Inf"], counts, strict=True):
             total += n
             buckets.append((bound, total))
         h.add_metric([self.model_name], buckets, float(s["iteration_tokens_sum"]))

@@ -242,7 +242,7 @@ def _call_for_template(call: dict) -> dict:
     if isinstance(args, str) or args is None:
         try:
             parsed = json.loads(args) if args else {}
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
             parsed = None
         if not isinstance(parsed, dict):
             log.warning("tool call %r: arguments %r are not a JSON object; the chat template gets {}",

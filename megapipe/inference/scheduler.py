@@ -132,8 +132,12 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self.num_deferred = 0  # waiting sequences passed over for want of an adapter slot when last admitting
+        self._deferred: set[int] = set()  # seq_ids passed over for want of an adapter slot when last admitting
         self._preempted: list[Sequence] = []  # this step's, for its SchedulerOutput
+
+    def num_deferred(self) -> int:
+        """Waiting sequences the last admission passed over for want of an adapter slot (vLLM's deferred ones)."""
+        return sum(1 for s in self.waiting if s.seq_id in self._deferred) if self._deferred else 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -278,7 +282,7 @@ class Scheduler:
             self._admit_waiting(out, budget, scheduled, skipped)
         finally:
             self.waiting.extendleft(reversed(skipped))  # they keep their places at the head of the queue
-            self.num_deferred = len(skipped)
+            self._deferred = {s.seq_id for s in skipped}
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, scheduled: set, skipped: list) -> None:

@@ -149,7 +149,7 @@ def _arguments(text: str, at: int) -> tuple[str, Optional[int]]:
     try:
         _, end = json.JSONDecoder().raw_decode(text, at)
         return text[at:end], end
-    except ValueError:
+    except (ValueError, RecursionError):  # not whole yet (or nested deeper than the parser goes)
         return text[at:].rstrip(" \t\r\n}"), None
 
 
@@ -172,7 +172,7 @@ class RequiredCalls(Parser):
             return "", []
         try:
             items = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):
             return text, []
         calls = [_call_from(x, "parameters") for x in items] if isinstance(items, list) else []
         return ("", calls) if calls and all(calls) else (text, [])
@@ -229,7 +229,7 @@ class HermesParser(Parser):
             return None
         try:
             return _call_from(json.loads(body), "arguments")
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
 
 
@@ -263,12 +263,12 @@ class Llama3JsonParser(Parser):
                     break
                 try:  # the rest of the object: more keys are ignored, a missing brace before a ';' forgiven
                     _, at = decoder.raw_decode(body, at)
-                except ValueError:
+                except (ValueError, RecursionError):
                     at = end if body[end:].lstrip().startswith(";") else len(body)
             else:
                 try:
                     obj, at = decoder.raw_decode(body, at)
-                except ValueError:
+                except (ValueError, RecursionError):
                     break
                 call = _call_from(obj, "parameters", need_args=True)
                 if call is None:
@@ -288,12 +288,14 @@ class HarmonyParser(Parser):
     ENDS = re.compile(r"<\|(?:end|call|return)\|>")
 
     def split(self, text, final):
+        lead = text.find("<|")
+        if lead < 0:
+            return (text if final else text[:held(text, ("<|",))]), []
         if "<|message|>" not in text:
-            if "<|channel|>" in text or "<|start|>" in text or (not final and text.lstrip().startswith("<|")):
-                return "", []
-            return text if final else text[:held(text, ("<|",))], []
-        content, calls = [], []
-        for part in text.split("<|start|>"):
+            plain = final and "<|channel|>" not in text and "<|start|>" not in text
+            return (text if plain else text[:lead]), []
+        content, calls = [text[:lead]], []  # text before the first marker is content as it came
+        for part in text[lead:].split("<|start|>"):
             header, sep, rest = part.partition("<|message|>")
             if not sep:
                 continue

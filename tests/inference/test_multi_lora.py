@@ -367,6 +367,11 @@ def test_a_request_whose_adapter_has_no_slot_does_not_hold_back_the_others(hf_ll
         "blocked"]
     assert engine.stats()["waiting_lora_adapters"] == ["run"]
     assert (engine.stats()["waiting"], engine.stats()["waiting_deferred"]) == (1, 1)  # vLLM's reason "deferred"
+    engine.add_request("gone", PROMPTS[1], GREEDY, lora="run")
+    engine.step()
+    assert (engine.stats()["waiting"], engine.stats()["waiting_deferred"]) == (2, 2)
+    engine.abort("gone")  # no longer waiting: no longer deferred, before any step
+    assert (engine.stats()["waiting"], engine.stats()["waiting_deferred"]) == (1, 1)
     done = {}
     while engine.has_unfinished():
         for out in engine.step():

@@ -261,7 +261,7 @@ def test_metrics_use_vllm_names_and_count(live, reference):
     assert added == {"vllm:generation_tokens_total": 14, "vllm:prompt_tokens_total": 2 * prompt,
                      "vllm:request_params_n_sum": 2, "vllm:request_params_max_tokens_sum": 7,
                      "vllm:request_time_per_output_token_seconds_count": 1,
-                     "vllm:iteration_tokens_total_sum": 2 * prompt + 14,  # every token computed, in its step
+                     "vllm:iteration_tokens_total_sum": 2 * prompt + 12,  # the prompts, then 6 decodes of 2
                      "vllm:request_prefill_kv_computed_tokens_sum": prompt, "vllm:request_num_preemptions_count": 1,
                      "vllm:request_num_preemptions_sum": 0,
                      **{f"vllm:request_{phase}_time_seconds_count": 1

@@ -550,6 +550,27 @@ def test_a_bare_json_answer_is_not_a_llama3_call():
     assert Llama3JsonParser().split('{"name": "f", "arguments": {}}', True)[1][0].name == "f"
 
 
+@pytest.mark.parametrize("text,want", [("Hello<|channel|>final<|message|>Hi<|return|>", "HelloHi"),
+                                       ("plain <|x|> text", "plain <|x|> text"),
+                                       ("ab<|channel|>analysis<|message|>x<|end|>", "ab")])
+def test_harmony_content_streamed_is_the_whole_outputs(text, want):
+    """Text before the first marker is content, streamed or not (it streamed and then vanished from the whole
+    output)."""
+    assert HarmonyParser().split(text, True)[0] == want
+    for step in (1, 2, 5):
+        stream, content = ToolStream(HarmonyParser()), ""
+        for end in [*range(1, len(text) + 1, step), len(text)]:
+            content += stream.update(text[:end], end == len(text))[0]
+        assert content == want, step
+
+
+def test_nesting_deeper_than_the_json_parser_goes_is_no_error():
+    deep = '{"name": "f", "parameters": {"a": ' + "[" * 5000
+    for text in (deep, "<|python_tag|>" + deep + "]" * 5000 + "}}"):
+        assert Llama3JsonParser().split(text, True)[1][0].name == "f"
+    assert HermesParser().split("<tool_call>" + deep.replace("parameters", "arguments") + "</tool_call>", True)[1]
+
+
 def test_harmony_streams_hold_markers_back_and_keep_reasoning_beside_calls():
     from megapipe.data.chat_template import split_harmony
 

@@ -88,7 +88,8 @@ def test_set_overrides_options_and_variables(tmp_path):
     ("      train_iters: ${vars.iters}\n", "      train_iters: ${vars.steps}\n",
      "FILE:20: '${vars.steps}': no variable 'steps' (variables: iters)"),
     ("      train_iters: ${vars.iters}\n", "      train_iters: many\n",
-     "FILE:20: step 'pretrain' (pretrain): Invalid value for '--train-iters'"),
+     "FILE:20: step 'pretrain' (pretrain): Invalid value for '--train-iters': 'many': input should be a valid "
+     "integer"),
     ("      compile: false\n", "      compile: maybe\n",
      "FILE:22: step 'pretrain': option 'compile' is a switch: give true or false, not 'maybe'"),
     ("      json_keys: [text]\n", "      json_keys: {a: 1}\n",
