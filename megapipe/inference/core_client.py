@@ -101,7 +101,7 @@ class RequestState:
         self.prompt_logprobs: list = []
         self.num_cached = 0
         self.metrics = {"arrival_time": arrival, "first_scheduled_time": None, "first_token_time": None,
-                        "last_token_time": None, "num_preemptions": 0}
+                        "last_token_time": None, "num_preemptions": 0, "max_sample_tokens": 0}
 
     def update(self, o: EngineCoreOutput) -> list[int]:
         """Take the core's delta; returns the samples a stop string ended here that the core still decodes."""
@@ -109,7 +109,8 @@ class RequestState:
         self.prompt_logprobs += o.new_prompt_logprobs or []
         self.num_cached = o.num_cached_tokens
         self.metrics.update((k, o.metrics.get(k)) for k in ("first_scheduled_time", "first_token_time",
-                                                             "last_token_time", "num_preemptions"))
+                                                             "last_token_time", "num_preemptions",
+                                                             "max_sample_tokens"))
         return cut
 
     @property

@@ -737,7 +737,8 @@ class LLMEngine:
         metrics = {"arrival_time": req.arrival, "first_scheduled_time": req.first_scheduled_time,
                    "first_token_time": req.first_token_time,
                    "last_token_time": max((c.last_token_time or 0.0) for c in req.completions) or None,
-                   "num_preemptions": sum(seq.preemptions for seq in req.seqs)}
+                   "num_preemptions": sum(seq.preemptions for seq in req.seqs),
+                   "max_sample_tokens": max(len(seq.output_ids) for seq in req.seqs)}
         return RequestOutput(req.request_id, req.prompt, req.prompt_ids,
                              (first.prompt_logprobs or [None]) if req.params.prompt_logprobs is not None else None,
                              outs, req.finished, req.seqs[0].num_cached, generated, metrics)

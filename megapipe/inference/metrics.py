@@ -82,6 +82,18 @@ class _EngineCollector:
             c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric([self.model_name], float(s[key]))
             yield c
+        queries, hits = float(s["prefix_cache_queries"]), float(s["prefix_cache_hits"])
+        for name, doc, values in (
+                ("vllm:prompt_tokens_by_source", "Prompt tokens by where their KV came from (they sum to "
+                 "vllm:prompt_tokens).", {"local_compute": queries - hits, "local_cache_hit": hits,
+                                          "external_kv_transfer": 0.0}),
+                ("vllm:prompt_tokens_cached_by_source", "Prefix-cache hit tokens by the tier that held them (the "
+                 "engine's own pool: device).", {"device": hits, "host": 0.0, "p2p": 0.0, "disk": 0.0,
+                                                 "external_unspecified": 0.0})):
+            c = CounterMetricFamily(name, doc, labels=["model_name", "source"])
+            for source, value in values.items():
+                c.add_metric([self.model_name, source], value)
+            yield c
         if "spec_decode_num_drafts" in s:
             yield from self._speculative(s)
         if "max_lora" in s:  # vLLM's: one series, the adapters in its labels, its value the time of the scrape
@@ -134,6 +146,8 @@ class ServerMetrics:
                                  **kw)
         self.prefill_computed = Histogram("vllm:request_prefill_kv_computed_tokens", "Prompt tokens a request "
                                           "computed (its prefix-cache hits not).", buckets=tokens, **kw)
+        self.max_sample_tokens = Histogram("vllm:request_max_num_generation_tokens", "The most tokens one of a "
+                                           "request's n samples generated.", buckets=tokens, **kw)
         self.preemptions = Histogram("vllm:request_num_preemptions", "Times a request was preempted.",
                                      buckets=PREEMPTION_BUCKETS, **kw)
         # a finished request's phases, as vLLM splits them: queued (arrival to its first step), prefill (to its first
@@ -154,7 +168,7 @@ class ServerMetrics:
         self.success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                labelnames=["model_name", "finished_reason"], registry=self.registry)
         for histogram in (self.ttft, self.itl, self.e2e, self.prompt_len, self.gen_len, self.prefill_computed,
-                          self.preemptions, *self.phases.values(), self.tpot, self.n, self.max_tokens):
+                          self.max_sample_tokens, self.preemptions, *self.phases.values(), self.tpot, self.n, self.max_tokens):
             histogram.labels(model_name)  # each series there from the start, at zero (as vLLM's)
         self._last: dict[str, tuple[int, float]] = {}  # request id -> (tokens seen, time of the last)
 
@@ -177,6 +191,7 @@ class ServerMetrics:
             self.gen_len.labels(label).observe(tokens)
             self.prefill_computed.labels(label).observe(len(out.prompt_token_ids) - out.num_cached_tokens)
             self.preemptions.labels(label).observe(out.metrics.get("num_preemptions", 0))
+            self.max_sample_tokens.labels(label).observe(out.metrics.get("max_sample_tokens", tokens))
             reasons = {o.finish_reason for o in out.outputs}
             self.success.labels(label, _reason(reasons)).inc()
             self._phases(out, tokens)

@@ -250,6 +250,7 @@ def test_metrics_use_vllm_names_and_count(live, reference):
                "vllm:request_params_max_tokens_sum", "vllm:request_time_per_output_token_seconds_count",
                "vllm:iteration_tokens_total_sum", "vllm:request_prefill_kv_computed_tokens_sum",
                "vllm:request_num_preemptions_count", "vllm:request_num_preemptions_sum",
+               "vllm:request_max_num_generation_tokens_sum",
                *(f"vllm:request_{phase}_time_seconds_count" for phase in ("queue", "prefill", "decode", "inference")))
     before = {name: live.metric(name) for name in counted}
     live.client().completions.create(model=NAME, prompt="The quick", max_tokens=7, temperature=0, n=2,
@@ -263,7 +264,7 @@ def test_metrics_use_vllm_names_and_count(live, reference):
                      "vllm:request_time_per_output_token_seconds_count": 1,
                      "vllm:iteration_tokens_total_sum": 2 * prompt + 12,  # the prompts, then 6 decodes of 2
                      "vllm:request_prefill_kv_computed_tokens_sum": prompt, "vllm:request_num_preemptions_count": 1,
-                     "vllm:request_num_preemptions_sum": 0,
+                     "vllm:request_num_preemptions_sum": 0, "vllm:request_max_num_generation_tokens_sum": 7,
                      **{f"vllm:request_{phase}_time_seconds_count": 1
                         for phase in ("queue", "prefill", "decode", "inference")}}, added
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
@@ -280,6 +281,10 @@ def test_metrics_use_vllm_names_and_count(live, reference):
                          "num_gpu_blocks", "num_gpu_blocks_override", "num_cpu_blocks", "engine"}
     assert (info["cache_dtype"], info["enable_prefix_caching"]) == ("auto", "True")
     assert int(info["block_size"]) * int(info["num_gpu_blocks"]) >= live.client().models.list().data[0].max_model_len
+    by_source = {m[0]: float(m[1]) for m in re.findall(r'^vllm:prompt_tokens_by_source_total\{[^}]*source="(\w+)"\} '
+                                                       r'(\S+)$', text, re.M)}
+    assert sum(by_source.values()) == live.metric("vllm:prompt_tokens_total") and by_source["local_compute"] > 0
+    assert by_source["local_cache_hit"] == live.metric("vllm:prefix_cache_hits_total")
 
 
 def test_max_tokens_metric_is_what_is_in_force(live):
