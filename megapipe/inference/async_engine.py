@@ -54,6 +54,7 @@ class StreamingEngine:
         self.error: Optional[BaseException] = None
         self.closing: Optional[BaseException] = None  # set by end_all: what every request gets from then on
         self._snapshot: dict = {}  # the engine's stats after its latest step (published by the engine's side)
+        self.rejected = 0  # requests refused for a full queue (vllm:admission_rejections)
 
     # the facts every request is checked against
     tokenizer = max_model_len = vocab_size = model_config = config = None
@@ -79,7 +80,7 @@ class StreamingEngine:
         return self._snapshot.get("waiting", 0) + self.pending
 
     def stats(self) -> dict:
-        return {**self._snapshot, "waiting": self.num_waiting()}
+        return {**self._snapshot, "waiting": self.num_waiting(), "admission_rejections": self.rejected}
 
     async def generate(self, prompt: Union[str, Sequence[int]], params: SamplingParams,
                        request_id: Optional[str] = None, lora: Optional[str] = None,
@@ -121,6 +122,7 @@ class StreamingEngine:
         a server checks before it starts a streamed response (whose status is sent before the first output)."""
         self._check_running()
         if self.max_queue is not None and self.num_waiting() + count > self.max_queue:
+            self.rejected += 1
             raise QueueFull(f"the server's queue is full ({self.max_queue} requests waiting); retry later")
 
     def _check_running(self) -> None:

@@ -78,10 +78,18 @@ class _EngineCollector:
                  "recomputation after a preemption not: as vLLM counts them).", "prefix_cache_queries"),
                 ("vllm:prompt_tokens_cached", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
                 ("vllm:generation_tokens", "Tokens generated.", "generation_tokens"),
-                ("vllm:num_preemptions", "Sequences preempted (KV cache full) and recomputed later.", "preemptions")):
+                ("vllm:num_preemptions", "Sequences preempted (KV cache full) and recomputed later.", "preemptions"),
+                ("vllm:external_prefix_cache_queries", "Prompt tokens looked up in an external KV store (none "
+                 "here).", None),
+                ("vllm:external_prefix_cache_hits", "Prompt tokens found in an external KV store (none here).", None)):
             c = CounterMetricFamily(name, doc, labels=labels)
-            c.add_metric([self.model_name], float(s[key]))
+            c.add_metric([self.model_name], float(s[key]) if key else 0.0)
             yield c
+        c = CounterMetricFamily("vllm:admission_rejections", "Requests refused by a queue limit, by reason (--max-queue: "
+                                "max_num_queued_reqs; no limit on queued tokens here).", labels=["model_name", "reason"])
+        c.add_metric([self.model_name, "max_num_queued_reqs"], float(s.get("admission_rejections", 0)))
+        c.add_metric([self.model_name, "max_num_queued_tokens"], 0.0)
+        yield c
         queries, hits = float(s["prefix_cache_queries"]), float(s["prefix_cache_hits"])
         for name, doc, values in (
                 ("vllm:prompt_tokens_by_source", "Prompt tokens by where their KV came from (they sum to "
@@ -170,6 +178,8 @@ class ServerMetrics:
         for histogram in (self.ttft, self.itl, self.e2e, self.prompt_len, self.gen_len, self.prefill_computed,
                           self.max_sample_tokens, self.preemptions, *self.phases.values(), self.tpot, self.n, self.max_tokens):
             histogram.labels(model_name)  # each series there from the start, at zero (as vLLM's)
+        for reason in ("stop", "length", "abort"):
+            self.success.labels(model_name, reason)
         self._last: dict[str, tuple[int, float]] = {}  # request id -> (tokens seen, time of the last)
 
     def observe(self, out: RequestOutput) -> None:

@@ -434,12 +434,15 @@ def test_full_queue_is_503(hf_llama):
             t.join(60)
         assert errors and all(e.status_code == 503 for e in errors)
         assert errors[0].body["code"] == "queue_full" and results
+        rejected = server.metric("vllm:admission_rejections_total")  # reason max_num_queued_reqs, the first series
+        assert rejected >= len(errors)
         # a stream is refused the same way, before its 200: the queue is as full as it is (one waiting)
         server.async_engine.num_waiting = lambda: 1
         for body in ({"prompt": "The"}, {"prompt": ["a"]}):
             r = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                            json={"model": NAME, "max_tokens": 2, "stream": True, **body})
             assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full", r.text
+        assert server.metric("vllm:admission_rejections_total") == rejected + 2
     finally:
         server.stop()
 
