@@ -23,7 +23,7 @@ import signal
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -44,6 +44,7 @@ from megapipe.data.images import (
 )
 from megapipe.errors import DataError, MegapipeError
 from megapipe.inference.async_engine import EngineDead, QueueFull, ShuttingDown, StreamingEngine
+from megapipe.inference.detokenize import special_ids
 from megapipe.inference.engine import RequestOutput, TextPrompt
 from megapipe.inference.metrics import ServerMetrics
 from megapipe.inference.protocol import (
@@ -55,7 +56,8 @@ from megapipe.inference.protocol import (
     UnloadLoRARequest,
 )
 from megapipe.inference.reasoning import reasoning_parser_for
-from megapipe.inference.sampling import ParamError
+from megapipe.inference.responses import ResponseBuilder, ResponsesRequest, usage_of
+from megapipe.inference.sampling import ParamError, SamplingParams
 from megapipe.inference.tool_calls import (
     FirstCall,
     NamedCall,
@@ -223,6 +225,16 @@ def _renamed(e: ParamError, names: dict) -> APIError:
     return APIError(400, message, param=param)
 
 
+@dataclass
+class _ChatTurn:
+    prompt: Any
+    images: Any
+    params: SamplingParams
+    tools: ToolChoice
+    thinks: bool  # the reply may hold reasoning (no grammar shapes it)
+    echo: str  # vLLM's echo: the last (assistant) message's content, which the reply continues
+
+
 class OpenAIServer:
     def __init__(self, engine: StreamingEngine, config: ServerConfig, on_ready=None):
         self.engine, self.config, self.on_ready = engine, config, on_ready
@@ -290,6 +302,7 @@ class OpenAIServer:
         app.get("/v1/models")(self.models)
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat_completions)
+        app.post("/v1/responses")(self.responses)
         app.post("/tokenize")(self.tokenize)
         app.post("/detokenize")(self.detokenize)
         app.post("/v1/load_lora_adapter")(self.load_lora_adapter)
@@ -869,8 +882,10 @@ class OpenAIServer:
 
     # ----------------------------------------------------------------------------------------------- chat
 
-    async def chat_completions(self, request: Request):
-        body = await self._body(request, ChatCompletionRequest)
+    async def _chat_turn(self, body: ChatCompletionRequest, names: Optional[dict] = None) -> _ChatTurn:
+        """A chat request checked and made ready to run: its prompt (and images), its sampling parameters (its
+        grammar compiled), its tools; shared by /v1/chat/completions and /v1/responses (``names``: the request's
+        own names of the parameters, for its errors)."""
         self._check_model(body.model)
         _AS_IDS.set(body.return_tokens_as_token_ids)
         try:
@@ -895,22 +910,30 @@ class OpenAIServer:
         if top is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        names = {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens" if body.max_completion_tokens
+                 is not None else "max_tokens", **(names or {})}
         try:
             params = body.sampling_params(max_tokens, (top or 0) if body.logprobs else None,
                                           defaults=self.config.sampling_defaults)
         except ParamError as e:
-            raise APIError(400, str(e), param=e.param) from None
+            raise _renamed(e, names) from None
         await self._structured(body, params, tools)
         # harmony: the channel markers split the reply; a tool-call parser that reads special tokens needs them
         if self.chat_template.has_channels or (tools.mode == "auto" and self.tool_parser.needs_special_tokens):
             params.skip_special_tokens = False
-        await self._validate_all([prompt], params, {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens"
-                                                    if body.max_completion_tokens is not None else "max_tokens"})
-        base, created = self._request_id(request, body), int(time.time())
-        rid, headers = f"chatcmpl-{base}", {"X-Request-Id": base}
+        await self._validate_all([prompt], params, names)
         last = body.messages[-1]  # echo (vLLM's): a reply to an assistant's message starts with that message
         echo = last.as_template_input()["content"] if body.echo and last.role == "assistant" else ""
         thinks = params.structured is None  # a grammar's output has no reasoning in it
+        return _ChatTurn(prompt, images, params, tools, thinks, echo)
+
+    async def chat_completions(self, request: Request):
+        body = await self._body(request, ChatCompletionRequest)
+        turn = await self._chat_turn(body)
+        prompt, images, params = turn.prompt, turn.images, turn.params
+        tools, thinks, echo = turn.tools, turn.thinks, turn.echo
+        base, created = self._request_id(request, body), int(time.time())
+        rid, headers = f"chatcmpl-{base}", {"X-Request-Id": base}
         if body.stream:
             self._admissible(1)
             outputs = await self._started(self._stream(prompt, params, images), params)
@@ -1061,6 +1084,91 @@ class OpenAIServer:
         except APIError as e:
             yield _sse(error_body(e.message, e.type, e.param, e.code))
         yield "data: [DONE]\n\n"
+
+
+    # ----------------------------------------------------------------------------------------------- responses
+
+    async def responses(self, request: Request):
+        """OpenAI's Responses API on the chat path (megapipe.inference.responses)."""
+        body = await self._body(request, ResponsesRequest)
+        try:
+            chat = body.chat_request()
+        except ParamError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        except ValidationError as e:
+            param, message = _param_from(e)
+            raise APIError(400, message, param=param) from None
+        turn = await self._chat_turn(chat, {"max_tokens": "max_output_tokens"})
+        base = self._request_id(request, body)
+        build, headers = ResponseBuilder(body, self._model_name(), f"resp_{base}"), {"X-Request-Id": base}
+        parser = self._calls_parser(turn.tools)
+        reply = _ReplySoFar(ToolStream(parser) if parser is not None else None)
+        if body.stream:
+            self._admissible(1)
+            outputs = await self._started(self._stream(turn.prompt, turn.params, turn.images), turn.params)
+            return StreamingResponse(self._stream_response(build, outputs, turn, reply),
+                                     media_type="text/event-stream", headers=headers)
+        (out,) = await self._until_done(request, [self._final(turn.prompt, turn.params, turn.images)])
+        self._response_events(build, out, turn, reply)
+        return JSONResponse(build.response, headers=headers)
+
+    def _response_events(self, build: ResponseBuilder, out: RequestOutput, turn: _ChatTurn,
+                         reply: "_ReplySoFar") -> list[dict]:
+        """The events one output of the engine makes (the last ones with the response whole when it finished)."""
+        c = out.outputs[0]
+        final = c.finish_reason is not None
+        parts = self._reply(c.text, final, turn.thinks)
+        reasoning, content, deltas = parts.get("reasoning_content") or "", parts["content"], []
+        if reply.calls is not None:
+            delta, deltas = reply.calls.update(self._tool_text(c.text, parts), final)
+            reply.content += delta
+            content = reply.content
+        events = build.update(reasoning, content, deltas)
+        if final:
+            thought = self._reasoning_tokens(c.token_ids, reasoning, turn)
+            n, cached, info = len(out.prompt_token_ids), out.num_cached_tokens, self.engine.cache_info
+            block = int(info.get("block_size", 0)) if info.get("enable_prefix_caching") == "True" else 0
+            written = max(0, n // block * block - cached) if block else 0  # the prompt's full blocks, now cached
+            events += build.finish(c.finish_reason, usage_of(n, out.num_generated_tokens, cached, thought, written))
+        return events
+
+    def _reasoning_tokens(self, ids, reasoning: str, turn: _ChatTurn) -> int:
+        """How many of an output's tokens its reasoning took: the fewest whose text holds all of it (its split while
+        streaming, so a marker's first characters do not count as reasoning)."""
+        if not reasoning:
+            return 0
+        skip = special_ids(self.tokenizer) if turn.params.skip_special_tokens else frozenset()
+
+        def reasoning_of(k: int) -> str:
+            text = self.tokenizer.decode([t for t in ids[:k] if t not in skip])
+            return self._reply(text, False, turn.thinks).get("reasoning_content") or ""
+
+        lo, hi = 1, len(ids)
+        while lo < hi:  # what a prefix's split calls reasoning only grows with the prefix
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if len(reasoning_of(mid)) >= len(reasoning) else (mid + 1, hi)
+        return lo
+
+    async def _stream_response(self, build: ResponseBuilder, outputs, turn: _ChatTurn, reply: "_ReplySoFar"):
+        def sse(event: dict) -> str:  # the event's type on its own line too, as OpenAI and vLLM send it
+            return f"event: {event['type']}\n{_sse(event)}"
+
+        for event in build.start():
+            yield sse(event)
+        try:
+            async for out in outputs:
+                for event in self._response_events(build, out, turn, reply):
+                    yield sse(event)
+        except APIError as e:
+            yield sse(build.error(e.message, e.code or e.type, e.param))
+
+
+@dataclass
+class _ReplySoFar:
+    """A response's tool-call parser (None without tool calls) and the content it has let through so far."""
+
+    calls: Optional[ToolStream]
+    content: str = ""
 
 
 def make_app(engine: StreamingEngine, config: ServerConfig, on_ready=None) -> FastAPI:

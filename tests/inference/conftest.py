@@ -37,3 +37,13 @@ def live(hf_llama):
     server = LiveServer(hf_llama[0])
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def hermes_live(hf_llama):
+    """A live server over the tiny Llama with --tool-call-parser hermes."""
+    from tests.inference.test_server import LiveServer
+
+    server = LiveServer(hf_llama[0], server_config={"tool_call_parser": "hermes"})
+    yield server
+    server.stop()

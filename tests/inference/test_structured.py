@@ -412,15 +412,6 @@ def test_vllm_gets_the_tool_call_parser(tmp_path):
     assert cmd[-3:] == ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
 
 
-@pytest.fixture(scope="module")
-def hermes_live(hf_llama):
-    from tests.inference.test_server import LiveServer
-
-    server = LiveServer(hf_llama[0], server_config={"tool_call_parser": "hermes"})
-    yield server
-    server.stop()
-
-
 def test_auto_tool_choice_parses_the_output(hermes_live):
     """tool_choice auto with --tool-call-parser hermes: an output in Hermes' format (forced here by a regex, as a
     random model would not write it) comes back as tool_calls, whole and streamed (the arguments in pieces)."""
