@@ -190,6 +190,8 @@ class ChatMessage(_Body):
     name: Optional[str] = None
     tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant's calls
     tool_call_id: Optional[str] = None  # a tool's answer: the call it answers
+    reasoning_content: Optional[str] = None  # an assistant's reasoning, for templates that render it (Qwen3's)
+    reasoning: Optional[str] = None  # the same under vLLM's newer name
 
     def image_urls(self) -> list[str]:
         """The URLs of this message's image parts, in order."""
@@ -230,6 +232,8 @@ class ChatMessage(_Body):
             out["tool_call_id"] = self.tool_call_id
         if self.tool_calls:
             out["tool_calls"] = [_call_for_template(c) for c in self.tool_calls]
+        if self.reasoning_content or self.reasoning:
+            out["reasoning_content"] = self.reasoning_content or self.reasoning
         return out
 
 

@@ -14,6 +14,7 @@ Like vLLM without ``VLLM_ENABLE_RESPONSES_API_STORE``, nothing is stored: ``stor
 from __future__ import annotations
 
 import copy
+import json
 import time
 import uuid
 from typing import Any, Optional, Union
@@ -44,6 +45,7 @@ class ResponsesRequest(_Sampling):
     top_logprobs: Optional[int] = None
     truncation: Optional[str] = None
     background: Optional[bool] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM's: more variables for the chat template
 
     def chat_request(self) -> ChatCompletionRequest:
         """The chat request this one stands for (ParamError naming the field that cannot be served)."""
@@ -56,18 +58,26 @@ class ResponsesRequest(_Sampling):
         if self.n != 1:
             raise ParamError("n", "a response has one output: n must be 1")
         if self.include and "message.output_text.logprobs" in self.include or self.top_logprobs:
-            raise ParamError("include", "output_text logprobs are not served on /v1/responses: ask "
-                                        "/v1/chat/completions with logprobs")
+            raise ParamError("top_logprobs" if self.top_logprobs else "include", "output_text logprobs are not "
+                             "served on /v1/responses: ask /v1/chat/completions with logprobs")
+        if self.metadata is not None and not all(isinstance(v, str) for v in self.metadata.values()):
+            raise ParamError("metadata", "metadata values must be strings (OpenAI's rule)")
         if self.truncation not in (None, "disabled"):
             raise ParamError("truncation", f"truncation {self.truncation!r} is not served: only disabled (a prompt "
                                            f"over the context is refused)")
         shared = set(_Sampling.model_fields) - {"response_format", "stream_options", "n"}
         fields = {k: getattr(self, k) for k in shared if k in self.model_fields_set}
-        if self.reasoning and self.reasoning.get("effort"):
-            fields["chat_template_kwargs"] = {"reasoning_effort": self.reasoning["effort"]}
+        variables = {}
+        effort = (self.reasoning or {}).get("effort")
+        if effort:  # as vLLM: the effort for templates that take it, "none" turning thinking off for those that do
+            variables = {"reasoning_effort": effort, "enable_thinking": effort != "none"}
+        variables.update(self.chat_template_kwargs or {})
+        fields["chat_template_kwargs"] = variables or None
+        tools = _chat_tools(self.tools)
+        choice = self.tool_choice if tools or self.tool_choice not in ("auto", "none") else None  # vLLM's: none
         return ChatCompletionRequest.model_validate({
             **fields, "stream": self.stream, "messages": self._messages(), "max_tokens": self.max_output_tokens,
-            "tools": _chat_tools(self.tools), "tool_choice": _chat_tool_choice(self.tool_choice),
+            "tools": tools, "tool_choice": _chat_tool_choice(choice),
             "parallel_tool_calls": self.parallel_tool_calls, "response_format": _response_format(self.text)})
 
     def _messages(self) -> list[dict]:
@@ -75,27 +85,40 @@ class ResponsesRequest(_Sampling):
         items = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else self.input
         if not items:
             raise ParamError("input", "input is empty")
+        reasoning = None  # a reasoning item's text, for the assistant turn that follows it (as vLLM keeps it)
         for i, item in enumerate(items):
-            kind = item.get("type", "message")
+            kind = item.get("type", "message") if isinstance(item, dict) else None
+            turn = out[-1] if out and out[-1]["role"] == "assistant" and reasoning is None else None
             if kind == "message":
-                if item.get("role") not in ("user", "system", "developer", "assistant"):
-                    raise ParamError("input", f"input[{i}].role {item.get('role')!r} is not one of user, system, "
-                                              f"developer, assistant")
-                out.append({"role": item["role"], "content": _content(item.get("content"), i)})
+                role = item.get("role")
+                if role not in ("user", "system", "developer", "assistant"):
+                    raise ParamError("input", f"input[{i}].role {role!r} is not one of user, system, developer, "
+                                              f"assistant")
+                out.append({"role": role, "content": _content(item.get("content"), i)})
             elif kind == "function_call":
-                call = {"id": item.get("call_id") or item.get("id"), "type": "function",
-                        "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
-                if out and out[-1]["role"] == "assistant":  # calls of one turn go on one assistant message
-                    out[-1].setdefault("tool_calls", []).append(call)
+                for key in ("call_id", "name", "arguments"):
+                    if not isinstance(item.get(key), str):
+                        raise ParamError("input", f"input[{i}] (a function_call) needs {key} as a string")
+                call = {"id": item["call_id"], "type": "function",
+                        "function": {"name": item["name"], "arguments": item["arguments"]}}
+                if turn is not None:  # calls of one turn go on one assistant message
+                    turn.setdefault("tool_calls", []).append(call)
                 else:
                     out.append({"role": "assistant", "content": None, "tool_calls": [call]})
             elif kind == "function_call_output":
-                output = item.get("output")
-                out.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                            "content": output if isinstance(output, str) else _content(output, i)})
-            elif kind != "reasoning":  # a past reasoning item is not sent back to the model (vLLM's choice too)
+                if not isinstance(item.get("call_id"), str):
+                    raise ParamError("input", f"input[{i}] (a function_call_output) needs call_id as a string")
+                out.append({"role": "tool", "tool_call_id": item["call_id"], "content": _content(item.get("output"), i)})
+            elif kind == "reasoning":
+                parts = item.get("content") or item.get("summary") or []
+                reasoning = _content(parts, i) if isinstance(parts, list) else None
+                continue
+            else:
                 raise ParamError("input", f"input[{i}] has type {kind!r}; served here: message, function_call, "
                                           f"function_call_output, reasoning")
+            if reasoning is not None and out[-1]["role"] == "assistant":
+                out[-1]["reasoning_content"] = reasoning
+            reasoning = None
         return out
 
 
@@ -103,11 +126,17 @@ def _content(content: Any, i: int) -> Any:
     """A Responses message's content as chat content: its text parts joined, or chat parts where it has images."""
     if content is None or isinstance(content, str):
         return content or ""
+    if not isinstance(content, list):
+        raise ParamError("input", f"input[{i}].content must be a string or a list of parts, not "
+                                  f"{type(content).__name__}")
     parts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in TEXT_PARTS or kind == "refusal":
-            parts.append({"type": "text", "text": part.get("text", part.get("refusal", ""))})
+            text = part.get("refusal" if kind == "refusal" else "text")
+            if not isinstance(text, str):
+                raise ParamError("input", f"input[{i}].content: a {kind} part needs its text as a string")
+            parts.append({"type": "text", "text": text})
         elif kind == "input_image" and isinstance(part.get("image_url"), str):
             parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
         else:
@@ -143,11 +172,16 @@ def _chat_tool_choice(choice: Any) -> Any:
 
 def _response_format(text: Optional[dict]) -> Optional[dict]:
     fmt = (text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise ParamError("text", "text.format must be an object: {\"type\": \"text\" | \"json_object\" | "
+                                 "\"json_schema\", ...}")
     if not fmt or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_object":
         return {"type": "json_object"}
     if fmt.get("type") == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise ParamError("text", "text.format json_schema needs its schema as an object (text.format.schema)")
         return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
     raise ParamError("text", f"text.format type {fmt.get('type')!r} is not one of text, json_object, json_schema")
 
@@ -157,11 +191,13 @@ class ResponseBuilder:
     sequence_number). ``update`` takes the reasoning and content so far and the tool-call deltas (ToolStream's);
     an item stays open while it grows and is done when another starts or the reply ends (``finish``)."""
 
-    def __init__(self, body: ResponsesRequest, model: str, response_id: str):
+    def __init__(self, body: ResponsesRequest, model: str, response_id: str, params=None):
+        """``params``: the SamplingParams the reply runs with (the temperature and top_p it echoes)."""
         self.response = {
             "id": response_id, "object": "response", "created_at": int(time.time()), "status": "in_progress",
             "model": model, "output": [], "instructions": body.instructions, "max_output_tokens":
-            body.max_output_tokens, "temperature": body.temperature, "top_p": body.top_p, "tools": body.tools or [],
+            body.max_output_tokens, "temperature": params.temperature if params else body.temperature,
+            "top_p": params.top_p if params else body.top_p, "tools": body.tools or [],
             "tool_choice": body.tool_choice or ("auto" if body.tools else "none"),
             "parallel_tool_calls": body.parallel_tool_calls is not False, "text": body.text or
             {"format": {"type": "text"}}, "reasoning": body.reasoning, "metadata": body.metadata,
@@ -214,7 +250,9 @@ class ResponseBuilder:
         else:
             events = []
         cut = finish_reason == "length"
-        events += self._close("incomplete" if cut else "completed")
+        open_item = self.items[self.open] if self.open is not None else None
+        whole = open_item is not None and open_item["type"] == "function_call" and _is_json(open_item["arguments"])
+        events += self._close("incomplete" if cut and not whole else "completed")
         self.response.update(status="incomplete" if cut else "completed", usage=usage,
                              incomplete_details={"reason": "max_output_tokens"} if cut else None)
         kind = "response.incomplete" if cut else "response.completed"
@@ -263,6 +301,14 @@ class ResponseBuilder:
             events = [self._event(done[0], **where, content_index=0, text=part["text"], **done[1]),
                       self._event("response.content_part.done", **where, content_index=0, part={**part})]
         return events + [self._event("response.output_item.done", output_index=at, item=copy.deepcopy(item))]
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except (ValueError, RecursionError):
+        return False
 
 
 def usage_of(prompt_tokens: int, output_tokens: int, cached: int, reasoning_tokens: int, written: int = 0) -> dict:

@@ -1097,10 +1097,15 @@ class OpenAIServer:
             raise APIError(400, str(e), param=e.param) from None
         except ValidationError as e:
             param, message = _param_from(e)
-            raise APIError(400, message, param=param) from None
-        turn = await self._chat_turn(chat, {"max_tokens": "max_output_tokens"})
+            raise APIError(400, message, param=RESPONSES_NAMES.get(param, param)) from None
+        try:
+            turn = await self._chat_turn(chat, {"max_tokens": "max_output_tokens"})
+        except APIError as e:  # under the Responses request's own names
+            e.param = RESPONSES_NAMES.get((e.param or "").split(".")[0], e.param)
+            raise
         base = self._request_id(request, body)
-        build, headers = ResponseBuilder(body, self._model_name(), f"resp_{base}"), {"X-Request-Id": base}
+        build = ResponseBuilder(body, self._model_name(), f"resp_{base}", turn.params)
+        headers = {"X-Request-Id": base}
         parser = self._calls_parser(turn.tools)
         reply = _ReplySoFar(ToolStream(parser) if parser is not None else None)
         if body.stream:
@@ -1161,6 +1166,10 @@ class OpenAIServer:
                     yield sse(event)
         except APIError as e:
             yield sse(build.error(e.message, e.code or e.type, e.param))
+
+
+# the chat request's names of a Responses request's fields, for its errors
+RESPONSES_NAMES = {"messages": "input", "response_format": "text", "max_tokens": "max_output_tokens"}
 
 
 @dataclass

@@ -25,7 +25,8 @@ def test_input_items_become_chat_messages():
         "model": "m", "instructions": "Be brief.", "temperature": 0.5, "top_k": 3, "max_output_tokens": 7,
         "input": [{"role": "user", "content": [{"type": "input_text", "text": "Weather "},
                                                {"type": "input_text", "text": "in Paris?"}]},
-                  {"type": "reasoning", "id": "rs_1", "summary": []},
+                  {"type": "reasoning", "id": "rs_1", "summary": [],
+                   "content": [{"type": "reasoning_text", "text": "Look it up."}]},
                   {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
                   {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": '{"city": "Rome"}'},
                   {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
@@ -35,7 +36,7 @@ def test_input_items_become_chat_messages():
     chat = body.chat_request()
     assert [m.model_dump(exclude_none=True) for m in chat.messages] == [
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "tool_calls": [
+        {"role": "assistant", "reasoning_content": "Look it up.", "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
             {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"}, {"role": "assistant", "content": "Sunny."}]
@@ -44,7 +45,13 @@ def test_input_items_become_chat_messages():
                                                                            "strict": True}}
     assert (chat.max_tokens, chat.temperature, chat.top_k, chat.top_p) == (7, 0.5, 3, None)
     one = ResponsesRequest.model_validate({"input": "hi", "reasoning": {"effort": "low"}}).chat_request()
-    assert one.messages[0].content == "hi" and one.chat_template_kwargs == {"reasoning_effort": "low"}
+    assert one.messages[0].content == "hi"
+    assert one.chat_template_kwargs == {"reasoning_effort": "low", "enable_thinking": True}
+    off = ResponsesRequest.model_validate({"input": "hi", "reasoning": {"effort": "none"}, "tool_choice": "auto",
+                                           "chat_template_kwargs": {"x": 1}}).chat_request()
+    assert off.chat_template_kwargs == {"reasoning_effort": "none", "enable_thinking": False, "x": 1}
+    assert off.tools is None and off.tool_choice is None  # auto without tools: none, as vLLM (not a 400)
+    assert chat.messages[2].as_template_input()["reasoning_content"] == "Look it up."  # for templates that show it
 
 
 @pytest.mark.parametrize("fields,param,words", [
@@ -58,6 +65,14 @@ def test_input_items_become_chat_messages():
     ({"tool_choice": {"type": "web_search"}}, "tool_choice", "is not served"),
     ({"n": 2}, "n", "n must be 1"),
     ({"input": []}, "input", "input is empty"),
+    ({"input": [{"role": "user", "content": 3}]}, "input", "must be a string or a list of parts, not int"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": None}]}]}, "input", "text as a string"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]}, "input", "not int"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input", "needs call_id"),
+    ({"text": {"format": "json"}}, "text", "text.format must be an object"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text", "needs its schema"),
+    ({"metadata": {"a": 1}}, "metadata", "must be strings"),
+    ({"top_logprobs": 2}, "top_logprobs", "logprobs"),
 ])
 def test_what_cannot_be_served_is_refused_by_name(fields, param, words):
     with pytest.raises(ParamError) as e:
@@ -92,6 +107,11 @@ def test_builder_events_are_openais_and_end_in_the_whole_response():
     assert [(o.call_id, o.arguments, o.status) for o in whole.output[2:]] == [
         ("call_a", '{"city": "Paris"}', "completed"), ("call_b", "{}", "completed")]
     assert whole.usage.input_tokens_details.cached_tokens == 2 and whole.usage.total_tokens == 14
+    for args, status in (('{"city": "Pa', "incomplete"), ('{"city": "Paris"}', "completed")):
+        build = ResponseBuilder(ResponsesRequest.model_validate({"input": "hi"}), "m", "resp_z")
+        build.update("", "", [{"index": 0, "id": "c", "function": {"name": "f", "arguments": args}}])
+        last = build.finish("length", usage_of(1, 5, 0, 0))[-1]["response"]
+        assert (last["status"], last["output"][0]["status"]) == ("incomplete", status)  # a whole call stays whole
     cut = ResponseBuilder(ResponsesRequest.model_validate({"input": "hi"}), "m", "resp_y")
     last = cut.finish("length", usage_of(1, 0, 0, 0))[-1]
     assert last["type"] == "response.incomplete" and last["response"]["incomplete_details"] == {
@@ -107,6 +127,7 @@ def test_a_reply_equals_the_chat_completions_and_streams_the_same(live):
                                      messages=[{"role": "system", "content": "Answer."},
                                                {"role": "user", "content": "Hello there"}])
     assert r.id.startswith("resp_") and r.object == "response" and r.model == "tiny"
+    assert (r.temperature, r.top_p, r.max_output_tokens) == (0.0, 1.0, 12)  # what it ran with
     assert (r.status, r.incomplete_details.reason) == ("incomplete", "max_output_tokens")  # cut at 12 tokens
     assert r.output_text == chat.choices[0].message.content
     assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, 12)
@@ -173,6 +194,14 @@ def test_refusals_are_openai_errors(live):
     with pytest.raises(openai.BadRequestError) as e:
         c.responses.create(model="tiny", input="hi", max_output_tokens=10**9)
     assert e.value.body["param"] == "max_output_tokens" and "max_output_tokens = 1000000000" in str(e.value)
+    # what the chat path refuses is named as the Responses request names it
+    for fields, param in (({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+                           "input"),
+                          ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}},
+                           "text")):
+        r = httpx.post(live.url + "/v1/responses", headers={"Authorization": f"Bearer {KEY}"},
+                       json={"model": "tiny", "input": "hi", **fields})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 def test_reasoning_is_its_own_item(hf_llama):
