@@ -11,6 +11,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
+from megapipe.inference.protocol import ChatMessage
 from megapipe.inference.responses import ResponseBuilder, ResponsesRequest, usage_of
 from megapipe.inference.sampling import ParamError
 from tests.inference.test_server import KEY
@@ -52,6 +53,7 @@ def test_input_items_become_chat_messages():
     assert off.chat_template_kwargs == {"reasoning_effort": "none", "enable_thinking": False, "x": 1}
     assert off.tools is None and off.tool_choice is None  # auto without tools: none, as vLLM (not a 400)
     assert chat.messages[2].as_template_input()["reasoning_content"] == "Look it up."  # for templates that show it
+    assert ChatMessage(role="assistant", content="x", reasoning="r").as_template_input()["reasoning_content"] == "r"
 
 
 @pytest.mark.parametrize("fields,param,words", [
