@@ -98,7 +98,8 @@ def serve(
                                                 "in an engine-core process of its own."),
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level."),
 ) -> None:
-    """Serve a model over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, /metrics."""
+    """Serve a model over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/responses, /v1/models,
+    /metrics."""
     from pathlib import Path
 
     from megapipe.omp import prefer_bounded_spin

@@ -1,6 +1,7 @@
 """``megapipe serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the async engine.
 
-Routes: /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize, /health (and /ping), /version,
+Routes: /v1/models, /v1/completions, /v1/chat/completions, /v1/responses (megapipe.inference.responses), /tokenize,
+/detokenize, /health (and /ping), /version,
 /metrics, and vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter: each LoRA adapter the engine holds is a
 model of its own in /v1/models, chosen per request by ``model`` (megapipe.inference.lora).
 Safe by default: binds 127.0.0.1; an API key (when set) guards every route but /health and /ping; bodies, queue,
