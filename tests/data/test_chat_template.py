@@ -77,7 +77,7 @@ def sft_checkpoint_tokenizer(tok: Path, choice, out: Path) -> Path:
 def server(tok_dir: Path) -> OpenAIServer:
     """The real server class on a stand-in engine (rendering and /tokenize need only the engine's tokenizer)."""
     engine = SimpleNamespace(tokenizer=load_tokenizer(tok_dir), max_model_len=1 << 20, loras={}, model_config=None,
-                             stats=dict, on_output=None)
+                             stats=dict, on_output=None, cache_info={})
     return OpenAIServer(engine, ServerConfig("m"))
 
 
