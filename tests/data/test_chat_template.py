@@ -74,11 +74,11 @@ def sft_checkpoint_tokenizer(tok: Path, choice, out: Path) -> Path:
     return tok if written == tok else Path(shutil.copytree(written, out))
 
 
-def server(tok_dir: Path) -> OpenAIServer:
+def server(tok_dir: Path, **config) -> OpenAIServer:
     """The real server class on a stand-in engine (rendering and /tokenize need only the engine's tokenizer)."""
     engine = SimpleNamespace(tokenizer=load_tokenizer(tok_dir), max_model_len=1 << 20, loras={}, model_config=None,
                              stats=dict, on_output=None, cache_info={})
-    return OpenAIServer(engine, ServerConfig("m"))
+    return OpenAIServer(engine, ServerConfig("m", **config))
 
 
 def server_render(srv: OpenAIServer, messages, generation_prompt: bool) -> tuple[str, list[int]]:
@@ -340,3 +340,41 @@ def test_harmony_replies_split_into_answer_and_reasoning(bare_tok, tmp_path):
     assert not RolloutWorker.sampling_params(SimpleNamespace(rl=rl, renderer=renderer)).skip_special_tokens
     assert renderer.render("What is 4 plus 4?").endswith("<|start|>user<|message|>What is 4 plus 4?<|end|>"
                                                          "<|start|>assistant")
+
+
+def test_a_harmony_reply_makes_reasoning_call_and_message_items(bare_tok, tmp_path):
+    """/v1/responses on a harmony model (--tool-call-parser openai): the analysis channel is a reasoning item, the
+    commentary call a function_call, the final channel the message; streamed a token at a time, the items come in
+    the reply's own order and end as the whole reply's."""
+    from megapipe.inference.detokenize import Detokenizer
+    from megapipe.inference.engine import CompletionOutput, RequestOutput
+    from megapipe.inference.responses import ResponseBuilder, ResponsesRequest
+    from megapipe.inference.sampling import SamplingParams
+    from megapipe.inference.server import _ChatTurn, _ReplySoFar
+    from megapipe.inference.tool_calls import ToolChoice, ToolStream
+
+    reply = ("<|channel|>analysis<|message|>Four and four.<|end|><|start|>assistant to=functions.add<|channel|>"
+             'commentary json<|message|>{"a": 4}')
+    srv = server(sft_checkpoint_tokenizer(bare_tok, "harmony", tmp_path / "ckpt-tok"), tool_call_parser="openai")
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    turn = _ChatTurn("", None, SamplingParams(skip_special_tokens=False), ToolChoice.parse(tools, None), True, "")
+    body = ResponsesRequest.model_validate({"input": "What is 4 plus 4?", "tools": [{"type": "function",
+                                                                                     "name": "add"}]})
+    ids = srv.tokenizer.encode(reply)
+    build, detok, events = ResponseBuilder(body, "m", "resp_h"), Detokenizer(srv.tokenizer, [], frozenset()), []
+    so_far = _ReplySoFar(ToolStream(srv._calls_parser(turn.tools)))
+    for i, t in enumerate(ids):
+        detok.add(t, final=i == len(ids) - 1)
+        done = "stop" if i == len(ids) - 1 else None
+        out = RequestOutput("r", None, [1, 2, 3], None, [CompletionOutput(0, detok.text, ids[:i + 1], None, done)],
+                            done is not None, 0, i + 1)
+        events += srv._response_events(build, out, turn, so_far)
+    whole = events[-1]["response"]
+    assert [(o["type"], o["status"]) for o in whole["output"]] == [("reasoning", "completed"),
+                                                                    ("function_call", "completed")]
+    assert whole["output"][0]["content"][0]["text"] == "Four and four."
+    assert (whole["output"][1]["name"], whole["output"][1]["arguments"]) == ("add", '{"a": 4}')
+    assert whole["usage"]["output_tokens_details"]["reasoning_tokens"] > 0
+    args = "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta")
+    assert args == '{"a": 4}' and "<|" not in "".join(e.get("delta", "") for e in events)
+
