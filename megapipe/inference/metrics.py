@@ -85,8 +85,9 @@ class _EngineCollector:
             c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric([self.model_name], float(s[key]) if key else 0.0)
             yield c
-        c = CounterMetricFamily("vllm:admission_rejections", "Requests refused by a queue limit, by reason (--max-queue: "
-                                "max_num_queued_reqs; no limit on queued tokens here).", labels=["model_name", "reason"])
+        c = CounterMetricFamily("vllm:admission_rejections", "Requests refused by a queue limit, by reason "
+                                "(--max-queue: max_num_queued_reqs; no limit on queued tokens here).",
+                                labels=["model_name", "reason"])
         c.add_metric([self.model_name, "max_num_queued_reqs"], float(s.get("admission_rejections", 0)))
         c.add_metric([self.model_name, "max_num_queued_tokens"], 0.0)
         yield c
@@ -176,7 +177,8 @@ class ServerMetrics:
         self.success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                labelnames=["model_name", "finished_reason"], registry=self.registry)
         for histogram in (self.ttft, self.itl, self.e2e, self.prompt_len, self.gen_len, self.prefill_computed,
-                          self.max_sample_tokens, self.preemptions, *self.phases.values(), self.tpot, self.n, self.max_tokens):
+                          self.max_sample_tokens, self.preemptions, *self.phases.values(), self.tpot, self.n,
+                          self.max_tokens):
             histogram.labels(model_name)  # each series there from the start, at zero (as vLLM's)
         for reason in ("stop", "length", "abort"):
             self.success.labels(model_name, reason)

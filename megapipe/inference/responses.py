@@ -108,7 +108,8 @@ class ResponsesRequest(_Sampling):
             elif kind == "function_call_output":
                 if not isinstance(item.get("call_id"), str):
                     raise ParamError("input", f"input[{i}] (a function_call_output) needs call_id as a string")
-                out.append({"role": "tool", "tool_call_id": item["call_id"], "content": _content(item.get("output"), i)})
+                out.append({"role": "tool", "tool_call_id": item["call_id"],
+                            "content": _content(item.get("output"), i)})
             elif kind == "reasoning":
                 parts = item.get("content") or item.get("summary") or []
                 reasoning = _content(parts, i) if isinstance(parts, list) else None

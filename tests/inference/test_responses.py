@@ -149,7 +149,8 @@ def test_a_reply_equals_the_chat_completions_and_streams_the_same(live):
 def test_text_format_and_tool_choice_are_kept(live):
     c = live.client()
     r = c.responses.create(model="tiny", input="Who are you?", max_output_tokens=60, temperature=1.0,
-                           extra_body={"seed": 3}, text={"format": {"type": "json_schema", "name": "person", "schema": SCHEMA}})
+                           extra_body={"seed": 3},
+                           text={"format": {"type": "json_schema", "name": "person", "schema": SCHEMA}})
     assert r.status == "completed"
     check_person(r.output_text)
     for choice in ({"type": "function", "name": "get_weather"}, "required"):
