@@ -75,8 +75,13 @@ class ResponsesRequest(_Sampling):
         fields["chat_template_kwargs"] = variables or None
         tools = _chat_tools(self.tools)
         choice = self.tool_choice if tools or self.tool_choice not in ("auto", "none") else None  # vLLM's: none
+        last = self.input[-1] if isinstance(self.input, list) and self.input else {}
+        # vLLM's: a last assistant message still in progress is continued, not answered
+        going_on = isinstance(last, dict) and last.get("role") == "assistant" and last.get("status") in (
+            "in_progress", "incomplete")
         return ChatCompletionRequest.model_validate({
             **fields, "stream": self.stream, "messages": self._messages(), "max_tokens": self.max_output_tokens,
+            "continue_final_message": going_on, "add_generation_prompt": not going_on,
             "tools": tools, "tool_choice": _chat_tool_choice(choice),
             "parallel_tool_calls": self.parallel_tool_calls, "response_format": _response_format(self.text)})
 

@@ -53,6 +53,7 @@ def test_input_items_become_chat_messages():
     assert off.chat_template_kwargs == {"reasoning_effort": "none", "enable_thinking": False, "x": 1}
     assert off.tools is None and off.tool_choice is None  # auto without tools: none, as vLLM (not a 400)
     assert chat.messages[2].as_template_input()["reasoning_content"] == "Look it up."  # for templates that show it
+    assert (chat.continue_final_message, chat.add_generation_prompt) == (False, True)
     assert ChatMessage(role="assistant", content="x", reasoning="r").as_template_input()["reasoning_content"] == "r"
 
 
@@ -185,6 +186,22 @@ def test_auto_calls_and_a_tool_output_going_back(hermes_live):
         {"role": "user", "content": "Weather?"}, fc.model_dump(exclude_none=True),
         {"type": "function_call_output", "call_id": fc.call_id, "output": "sunny"}])
     assert back.status in ("completed", "incomplete") and back.usage.input_tokens > r.usage.input_tokens
+
+
+def test_an_assistant_message_in_progress_is_continued(live):
+    """vLLM's rule: a last assistant message whose status is in_progress (or incomplete) is continued, its turn left
+    open, instead of answered by a new turn."""
+    said = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "The answer is"}]}
+    sizes = {}
+    for status in ("completed", "in_progress", "incomplete"):
+        input_ = [{"role": "user", "content": "hi"}, {**said, "status": status}]
+        chat = ResponsesRequest.model_validate({"input": input_}).chat_request()
+        going_on = status != "completed"
+        assert (chat.continue_final_message, chat.add_generation_prompt) == (going_on, not going_on)
+        r = live.client().responses.create(model="tiny", max_output_tokens=2, temperature=0, input=input_)
+        sizes[status] = r.usage.input_tokens
+    # the continued turn has no end-of-turn marker and no new assistant header after it
+    assert sizes["in_progress"] == sizes["incomplete"] < sizes["completed"]
 
 
 def test_refusals_are_openai_errors(live):
