@@ -87,6 +87,11 @@ class _Sample:
         return False
 
 
+# a request's metrics that the core reports (LLMEngine's RequestOutput.metrics), as they are before it has
+CORE_METRICS = {"first_scheduled_time": None, "first_token_time": None, "last_token_time": None, "num_preemptions": 0,
+                "max_sample_tokens": 0}
+
+
 class RequestState:
     """One request's output as the front end builds it from the core's deltas: the RequestOutput the engine would
     have given in-process."""
@@ -100,17 +105,14 @@ class RequestState:
                                 if tokenizer is not None else None) for i in range(params.n)]
         self.prompt_logprobs: list = []
         self.num_cached = 0
-        self.metrics = {"arrival_time": arrival, "first_scheduled_time": None, "first_token_time": None,
-                        "last_token_time": None, "num_preemptions": 0, "max_sample_tokens": 0}
+        self.metrics = {"arrival_time": arrival, **CORE_METRICS}  # the arrival is the front end's own
 
     def update(self, o: EngineCoreOutput) -> list[int]:
         """Take the core's delta; returns the samples a stop string ended here that the core still decodes."""
         cut = [s.index for s in o.samples if self.samples[s.index].update(s, self.params)]
         self.prompt_logprobs += o.new_prompt_logprobs or []
         self.num_cached = o.num_cached_tokens
-        self.metrics.update((k, o.metrics.get(k)) for k in ("first_scheduled_time", "first_token_time",
-                                                             "last_token_time", "num_preemptions",
-                                                             "max_sample_tokens"))
+        self.metrics.update((k, o.metrics[k]) for k in CORE_METRICS if k in o.metrics)
         return cut
 
     @property

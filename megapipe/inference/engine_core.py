@@ -120,7 +120,7 @@ class EngineCoreOutput:
     samples: list[SampleOutput] = field(default_factory=list)  # those with new tokens or a finish
     new_prompt_logprobs: Optional[list] = None
     num_cached_tokens: int = 0
-    metrics: dict = field(default_factory=dict)  # first_scheduled_time, first_token_time, last_token_time
+    metrics: dict = field(default_factory=dict)  # the RequestOutput's (core_client.CORE_METRICS: timings, counts)
     finished: bool = False
     error: Optional[Failure] = None  # the request was refused (LLMEngine.add_request raised)
 

@@ -1,9 +1,9 @@
 """``megapipe serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the async engine.
 
 Routes: /v1/models, /v1/completions, /v1/chat/completions, /v1/responses (megapipe.inference.responses), /tokenize,
-/detokenize, /health (and /ping), /version,
-/metrics, and vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter: each LoRA adapter the engine holds is a
-model of its own in /v1/models, chosen per request by ``model`` (megapipe.inference.lora).
+/detokenize, /health (and /ping), /version, /metrics, and vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter:
+each LoRA adapter the engine holds is a model of its own in /v1/models, chosen per request by ``model``
+(megapipe.inference.lora).
 Safe by default: binds 127.0.0.1; an API key (when set) guards every route but /health and /ping; bodies, queue,
 ``n`` and ``max_tokens`` are bounded; every error has OpenAI's shape ``{"error": {"message", "type", "param",
 "code"}}`` and a user's mistake is never a 500. A client that goes away aborts its request (its KV blocks are freed
@@ -224,6 +224,10 @@ def _renamed(e: ParamError, names: dict) -> APIError:
     if param != e.param and message.startswith(e.param):
         message = param + message[len(e.param):]
     return APIError(400, message, param=param)
+
+
+# the chat request's names of a Responses request's fields, for its errors
+RESPONSES_NAMES = {"messages": "input", "response_format": "text", "max_tokens": "max_output_tokens"}
 
 
 @dataclass
@@ -1086,7 +1090,6 @@ class OpenAIServer:
             yield _sse(error_body(e.message, e.type, e.param, e.code))
         yield "data: [DONE]\n\n"
 
-
     # ----------------------------------------------------------------------------------------------- responses
 
     async def responses(self, request: Request):
@@ -1108,27 +1111,27 @@ class OpenAIServer:
         build = ResponseBuilder(body, self._model_name(), f"resp_{base}", turn.params)
         headers = {"X-Request-Id": base}
         parser = self._calls_parser(turn.tools)
-        reply = _ReplySoFar(ToolStream(parser) if parser is not None else None)
+        calls = ToolStream(parser) if parser is not None else None
         if body.stream:
             self._admissible(1)
             outputs = await self._started(self._stream(turn.prompt, turn.params, turn.images), turn.params)
-            return StreamingResponse(self._stream_response(build, outputs, turn, reply),
+            return StreamingResponse(self._stream_response(build, outputs, turn, calls),
                                      media_type="text/event-stream", headers=headers)
         (out,) = await self._until_done(request, [self._final(turn.prompt, turn.params, turn.images)])
-        self._response_events(build, out, turn, reply)
+        self._response_events(build, out, turn, calls)
         return JSONResponse(build.response, headers=headers)
 
     def _response_events(self, build: ResponseBuilder, out: RequestOutput, turn: _ChatTurn,
-                         reply: "_ReplySoFar") -> list[dict]:
-        """The events one output of the engine makes (the last ones with the response whole when it finished)."""
+                         calls: Optional[ToolStream]) -> list[dict]:
+        """The events one output of the engine makes (the last ones with the response whole when it finished);
+        ``calls``: the response's tool-call stream (None without tool calls)."""
         c = out.outputs[0]
         final = c.finish_reason is not None
         parts = self._reply(c.text, final, turn.thinks)
         reasoning, content, deltas = parts.get("reasoning_content") or "", parts["content"], []
-        if reply.calls is not None:
-            delta, deltas = reply.calls.update(self._tool_text(c.text, parts), final)
-            reply.content += delta
-            content = reply.content
+        if calls is not None:
+            deltas = calls.update(self._tool_text(c.text, parts), final)[1]
+            content = calls.content
         events = build.update(reasoning, content, deltas)
         if final:
             thought = self._reasoning_tokens(c.token_ids, reasoning, turn)
@@ -1155,7 +1158,8 @@ class OpenAIServer:
             lo, hi = (lo, mid) if len(reasoning_of(mid)) >= len(reasoning) else (mid + 1, hi)
         return lo
 
-    async def _stream_response(self, build: ResponseBuilder, outputs, turn: _ChatTurn, reply: "_ReplySoFar"):
+    async def _stream_response(self, build: ResponseBuilder, outputs, turn: _ChatTurn,
+                               calls: Optional[ToolStream]):
         def sse(event: dict) -> str:  # the event's type on its own line too, as OpenAI and vLLM send it
             return f"event: {event['type']}\n{_sse(event)}"
 
@@ -1163,22 +1167,11 @@ class OpenAIServer:
             yield sse(event)
         try:
             async for out in outputs:
-                for event in self._response_events(build, out, turn, reply):
+                for event in self._response_events(build, out, turn, calls):
                     yield sse(event)
         except APIError as e:
             yield sse(build.error(e.message, e.code or e.type, e.param))
 
-
-# the chat request's names of a Responses request's fields, for its errors
-RESPONSES_NAMES = {"messages": "input", "response_format": "text", "max_tokens": "max_output_tokens"}
-
-
-@dataclass
-class _ReplySoFar:
-    """A response's tool-call parser (None without tool calls) and the content it has let through so far."""
-
-    calls: Optional[ToolStream]
-    content: str = ""
 
 
 def make_app(engine: StreamingEngine, config: ServerConfig, on_ready=None) -> FastAPI:

@@ -141,6 +141,22 @@ def _json_string(inner: str) -> Optional[str]:
         return None
 
 
+def _head(keys: str) -> re.Pattern:
+    """Where a call object starts with its name and then its arguments' object (under one of ``keys``): from there
+    on it is a call, streamed (_head_call)."""
+    return re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:%s)"\s*:\s*(?=\{)' % keys)
+
+
+def _head_call(head: re.Match, text: str) -> tuple[Optional[ToolCall], Optional[int]]:
+    """The call a matched head starts, its arguments as streamed so far, and where they end (None while they are
+    not whole); no call where the name is no JSON string."""
+    name = _json_string(head.group(1))
+    if name is None:
+        return None, None
+    arguments, end = _arguments(text, head.end())
+    return ToolCall(name, arguments), end
+
+
 def _arguments(text: str, at: int) -> tuple[str, Optional[int]]:
     """A streamed call's arguments, their object opening at ``at``: the model's own JSON text up to the object's end
     and that end, or while the object is not whole, the text so far less the closing braces and blanks at its end
@@ -200,7 +216,7 @@ class HermesParser(Parser):
     Other blocks are read once they close, as whole JSON."""
 
     START, END = "<tool_call>", "</tool_call>"
-    HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\{)')
+    HEAD = _head("arguments")
 
     def split(self, text, final):
         start = text.find(self.START)
@@ -223,8 +239,7 @@ class HermesParser(Parser):
     def _call(self, body: str, whole: bool) -> Optional[ToolCall]:
         head = self.HEAD.match(body)
         if head is not None:
-            name = _json_string(head.group(1))
-            return None if name is None else ToolCall(name, _arguments(body, head.end())[0])
+            return _head_call(head, body)[0]
         if not whole:
             return None
         try:
@@ -239,7 +254,7 @@ class Llama3JsonParser(Parser):
     streamed as HermesParser streams one; others are read once whole."""
 
     TAG = "<|python_tag|>"
-    HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:parameters|arguments)"\s*:\s*(?=\{)')
+    HEAD = _head("parameters|arguments")
     BETWEEN = re.compile(r"[\s;}]*")  # between calls: the separator, and a brace too many
 
     def split(self, text, final):
@@ -254,11 +269,10 @@ class Llama3JsonParser(Parser):
         while at < len(body):
             head = self.HEAD.match(body, at)
             if head is not None:
-                name = _json_string(head.group(1))
-                if name is None:
+                call, end = _head_call(head, body)
+                if call is None:
                     break
-                arguments, end = _arguments(body, head.end())
-                calls.append(ToolCall(name, arguments))
+                calls.append(call)
                 if end is None:
                     break
                 try:  # the rest of the object: more keys are ignored, a missing brace before a ';' forgiven
@@ -327,14 +341,15 @@ class ToolStream:
 
     def __init__(self, parser: Parser):
         self.parser = parser
-        self.sent_content = 0
+        self.content = ""  # the content sent so far (the parser's content only grows)
         self.sent_args: list[int] = []
         self.ids: list[str] = []
 
     def update(self, text: str, final: bool) -> tuple[str, list[dict]]:
         content, calls = self.parser.split(text, final)
-        delta = content[self.sent_content:]
-        self.sent_content = max(self.sent_content, len(content))
+        delta = content[len(self.content):]
+        if delta:
+            self.content = content
         out = []
         for i, call in enumerate(calls):
             if i == len(self.sent_args):

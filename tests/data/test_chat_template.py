@@ -350,7 +350,7 @@ def test_a_harmony_reply_makes_reasoning_call_and_message_items(bare_tok, tmp_pa
     from megapipe.inference.engine import CompletionOutput, RequestOutput
     from megapipe.inference.responses import ResponseBuilder, ResponsesRequest
     from megapipe.inference.sampling import SamplingParams
-    from megapipe.inference.server import _ChatTurn, _ReplySoFar
+    from megapipe.inference.server import _ChatTurn
     from megapipe.inference.tool_calls import ToolChoice, ToolStream
 
     reply = ("<|channel|>analysis<|message|>Four and four.<|end|><|start|>assistant to=functions.add<|channel|>"
@@ -362,13 +362,13 @@ def test_a_harmony_reply_makes_reasoning_call_and_message_items(bare_tok, tmp_pa
                                                                                      "name": "add"}]})
     ids = srv.tokenizer.encode(reply)
     build, detok, events = ResponseBuilder(body, "m", "resp_h"), Detokenizer(srv.tokenizer, [], frozenset()), []
-    so_far = _ReplySoFar(ToolStream(srv._calls_parser(turn.tools)))
+    calls = ToolStream(srv._calls_parser(turn.tools))
     for i, t in enumerate(ids):
         detok.add(t, final=i == len(ids) - 1)
         done = "stop" if i == len(ids) - 1 else None
         out = RequestOutput("r", None, [1, 2, 3], None, [CompletionOutput(0, detok.text, ids[:i + 1], None, done)],
                             done is not None, 0, i + 1)
-        events += srv._response_events(build, out, turn, so_far)
+        events += srv._response_events(build, out, turn, calls)
     whole = events[-1]["response"]
     assert [(o["type"], o["status"]) for o in whole["output"]] == [("reasoning", "completed"),
                                                                     ("function_call", "completed")]
