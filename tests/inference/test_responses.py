@@ -123,7 +123,7 @@ def test_builder_events_are_openais_and_end_in_the_whole_response():
 
 def test_a_reply_equals_the_chat_completions_and_streams_the_same(live):
     c = live.client()
-    kwargs = dict(model="tiny", max_output_tokens=12, temperature=0, instructions="Answer.",
+    kwargs = dict(model="tiny", max_output_tokens=12, temperature=0, instructions="Answer.", metadata={"k": "v"},
                   extra_body={"ignore_eos": True})
     r = c.responses.create(input="Hello there", **kwargs)
     chat = c.chat.completions.create(model="tiny", max_tokens=12, temperature=0, extra_body={"ignore_eos": True},
@@ -131,6 +131,7 @@ def test_a_reply_equals_the_chat_completions_and_streams_the_same(live):
                                                {"role": "user", "content": "Hello there"}])
     assert r.id.startswith("resp_") and r.object == "response" and r.model == "tiny"
     assert (r.temperature, r.top_p, r.max_output_tokens) == (0.0, 1.0, 12)  # what it ran with
+    assert (r.metadata, r.instructions, r.store) == ({"k": "v"}, "Answer.", False)
     assert (r.status, r.incomplete_details.reason) == ("incomplete", "max_output_tokens")  # cut at 12 tokens
     assert r.output_text == chat.choices[0].message.content
     assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, 12)
@@ -186,6 +187,12 @@ def test_auto_calls_and_a_tool_output_going_back(hermes_live):
         {"role": "user", "content": "Weather?"}, fc.model_dump(exclude_none=True),
         {"type": "function_call_output", "call_id": fc.call_id, "output": "sunny"}])
     assert back.status in ("completed", "incomplete") and back.usage.input_tokens > r.usage.input_tokens
+    chat = c.chat.completions.create(model="tiny", max_tokens=1, tools=[WEATHER], messages=[
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "tool_calls": [{"id": fc.call_id, "type": "function",
+                                              "function": {"name": fc.name, "arguments": fc.arguments}}]},
+        {"role": "tool", "tool_call_id": fc.call_id, "content": "sunny"}])
+    assert back.usage.input_tokens == chat.usage.prompt_tokens  # the items render as those chat messages do
 
 
 def test_an_assistant_message_in_progress_is_continued(live):
